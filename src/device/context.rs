@@ -1,0 +1,80 @@
+//! Finding the driver and the devices; one primary context per device.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+use once_cell::sync::OnceCell;
+
+use crate::error::{Error, Result};
+
+/// Whether CUDA can be used here, and why not when it can't.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DriverStatus {
+    /// The driver loaded and reports this many devices (at least one).
+    Available {
+        /// Number of CUDA devices.
+        devices: usize,
+    },
+    /// No CUDA: the reason, for the user.
+    Unavailable(String),
+}
+
+impl DriverStatus {
+    /// The number of devices (0 when unavailable).
+    pub fn devices(&self) -> usize {
+        match self {
+            DriverStatus::Available { devices } => *devices,
+            DriverStatus::Unavailable(_) => 0,
+        }
+    }
+}
+
+/// Looks for the CUDA driver library and devices, once per process
+/// (`cuInit`, `cuDeviceGetCount`). `CUMEM_FORCE_HOST=1` pretends there is
+/// none, to run the host fallback on a GPU machine.
+pub fn driver_status() -> &'static DriverStatus {
+    static STATUS: OnceCell<DriverStatus> = OnceCell::new();
+    STATUS.get_or_init(|| {
+        if std::env::var_os("CUMEM_FORCE_HOST").is_some_and(|v| v == "1") {
+            return DriverStatus::Unavailable("CUMEM_FORCE_HOST=1 is set".into());
+        }
+        // SAFETY: probing for the library only dlopen()s and closes it.
+        if !unsafe { sys::is_culib_present() } {
+            return DriverStatus::Unavailable("the CUDA driver library (libcuda.so) is not installed".into());
+        }
+        if let Err(e) = cudarc::driver::result::init() {
+            return DriverStatus::Unavailable(format!("cuInit failed: {e}"));
+        }
+        match cudarc::driver::result::device::get_count() {
+            Ok(0) => DriverStatus::Unavailable("the CUDA driver reports no devices".into()),
+            Ok(n) => DriverStatus::Available { devices: n as usize },
+            Err(e) => DriverStatus::Unavailable(format!("cuDeviceGetCount failed: {e}")),
+        }
+    })
+}
+
+/// The primary context of device `ordinal` (retained once per process and
+/// kept), or `Ok(None)` when the driver is unavailable.
+///
+/// # Errors
+/// [`Error::NoSuchDevice`] for an ordinal past the last device; a driver
+/// error if the context can't be retained.
+pub fn device_context(ordinal: usize) -> Result<Option<Arc<CudaContext>>> {
+    static CONTEXTS: OnceCell<Vec<OnceCell<Arc<CudaContext>>>> = OnceCell::new();
+    let count = match driver_status() {
+        DriverStatus::Available { devices } => *devices,
+        DriverStatus::Unavailable(_) => return Ok(None),
+    };
+    if ordinal >= count {
+        return Err(Error::NoSuchDevice { ordinal, count });
+    }
+    let cells = CONTEXTS.get_or_init(|| (0..count).map(|_| OnceCell::new()).collect());
+    let ctx = cells[ordinal].get_or_try_init(|| CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain")))?;
+    Ok(Some(ctx.clone()))
+}
+
+/// Converts a cudarc driver error into [`Error::Driver`] naming `call`.
+pub(crate) fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Driver { call, message: e.to_string() }
+}

@@ -1,0 +1,526 @@
+//! Best-fit pools: the algorithm ([`BestFit`]) and a thread-safe pool over
+//! an upstream ([`Pool`]).
+//!
+//! # Implementation details
+//!
+//! [`BestFit`] is the allocator proper: exact best fit, splitting and
+//! coalescing over chunks, all on `&mut self`, no locks, no CUDA.
+//! [`Pool`] wraps it in one lock together with an [`Upstream`] and a growth
+//! policy. The lock is never held across an upstream call: on a miss the
+//! pool books the growth under the lock, drops it, asks the upstream, and
+//! takes the lock again to add the chunk (so a slow `cuMemAlloc` never
+//! stalls other threads' hits).
+
+mod best_fit;
+mod stats;
+
+pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
+pub use stats::PoolStats;
+
+use crate::error::{Error, OomState, PoolKind, Result};
+use crate::sync::{lock, Mutex};
+use crate::upstream::{Chunk, Upstream};
+
+/// Every block's address and size are multiples of this (CUDA's own
+/// allocation alignment, which code that uses the memory relies on).
+pub const BLOCK_ALIGN: usize = 256;
+
+/// The largest alignment a pool honours.
+pub const MAX_ALIGN: usize = 1 << 21;
+
+/// The stream whose queued work may still use a free block.
+///
+/// `NONE` means no work is pending (freed synchronously, or never used);
+/// `MIXED` means the block merged blocks freed on several streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamTag(pub u64);
+
+impl StreamTag {
+    /// No pending work.
+    pub const NONE: StreamTag = StreamTag(0);
+    /// Work on several streams may be pending.
+    pub const MIXED: StreamTag = StreamTag(u64::MAX);
+
+    /// The tag of a block made of two blocks with these tags.
+    pub fn merge(self, other: StreamTag) -> StreamTag {
+        if self == other || other == StreamTag::NONE {
+            self
+        } else if self == StreamTag::NONE {
+            other
+        } else {
+            StreamTag::MIXED
+        }
+    }
+}
+
+/// How a pool grows and how large it may get.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Which pool this is (named in errors).
+    pub kind: PoolKind,
+    /// Bytes reserved by the first allocation, as one chunk (0: none beyond
+    /// the first request's chunk).
+    pub initial_size: usize,
+    /// The smallest chunk asked of the upstream when the pool grows.
+    pub min_chunk: usize,
+    /// The most the pool may reserve (`None`: no limit but the upstream's).
+    pub max_size: Option<usize>,
+    /// Grow by extending the highest chunk in place when the upstream can
+    /// (expandable segments), so new memory coalesces with the old tail.
+    pub expandable: bool,
+}
+
+impl PoolConfig {
+    /// Defaults for a pool of this kind: no initial reservation, 2 MiB
+    /// minimum chunks, no limit, expandable growth where the upstream
+    /// supports it.
+    pub fn new(kind: PoolKind) -> Self {
+        PoolConfig { kind, initial_size: 0, min_chunk: 2 << 20, max_size: None, expandable: true }
+    }
+}
+
+/// A live block still held when a pool shut down.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveBlock {
+    /// Its address.
+    pub addr: usize,
+    /// Its size (rounded).
+    pub size: usize,
+    /// The size asked for.
+    pub requested: usize,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    fit: BestFit,
+    /// Bytes being obtained from the upstream right now (counted against
+    /// `max_size` before they arrive).
+    pending_growth: usize,
+    shut_down: bool,
+    used: bool,
+}
+
+/// A thread-safe best-fit pool over an upstream.
+///
+/// # Examples
+/// ```
+/// use cumem::pool::{Pool, PoolConfig, StreamTag};
+/// use cumem::upstream::Host;
+/// use cumem::PoolKind;
+///
+/// let pool = Pool::new(Host::new(), PoolConfig::new(PoolKind::Standalone));
+/// let a = pool.allocate(1000, 256)?;
+/// assert_eq!(a.size, 1024);
+/// assert_eq!(a.addr % 256, 0);
+/// pool.deallocate(a.addr, StreamTag::NONE)?;
+/// # Ok::<(), cumem::Error>(())
+/// ```
+pub struct Pool<U: Upstream> {
+    inner: Mutex<Inner>,
+    upstream: U,
+    config: PoolConfig,
+}
+
+impl<U: Upstream> std::fmt::Debug for Pool<U> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("upstream", &self.upstream.name())
+            .field("config", &self.config)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// Checks a request and returns its size rounded to [`BLOCK_ALIGN`].
+///
+/// # Errors
+/// [`Error::InvalidSize`] for 0 or a size that overflows when rounded;
+/// [`Error::InvalidAlignment`] for an alignment that is not a power of two
+/// or exceeds [`MAX_ALIGN`].
+pub fn validate(size: usize, align: usize) -> Result<usize> {
+    if size == 0 {
+        return Err(Error::InvalidSize { size, reason: "zero-byte allocations have no address" });
+    }
+    if !align.is_power_of_two() || align > MAX_ALIGN {
+        return Err(Error::InvalidAlignment { align, max: MAX_ALIGN });
+    }
+    // Half the address space is more than any machine has; refusing it here
+    // keeps every later sum from overflowing.
+    if size > isize::MAX as usize / 2 {
+        return Err(Error::InvalidSize { size, reason: "larger than any memory this machine can have" });
+    }
+    round_size(size).ok_or(Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
+}
+
+fn round_up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+impl<U: Upstream> Pool<U> {
+    /// A pool that takes its chunks from `upstream`.
+    pub fn new(upstream: U, config: PoolConfig) -> Self {
+        Pool { inner: Mutex::new(Inner::default()), upstream, config }
+    }
+
+    /// The upstream.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// Whether any allocation was made yet.
+    pub fn used(&self) -> bool {
+        lock(&self.inner).used
+    }
+
+    /// Sets the bytes the first allocation reserves.
+    ///
+    /// # Errors
+    /// [`Error::ConfigTooLate`] once the pool has allocated.
+    pub fn set_initial_size(&mut self, bytes: usize) -> Result<()> {
+        if self.used() {
+            return Err(Error::ConfigTooLate { what: "the pool size" });
+        }
+        self.config.initial_size = bytes;
+        Ok(())
+    }
+
+    /// Allocates `size` bytes aligned to `align`. The returned
+    /// [`Allocation::tag`] names the stream whose work, queued before the
+    /// block was freed, may still use it; a caller on another stream orders
+    /// its work after that (an event) before using the block.
+    ///
+    /// # Errors
+    /// Invalid size or alignment; [`Error::ShutDown`] after
+    /// [`shutdown`](Pool::shutdown); [`Error::OutOfMemory`] when neither the
+    /// pool nor the upstream (after cached chunks were released) can serve.
+    pub fn allocate(&self, size: usize, align: usize) -> Result<Allocation> {
+        let rounded = validate(size, align)?;
+        let mut released_once = false;
+        loop {
+            let plan = {
+                let mut inner = lock(&self.inner);
+                if inner.shut_down {
+                    return Err(Error::ShutDown("allocation"));
+                }
+                inner.used = true;
+                if let Some(a) = inner.fit.allocate(rounded, align, size) {
+                    return Ok(a);
+                }
+                match self.plan_growth(&mut inner, rounded, align) {
+                    Ok(plan) => plan,
+                    Err(over_limit) => {
+                        if !released_once && inner.fit.stats().free() > 0 {
+                            drop(inner);
+                            released_once = true;
+                            self.count_retry();
+                            self.release_cached()?;
+                            continue;
+                        }
+                        inner.fit.stats_mut().failed_allocations += 1;
+                        return Err(self.oom(&inner, size, over_limit, None));
+                    }
+                }
+            };
+            match self.grow(plan) {
+                Ok(()) => continue,
+                Err(e) => {
+                    let mut inner = lock(&self.inner);
+                    inner.pending_growth -= plan.bytes();
+                    let can_release = inner.fit.stats().free() > 0;
+                    if !released_once && can_release {
+                        drop(inner);
+                        released_once = true;
+                        self.count_retry();
+                        self.release_cached()?;
+                        continue;
+                    }
+                    inner.fit.stats_mut().failed_allocations += 1;
+                    return Err(match e {
+                        Error::OutOfMemory { state, .. } => self.oom(&inner, size, false, state.upstream),
+                        other => other,
+                    });
+                }
+            }
+        }
+    }
+
+    fn count_retry(&self) {
+        lock(&self.inner).fit.stats_mut().oom_retries += 1;
+    }
+
+    /// Decides how to grow for a request of `rounded` bytes; books the
+    /// growth against the limit. `Err(true)` when the limit forbids it.
+    fn plan_growth(&self, inner: &mut Inner, rounded: usize, align: usize) -> Result<Growth, bool> {
+        let gran = self.upstream.granularity().max(BLOCK_ALIGN);
+        // Room for alignment padding beyond what the upstream guarantees.
+        let need = rounded + align.saturating_sub(gran.min(4096)).min(align);
+        let stats = inner.fit.stats();
+        let growth = if self.config.expandable {
+            inner.fit.last_chunk().map(|(chunk, free_tail)| {
+                let extra = round_up(need.saturating_sub(free_tail).max(1), gran);
+                // Grow at least by the minimum chunk so mapping stays rare.
+                let extra = extra.max(round_up(self.config.min_chunk, gran));
+                Growth::Extend { chunk, extra, need }
+            })
+        } else {
+            None
+        };
+        let growth = growth.unwrap_or_else(|| {
+            let mut bytes = need.max(self.config.min_chunk);
+            if stats.reserved == 0 && inner.pending_growth == 0 {
+                bytes = bytes.max(self.config.initial_size);
+            }
+            Growth::New { bytes: round_up(bytes, gran) }
+        });
+        if let Some(max) = self.config.max_size {
+            let total = stats.reserved + inner.pending_growth + growth.bytes();
+            if total > max {
+                // Try the smallest growth that would do before giving up.
+                let minimal = match growth {
+                    Growth::Extend { chunk, .. } => {
+                        let free_tail = inner.fit.last_chunk().map_or(0, |(_, t)| t);
+                        let extra = round_up(need.saturating_sub(free_tail).max(1), gran);
+                        Growth::Extend { chunk, extra, need }
+                    }
+                    Growth::New { .. } => Growth::New { bytes: round_up(need, gran) },
+                };
+                if stats.reserved + inner.pending_growth + minimal.bytes() > max {
+                    return Err(true);
+                }
+                inner.pending_growth += minimal.bytes();
+                return Ok(minimal);
+            }
+        }
+        inner.pending_growth += growth.bytes();
+        Ok(growth)
+    }
+
+    /// Obtains the planned memory from the upstream (no lock held) and adds
+    /// it to the pool.
+    fn grow(&self, plan: Growth) -> Result<()> {
+        match plan {
+            Growth::Extend { chunk, extra, need } => {
+                if self.upstream.try_extend(chunk, extra)? {
+                    let mut inner = lock(&self.inner);
+                    inner.pending_growth -= extra;
+                    let added = inner.fit.extend_chunk(chunk, extra);
+                    debug_assert!(added, "the upstream extended a chunk the pool does not hold");
+                    inner.fit.stats_mut().upstream_allocs += 1;
+                    return Ok(());
+                }
+                // The upstream can't extend: take a new chunk instead.
+                let bytes = round_up(need.max(self.config.min_chunk), self.upstream.granularity());
+                {
+                    let mut inner = lock(&self.inner);
+                    inner.pending_growth = inner.pending_growth - extra + bytes;
+                }
+                self.grow(Growth::New { bytes }).inspect_err(|_| {
+                    // `allocate` un-books `plan.bytes()` (= extra); un-book
+                    // the difference here.
+                    let mut inner = lock(&self.inner);
+                    inner.pending_growth = inner.pending_growth + extra - bytes;
+                })
+            }
+            Growth::New { bytes } => {
+                let chunk = self.upstream.allocate_chunk(bytes)?;
+                let mut inner = lock(&self.inner);
+                inner.pending_growth -= bytes;
+                inner.fit.stats_mut().upstream_allocs += 1;
+                if !inner.fit.add_chunk(chunk) {
+                    drop(inner);
+                    // An upstream that hands out misaligned or overlapping
+                    // memory is broken; give the chunk back and say so.
+                    let _ = self.upstream.deallocate_chunk(chunk);
+                    return Err(Error::InvalidState(format!(
+                        "upstream {} returned an unusable chunk {:#x}+{}",
+                        self.upstream.name(),
+                        chunk.addr,
+                        chunk.size
+                    )));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn oom(&self, inner: &Inner, requested: usize, over_limit: bool, upstream: Option<String>) -> Error {
+        let s = inner.fit.stats();
+        let hint = if over_limit {
+            Some("raise max_pool_size, or free blocks you hold")
+        } else if s.free() > s.largest_free && s.largest_free < requested {
+            Some("free memory is fragmented across blocks; enable expandable segments (expandable=true)")
+        } else {
+            None
+        };
+        Error::OutOfMemory {
+            pool: self.config.kind,
+            requested,
+            state: Box::new(OomState {
+                in_use: s.in_use,
+                reserved_free: s.free(),
+                largest_free: s.largest_free,
+                limit: self.config.max_size,
+                device_free: self.upstream.device_free(),
+                upstream,
+                hint,
+            }),
+        }
+    }
+
+    /// Frees the block at `addr`. `tag` names the stream whose queued work
+    /// may still use the block (`StreamTag::NONE` if none).
+    ///
+    /// # Errors
+    /// [`Error::DoubleFree`], [`Error::InteriorPointer`] or
+    /// [`Error::UnknownPointer`]; the pool is unchanged then.
+    pub fn deallocate(&self, addr: usize, tag: StreamTag) -> Result<Freed> {
+        let mut inner = lock(&self.inner);
+        let freed = inner.fit.free(addr, tag).map_err(|e| self.free_error(addr, e))?;
+        if inner.shut_down {
+            // After shutdown nothing is cached: give the chunk back as soon
+            // as its last block is free.
+            if let Some((chunk, _)) = inner.fit.take_free_chunk_at(addr) {
+                inner.fit.stats_mut().upstream_frees += 1;
+                drop(inner);
+                self.upstream.deallocate_chunk(chunk)?;
+            }
+        }
+        Ok(freed)
+    }
+
+    fn free_error(&self, addr: usize, e: FreeError) -> Error {
+        let pool = self.config.kind;
+        match e {
+            FreeError::DoubleFree => Error::DoubleFree { pool, addr },
+            FreeError::Interior { block, size } => Error::InteriorPointer { pool, addr, block, size },
+            FreeError::Unknown => Error::UnknownPointer { pool, addr },
+        }
+    }
+
+    /// The size of the live block at `addr`, if there is one.
+    pub fn block_size(&self, addr: usize) -> Option<usize> {
+        lock(&self.inner).fit.block_size(addr)
+    }
+
+    /// Grows the live block at `addr` to hold `new_size` bytes without
+    /// moving it, when the block after it is free and large enough.
+    pub fn grow_in_place(&self, addr: usize, new_size: usize) -> bool {
+        let Some(rounded) = round_size(new_size) else { return false };
+        let mut inner = lock(&self.inner);
+        let ok = inner.fit.grow_in_place(addr, rounded);
+        if ok {
+            inner.fit.set_requested(addr, new_size);
+        }
+        ok
+    }
+
+    /// Shrinks the live block at `addr` to `new_size` bytes (non-zero) in
+    /// place, freeing its tail.
+    pub fn shrink_in_place(&self, addr: usize, new_size: usize) -> bool {
+        let Some(rounded) = round_size(new_size) else { return false };
+        let mut inner = lock(&self.inner);
+        let ok = inner.fit.shrink_in_place(addr, rounded);
+        if ok {
+            inner.fit.set_requested(addr, new_size);
+        }
+        ok
+    }
+
+    /// Returns every wholly free chunk to the upstream; returns the bytes
+    /// released.
+    ///
+    /// # Errors
+    /// The first upstream error; chunks it could not return are dropped
+    /// from the pool (leaked), never reused.
+    pub fn release_cached(&self) -> Result<usize> {
+        let chunks = {
+            let mut inner = lock(&self.inner);
+            let chunks = inner.fit.take_free_chunks();
+            inner.fit.stats_mut().upstream_frees += chunks.len() as u64;
+            chunks
+        };
+        let mut released = 0;
+        let mut first_err = None;
+        for (chunk, _) in chunks {
+            match self.upstream.deallocate_chunk(chunk) {
+                Ok(()) => released += chunk.size,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(released),
+        }
+    }
+
+    /// Statistics.
+    pub fn stats(&self) -> PoolStats {
+        lock(&self.inner).fit.stats()
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peaks(&self) {
+        lock(&self.inner).fit.stats_mut().reset_peaks();
+    }
+
+    /// Runs `f` on the allocator under the lock (tests, summaries).
+    pub fn with_fit<R>(&self, f: impl FnOnce(&BestFit) -> R) -> R {
+        f(&lock(&self.inner).fit)
+    }
+
+    /// Stops serving allocations, returns all free memory to the upstream
+    /// and lists the blocks still live. Live blocks stay valid; each chunk
+    /// goes back as soon as its last block is freed. Calling it twice is
+    /// harmless.
+    ///
+    /// # Errors
+    /// An upstream error while returning free chunks.
+    pub fn shutdown(&self) -> Result<Vec<LiveBlock>> {
+        lock(&self.inner).shut_down = true;
+        self.release_cached()?;
+        let inner = lock(&self.inner);
+        Ok(inner
+            .fit
+            .live_blocks()
+            .into_iter()
+            .map(|(addr, size, requested)| LiveBlock { addr, size, requested })
+            .collect())
+    }
+
+    /// Whether [`shutdown`](Pool::shutdown) was called.
+    pub fn is_shut_down(&self) -> bool {
+        lock(&self.inner).shut_down
+    }
+}
+
+impl<U: Upstream> Drop for Pool<U> {
+    fn drop(&mut self) {
+        // Free chunks go back; chunks with live blocks are leaked on
+        // purpose: something may still point into them.
+        if let Err(e) = self.release_cached() {
+            eprintln!("cumem: releasing a pool's chunks failed: {e}");
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Growth {
+    Extend { chunk: Chunk, extra: usize, need: usize },
+    New { bytes: usize },
+}
+
+impl Growth {
+    fn bytes(&self) -> usize {
+        match *self {
+            Growth::Extend { extra, .. } => extra,
+            Growth::New { bytes } => bytes,
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! Pool statistics.
+
+/// What a pool holds and has done. Sizes in bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Bytes in live blocks (requests rounded up to 256 B).
+    pub in_use: usize,
+    /// The largest `in_use` since creation or the last peak reset.
+    pub peak_in_use: usize,
+    /// Bytes the callers asked for, summed over live blocks.
+    pub requested: usize,
+    /// The largest `requested` since creation or the last peak reset.
+    pub peak_requested: usize,
+    /// Bytes reserved from the upstream.
+    pub reserved: usize,
+    /// The largest `reserved` since creation or the last peak reset.
+    pub peak_reserved: usize,
+    /// Live blocks.
+    pub live_blocks: usize,
+    /// Free blocks.
+    pub free_blocks: usize,
+    /// Chunks held from the upstream.
+    pub chunks: usize,
+    /// The largest free block.
+    pub largest_free: usize,
+    /// Allocations served.
+    pub allocations: u64,
+    /// Frees served.
+    pub frees: u64,
+    /// Chunks obtained from the upstream (including in-place extensions).
+    pub upstream_allocs: u64,
+    /// Chunks returned to the upstream.
+    pub upstream_frees: u64,
+    /// Times an allocation failed upstream, released cached chunks and
+    /// retried.
+    pub oom_retries: u64,
+    /// Allocations that failed for good.
+    pub failed_allocations: u64,
+}
+
+impl PoolStats {
+    /// Bytes reserved but not in use.
+    pub fn free(&self) -> usize {
+        self.reserved - self.in_use
+    }
+
+    /// External fragmentation: 1 − largest free block / total free bytes
+    /// (0 when nothing is free).
+    pub fn fragmentation(&self) -> f64 {
+        let free = self.free();
+        if free == 0 {
+            0.0
+        } else {
+            1.0 - self.largest_free as f64 / free as f64
+        }
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peaks(&mut self) {
+        self.peak_in_use = self.in_use;
+        self.peak_requested = self.requested;
+        self.peak_reserved = self.reserved;
+    }
+
+    /// Adds another pool's figures to these (for per-device totals).
+    pub fn accumulate(&mut self, o: &PoolStats) {
+        self.in_use += o.in_use;
+        self.peak_in_use += o.peak_in_use;
+        self.requested += o.requested;
+        self.peak_requested += o.peak_requested;
+        self.reserved += o.reserved;
+        self.peak_reserved += o.peak_reserved;
+        self.live_blocks += o.live_blocks;
+        self.free_blocks += o.free_blocks;
+        self.chunks += o.chunks;
+        self.largest_free = self.largest_free.max(o.largest_free);
+        self.allocations += o.allocations;
+        self.frees += o.frees;
+        self.upstream_allocs += o.upstream_allocs;
+        self.upstream_frees += o.upstream_frees;
+        self.oom_retries += o.oom_retries;
+        self.failed_allocations += o.failed_allocations;
+    }
+}

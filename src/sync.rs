@@ -1,0 +1,33 @@
+//! The one place cumem takes its synchronisation primitives from.
+//!
+//! Under `cfg(loom)` every lock and atomic is loom's, so the models in
+//! `loom-tests/` check the real code; otherwise they are `std`'s. Nothing in
+//! the crate names `std::sync` directly.
+
+#![allow(unused_imports)]
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+#[cfg(loom)]
+pub(crate) use loom::sync::{Arc, Mutex, MutexGuard};
+
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+#[cfg(not(loom))]
+pub(crate) use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Locks `mutex`, recovering the data if a panicking thread poisoned it.
+///
+/// Pool state is updated so that a panic can't leave it half-changed (every
+/// operation validates before it mutates), so a poisoned lock still guards
+/// consistent data.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    #[cfg(loom)]
+    {
+        mutex.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    #[cfg(not(loom))]
+    {
+        mutex.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

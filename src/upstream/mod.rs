@@ -1,0 +1,118 @@
+//! Where a pool's chunks come from.
+//!
+//! An [`Upstream`] hands out chunks: address ranges the pool carves into
+//! blocks. The pool never reads or writes them (device memory can't be
+//! touched from the host), so an upstream deals in addresses, not
+//! references. [`Host`] is the fallback when no CUDA driver or device is
+//! present; the CUDA upstreams live in [`crate::device`].
+
+mod host;
+
+pub use host::Host;
+
+use crate::error::Result;
+
+/// An address range an upstream handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Chunk {
+    /// The first address.
+    pub addr: usize,
+    /// The length in bytes.
+    pub size: usize,
+}
+
+impl Chunk {
+    /// One past the last address.
+    pub fn end(&self) -> usize {
+        self.addr + self.size
+    }
+}
+
+/// A source of chunks for a pool.
+///
+/// Implementations are called outside the pool's lock and may be called
+/// from several threads at once.
+pub trait Upstream: Send + Sync {
+    /// Allocates a chunk of at least `size` bytes whose address is aligned
+    /// to at least 256 bytes. `size` is a multiple of [`granularity`].
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) or a driver/OS error
+    /// when the memory can't be had.
+    ///
+    /// [`granularity`]: Upstream::granularity
+    fn allocate_chunk(&self, size: usize) -> Result<Chunk>;
+
+    /// Returns a chunk this upstream allocated. The pool calls it only once
+    /// no block of the chunk is in use.
+    ///
+    /// # Errors
+    /// A driver or OS error; the chunk is then leaked, never reused.
+    fn deallocate_chunk(&self, chunk: Chunk) -> Result<()>;
+
+    /// Tries to grow `chunk` in place by `extra` bytes (a multiple of
+    /// [`granularity`](Upstream::granularity)), so the new memory continues
+    /// the old range. Returns `Ok(false)` when this upstream can't.
+    ///
+    /// # Errors
+    /// A driver or OS error while growing.
+    fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        let _ = (chunk, extra);
+        Ok(false)
+    }
+
+    /// Gives back the last `amount` bytes of `chunk`, which was grown with
+    /// [`try_extend`](Upstream::try_extend). Returns `Ok(false)` when this
+    /// upstream can't shrink chunks.
+    ///
+    /// # Errors
+    /// A driver or OS error while shrinking.
+    fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
+        let _ = (chunk, amount);
+        Ok(false)
+    }
+
+    /// The unit chunk sizes are rounded to (a power of two, at least 256).
+    fn granularity(&self) -> usize {
+        crate::pool::BLOCK_ALIGN
+    }
+
+    /// A short name for summaries ("host", "cuMemAlloc", ...).
+    fn name(&self) -> &'static str;
+
+    /// Whether the host may read and write the memory.
+    fn host_accessible(&self) -> bool;
+
+    /// The device's free memory, where the upstream can ask (for error
+    /// messages).
+    fn device_free(&self) -> Option<usize> {
+        None
+    }
+}
+
+impl<U: Upstream + ?Sized> Upstream for Box<U> {
+    fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
+        (**self).allocate_chunk(size)
+    }
+    fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
+        (**self).deallocate_chunk(chunk)
+    }
+    fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        (**self).try_extend(chunk, extra)
+    }
+    fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
+        (**self).try_shrink(chunk, amount)
+    }
+    fn granularity(&self) -> usize {
+        (**self).granularity()
+    }
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn host_accessible(&self) -> bool {
+        (**self).host_accessible()
+    }
+    fn device_free(&self) -> Option<usize> {
+        (**self).device_free()
+    }
+}
