@@ -78,3 +78,28 @@ pub fn device_context(ordinal: usize) -> Result<Option<Arc<CudaContext>>> {
 pub(crate) fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::Driver { call, message: e.to_string() }
 }
+
+/// For GPU tests: the context of device 0, or `None` after printing why the
+/// test is skipped. With `CUMEM_REQUIRE_GPU=1` set, a missing GPU is a
+/// failure instead, so a GPU test on the device machine can never pass by
+/// skipping.
+///
+/// # Panics
+/// When `CUMEM_REQUIRE_GPU=1` and no device is usable.
+#[doc(hidden)]
+pub fn gpu_for_test(test: &str) -> Option<Arc<CudaContext>> {
+    let required = std::env::var_os("CUMEM_REQUIRE_GPU").is_some_and(|v| v == "1");
+    let reason = match device_context(0) {
+        Ok(Some(ctx)) => return Some(ctx),
+        Ok(None) => match driver_status() {
+            DriverStatus::Unavailable(why) => why.clone(),
+            DriverStatus::Available { .. } => "no device context".to_string(),
+        },
+        Err(e) => e.to_string(),
+    };
+    if required {
+        panic!("{test}: CUMEM_REQUIRE_GPU=1 but no GPU is usable: {reason}");
+    }
+    println!("{test}: skipped, no GPU: {reason}");
+    None
+}

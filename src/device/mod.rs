@@ -6,4 +6,5 @@
 
 mod context;
 
-pub use context::{device_context, driver_status, DriverStatus};
+pub use context::{device_context, driver_status, gpu_for_test, DriverStatus};
+pub(crate) use context::driver_err;
