@@ -2,10 +2,17 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod alloc;
+pub mod buffer;
 pub mod device;
 mod error;
+pub mod manager;
 pub mod pool;
 pub(crate) mod sync;
 pub mod upstream;
 
+pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};
+pub use buffer::DeviceBuffer;
+pub use device::{DeviceAllocatorMode, Stream};
 pub use error::{Error, OomState, PoolKind, Result};
+pub use manager::{Backend, BackendChoice, Config, MemoryManager, ShutdownReport};

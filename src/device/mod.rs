@@ -1,10 +1,33 @@
 //! CUDA specifics: finding the driver and devices, contexts, streams,
-//! events, the CUDA upstreams, the native memory pool, virtual memory.
+//! the CUDA upstreams, the three device allocator modes, the native memory
+//! pools.
 //!
 //! Everything here goes through `cudarc`'s driver API, loaded dynamically:
 //! building needs no CUDA toolkit, running needs only the NVIDIA driver.
 
+mod allocator;
 mod context;
+mod cuda_upstream;
+mod native_pool;
+mod stream;
 
+pub use allocator::{AsyncStats, DeviceAllocator, DeviceAllocatorMode, DeviceStats};
 pub use context::{device_context, driver_status, gpu_for_test, DriverStatus};
+pub use cuda_upstream::{CudaDeviceMemory, CudaPinnedMemory};
+pub use native_pool::{NativePool, NativePoolAttributes};
+pub use stream::Stream;
+
 pub(crate) use context::driver_err;
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+
+use crate::error::Result;
+use crate::upstream::Upstream;
+
+/// The upstream of a device's sync pool: plain `cuMemAlloc` chunks.
+pub(crate) fn device_upstream(ctx: Arc<CudaContext>, expandable: bool) -> Result<Box<dyn Upstream>> {
+    let _ = expandable;
+    Ok(Box::new(CudaDeviceMemory::new(ctx)))
+}

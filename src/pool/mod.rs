@@ -98,6 +98,8 @@ struct Inner {
     pending_growth: usize,
     shut_down: bool,
     used: bool,
+    /// Overrides `PoolConfig::initial_size` (set before first use).
+    initial_size: Option<usize>,
 }
 
 /// A thread-safe best-fit pool over an upstream.
@@ -181,11 +183,12 @@ impl<U: Upstream> Pool<U> {
     ///
     /// # Errors
     /// [`Error::ConfigTooLate`] once the pool has allocated.
-    pub fn set_initial_size(&mut self, bytes: usize) -> Result<()> {
-        if self.used() {
+    pub fn set_initial_size(&self, bytes: usize) -> Result<()> {
+        let mut inner = lock(&self.inner);
+        if inner.used {
             return Err(Error::ConfigTooLate { what: "the pool size" });
         }
-        self.config.initial_size = bytes;
+        inner.initial_size = Some(bytes);
         Ok(())
     }
 
@@ -272,8 +275,8 @@ impl<U: Upstream> Pool<U> {
         };
         let growth = growth.unwrap_or_else(|| {
             let mut bytes = need.max(self.config.min_chunk);
-            if stats.reserved == 0 && inner.pending_growth == 0 {
-                bytes = bytes.max(self.config.initial_size);
+            if stats.reserved == 0 && inner.pending_growth == 0 && stats.upstream_allocs == 0 {
+                bytes = bytes.max(inner.initial_size.unwrap_or(self.config.initial_size));
             }
             Growth::New { bytes: round_up(bytes, gran) }
         });

@@ -1,0 +1,152 @@
+//! [`PinnedAlloc`]: the pinned pool as an `Allocator`, so collections live
+//! in page-locked memory.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use allocator_api2::alloc::{AllocError, Allocator};
+
+use crate::manager::MemoryManager;
+use crate::pool::MAX_ALIGN;
+
+/// A handle to the global manager's pinned pool that implements
+/// [`Allocator`] (allocator-api2 0.2, the version hashbrown uses), so that
+/// `allocator_api2::vec::Vec<T, PinnedAlloc>`, `Box<T, PinnedAlloc>` and
+/// `hashbrown::HashMap<K, V, S, PinnedAlloc>` keep their data in pinned
+/// host memory, ready for fast DMA copies.
+///
+/// `grow` and `shrink` resize in place when the block after the allocation
+/// is free, and otherwise allocate, copy and free.
+///
+/// # Examples
+/// ```
+/// use cumem::{PinnedAlloc, PinnedVec};
+/// let mut v: PinnedVec<f32> = PinnedVec::new_in(PinnedAlloc);
+/// v.extend((0..1000).map(|i| i as f32));
+/// assert_eq!(v[999], 999.0);
+/// assert_eq!(v.as_ptr() as usize % 256, 0);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PinnedAlloc;
+
+/// A `Vec` in pinned host memory.
+pub type PinnedVec<T> = allocator_api2::vec::Vec<T, PinnedAlloc>;
+
+/// A `Box` in pinned host memory.
+pub type PinnedBox<T> = allocator_api2::boxed::Box<T, PinnedAlloc>;
+
+fn manager() -> Result<&'static MemoryManager, AllocError> {
+    MemoryManager::global().map_err(|_| AllocError)
+}
+
+fn dangling(layout: Layout) -> NonNull<[u8]> {
+    // A zero-size allocation needs a non-null, aligned pointer and nothing
+    // behind it: the alignment itself is such an address.
+    let ptr = NonNull::new(layout.align() as *mut u8).expect("alignments are non-zero");
+    NonNull::slice_from_raw_parts(ptr, 0)
+}
+
+// SAFETY: blocks come from the pinned pool, which hands out each address
+// range to one owner until it is freed, aligned to at least the layout's
+// alignment (checked ≤ MAX_ALIGN) and at least `layout.size()` long. The
+// returned slice's length is the block's real size, which the pool reserves
+// for this allocation. Clones of `PinnedAlloc` all name the same pool, so
+// memory from one may be freed through another.
+unsafe impl Allocator for PinnedAlloc {
+    fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        if layout.size() == 0 {
+            return Ok(dangling(layout));
+        }
+        if layout.align() > MAX_ALIGN {
+            return Err(AllocError);
+        }
+        let mm = manager()?;
+        mm.check_running_pinned().map_err(|_| AllocError)?;
+        let a = mm.pinned_pool().allocate(layout.size(), layout.align()).map_err(|_| AllocError)?;
+        let ptr = NonNull::new(a.addr as *mut u8).ok_or(AllocError)?;
+        Ok(NonNull::slice_from_raw_parts(ptr, a.size))
+    }
+
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 {
+            return;
+        }
+        if let Ok(mm) = manager() {
+            if let Err(e) = mm.free_pinned(ptr.as_ptr()) {
+                // A deallocate can't fail; a bad pointer here is a bug in the
+                // caller. Say so, and keep the pool intact.
+                eprintln!("cumem: PinnedAlloc::deallocate: {e}");
+            }
+        }
+    }
+
+    unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        debug_assert!(new.size() >= old.size());
+        // SAFETY: the caller's contract for `grow` is exactly what
+        // `resize` needs.
+        unsafe { self.resize(ptr, old, new, false) }
+    }
+
+    unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        // SAFETY: as in `grow`.
+        unsafe { self.resize(ptr, old, new, true) }
+    }
+
+    unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        debug_assert!(new.size() <= old.size());
+        if new.size() == 0 {
+            // SAFETY: `ptr` is a live allocation of `old` (the caller's
+            // contract); it is freed once, here.
+            unsafe { self.deallocate(ptr, old) };
+            return Ok(dangling(new));
+        }
+        if old.size() != 0 && new.align() <= old.align().max(crate::pool::BLOCK_ALIGN) {
+            let mm = manager()?;
+            if mm.pinned_pool().shrink_in_place(ptr.as_ptr() as usize, new.size()) {
+                let size = mm.pinned_pool().block_size(ptr.as_ptr() as usize).unwrap_or(new.size());
+                return Ok(NonNull::slice_from_raw_parts(ptr, size));
+            }
+        }
+        // SAFETY: as in `grow`.
+        unsafe { self.resize(ptr, old, new, false) }
+    }
+}
+
+impl PinnedAlloc {
+    /// Resizes in place when possible, else allocates `new`, copies the
+    /// common prefix and frees the old block.
+    ///
+    /// # Safety
+    /// `ptr` is a live allocation of this allocator with layout `old`.
+    unsafe fn resize(
+        &self,
+        ptr: NonNull<u8>,
+        old: Layout,
+        new: Layout,
+        zero_tail: bool,
+    ) -> Result<NonNull<[u8]>, AllocError> {
+        let in_place_ok = old.size() != 0 && ptr.as_ptr() as usize % new.align() == 0;
+        if in_place_ok {
+            let mm = manager()?;
+            let addr = ptr.as_ptr() as usize;
+            if mm.pinned_pool().grow_in_place(addr, new.size()) {
+                let size = mm.pinned_pool().block_size(addr).unwrap_or(new.size());
+                if zero_tail && new.size() > old.size() {
+                    // SAFETY: the block now spans at least `new.size()` bytes
+                    // from `ptr`, all owned by this allocation.
+                    unsafe { ptr.as_ptr().add(old.size()).write_bytes(0, new.size() - old.size()) };
+                }
+                return Ok(NonNull::slice_from_raw_parts(ptr, size));
+            }
+        }
+        let fresh = if zero_tail { self.allocate_zeroed(new)? } else { self.allocate(new)? };
+        let keep = old.size().min(new.size());
+        // SAFETY: `ptr` holds `old.size()` initialised-or-not bytes owned by
+        // the caller, `fresh` at least `new.size()`; they are distinct live
+        // blocks, so they don't overlap.
+        unsafe { std::ptr::copy_nonoverlapping(ptr.as_ptr(), fresh.as_ptr().cast::<u8>(), keep) };
+        // SAFETY: the old block is live (caller's contract) and freed once.
+        unsafe { self.deallocate(ptr, old) };
+        Ok(fresh)
+    }
+}

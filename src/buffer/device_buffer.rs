@@ -1,0 +1,270 @@
+//! [`DeviceBuffer`]: typed device memory from the manager, freed on drop in
+//! stream order.
+
+use std::marker::PhantomData;
+use std::mem::size_of;
+
+use cudarc::driver::{sys, DeviceRepr};
+
+use crate::device::{driver_err, Stream};
+use crate::error::{Error, Result};
+use crate::manager::MemoryManager;
+
+/// `len` values of `T` in device memory, allocated by the global
+/// [`MemoryManager`] on its default device.
+///
+/// Device memory is never exposed as a host reference: the contents move
+/// through copies ([`copy_from_host`](Self::copy_from_host),
+/// [`copy_to_host`](Self::copy_to_host), and their `_async` forms), and
+/// kernels get [`device_ptr`](Self::device_ptr).
+///
+/// A buffer created on a stream is freed on that stream when dropped: work
+/// queued on it before the drop may still use the memory, and other streams
+/// reuse it only after that work. A buffer created without a stream is
+/// freed at once when dropped: synchronise the work that used it first.
+///
+/// # Examples
+/// ```
+/// use cumem::DeviceBuffer;
+/// let buf = DeviceBuffer::from_host(&[1u32, 2, 3])?;
+/// assert_eq!(buf.to_vec()?, vec![1, 2, 3]);
+/// # Ok::<(), cumem::Error>(())
+/// ```
+pub struct DeviceBuffer<T> {
+    ptr: u64,
+    len: usize,
+    stream: Option<Stream>,
+    mm: &'static MemoryManager,
+    _marker: PhantomData<T>,
+}
+
+// SAFETY: the buffer owns device memory addressed by an integer; moving it
+// between threads moves that ownership. `T: Send` because values of `T`
+// travel through it.
+unsafe impl<T: Send> Send for DeviceBuffer<T> {}
+// SAFETY: `&DeviceBuffer` only reads (copies out, pointer queries).
+unsafe impl<T: Sync> Sync for DeviceBuffer<T> {}
+
+impl<T> std::fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer").field("ptr", &format_args!("{:#x}", self.ptr)).field("len", &self.len).finish()
+    }
+}
+
+fn bytes_of<T>(len: usize) -> Result<usize> {
+    len.checked_mul(size_of::<T>())
+        .ok_or(Error::InvalidSize { size: usize::MAX, reason: "the element count overflows in bytes" })
+}
+
+impl<T: Copy> DeviceBuffer<T> {
+    /// Uninitialised device memory for `len` values, usable at once by any
+    /// stream.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSize`] for `len == 0` or a zero-sized `T`; the
+    /// manager's allocation errors.
+    pub fn new(len: usize) -> Result<Self> {
+        Self::alloc(len, None)
+    }
+
+    /// Uninitialised device memory for `len` values, for work on `stream`,
+    /// freed on `stream` when dropped.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn new_on(len: usize, stream: &Stream) -> Result<Self> {
+        Self::alloc(len, Some(stream))
+    }
+
+    fn alloc(len: usize, stream: Option<&Stream>) -> Result<Self> {
+        let mm = MemoryManager::global()?;
+        let bytes = bytes_of::<T>(len)?;
+        let ptr = match stream {
+            Some(s) => mm.allocate_device_on(bytes, s)?,
+            None => mm.allocate_device(bytes)?,
+        };
+        Ok(DeviceBuffer { ptr, len, stream: stream.cloned(), mm, _marker: PhantomData })
+    }
+
+    /// A buffer holding a copy of `data` (synchronous).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new), and copy errors.
+    pub fn from_host(data: &[T]) -> Result<Self> {
+        let mut b = Self::new(data.len())?;
+        b.copy_from_host(data)?;
+        Ok(b)
+    }
+
+    /// The number of values.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no values (never: empty buffers are refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The size in bytes.
+    pub fn num_bytes(&self) -> usize {
+        self.len * size_of::<T>()
+    }
+
+    /// The device address, for kernel arguments (`CUdeviceptr`).
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The stream the buffer is freed on, if any.
+    pub fn stream(&self) -> Option<&Stream> {
+        self.stream.as_ref()
+    }
+
+    fn check_len(&self, n: usize) -> Result<()> {
+        if n != self.len {
+            return Err(Error::InvalidState(format!(
+                "copy of {n} values into or out of a device buffer of {} values",
+                self.len
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies `src` into the buffer and waits for the copy
+    /// (`cuMemcpyHtoD`). `src.len()` must equal [`len`](Self::len).
+    ///
+    /// # Errors
+    /// A length mismatch ([`Error::InvalidState`]) or a driver error.
+    pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
+        self.check_len(src.len())?;
+        match self.mm.backend().is_host() {
+            // SAFETY: on the host fallback the buffer is host memory of
+            // `num_bytes()` bytes owned by `self` (borrowed mutably), and
+            // `src` is a distinct allocation of the same length.
+            true => unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr as usize as *mut T, self.len) },
+            false => {
+                self.bind()?;
+                // SAFETY: `src` is valid for `num_bytes()` reads for the whole
+                // synchronous call; the destination is this buffer.
+                unsafe { sys::cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), self.num_bytes()) }
+                    .result()
+                    .map_err(driver_err("cuMemcpyHtoD"))?
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the buffer into `dst` and waits (`cuMemcpyDtoH`).
+    /// `dst.len()` must equal [`len`](Self::len).
+    ///
+    /// # Errors
+    /// A length mismatch or a driver error.
+    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        self.check_len(dst.len())?;
+        // SAFETY: `dst` is an exclusively borrowed slice of `len` values.
+        unsafe { self.copy_out(dst.as_mut_ptr()) }
+    }
+
+    /// Copies the whole buffer to `dst` and waits.
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of `len` values and does not overlap the
+    /// buffer.
+    unsafe fn copy_out(&self, dst: *mut T) -> Result<()> {
+        if self.mm.backend().is_host() {
+            // SAFETY: on the host fallback the buffer is host memory of
+            // `num_bytes()` bytes; the caller vouches for `dst`.
+            unsafe { std::ptr::copy_nonoverlapping(self.ptr as usize as *const T, dst, self.len) };
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the caller vouches for `dst` for the whole synchronous call.
+        unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), self.ptr, self.num_bytes()) }
+            .result()
+            .map_err(driver_err("cuMemcpyDtoH"))
+    }
+
+    /// The contents, copied to a new `Vec`.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        let mut v = Vec::with_capacity(self.len);
+        // SAFETY: the vector's spare capacity holds `len` values and is
+        // distinct from the buffer.
+        unsafe { self.copy_out(v.as_mut_ptr())? };
+        // SAFETY: `copy_out` initialised all `len` values.
+        unsafe { v.set_len(self.len) };
+        Ok(v)
+    }
+
+    /// Queues a copy of `src` into the buffer on `stream`
+    /// (`cuMemcpyHtoDAsync`).
+    ///
+    /// # Safety
+    /// `src` must stay alive and unmodified until the copy is done
+    /// (synchronise `stream`).
+    ///
+    /// # Errors
+    /// A length mismatch or a driver error.
+    pub unsafe fn copy_from_host_async(&mut self, src: &[T], stream: &Stream) -> Result<()> {
+        self.check_len(src.len())?;
+        // SAFETY: the destination is this buffer, exactly `num_bytes()`
+        // long; the caller keeps `src` alive until the copy is done.
+        unsafe { self.mm.copy_to_device_async(self.ptr, src.as_ptr().cast(), self.num_bytes(), stream) }
+    }
+
+    /// Queues a copy of the buffer into `dst` on `stream`
+    /// (`cuMemcpyDtoHAsync`).
+    ///
+    /// # Safety
+    /// `dst` must stay alive and untouched until the copy is done
+    /// (synchronise `stream`).
+    ///
+    /// # Errors
+    /// A length mismatch or a driver error.
+    pub unsafe fn copy_to_host_async(&self, dst: &mut [T], stream: &Stream) -> Result<()> {
+        self.check_len(dst.len())?;
+        // SAFETY: the source is this buffer; the caller keeps `dst` alive
+        // and untouched until the copy is done.
+        unsafe { self.mm.copy_to_host_async(dst.as_mut_ptr().cast(), self.ptr, self.num_bytes(), stream) }
+    }
+
+    fn bind(&self) -> Result<()> {
+        if let Some(ctx) = self.mm.default_device()?.context() {
+            ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        }
+        Ok(())
+    }
+}
+
+impl<T: Copy + DeviceRepr> DeviceBuffer<T> {
+    /// Fills the buffer with zero bytes (`cuMemsetD8`).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn zero(&mut self) -> Result<()> {
+        if self.mm.backend().is_host() {
+            // SAFETY: host fallback: the buffer is `num_bytes()` bytes of
+            // host memory owned by `self`.
+            unsafe { std::ptr::write_bytes(self.ptr as usize as *mut u8, 0, self.num_bytes()) };
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the range is exactly this buffer.
+        unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.num_bytes()) }.result().map_err(driver_err("cuMemsetD8"))
+    }
+}
+
+impl<T> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        let r = match &self.stream {
+            Some(s) => self.mm.free_device_on(self.ptr, s),
+            None => self.mm.free_device(self.ptr),
+        };
+        if let Err(e) = r {
+            eprintln!("cumem: freeing a DeviceBuffer failed: {e}");
+        }
+    }
+}

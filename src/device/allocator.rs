@@ -1,0 +1,408 @@
+//! Device allocation: the three modes and the switch among them.
+//!
+//! # Implementation details
+//!
+//! Each device has one [`DeviceAllocator`]. Its sync pool is a
+//! [`Pool`](crate::pool::Pool) over device memory; the two stream-ordered
+//! modes go to the driver's pools. Allocations made by the stream-ordered
+//! modes are recorded (address → mode) so that a free always reaches the
+//! mode that made the allocation, whatever the mode is now, and so that bad
+//! frees are caught before they reach the driver.
+//!
+//! Stream order in the sync pool: a block freed on stream S carries S's tag.
+//! When it is handed out for work on stream T ≠ S, T first waits for the
+//! work S had queued (an event recorded on S now, which covers everything
+//! queued before the free); handed out with no stream, the host waits for S.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+use once_cell::sync::OnceCell;
+
+use super::native_pool::{self, NativePool, NativePoolAttributes};
+use super::stream::{Stream, StreamRegistry};
+use crate::error::{Error, PoolKind, Result};
+use crate::pool::{self, LiveBlock, Pool, PoolStats, StreamTag};
+use crate::sync::{lock, AtomicU8, Mutex, Ordering};
+use crate::upstream::Upstream;
+
+/// How device memory is allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DeviceAllocatorMode {
+    /// cumem's own best-fit pool over driver memory, with stream-ordered
+    /// reuse.
+    #[default]
+    SyncPool,
+    /// `cuMemAllocAsync` / `cuMemFreeAsync` from the device's default pool,
+    /// its release threshold raised so memory stays cached.
+    AsyncStreamOrdered,
+    /// A dedicated native pool (`cuMemPoolCreate`) with
+    /// `cuMemAllocFromPoolAsync`, its release threshold from the config.
+    CudaAsyncPool,
+}
+
+impl DeviceAllocatorMode {
+    /// The name used in `CUMEM_CONF` (`sync_pool`, `async_stream_ordered`,
+    /// `cuda_async_pool`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceAllocatorMode::SyncPool => "sync_pool",
+            DeviceAllocatorMode::AsyncStreamOrdered => "async_stream_ordered",
+            DeviceAllocatorMode::CudaAsyncPool => "cuda_async_pool",
+        }
+    }
+
+    /// All modes.
+    pub const ALL: [DeviceAllocatorMode; 3] =
+        [DeviceAllocatorMode::SyncPool, DeviceAllocatorMode::AsyncStreamOrdered, DeviceAllocatorMode::CudaAsyncPool];
+
+    fn to_u8(self) -> u8 {
+        self as u8
+    }
+
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => DeviceAllocatorMode::AsyncStreamOrdered,
+            2 => DeviceAllocatorMode::CudaAsyncPool,
+            _ => DeviceAllocatorMode::SyncPool,
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceAllocatorMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DeviceAllocatorMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        DeviceAllocatorMode::ALL
+            .into_iter()
+            .find(|m| m.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| Error::Config(format!("mode: '{s}' is not one of sync_pool, async_stream_ordered, cuda_async_pool")))
+    }
+}
+
+/// Figures of the stream-ordered modes (counted by cumem).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AsyncStats {
+    /// Bytes in live stream-ordered allocations.
+    pub in_use: usize,
+    /// The largest `in_use` since the last peak reset.
+    pub peak_in_use: usize,
+    /// Live stream-ordered allocations.
+    pub live: usize,
+    /// Allocations served.
+    pub allocations: u64,
+    /// Frees served.
+    pub frees: u64,
+    /// Allocations that were retried after releasing cached memory.
+    pub oom_retries: u64,
+}
+
+/// One device's statistics across its modes.
+#[derive(Debug, Clone, Default)]
+pub struct DeviceStats {
+    /// The sync pool.
+    pub pool: PoolStats,
+    /// The stream-ordered modes together.
+    pub stream_ordered: AsyncStats,
+    /// The dedicated native pool's attributes, once it exists.
+    pub native_pool: Option<NativePoolAttributes>,
+    /// The device default pool's attributes, once `cuMemAllocAsync` is used.
+    pub default_pool: Option<NativePoolAttributes>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct AsyncBlock {
+    size: usize,
+    mode: DeviceAllocatorMode,
+}
+
+/// The allocator of one device (or of the host fallback's stand-in device).
+pub struct DeviceAllocator {
+    ordinal: usize,
+    ctx: Option<Arc<CudaContext>>,
+    pool: Pool<Box<dyn Upstream>>,
+    supports_async: bool,
+    requested: AtomicU8,
+    effective: AtomicU8,
+    release_threshold: u64,
+    default_pool: OnceCell<NativePool>,
+    native: OnceCell<NativePool>,
+    internal_stream: OnceCell<Stream>,
+    async_live: Mutex<HashMap<usize, AsyncBlock>>,
+    async_stats: Mutex<AsyncStats>,
+    streams: StreamRegistry,
+}
+
+impl DeviceAllocator {
+    /// An allocator for device `ordinal` (`ctx` is `None` on the host
+    /// fallback) whose sync pool draws on `pool`.
+    pub(crate) fn new(
+        ordinal: usize,
+        ctx: Option<Arc<CudaContext>>,
+        pool: Pool<Box<dyn Upstream>>,
+        mode: DeviceAllocatorMode,
+        release_threshold: u64,
+    ) -> Self {
+        let supports_async = ctx.as_ref().is_some_and(|c| c.has_async_alloc());
+        let a = DeviceAllocator {
+            ordinal,
+            ctx,
+            pool,
+            supports_async,
+            requested: AtomicU8::new(0),
+            effective: AtomicU8::new(0),
+            release_threshold,
+            default_pool: OnceCell::new(),
+            native: OnceCell::new(),
+            internal_stream: OnceCell::new(),
+            async_live: Mutex::new(HashMap::new()),
+            async_stats: Mutex::new(AsyncStats::default()),
+            streams: StreamRegistry::default(),
+        };
+        a.set_mode(mode);
+        a
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The CUDA context, `None` on the host fallback.
+    pub fn context(&self) -> Option<&Arc<CudaContext>> {
+        self.ctx.as_ref()
+    }
+
+    /// The sync pool.
+    pub fn pool(&self) -> &Pool<Box<dyn Upstream>> {
+        &self.pool
+    }
+
+    /// Whether the device supports stream-ordered allocation
+    /// (`CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`).
+    pub fn supports_async(&self) -> bool {
+        self.supports_async
+    }
+
+    /// Requests `mode`; returns the mode in effect, which is `SyncPool` when
+    /// the device can't do stream-ordered allocation. Live allocations stay
+    /// valid and are freed by the mode that made them.
+    pub fn set_mode(&self, mode: DeviceAllocatorMode) -> DeviceAllocatorMode {
+        let effective = if mode != DeviceAllocatorMode::SyncPool && !self.supports_async {
+            DeviceAllocatorMode::SyncPool
+        } else {
+            mode
+        };
+        self.requested.store(mode.to_u8(), Ordering::Relaxed);
+        self.effective.store(effective.to_u8(), Ordering::Release);
+        effective
+    }
+
+    /// The mode asked for.
+    pub fn requested_mode(&self) -> DeviceAllocatorMode {
+        DeviceAllocatorMode::from_u8(self.requested.load(Ordering::Relaxed))
+    }
+
+    /// The mode in use.
+    pub fn effective_mode(&self) -> DeviceAllocatorMode {
+        DeviceAllocatorMode::from_u8(self.effective.load(Ordering::Acquire))
+    }
+
+    fn require_ctx(&self) -> Result<&Arc<CudaContext>> {
+        self.ctx.as_ref().ok_or(Error::NeedsGpu("stream-ordered allocation"))
+    }
+
+    fn internal_stream(&self) -> Result<&Stream> {
+        let ctx = self.require_ctx()?;
+        self.internal_stream.get_or_try_init(|| {
+            ctx.new_stream().map(Stream::from_cudarc).map_err(super::driver_err("cuStreamCreate"))
+        })
+    }
+
+    fn default_pool(&self) -> Result<&NativePool> {
+        let ctx = self.require_ctx()?;
+        self.default_pool.get_or_try_init(|| NativePool::device_default(ctx.clone(), self.release_threshold))
+    }
+
+    /// The dedicated native pool, created on first use.
+    ///
+    /// # Errors
+    /// [`Error::NeedsGpu`] on the host fallback; a driver error.
+    pub fn native_pool(&self) -> Result<&NativePool> {
+        let ctx = self.require_ctx()?;
+        self.native.get_or_try_init(|| NativePool::create(ctx.clone(), self.release_threshold))
+    }
+
+    /// Allocates `size` bytes for work on `stream` (`None`: usable at once
+    /// by the host and any stream).
+    ///
+    /// # Errors
+    /// Invalid sizes, [`Error::OutOfMemory`], driver errors.
+    pub fn allocate(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
+        match self.effective_mode() {
+            DeviceAllocatorMode::SyncPool => self.allocate_sync_pool(size, stream),
+            mode => self.allocate_stream_ordered(size, stream, mode),
+        }
+    }
+
+    fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
+        let a = self.pool.allocate(size, pool::BLOCK_ALIGN)?;
+        if self.ctx.is_some() {
+            if let Err(e) = self.streams.order_reuse(a.tag, stream) {
+                // Could not order the reuse: keep the block out of reach of
+                // this caller and give it back with its tag intact.
+                let _ = self.pool.deallocate(a.addr, a.tag);
+                return Err(e);
+            }
+        }
+        Ok(a.addr as u64)
+    }
+
+    fn allocate_stream_ordered(&self, size: usize, stream: Option<&Stream>, mode: DeviceAllocatorMode) -> Result<u64> {
+        pool::validate(size, pool::BLOCK_ALIGN)?;
+        let ctx = self.require_ctx()?;
+        let on = match stream {
+            Some(s) if !s.is_host() => s,
+            _ => self.internal_stream()?,
+        };
+        let attempt = || match mode {
+            DeviceAllocatorMode::CudaAsyncPool => self.native_pool()?.allocate_async(size, on),
+            _ => {
+                self.default_pool()?;
+                native_pool::allocate_async(ctx, size, on)
+            }
+        };
+        let ptr = match attempt() {
+            Ok(p) => p,
+            Err(Error::OutOfMemory { .. }) => {
+                // Release what is cached everywhere on this device, then
+                // try once more.
+                lock(&self.async_stats).oom_retries += 1;
+                self.release_cached()?;
+                attempt()?
+            }
+            Err(e) => return Err(e),
+        };
+        if stream.is_none_or(|s| s.is_host()) {
+            on.synchronize()?;
+        }
+        lock(&self.async_live).insert(ptr as usize, AsyncBlock { size, mode });
+        let mut st = lock(&self.async_stats);
+        st.in_use += size;
+        st.peak_in_use = st.peak_in_use.max(st.in_use);
+        st.live += 1;
+        st.allocations += 1;
+        Ok(ptr)
+    }
+
+    /// Frees `ptr` after the work queued on `stream` (`None`: the caller
+    /// guarantees no queued work uses it any more).
+    ///
+    /// # Errors
+    /// Bad pointers get [`Error::DoubleFree`], [`Error::InteriorPointer`] or
+    /// [`Error::UnknownPointer`] and change nothing.
+    pub fn free(&self, ptr: u64, stream: Option<&Stream>) -> Result<usize> {
+        let addr = ptr as usize;
+        let async_block = lock(&self.async_live).remove(&addr);
+        if let Some(block) = async_block {
+            let ctx = self.require_ctx()?;
+            let on = match stream {
+                Some(s) if !s.is_host() => s,
+                _ => self.internal_stream()?,
+            };
+            // SAFETY: `ptr` was allocated stream-ordered on this context (it
+            // was in the live map, from which it is now removed, so it is
+            // freed once); the caller guarantees work after this free on
+            // `on` does not use it.
+            let r = unsafe { native_pool::free_async(ctx, ptr, on) };
+            if let Err(e) = r {
+                lock(&self.async_live).insert(addr, block);
+                return Err(e);
+            }
+            let _ = block.mode;
+            let mut st = lock(&self.async_stats);
+            st.in_use -= block.size;
+            st.live -= 1;
+            st.frees += 1;
+            return Ok(block.size);
+        }
+        let tag = match stream {
+            Some(s) if !s.is_host() => {
+                self.streams.register(s);
+                s.tag()
+            }
+            _ => StreamTag::NONE,
+        };
+        Ok(self.pool.deallocate(addr, tag)?.size)
+    }
+
+    /// Returns cached memory to the driver: the sync pool's free chunks and
+    /// the native pools' free memory (`cuMemPoolTrimTo(0)`).
+    ///
+    /// # Errors
+    /// The first driver error.
+    pub fn release_cached(&self) -> Result<usize> {
+        if self.ctx.is_some() {
+            // Work queued on streams may still use free blocks.
+            self.streams.synchronize_all()?;
+            if let Some(s) = self.internal_stream.get() {
+                s.synchronize()?;
+            }
+        }
+        let released = self.pool.release_cached()?;
+        for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
+            p.trim_to(0)?;
+        }
+        Ok(released)
+    }
+
+    /// Statistics of every mode.
+    pub fn stats(&self) -> DeviceStats {
+        DeviceStats {
+            pool: self.pool.stats(),
+            stream_ordered: lock(&self.async_stats).clone(),
+            native_pool: self.native.get().and_then(|p| p.attributes().ok()),
+            default_pool: self.default_pool.get().and_then(|p| p.attributes().ok()),
+        }
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peaks(&self) {
+        self.pool.reset_peaks();
+        let mut st = lock(&self.async_stats);
+        st.peak_in_use = st.in_use;
+        drop(st);
+        for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
+            let _ = p.reset_high_watermarks();
+        }
+    }
+
+    /// Releases what is free and lists what is live (sync pool blocks and
+    /// stream-ordered allocations).
+    pub(crate) fn shutdown(&self) -> Result<Vec<LiveBlock>> {
+        if self.ctx.is_some() {
+            self.streams.synchronize_all()?;
+        }
+        let mut live = self.pool.shutdown()?;
+        for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
+            p.trim_to(0)?;
+        }
+        live.extend(
+            lock(&self.async_live)
+                .iter()
+                .map(|(&addr, b)| LiveBlock { addr, size: b.size, requested: b.size }),
+        );
+        Ok(live)
+    }
+
+    /// The pool kind errors name.
+    pub fn kind(&self) -> PoolKind {
+        PoolKind::Device
+    }
+}

@@ -1,0 +1,119 @@
+//! The CUDA upstreams: device memory from `cuMemAlloc`, pinned host memory
+//! from `cuMemHostAlloc`.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, DriverError};
+
+use super::driver_err;
+use crate::error::{Error, OomState, PoolKind, Result};
+use crate::upstream::{Chunk, Upstream};
+
+/// Chunks are rounded to 2 MiB, the size of the large pages the driver
+/// maps device memory with.
+const DEVICE_GRANULARITY: usize = 2 << 20;
+
+fn is_oom(e: &DriverError) -> bool {
+    e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY
+}
+
+fn oom(pool: PoolKind, size: usize, call: &str, e: DriverError, device_free: Option<usize>) -> Error {
+    Error::OutOfMemory {
+        pool,
+        requested: size,
+        state: Box::new(OomState { device_free, upstream: Some(format!("{call}: {e}")), ..Default::default() }),
+    }
+}
+
+/// Device memory straight from the driver (`cuMemAlloc` / `cuMemFree`).
+pub struct CudaDeviceMemory {
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaDeviceMemory {
+    /// Device memory of the context's device.
+    pub fn new(ctx: Arc<CudaContext>) -> Self {
+        CudaDeviceMemory { ctx }
+    }
+}
+
+impl Upstream for CudaDeviceMemory {
+    fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: the context is current; the memory is only used through
+        // the addresses the pool hands out.
+        match unsafe { result::malloc_sync(size) } {
+            Ok(ptr) => Ok(Chunk { addr: ptr as usize, size }),
+            Err(e) if is_oom(&e) => Err(oom(PoolKind::Device, size, "cuMemAlloc", e, self.device_free())),
+            Err(e) => Err(driver_err("cuMemAlloc")(e)),
+        }
+    }
+
+    fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: the pool returns a chunk from `allocate_chunk` once no
+        // block in it is live; `cuMemFree` waits for work that uses it.
+        unsafe { result::free_sync(chunk.addr as sys::CUdeviceptr) }.map_err(driver_err("cuMemFree"))
+    }
+
+    fn granularity(&self) -> usize {
+        DEVICE_GRANULARITY
+    }
+
+    fn name(&self) -> &'static str {
+        "cuMemAlloc"
+    }
+
+    fn host_accessible(&self) -> bool {
+        false
+    }
+
+    fn device_free(&self) -> Option<usize> {
+        self.ctx.mem_get_info().ok().map(|(free, _)| free)
+    }
+}
+
+/// Page-locked host memory, portable to every context
+/// (`cuMemHostAlloc(CU_MEMHOSTALLOC_PORTABLE)` / `cuMemFreeHost`).
+pub struct CudaPinnedMemory {
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaPinnedMemory {
+    /// Pinned memory allocated while `ctx` is current.
+    pub fn new(ctx: Arc<CudaContext>) -> Self {
+        CudaPinnedMemory { ctx }
+    }
+}
+
+impl Upstream for CudaPinnedMemory {
+    fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: the context is current; the flags are a valid
+        // combination; the memory is used only through the pool.
+        match unsafe { result::malloc_host(size, sys::CU_MEMHOSTALLOC_PORTABLE) } {
+            Ok(ptr) => Ok(Chunk { addr: ptr as usize, size }),
+            Err(e) if is_oom(&e) => Err(oom(PoolKind::Pinned, size, "cuMemHostAlloc", e, None)),
+            Err(e) => Err(driver_err("cuMemHostAlloc")(e)),
+        }
+    }
+
+    fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: the chunk came from `cuMemHostAlloc` and no block in it is
+        // live.
+        unsafe { result::free_host(chunk.addr as *mut std::ffi::c_void) }.map_err(driver_err("cuMemFreeHost"))
+    }
+
+    fn granularity(&self) -> usize {
+        4096
+    }
+
+    fn name(&self) -> &'static str {
+        "cuMemHostAlloc"
+    }
+
+    fn host_accessible(&self) -> bool {
+        true
+    }
+}

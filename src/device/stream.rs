@@ -1,0 +1,181 @@
+//! Streams: cumem's handle on a CUDA stream (or a no-op queue on the host
+//! fallback), and the registry that orders cross-stream reuse.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaStream};
+
+use super::driver_err;
+use crate::error::Result;
+use crate::pool::StreamTag;
+use crate::sync::{lock, AtomicU64, Mutex, Ordering};
+
+fn next_stream_id() -> u64 {
+    // 0 is `StreamTag::NONE` and u64::MAX `StreamTag::MIXED`.
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A queue of work on one device: a CUDA stream, or on the host fallback a
+/// queue that runs everything at once.
+///
+/// Cloning is cheap and the clones are the same stream. Convert a cudarc
+/// stream once with [`Stream::from_cudarc`] and keep the result: each
+/// conversion is a distinct identity for cumem's stream-ordered reuse
+/// (still correct, but it adds waits).
+#[derive(Clone)]
+pub struct Stream {
+    inner: Arc<StreamInner>,
+}
+
+struct StreamInner {
+    id: u64,
+    cuda: Option<Arc<CudaStream>>,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream").field("id", &self.inner.id).field("cuda", &self.inner.cuda.is_some()).finish()
+    }
+}
+
+impl Stream {
+    /// A new non-blocking stream on device `ordinal` (`cuStreamCreate`), or
+    /// a host queue on the fallback.
+    ///
+    /// # Errors
+    /// A driver error, or [`Error::NoSuchDevice`](crate::Error::NoSuchDevice).
+    pub fn new_on(ordinal: usize) -> Result<Stream> {
+        match super::device_context(ordinal)? {
+            Some(ctx) => Ok(Stream::from_cudarc(ctx.new_stream().map_err(driver_err("cuStreamCreate"))?)),
+            None => Ok(Stream::host()),
+        }
+    }
+
+    /// A new stream on device 0 (see [`Stream::new_on`]).
+    ///
+    /// # Errors
+    /// As [`Stream::new_on`].
+    pub fn new() -> Result<Stream> {
+        Stream::new_on(0)
+    }
+
+    /// A host queue: work "queued" on it has already happened.
+    pub fn host() -> Stream {
+        Stream { inner: Arc::new(StreamInner { id: next_stream_id(), cuda: None }) }
+    }
+
+    /// Wraps a cudarc stream so cumem can order allocations on it.
+    pub fn from_cudarc(stream: Arc<CudaStream>) -> Stream {
+        Stream { inner: Arc::new(StreamInner { id: next_stream_id(), cuda: Some(stream) }) }
+    }
+
+    /// The cudarc stream, or `None` on the host fallback.
+    pub fn cudarc(&self) -> Option<&Arc<CudaStream>> {
+        self.inner.cuda.as_ref()
+    }
+
+    /// The raw `CUstream` (null on the host fallback).
+    pub fn cu_stream(&self) -> sys::CUstream {
+        self.inner.cuda.as_ref().map_or(std::ptr::null_mut(), |s| s.cu_stream())
+    }
+
+    /// The context the stream belongs to, if it is a CUDA stream.
+    pub fn context(&self) -> Option<&Arc<CudaContext>> {
+        self.inner.cuda.as_ref().map(|s| s.context())
+    }
+
+    /// Whether this is a host queue.
+    pub fn is_host(&self) -> bool {
+        self.inner.cuda.is_none()
+    }
+
+    /// The identity cumem tags freed blocks with.
+    pub fn tag(&self) -> StreamTag {
+        StreamTag(self.inner.id)
+    }
+
+    /// Waits until all work queued on the stream is done
+    /// (`cuStreamSynchronize`).
+    ///
+    /// # Errors
+    /// A driver error from the stream's work.
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.inner.cuda {
+            Some(s) => s.synchronize().map_err(driver_err("cuStreamSynchronize")),
+            None => Ok(()),
+        }
+    }
+
+    /// Orders all work queued on `self` after the work queued on `other`
+    /// so far (`cuEventRecord` on `other`, `cuStreamWaitEvent` on `self`).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn wait_for(&self, other: &Stream) -> Result<()> {
+        match (&self.inner.cuda, &other.inner.cuda) {
+            (Some(me), Some(them)) => me.join(them).map_err(driver_err("cuStreamWaitEvent")),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl From<Arc<CudaStream>> for Stream {
+    fn from(s: Arc<CudaStream>) -> Self {
+        Stream::from_cudarc(s)
+    }
+}
+
+/// The streams blocks were freed on, by tag, so that a block freed on one
+/// stream and reused on another can be ordered after the first stream's
+/// work. Holding the stream keeps it alive while blocks may refer to it.
+#[derive(Default)]
+pub(crate) struct StreamRegistry {
+    streams: Mutex<HashMap<u64, Stream>>,
+}
+
+impl StreamRegistry {
+    /// Remembers `stream` (before a block is freed on it).
+    pub(crate) fn register(&self, stream: &Stream) {
+        if stream.is_host() {
+            return;
+        }
+        let mut map = lock(&self.streams);
+        map.entry(stream.inner.id).or_insert_with(|| stream.clone());
+    }
+
+    /// Makes a block last freed under `tag` safe for work on `user` (or, with
+    /// `None`, for the host and any stream): `user` waits for the freeing
+    /// stream's work (an event), or the host waits when there is no `user`.
+    pub(crate) fn order_reuse(&self, tag: StreamTag, user: Option<&Stream>) -> Result<()> {
+        if tag == StreamTag::NONE || user.is_some_and(|u| u.tag() == tag) {
+            return Ok(());
+        }
+        let sources: Vec<Stream> = {
+            let map = lock(&self.streams);
+            if tag == StreamTag::MIXED {
+                map.values().cloned().collect()
+            } else {
+                map.get(&tag.0).cloned().into_iter().collect()
+            }
+        };
+        for src in sources.iter().filter(|s| user.is_none_or(|u| u.tag() != s.tag())) {
+            match user {
+                Some(u) if !u.is_host() => u.wait_for(src)?,
+                _ => src.synchronize()?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every registered stream (before memory goes back to the
+    /// driver).
+    pub(crate) fn synchronize_all(&self) -> Result<()> {
+        let streams: Vec<Stream> = lock(&self.streams).values().cloned().collect();
+        for s in streams {
+            s.synchronize()?;
+        }
+        Ok(())
+    }
+}

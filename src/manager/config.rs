@@ -1,0 +1,240 @@
+//! The manager's configuration: a builder, and `CUMEM_CONF` parsing.
+
+use crate::device::DeviceAllocatorMode;
+use crate::error::{Error, Result};
+
+/// Which memory the manager runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendChoice {
+    /// CUDA when a driver and a device are present, else the host fallback.
+    #[default]
+    Auto,
+    /// The host fallback even when a GPU is present.
+    Host,
+}
+
+/// How the [`MemoryManager`](crate::MemoryManager) is set up. Build it with
+/// the methods below, or parse it from a string like
+/// `pinned_pool_size=256MiB,device_pool_size=1GiB,mode=sync_pool` (the
+/// format of the `CUMEM_CONF` environment variable).
+///
+/// # Examples
+/// ```
+/// use cumem::{Config, DeviceAllocatorMode};
+/// let c = Config::new().pinned_pool_size(64 << 20).mode(DeviceAllocatorMode::SyncPool);
+/// assert_eq!(c, "pinned_pool_size=64MiB,mode=sync_pool".parse().unwrap());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Bytes of pinned memory the first pinned allocation reserves.
+    pub pinned_pool_size: usize,
+    /// Bytes of device memory the first device allocation reserves.
+    pub device_pool_size: usize,
+    /// The requested device allocator mode.
+    pub mode: DeviceAllocatorMode,
+    /// The device used when none is named.
+    pub device: usize,
+    /// The smallest chunk a pool asks its upstream for.
+    pub min_chunk: usize,
+    /// The most pinned memory the pool may reserve.
+    pub max_pinned_pool_size: Option<usize>,
+    /// The most device memory the sync pool may reserve.
+    pub max_device_pool_size: Option<usize>,
+    /// Free bytes the native memory pools keep cached
+    /// (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`).
+    pub release_threshold: u64,
+    /// Grow the device pool by mapping more memory after its end (CUDA
+    /// virtual memory) so it stays one coalescable range.
+    pub expandable: bool,
+    /// CUDA or the host fallback.
+    pub backend: BackendChoice,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            pinned_pool_size: 0,
+            device_pool_size: 0,
+            mode: DeviceAllocatorMode::SyncPool,
+            device: 0,
+            min_chunk: 2 << 20,
+            max_pinned_pool_size: None,
+            max_device_pool_size: None,
+            release_threshold: u64::MAX,
+            expandable: true,
+            backend: BackendChoice::Auto,
+        }
+    }
+}
+
+impl Config {
+    /// The defaults: pools that start empty and grow in 2 MiB steps or
+    /// more, the sync pool mode on device 0, expandable segments, no limits.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads `CUMEM_CONF`; the defaults when it is unset.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the bad key or value.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("CUMEM_CONF") {
+            Ok(s) => s.parse().map_err(|e| match e {
+                Error::Config(m) => Error::Config(format!("CUMEM_CONF: {m}")),
+                other => other,
+            }),
+            Err(std::env::VarError::NotPresent) => Ok(Config::default()),
+            Err(std::env::VarError::NotUnicode(_)) => Err(Error::Config("CUMEM_CONF is not valid UTF-8".into())),
+        }
+    }
+
+    /// Sets [`Config::pinned_pool_size`].
+    pub fn pinned_pool_size(mut self, bytes: usize) -> Self {
+        self.pinned_pool_size = bytes;
+        self
+    }
+    /// Sets [`Config::device_pool_size`].
+    pub fn device_pool_size(mut self, bytes: usize) -> Self {
+        self.device_pool_size = bytes;
+        self
+    }
+    /// Sets [`Config::mode`].
+    pub fn mode(mut self, mode: DeviceAllocatorMode) -> Self {
+        self.mode = mode;
+        self
+    }
+    /// Sets [`Config::device`].
+    pub fn device(mut self, ordinal: usize) -> Self {
+        self.device = ordinal;
+        self
+    }
+    /// Sets [`Config::min_chunk`].
+    pub fn min_chunk(mut self, bytes: usize) -> Self {
+        self.min_chunk = bytes;
+        self
+    }
+    /// Sets [`Config::max_pinned_pool_size`].
+    pub fn max_pinned_pool_size(mut self, bytes: usize) -> Self {
+        self.max_pinned_pool_size = Some(bytes);
+        self
+    }
+    /// Sets [`Config::max_device_pool_size`].
+    pub fn max_device_pool_size(mut self, bytes: usize) -> Self {
+        self.max_device_pool_size = Some(bytes);
+        self
+    }
+    /// Sets [`Config::release_threshold`].
+    pub fn release_threshold(mut self, bytes: u64) -> Self {
+        self.release_threshold = bytes;
+        self
+    }
+    /// Sets [`Config::expandable`].
+    pub fn expandable(mut self, on: bool) -> Self {
+        self.expandable = on;
+        self
+    }
+    /// Sets [`Config::backend`].
+    pub fn backend(mut self, backend: BackendChoice) -> Self {
+        self.backend = backend;
+        self
+    }
+}
+
+/// Parses a byte size: a number with an optional unit, `B`, `KiB`, `MiB`,
+/// `GiB`, `TiB` (powers of 1024; `K`, `M`, `G`, `T` too) or `KB`, `MB`,
+/// `GB`, `TB` (powers of 1000). Fractions are allowed (`1.5GiB`).
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    if num.is_empty() {
+        return None;
+    }
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return None,
+    };
+    if let Ok(n) = num.parse::<u64>() {
+        return n.checked_mul(mult);
+    }
+    let f: f64 = num.parse().ok()?;
+    let v = f * mult as f64;
+    (v.is_finite() && v >= 0.0 && v < u64::MAX as f64).then_some(v.round() as u64)
+}
+
+fn size_value(key: &str, value: &str) -> Result<usize> {
+    parse_size(value)
+        .and_then(|v| usize::try_from(v).ok())
+        .ok_or_else(|| Error::Config(format!("{key}: '{value}' is not a size (examples: 4096, 64KiB, 256MiB, 1.5GiB)")))
+}
+
+fn bool_value(key: &str, value: &str) -> Result<bool> {
+    match value.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(Error::Config(format!("{key}: '{value}' is not true or false"))),
+    }
+}
+
+impl std::str::FromStr for Config {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let mut c = Config::default();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (key, value) = item
+                .split_once('=')
+                .map(|(k, v)| (k.trim(), v.trim()))
+                .ok_or_else(|| Error::Config(format!("'{item}' is not key=value")))?;
+            match key {
+                "pinned_pool_size" => c.pinned_pool_size = size_value(key, value)?,
+                "device_pool_size" => c.device_pool_size = size_value(key, value)?,
+                "min_chunk" => c.min_chunk = size_value(key, value)?,
+                "max_pinned_pool_size" => c.max_pinned_pool_size = Some(size_value(key, value)?),
+                "max_device_pool_size" => c.max_device_pool_size = Some(size_value(key, value)?),
+                "release_threshold" => {
+                    c.release_threshold = if value.eq_ignore_ascii_case("max") {
+                        u64::MAX
+                    } else {
+                        parse_size(value).ok_or_else(|| {
+                            Error::Config(format!("{key}: '{value}' is not a size or 'max'"))
+                        })?
+                    }
+                }
+                "mode" => c.mode = value.parse()?,
+                "device" => {
+                    c.device = value
+                        .parse()
+                        .map_err(|_| Error::Config(format!("device: '{value}' is not a device ordinal")))?
+                }
+                "expandable" => c.expandable = bool_value(key, value)?,
+                "backend" => {
+                    c.backend = match value {
+                        "auto" => BackendChoice::Auto,
+                        "host" => BackendChoice::Host,
+                        _ => return Err(Error::Config(format!("backend: '{value}' is not auto or host"))),
+                    }
+                }
+                _ => {
+                    return Err(Error::Config(format!(
+                        "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
+                         max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, backend)"
+                    )))
+                }
+            }
+        }
+        if c.min_chunk == 0 {
+            return Err(Error::Config("min_chunk: must be at least 1 byte".into()));
+        }
+        Ok(c)
+    }
+}

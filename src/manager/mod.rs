@@ -1,0 +1,583 @@
+//! The [`MemoryManager`] singleton: configuration, dispatch, statistics,
+//! shutdown.
+
+mod config;
+mod init;
+mod summary;
+
+pub use config::{parse_size, BackendChoice, Config};
+#[doc(hidden)]
+pub use init::{InitCell, InitError};
+pub use summary::ShutdownReport;
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext};
+use once_cell::sync::OnceCell;
+
+use crate::device::{self, DeviceAllocator, DeviceAllocatorMode, DeviceStats, DriverStatus, Stream};
+use crate::error::{Error, PoolKind, Result};
+use crate::pool::{Pool, PoolConfig, PoolStats};
+use crate::sync::{AtomicBool, Ordering};
+use crate::upstream::{Host, Upstream};
+
+/// What memory the manager runs on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    /// The CUDA driver, with this many devices.
+    Cuda {
+        /// Devices the driver reports.
+        devices: usize,
+    },
+    /// The host fallback: ordinary host memory stands in for pinned and
+    /// device memory, and streams run nothing.
+    Host {
+        /// Why there is no CUDA.
+        reason: String,
+    },
+}
+
+impl Backend {
+    /// Whether this is the host fallback.
+    pub fn is_host(&self) -> bool {
+        matches!(self, Backend::Host { .. })
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Backend::Cuda { devices } => write!(f, "CUDA ({devices} device(s))"),
+            Backend::Host { reason } => write!(f, "host fallback, no GPU in use ({reason})"),
+        }
+    }
+}
+
+/// The memory manager: pools of pinned host memory and device memory,
+/// shared by all threads.
+///
+/// Use the process-wide instance: [`MemoryManager::init`] at program start
+/// to configure it, or [`MemoryManager::global`], which configures it from
+/// `CUMEM_CONF` on first use. Every method may be called from any thread.
+///
+/// # Examples
+/// ```
+/// use cumem::MemoryManager;
+/// let mm = MemoryManager::global()?;
+/// let p = mm.allocate_pinned(4096)?;
+/// assert_eq!(p.as_ptr() as usize % 256, 0);
+/// mm.free_pinned(p.as_ptr())?;
+/// let d = mm.allocate_device(1 << 20)?;
+/// mm.free_device(d)?;
+/// # Ok::<(), cumem::Error>(())
+/// ```
+pub struct MemoryManager {
+    config: Config,
+    backend: Backend,
+    pinned: Pool<Box<dyn Upstream>>,
+    pinned_ctx: Option<Arc<CudaContext>>,
+    devices: Vec<OnceCell<DeviceAllocator>>,
+    /// Device pool sizes set before the device's allocator exists.
+    device_pool_size: crate::sync::Mutex<usize>,
+    shut_down: AtomicBool,
+}
+
+impl std::fmt::Debug for MemoryManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryManager").field("backend", &self.backend).field("config", &self.config).finish()
+    }
+}
+
+#[cfg(not(loom))]
+static MANAGER: InitCell<MemoryManager> = InitCell::new();
+
+#[cfg(not(loom))]
+impl MemoryManager {
+    /// Creates the process-wide manager from `config`.
+    ///
+    /// # Errors
+    /// [`Error::AlreadyInitialized`] if it exists already (`init` was called,
+    /// or something used [`global`](MemoryManager::global) first); errors of
+    /// [`MemoryManager::new`].
+    pub fn init(config: Config) -> Result<&'static MemoryManager> {
+        MANAGER.init(|| MemoryManager::new(config)).map_err(|e| match e {
+            InitError::AlreadySet => Error::AlreadyInitialized,
+            InitError::Failed(e) => e,
+        })
+    }
+
+    /// The process-wide manager, configured from `CUMEM_CONF` on first use.
+    ///
+    /// # Errors
+    /// A bad `CUMEM_CONF` ([`Error::Config`] naming the key or value), or
+    /// an error of [`MemoryManager::new`]. Nothing is created then, and a
+    /// later call tries again.
+    pub fn global() -> Result<&'static MemoryManager> {
+        MANAGER.get_or_init(|| MemoryManager::new(Config::from_env()?))
+    }
+}
+
+impl MemoryManager {
+    /// A manager of its own, outside the singleton (for tests and for
+    /// programs that want separate pools). Prefer the singleton: pinned
+    /// memory and device pools are process-wide resources.
+    ///
+    /// # Errors
+    /// [`Error::NoSuchDevice`] for a bad device ordinal; a driver error if
+    /// the device's context can't be had.
+    pub fn new(config: Config) -> Result<MemoryManager> {
+        let (backend, ctx) = match (config.backend, device::driver_status()) {
+            (BackendChoice::Host, _) => (Backend::Host { reason: "the configuration asks for it".into() }, None),
+            (BackendChoice::Auto, DriverStatus::Unavailable(why)) => (Backend::Host { reason: why.clone() }, None),
+            (BackendChoice::Auto, DriverStatus::Available { devices }) => {
+                let ctx = device::device_context(config.device)?;
+                (Backend::Cuda { devices: *devices }, ctx)
+            }
+        };
+        let device_count = match &backend {
+            Backend::Cuda { devices } => *devices,
+            Backend::Host { .. } => 1,
+        };
+        if config.device >= device_count {
+            return Err(Error::NoSuchDevice { ordinal: config.device, count: device_count });
+        }
+        let pinned_upstream: Box<dyn Upstream> = match &ctx {
+            Some(ctx) => Box::new(device::CudaPinnedMemory::new(ctx.clone())),
+            None => Box::new(Host::new()),
+        };
+        let mut pinned_config = PoolConfig::new(PoolKind::Pinned);
+        pinned_config.initial_size = config.pinned_pool_size;
+        pinned_config.min_chunk = config.min_chunk;
+        pinned_config.max_size = config.max_pinned_pool_size;
+        Ok(MemoryManager {
+            device_pool_size: crate::sync::Mutex::new(config.device_pool_size),
+            pinned: Pool::new(pinned_upstream, pinned_config),
+            pinned_ctx: ctx,
+            devices: (0..device_count).map(|_| OnceCell::new()).collect(),
+            backend,
+            config,
+            shut_down: AtomicBool::new(false),
+        })
+    }
+
+    /// The configuration the manager was created with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// What the manager runs on.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    pub(crate) fn check_running_pinned(&self) -> Result<()> {
+        self.check_running("pinned allocation")
+    }
+
+    fn check_running(&self, what: &'static str) -> Result<()> {
+        if self.shut_down.load(Ordering::Acquire) {
+            Err(Error::ShutDown(what))
+        } else {
+            Ok(())
+        }
+    }
+
+    // ---- pinned host memory ----
+
+    /// Allocates `size` bytes of pinned (page-locked) host memory, 256-byte
+    /// aligned, from the pinned pool.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSize`] for 0 or absurd sizes, [`Error::ShutDown`],
+    /// [`Error::OutOfMemory`].
+    pub fn allocate_pinned(&self, size: usize) -> Result<NonNull<u8>> {
+        self.allocate_pinned_aligned(size, crate::pool::BLOCK_ALIGN)
+    }
+
+    /// Allocates pinned memory with an alignment of `align` (a power of two
+    /// up to [`MAX_ALIGN`](crate::pool::MAX_ALIGN)).
+    ///
+    /// # Errors
+    /// As [`allocate_pinned`](Self::allocate_pinned), plus
+    /// [`Error::InvalidAlignment`].
+    pub fn allocate_pinned_aligned(&self, size: usize, align: usize) -> Result<NonNull<u8>> {
+        self.check_running("pinned allocation")?;
+        let a = self.pinned.allocate(size, align)?;
+        Ok(NonNull::new(a.addr as *mut u8).expect("pools never hand out address 0"))
+    }
+
+    /// Returns pinned memory to the pool. The memory must no longer be
+    /// used, by the host or by queued copies.
+    ///
+    /// # Errors
+    /// [`Error::DoubleFree`], [`Error::InteriorPointer`],
+    /// [`Error::UnknownPointer`] (also for device pointers); the pool is
+    /// unchanged then.
+    pub fn free_pinned(&self, ptr: *mut u8) -> Result<()> {
+        self.pinned.deallocate(ptr as usize, crate::pool::StreamTag::NONE).map(|_| ())
+    }
+
+    /// The pinned pool.
+    pub fn pinned_pool(&self) -> &Pool<Box<dyn Upstream>> {
+        &self.pinned
+    }
+
+    /// Sets the bytes the first pinned allocation reserves.
+    ///
+    /// # Errors
+    /// [`Error::ConfigTooLate`] after the first pinned allocation.
+    pub fn set_pinned_pool_size(&self, bytes: usize) -> Result<()> {
+        self.pinned.set_initial_size(bytes).map_err(|_| Error::ConfigTooLate { what: "the pinned pool size" })
+    }
+
+    // ---- device memory ----
+
+    /// The allocator of device `ordinal`, created on first use.
+    ///
+    /// # Errors
+    /// [`Error::NoSuchDevice`]; a driver error creating its context.
+    pub fn device(&self, ordinal: usize) -> Result<&DeviceAllocator> {
+        let cell = self
+            .devices
+            .get(ordinal)
+            .ok_or(Error::NoSuchDevice { ordinal, count: self.devices.len() })?;
+        cell.get_or_try_init(|| self.make_device(ordinal))
+    }
+
+    /// The allocator of the default device.
+    ///
+    /// # Errors
+    /// As [`device`](Self::device).
+    pub fn default_device(&self) -> Result<&DeviceAllocator> {
+        self.device(self.config.device)
+    }
+
+    fn make_device(&self, ordinal: usize) -> Result<DeviceAllocator> {
+        let ctx = match self.backend {
+            Backend::Cuda { .. } => device::device_context(ordinal)?,
+            Backend::Host { .. } => None,
+        };
+        let upstream: Box<dyn Upstream> = match &ctx {
+            Some(ctx) => device::device_upstream(ctx.clone(), self.config.expandable)?,
+            None => Box::new(Host::new()),
+        };
+        let mut pc = PoolConfig::new(PoolKind::Device);
+        pc.initial_size = *crate::sync::lock(&self.device_pool_size);
+        pc.min_chunk = self.config.min_chunk;
+        pc.max_size = self.config.max_device_pool_size;
+        pc.expandable = self.config.expandable;
+        Ok(DeviceAllocator::new(ordinal, ctx, Pool::new(upstream, pc), self.config.mode, self.config.release_threshold))
+    }
+
+    /// Allocates `size` bytes of device memory on the default device,
+    /// usable at once by the host (copies) and by any stream.
+    ///
+    /// In the stream-ordered modes this waits for the allocation to
+    /// complete; pass a stream ([`allocate_device_on`](Self::allocate_device_on))
+    /// to avoid that.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSize`], [`Error::ShutDown`], [`Error::OutOfMemory`],
+    /// driver errors.
+    pub fn allocate_device(&self, size: usize) -> Result<u64> {
+        self.check_running("device allocation")?;
+        self.default_device()?.allocate(size, None)
+    }
+
+    /// Allocates `size` bytes of device memory for work on `stream`: safe to
+    /// use by work queued on `stream` from now on.
+    ///
+    /// # Errors
+    /// As [`allocate_device`](Self::allocate_device).
+    pub fn allocate_device_on(&self, size: usize, stream: &Stream) -> Result<u64> {
+        self.check_running("device allocation")?;
+        self.default_device()?.allocate(size, Some(stream))
+    }
+
+    /// Frees device memory at once. The caller guarantees that no work
+    /// queued on any stream still uses it (for example after synchronising
+    /// the stream that used it); use [`free_device_on`](Self::free_device_on)
+    /// to free in stream order instead.
+    ///
+    /// # Errors
+    /// [`Error::DoubleFree`], [`Error::InteriorPointer`],
+    /// [`Error::UnknownPointer`] (also for pinned pointers); nothing changes
+    /// then.
+    pub fn free_device(&self, ptr: u64) -> Result<()> {
+        self.default_device()?.free(ptr, None).map(|_| ())
+    }
+
+    /// Frees device memory in stream order: work queued on `stream` before
+    /// this call may still use it; other streams reuse it only after that
+    /// work is done.
+    ///
+    /// # Errors
+    /// As [`free_device`](Self::free_device).
+    pub fn free_device_on(&self, ptr: u64, stream: &Stream) -> Result<()> {
+        self.default_device()?.free(ptr, Some(stream)).map(|_| ())
+    }
+
+    /// Sets the bytes the first device allocation of the sync pool reserves.
+    ///
+    /// # Errors
+    /// [`Error::ConfigTooLate`] after the first device allocation.
+    pub fn set_device_pool_size(&self, bytes: usize) -> Result<()> {
+        let mut size = crate::sync::lock(&self.device_pool_size);
+        if self.initialised_devices().any(|d| d.pool().used()) {
+            return Err(Error::ConfigTooLate { what: "the device pool size" });
+        }
+        for d in self.initialised_devices() {
+            d.pool().set_initial_size(bytes)?;
+        }
+        *size = bytes;
+        Ok(())
+    }
+
+    /// Requests a device allocator mode for every device; returns the mode
+    /// in effect on the default device. Allocations made before stay valid
+    /// and are freed by the mode that made them.
+    ///
+    /// # Errors
+    /// An error creating the default device's allocator.
+    pub fn set_device_allocator_mode(&self, mode: DeviceAllocatorMode) -> Result<DeviceAllocatorMode> {
+        let effective = self.default_device()?.set_mode(mode);
+        for (i, cell) in self.devices.iter().enumerate() {
+            if i != self.config.device {
+                if let Some(d) = cell.get() {
+                    d.set_mode(mode);
+                }
+            }
+        }
+        Ok(effective)
+    }
+
+    /// The mode asked for (by the configuration or
+    /// [`set_device_allocator_mode`](Self::set_device_allocator_mode)).
+    pub fn requested_device_allocator_mode(&self) -> DeviceAllocatorMode {
+        self.default_device().map_or(self.config.mode, |d| d.requested_mode())
+    }
+
+    /// The mode in use on the default device: `SyncPool` when the requested
+    /// stream-ordered mode is not supported.
+    pub fn effective_device_allocator_mode(&self) -> DeviceAllocatorMode {
+        self.default_device().map_or(DeviceAllocatorMode::SyncPool, |d| d.effective_mode())
+    }
+
+    /// Whether the default device supports stream-ordered allocation
+    /// (`CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`).
+    pub fn supports_async_device_allocator(&self) -> bool {
+        self.default_device().is_ok_and(|d| d.supports_async())
+    }
+
+    // ---- copies ----
+
+    /// Queues a copy of `size` bytes from host memory `src` to device memory
+    /// `dst` on `stream` (`cuMemcpyHtoDAsync`). From pinned memory the copy
+    /// runs asynchronously; from pageable memory the driver stages it. On
+    /// the host fallback it happens at once.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `size` bytes and `dst` a device
+    /// allocation of at least `size` bytes, both until the copy is done
+    /// (synchronise `stream`), and neither may be written meanwhile.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub unsafe fn copy_to_device_async(&self, dst: u64, src: *const u8, size: usize, stream: &Stream) -> Result<()> {
+        if size == 0 {
+            return Ok(());
+        }
+        match stream.context() {
+            Some(ctx) => {
+                ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
+                // SAFETY: the caller guarantees both ranges for `size` bytes
+                // until the stream's copy is done.
+                unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), size, stream.cu_stream()) }
+                    .result()
+                    .map_err(device::driver_err("cuMemcpyHtoDAsync"))
+            }
+            None => {
+                self.host_copy_check()?;
+                // SAFETY: on the host fallback device memory is host memory;
+                // the caller guarantees both ranges and that they don't
+                // overlap (they are distinct allocations).
+                unsafe { std::ptr::copy_nonoverlapping(src, dst as usize as *mut u8, size) };
+                Ok(())
+            }
+        }
+    }
+
+    /// Queues a copy of `size` bytes from device memory `src` to host memory
+    /// `dst` on `stream` (`cuMemcpyDtoHAsync`).
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `size` bytes and `src` a device
+    /// allocation of at least `size` bytes, both until the copy is done, and
+    /// `dst` must not be read or written meanwhile.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub unsafe fn copy_to_host_async(&self, dst: *mut u8, src: u64, size: usize, stream: &Stream) -> Result<()> {
+        if size == 0 {
+            return Ok(());
+        }
+        match stream.context() {
+            Some(ctx) => {
+                ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
+                // SAFETY: the caller guarantees both ranges until the copy is
+                // done.
+                unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, size, stream.cu_stream()) }
+                    .result()
+                    .map_err(device::driver_err("cuMemcpyDtoHAsync"))
+            }
+            None => {
+                self.host_copy_check()?;
+                // SAFETY: on the host fallback device memory is host memory;
+                // the caller guarantees both ranges.
+                unsafe { std::ptr::copy_nonoverlapping(src as usize as *const u8, dst, size) };
+                Ok(())
+            }
+        }
+    }
+
+    fn host_copy_check(&self) -> Result<()> {
+        if self.backend.is_host() {
+            Ok(())
+        } else {
+            Err(Error::InvalidState("a host stream can't copy CUDA device memory; use a CUDA stream".into()))
+        }
+    }
+
+    // ---- statistics ----
+
+    /// The pinned pool's statistics.
+    pub fn pinned_stats(&self) -> PoolStats {
+        self.pinned.stats()
+    }
+
+    /// Device `ordinal`'s statistics.
+    ///
+    /// # Errors
+    /// [`Error::NoSuchDevice`].
+    pub fn device_stats(&self, ordinal: usize) -> Result<DeviceStats> {
+        Ok(self.device(ordinal)?.stats())
+    }
+
+    /// Sets every peak statistic to its current value.
+    pub fn reset_peak_stats(&self) {
+        self.pinned.reset_peaks();
+        for d in self.devices.iter().filter_map(|c| c.get()) {
+            d.reset_peaks();
+        }
+    }
+
+    /// Returns all cached free memory (pinned and device) to the driver.
+    /// Returns the bytes released from cumem's own pools.
+    ///
+    /// # Errors
+    /// The first driver error.
+    pub fn release_cached(&self) -> Result<usize> {
+        let mut released = self.pinned.release_cached()?;
+        for d in self.devices.iter().filter_map(|c| c.get()) {
+            released += d.release_cached()?;
+        }
+        Ok(released)
+    }
+
+    /// The device malloc heap's size limit (`CU_LIMIT_MALLOC_HEAP_SIZE`):
+    /// the heap kernels' `malloc` draws on.
+    ///
+    /// # Errors
+    /// [`Error::NeedsGpu`] on the host fallback; a driver error.
+    pub fn device_malloc_heap_size(&self) -> Result<usize> {
+        let ctx = self.heap_ctx()?;
+        ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
+        result::ctx::get_limit(sys::CUlimit::CU_LIMIT_MALLOC_HEAP_SIZE).map_err(device::driver_err("cuCtxGetLimit"))
+    }
+
+    /// Sets the device malloc heap's size (`cuCtxSetLimit` with
+    /// `CU_LIMIT_MALLOC_HEAP_SIZE`). Must happen before any module whose
+    /// kernels call `malloc` is loaded into the context; the heap can't
+    /// change afterwards.
+    ///
+    /// # Errors
+    /// [`Error::NeedsGpu`] on the host fallback; [`Error::ConfigTooLate`]
+    /// when the driver refuses because such a module is loaded already;
+    /// other driver errors.
+    pub fn set_device_malloc_heap_size(&self, bytes: usize) -> Result<()> {
+        let ctx = self.heap_ctx()?;
+        ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
+        let before = self.device_malloc_heap_size()?;
+        match result::ctx::set_limit(sys::CUlimit::CU_LIMIT_MALLOC_HEAP_SIZE, bytes) {
+            Ok(()) => {
+                let now = self.device_malloc_heap_size()?;
+                if now < bytes && now == before && before != bytes {
+                    return Err(Error::ConfigTooLate {
+                        what: "the device malloc heap size (a module using malloc is already loaded)",
+                    });
+                }
+                Ok(())
+            }
+            Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_SUPPORTED
+                || e.0 == sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE =>
+            {
+                Err(Error::ConfigTooLate {
+                    what: "the device malloc heap size (a module using malloc is already loaded, or the size is refused)",
+                })
+            }
+            Err(e) => Err(device::driver_err("cuCtxSetLimit")(e)),
+        }
+    }
+
+    fn heap_ctx(&self) -> Result<Arc<CudaContext>> {
+        match &self.backend {
+            Backend::Host { .. } => Err(Error::NeedsGpu("the device malloc heap")),
+            Backend::Cuda { .. } => Ok(self
+                .default_device()?
+                .context()
+                .cloned()
+                .or_else(|| self.pinned_ctx.clone())
+                .ok_or(Error::NeedsGpu("the device malloc heap"))?),
+        }
+    }
+
+    /// A readable table of every pool's state, in the spirit of
+    /// `torch.cuda.memory_summary()`.
+    pub fn memory_summary(&self) -> String {
+        summary::render(self)
+    }
+
+    /// Stops serving allocations, returns all free memory to the driver,
+    /// and reports what is still live. Live memory stays valid; it is
+    /// returned to the driver when freed. Calling it twice is harmless.
+    ///
+    /// # Errors
+    /// A driver error while releasing memory (what could be released, was).
+    pub fn shutdown(&self) -> Result<ShutdownReport> {
+        self.shut_down.store(true, Ordering::Release);
+        let mut report = ShutdownReport::default();
+        let before = self.pinned.stats().reserved;
+        for b in self.pinned.shutdown()? {
+            report.push(PoolKind::Pinned, b);
+        }
+        report.released_bytes += before - self.pinned.stats().reserved;
+        for d in self.devices.iter().filter_map(|c| c.get()) {
+            let before = d.pool().stats().reserved;
+            for b in d.shutdown()? {
+                report.push(PoolKind::Device, b);
+            }
+            report.released_bytes += before - d.pool().stats().reserved;
+        }
+        Ok(report)
+    }
+
+    /// Whether [`shutdown`](Self::shutdown) was called.
+    pub fn is_shut_down(&self) -> bool {
+        self.shut_down.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn initialised_devices(&self) -> impl Iterator<Item = &DeviceAllocator> {
+        self.devices.iter().filter_map(|c| c.get())
+    }
+}

@@ -1,0 +1,145 @@
+//! The memory summary table and the shutdown report.
+
+use std::fmt::{self, Write as _};
+
+use super::MemoryManager;
+use crate::error::PoolKind;
+use crate::pool::{LiveBlock, PoolStats};
+
+/// Formats a byte count for people (`1.50 MiB`).
+pub fn human_bytes(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[unit])
+    }
+}
+
+/// What [`MemoryManager::shutdown`] found still live.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Each live allocation with the pool it belongs to.
+    pub live: Vec<(PoolKind, LiveBlock)>,
+    /// How many allocations are live.
+    pub live_count: usize,
+    /// Their bytes (block sizes).
+    pub live_bytes: usize,
+    /// Bytes returned to the driver by this shutdown.
+    pub released_bytes: usize,
+}
+
+impl ShutdownReport {
+    pub(crate) fn push(&mut self, kind: PoolKind, block: LiveBlock) {
+        self.live_count += 1;
+        self.live_bytes += block.size;
+        self.live.push((kind, block));
+    }
+
+    /// Whether nothing was live.
+    pub fn is_clean(&self) -> bool {
+        self.live_count == 0
+    }
+}
+
+impl fmt::Display for ShutdownReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "cumem shutdown: released {}, {} allocation(s) still live ({})",
+            human_bytes(self.released_bytes),
+            self.live_count,
+            human_bytes(self.live_bytes)
+        )?;
+        for (kind, b) in self.live.iter().take(20) {
+            writeln!(f, "  {kind:>7} {:#014x} {:>12} (asked {})", b.addr, human_bytes(b.size), human_bytes(b.requested))?;
+        }
+        if self.live.len() > 20 {
+            writeln!(f, "  ... and {} more", self.live.len() - 20)?;
+        }
+        Ok(())
+    }
+}
+
+fn row(out: &mut String, name: &str, s: &PoolStats) {
+    let _ = writeln!(
+        out,
+        "| {name:<16} | {:>11} | {:>11} | {:>11} | {:>11} | {:>7} | {:>7} | {:>11} | {:>9} | {:>9} | {:>5}/{:<5} | {:>5.3} |",
+        human_bytes(s.in_use),
+        human_bytes(s.peak_in_use),
+        human_bytes(s.reserved),
+        human_bytes(s.peak_reserved),
+        s.live_blocks,
+        s.free_blocks,
+        human_bytes(s.largest_free),
+        s.allocations,
+        s.frees,
+        s.upstream_allocs,
+        s.upstream_frees,
+        s.fragmentation(),
+    );
+}
+
+pub(super) fn render(mm: &MemoryManager) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "cumem memory summary: backend {}", mm.backend());
+    let _ = writeln!(
+        out,
+        "| {:<16} | {:>11} | {:>11} | {:>11} | {:>11} | {:>7} | {:>7} | {:>11} | {:>9} | {:>9} | {:>11} | {:>5} |",
+        "pool", "in use", "peak in use", "reserved", "peak resvd", "live", "free", "largest free", "allocs", "frees",
+        "chunks +/-", "frag"
+    );
+    let _ = writeln!(out, "|{}|", "-".repeat(150));
+    row(&mut out, "pinned", &mm.pinned_stats());
+    for d in mm.initialised_devices() {
+        let st = d.stats();
+        row(&mut out, &format!("device {} pool", d.ordinal()), &st.pool);
+        let a = &st.stream_ordered;
+        if a.allocations > 0 {
+            let _ = writeln!(
+                out,
+                "| device {} async  | {:>11} | {:>11} | live {:>6} | allocs {:>9} | frees {:>9} | oom retries {}",
+                d.ordinal(),
+                human_bytes(a.in_use),
+                human_bytes(a.peak_in_use),
+                a.live,
+                a.allocations,
+                a.frees,
+                a.oom_retries
+            );
+        }
+        for (name, attrs) in [("native pool", st.native_pool), ("default pool", st.default_pool)] {
+            if let Some(p) = attrs {
+                let _ = writeln!(
+                    out,
+                    "| device {} {name}: reserved {} (high {}), used {} (high {}), release threshold {}",
+                    d.ordinal(),
+                    human_bytes(p.reserved_current as usize),
+                    human_bytes(p.reserved_high as usize),
+                    human_bytes(p.used_current as usize),
+                    human_bytes(p.used_high as usize),
+                    if p.release_threshold == u64::MAX { "max".to_string() } else { human_bytes(p.release_threshold as usize) }
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "device {}: mode {} (requested {}), upstream {}, OOM retries {}",
+            d.ordinal(),
+            d.effective_mode(),
+            d.requested_mode(),
+            d.pool().upstream().name(),
+            st.pool.oom_retries
+        );
+    }
+    if mm.is_shut_down() {
+        let _ = writeln!(out, "(shut down)");
+    }
+    out
+}
