@@ -139,6 +139,17 @@ pub struct DeviceAllocator {
     streams: StreamRegistry,
 }
 
+impl std::fmt::Debug for DeviceAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceAllocator")
+            .field("ordinal", &self.ordinal)
+            .field("cuda", &self.ctx.is_some())
+            .field("requested", &self.requested_mode())
+            .field("effective", &self.effective_mode())
+            .finish()
+    }
+}
+
 impl DeviceAllocator {
     /// An allocator for device `ordinal` (`ctx` is `None` on the host
     /// fallback) whose sync pool draws on `pool`.

@@ -263,7 +263,7 @@ impl<U: Upstream> Pool<U> {
         // Room for alignment padding beyond what the upstream guarantees.
         let need = rounded + align.saturating_sub(gran.min(4096)).min(align);
         let stats = inner.fit.stats();
-        let growth = if self.config.expandable {
+        let growth = if self.config.expandable && self.upstream.can_extend() {
             inner.fit.last_chunk().map(|(chunk, free_tail)| {
                 let extra = round_up(need.saturating_sub(free_tail).max(1), gran);
                 // Grow at least by the minimum chunk so mapping stays rare.
@@ -320,6 +320,17 @@ impl<U: Upstream> Pool<U> {
                 let bytes = round_up(need.max(self.config.min_chunk), self.upstream.granularity());
                 {
                     let mut inner = lock(&self.inner);
+                    let total = inner.fit.stats().reserved + inner.pending_growth - extra + bytes;
+                    if self.config.max_size.is_some_and(|max| total > max) {
+                        return Err(Error::OutOfMemory {
+                            pool: self.config.kind,
+                            requested: need,
+                            state: Box::new(OomState {
+                                upstream: Some(format!("{} can't extend the pool in place", self.upstream.name())),
+                                ..Default::default()
+                            }),
+                        });
+                    }
                     inner.pending_growth = inner.pending_growth - extra + bytes;
                 }
                 self.grow(Growth::New { bytes }).inspect_err(|_| {

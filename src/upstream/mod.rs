@@ -61,6 +61,11 @@ pub trait Upstream: Send + Sync {
         Ok(false)
     }
 
+    /// Whether [`try_extend`](Upstream::try_extend) can ever succeed.
+    fn can_extend(&self) -> bool {
+        false
+    }
+
     /// Gives back the last `amount` bytes of `chunk`, which was grown with
     /// [`try_extend`](Upstream::try_extend). Returns `Ok(false)` when this
     /// upstream can't shrink chunks.
@@ -102,6 +107,9 @@ impl<U: Upstream + ?Sized> Upstream for Box<U> {
     }
     fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
         (**self).try_shrink(chunk, amount)
+    }
+    fn can_extend(&self) -> bool {
+        (**self).can_extend()
     }
     fn granularity(&self) -> usize {
         (**self).granularity()
