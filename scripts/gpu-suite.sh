@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The GPU suite: build here, run on a machine with a GPU.
+#
+#   scripts/gpu-suite.sh build          # here: build test, example, bench and tool
+#                                       # binaries, copy them (stripped) into gpu-bin/
+#   scripts/gpu-suite.sh run [what...]  # there: run them with CUMEM_REQUIRE_GPU=1;
+#                                       # what = tests examples benches replay (default: all)
+#
+# gpu-bin/ is git-ignored; carry it to the GPU machine. Logs go to $OUT (or
+# gpu-logs/) when set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=gpu-bin
+
+build() {
+    set -e
+    rm -rf "$BIN" && mkdir -p "$BIN/tests" "$BIN/examples" "$BIN/benches" "$BIN/tools" "$BIN/traces"
+    # Test binaries (the library's own unit tests and tests/*.rs).
+    cargo test --release --no-run --message-format=json 2>/dev/null |
+        python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        kind = m["target"]["kind"][0]
+        print(kind, m["target"]["name"], m["executable"])
+' | while read -r kind name exe; do
+            [ "$kind" = "bench" ] && continue
+            cp "$exe" "$BIN/tests/$kind-$name"
+        done
+    cargo build --release --examples --bins
+    for ex in examples/*.rs; do
+        name=$(basename "$ex" .rs)
+        cp "target/release/examples/$name" "$BIN/examples/$name"
+    done
+    for b in target/release/cumem-*; do
+        [ -x "$b" ] && [ -f "$b" ] && cp "$b" "$BIN/tools/"
+    done
+    cargo bench --no-run --message-format=json 2>/dev/null |
+        python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "bench" in m["target"]["kind"]:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do cp "$exe" "$BIN/benches/$name"; done
+    cp ../shared/traces/*.csv.gz "$BIN/traces/" 2>/dev/null || true
+    strip --strip-debug "$BIN"/tests/* "$BIN"/examples/* "$BIN"/benches/* "$BIN"/tools/* 2>/dev/null || true
+    du -sh "$BIN"
+    ls -R "$BIN" | head -60
+}
+
+run() {
+    local out=${OUT:-gpu-logs}
+    mkdir -p "$out"
+    export CUMEM_REQUIRE_GPU=1
+    local what=("$@")
+    [ ${#what[@]} -eq 0 ] && what=(tests examples benches replay)
+    local failed=0
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1 | tee "$out/gpu.txt"
+    for w in "${what[@]}"; do
+        case "$w" in
+        tests)
+            for t in "$BIN"/tests/*; do
+                echo "== $t"
+                if ! "$t" --test-threads=4 >"$out/$(basename "$t").log" 2>&1; then
+                    echo "FAILED: $t"; tail -40 "$out/$(basename "$t").log"; failed=1
+                else
+                    grep -E "test result|skipped" "$out/$(basename "$t").log" | tail -3
+                fi
+            done
+            ;;
+        examples)
+            for e in "$BIN"/examples/*; do
+                echo "== $e"
+                if ! timeout 300 "$e" >"$out/example-$(basename "$e").log" 2>&1; then
+                    echo "FAILED: $e"; failed=1
+                fi
+                tail -30 "$out/example-$(basename "$e").log"
+            done
+            ;;
+        benches)
+            for b in "$BIN"/benches/*; do
+                echo "== $b"
+                timeout 400 "$b" --bench >"$out/bench-$(basename "$b").log" 2>&1 || { echo "FAILED: $b"; failed=1; }
+                grep -vE "^(Benchmarking|Found|  [0-9]+ \(|Warning|\s*$)" "$out/bench-$(basename "$b").log" | tail -60
+            done
+            ;;
+        replay)
+            for tool in "$BIN"/tools/cumem-replay; do
+                [ -x "$tool" ] || continue
+                echo "== $tool"
+                "$tool" --target all "$BIN"/traces/*.csv.gz 2>&1 | tee "$out/replay.log" | tail -40
+            done
+            ;;
+        *) echo "unknown part: $w"; failed=1 ;;
+        esac
+    done
+    return $failed
+}
+
+case "${1:-}" in
+build) build ;;
+run) shift; run "$@" ;;
+*) echo "usage: $0 build | run [tests|examples|benches|replay]..." >&2; exit 2 ;;
+esac

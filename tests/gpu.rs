@@ -1,0 +1,247 @@
+//! GPU tests: real device memory, kernels from NVRTC, streams, the three
+//! modes, the native pool's attributes, out of memory. Each skips with a
+//! printed reason without a GPU, and fails instead under
+//! `CUMEM_REQUIRE_GPU=1`.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
+use cumem::device::gpu_for_test;
+use cumem::{Config, DeviceAllocatorMode, DeviceBuffer, Error, MemoryManager, PinnedAlloc, PinnedVec, Stream};
+
+const KERNELS: &str = r#"
+extern "C" __global__ void fill(unsigned int* p, unsigned int v, unsigned long long n) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < n) p[i] = v;
+}
+extern "C" __global__ void fill_then_spin(unsigned int* p, unsigned int v, unsigned long long n, long long cycles) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < n) p[i] = v;
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+extern "C" __global__ void saxpy(float* y, const float* x, float a, unsigned long long n) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+"#;
+
+fn module(ctx: &Arc<CudaContext>) -> Arc<CudaModule> {
+    let ptx = cudarc::nvrtc::compile_ptx(KERNELS).expect("NVRTC compiles the test kernels");
+    ctx.load_module(ptx).expect("the module loads")
+}
+
+fn func(m: &Arc<CudaModule>, name: &str) -> CudaFunction {
+    m.load_function(name).expect("kernel exists")
+}
+
+/// GPU tests run one at a time: one of them fills the device.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn cfg(n: usize) -> LaunchConfig {
+    LaunchConfig::for_num_elems(n as u32)
+}
+
+#[test]
+fn device_buffer_is_a_kernel_argument() {
+    let Some(ctx) = gpu_for_test("device_buffer_is_a_kernel_argument") else { return };
+    let _serial = serial();
+    let m = module(&ctx);
+    let saxpy = func(&m, "saxpy");
+    let n = 1 << 20;
+    let xs: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let ys: Vec<f32> = (0..n).map(|i| 1.0 + i as f32).collect();
+    let stream = Stream::new().unwrap();
+    let x = DeviceBuffer::from_host(&xs).unwrap();
+    let y = DeviceBuffer::from_host(&ys).unwrap();
+    let (yp, xp, a, nn) = (y.device_ptr(), x.device_ptr(), 2.0f32, n as u64);
+    let s = stream.cudarc().unwrap();
+    let mut launch = s.launch_builder(&saxpy);
+    launch.arg(&yp).arg(&xp).arg(&a).arg(&nn);
+    // SAFETY: the kernel's signature matches the arguments; both buffers
+    // hold `n` floats and live until after the stream is synchronised.
+    unsafe { launch.launch(cfg(n)) }.unwrap();
+    stream.synchronize().unwrap();
+    let out = y.to_vec().unwrap();
+    for i in (0..n).step_by(4099) {
+        assert_eq!(out[i], 2.0 * i as f32 + 1.0 + i as f32, "element {i}");
+    }
+}
+
+#[test]
+fn reuse_on_another_stream_waits_for_the_first() {
+    let Some(ctx) = gpu_for_test("reuse_on_another_stream_waits_for_the_first") else { return };
+    let _serial = serial();
+    // A manager of its own, so the free block B gets is predictable.
+    let mm = MemoryManager::new(Config::new()).unwrap();
+    let m = module(&ctx);
+    let fill = func(&m, "fill");
+    let spin = func(&m, "fill_then_spin");
+    let n = 1usize << 16;
+    let bytes = n * 4;
+    let a = Stream::new().unwrap();
+    let b = Stream::new().unwrap();
+    let a_result = mm.allocate_device(bytes).unwrap();
+    let b_result = mm.allocate_device(bytes).unwrap();
+
+    // Stream A writes 0xA into the buffer, works for a while, then copies the
+    // buffer out: if B's write landed meanwhile, A's copy would see it.
+    let buf = mm.allocate_device_on(bytes, &a).unwrap();
+    let (va, nn, cycles) = (0xAu32, n as u64, 400_000_000i64);
+    let sa = a.cudarc().unwrap();
+    let mut launch = sa.launch_builder(&spin);
+    launch.arg(&buf).arg(&va).arg(&nn).arg(&cycles);
+    // SAFETY: arguments match the kernel; the buffer holds `n` values.
+    unsafe { launch.launch(cfg(n)) }.unwrap();
+    // SAFETY: both ranges are `bytes`-long device allocations.
+    unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(a_result, buf, bytes, a.cu_stream()) }.result().unwrap();
+    mm.free_device_on(buf, &a).unwrap(); // in stream order on A
+
+    // B gets the same block at once and writes 0xB.
+    let reused = mm.allocate_device_on(bytes, &b).unwrap();
+    assert_eq!(reused, buf, "best fit hands the freed block to B");
+    let vb = 0xBu32;
+    let sb = b.cudarc().unwrap();
+    let mut launch = sb.launch_builder(&fill);
+    launch.arg(&reused).arg(&vb).arg(&nn);
+    // SAFETY: as above.
+    unsafe { launch.launch(cfg(n)) }.unwrap();
+    // SAFETY: as above.
+    unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(b_result, reused, bytes, b.cu_stream()) }.result().unwrap();
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    let read = |p: u64| {
+        let mut v = vec![0u32; n];
+        // SAFETY: `v` holds `n` values; the streams are idle.
+        unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(v.as_mut_ptr().cast(), p, bytes) }.result().unwrap();
+        v
+    };
+    assert!(read(a_result).iter().all(|&v| v == 0xA), "A's data was overwritten by B");
+    assert!(read(b_result).iter().all(|&v| v == 0xB), "B's data is wrong");
+    for p in [reused, a_result, b_result] {
+        mm.free_device(p).unwrap();
+    }
+}
+
+#[test]
+fn every_mode_allocates_real_device_memory() {
+    let Some(ctx) = gpu_for_test("every_mode_allocates_real_device_memory") else { return };
+    let _serial = serial();
+    let mm = MemoryManager::new(Config::new()).unwrap();
+    assert!(mm.supports_async_device_allocator(), "H100/H200 support memory pools");
+    let stream = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let mut live = Vec::new();
+    for mode in DeviceAllocatorMode::ALL {
+        assert_eq!(mm.set_device_allocator_mode(mode).unwrap(), mode);
+        let n = 1 << 18;
+        let data: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2654435761) ^ mode as u32).collect();
+        let d = mm.allocate_device_on(n * 4, &stream).unwrap();
+        let d2 = mm.allocate_device(n * 4).unwrap();
+        // SAFETY: `data` lives until the synchronisation below; `d` holds n u32.
+        unsafe { mm.copy_to_device_async(d, data.as_ptr().cast(), n * 4, &stream) }.unwrap();
+        let mut back = vec![0u32; n];
+        // SAFETY: `back` lives until the synchronisation below.
+        unsafe { mm.copy_to_host_async(back.as_mut_ptr().cast(), d, n * 4, &stream) }.unwrap();
+        stream.synchronize().unwrap();
+        assert_eq!(back, data, "round trip in mode {mode}");
+        mm.free_device_on(d, &stream).unwrap();
+        live.push((mode, d2));
+    }
+    // Switch modes with allocations live: each is freed by the mode that made it.
+    mm.set_device_allocator_mode(DeviceAllocatorMode::SyncPool).unwrap();
+    for (mode, d) in live {
+        mm.free_device(d).unwrap_or_else(|e| panic!("freeing a {mode} allocation: {e}"));
+    }
+    let st = mm.device_stats(0).unwrap();
+    assert_eq!(st.stream_ordered.live, 0);
+    assert_eq!(st.pool.live_blocks, 0);
+    assert!(st.native_pool.is_some() && st.default_pool.is_some());
+    let e = mm.free_device(12345).unwrap_err();
+    assert!(matches!(e, Error::UnknownPointer { .. }), "{e}");
+    println!("{}", mm.memory_summary());
+}
+
+#[test]
+fn native_pool_attributes_trim_and_high_water() {
+    let Some(ctx) = gpu_for_test("native_pool_attributes_trim_and_high_water") else { return };
+    let _serial = serial();
+    let mm = MemoryManager::new(Config::new().mode(DeviceAllocatorMode::CudaAsyncPool).release_threshold(u64::MAX))
+        .unwrap();
+    let stream = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let ptrs: Vec<u64> = (0..8).map(|_| mm.allocate_device_on(32 << 20, &stream).unwrap()).collect();
+    let dev = mm.device(0).unwrap();
+    let attrs = dev.native_pool().unwrap().attributes().unwrap();
+    assert!(attrs.used_current >= 256 << 20, "{attrs:?}");
+    assert!(attrs.reserved_current >= attrs.used_current, "{attrs:?}");
+    assert_eq!(attrs.release_threshold, u64::MAX);
+    for p in ptrs {
+        mm.free_device_on(p, &stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+    let after = dev.native_pool().unwrap().attributes().unwrap();
+    assert_eq!(after.used_current, 0, "{after:?}");
+    assert!(after.reserved_current >= 256 << 20, "the release threshold keeps memory cached: {after:?}");
+    assert!(after.used_high >= 256 << 20);
+    dev.native_pool().unwrap().trim_to(0).unwrap();
+    let trimmed = dev.native_pool().unwrap().attributes().unwrap();
+    assert_eq!(trimmed.reserved_current, 0, "trim_to(0) releases everything free: {trimmed:?}");
+    dev.native_pool().unwrap().reset_high_watermarks().unwrap();
+    let reset = dev.native_pool().unwrap().attributes().unwrap();
+    assert_eq!(reset.used_high, 0, "{reset:?}");
+}
+
+#[test]
+fn pinned_pool_is_page_locked_memory() {
+    let Some(ctx) = gpu_for_test("pinned_pool_is_page_locked_memory") else { return };
+    let _serial = serial();
+    let mm = MemoryManager::global().unwrap();
+    let mut v: PinnedVec<u8> = PinnedVec::with_capacity_in(1 << 20, PinnedAlloc);
+    v.resize(1 << 20, 3);
+    let mut flags = 0u32;
+    ctx.bind_to_thread().unwrap();
+    // SAFETY: `v` is live host memory; the call only reads the pointer.
+    let r = unsafe { cudarc::driver::sys::cuMemHostGetFlags(&mut flags, v.as_mut_ptr().cast()) };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS, "the driver knows the PinnedVec's memory as pinned");
+    assert!(mm.pinned_stats().reserved >= 1 << 20);
+}
+
+#[test]
+fn out_of_memory_is_recoverable_and_nothing_leaks() {
+    let Some(ctx) = gpu_for_test("out_of_memory_is_recoverable_and_nothing_leaks") else { return };
+    let _serial = serial();
+    let (free_before, _) = ctx.mem_get_info().unwrap();
+    let mm = MemoryManager::new(Config::new().expandable(false)).unwrap();
+    let chunk = 1usize << 30;
+    let mut held = Vec::new();
+    let err = loop {
+        match mm.allocate_device(chunk) {
+            Ok(p) => held.push(p),
+            Err(e) => break e,
+        }
+        assert!(held.len() < 4096, "the device never ran out");
+    };
+    match &err {
+        Error::OutOfMemory { requested, state, .. } => {
+            assert_eq!(*requested, chunk);
+            assert!(state.in_use >= held.len() * chunk);
+            assert!(state.device_free.is_some(), "{err}");
+        }
+        other => panic!("expected OutOfMemory, got {other}"),
+    }
+    println!("filled {} GiB, then: {err}", held.len());
+    for p in held.drain(..) {
+        mm.free_device(p).unwrap();
+    }
+    // Allocating again works (cached memory is reused).
+    let p = mm.allocate_device(chunk).unwrap();
+    mm.free_device(p).unwrap();
+    mm.release_cached().unwrap();
+    let (free_after, _) = ctx.mem_get_info().unwrap();
+    assert!(
+        free_after + (64 << 20) >= free_before,
+        "device free memory returns to where it started: {free_before} before, {free_after} after"
+    );
+}
