@@ -4,7 +4,7 @@
 //! Runs on a GPU when one is present and on the host fallback otherwise
 //! (and says which).
 
-use cumem::{Config, DeviceBuffer, DeviceAllocatorMode, MemoryManager, PinnedAlloc, PinnedVec, Stream};
+use cumem::{Config, DeviceAllocatorMode, DeviceBuffer, MemoryManager, PinnedAlloc, PinnedVec, Stream};
 
 fn main() -> Result<(), cumem::Error> {
     let mm = MemoryManager::init(

@@ -147,7 +147,10 @@ fn shutdown_reports_live_memory_refuses_new_and_accepts_late_frees() {
     let report = mm.shutdown().unwrap();
     assert_eq!(report.live_count, 2, "{report}");
     assert_eq!(report.live_bytes, 1024 + 3072, "{report}");
-    assert!(report.live.iter().any(|(k, b)| *k == PoolKind::Pinned && b.addr == p.as_ptr() as usize && b.requested == 1000));
+    assert!(report
+        .live
+        .iter()
+        .any(|(k, b)| *k == PoolKind::Pinned && b.addr == p.as_ptr() as usize && b.requested == 1000));
     assert!(report.live.iter().any(|(k, b)| *k == PoolKind::Device && b.addr as u64 == d));
 
     // Live memory stays valid: write and read the pinned block.

@@ -121,6 +121,23 @@ fn reuse_on_another_stream_waits_for_the_first() {
     };
     assert!(read(a_result).iter().all(|&v| v == 0xA), "A's data was overwritten by B");
     assert!(read(b_result).iter().all(|&v| v == 0xB), "B's data is wrong");
+
+    // Control: the same race without the allocator's ordering (B writes the
+    // address straight away) does corrupt A's copy, so the check above can
+    // fail.
+    let mut launch = sa.launch_builder(&spin);
+    launch.arg(&reused).arg(&va).arg(&nn).arg(&cycles);
+    // SAFETY: as above.
+    unsafe { launch.launch(cfg(n)) }.unwrap();
+    // SAFETY: as above.
+    unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(a_result, reused, bytes, a.cu_stream()) }.result().unwrap();
+    let mut launch = sb.launch_builder(&fill);
+    launch.arg(&reused).arg(&vb).arg(&nn);
+    // SAFETY: as above.
+    unsafe { launch.launch(cfg(n)) }.unwrap();
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    assert!(read(a_result).iter().any(|&v| v == 0xB), "control: an unordered write should have raced");
     for p in [reused, a_result, b_result] {
         mm.free_device(p).unwrap();
     }
@@ -168,8 +185,8 @@ fn every_mode_allocates_real_device_memory() {
 fn native_pool_attributes_trim_and_high_water() {
     let Some(ctx) = gpu_for_test("native_pool_attributes_trim_and_high_water") else { return };
     let _serial = serial();
-    let mm = MemoryManager::new(Config::new().mode(DeviceAllocatorMode::CudaAsyncPool).release_threshold(u64::MAX))
-        .unwrap();
+    let mm =
+        MemoryManager::new(Config::new().mode(DeviceAllocatorMode::CudaAsyncPool).release_threshold(u64::MAX)).unwrap();
     let stream = Stream::from_cudarc(ctx.new_stream().unwrap());
     let ptrs: Vec<u64> = (0..8).map(|_| mm.allocate_device_on(32 << 20, &stream).unwrap()).collect();
     let dev = mm.device(0).unwrap();

@@ -49,7 +49,12 @@ impl Reference {
         }
         pieces.push(RefBlock { addr: start, size, free: false, chunk: b.chunk });
         if start + size < b.addr + b.size {
-            pieces.push(RefBlock { addr: start + size, size: b.addr + b.size - start - size, free: true, chunk: b.chunk });
+            pieces.push(RefBlock {
+                addr: start + size,
+                size: b.addr + b.size - start - size,
+                free: true,
+                chunk: b.chunk,
+            });
         }
         self.blocks.splice(best..=best, pieces);
         Some(start)
@@ -264,10 +269,8 @@ fn best_fit_matches_the_reference_on_fixed_seeds() {
 
 #[test]
 fn best_fit_matches_the_reference_on_a_random_seed() {
-    let seed: u64 = std::env::var("CUMEM_MODEL_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::thread_rng().gen());
+    let seed: u64 =
+        std::env::var("CUMEM_MODEL_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| rand::thread_rng().gen());
     println!("model check seed: {seed} (rerun with CUMEM_MODEL_SEED={seed})");
     let result = std::panic::catch_unwind(|| run(seed, 20_000));
     if let Err(e) = result {

@@ -79,10 +79,9 @@ impl std::fmt::Display for DeviceAllocatorMode {
 impl std::str::FromStr for DeviceAllocatorMode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        DeviceAllocatorMode::ALL
-            .into_iter()
-            .find(|m| m.name().eq_ignore_ascii_case(s))
-            .ok_or_else(|| Error::Config(format!("mode: '{s}' is not one of sync_pool, async_stream_ordered, cuda_async_pool")))
+        DeviceAllocatorMode::ALL.into_iter().find(|m| m.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
+            Error::Config(format!("mode: '{s}' is not one of sync_pool, async_stream_ordered, cuda_async_pool"))
+        })
     }
 }
 
@@ -231,9 +230,8 @@ impl DeviceAllocator {
 
     fn internal_stream(&self) -> Result<&Stream> {
         let ctx = self.require_ctx()?;
-        self.internal_stream.get_or_try_init(|| {
-            ctx.new_stream().map(Stream::from_cudarc).map_err(super::driver_err("cuStreamCreate"))
-        })
+        self.internal_stream
+            .get_or_try_init(|| ctx.new_stream().map(Stream::from_cudarc).map_err(super::driver_err("cuStreamCreate")))
     }
 
     fn default_pool(&self) -> Result<&NativePool> {
@@ -404,11 +402,11 @@ impl DeviceAllocator {
         for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
             p.trim_to(0)?;
         }
-        live.extend(
-            lock(&self.async_live)
-                .iter()
-                .map(|(&addr, b)| LiveBlock { addr, size: b.size, requested: b.size }),
-        );
+        live.extend(lock(&self.async_live).iter().map(|(&addr, b)| LiveBlock {
+            addr,
+            size: b.size,
+            requested: b.size,
+        }));
         Ok(live)
     }
 

@@ -70,7 +70,8 @@ pub fn device_context(ordinal: usize) -> Result<Option<Arc<CudaContext>>> {
         return Err(Error::NoSuchDevice { ordinal, count });
     }
     let cells = CONTEXTS.get_or_init(|| (0..count).map(|_| OnceCell::new()).collect());
-    let ctx = cells[ordinal].get_or_try_init(|| CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain")))?;
+    let ctx =
+        cells[ordinal].get_or_try_init(|| CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain")))?;
     Ok(Some(ctx.clone()))
 }
 

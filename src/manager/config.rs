@@ -205,9 +205,8 @@ impl std::str::FromStr for Config {
                     c.release_threshold = if value.eq_ignore_ascii_case("max") {
                         u64::MAX
                     } else {
-                        parse_size(value).ok_or_else(|| {
-                            Error::Config(format!("{key}: '{value}' is not a size or 'max'"))
-                        })?
+                        parse_size(value)
+                            .ok_or_else(|| Error::Config(format!("{key}: '{value}' is not a size or 'max'")))?
                     }
                 }
                 "mode" => c.mode = value.parse()?,

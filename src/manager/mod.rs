@@ -238,10 +238,7 @@ impl MemoryManager {
     /// # Errors
     /// [`Error::NoSuchDevice`]; a driver error creating its context.
     pub fn device(&self, ordinal: usize) -> Result<&DeviceAllocator> {
-        let cell = self
-            .devices
-            .get(ordinal)
-            .ok_or(Error::NoSuchDevice { ordinal, count: self.devices.len() })?;
+        let cell = self.devices.get(ordinal).ok_or(Error::NoSuchDevice { ordinal, count: self.devices.len() })?;
         cell.get_or_try_init(|| self.make_device(ordinal))
     }
 
@@ -519,11 +516,13 @@ impl MemoryManager {
                 }
                 Ok(())
             }
-            Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_SUPPORTED
-                || e.0 == sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE =>
+            Err(e)
+                if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_SUPPORTED
+                    || e.0 == sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE =>
             {
                 Err(Error::ConfigTooLate {
-                    what: "the device malloc heap size (a module using malloc is already loaded, or the size is refused)",
+                    what:
+                        "the device malloc heap size (a module using malloc is already loaded, or the size is refused)",
                 })
             }
             Err(e) => Err(device::driver_err("cuCtxSetLimit")(e)),

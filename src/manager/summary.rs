@@ -58,7 +58,13 @@ impl fmt::Display for ShutdownReport {
             human_bytes(self.live_bytes)
         )?;
         for (kind, b) in self.live.iter().take(20) {
-            writeln!(f, "  {kind:>7} {:#014x} {:>12} (asked {})", b.addr, human_bytes(b.size), human_bytes(b.requested))?;
+            writeln!(
+                f,
+                "  {kind:>7} {:#014x} {:>12} (asked {})",
+                b.addr,
+                human_bytes(b.size),
+                human_bytes(b.requested)
+            )?;
         }
         if self.live.len() > 20 {
             writeln!(f, "  ... and {} more", self.live.len() - 20)?;
@@ -92,8 +98,18 @@ pub(super) fn render(mm: &MemoryManager) -> String {
     let _ = writeln!(
         out,
         "| {:<16} | {:>11} | {:>11} | {:>11} | {:>11} | {:>7} | {:>7} | {:>11} | {:>9} | {:>9} | {:>11} | {:>5} |",
-        "pool", "in use", "peak in use", "reserved", "peak resvd", "live", "free", "largest free", "allocs", "frees",
-        "chunks +/-", "frag"
+        "pool",
+        "in use",
+        "peak in use",
+        "reserved",
+        "peak resvd",
+        "live",
+        "free",
+        "largest free",
+        "allocs",
+        "frees",
+        "chunks +/-",
+        "frag"
     );
     let _ = writeln!(out, "|{}|", "-".repeat(150));
     row(&mut out, "pinned", &mm.pinned_stats());
@@ -124,7 +140,11 @@ pub(super) fn render(mm: &MemoryManager) -> String {
                     human_bytes(p.reserved_high as usize),
                     human_bytes(p.used_current as usize),
                     human_bytes(p.used_high as usize),
-                    if p.release_threshold == u64::MAX { "max".to_string() } else { human_bytes(p.release_threshold as usize) }
+                    if p.release_threshold == u64::MAX {
+                        "max".to_string()
+                    } else {
+                        human_bytes(p.release_threshold as usize)
+                    }
                 );
             }
         }

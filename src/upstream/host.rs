@@ -27,10 +27,9 @@ impl Upstream for Host {
         if size == 0 {
             return Err(Error::InvalidSize { size, reason: "a chunk can't be empty" });
         }
-        let len = size.checked_next_multiple_of(PAGE).ok_or(Error::InvalidSize {
-            size,
-            reason: "larger than the address space",
-        })?;
+        let len = size
+            .checked_next_multiple_of(PAGE)
+            .ok_or(Error::InvalidSize { size, reason: "larger than the address space" })?;
         // SAFETY: an anonymous private mapping at an address of the kernel's
         // choosing aliases nothing; the arguments are valid for mmap.
         let ptr = unsafe {
