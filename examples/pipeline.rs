@@ -79,7 +79,7 @@ fn run<H: AsMut<[f32]> + AsRef<[f32]>>(host: &mut [H; 2], label: &str) -> Result
     let gbps = (2 * BATCHES * BATCH * 4) as f64 / secs / 1e9;
     println!(
         "{label:>9}: {BATCHES} batches of {} MiB in {:.3} s (fill excluded): {gbps:.1} GB/s",
-        BATCH * 4 >> 20,
+        (BATCH * 4) >> 20,
         secs
     );
     Ok(gbps)

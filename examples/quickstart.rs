@@ -39,7 +39,7 @@ fn main() -> Result<(), cumem::Error> {
     }
     stream.synchronize()?;
     assert_eq!(host[..], back[..], "round trip through the device changed the data");
-    println!("round trip of {} MiB through device memory: ok", n * 4 >> 20);
+    println!("round trip of {} MiB through device memory: ok", (n * 4) >> 20);
 
     // Raw seed-style API too.
     let raw = mm.allocate_device(1 << 20)?;
