@@ -1,1 +1,3 @@
+//! Placeholder: the pair-latency bench lands with the replay work.
+
 fn main() {}
