@@ -31,3 +31,8 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         mutex.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
+
+/// An atomic for process-wide counters kept in `static`s, which loom's
+/// types can't be (they must be created inside a model). Loom does not
+/// model these; use them only for values no protocol depends on (ids).
+pub(crate) use std::sync::atomic::AtomicU64 as StaticAtomicU64;

@@ -261,7 +261,17 @@ impl DeviceAllocator {
     }
 
     fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
-        let a = self.pool.allocate(size, pool::BLOCK_ALIGN)?;
+        let a = match self.pool.allocate(size, pool::BLOCK_ALIGN) {
+            Err(Error::OutOfMemory { .. }) if self.ctx.is_some() && self.holds_cached_memory() => {
+                // The pool already released its own free chunks; memory may
+                // also sit in the native pools, or in chunks whose blocks
+                // were waiting on streams. Release all of it (after the
+                // streams' work), then try once more.
+                self.release_cached()?;
+                self.pool.allocate(size, pool::BLOCK_ALIGN)?
+            }
+            other => other?,
+        };
         if self.ctx.is_some() {
             if let Err(e) = self.streams.order_reuse(a.tag, stream) {
                 // Could not order the reuse: keep the block out of reach of
@@ -349,6 +359,14 @@ impl DeviceAllocator {
             _ => StreamTag::NONE,
         };
         Ok(self.pool.deallocate(addr, tag)?.size)
+    }
+
+    fn holds_cached_memory(&self) -> bool {
+        let native = [self.native.get(), self.default_pool.get()]
+            .into_iter()
+            .flatten()
+            .any(|p| p.attributes().is_ok_and(|a| a.reserved_current > a.used_current));
+        native || self.pool.stats().free() > 0
     }
 
     /// Returns cached memory to the driver: the sync pool's free chunks and

@@ -118,6 +118,26 @@ impl MemoryManager {
     }
 }
 
+#[cfg(loom)]
+impl MemoryManager {
+    /// Under loom there is no process-wide manager (loom objects can't live
+    /// in statics); models build managers of their own.
+    ///
+    /// # Errors
+    /// Always [`Error::InvalidState`].
+    pub fn init(_config: Config) -> Result<&'static MemoryManager> {
+        Err(Error::InvalidState("no process-wide manager under loom".into()))
+    }
+
+    /// See [`MemoryManager::init`] under loom.
+    ///
+    /// # Errors
+    /// Always [`Error::InvalidState`].
+    pub fn global() -> Result<&'static MemoryManager> {
+        Err(Error::InvalidState("no process-wide manager under loom".into()))
+    }
+}
+
 impl MemoryManager {
     /// A manager of its own, outside the singleton (for tests and for
     /// programs that want separate pools). Prefer the singleton: pinned
