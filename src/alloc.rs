@@ -61,8 +61,7 @@ unsafe impl Allocator for PinnedAlloc {
             return Err(AllocError);
         }
         let mm = manager()?;
-        mm.check_running_pinned().map_err(|_| AllocError)?;
-        let a = mm.pinned_pool().allocate(layout.size(), layout.align()).map_err(|_| AllocError)?;
+        let a = mm.allocate_pinned_block(layout.size(), layout.align()).map_err(|_| AllocError)?;
         let ptr = NonNull::new(a.addr as *mut u8).ok_or(AllocError)?;
         Ok(NonNull::slice_from_raw_parts(ptr, a.size))
     }

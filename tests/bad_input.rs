@@ -150,8 +150,8 @@ fn shutdown_reports_live_memory_refuses_new_and_accepts_late_frees() {
     assert!(report
         .live
         .iter()
-        .any(|(k, b)| *k == PoolKind::Pinned && b.addr == p.as_ptr() as usize && b.requested == 1000));
-    assert!(report.live.iter().any(|(k, b)| *k == PoolKind::Device && b.addr as u64 == d));
+        .any(|a| a.pool == PoolKind::Pinned && a.addr == p.as_ptr() as usize && a.requested == 1000));
+    assert!(report.live.iter().any(|a| a.pool == PoolKind::Device && a.addr as u64 == d));
 
     // Live memory stays valid: write and read the pinned block.
     // SAFETY: `p` is a live 1000-byte pinned allocation.
@@ -219,4 +219,20 @@ fn a_device_that_does_not_exist_is_an_error() {
     assert!(matches!(e, Error::NoSuchDevice { ordinal: 1000, .. }), "{e}");
     let e = MemoryManager::new(Config::new().device(1000)).unwrap_err();
     assert!(matches!(e, Error::NoSuchDevice { ordinal: 1000, .. }), "{e}");
+}
+
+#[test]
+fn shutdown_report_says_where_live_memory_was_allocated() {
+    let mm = MemoryManager::new(Config::new().track_allocations(true)).unwrap();
+    let leaked = mm.allocate_pinned(4096).unwrap();
+    let freed = mm.allocate_device(4096).unwrap();
+    mm.free_device(freed).unwrap();
+    let report = mm.shutdown().unwrap();
+    assert_eq!(report.live_count, 1, "{report}");
+    let site = report.live[0].site.as_deref().expect("tracking records a site");
+    assert!(site.contains("shutdown_report_says_where_live_memory_was_allocated"), "{site}");
+    // The file and line come from debug info, which stripped binaries lack.
+    assert!(site.contains("bad_input.rs") || site.ends_with(" at ?"), "{site}");
+    assert!(report.to_string().contains("allocated in"), "{report}");
+    mm.free_pinned(leaked.as_ptr()).unwrap();
 }

@@ -48,6 +48,9 @@ pub struct Config {
     pub expandable: bool,
     /// CUDA or the host fallback.
     pub backend: BackendChoice,
+    /// Record where each allocation is made (a backtrace per allocation),
+    /// so the shutdown report can say where live memory came from.
+    pub track_allocations: bool,
 }
 
 impl Default for Config {
@@ -63,6 +66,7 @@ impl Default for Config {
             release_threshold: u64::MAX,
             expandable: true,
             backend: BackendChoice::Auto,
+            track_allocations: false,
         }
     }
 }
@@ -132,6 +136,11 @@ impl Config {
     /// Sets [`Config::expandable`].
     pub fn expandable(mut self, on: bool) -> Self {
         self.expandable = on;
+        self
+    }
+    /// Sets [`Config::track_allocations`].
+    pub fn track_allocations(mut self, on: bool) -> Self {
+        self.track_allocations = on;
         self
     }
     /// Sets [`Config::backend`].
@@ -216,6 +225,7 @@ impl std::str::FromStr for Config {
                         .map_err(|_| Error::Config(format!("device: '{value}' is not a device ordinal")))?
                 }
                 "expandable" => c.expandable = bool_value(key, value)?,
+                "track_allocations" => c.track_allocations = bool_value(key, value)?,
                 "backend" => {
                     c.backend = match value {
                         "auto" => BackendChoice::Auto,
@@ -226,7 +236,8 @@ impl std::str::FromStr for Config {
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
-                         max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, backend)"
+                         max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
+                         track_allocations, backend)"
                     )))
                 }
             }

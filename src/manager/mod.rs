@@ -4,11 +4,12 @@
 mod config;
 mod init;
 mod summary;
+mod tracking;
 
 pub use config::{parse_size, BackendChoice, Config};
 #[doc(hidden)]
 pub use init::{InitCell, InitError};
-pub use summary::ShutdownReport;
+pub use summary::{human_bytes, LiveAllocation, ShutdownReport};
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -81,6 +82,7 @@ pub struct MemoryManager {
     /// Device pool sizes set before the device's allocator exists.
     device_pool_size: crate::sync::Mutex<usize>,
     shut_down: AtomicBool,
+    sites: Option<tracking::SiteTracker>,
 }
 
 impl std::fmt::Debug for MemoryManager {
@@ -176,6 +178,7 @@ impl MemoryManager {
             pinned_ctx: ctx,
             devices: (0..device_count).map(|_| OnceCell::new()).collect(),
             backend,
+            sites: config.track_allocations.then(tracking::SiteTracker::default),
             config,
             shut_down: AtomicBool::new(false),
         })
@@ -189,10 +192,6 @@ impl MemoryManager {
     /// What the manager runs on.
     pub fn backend(&self) -> &Backend {
         &self.backend
-    }
-
-    pub(crate) fn check_running_pinned(&self) -> Result<()> {
-        self.check_running("pinned allocation")
     }
 
     fn check_running(&self, what: &'static str) -> Result<()> {
@@ -222,9 +221,32 @@ impl MemoryManager {
     /// As [`allocate_pinned`](Self::allocate_pinned), plus
     /// [`Error::InvalidAlignment`].
     pub fn allocate_pinned_aligned(&self, size: usize, align: usize) -> Result<NonNull<u8>> {
+        let a = self.allocate_pinned_block(size, align)?;
+        Ok(NonNull::new(a.addr as *mut u8).expect("pools never hand out address 0"))
+    }
+
+    /// Allocates pinned memory and returns the whole block (for
+    /// `PinnedAlloc`, which may use all of it).
+    pub(crate) fn allocate_pinned_block(&self, size: usize, align: usize) -> Result<crate::pool::Allocation> {
         self.check_running("pinned allocation")?;
         let a = self.pinned.allocate(size, align)?;
-        Ok(NonNull::new(a.addr as *mut u8).expect("pools never hand out address 0"))
+        self.allocated(PoolKind::Pinned, a.addr, size);
+        Ok(a)
+    }
+
+    /// Bookkeeping after every successful allocation (tracking).
+    fn allocated(&self, kind: PoolKind, addr: usize, size: usize) {
+        let _ = size;
+        if let Some(t) = &self.sites {
+            t.record(kind, addr);
+        }
+    }
+
+    /// Bookkeeping after every successful free.
+    fn freed(&self, kind: PoolKind, addr: usize) {
+        if let Some(t) = &self.sites {
+            t.forget(kind, addr);
+        }
     }
 
     /// Returns pinned memory to the pool. The memory must no longer be
@@ -235,7 +257,9 @@ impl MemoryManager {
     /// [`Error::UnknownPointer`] (also for device pointers); the pool is
     /// unchanged then.
     pub fn free_pinned(&self, ptr: *mut u8) -> Result<()> {
-        self.pinned.deallocate(ptr as usize, crate::pool::StreamTag::NONE).map(|_| ())
+        self.pinned.deallocate(ptr as usize, crate::pool::StreamTag::NONE)?;
+        self.freed(PoolKind::Pinned, ptr as usize);
+        Ok(())
     }
 
     /// The pinned pool.
@@ -299,7 +323,9 @@ impl MemoryManager {
     /// driver errors.
     pub fn allocate_device(&self, size: usize) -> Result<u64> {
         self.check_running("device allocation")?;
-        self.default_device()?.allocate(size, None)
+        let p = self.default_device()?.allocate(size, None)?;
+        self.allocated(PoolKind::Device, p as usize, size);
+        Ok(p)
     }
 
     /// Allocates `size` bytes of device memory for work on `stream`: safe to
@@ -309,7 +335,9 @@ impl MemoryManager {
     /// As [`allocate_device`](Self::allocate_device).
     pub fn allocate_device_on(&self, size: usize, stream: &Stream) -> Result<u64> {
         self.check_running("device allocation")?;
-        self.default_device()?.allocate(size, Some(stream))
+        let p = self.default_device()?.allocate(size, Some(stream))?;
+        self.allocated(PoolKind::Device, p as usize, size);
+        Ok(p)
     }
 
     /// Frees device memory at once. The caller guarantees that no work
@@ -322,7 +350,9 @@ impl MemoryManager {
     /// [`Error::UnknownPointer`] (also for pinned pointers); nothing changes
     /// then.
     pub fn free_device(&self, ptr: u64) -> Result<()> {
-        self.default_device()?.free(ptr, None).map(|_| ())
+        self.default_device()?.free(ptr, None)?;
+        self.freed(PoolKind::Device, ptr as usize);
+        Ok(())
     }
 
     /// Frees device memory in stream order: work queued on `stream` before
@@ -332,7 +362,9 @@ impl MemoryManager {
     /// # Errors
     /// As [`free_device`](Self::free_device).
     pub fn free_device_on(&self, ptr: u64, stream: &Stream) -> Result<()> {
-        self.default_device()?.free(ptr, Some(stream)).map(|_| ())
+        self.default_device()?.free(ptr, Some(stream))?;
+        self.freed(PoolKind::Device, ptr as usize);
+        Ok(())
     }
 
     /// Sets the bytes the first device allocation of the sync pool reserves.
@@ -578,13 +610,15 @@ impl MemoryManager {
         let mut report = ShutdownReport::default();
         let before = self.pinned.stats().reserved;
         for b in self.pinned.shutdown()? {
-            report.push(PoolKind::Pinned, b);
+            let site = self.sites.as_ref().and_then(|t| t.site(PoolKind::Pinned, b.addr));
+            report.push(PoolKind::Pinned, b, site);
         }
         report.released_bytes += before - self.pinned.stats().reserved;
         for d in self.devices.iter().filter_map(|c| c.get()) {
             let before = d.pool().stats().reserved;
             for b in d.shutdown()? {
-                report.push(PoolKind::Device, b);
+                let site = self.sites.as_ref().and_then(|t| t.site(PoolKind::Device, b.addr));
+                report.push(PoolKind::Device, b, site);
             }
             report.released_bytes += before - d.pool().stats().reserved;
         }

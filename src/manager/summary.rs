@@ -22,11 +22,27 @@ pub fn human_bytes(bytes: usize) -> String {
     }
 }
 
+/// An allocation still live at shutdown.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveAllocation {
+    /// The pool it belongs to.
+    pub pool: PoolKind,
+    /// Its address.
+    pub addr: usize,
+    /// Its size (rounded to 256 B).
+    pub size: usize,
+    /// The size asked for.
+    pub requested: usize,
+    /// Where it was allocated (function and line), when
+    /// `Config::track_allocations` is on.
+    pub site: Option<String>,
+}
+
 /// What [`MemoryManager::shutdown`] found still live.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ShutdownReport {
-    /// Each live allocation with the pool it belongs to.
-    pub live: Vec<(PoolKind, LiveBlock)>,
+    /// Each live allocation.
+    pub live: Vec<LiveAllocation>,
     /// How many allocations are live.
     pub live_count: usize,
     /// Their bytes (block sizes).
@@ -36,10 +52,10 @@ pub struct ShutdownReport {
 }
 
 impl ShutdownReport {
-    pub(crate) fn push(&mut self, kind: PoolKind, block: LiveBlock) {
+    pub(crate) fn push(&mut self, pool: PoolKind, block: LiveBlock, site: Option<String>) {
         self.live_count += 1;
         self.live_bytes += block.size;
-        self.live.push((kind, block));
+        self.live.push(LiveAllocation { pool, addr: block.addr, size: block.size, requested: block.requested, site });
     }
 
     /// Whether nothing was live.
@@ -57,14 +73,19 @@ impl fmt::Display for ShutdownReport {
             self.live_count,
             human_bytes(self.live_bytes)
         )?;
-        for (kind, b) in self.live.iter().take(20) {
-            writeln!(
+        for a in self.live.iter().take(20) {
+            write!(
                 f,
-                "  {kind:>7} {:#014x} {:>12} (asked {})",
-                b.addr,
-                human_bytes(b.size),
-                human_bytes(b.requested)
+                "  {:>7} {:#014x} {:>12} (asked {})",
+                a.pool,
+                a.addr,
+                human_bytes(a.size),
+                human_bytes(a.requested)
             )?;
+            match &a.site {
+                Some(site) => writeln!(f, " allocated in {site}")?,
+                None => writeln!(f)?,
+            }
         }
         if self.live.len() > 20 {
             writeln!(f, "  ... and {} more", self.live.len() - 20)?;
