@@ -488,6 +488,19 @@ impl BestFit {
         Some((info.chunk, if last.free { last.size } else { 0 }))
     }
 
+    /// Every chunk whose last block is free and not the whole chunk, with
+    /// that free tail's size.
+    pub fn free_tails(&self) -> Vec<(Chunk, usize)> {
+        self.chunks_by_addr
+            .values()
+            .filter_map(|&id| {
+                let info = self.chunk_info(id);
+                let last = &self.blocks[info.last as usize];
+                (last.free && info.first != info.last).then_some((info.chunk, last.size))
+            })
+            .collect()
+    }
+
     /// Extends the chunk that starts at `chunk.addr` by `extra` bytes that
     /// the upstream mapped right after it; the new space joins its free
     /// tail. Returns whether the chunk was found.

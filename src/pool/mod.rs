@@ -468,10 +468,51 @@ impl<U: Upstream> Pool<U> {
                 }
             }
         }
+        if self.upstream.can_extend() {
+            match self.release_free_tails() {
+                Ok(bytes) => released += bytes,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
         match first_err {
             Some(e) => Err(e),
             None => Ok(released),
         }
+    }
+
+    /// Gives the free tails of grown chunks back to an expandable upstream
+    /// (whole granules only); returns the bytes released.
+    fn release_free_tails(&self) -> Result<usize> {
+        let gran = self.upstream.granularity();
+        let cuts: Vec<(Chunk, usize)> = {
+            let mut inner = lock(&self.inner);
+            let tails = inner.fit.free_tails();
+            tails
+                .into_iter()
+                .filter_map(|(chunk, tail)| {
+                    let amount = tail / gran * gran;
+                    (amount > 0 && inner.fit.shrink_chunk(chunk, amount)).then_some((chunk, amount))
+                })
+                .collect()
+        };
+        let mut released = 0;
+        for (chunk, amount) in cuts {
+            let shrunk = Chunk { addr: chunk.addr, size: chunk.size - amount };
+            match self.upstream.try_shrink(chunk, amount) {
+                Ok(true) => {
+                    released += amount;
+                    lock(&self.inner).fit.stats_mut().upstream_frees += 1;
+                }
+                other => {
+                    // The upstream kept the memory: hand it back to the pool.
+                    lock(&self.inner).fit.extend_chunk(shrunk, amount);
+                    other?;
+                }
+            }
+        }
+        Ok(released)
     }
 
     /// Statistics.
