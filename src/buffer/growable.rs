@@ -184,7 +184,8 @@ impl<T: Copy> GrowableBuffer<T> {
 
     /// Makes room for at least `min_capacity` elements, without copying:
     /// maps more memory, first extending the reservation in place, else
-    /// remapping into a larger range. Capacity grows at least twofold.
+    /// remapping into a larger range. Capacity grows at least twofold, or
+    /// to just what is asked for when the device can't map twice as much.
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] when the device has no memory for it; driver
@@ -193,14 +194,20 @@ impl<T: Copy> GrowableBuffer<T> {
         if min_capacity <= self.capacity() {
             return Ok(GrowPath::Unchanged);
         }
-        let needed = Self::bytes_for(min_capacity)?;
+        let needed = self.region.round(Self::bytes_for(min_capacity)?)?;
         let mapped = self.region.mapped_prefix();
         let target = self.region.round(needed.max(mapped.saturating_mul(2)))?;
         let mut path = GrowPath::WithinReservation;
         if target > self.region.reserved() {
             path = self.region.grow_reservation(target)?;
         }
-        self.map(mapped, target - mapped)?;
+        match self.map(mapped, target - mapped) {
+            Ok(()) => {}
+            // Doubling asked for more than the device has: map just what
+            // was asked for.
+            Err(Error::OutOfMemory { .. }) if target > needed => self.map(mapped, needed - mapped)?,
+            Err(e) => return Err(e),
+        }
         self.stats.record(path);
         Ok(path)
     }
