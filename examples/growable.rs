@@ -21,7 +21,7 @@ fn main() -> cumem::Result<()> {
     let chunk: Vec<u32> = (0..(1 << 18)).collect();
     for round in 0..8 {
         let before = buf.device_ptr();
-        let path = buf.grow((2 << 20) / 4 << round)?;
+        let path = buf.grow(((2 << 20) / 4) << round)?;
         // Fill it: the values written earlier stay where they are.
         while buf.len() < buf.capacity() {
             let n = chunk.len().min(buf.capacity() - buf.len());

@@ -135,7 +135,7 @@ fn host_mixed_paths_and_shrink() {
     want.resize(3000, 7);
     assert_eq!(buf.to_vec().unwrap(), want);
     buf.clear();
-    assert_eq!(buf.shrink_to_fit().unwrap() > 0, true);
+    assert!(buf.shrink_to_fit().unwrap() > 0);
     assert_eq!(buf.capacity(), 0);
     for (p, len) in blockers.into_iter().filter(|(p, _)| !p.is_null()) {
         // SAFETY: mapped above, unused.
@@ -260,7 +260,11 @@ fn gpu_growable_beyond_half_of_free_memory() {
         let want = (buf.capacity() * 2).min(target);
         let path = buf.grow(want).unwrap_or_else(|e| panic!("growing to {want} B: {e}"));
         crossed_half |= buf.capacity() > free / 2;
-        println!("capacity {} B ({:.0}% of free) via {path:?}", buf.capacity(), 100.0 * buf.capacity() as f64 / free as f64);
+        println!(
+            "capacity {} B ({:.0}% of free) via {path:?}",
+            buf.capacity(),
+            100.0 * buf.capacity() as f64 / free as f64
+        );
     }
     assert!(crossed_half && buf.capacity() >= target);
     // The last bytes are real memory: write and read them back.

@@ -164,7 +164,11 @@ impl Env {
     /// the median time of the growth that reached it and the ratio.
     pub fn print_table(&self, reps: usize) {
         let sizes = self.sizes(usize::MAX);
-        println!("growing by doubling on {} (2 MiB .. {} MiB), median of {reps} runs", self.backend, self.max_size / MIB);
+        println!(
+            "growing by doubling on {} (2 MiB .. {} MiB), median of {reps} runs",
+            self.backend,
+            self.max_size / MIB
+        );
         let copy_name = if self.ctx.is_some() { "cuMemAlloc+DtoD+Free" } else { "mmap+memcpy+munmap" };
         let mut cumem: Vec<Vec<(Duration, GrowPath)>> = vec![Vec::new(); sizes.len() - 1];
         let mut copy: Vec<Vec<Duration>> = vec![Vec::new(); sizes.len() - 1];
@@ -178,7 +182,10 @@ impl Env {
         }
         println!(
             "{:>10} {:>16} {:>22} {:>8}  cumem path",
-            "size MiB", "cumem ns/grow", format!("{copy_name} ns"), "ratio"
+            "size MiB",
+            "cumem ns/grow",
+            format!("{copy_name} ns"),
+            "ratio"
         );
         for (i, size) in sizes[1..].iter().enumerate() {
             let mut c: Vec<Duration> = cumem[i].iter().map(|r| r.0).collect();
@@ -187,14 +194,7 @@ impl Env {
             k.sort();
             let (c, k) = (c[c.len() / 2].as_nanos(), k[k.len() / 2].as_nanos());
             let paths: Vec<GrowPath> = cumem[i].iter().map(|r| r.1).collect();
-            println!(
-                "{:>10} {:>16} {:>22} {:>8.2}  {:?}",
-                size / MIB,
-                c,
-                k,
-                k as f64 / c.max(1) as f64,
-                paths
-            );
+            println!("{:>10} {:>16} {:>22} {:>8.2}  {:?}", size / MIB, c, k, k as f64 / c.max(1) as f64, paths);
         }
     }
 }

@@ -217,10 +217,10 @@ impl<T: Copy> GrowableBuffer<T> {
     /// # Errors
     /// As [`grow`](Self::grow).
     pub fn reserve(&mut self, additional: usize) -> Result<GrowPath> {
-        let want = self.len.checked_add(additional).ok_or(Error::InvalidSize {
-            size: additional,
-            reason: "the element count overflows",
-        })?;
+        let want = self
+            .len
+            .checked_add(additional)
+            .ok_or(Error::InvalidSize { size: additional, reason: "the element count overflows" })?;
         self.grow(want)
     }
 

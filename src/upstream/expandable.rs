@@ -51,7 +51,13 @@ impl Expandable {
     /// error into [`Error::OutOfMemory`] so the pool releases cached chunks
     /// and retries.
     fn map(&self, region: &mut Region, offset: usize, size: usize, kind: PoolKind) -> Result<()> {
-        region.map(offset, size).map_err(|e| if vmm::is_out_of_memory(&e) { self.oom(size, e.to_string(), kind) } else { e })
+        region.map(offset, size).map_err(|e| {
+            if vmm::is_out_of_memory(&e) {
+                self.oom(size, e.to_string(), kind)
+            } else {
+                e
+            }
+        })
     }
 
     fn allocate_chunk(&self, size: usize, kind: PoolKind) -> Result<Chunk> {
@@ -64,7 +70,7 @@ impl Expandable {
         let mut region = lock(&self.region);
         // Prefer the end of the mapped memory; else the first hole that fits.
         let mut offset = region.mapped_end();
-        if offset.checked_add(size).map_or(true, |end| end > self.reserved) {
+        if offset.checked_add(size).is_none_or(|end| end > self.reserved) {
             let mut cursor = 0;
             let mut found = None;
             for (start, len) in region.piece_bounds() {
@@ -84,7 +90,8 @@ impl Expandable {
     }
 
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
-        let unknown = || Error::InvalidState(format!("chunk {:#x}+{} is not mapped by this upstream", chunk.addr, chunk.size));
+        let unknown =
+            || Error::InvalidState(format!("chunk {:#x}+{} is not mapped by this upstream", chunk.addr, chunk.size));
         let offset = self.offset_of(chunk).ok_or_else(unknown)?;
         if lock(&self.region).unmap(offset, chunk.size)? {
             Ok(())
