@@ -197,6 +197,9 @@ impl Upstream for CudaVmm {
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
         self.inner.try_extend(chunk, extra, PoolKind::Device)
     }
+    fn can_extend(&self) -> bool {
+        true
+    }
     fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
         self.inner.try_shrink(chunk, amount)
     }
@@ -262,6 +265,9 @@ impl Upstream for HostExpandable {
     }
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
         self.inner.try_extend(chunk, extra, PoolKind::Standalone)
+    }
+    fn can_extend(&self) -> bool {
+        true
     }
     fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
         self.inner.try_shrink(chunk, amount)
