@@ -323,11 +323,9 @@ impl<T: Copy> GrowableBuffer<T> {
                 self.reserve(other.len)?;
                 let dst = self.region.base() + start * size_of::<T>();
                 // SAFETY: the destination is committed host memory inside
-                // this buffer, room for `other.len` elements was just
-                // reserved, and `self` is borrowed mutably (no other
-                // reference into it exists).
-                let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut T, other.len) };
-                other.copy_to_host(dst)?;
+                // this buffer with room for `other.len` elements (just
+                // reserved); `other` is device memory, so they don't overlap.
+                unsafe { other.read_into(dst as *mut T, other.len)? };
                 self.len += other.len;
                 Ok(())
             }
@@ -367,30 +365,39 @@ impl<T: Copy> GrowableBuffer<T> {
     /// [`Error::InvalidState`] when `dst` is longer than the buffer; a
     /// driver error.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
-        if dst.len() > self.len {
+        // SAFETY: `dst` is a live, exclusive slice of `dst.len()` elements.
+        unsafe { self.read_into(dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// Copies the first `n` elements to `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `n` elements of `T` (it may be
+    /// uninitialised) and not overlap this buffer.
+    unsafe fn read_into(&self, dst: *mut T, n: usize) -> Result<()> {
+        if n > self.len {
             return Err(Error::InvalidState(format!(
-                "copy_to_host of {} elements from a GrowableBuffer of {}",
-                dst.len(),
+                "copy_to_host of {n} elements from a GrowableBuffer of {}",
                 self.len
             )));
         }
-        let bytes = std::mem::size_of_val(dst);
+        let bytes = n * size_of::<T>();
         let src = self.region.base();
         match self.region.cuda_context() {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the source lies in mapped memory holding `dst.len()`
-                // values of `T` written earlier; `dst` is a live, exclusive
-                // slice of `bytes` bytes.
-                unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src as u64, bytes) }
+                // SAFETY: the source lies in mapped memory holding `n`
+                // values of `T` written earlier; the caller vouches that
+                // `dst` takes `bytes` bytes.
+                unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), src as u64, bytes) }
                     .result()
                     .map_err(driver_err("cuMemcpyDtoH"))
             }
             None => {
-                // SAFETY: the source is committed host memory holding
-                // `dst.len()` values of `T`; `dst` is exclusive, so they
-                // don't overlap.
-                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr().cast::<u8>(), bytes) };
+                // SAFETY: the source is committed host memory holding `n`
+                // values of `T`; the caller vouches for `dst` and that the
+                // two don't overlap.
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.cast::<u8>(), bytes) };
                 Ok(())
             }
         }
@@ -402,10 +409,9 @@ impl<T: Copy> GrowableBuffer<T> {
     /// A driver error.
     pub fn to_vec(&self) -> Result<Vec<T>> {
         let mut out = Vec::with_capacity(self.len);
-        // SAFETY: the spare capacity is written in full by `copy_to_host`
-        // before `set_len` exposes it.
-        let spare = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr(), self.len) };
-        self.copy_to_host(spare)?;
+        // SAFETY: the Vec's buffer takes `self.len` elements and is not
+        // part of this buffer.
+        unsafe { self.read_into(out.as_mut_ptr(), self.len)? };
         // SAFETY: all `self.len` elements were initialised just above.
         unsafe { out.set_len(self.len) };
         Ok(out)
