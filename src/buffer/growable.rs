@@ -86,7 +86,9 @@ impl<T: Copy> GrowableBuffer<T> {
         Self::with_capacity_on(VmBackend::auto(), capacity)
     }
 
-    /// A buffer with room for at least `capacity` elements on `backend`.
+    /// A buffer with room for at least `capacity` elements on `backend`
+    /// (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`;
+    /// `mmap` and `mprotect` on the host).
     ///
     /// # Errors
     /// [`Error::InvalidSize`] for a zero-sized `T` or an absurd capacity;
@@ -183,8 +185,10 @@ impl<T: Copy> GrowableBuffer<T> {
     }
 
     /// Makes room for at least `min_capacity` elements, without copying:
-    /// maps more memory, first extending the reservation in place, else
-    /// remapping into a larger range. Capacity grows at least twofold, or
+    /// maps more memory (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`),
+    /// first extending the reservation in place (`cuMemAddressReserve` with
+    /// the current end as hint), else remapping the same chunks into a
+    /// larger range (`cuMemUnmap`, `cuMemAddressFree` of the old one). Capacity grows at least twofold, or
     /// to just what is asked for when the device can't map twice as much.
     ///
     /// # Errors
