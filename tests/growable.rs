@@ -72,6 +72,7 @@ fn host_contents_survive_many_grows() {
 #[test]
 fn host_pointer_stable_on_in_place_path() {
     let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Host, 1024).unwrap();
+    assert!(buf.headroom_bytes() >= 1 << 30, "a guard holds the addresses after the range");
     let ptr = buf.device_ptr();
     buf.extend_from_host(&pattern(0, 1024)).unwrap();
     let mut in_place = 0;
@@ -89,6 +90,10 @@ fn host_pointer_stable_on_in_place_path() {
 #[test]
 fn host_remap_path_keeps_contents() {
     let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Host, 1 << 12).unwrap();
+    // Give back the guard after the reservation, so the blockers can take
+    // those addresses.
+    buf.set_headroom(false);
+    assert_eq!(buf.headroom_bytes(), 0);
     let mut blockers = Vec::new();
     for round in 0..8 {
         let n = buf.capacity() - buf.len() + 17;
@@ -111,6 +116,7 @@ fn host_remap_path_keeps_contents() {
 fn host_mixed_paths_and_shrink() {
     let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Host, 0).unwrap();
     assert_eq!(buf.capacity(), 0);
+    buf.set_headroom(false);
     let mut blockers = Vec::new();
     for round in 0..12 {
         if round % 3 == 2 {
@@ -205,6 +211,7 @@ fn gpu_growable_many_grows_keep_contents() {
 fn gpu_growable_pointer_stable_in_place() {
     let Some(_ctx) = cumem::device::gpu_for_test("gpu_growable_pointer_stable_in_place") else { return };
     let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(0), 1 << 19).unwrap();
+    println!("headroom guard: {} B", buf.headroom_bytes());
     buf.extend_from_host(&pattern(0, 1 << 19)).unwrap();
     let ptr = buf.device_ptr();
     for _ in 0..6 {
@@ -223,6 +230,7 @@ fn gpu_growable_remap_path_forced() {
     let Some(ctx) = cumem::device::gpu_for_test("gpu_growable_remap_path_forced") else { return };
     let gran = vmm::granularity(&ctx).unwrap().minimum;
     let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(0), 1).unwrap();
+    buf.set_headroom(false);
     let mut blockers = Vec::new();
     for round in 0..6 {
         let end = buf.device_ptr() + buf.reserved_bytes() as u64;

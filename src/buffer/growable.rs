@@ -167,6 +167,22 @@ impl<T: Copy> GrowableBuffer<T> {
         self.region.reserved()
     }
 
+    /// The bytes of address space (no memory) held right after the
+    /// reservation so that growth can extend in place; 0 when there is no
+    /// such guard.
+    pub fn headroom_bytes(&self) -> usize {
+        self.region.headroom()
+    }
+
+    /// Whether to keep the addresses after the reservation reserved
+    /// (address space only, no memory), so that the next growths extend in
+    /// place and the pointer stays the same. On by default; off gives them
+    /// back (`cuMemAddressFree`; `munmap` on the host), and growth then
+    /// extends in place only where nobody else took them.
+    pub fn set_headroom(&mut self, on: bool) {
+        self.region.set_headroom(on);
+    }
+
     /// The unit memory is mapped in: the device's minimum VMM granularity
     /// (2 MiB on current GPUs) or the host page size.
     pub fn granularity(&self) -> usize {

@@ -15,6 +15,10 @@
 //!   segment (a mapping may not span two reservations);
 //! - a piece is unmapped exactly as it was mapped, whole.
 //!
+//! With headroom on (growable buffers), a guard reservation holds the
+//! addresses right after the last segment, so nobody else takes them; it is
+//! given back just before the reservation is extended into it.
+//!
 //! Growing the reservation first asks for the addresses right after it. If
 //! the driver (or kernel) gives another address, that range is freed and a
 //! new, larger range is reserved; the same pieces are mapped into it (on the
@@ -142,10 +146,16 @@ pub(crate) struct Region {
     segments: Vec<Segment>,
     pieces: Vec<Piece>,
     peers: Vec<usize>,
+    /// Whether to keep a guard after the reservation.
+    headroom: bool,
+    /// Address space reserved right after the last segment (no memory), so
+    /// that nobody else takes the addresses growth in place needs. Given
+    /// back just before the reservation is extended into it.
+    guard: Option<Reservation>,
 }
 
-/// The probe reserved (and given back) before a fresh reservation is this
-/// many times its size, so the addresses after it start out free.
+/// The guard after a reservation is this many times its size (at least
+/// 1 GiB): address space only.
 const HEADROOM_FACTOR: usize = 8;
 
 fn round_up(x: usize, to: usize) -> Option<usize> {
@@ -166,17 +176,34 @@ impl Region {
                 Space::Cuda { ctx, granularity }
             }
         };
-        let mut region = Region { space, base: 0, segments: Vec::new(), pieces: Vec::new(), peers: Vec::new() };
+        let mut region = Region {
+            space,
+            base: 0,
+            segments: Vec::new(),
+            pieces: Vec::new(),
+            peers: Vec::new(),
+            headroom,
+            guard: None,
+        };
         let size = region.round(size.max(1))?;
-        let res = region.fresh_reservation(size, headroom)?;
+        let res = region.fresh_reservation(size)?;
         region.base = res.addr();
         region.segments.push(Segment { offset: 0, res });
+        region.place_guard();
         Ok(region)
     }
 
-    fn fresh_reservation(&self, size: usize, headroom: bool) -> Result<Reservation> {
-        if headroom {
-            let probe = size.checked_mul(HEADROOM_FACTOR).and_then(|p| round_up(p.max(1 << 30), self.granularity()));
+    fn guard_size(&self, reserved: usize) -> Option<usize> {
+        reserved.checked_mul(HEADROOM_FACTOR).and_then(|g| round_up(g.max(1 << 30), self.granularity()))
+    }
+
+    /// A new reservation of `size` bytes. With headroom, a range large
+    /// enough for it and its guard is reserved and given back first, and
+    /// the new range placed at its start, so the addresses after it are
+    /// free for the guard.
+    fn fresh_reservation(&self, size: usize) -> Result<Reservation> {
+        if self.headroom {
+            let probe = self.guard_size(size).and_then(|g| g.checked_add(size));
             if let Some(Ok(big)) = probe.map(|p| Reservation::new(&self.space, p, 0)) {
                 let at = big.addr();
                 drop(big);
@@ -186,6 +213,36 @@ impl Region {
             }
         }
         Reservation::new(&self.space, size, 0)
+    }
+
+    /// Reserves the guard right after the reservation, if headroom is on and
+    /// those addresses are free (else there is no guard).
+    fn place_guard(&mut self) {
+        self.guard = None;
+        if !self.headroom {
+            return;
+        }
+        let end = self.base + self.reserved();
+        if let Some(Ok(guard)) = self.guard_size(self.reserved()).map(|g| Reservation::new(&self.space, g, end)) {
+            if guard.addr() == end {
+                self.guard = Some(guard);
+            }
+        }
+    }
+
+    /// Turns the guard after the reservation on or off (see
+    /// `GrowableBuffer::set_headroom`).
+    pub(crate) fn set_headroom(&mut self, on: bool) {
+        self.headroom = on;
+        if on && self.guard.is_some() {
+            return;
+        }
+        self.place_guard();
+    }
+
+    /// The bytes of address space the guard holds (0 without one).
+    pub(crate) fn headroom(&self) -> usize {
+        self.guard.as_ref().map_or(0, Reservation::size)
     }
 
     /// The unit of reservation and mapping: the device's minimum VMM
@@ -378,22 +435,27 @@ impl Region {
         if new_size <= old {
             return Ok(GrowPath::Unchanged);
         }
+        // Give the guard's addresses back to extend into them at once.
+        self.guard = None;
         let end = self.base.checked_add(old);
         if let Some(end) = end {
             // A refused hint is not an error: fall back to remapping.
             if let Ok(ext) = Reservation::new(&self.space, new_size - old, end) {
                 if ext.addr() == end {
                     self.segments.push(Segment { offset: old, res: ext });
+                    self.place_guard();
                     return Ok(GrowPath::InPlace);
                 }
             }
         }
-        self.remap(new_size)?;
+        let remapped = self.remap(new_size);
+        self.place_guard();
+        remapped?;
         Ok(GrowPath::Remapped)
     }
 
     fn remap(&mut self, new_size: usize) -> Result<()> {
-        let mut fresh = self.fresh_reservation(new_size, true)?;
+        let mut fresh = self.fresh_reservation(new_size)?;
         match &mut fresh {
             Reservation::Cuda(new_range) => {
                 // Map every chunk into the new range as well (a chunk may be
