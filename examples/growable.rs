@@ -30,6 +30,20 @@ fn main() -> cumem::Result<()> {
         let moved = if buf.device_ptr() == before { "pointer unchanged" } else { "pointer moved, nothing copied" };
         println!("capacity {:>4} MiB via {path:?}: {moved}", buf.capacity_bytes() >> 20);
     }
+    // The other path: give back the guard after the range and take those
+    // addresses, so the next growth must remap (still without copying).
+    buf.set_headroom(false);
+    let end = buf.device_ptr() + buf.reserved_bytes() as u64;
+    let _blocker = Blocker::at(&buf.backend(), end);
+    let (before, len) = (buf.device_ptr(), buf.len());
+    let path = buf.grow(buf.capacity() * 2)?;
+    let intact = buf.to_vec()?.chunks(chunk.len()).all(|c| c == &chunk[..c.len()]);
+    println!(
+        "addresses after the range taken: {path:?}, pointer {before:#x} -> {:#x}, {len} elements intact: {}",
+        buf.device_ptr(),
+        intact
+    );
+
     let mut tail = vec![0u32; 4];
     buf.copy_to_host(&mut tail)?;
     assert_eq!(tail, [0, 1, 2, 3]);
@@ -41,4 +55,54 @@ fn main() -> cumem::Result<()> {
     let env = grow::Env::new();
     env.print_table(3);
     Ok(())
+}
+
+/// Address space taken right after a buffer's range.
+enum Blocker {
+    Cuda(#[allow(dead_code)] cumem::device::vmm::AddressRange),
+    Host(*mut libc::c_void),
+    None,
+}
+
+impl Blocker {
+    fn at(backend: &VmBackend, end: u64) -> Blocker {
+        match backend {
+            VmBackend::Cuda(ordinal) => {
+                let ctx = cumem::device::device_context(*ordinal).ok().flatten().expect("context");
+                let gran = cumem::device::vmm::granularity(&ctx).expect("granularity").minimum;
+                match cumem::device::vmm::AddressRange::reserve(&ctx, gran, end) {
+                    Ok(r) => Blocker::Cuda(r),
+                    Err(_) => Blocker::None,
+                }
+            }
+            VmBackend::Host => {
+                // SAFETY: MAP_FIXED_NOREPLACE never replaces a mapping; the
+                // page is unmapped on drop.
+                let p = unsafe {
+                    libc::mmap(
+                        end as usize as *mut libc::c_void,
+                        4096,
+                        libc::PROT_NONE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                        -1,
+                        0,
+                    )
+                };
+                if p == libc::MAP_FAILED {
+                    Blocker::None
+                } else {
+                    Blocker::Host(p)
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Blocker {
+    fn drop(&mut self) {
+        if let Blocker::Host(p) = *self {
+            // SAFETY: mapped in `at`, unmapped once.
+            unsafe { libc::munmap(p, 4096) };
+        }
+    }
 }
