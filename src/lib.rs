@@ -12,7 +12,7 @@ pub(crate) mod sync;
 pub mod upstream;
 
 pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};
-pub use buffer::DeviceBuffer;
+pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, VmBackend};
 pub use device::{DeviceAllocatorMode, Stream};
 pub use error::{Error, OomState, PoolKind, Result};
 pub use manager::{Backend, BackendChoice, Config, MemoryManager, ShutdownReport};

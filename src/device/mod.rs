@@ -10,6 +10,7 @@ mod context;
 mod cuda_upstream;
 mod native_pool;
 mod stream;
+pub mod vmm;
 
 pub use allocator::{AsyncStats, DeviceAllocator, DeviceAllocatorMode, DeviceStats};
 pub use context::{device_context, driver_status, gpu_for_test, DriverStatus};

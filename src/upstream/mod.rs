@@ -6,9 +6,14 @@
 //! references. [`Host`] is the fallback when no CUDA driver or device is
 //! present; the CUDA upstreams live in [`crate::device`].
 
+mod expandable;
 mod host;
+mod host_vm;
+pub(crate) mod region;
 
+pub use expandable::{CudaVmm, HostExpandable};
 pub use host::Host;
+pub use region::{GrowPath, VmBackend};
 
 use crate::error::Result;
 

@@ -1,0 +1,469 @@
+//! [`GrowableBuffer`]: device memory that grows without copying.
+//!
+//! # Implementation details
+//! The buffer is a [`Region`]: reserved address space with memory mapped
+//! from offset 0 up to the capacity (on the GPU, physical chunks from
+//! `cuMemCreate`; on the host fallback, pages committed with `mprotect`).
+//! Growing maps one more piece after the last. When the reservation is too
+//! small, it is first extended right after its end (`cuMemAddressReserve`
+//! with a hint: the pointer stays the same); when those addresses are
+//! taken, a larger range is reserved elsewhere and the same pieces are
+//! remapped into it. Either way no byte of the contents is copied. The
+//! capacity at least doubles each time the reservation grows, so a buffer
+//! filled element by element maps O(log n) pieces.
+
+use std::marker::PhantomData;
+use std::mem::{align_of, size_of};
+
+use cudarc::driver::sys;
+
+use crate::device::{driver_err, vmm};
+use crate::error::{Error, OomState, PoolKind, Result};
+use crate::upstream::region::{GrowPath, Region, VmBackend};
+
+/// How a [`GrowableBuffer`]'s growths were served.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GrowStats {
+    /// Growths that mapped memory inside the range already reserved.
+    pub within_reservation: u64,
+    /// Growths that extended the reservation in place (pointer unchanged).
+    pub in_place: u64,
+    /// Growths that remapped the memory into a new range (pointer changed,
+    /// nothing copied).
+    pub remapped: u64,
+    /// Map operations over the buffer's life (each maps one piece per
+    /// reserved segment it spans).
+    pub pieces_mapped: u64,
+}
+
+impl GrowStats {
+    fn record(&mut self, path: GrowPath) {
+        match path {
+            GrowPath::Unchanged => {}
+            GrowPath::WithinReservation => self.within_reservation += 1,
+            GrowPath::InPlace => self.in_place += 1,
+            GrowPath::Remapped => self.remapped += 1,
+        }
+    }
+}
+
+/// A buffer of `T` in device memory (or host memory on the fallback) whose
+/// capacity grows without copying its contents, on CUDA virtual memory
+/// management (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`,
+/// `cuMemSetAccess`).
+///
+/// The host never gets a reference into the buffer: data moves with
+/// explicit copies (`cuMemcpyHtoD`, `cuMemcpyDtoH`, `cuMemcpyDtoD`), and
+/// kernels take [`device_ptr`](Self::device_ptr). The pointer stays the
+/// same while growth extends in place and changes when the memory is
+/// remapped ([`GrowPath::Remapped`]).
+///
+/// # Examples
+/// ```
+/// use cumem::{GrowableBuffer, VmBackend};
+/// let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Host, 1024)?;
+/// buf.extend_from_host(&[1, 2, 3])?;
+/// buf.reserve(1 << 20)?; // no copy
+/// assert_eq!(buf.to_vec()?, vec![1, 2, 3]);
+/// # Ok::<(), cumem::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct GrowableBuffer<T: Copy> {
+    region: Region,
+    len: usize,
+    stats: GrowStats,
+    _marker: PhantomData<T>,
+}
+
+impl<T: Copy> GrowableBuffer<T> {
+    /// A buffer with room for at least `capacity` elements, on device 0
+    /// when CUDA is usable and on the host fallback otherwise
+    /// ([`VmBackend::auto`]).
+    ///
+    /// # Errors
+    /// As [`with_capacity_on`](Self::with_capacity_on).
+    pub fn with_capacity(capacity: usize) -> Result<Self> {
+        Self::with_capacity_on(VmBackend::auto(), capacity)
+    }
+
+    /// A buffer with room for at least `capacity` elements on `backend`
+    /// (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`;
+    /// `mmap` and `mprotect` on the host).
+    ///
+    /// # Errors
+    /// [`Error::InvalidSize`] for a zero-sized `T` or an absurd capacity;
+    /// [`Error::InvalidAlignment`] when `T` needs more than 256-byte
+    /// alignment; [`Error::UnsupportedMode`] on a device without VMM; out of
+    /// memory, driver and OS errors.
+    pub fn with_capacity_on(backend: VmBackend, capacity: usize) -> Result<Self> {
+        if size_of::<T>() == 0 {
+            return Err(Error::InvalidSize { size: 0, reason: "a GrowableBuffer can't hold zero-sized types" });
+        }
+        if align_of::<T>() > crate::pool::BLOCK_ALIGN {
+            return Err(Error::InvalidAlignment { align: align_of::<T>(), max: crate::pool::BLOCK_ALIGN });
+        }
+        let bytes = Self::bytes_for(capacity)?;
+        let region = Region::reserve(&backend, bytes.max(1), true)?;
+        let mut buf = GrowableBuffer { region, len: 0, stats: GrowStats::default(), _marker: PhantomData };
+        if bytes > 0 {
+            let size = buf.region.reserved();
+            buf.map(0, size)?;
+        }
+        Ok(buf)
+    }
+
+    fn bytes_for(elements: usize) -> Result<usize> {
+        elements
+            .checked_mul(size_of::<T>())
+            .filter(|b| *b <= isize::MAX as usize)
+            .ok_or(Error::InvalidSize { size: elements, reason: "the element count overflows the address space" })
+    }
+
+    fn map(&mut self, offset: usize, size: usize) -> Result<()> {
+        let result = self.region.map(offset, size);
+        if let Err(e) = &result {
+            if vmm::is_out_of_memory(e) {
+                let device_free = self.region.cuda_context().and_then(|c| vmm::memory_info(c).ok()).map(|(f, _)| f);
+                return Err(Error::OutOfMemory {
+                    pool: PoolKind::Device,
+                    requested: size,
+                    state: Box::new(OomState { upstream: Some(e.to_string()), device_free, ..Default::default() }),
+                });
+            }
+        }
+        result?;
+        self.stats.pieces_mapped += 1;
+        Ok(())
+    }
+
+    /// Where the memory lives.
+    pub fn backend(&self) -> VmBackend {
+        self.region.backend()
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The number of elements the mapped memory holds.
+    pub fn capacity(&self) -> usize {
+        self.region.mapped_prefix() / size_of::<T>()
+    }
+
+    /// The bytes of memory mapped.
+    pub fn capacity_bytes(&self) -> usize {
+        self.region.mapped_prefix()
+    }
+
+    /// The bytes of address space reserved (at least
+    /// [`capacity_bytes`](Self::capacity_bytes)).
+    pub fn reserved_bytes(&self) -> usize {
+        self.region.reserved()
+    }
+
+    /// The bytes of address space (no memory) held right after the
+    /// reservation so that growth can extend in place; 0 when there is no
+    /// such guard.
+    pub fn headroom_bytes(&self) -> usize {
+        self.region.headroom()
+    }
+
+    /// Whether to keep the addresses after the reservation reserved
+    /// (address space only, no memory), so that the next growths extend in
+    /// place and the pointer stays the same. On by default; off gives them
+    /// back (`cuMemAddressFree`; `munmap` on the host), and growth then
+    /// extends in place only where nobody else took them.
+    pub fn set_headroom(&mut self, on: bool) {
+        self.region.set_headroom(on);
+    }
+
+    /// The unit memory is mapped in: the device's minimum VMM granularity
+    /// (2 MiB on current GPUs) or the host page size.
+    pub fn granularity(&self) -> usize {
+        self.region.granularity()
+    }
+
+    /// The address of the first element, for kernels (a `CUdeviceptr`; a
+    /// host address on the fallback). It changes when a growth remaps.
+    pub fn device_ptr(&self) -> u64 {
+        self.region.base() as u64
+    }
+
+    /// How growths were served so far.
+    pub fn stats(&self) -> GrowStats {
+        self.stats
+    }
+
+    /// Makes room for at least `min_capacity` elements, without copying:
+    /// maps more memory (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`),
+    /// first extending the reservation in place (`cuMemAddressReserve` with
+    /// the current end as hint), else remapping the same chunks into a
+    /// larger range (`cuMemUnmap`, `cuMemAddressFree` of the old one). Capacity grows at least twofold, or
+    /// to just what is asked for when the device can't map twice as much.
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] when the device has no memory for it; driver
+    /// and OS errors. The contents are unchanged on error.
+    pub fn grow(&mut self, min_capacity: usize) -> Result<GrowPath> {
+        if min_capacity <= self.capacity() {
+            return Ok(GrowPath::Unchanged);
+        }
+        let needed = self.region.round(Self::bytes_for(min_capacity)?)?;
+        let mapped = self.region.mapped_prefix();
+        let target = self.region.round(needed.max(mapped.saturating_mul(2)))?;
+        let mut path = GrowPath::WithinReservation;
+        if target > self.region.reserved() {
+            path = self.region.grow_reservation(target)?;
+        }
+        match self.map(mapped, target - mapped) {
+            Ok(()) => {}
+            // Doubling asked for more than the device has: map just what
+            // was asked for.
+            Err(Error::OutOfMemory { .. }) if target > needed => self.map(mapped, needed - mapped)?,
+            Err(e) => return Err(e),
+        }
+        self.stats.record(path);
+        Ok(path)
+    }
+
+    /// Makes room for `additional` more elements (see [`grow`](Self::grow)).
+    ///
+    /// # Errors
+    /// As [`grow`](Self::grow).
+    pub fn reserve(&mut self, additional: usize) -> Result<GrowPath> {
+        let want = self
+            .len
+            .checked_add(additional)
+            .ok_or(Error::InvalidSize { size: additional, reason: "the element count overflows" })?;
+        self.grow(want)
+    }
+
+    /// Sets the length to `new_len`, filling new elements with `value`
+    /// (copied from the host).
+    ///
+    /// # Errors
+    /// As [`grow`](Self::grow) and the copies.
+    pub fn resize(&mut self, new_len: usize, value: T) -> Result<()> {
+        if new_len <= self.len {
+            self.len = new_len;
+            return Ok(());
+        }
+        self.grow(new_len)?;
+        let block = vec![value; (new_len - self.len).min((1 << 20) / size_of::<T>() + 1)];
+        while self.len < new_len {
+            let n = block.len().min(new_len - self.len);
+            self.write_host(self.len, &block[..n])?;
+            self.len += n;
+        }
+        Ok(())
+    }
+
+    /// Shortens the buffer to `new_len` elements (no effect if it is
+    /// shorter); the memory stays mapped.
+    pub fn truncate(&mut self, new_len: usize) {
+        self.len = self.len.min(new_len);
+    }
+
+    /// Removes every element; the memory stays mapped.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Appends `src` (`cuMemcpyHtoD`), growing without copying first.
+    ///
+    /// # Errors
+    /// As [`grow`](Self::grow); a driver error from the copy.
+    pub fn extend_from_host(&mut self, src: &[T]) -> Result<()> {
+        self.reserve(src.len())?;
+        self.write_host(self.len, src)?;
+        self.len += src.len();
+        Ok(())
+    }
+
+    /// Appends `len` elements read from `src` (`cuMemcpyDtoD`; on the host
+    /// fallback `src` is a host address and the copy a `memmove`). Returns
+    /// once the copy is complete (`cuCtxSynchronize`).
+    ///
+    /// # Safety
+    /// `src .. src + len * size_of::<T>()` must be readable memory of this
+    /// buffer's backend (device memory accessible from its device, or host
+    /// memory on the fallback) that holds `len` valid values of `T`, and
+    /// nothing may write to it during the call.
+    ///
+    /// # Errors
+    /// As [`grow`](Self::grow); a driver error from the copy.
+    pub unsafe fn extend_from_device(&mut self, src: u64, len: usize) -> Result<()> {
+        let bytes = Self::bytes_for(len)?;
+        self.reserve(len)?;
+        let dst = self.region.base() + self.len * size_of::<T>();
+        match self.region.cuda_context() {
+            Some(ctx) => {
+                ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+                // SAFETY: the destination is mapped (just reserved) and
+                // inside the buffer; the caller vouches for the source.
+                unsafe { sys::cuMemcpyDtoD_v2(dst as u64, src, bytes) }.result().map_err(driver_err("cuMemcpyDtoD"))?;
+                vmm::synchronize(ctx)?;
+            }
+            // SAFETY: the destination is committed host memory inside the
+            // buffer; the caller vouches for the source; `copy` allows
+            // overlap.
+            None => unsafe { std::ptr::copy(src as usize as *const u8, dst as *mut u8, bytes) },
+        }
+        self.len += len;
+        Ok(())
+    }
+
+    /// Appends the contents of `other`, copying device to device
+    /// (`cuMemcpyDtoD`), host to device or device to host as the two
+    /// backends require.
+    ///
+    /// # Errors
+    /// [`Error::InvalidState`] when both are on different devices; as
+    /// [`grow`](Self::grow); driver errors.
+    pub fn extend_from_buffer(&mut self, other: &GrowableBuffer<T>) -> Result<()> {
+        match (self.backend(), other.backend()) {
+            (VmBackend::Cuda(a), VmBackend::Cuda(b)) if a != b => Err(Error::InvalidState(format!(
+                "can't copy between GrowableBuffers on devices {b} and {a}; copy through the host"
+            ))),
+            (VmBackend::Cuda(_), VmBackend::Host) => {
+                // SAFETY: `other` is committed host memory holding
+                // `other.len` initialised values of `T`; it is borrowed, so
+                // nothing writes to it meanwhile.
+                let src = unsafe { std::slice::from_raw_parts(other.region.base() as *const T, other.len) };
+                self.extend_from_host(src)
+            }
+            (VmBackend::Host, VmBackend::Cuda(_)) => {
+                let start = self.len;
+                self.reserve(other.len)?;
+                let dst = self.region.base() + start * size_of::<T>();
+                // SAFETY: the destination is committed host memory inside
+                // this buffer with room for `other.len` elements (just
+                // reserved); `other` is device memory, so they don't overlap.
+                unsafe { other.read_into(dst as *mut T, other.len)? };
+                self.len += other.len;
+                Ok(())
+            }
+            // SAFETY: `other` holds `other.len` valid elements of the same
+            // backend and is borrowed, so nothing writes to it.
+            _ => unsafe { self.extend_from_device(other.device_ptr(), other.len) },
+        }
+    }
+
+    fn write_host(&self, at: usize, src: &[T]) -> Result<()> {
+        let bytes = std::mem::size_of_val(src);
+        let dst = self.region.base() + at * size_of::<T>();
+        debug_assert!(at * size_of::<T>() + bytes <= self.capacity_bytes());
+        match self.region.cuda_context() {
+            Some(ctx) => {
+                ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+                // SAFETY: the destination lies in mapped memory of this
+                // buffer and `src` is a live slice of `bytes` bytes.
+                unsafe { sys::cuMemcpyHtoD_v2(dst as u64, src.as_ptr().cast(), bytes) }
+                    .result()
+                    .map_err(driver_err("cuMemcpyHtoD"))
+            }
+            None => {
+                // SAFETY: the destination is committed host memory of this
+                // buffer, no reference points into it, and it can't overlap
+                // the borrowed `src`.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().cast::<u8>(), dst as *mut u8, bytes) };
+                Ok(())
+            }
+        }
+    }
+
+    /// Copies the first `dst.len()` elements into `dst` (`cuMemcpyDtoH`,
+    /// which returns once the copy is complete).
+    ///
+    /// # Errors
+    /// [`Error::InvalidState`] when `dst` is longer than the buffer; a
+    /// driver error.
+    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        // SAFETY: `dst` is a live, exclusive slice of `dst.len()` elements.
+        unsafe { self.read_into(dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// Copies the first `n` elements to `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `n` elements of `T` (it may be
+    /// uninitialised) and not overlap this buffer.
+    unsafe fn read_into(&self, dst: *mut T, n: usize) -> Result<()> {
+        if n > self.len {
+            return Err(Error::InvalidState(format!(
+                "copy_to_host of {n} elements from a GrowableBuffer of {}",
+                self.len
+            )));
+        }
+        let bytes = n * size_of::<T>();
+        let src = self.region.base();
+        match self.region.cuda_context() {
+            Some(ctx) => {
+                ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+                // SAFETY: the source lies in mapped memory holding `n`
+                // values of `T` written earlier; the caller vouches that
+                // `dst` takes `bytes` bytes.
+                unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), src as u64, bytes) }
+                    .result()
+                    .map_err(driver_err("cuMemcpyDtoH"))
+            }
+            None => {
+                // SAFETY: the source is committed host memory holding `n`
+                // values of `T`; the caller vouches for `dst` and that the
+                // two don't overlap.
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.cast::<u8>(), bytes) };
+                Ok(())
+            }
+        }
+    }
+
+    /// The contents, copied to a new `Vec` (`cuMemcpyDtoH`).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        let mut out = Vec::with_capacity(self.len);
+        // SAFETY: the Vec's buffer takes `self.len` elements and is not
+        // part of this buffer.
+        unsafe { self.read_into(out.as_mut_ptr(), self.len)? };
+        // SAFETY: all `self.len` elements were initialised just above.
+        unsafe { out.set_len(self.len) };
+        Ok(out)
+    }
+
+    /// Unmaps and releases the memory beyond what the length needs
+    /// (`cuMemUnmap`, `cuMemRelease`; `madvise` on the host), whole pieces
+    /// at a time; the address range stays reserved for later growth.
+    /// Returns the bytes released.
+    ///
+    /// # Errors
+    /// Driver or OS errors.
+    pub fn shrink_to_fit(&mut self) -> Result<usize> {
+        let keep = self.len * size_of::<T>();
+        let mapped = self.region.mapped_prefix();
+        let cut = self.region.piece_bounds().map(|(start, _)| start).find(|start| *start >= keep).unwrap_or(mapped);
+        if cut >= mapped {
+            return Ok(0);
+        }
+        if !self.region.unmap(cut, mapped - cut)? {
+            return Err(Error::InvalidState("the buffer's mapped pieces are not contiguous".into()));
+        }
+        Ok(mapped - cut)
+    }
+
+    /// Gives the devices in `peers` (ordinals) read-write access to the
+    /// buffer too, now and after every growth (`cuMemSetAccess`). Nothing to
+    /// do on the host fallback.
+    ///
+    /// # Errors
+    /// A driver error, for example for a device that can't access this one.
+    pub fn set_peer_access(&mut self, peers: &[usize]) -> Result<()> {
+        self.region.set_peers(peers)
+    }
+}
