@@ -27,8 +27,12 @@ use cudarc::driver::CudaContext;
 use crate::error::Result;
 use crate::upstream::Upstream;
 
-/// The upstream of a device's sync pool: plain `cuMemAlloc` chunks.
+/// The upstream of a device's sync pool: expandable segments on CUDA
+/// virtual memory (one reserved range that grows by mapping) when asked for
+/// and supported, else plain `cuMemAlloc` chunks.
 pub(crate) fn device_upstream(ctx: Arc<CudaContext>, expandable: bool) -> Result<Box<dyn Upstream>> {
-    let _ = expandable;
+    if expandable && vmm::vmm_supported(&ctx)? {
+        return Ok(Box::new(crate::upstream::CudaVmm::new(ctx.ordinal())?));
+    }
     Ok(Box::new(CudaDeviceMemory::new(ctx)))
 }

@@ -21,7 +21,11 @@ use crate::device::{self, DeviceAllocator, DeviceAllocatorMode, DeviceStats, Dri
 use crate::error::{Error, PoolKind, Result};
 use crate::pool::{Pool, PoolConfig, PoolStats};
 use crate::sync::{AtomicBool, Ordering};
-use crate::upstream::{Host, Upstream};
+use crate::upstream::{Host, HostExpandable, Upstream};
+
+/// Address space the host fallback's expandable device pool reserves (no
+/// memory until used).
+const HOST_DEVICE_RESERVATION: usize = 64 << 30;
 
 /// What memory the manager runs on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -301,6 +305,9 @@ impl MemoryManager {
         };
         let upstream: Box<dyn Upstream> = match &ctx {
             Some(ctx) => device::device_upstream(ctx.clone(), self.config.expandable)?,
+            // The host twin of expandable segments: address space reserved
+            // up front, committed as the pool grows.
+            None if self.config.expandable => Box::new(HostExpandable::new(HOST_DEVICE_RESERVATION)?),
             None => Box::new(Host::new()),
         };
         let mut pc = PoolConfig::new(PoolKind::Device);
