@@ -230,9 +230,12 @@ fn shutdown_report_says_where_live_memory_was_allocated() {
     let report = mm.shutdown().unwrap();
     assert_eq!(report.live_count, 1, "{report}");
     let site = report.live[0].site.as_deref().expect("tracking records a site");
-    assert!(site.contains("shutdown_report_says_where_live_memory_was_allocated"), "{site}");
-    // The file and line come from debug info, which stripped binaries lack.
+    // Optimised, stripped builds inline the test function and lack line
+    // info; with line info the site names this file.
     assert!(site.contains("bad_input.rs") || site.ends_with(" at ?"), "{site}");
+    if cfg!(debug_assertions) {
+        assert!(site.contains("shutdown_report_says_where_live_memory_was_allocated"), "{site}");
+    }
     assert!(report.to_string().contains("allocated in"), "{report}");
     mm.free_pinned(leaked.as_ptr()).unwrap();
 }

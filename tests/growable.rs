@@ -213,13 +213,14 @@ fn gpu_growable_pointer_stable_in_place() {
     let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(0), 1 << 19).unwrap();
     println!("headroom guard: {} B", buf.headroom_bytes());
     buf.extend_from_host(&pattern(0, 1 << 19)).unwrap();
-    let ptr = buf.device_ptr();
+    let mut ptr = buf.device_ptr();
     for _ in 0..6 {
         let path = buf.grow(buf.capacity() + 1).unwrap();
         println!("grew to {} B via {path:?}", buf.capacity_bytes());
         if path != GrowPath::Remapped {
             assert_eq!(buf.device_ptr(), ptr, "pointer moved on the {path:?} path");
         }
+        ptr = buf.device_ptr();
     }
     assert!(buf.stats().in_place >= 1, "the driver never extended in place: {:?}", buf.stats());
     assert_eq!(buf.to_vec().unwrap(), pattern(0, 1 << 19));
