@@ -1,5 +1,7 @@
 //! The manager's configuration: a builder, and `CUMEM_CONF` parsing.
 
+use std::path::PathBuf;
+
 use crate::device::DeviceAllocatorMode;
 use crate::error::{Error, Result};
 
@@ -48,6 +50,9 @@ pub struct Config {
     pub expandable: bool,
     /// CUDA or the host fallback.
     pub backend: BackendChoice,
+    /// Where to write an event log of every allocation and free, in RMM's
+    /// CSV format (see [`EventLog`](crate::log::EventLog)); `None`: no log.
+    pub log_path: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -63,6 +68,7 @@ impl Default for Config {
             release_threshold: u64::MAX,
             expandable: true,
             backend: BackendChoice::Auto,
+            log_path: None,
         }
     }
 }
@@ -137,6 +143,11 @@ impl Config {
     /// Sets [`Config::backend`].
     pub fn backend(mut self, backend: BackendChoice) -> Self {
         self.backend = backend;
+        self
+    }
+    /// Sets [`Config::log_path`]: log every allocation and free to `path`.
+    pub fn log(mut self, path: impl Into<PathBuf>) -> Self {
+        self.log_path = Some(path.into());
         self
     }
 }
@@ -224,10 +235,12 @@ impl std::str::FromStr for Config {
                         _ => return Err(Error::Config(format!("backend: '{value}' is not auto or host"))),
                     }
                 }
+                "log" if !value.is_empty() => c.log_path = Some(PathBuf::from(value)),
+                "log" => return Err(Error::Config("log: expected a file path".into())),
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
-                         max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, backend)"
+                         max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, backend, log)"
                     )))
                 }
             }

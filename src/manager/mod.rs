@@ -18,6 +18,7 @@ use once_cell::sync::OnceCell;
 
 use crate::device::{self, DeviceAllocator, DeviceAllocatorMode, DeviceStats, DriverStatus, Stream};
 use crate::error::{Error, PoolKind, Result};
+use crate::log::EventLog;
 use crate::pool::{Pool, PoolConfig, PoolStats};
 use crate::sync::{AtomicBool, Ordering};
 use crate::upstream::{Host, Upstream};
@@ -81,6 +82,9 @@ pub struct MemoryManager {
     /// Device pool sizes set before the device's allocator exists.
     device_pool_size: crate::sync::Mutex<usize>,
     shut_down: AtomicBool,
+    /// The event log, when `Config::log_path` is set (accessors in
+    /// `crate::log`).
+    pub(crate) log: Option<EventLog>,
 }
 
 impl std::fmt::Debug for MemoryManager {
@@ -155,6 +159,7 @@ impl MemoryManager {
             pinned: Pool::new(pinned_upstream, pinned_config),
             pinned_ctx: ctx,
             devices: (0..device_count).map(|_| OnceCell::new()).collect(),
+            log: config.log_path.as_ref().map(EventLog::create).transpose()?,
             backend,
             config,
             shut_down: AtomicBool::new(false),
@@ -203,8 +208,9 @@ impl MemoryManager {
     /// [`Error::InvalidAlignment`].
     pub fn allocate_pinned_aligned(&self, size: usize, align: usize) -> Result<NonNull<u8>> {
         self.check_running("pinned allocation")?;
-        let a = self.pinned.allocate(size, align)?;
-        Ok(NonNull::new(a.addr as *mut u8).expect("pools never hand out address 0"))
+        let a = self.pinned.allocate(size, align).map(|a| a.addr as u64);
+        EventLog::note_allocation(&self.log, &a, size, 0);
+        Ok(NonNull::new(a? as usize as *mut u8).expect("pools never hand out address 0"))
     }
 
     /// Returns pinned memory to the pool. The memory must no longer be
@@ -215,7 +221,9 @@ impl MemoryManager {
     /// [`Error::UnknownPointer`] (also for device pointers); the pool is
     /// unchanged then.
     pub fn free_pinned(&self, ptr: *mut u8) -> Result<()> {
-        self.pinned.deallocate(ptr as usize, crate::pool::StreamTag::NONE).map(|_| ())
+        let r = self.pinned.deallocate(ptr as usize, crate::pool::StreamTag::NONE).map(|f| f.requested);
+        EventLog::note_free(&self.log, &r, ptr as u64, 0);
+        r.map(|_| ())
     }
 
     /// The pinned pool.
@@ -282,7 +290,9 @@ impl MemoryManager {
     /// driver errors.
     pub fn allocate_device(&self, size: usize) -> Result<u64> {
         self.check_running("device allocation")?;
-        self.default_device()?.allocate(size, None)
+        let r = self.default_device()?.allocate(size, None);
+        EventLog::note_allocation(&self.log, &r, size, 0);
+        r
     }
 
     /// Allocates `size` bytes of device memory for work on `stream`: safe to
@@ -292,7 +302,9 @@ impl MemoryManager {
     /// As [`allocate_device`](Self::allocate_device).
     pub fn allocate_device_on(&self, size: usize, stream: &Stream) -> Result<u64> {
         self.check_running("device allocation")?;
-        self.default_device()?.allocate(size, Some(stream))
+        let r = self.default_device()?.allocate(size, Some(stream));
+        EventLog::note_allocation(&self.log, &r, size, stream.cu_stream() as u64);
+        r
     }
 
     /// Frees device memory at once. The caller guarantees that no work
@@ -305,7 +317,9 @@ impl MemoryManager {
     /// [`Error::UnknownPointer`] (also for pinned pointers); nothing changes
     /// then.
     pub fn free_device(&self, ptr: u64) -> Result<()> {
-        self.default_device()?.free(ptr, None).map(|_| ())
+        let r = self.default_device()?.free(ptr, None);
+        EventLog::note_free(&self.log, &r, ptr, 0);
+        r.map(|_| ())
     }
 
     /// Frees device memory in stream order: work queued on `stream` before
@@ -315,7 +329,9 @@ impl MemoryManager {
     /// # Errors
     /// As [`free_device`](Self::free_device).
     pub fn free_device_on(&self, ptr: u64, stream: &Stream) -> Result<()> {
-        self.default_device()?.free(ptr, Some(stream)).map(|_| ())
+        let r = self.default_device()?.free(ptr, Some(stream));
+        EventLog::note_free(&self.log, &r, ptr, stream.cu_stream() as u64);
+        r.map(|_| ())
     }
 
     /// Sets the bytes the first device allocation of the sync pool reserves.
@@ -569,6 +585,7 @@ impl MemoryManager {
             }
             report.released_bytes += before - d.pool().stats().reserved;
         }
+        self.flush_event_log()?;
         Ok(report)
     }
 
