@@ -140,7 +140,12 @@ impl EventLog {
 
     /// Records the outcome of an allocation: `allocate` with the pointer,
     /// or `allocate failure`.
-    pub(crate) fn note_allocation<E>(log: &Option<EventLog>, r: &std::result::Result<u64, E>, size: usize, stream: u64) {
+    pub(crate) fn note_allocation<E>(
+        log: &Option<EventLog>,
+        r: &std::result::Result<u64, E>,
+        size: usize,
+        stream: u64,
+    ) {
         match (log, r) {
             (Some(log), Ok(p)) => log.allocated(*p, size, stream),
             (Some(log), Err(_)) => log.failed(size, stream),
@@ -170,7 +175,9 @@ impl EventLog {
             let _ = ack_rx.recv();
         }
         match &*lock(&self.error) {
-            Some((kind, msg)) => Err(Error::Os { call: "write (event log file)", source: std::io::Error::new(*kind, msg.clone()) }),
+            Some((kind, msg)) => {
+                Err(Error::Os { call: "write (event log file)", source: std::io::Error::new(*kind, msg.clone()) })
+            }
             None if sent => Ok(()),
             None => Err(Error::InvalidState("the event log's writer thread has stopped".into())),
         }

@@ -299,9 +299,7 @@ fn parse_record(fields: &[&str], c: &Columns) -> std::result::Result<Record, Str
     let action = parse_action(fields[c.action])
         .ok_or_else(|| format!("action '{}' is not allocate, free or allocate failure", fields[c.action]))?;
     let pointer = parse_hex(fields[c.pointer]).ok_or_else(|| format!("pointer '{}' is not hex", fields[c.pointer]))?;
-    let size = fields[c.size]
-        .parse::<usize>()
-        .map_err(|_| format!("size '{}' is not a byte count", fields[c.size]))?;
+    let size = fields[c.size].parse::<usize>().map_err(|_| format!("size '{}' is not a byte count", fields[c.size]))?;
     let thread =
         parse_number(fields[c.thread]).ok_or_else(|| format!("thread '{}' is not a number", fields[c.thread]))?;
     let time = parse_time(fields[c.time]).ok_or_else(|| format!("time '{}' is not a time", fields[c.time]))?;

@@ -95,8 +95,11 @@ fn the_log_key_parses() {
 #[test]
 fn malformed_trace_files_name_the_line() {
     let path = temp_path("bad.csv");
-    std::fs::write(&path, "Thread,Time,Action,Pointer,Size,Stream\n0,1,allocate,0x100,10,0\n0,2,allocate,0x200,ten,0\n")
-        .unwrap();
+    std::fs::write(
+        &path,
+        "Thread,Time,Action,Pointer,Size,Stream\n0,1,allocate,0x100,10,0\n0,2,allocate,0x200,ten,0\n",
+    )
+    .unwrap();
     let e = Trace::read(&path).unwrap_err().to_string();
     assert!(e.contains("line 3") && e.contains("'ten'"), "{e}");
     std::fs::remove_file(&path).unwrap();
@@ -107,7 +110,9 @@ fn malformed_trace_files_name_the_line() {
 fn shared_traces() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
     let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.to_string_lossy().ends_with(".csv.gz")).collect())
+        .map(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.to_string_lossy().ends_with(".csv.gz")).collect()
+        })
         .unwrap_or_default();
     v.sort();
     v

@@ -134,7 +134,8 @@ fn run(args: &Args) -> cumem::Result<()> {
     bar.finish_and_clear();
     let infos: Vec<TraceInfo> = traces.iter().zip(&args.traces).map(|(t, p)| trace_info(t, p)).collect();
     if args.json {
-        let out = Output { backend, repeat: args.repeat.max(1), conf: args.conf.clone(), traces: infos, results, skipped };
+        let out =
+            Output { backend, repeat: args.repeat.max(1), conf: args.conf.clone(), traces: infos, results, skipped };
         let text = serde_json::to_string_pretty(&out).map_err(|e| cumem::Error::InvalidState(e.to_string()))?;
         println!("{text}");
     } else {
@@ -183,16 +184,7 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
     println!();
     println!(
         "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5}",
-        "trace",
-        "target",
-        "ops",
-        "ns/op",
-        "min ns/op",
-        "live MiB",
-        "trace MiB",
-        "reserved MiB",
-        "ratio",
-        "fail"
+        "trace", "target", "ops", "ns/op", "min ns/op", "live MiB", "trace MiB", "reserved MiB", "ratio", "fail"
     );
     for r in results {
         println!(

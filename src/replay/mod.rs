@@ -207,7 +207,9 @@ pub fn replay(trace: &Trace, target: Target, base: &Config, repeat: usize) -> Re
 /// reset, so a replay's `reserved_high` is its own. Its release threshold
 /// is set to keep everything cached (as cumem's stream-ordered mode does).
 fn fresh_default_pool(ordinal: usize) -> Result<Option<NativePool>> {
-    let Some(ctx) = device::device_context(ordinal)? else { return Ok(None) };
+    let Some(ctx) = device::device_context(ordinal)? else {
+        return Ok(None);
+    };
     ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
     ctx.synchronize().map_err(device::driver_err("cuCtxSynchronize"))?;
     let pool = NativePool::device_default(ctx, u64::MAX)?;
