@@ -132,6 +132,12 @@ fn shared_traces_replay_on_the_host() {
         assert_eq!(r.peak_live, trace.peak_live, "{}", trace.name);
         let ratio = r.ratio.unwrap();
         assert!((1.0..3.0).contains(&ratio), "{}: {ratio}", trace.name);
+        // One range that grows in place (expandable segments) leaves almost
+        // nothing unused: exact best fit reaches about 1.01 here.
+        let sim = replay::replay(&trace, Target::Simulated, &Config::new().expandable(true), 1).unwrap();
+        assert_eq!(sim.peak_live, trace.peak_live, "{}", trace.name);
+        let ratio = sim.ratio.unwrap();
+        assert!((1.0..1.02).contains(&ratio), "{} expandable: {ratio}", trace.name);
     }
 }
 

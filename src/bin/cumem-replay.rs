@@ -23,7 +23,9 @@ struct Args {
     #[arg(required = true)]
     traces: Vec<PathBuf>,
     /// Targets, comma-separated, or `all`: sync_pool, async_stream_ordered,
-    /// cuda_async_pool, host, raw_cumemalloc, raw_cumemallocasync.
+    /// cuda_async_pool, host, raw_cumemalloc, raw_cumemallocasync; also
+    /// sim_device (cumem's pool over a simulated 2 MiB-granular device
+    /// address range that grows in place when expandable; not in `all`).
     #[arg(long, short, default_value = "all")]
     target: String,
     /// Replays per trace and target; the median time is reported.

@@ -14,6 +14,9 @@
 //! the two agree when every allocation succeeded.
 
 mod raw;
+mod sim;
+
+pub use sim::AddressRange;
 
 use std::time::Instant;
 
@@ -36,6 +39,11 @@ pub enum Target {
     /// `cuMemAllocAsync` / `cuMemFreeAsync` on one stream, from the
     /// device's default pool.
     RawCuMemAllocAsync,
+    /// cumem's pool over a simulated device address range
+    /// ([`AddressRange`]: 2 MiB granularity, the top chunk grows in place
+    /// when `expandable`): the fragmentation a device pool would reach,
+    /// on any machine. Not part of `all`.
+    Simulated,
 }
 
 impl Target {
@@ -49,6 +57,17 @@ impl Target {
         Target::RawCuMemAllocAsync,
     ];
 
+    /// Every target `from_str` knows: [`Target::ALL`] and the simulation.
+    pub const KNOWN: [Target; 7] = [
+        Target::Mode(DeviceAllocatorMode::SyncPool),
+        Target::Mode(DeviceAllocatorMode::AsyncStreamOrdered),
+        Target::Mode(DeviceAllocatorMode::CudaAsyncPool),
+        Target::Host,
+        Target::RawCuMemAlloc,
+        Target::RawCuMemAllocAsync,
+        Target::Simulated,
+    ];
+
     /// The name on the command line and in reports.
     pub fn name(self) -> &'static str {
         match self {
@@ -56,12 +75,13 @@ impl Target {
             Target::Host => "host",
             Target::RawCuMemAlloc => "raw_cumemalloc",
             Target::RawCuMemAllocAsync => "raw_cumemallocasync",
+            Target::Simulated => "sim_device",
         }
     }
 
     /// Whether the target needs a CUDA device.
     pub fn needs_gpu(self) -> bool {
-        self != Target::Host
+        !matches!(self, Target::Host | Target::Simulated)
     }
 
     /// Parses `all` or a comma-separated list of target names.
@@ -95,8 +115,8 @@ impl std::fmt::Display for Target {
 impl std::str::FromStr for Target {
     type Err = Error;
     fn from_str(s: &str) -> Result<Target> {
-        Target::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
-            let names: Vec<&str> = Target::ALL.iter().map(|t| t.name()).collect();
+        Target::KNOWN.into_iter().find(|t| t.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
+            let names: Vec<&str> = Target::KNOWN.iter().map(|t| t.name()).collect();
             Error::Config(format!("unknown replay target '{s}' (known: all, {})", names.join(", ")))
         })
     }
@@ -172,6 +192,7 @@ pub fn replay_once(trace: &Trace, target: Target, base: &Config) -> Result<Measu
         Target::Mode(m) => replay_cumem(trace, base.clone().backend(BackendChoice::Auto).mode(m)),
         Target::RawCuMemAlloc => raw::replay_cumemalloc(trace, base.device),
         Target::RawCuMemAllocAsync => raw::replay_cumemallocasync(trace, base.device),
+        Target::Simulated => sim::replay_simulated(trace, base),
     }
 }
 
@@ -293,7 +314,7 @@ mod tests {
 
     #[test]
     fn target_names_round_trip() {
-        for t in Target::ALL {
+        for t in Target::KNOWN {
             assert_eq!(t.name().parse::<Target>().unwrap(), t);
         }
         assert_eq!(Target::parse_list("all").unwrap().len(), 6);
