@@ -1,6 +1,8 @@
-//! Replays the shared PyTorch traces (`../shared/traces/*.csv.gz`, or the
-//! files in `CUMEM_TRACES`, a directory or a comma-separated list) through
-//! the host target, and through every GPU target when a GPU is present.
+//! Replays the shared PyTorch traces (`../shared/traces/*.csv.gz` or
+//! `gpu-bin/traces/`, or the files in `CUMEM_TRACES`, a directory or a
+//! comma-separated list) through
+//! the host target and the simulated device range (`sim_device`), and
+//! through every GPU target when a GPU is present.
 //! Only the allocation and free calls are timed (each replay on a fresh
 //! pool). A plain summary of ns/op and peak reserved / peak live follows
 //! criterion's output.
@@ -16,7 +18,16 @@ use cumem::Config;
 
 fn trace_paths() -> Vec<PathBuf> {
     let spec =
-        std::env::var("CUMEM_TRACES").unwrap_or_else(|_| format!("{}/../shared/traces", env!("CARGO_MANIFEST_DIR")));
+        // CUMEM_TRACES, else the first folder that exists: gpu-bin/traces
+        // (the GPU suite's copy), ../shared/traces from here or the crate.
+        std::env::var("CUMEM_TRACES").unwrap_or_else(|_| {
+            let candidates = [
+                "gpu-bin/traces".to_string(),
+                "../shared/traces".to_string(),
+                format!("{}/../shared/traces", env!("CARGO_MANIFEST_DIR")),
+            ];
+            candidates.into_iter().find(|d| std::path::Path::new(d).is_dir()).unwrap_or_default()
+        });
     let mut paths = Vec::new();
     for item in spec.split(',').map(PathBuf::from) {
         match std::fs::read_dir(&item) {
@@ -47,13 +58,15 @@ fn main() {
         println!("replay bench: no traces found (set CUMEM_TRACES to a directory or files)");
         return;
     }
-    let targets: Vec<Target> = match driver_status() {
+    let mut targets: Vec<Target> = match driver_status() {
         DriverStatus::Available { .. } => Target::ALL.to_vec(),
         DriverStatus::Unavailable(why) => {
-            println!("replay bench: no GPU ({why}); only the host target runs");
+            println!("replay bench: no GPU ({why}); only the host and simulated targets run");
             vec![Target::Host]
         }
     };
+    // The pool over a simulated device range (expandable by default).
+    targets.push(Target::Simulated);
     let base = Config::new();
     let mut summary = Vec::new();
     for trace in &traces {

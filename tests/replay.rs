@@ -106,9 +106,14 @@ fn malformed_trace_files_name_the_line() {
     assert!(Trace::read(temp_path("missing.csv")).is_err());
 }
 
-/// The shared PyTorch traces, where this checkout has them beside it.
+/// The shared PyTorch traces, where this checkout has them beside it (or
+/// the GPU suite's copy in `gpu-bin/traces`).
 fn shared_traces() -> Vec<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
+    let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let dir = [crate_dir.join("../shared/traces"), PathBuf::from("gpu-bin/traces")]
+        .into_iter()
+        .find(|d| d.is_dir())
+        .unwrap_or_default();
     let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map(|d| {
             d.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.to_string_lossy().ends_with(".csv.gz")).collect()
