@@ -97,7 +97,11 @@ fn run(args: &Args) -> cumem::Result<()> {
             format!("host fallback ({why})")
         }
     };
-    let traces = args.traces.iter().map(Trace::read).collect::<cumem::Result<Vec<_>>>()?;
+    let traces = args
+        .traces
+        .iter()
+        .map(|p| Trace::read(p).map_err(|e| cumem::Error::InvalidState(format!("{}: {e}", p.display()))))
+        .collect::<cumem::Result<Vec<_>>>()?;
     let total = (traces.len() * targets.len() * args.repeat.max(1)) as u64;
     let bar = if args.no_progress || args.json { ProgressBar::hidden() } else { ProgressBar::new(total) };
     bar.set_style(
