@@ -72,11 +72,10 @@ fn main() {
     for trace in &traces {
         let mut g = c.benchmark_group(format!("replay/{}", trace.name));
         g.throughput(criterion::Throughput::Elements(trace.operations() as u64));
+        // A replay takes milliseconds (raw cuMemAlloc: about a second):
+        // flat sampling runs the same few replays per sample.
+        g.sampling_mode(criterion::SamplingMode::Flat);
         for &target in &targets {
-            // Fewer samples for the slow raw cuMemAlloc target.
-            if target == Target::RawCuMemAlloc {
-                g.sample_size(10).measurement_time(Duration::from_secs(3));
-            }
             let mut failed = None;
             g.bench_function(BenchmarkId::from_parameter(target.name()), |b| {
                 b.iter_custom(|iters| {
