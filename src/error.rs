@@ -154,6 +154,16 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A malformed line in an allocation trace.
+    #[error("trace {source_name}, line {line}: {reason}")]
+    Trace {
+        /// The file (or other source) read.
+        source_name: String,
+        /// The line, from 1.
+        line: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A request that is well-formed but not valid now (arena, buffers).
     #[error("{0}")]
     InvalidState(String),

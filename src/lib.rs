@@ -6,9 +6,12 @@ pub mod alloc;
 pub mod buffer;
 pub mod device;
 mod error;
+pub mod log;
 pub mod manager;
 pub mod pool;
+pub mod replay;
 pub(crate) mod sync;
+pub mod trace;
 pub mod upstream;
 
 pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};

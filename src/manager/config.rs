@@ -1,5 +1,7 @@
 //! The manager's configuration: a builder, and `CUMEM_CONF` parsing.
 
+use std::path::PathBuf;
+
 use crate::device::DeviceAllocatorMode;
 use crate::error::{Error, Result};
 
@@ -51,6 +53,9 @@ pub struct Config {
     /// Record where each allocation is made (a backtrace per allocation),
     /// so the shutdown report can say where live memory came from.
     pub track_allocations: bool,
+    /// Where to write an event log of every allocation and free, in RMM's
+    /// CSV format (see [`EventLog`](crate::log::EventLog)); `None`: no log.
+    pub log_path: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -67,6 +72,7 @@ impl Default for Config {
             expandable: true,
             backend: BackendChoice::Auto,
             track_allocations: false,
+            log_path: None,
         }
     }
 }
@@ -146,6 +152,11 @@ impl Config {
     /// Sets [`Config::backend`].
     pub fn backend(mut self, backend: BackendChoice) -> Self {
         self.backend = backend;
+        self
+    }
+    /// Sets [`Config::log_path`]: log every allocation and free to `path`.
+    pub fn log(mut self, path: impl Into<PathBuf>) -> Self {
+        self.log_path = Some(path.into());
         self
     }
 }
@@ -233,11 +244,13 @@ impl std::str::FromStr for Config {
                         _ => return Err(Error::Config(format!("backend: '{value}' is not auto or host"))),
                     }
                 }
+                "log" if !value.is_empty() => c.log_path = Some(PathBuf::from(value)),
+                "log" => return Err(Error::Config("log: expected a file path".into())),
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
                          max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
-                         track_allocations, backend)"
+                         track_allocations, backend, log)"
                     )))
                 }
             }

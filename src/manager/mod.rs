@@ -19,6 +19,7 @@ use once_cell::sync::OnceCell;
 
 use crate::device::{self, DeviceAllocator, DeviceAllocatorMode, DeviceStats, DriverStatus, Stream};
 use crate::error::{Error, PoolKind, Result};
+use crate::log::EventLog;
 use crate::pool::{Pool, PoolConfig, PoolStats};
 use crate::sync::{AtomicBool, Ordering};
 use crate::upstream::{Host, HostExpandable, Upstream};
@@ -87,6 +88,9 @@ pub struct MemoryManager {
     device_pool_size: crate::sync::Mutex<usize>,
     shut_down: AtomicBool,
     sites: Option<tracking::SiteTracker>,
+    /// The event log, when `Config::log_path` is set (accessors in
+    /// `crate::log`).
+    pub(crate) log: Option<EventLog>,
 }
 
 impl std::fmt::Debug for MemoryManager {
@@ -181,8 +185,10 @@ impl MemoryManager {
             pinned: Pool::new(pinned_upstream, pinned_config),
             pinned_ctx: ctx,
             devices: (0..device_count).map(|_| OnceCell::new()).collect(),
+
             backend,
             sites: config.track_allocations.then(tracking::SiteTracker::default),
+            log: config.log_path.as_ref().map(EventLog::create).transpose()?,
             config,
             shut_down: AtomicBool::new(false),
         })
@@ -233,23 +239,25 @@ impl MemoryManager {
     /// `PinnedAlloc`, which may use all of it).
     pub(crate) fn allocate_pinned_block(&self, size: usize, align: usize) -> Result<crate::pool::Allocation> {
         self.check_running("pinned allocation")?;
-        let a = self.pinned.allocate(size, align)?;
-        self.allocated(PoolKind::Pinned, a.addr, size);
-        Ok(a)
+        let r = self.pinned.allocate(size, align);
+        self.note_allocation(PoolKind::Pinned, &r.as_ref().map(|a| a.addr as u64), size, 0);
+        r
     }
 
-    /// Bookkeeping after every successful allocation (tracking).
-    fn allocated(&self, kind: PoolKind, addr: usize, size: usize) {
-        let _ = size;
-        if let Some(t) = &self.sites {
-            t.record(kind, addr);
+    /// Bookkeeping after every allocation attempt: the event log (when on)
+    /// and allocation-site tracking (when on).
+    fn note_allocation<E>(&self, kind: PoolKind, r: &std::result::Result<u64, E>, size: usize, stream: u64) {
+        EventLog::note_allocation(&self.log, r, size, stream);
+        if let (Some(t), Ok(addr)) = (&self.sites, r) {
+            t.record(kind, *addr as usize);
         }
     }
 
-    /// Bookkeeping after every successful free.
-    fn freed(&self, kind: PoolKind, addr: usize) {
-        if let Some(t) = &self.sites {
-            t.forget(kind, addr);
+    /// Bookkeeping after every free attempt (`r` holds the freed size).
+    fn note_free<E>(&self, kind: PoolKind, r: &std::result::Result<usize, E>, ptr: u64, stream: u64) {
+        EventLog::note_free(&self.log, r, ptr, stream);
+        if let (Some(t), Ok(_)) = (&self.sites, r) {
+            t.forget(kind, ptr as usize);
         }
     }
 
@@ -261,9 +269,9 @@ impl MemoryManager {
     /// [`Error::UnknownPointer`] (also for device pointers); the pool is
     /// unchanged then.
     pub fn free_pinned(&self, ptr: *mut u8) -> Result<()> {
-        self.pinned.deallocate(ptr as usize, crate::pool::StreamTag::NONE)?;
-        self.freed(PoolKind::Pinned, ptr as usize);
-        Ok(())
+        let r = self.pinned.deallocate(ptr as usize, crate::pool::StreamTag::NONE).map(|f| f.requested);
+        self.note_free(PoolKind::Pinned, &r, ptr as u64, 0);
+        r.map(|_| ())
     }
 
     /// The pinned pool.
@@ -330,9 +338,9 @@ impl MemoryManager {
     /// driver errors.
     pub fn allocate_device(&self, size: usize) -> Result<u64> {
         self.check_running("device allocation")?;
-        let p = self.default_device()?.allocate(size, None)?;
-        self.allocated(PoolKind::Device, p as usize, size);
-        Ok(p)
+        let r = self.default_device()?.allocate(size, None);
+        self.note_allocation(PoolKind::Device, &r, size, 0);
+        r
     }
 
     /// Allocates `size` bytes of device memory for work on `stream`: safe to
@@ -342,9 +350,9 @@ impl MemoryManager {
     /// As [`allocate_device`](Self::allocate_device).
     pub fn allocate_device_on(&self, size: usize, stream: &Stream) -> Result<u64> {
         self.check_running("device allocation")?;
-        let p = self.default_device()?.allocate(size, Some(stream))?;
-        self.allocated(PoolKind::Device, p as usize, size);
-        Ok(p)
+        let r = self.default_device()?.allocate(size, Some(stream));
+        self.note_allocation(PoolKind::Device, &r, size, stream.cu_stream() as u64);
+        r
     }
 
     /// Frees device memory at once. The caller guarantees that no work
@@ -357,9 +365,9 @@ impl MemoryManager {
     /// [`Error::UnknownPointer`] (also for pinned pointers); nothing changes
     /// then.
     pub fn free_device(&self, ptr: u64) -> Result<()> {
-        self.default_device()?.free(ptr, None)?;
-        self.freed(PoolKind::Device, ptr as usize);
-        Ok(())
+        let r = self.default_device()?.free(ptr, None);
+        self.note_free(PoolKind::Device, &r, ptr, 0);
+        r.map(|_| ())
     }
 
     /// Frees device memory in stream order: work queued on `stream` before
@@ -369,9 +377,9 @@ impl MemoryManager {
     /// # Errors
     /// As [`free_device`](Self::free_device).
     pub fn free_device_on(&self, ptr: u64, stream: &Stream) -> Result<()> {
-        self.default_device()?.free(ptr, Some(stream))?;
-        self.freed(PoolKind::Device, ptr as usize);
-        Ok(())
+        let r = self.default_device()?.free(ptr, Some(stream));
+        self.note_free(PoolKind::Device, &r, ptr, stream.cu_stream() as u64);
+        r.map(|_| ())
     }
 
     /// Sets the bytes the first device allocation of the sync pool reserves.
@@ -629,6 +637,7 @@ impl MemoryManager {
             }
             report.released_bytes += before - d.pool().stats().reserved;
         }
+        self.flush_event_log()?;
         Ok(report)
     }
 

@@ -1,0 +1,119 @@
+//! Replays the shared PyTorch traces (`../shared/traces/*.csv.gz` or
+//! `gpu-bin/traces/`, or the files in `CUMEM_TRACES`, a directory or a
+//! comma-separated list) through
+//! the host target and the simulated device range (`sim_device`), and
+//! through every GPU target when a GPU is present.
+//! Only the allocation and free calls are timed (each replay on a fresh
+//! pool). A plain summary of ns/op and peak reserved / peak live follows
+//! criterion's output.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion};
+use cumem::device::{driver_status, DriverStatus};
+use cumem::replay::{self, Target};
+use cumem::trace::Trace;
+use cumem::Config;
+
+fn trace_paths() -> Vec<PathBuf> {
+    let spec =
+        // CUMEM_TRACES, else the first folder that exists: gpu-bin/traces
+        // (the GPU suite's copy), ../shared/traces from here or the crate.
+        std::env::var("CUMEM_TRACES").unwrap_or_else(|_| {
+            let candidates = [
+                "gpu-bin/traces".to_string(),
+                "../shared/traces".to_string(),
+                format!("{}/../shared/traces", env!("CARGO_MANIFEST_DIR")),
+            ];
+            candidates.into_iter().find(|d| std::path::Path::new(d).is_dir()).unwrap_or_default()
+        });
+    let mut paths = Vec::new();
+    for item in spec.split(',').map(PathBuf::from) {
+        match std::fs::read_dir(&item) {
+            Ok(dir) => paths.extend(
+                dir.filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.to_string_lossy().ends_with(".csv.gz") || p.to_string_lossy().ends_with(".csv")),
+            ),
+            Err(_) if item.is_file() => paths.push(item),
+            Err(_) => {}
+        }
+    }
+    paths.sort();
+    paths
+}
+
+fn main() {
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_secs(1))
+        .without_plots()
+        .configure_from_args();
+    let traces: Vec<Trace> = trace_paths()
+        .iter()
+        .filter_map(|p| Trace::read(p).map_err(|e| println!("replay bench: skipping {}: {e}", p.display())).ok())
+        .collect();
+    if traces.is_empty() {
+        println!("replay bench: no traces found (set CUMEM_TRACES to a directory or files)");
+        return;
+    }
+    let mut targets: Vec<Target> = match driver_status() {
+        DriverStatus::Available { .. } => Target::ALL.to_vec(),
+        DriverStatus::Unavailable(why) => {
+            println!("replay bench: no GPU ({why}); only the host and simulated targets run");
+            vec![Target::Host]
+        }
+    };
+    // The pool over a simulated device range (expandable by default).
+    targets.push(Target::Simulated);
+    let base = Config::new();
+    let mut summary = Vec::new();
+    for trace in &traces {
+        let mut g = c.benchmark_group(format!("replay/{}", trace.name));
+        g.throughput(criterion::Throughput::Elements(trace.operations() as u64));
+        // A replay takes milliseconds (raw cuMemAlloc: about a second):
+        // flat sampling runs the same few replays per sample.
+        g.sampling_mode(criterion::SamplingMode::Flat);
+        for &target in &targets {
+            let mut failed = None;
+            g.bench_function(BenchmarkId::from_parameter(target.name()), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        match replay::replay_once(trace, target, &base) {
+                            Ok(m) => total += Duration::from_nanos(m.elapsed_ns),
+                            Err(e) => failed = Some(e.to_string()),
+                        }
+                    }
+                    total
+                })
+            });
+            if let Some(e) = failed {
+                println!("replay bench: {} on {target} failed: {e}", trace.name);
+                continue;
+            }
+            match replay::replay(trace, target, &base, 5) {
+                Ok(r) => summary.push(r),
+                Err(e) => println!("replay bench: {} on {target}: {e}", trace.name),
+            }
+        }
+        g.finish();
+    }
+    c.final_summary();
+    println!();
+    println!("replay summary (median of 5 replays after criterion's; ratio = peak reserved / peak live)");
+    for r in &summary {
+        println!(
+            "{:<16} {:<20} {:>6} ops {:>9.1} ns/op  live {:>12} B (trace {:>12} B)  reserved {:>14}  ratio {}",
+            r.trace,
+            r.target,
+            r.operations,
+            r.ns_per_op,
+            r.peak_live,
+            r.trace_peak_live,
+            r.peak_reserved.map_or_else(|| "n/a".to_string(), |b| format!("{b} B")),
+            r.ratio.map_or_else(|| "n/a".to_string(), |x| format!("{x:.3}"))
+        );
+    }
+}

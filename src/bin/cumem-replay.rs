@@ -1,0 +1,225 @@
+//! `cumem-replay`: replays allocation traces (RMM's log CSV, gzip or plain)
+//! through cumem's device modes, the host fallback and the raw driver calls,
+//! and prints time per operation and fragmentation side by side.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use cumem::device::{driver_status, DriverStatus};
+use cumem::replay::{self, ReplayReport, Target};
+use cumem::trace::Trace;
+use cumem::Config;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+/// Replay allocation traces and report ns per operation and peak reserved /
+/// peak live bytes.
+#[derive(Parser, Debug)]
+#[command(name = "cumem-replay", version, about)]
+struct Args {
+    /// Trace files (RMM log CSV: Thread,Time,Action,Pointer,Size,Stream),
+    /// gzip-compressed or plain.
+    #[arg(required = true)]
+    traces: Vec<PathBuf>,
+    /// Targets, comma-separated, or `all`: sync_pool, async_stream_ordered,
+    /// cuda_async_pool, host, raw_cumemalloc, raw_cumemallocasync; also
+    /// sim_device (cumem's pool over a simulated 2 MiB-granular device
+    /// address range that grows in place when expandable; not in `all`).
+    #[arg(long, short, default_value = "all")]
+    target: String,
+    /// Replays per trace and target; the median time is reported.
+    #[arg(long, short, default_value_t = 5)]
+    repeat: usize,
+    /// Base configuration for the cumem targets, in `CUMEM_CONF` syntax
+    /// (for instance `min_chunk=20MiB,expandable=false`); the target sets
+    /// the mode and backend.
+    #[arg(long, default_value = "")]
+    conf: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+/// One trace's facts, for the report.
+#[derive(Serialize)]
+struct TraceInfo {
+    name: String,
+    path: String,
+    records: usize,
+    operations: usize,
+    peak_live: usize,
+    skipped_frees: usize,
+    failures: usize,
+    duplicate_allocations: usize,
+    zero_sizes: usize,
+    live_at_end: usize,
+}
+
+#[derive(Serialize)]
+struct Output {
+    backend: String,
+    repeat: usize,
+    conf: String,
+    traces: Vec<TraceInfo>,
+    results: Vec<ReplayReport>,
+    skipped: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cumem-replay: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> cumem::Result<()> {
+    let base: Config = args.conf.parse()?;
+    let mut targets = Target::parse_list(&args.target)?;
+    let mut skipped = Vec::new();
+    let backend = match driver_status() {
+        DriverStatus::Available { devices } => format!("CUDA ({devices} device(s))"),
+        DriverStatus::Unavailable(why) => {
+            let gpu: Vec<&str> = targets.iter().filter(|t| t.needs_gpu()).map(|t| t.name()).collect();
+            if !gpu.is_empty() {
+                let msg = format!("no GPU ({why}): skipping {}", gpu.join(", "));
+                eprintln!("cumem-replay: {msg}");
+                skipped.push(msg);
+            }
+            targets.retain(|t| !t.needs_gpu());
+            format!("host fallback ({why})")
+        }
+    };
+    let traces = args
+        .traces
+        .iter()
+        .map(|p| Trace::read(p).map_err(|e| cumem::Error::InvalidState(format!("{}: {e}", p.display()))))
+        .collect::<cumem::Result<Vec<_>>>()?;
+    let total = (traces.len() * targets.len() * args.repeat.max(1)) as u64;
+    let bar = if args.no_progress || args.json { ProgressBar::hidden() } else { ProgressBar::new(total) };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} replays {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut results = Vec::new();
+    for trace in &traces {
+        for &target in &targets {
+            bar.set_message(format!("{} on {}", trace.name, target));
+            let mut per_op = Vec::new();
+            let mut last = None;
+            for _ in 0..args.repeat.max(1) {
+                match replay::replay(trace, target, &base, 1) {
+                    Ok(r) => {
+                        per_op.push(r.ns_per_op);
+                        last = Some(r);
+                    }
+                    Err(e) => {
+                        let msg = format!("{} on {}: {e}", trace.name, target);
+                        bar.suspend(|| eprintln!("cumem-replay: {msg}"));
+                        skipped.push(msg);
+                        break;
+                    }
+                }
+                bar.inc(1);
+            }
+            if let Some(mut r) = last {
+                r.repeats = per_op.len();
+                r.ns_per_op_min = per_op.iter().copied().fold(f64::INFINITY, f64::min);
+                r.ns_per_op = replay::median(&mut per_op);
+                results.push(r);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let infos: Vec<TraceInfo> = traces.iter().zip(&args.traces).map(|(t, p)| trace_info(t, p)).collect();
+    if args.json {
+        let out =
+            Output { backend, repeat: args.repeat.max(1), conf: args.conf.clone(), traces: infos, results, skipped };
+        let text = serde_json::to_string_pretty(&out).map_err(|e| cumem::Error::InvalidState(e.to_string()))?;
+        println!("{text}");
+    } else {
+        print_table(&backend, &infos, &results, args);
+    }
+    Ok(())
+}
+
+fn trace_info(t: &Trace, path: &std::path::Path) -> TraceInfo {
+    TraceInfo {
+        name: t.name.clone(),
+        path: path.display().to_string(),
+        records: t.records.len(),
+        operations: t.operations(),
+        peak_live: t.peak_live,
+        skipped_frees: t.skipped_frees,
+        failures: t.failures,
+        duplicate_allocations: t.duplicate_allocations,
+        zero_sizes: t.zero_sizes,
+        live_at_end: t.live_at_end,
+    }
+}
+
+fn mib(bytes: usize) -> String {
+    format!("{:.1}", bytes as f64 / (1 << 20) as f64)
+}
+
+fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], args: &Args) {
+    println!("cumem-replay on {backend}; median of {} replay(s); conf '{}'", args.repeat.max(1), args.conf);
+    for i in infos {
+        println!(
+            "trace {}: {} records, {} operations, peak live {} MiB ({} B); skipped frees {}, allocate failures {}, \
+             duplicate allocations {}, zero sizes {}, live at end {}",
+            i.name,
+            i.records,
+            i.operations,
+            mib(i.peak_live),
+            i.peak_live,
+            i.skipped_frees,
+            i.failures,
+            i.duplicate_allocations,
+            i.zero_sizes,
+            i.live_at_end
+        );
+    }
+    println!();
+    println!(
+        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5}",
+        "trace", "target", "ops", "ns/op", "min ns/op", "live MiB", "trace MiB", "reserved MiB", "ratio", "fail"
+    );
+    for r in results {
+        println!(
+            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5}",
+            r.trace,
+            r.target,
+            r.operations,
+            r.ns_per_op,
+            r.ns_per_op_min,
+            mib(r.peak_live),
+            mib(r.trace_peak_live),
+            r.peak_reserved.map_or_else(|| "n/a".to_string(), mib),
+            r.ratio.map_or_else(|| "n/a".to_string(), |x| format!("{x:.3}")),
+            r.failures
+        );
+    }
+    // Ratios against the raw driver calls measured in this run.
+    for trace in infos {
+        let of = |name: &str| results.iter().find(|r| r.trace == trace.name && r.target == name);
+        for raw in ["raw_cumemalloc", "raw_cumemallocasync"] {
+            let Some(base) = of(raw) else { continue };
+            let line: Vec<String> = results
+                .iter()
+                .filter(|r| r.trace == trace.name && !r.target.starts_with("raw_"))
+                .map(|r| format!("{} {:.3}x", r.target, r.ns_per_op / base.ns_per_op))
+                .collect();
+            if !line.is_empty() {
+                println!("{}: time vs {raw}: {}", trace.name, line.join(", "));
+            }
+        }
+    }
+}

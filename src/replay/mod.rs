@@ -1,0 +1,333 @@
+//! Replaying allocation traces: time per operation and fragmentation.
+//!
+//! A [`Trace`] is replayed through a [`Target`]: one of cumem's device modes
+//! on a fresh [`MemoryManager`] (a new pool for every replay), the host
+//! fallback, or the raw driver calls (`cuMemAlloc`/`cuMemFree`,
+//! `cuMemAllocAsync`/`cuMemFreeAsync`). Only the allocation and free calls
+//! are timed, with one clock around the whole loop; the trace is parsed and
+//! resolved to slots before (see [`crate::trace`]).
+//!
+//! Fragmentation is peak reserved bytes over peak live bytes, where peak
+//! live is the largest sum of the *requested* sizes of live allocations
+//! (the pool's `peak_requested`; the stream-ordered modes' `peak_in_use`).
+//! The trace's own peak live ([`Trace::peak_live`]) is reported beside it:
+//! the two agree when every allocation succeeded.
+
+mod raw;
+mod sim;
+
+pub use sim::AddressRange;
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::device::{self, DeviceAllocatorMode, NativePool, Stream};
+use crate::error::{Error, Result};
+use crate::manager::{BackendChoice, Config, MemoryManager};
+use crate::trace::{Op, Trace};
+
+/// What a trace is replayed through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// A cumem device mode on the GPU, a fresh manager per replay.
+    Mode(DeviceAllocatorMode),
+    /// cumem's sync pool on the host fallback (no GPU needed).
+    Host,
+    /// `cuMemAlloc` / `cuMemFree`, one call per operation.
+    RawCuMemAlloc,
+    /// `cuMemAllocAsync` / `cuMemFreeAsync` on one stream, from the
+    /// device's default pool.
+    RawCuMemAllocAsync,
+    /// cumem's pool over a simulated device address range
+    /// ([`AddressRange`]: 2 MiB granularity, the top chunk grows in place
+    /// when `expandable`): the fragmentation a device pool would reach,
+    /// on any machine. Not part of `all`.
+    Simulated,
+}
+
+impl Target {
+    /// Every target, in report order.
+    pub const ALL: [Target; 6] = [
+        Target::Mode(DeviceAllocatorMode::SyncPool),
+        Target::Mode(DeviceAllocatorMode::AsyncStreamOrdered),
+        Target::Mode(DeviceAllocatorMode::CudaAsyncPool),
+        Target::Host,
+        Target::RawCuMemAlloc,
+        Target::RawCuMemAllocAsync,
+    ];
+
+    /// Every target `from_str` knows: [`Target::ALL`] and the simulation.
+    pub const KNOWN: [Target; 7] = [
+        Target::Mode(DeviceAllocatorMode::SyncPool),
+        Target::Mode(DeviceAllocatorMode::AsyncStreamOrdered),
+        Target::Mode(DeviceAllocatorMode::CudaAsyncPool),
+        Target::Host,
+        Target::RawCuMemAlloc,
+        Target::RawCuMemAllocAsync,
+        Target::Simulated,
+    ];
+
+    /// The name on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Mode(m) => m.name(),
+            Target::Host => "host",
+            Target::RawCuMemAlloc => "raw_cumemalloc",
+            Target::RawCuMemAllocAsync => "raw_cumemallocasync",
+            Target::Simulated => "sim_device",
+        }
+    }
+
+    /// Whether the target needs a CUDA device.
+    pub fn needs_gpu(self) -> bool {
+        !matches!(self, Target::Host | Target::Simulated)
+    }
+
+    /// Parses `all` or a comma-separated list of target names.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming an unknown target.
+    pub fn parse_list(s: &str) -> Result<Vec<Target>> {
+        if s.trim().eq_ignore_ascii_case("all") {
+            return Ok(Target::ALL.to_vec());
+        }
+        let mut out = Vec::new();
+        for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let t: Target = name.parse()?;
+            if !out.contains(&t) {
+                out.push(t);
+            }
+        }
+        if out.is_empty() {
+            return Err(Error::Config("no replay target named".into()));
+        }
+        Ok(out)
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Target {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Target> {
+        Target::KNOWN.into_iter().find(|t| t.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
+            let names: Vec<&str> = Target::KNOWN.iter().map(|t| t.name()).collect();
+            Error::Config(format!("unknown replay target '{s}' (known: all, {})", names.join(", ")))
+        })
+    }
+}
+
+/// What one replay measured.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Measurement {
+    /// Time spent in the allocation and free calls, in nanoseconds.
+    pub elapsed_ns: u64,
+    /// Peak live bytes as the target counted them (requested sizes).
+    pub peak_live: usize,
+    /// Peak reserved bytes, where the target can tell.
+    pub peak_reserved: Option<usize>,
+    /// Allocations that failed (their frees are skipped).
+    pub failures: usize,
+}
+
+/// A trace replayed several times through one target.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplayReport {
+    /// The trace's name.
+    pub trace: String,
+    /// The target's name.
+    pub target: String,
+    /// Allocations and frees per replay.
+    pub operations: usize,
+    /// Replays measured.
+    pub repeats: usize,
+    /// Median nanoseconds per operation over the replays.
+    pub ns_per_op: f64,
+    /// The fastest replay's nanoseconds per operation.
+    pub ns_per_op_min: f64,
+    /// Peak live bytes as the target counted them.
+    pub peak_live: usize,
+    /// Peak live bytes computed from the trace itself.
+    pub trace_peak_live: usize,
+    /// Peak reserved bytes (`None`: the target can't tell).
+    pub peak_reserved: Option<usize>,
+    /// `peak_reserved / peak_live`.
+    pub ratio: Option<f64>,
+    /// Allocations that failed in the last replay.
+    pub failures: usize,
+}
+
+/// The median of `values` (0 when empty).
+pub fn median(values: &mut [f64]) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+/// Replays `trace` once through `target`. `base` configures the cumem
+/// targets (pool sizes, `min_chunk`, `expandable`, device); its mode and
+/// backend are replaced by the target's.
+///
+/// # Errors
+/// [`Error::NeedsGpu`] for a GPU target without a GPU; errors creating the
+/// manager, stream or pool.
+pub fn replay_once(trace: &Trace, target: Target, base: &Config) -> Result<Measurement> {
+    if target.needs_gpu() && device::driver_status().devices() == 0 {
+        return Err(Error::NeedsGpu("this replay target"));
+    }
+    match target {
+        Target::Host => replay_cumem(trace, base.clone().backend(BackendChoice::Host)),
+        Target::Mode(m) => replay_cumem(trace, base.clone().backend(BackendChoice::Auto).mode(m)),
+        Target::RawCuMemAlloc => raw::replay_cumemalloc(trace, base.device),
+        Target::RawCuMemAllocAsync => raw::replay_cumemallocasync(trace, base.device),
+        Target::Simulated => sim::replay_simulated(trace, base),
+    }
+}
+
+/// Replays `trace` `repeat` times (at least once) through `target` and
+/// reports the median time per operation and the peaks of the last replay.
+///
+/// # Errors
+/// The first replay's error.
+pub fn replay(trace: &Trace, target: Target, base: &Config, repeat: usize) -> Result<ReplayReport> {
+    let mut per_op = Vec::with_capacity(repeat.max(1));
+    let mut last = Measurement::default();
+    for _ in 0..repeat.max(1) {
+        last = replay_once(trace, target, base)?;
+        per_op.push(last.elapsed_ns as f64 / trace.operations().max(1) as f64);
+    }
+    let min = per_op.iter().copied().fold(f64::INFINITY, f64::min);
+    Ok(ReplayReport {
+        trace: trace.name.clone(),
+        target: target.name().to_string(),
+        operations: trace.operations(),
+        repeats: per_op.len(),
+        ns_per_op: median(&mut per_op),
+        ns_per_op_min: min,
+        peak_live: last.peak_live,
+        trace_peak_live: trace.peak_live,
+        peak_reserved: last.peak_reserved,
+        ratio: last.peak_reserved.filter(|_| last.peak_live > 0).map(|r| r as f64 / last.peak_live as f64),
+        failures: last.failures,
+    })
+}
+
+/// The device's default pool, trimmed to nothing and its high-water marks
+/// reset, so a replay's `reserved_high` is its own. Its release threshold
+/// is set to keep everything cached (as cumem's stream-ordered mode does).
+fn fresh_default_pool(ordinal: usize) -> Result<Option<NativePool>> {
+    let Some(ctx) = device::device_context(ordinal)? else {
+        return Ok(None);
+    };
+    ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
+    ctx.synchronize().map_err(device::driver_err("cuCtxSynchronize"))?;
+    let pool = NativePool::device_default(ctx, u64::MAX)?;
+    pool.trim_to(0)?;
+    pool.reset_high_watermarks()?;
+    Ok(Some(pool))
+}
+
+fn replay_cumem(trace: &Trace, config: Config) -> Result<Measurement> {
+    let ordinal = config.device;
+    let mm = MemoryManager::new(config)?;
+    let dev = mm.default_device()?;
+    let mode = dev.effective_mode();
+    let stream = match dev.context() {
+        Some(_) => Some(Stream::new_on(ordinal)?),
+        None => None,
+    };
+    match mode {
+        DeviceAllocatorMode::CudaAsyncPool => {
+            dev.native_pool()?;
+        }
+        DeviceAllocatorMode::AsyncStreamOrdered => {
+            fresh_default_pool(ordinal)?;
+        }
+        DeviceAllocatorMode::SyncPool => {}
+    }
+    let mut ptrs = vec![0u64; trace.slots];
+    let mut failures = 0;
+    let start = Instant::now();
+    for op in &trace.ops {
+        match *op {
+            Op::Allocate { slot, size } => {
+                let r = match &stream {
+                    Some(s) => mm.allocate_device_on(size, s),
+                    None => mm.allocate_device(size),
+                };
+                match r {
+                    Ok(p) => ptrs[slot as usize] = p,
+                    Err(_) => failures += 1,
+                }
+            }
+            Op::Free { slot } => {
+                let p = std::mem::take(&mut ptrs[slot as usize]);
+                if p != 0 {
+                    let r = match &stream {
+                        Some(s) => mm.free_device_on(p, s),
+                        None => mm.free_device(p),
+                    };
+                    failures += usize::from(r.is_err());
+                }
+            }
+        }
+    }
+    let elapsed_ns = start.elapsed().as_nanos() as u64;
+    let stats = dev.stats();
+    let (peak_live, peak_reserved) = match mode {
+        DeviceAllocatorMode::SyncPool => (stats.pool.peak_requested, Some(stats.pool.peak_reserved)),
+        DeviceAllocatorMode::AsyncStreamOrdered => {
+            (stats.stream_ordered.peak_in_use, stats.default_pool.map(|a| a.reserved_high as usize))
+        }
+        DeviceAllocatorMode::CudaAsyncPool => {
+            (stats.stream_ordered.peak_in_use, stats.native_pool.map(|a| a.reserved_high as usize))
+        }
+    };
+    for p in ptrs.into_iter().filter(|&p| p != 0) {
+        match &stream {
+            Some(s) => mm.free_device_on(p, s)?,
+            None => mm.free_device(p)?,
+        }
+    }
+    if let Some(s) = &stream {
+        s.synchronize()?;
+    }
+    mm.release_cached()?;
+    Ok(Measurement { elapsed_ns, peak_live, peak_reserved, failures })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn target_names_round_trip() {
+        for t in Target::KNOWN {
+            assert_eq!(t.name().parse::<Target>().unwrap(), t);
+        }
+        assert_eq!(Target::parse_list("all").unwrap().len(), 6);
+        assert_eq!(Target::parse_list("host, raw_cumemalloc,host").unwrap(), vec![Target::Host, Target::RawCuMemAlloc]);
+        let e = Target::parse_list("host,nope").unwrap_err().to_string();
+        assert!(e.contains("'nope'"), "{e}");
+        assert!(Target::parse_list(" ").is_err());
+    }
+
+    #[test]
+    fn median_of_odd_and_even() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&mut []), 0.0);
+    }
+}

@@ -1,0 +1,408 @@
+//! Allocation traces in RMM's log format, read for replay.
+//!
+//! The format is the CSV that RMM's `logging_resource_adaptor` writes and
+//! that [`EventLog`](crate::log::EventLog) writes too:
+//!
+//! ```text
+//! Thread,Time,Action,Pointer,Size,Stream
+//! 0,1795314508025736,allocate,0x7f212d423e00,16384,0
+//! 0,1795314508034646,free,0x7f212d423e00,16384,0
+//! ```
+//!
+//! `Action` is `allocate`, `free` or `allocate failure`; pointers are hex
+//! (`0x` optional), sizes decimal bytes, streams decimal or `0x` hex. `Time`
+//! is an integer (microseconds) or `HH:MM:SS.ffffff`. Columns are found by
+//! the header's names; without a header the order above is assumed.
+//!
+//! # Implementation details
+//!
+//! Reading resolves pointers into *slots* once, so a replay does no hashing:
+//! every allocation gets the next slot number, and a free names the slot of
+//! the live allocation at its address. A free of an address with no live
+//! allocation (one made before recording began) is skipped and counted; an
+//! allocation at an address that is still live (its free was not recorded)
+//! is counted, and the older allocation stays live to the end.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+
+use crate::error::{Error, Result};
+
+/// What an event did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// An allocation that succeeded.
+    Allocate,
+    /// An allocation that failed.
+    AllocateFailure,
+    /// A free.
+    Free,
+}
+
+impl Action {
+    /// The word in the log's `Action` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Allocate => "allocate",
+            Action::AllocateFailure => "allocate failure",
+            Action::Free => "free",
+        }
+    }
+}
+
+/// One line of a trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Record {
+    /// The thread that made the call.
+    pub thread: u64,
+    /// When, in microseconds.
+    pub time: u64,
+    /// What happened.
+    pub action: Action,
+    /// The address (0 for failures).
+    pub pointer: u64,
+    /// Bytes asked for (the allocation's size, for frees).
+    pub size: usize,
+    /// The stream (0: none or the default stream).
+    pub stream: u64,
+}
+
+/// One operation of a replay, with pointers resolved to slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// Allocate `size` bytes and keep the pointer in `slot`.
+    Allocate {
+        /// Where the replay keeps the pointer (slots are numbered in order
+        /// of allocation, from 0).
+        slot: u32,
+        /// Bytes asked for.
+        size: usize,
+    },
+    /// Free the allocation in `slot`.
+    Free {
+        /// The slot of a live allocation.
+        slot: u32,
+    },
+}
+
+/// A trace, read and resolved for replay.
+#[derive(Debug, Clone, Default)]
+pub struct Trace {
+    /// A name for reports (the file name without `.csv.gz`).
+    pub name: String,
+    /// Every line, in file order (failures and unmatched frees included).
+    pub records: Vec<Record>,
+    /// The operations a replay performs, in order.
+    pub ops: Vec<Op>,
+    /// Slots `ops` uses (the number of allocations).
+    pub slots: usize,
+    /// Frees of addresses with no live allocation, skipped.
+    pub skipped_frees: usize,
+    /// `allocate failure` lines (not replayed).
+    pub failures: usize,
+    /// Allocations at an address that was still live.
+    pub duplicate_allocations: usize,
+    /// Allocations of 0 bytes (not replayed).
+    pub zero_sizes: usize,
+    /// The largest sum of the sizes of live allocations over the trace.
+    pub peak_live: usize,
+    /// Allocations still live at the end.
+    pub live_at_end: usize,
+}
+
+/// Column positions, from the header.
+#[derive(Debug, Clone, Copy)]
+struct Columns {
+    thread: usize,
+    time: usize,
+    action: usize,
+    pointer: usize,
+    size: usize,
+    stream: usize,
+    count: usize,
+}
+
+const DEFAULT_COLUMNS: Columns = Columns { thread: 0, time: 1, action: 2, pointer: 3, size: 4, stream: 5, count: 6 };
+
+impl Columns {
+    fn from_header(fields: &[&str]) -> Option<Columns> {
+        let find = |name: &str| fields.iter().position(|f| f.eq_ignore_ascii_case(name));
+        Some(Columns {
+            thread: find("thread")?,
+            time: find("time")?,
+            action: find("action")?,
+            pointer: find("pointer")?,
+            size: find("size")?,
+            stream: find("stream")?,
+            count: fields.len(),
+        })
+    }
+}
+
+fn parse_hex(s: &str) -> Option<u64> {
+    let digits = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")).unwrap_or(s);
+    if s == "(nil)" || s.eq_ignore_ascii_case("nullptr") {
+        return Some(0);
+    }
+    u64::from_str_radix(digits, 16).ok()
+}
+
+fn parse_number(s: &str) -> Option<u64> {
+    match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => s.parse().ok(),
+    }
+}
+
+/// `1234` (microseconds) or `HH:MM:SS.ffffff`.
+fn parse_time(s: &str) -> Option<u64> {
+    if let Ok(us) = s.parse() {
+        return Some(us);
+    }
+    let mut parts = s.split(':');
+    let (h, m, sec) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() {
+        return None;
+    }
+    let (whole, frac) = sec.split_once('.').unwrap_or((sec, "0"));
+    let frac_us: u64 = format!("{frac:0<6}").get(..6)?.parse().ok()?;
+    let secs = h.parse::<u64>().ok()? * 3600 + m.parse::<u64>().ok()? * 60 + whole.parse::<u64>().ok()?;
+    Some(secs * 1_000_000 + frac_us)
+}
+
+fn parse_action(s: &str) -> Option<Action> {
+    match s.to_ascii_lowercase().as_str() {
+        "allocate" => Some(Action::Allocate),
+        "free" => Some(Action::Free),
+        "allocate failure" | "allocate_failure" => Some(Action::AllocateFailure),
+        _ => None,
+    }
+}
+
+/// Resolves records into slots and tracks live bytes, one record at a time.
+#[derive(Default)]
+struct Resolver {
+    live: HashMap<u64, (u32, usize)>,
+    live_bytes: usize,
+}
+
+impl Trace {
+    /// Reads a trace file, gzip-compressed (detected by its magic bytes) or
+    /// plain.
+    ///
+    /// # Errors
+    /// [`Error::Os`] when the file can't be opened or read;
+    /// [`Error::Trace`] naming the line that is malformed.
+    pub fn read(path: impl AsRef<Path>) -> Result<Trace> {
+        let path = path.as_ref();
+        let file = std::fs::File::open(path).map_err(|source| Error::Os { call: "open (trace file)", source })?;
+        let mut reader = BufReader::with_capacity(1 << 16, file);
+        let gz = reader
+            .fill_buf()
+            .map_err(|source| Error::Os { call: "read (trace file)", source })?
+            .starts_with(&[0x1f, 0x8b]);
+        let name = trace_name(path);
+        let mut trace = if gz {
+            Trace::parse(BufReader::new(flate2::read::MultiGzDecoder::new(reader)), &path.display().to_string())?
+        } else {
+            Trace::parse(reader, &path.display().to_string())?
+        };
+        trace.name = name;
+        Ok(trace)
+    }
+
+    /// Parses a trace from CSV text; `source` names it in errors.
+    ///
+    /// # Errors
+    /// [`Error::Trace`] naming the malformed line; [`Error::Os`] when the
+    /// reader fails (a corrupt gzip stream, for instance).
+    pub fn parse(reader: impl BufRead, source: &str) -> Result<Trace> {
+        let mut trace = Trace { name: source.to_string(), ..Trace::default() };
+        let mut columns: Option<Columns> = None;
+        let mut resolver = Resolver::default();
+        for (i, line) in reader.lines().enumerate() {
+            let line_no = i + 1;
+            let line = line.map_err(|source| Error::Os { call: "read (trace)", source })?;
+            let line = line.trim();
+            if line.is_empty() {
+                continue;
+            }
+            let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+            let cols = match columns {
+                Some(c) => c,
+                None => {
+                    let c = match Columns::from_header(&fields) {
+                        Some(c) => {
+                            columns = Some(c);
+                            continue;
+                        }
+                        None if fields.first().is_some_and(|f| f.starts_with(|c: char| c.is_ascii_digit())) => {
+                            DEFAULT_COLUMNS
+                        }
+                        None => {
+                            return Err(trace_error(
+                                source,
+                                line_no,
+                                "expected the header Thread,Time,Action,Pointer,Size,Stream",
+                            ))
+                        }
+                    };
+                    columns = Some(c);
+                    c
+                }
+            };
+            let record = parse_record(&fields, &cols).map_err(|why| trace_error(source, line_no, &why))?;
+            trace.push(record, &mut resolver);
+        }
+        trace.live_at_end = resolver.live.len() + trace.duplicate_allocations;
+        Ok(trace)
+    }
+
+    fn push(&mut self, record: Record, r: &mut Resolver) {
+        self.records.push(record);
+        match record.action {
+            Action::AllocateFailure => self.failures += 1,
+            Action::Allocate if record.size == 0 => self.zero_sizes += 1,
+            Action::Allocate => {
+                let slot = self.slots as u32;
+                self.slots += 1;
+                if r.live.insert(record.pointer, (slot, record.size)).is_some() {
+                    // The free of the older allocation was not recorded: it
+                    // stays live to the end (its bytes still count).
+                    self.duplicate_allocations += 1;
+                }
+                r.live_bytes += record.size;
+                self.peak_live = self.peak_live.max(r.live_bytes);
+                self.ops.push(Op::Allocate { slot, size: record.size });
+            }
+            Action::Free => match r.live.remove(&record.pointer) {
+                Some((slot, size)) => {
+                    r.live_bytes -= size;
+                    self.ops.push(Op::Free { slot });
+                }
+                None => self.skipped_frees += 1,
+            },
+        }
+    }
+
+    /// Allocations and frees a replay performs.
+    pub fn operations(&self) -> usize {
+        self.ops.len()
+    }
+}
+
+fn parse_record(fields: &[&str], c: &Columns) -> std::result::Result<Record, String> {
+    if fields.len() < c.count {
+        return Err(format!("expected {} fields, found {}", c.count, fields.len()));
+    }
+    let action = parse_action(fields[c.action])
+        .ok_or_else(|| format!("action '{}' is not allocate, free or allocate failure", fields[c.action]))?;
+    let pointer = parse_hex(fields[c.pointer]).ok_or_else(|| format!("pointer '{}' is not hex", fields[c.pointer]))?;
+    let size = fields[c.size].parse::<usize>().map_err(|_| format!("size '{}' is not a byte count", fields[c.size]))?;
+    let thread =
+        parse_number(fields[c.thread]).ok_or_else(|| format!("thread '{}' is not a number", fields[c.thread]))?;
+    let time = parse_time(fields[c.time]).ok_or_else(|| format!("time '{}' is not a time", fields[c.time]))?;
+    let stream =
+        parse_number(fields[c.stream]).ok_or_else(|| format!("stream '{}' is not a number", fields[c.stream]))?;
+    Ok(Record { thread, time, action, pointer, size, stream })
+}
+
+fn trace_error(source: &str, line: usize, reason: &str) -> Error {
+    Error::Trace { source_name: source.to_string(), line, reason: reason.to_string() }
+}
+
+/// `resnet50_train` for `.../resnet50_train.csv.gz`.
+fn trace_name(path: &Path) -> String {
+    let file = path.file_name().map_or_else(|| path.display().to_string(), |f| f.to_string_lossy().into_owned());
+    let stem = file.strip_suffix(".gz").unwrap_or(&file);
+    stem.strip_suffix(".csv").unwrap_or(stem).to_string()
+}
+
+/// Parses `text` as a trace (for tests and small inline traces).
+///
+/// # Errors
+/// As [`Trace::parse`].
+pub fn parse_str(text: &str) -> Result<Trace> {
+    Trace::parse(text.as_bytes(), "<string>")
+}
+
+/// Reads everything from a reader that may be gzip (by magic bytes).
+///
+/// # Errors
+/// As [`Trace::parse`].
+pub fn parse_reader(mut reader: impl Read, source: &str) -> Result<Trace> {
+    let mut bytes = Vec::new();
+    reader.read_to_end(&mut bytes).map_err(|source| Error::Os { call: "read (trace)", source })?;
+    if bytes.starts_with(&[0x1f, 0x8b]) {
+        Trace::parse(BufReader::new(flate2::read::MultiGzDecoder::new(&bytes[..])), source)
+    } else {
+        Trace::parse(&bytes[..], source)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMALL: &str = "Thread,Time,Action,Pointer,Size,Stream\n\
+        0,10,allocate,0x1000,100,0\n\
+        0,11,allocate,0x2000,50,0\n\
+        0,12,free,0x1000,100,0\n\
+        0,13,free,0x9999,7,0\n\
+        0,14,allocate failure,0x0,1000000,0\n\
+        0,15,allocate,0x1000,30,0\n\
+        0,16,free,0x2000,50,0\n";
+
+    #[test]
+    fn resolves_slots_and_peaks() {
+        let t = parse_str(SMALL).unwrap();
+        assert_eq!(t.records.len(), 7);
+        assert_eq!(t.skipped_frees, 1);
+        assert_eq!(t.failures, 1);
+        assert_eq!(t.peak_live, 150);
+        assert_eq!(t.live_at_end, 1);
+        assert_eq!(
+            t.ops,
+            vec![
+                Op::Allocate { slot: 0, size: 100 },
+                Op::Allocate { slot: 1, size: 50 },
+                Op::Free { slot: 0 },
+                Op::Allocate { slot: 2, size: 30 },
+                Op::Free { slot: 1 },
+            ]
+        );
+    }
+
+    #[test]
+    fn malformed_lines_name_the_line() {
+        let bad = "Thread,Time,Action,Pointer,Size,Stream\n0,1,allocate,0x10,12,0\n0,2,allocate,zz,12,0\n";
+        let e = parse_str(bad).unwrap_err().to_string();
+        assert!(e.contains("line 3") && e.contains("'zz'"), "{e}");
+        let e = parse_str("0,1,alloc,0x10,12,0\n").unwrap_err().to_string();
+        assert!(e.contains("line 1") && e.contains("alloc"), "{e}");
+        let e = parse_str("Thread,Time,Action,Pointer,Size,Stream\n0,1,free,0x10\n").unwrap_err().to_string();
+        assert!(e.contains("line 2") && e.contains("expected 6 fields"), "{e}");
+        assert!(parse_str("hello\n").is_err());
+    }
+
+    #[test]
+    fn duplicate_allocations_stay_live() {
+        let t = parse_str("0,1,allocate,0x10,8,0\n0,2,allocate,0x10,4,0\n0,3,free,0x10,4,0\n").unwrap();
+        assert_eq!(t.duplicate_allocations, 1);
+        assert_eq!(t.peak_live, 12);
+        assert_eq!(t.live_at_end, 1);
+    }
+
+    #[test]
+    fn times_and_gzip() {
+        assert_eq!(parse_time("01:00:02.5"), Some(3_602_500_000));
+        assert_eq!(parse_time("17"), Some(17));
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, SMALL.as_bytes()).unwrap();
+        let bytes = gz.finish().unwrap();
+        let t = parse_reader(&bytes[..], "gz").unwrap();
+        assert_eq!(t.peak_live, 150);
+        assert_eq!(trace_name(Path::new("/a/bert_train.csv.gz")), "bert_train");
+    }
+}
