@@ -14,7 +14,6 @@
 //! work S had queued (an event recorded on S now, which covers everything
 //! queued before the free); handed out with no stream, the host waits for S.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
@@ -24,7 +23,7 @@ use super::native_pool::{self, NativePool, NativePoolAttributes};
 use super::stream::{Stream, StreamRegistry};
 use crate::error::{Error, PoolKind, Result};
 use crate::pool::{self, LiveBlock, Pool, PoolStats, StreamTag};
-use crate::sync::{lock, AtomicU8, Mutex, Ordering};
+use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::upstream::Upstream;
 
 /// How device memory is allocated.
@@ -121,6 +120,12 @@ struct AsyncBlock {
     mode: DeviceAllocatorMode,
 }
 
+#[derive(Debug, Default)]
+struct AsyncBook {
+    live: hashbrown::HashMap<usize, AsyncBlock>,
+    stats: AsyncStats,
+}
+
 /// The allocator of one device (or of the host fallback's stand-in device).
 pub struct DeviceAllocator {
     ordinal: usize,
@@ -133,8 +138,12 @@ pub struct DeviceAllocator {
     default_pool: OnceCell<NativePool>,
     native: OnceCell<NativePool>,
     internal_stream: OnceCell<Stream>,
-    async_live: Mutex<HashMap<usize, AsyncBlock>>,
-    async_stats: Mutex<AsyncStats>,
+    /// Stream-ordered allocations (address → size and mode) and their
+    /// figures, under one lock.
+    async_book: Mutex<AsyncBook>,
+    /// How many stream-ordered allocations are live: frees skip the book's
+    /// lock while it is 0 (the sync pool's frees, most of the time).
+    async_live: AtomicUsize,
     streams: StreamRegistry,
 }
 
@@ -171,8 +180,8 @@ impl DeviceAllocator {
             default_pool: OnceCell::new(),
             native: OnceCell::new(),
             internal_stream: OnceCell::new(),
-            async_live: Mutex::new(HashMap::new()),
-            async_stats: Mutex::new(AsyncStats::default()),
+            async_book: Mutex::new(AsyncBook::default()),
+            async_live: AtomicUsize::new(0),
             streams: StreamRegistry::default(),
         };
         a.set_mode(mode);
@@ -272,8 +281,8 @@ impl DeviceAllocator {
             }
             other => other?,
         };
-        if self.ctx.is_some() {
-            if let Err(e) = self.streams.order_reuse(a.tag, stream) {
+        if let Some(ctx) = &self.ctx {
+            if let Err(e) = self.streams.order_reuse(a.tag, stream, ctx) {
                 // Could not order the reuse: keep the block out of reach of
                 // this caller and give it back with its tag intact.
                 let _ = self.pool.deallocate(a.addr, a.tag);
@@ -302,7 +311,7 @@ impl DeviceAllocator {
             Err(Error::OutOfMemory { .. }) => {
                 // Release what is cached everywhere on this device, then
                 // try once more.
-                lock(&self.async_stats).oom_retries += 1;
+                lock(&self.async_book).stats.oom_retries += 1;
                 self.release_cached()?;
                 attempt()?
             }
@@ -311,8 +320,10 @@ impl DeviceAllocator {
         if stream.is_none_or(|s| s.is_host()) {
             on.synchronize()?;
         }
-        lock(&self.async_live).insert(ptr as usize, AsyncBlock { size, mode });
-        let mut st = lock(&self.async_stats);
+        let mut book = lock(&self.async_book);
+        book.live.insert(ptr as usize, AsyncBlock { size, mode });
+        self.async_live.fetch_add(1, Ordering::Release);
+        let st = &mut book.stats;
         st.in_use += size;
         st.peak_in_use = st.peak_in_use.max(st.in_use);
         st.live += 1;
@@ -328,7 +339,8 @@ impl DeviceAllocator {
     /// [`Error::UnknownPointer`] and change nothing.
     pub fn free(&self, ptr: u64, stream: Option<&Stream>) -> Result<usize> {
         let addr = ptr as usize;
-        let async_block = lock(&self.async_live).remove(&addr);
+        let async_block =
+            if self.async_live.load(Ordering::Acquire) > 0 { lock(&self.async_book).live.remove(&addr) } else { None };
         if let Some(block) = async_block {
             let ctx = self.require_ctx()?;
             let on = match stream {
@@ -341,11 +353,12 @@ impl DeviceAllocator {
             // `on` does not use it.
             let r = unsafe { native_pool::free_async(ctx, ptr, on) };
             if let Err(e) = r {
-                lock(&self.async_live).insert(addr, block);
+                lock(&self.async_book).live.insert(addr, block);
                 return Err(e);
             }
             let _ = block.mode;
-            let mut st = lock(&self.async_stats);
+            self.async_live.fetch_sub(1, Ordering::Release);
+            let st = &mut lock(&self.async_book).stats;
             st.in_use -= block.size;
             st.live -= 1;
             st.frees += 1;
@@ -354,7 +367,7 @@ impl DeviceAllocator {
         let tag = match stream {
             Some(s) if !s.is_host() => {
                 self.streams.register(s);
-                s.tag()
+                s.free_tag()
             }
             _ => StreamTag::NONE,
         };
@@ -393,7 +406,7 @@ impl DeviceAllocator {
     pub fn stats(&self) -> DeviceStats {
         DeviceStats {
             pool: self.pool.stats(),
-            stream_ordered: lock(&self.async_stats).clone(),
+            stream_ordered: lock(&self.async_book).stats.clone(),
             native_pool: self.native.get().and_then(|p| p.attributes().ok()),
             default_pool: self.default_pool.get().and_then(|p| p.attributes().ok()),
         }
@@ -402,9 +415,9 @@ impl DeviceAllocator {
     /// Sets every peak to its current value.
     pub fn reset_peaks(&self) {
         self.pool.reset_peaks();
-        let mut st = lock(&self.async_stats);
-        st.peak_in_use = st.in_use;
-        drop(st);
+        let mut book = lock(&self.async_book);
+        book.stats.peak_in_use = book.stats.in_use;
+        drop(book);
         for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
             let _ = p.reset_high_watermarks();
         }
@@ -420,7 +433,7 @@ impl DeviceAllocator {
         for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
             p.trim_to(0)?;
         }
-        live.extend(lock(&self.async_live).iter().map(|(&addr, b)| LiveBlock {
+        live.extend(lock(&self.async_book).live.iter().map(|(&addr, b)| LiveBlock {
             addr,
             size: b.size,
             requested: b.size,

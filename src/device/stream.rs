@@ -9,7 +9,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 use super::driver_err;
 use crate::error::Result;
 use crate::pool::StreamTag;
-use crate::sync::{lock, Mutex, Ordering, StaticAtomicU64};
+use crate::sync::{lock, AtomicU64, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
 
 fn next_stream_id() -> u64 {
     // 0 is `StreamTag::NONE` and u64::MAX `StreamTag::MIXED`.
@@ -32,6 +32,26 @@ pub struct Stream {
 struct StreamInner {
     id: u64,
     cuda: Option<Arc<CudaStream>>,
+    /// Sequence number of the last free on this stream.
+    freed: AtomicU64,
+    /// Every free up to this sequence number is known complete (the host
+    /// synchronised the stream after it).
+    synced: AtomicU64,
+    /// The registry this stream was last registered in (its address), so a
+    /// free on the stream usually skips the registry's lock.
+    registered_in: AtomicUsize,
+}
+
+impl StreamInner {
+    fn new(cuda: Option<Arc<CudaStream>>) -> Arc<Self> {
+        Arc::new(StreamInner {
+            id: next_stream_id(),
+            cuda,
+            freed: AtomicU64::new(0),
+            synced: AtomicU64::new(0),
+            registered_in: AtomicUsize::new(0),
+        })
+    }
 }
 
 impl std::fmt::Debug for Stream {
@@ -63,12 +83,12 @@ impl Stream {
 
     /// A host queue: work "queued" on it has already happened.
     pub fn host() -> Stream {
-        Stream { inner: Arc::new(StreamInner { id: next_stream_id(), cuda: None }) }
+        Stream { inner: StreamInner::new(None) }
     }
 
     /// Wraps a cudarc stream so cumem can order allocations on it.
     pub fn from_cudarc(stream: Arc<CudaStream>) -> Stream {
-        Stream { inner: Arc::new(StreamInner { id: next_stream_id(), cuda: Some(stream) }) }
+        Stream { inner: StreamInner::new(Some(stream)) }
     }
 
     /// The cudarc stream, or `None` on the host fallback.
@@ -91,9 +111,20 @@ impl Stream {
         self.inner.cuda.is_none()
     }
 
-    /// The identity cumem tags freed blocks with.
-    pub fn tag(&self) -> StreamTag {
-        StreamTag(self.inner.id)
+    /// The stream's identity for cumem's stream-ordered reuse.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// A fresh tag for a block freed on this stream now.
+    pub(crate) fn free_tag(&self) -> StreamTag {
+        let seq = self.inner.freed.fetch_add(1, Ordering::AcqRel) + 1;
+        StreamTag { stream: self.inner.id, seq }
+    }
+
+    /// Whether the free tagged `tag` on this stream is known complete.
+    fn completed(&self, tag: StreamTag) -> bool {
+        self.inner.synced.load(Ordering::Acquire) >= tag.seq
     }
 
     /// Waits until all work queued on the stream is done
@@ -102,10 +133,13 @@ impl Stream {
     /// # Errors
     /// A driver error from the stream's work.
     pub fn synchronize(&self) -> Result<()> {
-        match &self.inner.cuda {
-            Some(s) => s.synchronize().map_err(driver_err("cuStreamSynchronize")),
-            None => Ok(()),
-        }
+        let Some(s) = &self.inner.cuda else { return Ok(()) };
+        // Every free numbered up to `seen` was queued before this call, so
+        // once the stream is idle they are all complete.
+        let seen = self.inner.freed.load(Ordering::Acquire);
+        s.synchronize().map_err(driver_err("cuStreamSynchronize"))?;
+        self.inner.synced.fetch_max(seen, Ordering::AcqRel);
+        Ok(())
     }
 
     /// Orders all work queued on `self` after the work queued on `other`
@@ -127,7 +161,7 @@ impl From<Arc<CudaStream>> for Stream {
     }
 }
 
-/// The streams blocks were freed on, by tag, so that a block freed on one
+/// The streams blocks were freed on, by id, so that a block freed on one
 /// stream and reused on another can be ordered after the first stream's
 /// work. Holding the stream keeps it alive while blocks may refer to it.
 #[derive(Default)]
@@ -141,15 +175,21 @@ impl StreamRegistry {
         if stream.is_host() {
             return;
         }
-        let mut map = lock(&self.streams);
-        map.entry(stream.inner.id).or_insert_with(|| stream.clone());
+        let me = self as *const StreamRegistry as usize;
+        if stream.inner.registered_in.load(Ordering::Acquire) == me {
+            return;
+        }
+        lock(&self.streams).entry(stream.inner.id).or_insert_with(|| stream.clone());
+        stream.inner.registered_in.store(me, Ordering::Release);
     }
 
     /// Makes a block last freed under `tag` safe for work on `user` (or, with
-    /// `None`, for the host and any stream): `user` waits for the freeing
-    /// stream's work (an event), or the host waits when there is no `user`.
-    pub(crate) fn order_reuse(&self, tag: StreamTag, user: Option<&Stream>) -> Result<()> {
-        if tag == StreamTag::NONE || user.is_some_and(|u| u.tag() == tag) {
+    /// `None`, for the host and any stream): nothing to do when the free's
+    /// work is known complete or `user` is the freeing stream; otherwise
+    /// `user` waits for the freeing stream's work (an event), or the host
+    /// waits when there is no `user`.
+    pub(crate) fn order_reuse(&self, tag: StreamTag, user: Option<&Stream>, ctx: &CudaContext) -> Result<()> {
+        if tag == StreamTag::NONE || user.is_some_and(|u| u.inner.id == tag.stream) {
             return Ok(());
         }
         let sources: Vec<Stream> = {
@@ -157,10 +197,18 @@ impl StreamRegistry {
             if tag == StreamTag::MIXED {
                 map.values().cloned().collect()
             } else {
-                map.get(&tag.0).cloned().into_iter().collect()
+                match map.get(&tag.stream) {
+                    Some(s) if s.completed(tag) => return Ok(()),
+                    Some(s) => vec![s.clone()],
+                    None => Vec::new(),
+                }
             }
         };
-        for src in sources.iter().filter(|s| user.is_none_or(|u| u.tag() != s.tag())) {
+        if sources.is_empty() && tag != StreamTag::MIXED {
+            // A stream this registry never saw: wait for the whole device.
+            return ctx.synchronize().map_err(driver_err("cuCtxSynchronize"));
+        }
+        for src in sources.iter().filter(|s| user.is_none_or(|u| u.inner.id != s.inner.id)) {
             match user {
                 Some(u) if !u.is_host() => u.wait_for(src)?,
                 _ => src.synchronize()?,
