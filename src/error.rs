@@ -106,11 +106,13 @@ pub enum Error {
     /// `MemoryManager::init` after the manager was initialised.
     #[error("the memory manager is already initialised; call init() once, before first use")]
     AlreadyInitialized,
-    /// A setting changed after the allocation it governs began.
-    #[error("{what} must be set before the first allocation from that pool")]
+    /// A setting changed after the moment it can be changed has passed.
+    #[error("{what} can no longer be changed: {why}")]
     ConfigTooLate {
         /// The setting.
         what: &'static str,
+        /// Why it is too late, and what to do instead.
+        why: &'static str,
     },
     /// A configuration string or value that can't be used.
     #[error("bad configuration: {0}")]
