@@ -62,8 +62,10 @@
 //!   that reuse shared bytes is the caller's job, as with any device
 //!   memory.
 
+mod handle;
 mod plan;
 mod planner;
 
-pub use plan::{ArenaPlan, DeviceHandle, HostHandle};
+pub use handle::{DeviceHandle, HostHandle};
+pub use plan::ArenaPlan;
 pub use planner::{BlockReport, PlanReport};

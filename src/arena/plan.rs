@@ -1,6 +1,5 @@
 //! [`ArenaPlan`]: the two blocks, typed handles, slices and copies.
 
-use std::marker::PhantomData;
 use std::mem::{align_of, size_of};
 use std::ops::RangeInclusive;
 use std::ptr::NonNull;
@@ -9,6 +8,7 @@ use std::sync::Arc;
 use bytemuck::Pod;
 use cudarc::driver::{sys, CudaContext};
 
+use super::handle::{DeviceHandle, HostHandle, Key};
 use super::planner::{Lifetime, Memory, Placement, PlanReport, Planner};
 use crate::device::driver_err;
 use crate::error::{Error, Result};
@@ -19,89 +19,6 @@ use crate::sync::{Ordering, StaticAtomicU64};
 fn next_plan_id() -> u64 {
     static NEXT: StaticAtomicU64 = StaticAtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
-/// What a handle names: a request of one plan, in one generation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Key {
-    plan: u64,
-    generation: u64,
-    index: usize,
-    len: usize,
-}
-
-macro_rules! handle {
-    ($(#[$doc:meta])* $name:ident) => {
-        $(#[$doc])*
-        pub struct $name<T> {
-            key: Key,
-            _type: PhantomData<fn() -> T>,
-        }
-
-        impl<T> $name<T> {
-            /// The number of values of `T` requested.
-            pub fn len(&self) -> usize {
-                self.key.len
-            }
-
-            /// Whether no values were requested (never: empty requests are
-            /// refused).
-            pub fn is_empty(&self) -> bool {
-                self.key.len == 0
-            }
-
-            /// The size of the request in bytes.
-            pub fn num_bytes(&self) -> usize {
-                self.key.len * size_of::<T>()
-            }
-        }
-
-        impl<T> Clone for $name<T> {
-            fn clone(&self) -> Self {
-                *self
-            }
-        }
-
-        impl<T> Copy for $name<T> {}
-
-        impl<T> PartialEq for $name<T> {
-            fn eq(&self, other: &Self) -> bool {
-                self.key == other.key
-            }
-        }
-
-        impl<T> Eq for $name<T> {}
-
-        impl<T> std::fmt::Debug for $name<T> {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.debug_struct(stringify!($name))
-                    .field("type", &std::any::type_name::<T>())
-                    .field("len", &self.key.len)
-                    .field("request", &self.key.index)
-                    .field("generation", &self.key.generation)
-                    .finish()
-            }
-        }
-    };
-}
-
-handle! {
-    /// A request for `len` values of `T` in an [`ArenaPlan`]'s pinned host
-    /// block. Resolve it with [`ArenaPlan::host_slice`] and
-    /// [`ArenaPlan::host_slice_mut`] once the plan is satisfied.
-    ///
-    /// A handle is a name, not a borrow: it is `Copy`, and the plan checks
-    /// it on every use (it must be this plan's, from the current generation,
-    /// and assigned).
-    HostHandle
-}
-
-handle! {
-    /// A request for `len` values of `T` in an [`ArenaPlan`]'s device block.
-    /// Resolve it with [`ArenaPlan::device_ptr`] (for kernels) and move data
-    /// with [`ArenaPlan::copy_to_device`] and
-    /// [`ArenaPlan::copy_from_device`].
-    DeviceHandle
 }
 
 /// A two-phase planning arena over one pinned host block and one device
@@ -258,7 +175,7 @@ impl ArenaPlan {
     /// 256; [`Error::ArenaTooSmall`] when the request alone exceeds the block.
     pub fn want_host<T: Pod>(&mut self, len: usize) -> Result<HostHandle<T>> {
         let key = self.want::<T>(Memory::Host, len, Lifetime::WHOLE)?;
-        Ok(HostHandle { key, _type: PhantomData })
+        Ok(HostHandle::new(key))
     }
 
     /// Requests `len` values of `T` in pinned host memory, used during the
@@ -270,7 +187,7 @@ impl ArenaPlan {
     /// an empty range.
     pub fn want_host_for<T: Pod>(&mut self, len: usize, steps: RangeInclusive<usize>) -> Result<HostHandle<T>> {
         let key = self.want::<T>(Memory::Host, len, Lifetime::new(steps)?)?;
-        Ok(HostHandle { key, _type: PhantomData })
+        Ok(HostHandle::new(key))
     }
 
     /// Requests `len` values of `T` in device memory for the whole plan.
@@ -279,7 +196,7 @@ impl ArenaPlan {
     /// As [`want_host`](Self::want_host).
     pub fn want_device<T: Pod>(&mut self, len: usize) -> Result<DeviceHandle<T>> {
         let key = self.want::<T>(Memory::Device, len, Lifetime::WHOLE)?;
-        Ok(DeviceHandle { key, _type: PhantomData })
+        Ok(DeviceHandle::new(key))
     }
 
     /// Requests `len` values of `T` in device memory, used during the steps
@@ -289,7 +206,7 @@ impl ArenaPlan {
     /// As [`want_host_for`](Self::want_host_for).
     pub fn want_device_for<T: Pod>(&mut self, len: usize, steps: RangeInclusive<usize>) -> Result<DeviceHandle<T>> {
         let key = self.want::<T>(Memory::Device, len, Lifetime::new(steps)?)?;
-        Ok(DeviceHandle { key, _type: PhantomData })
+        Ok(DeviceHandle::new(key))
     }
 
     // ---- phase two: assignment ----
