@@ -106,11 +106,13 @@ pub enum Error {
     /// `MemoryManager::init` after the manager was initialised.
     #[error("the memory manager is already initialised; call init() once, before first use")]
     AlreadyInitialized,
-    /// A setting changed after the allocation it governs began.
-    #[error("{what} must be set before the first allocation from that pool")]
+    /// A setting changed after the moment it can be changed has passed.
+    #[error("{what} can no longer be changed: {why}")]
     ConfigTooLate {
         /// The setting.
         what: &'static str,
+        /// Why it is too late, and what to do instead.
+        why: &'static str,
     },
     /// A configuration string or value that can't be used.
     #[error("bad configuration: {0}")]
@@ -167,6 +169,28 @@ pub enum Error {
     /// A request that is well-formed but not valid now (arena, buffers).
     #[error("{0}")]
     InvalidState(String),
+    /// An arena plan's block can't hold what the plan needs. The plan is
+    /// unchanged: a failed `satisfy` assigns nothing and leaves its requests
+    /// pending; a request larger than the whole block is not taken.
+    #[error(
+        "the arena's {memory} block is too small: the plan needs {desired} B, the block holds {available} B; \
+         the plan is unchanged"
+    )]
+    ArenaTooSmall {
+        /// Which block: [`PoolKind::Pinned`] (host) or [`PoolKind::Device`].
+        memory: PoolKind,
+        /// The bytes the block would need (the plan's end offset).
+        desired: usize,
+        /// The bytes the block holds.
+        available: usize,
+    },
+    /// A change to an arena plan after `commit()`.
+    #[error("the arena plan is committed: {0} is no longer possible (release_all() reopens it)")]
+    ArenaCommitted(&'static str),
+    /// An arena handle the plan can't resolve: from another plan, from
+    /// before `release_all()`, or not assigned yet.
+    #[error("arena handle rejected: {0}")]
+    InvalidHandle(String),
 }
 
 impl fmt::Display for OomState {

@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod alloc;
+pub mod arena;
 pub mod buffer;
 pub mod device;
 mod error;
@@ -15,6 +16,7 @@ pub mod trace;
 pub mod upstream;
 
 pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};
+pub use arena::{ArenaPlan, DeviceHandle, HostHandle, PlanReport};
 pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, VmBackend};
 pub use device::{DeviceAllocatorMode, Stream};
 pub use error::{Error, OomState, PoolKind, Result};

@@ -2,6 +2,7 @@
 //! shutdown.
 
 mod config;
+mod heap;
 mod init;
 mod summary;
 mod tracking;
@@ -14,7 +15,7 @@ pub use summary::{human_bytes, LiveAllocation, ShutdownReport};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cudarc::driver::{result, sys, CudaContext};
+use cudarc::driver::{sys, CudaContext};
 use once_cell::sync::OnceCell;
 
 use crate::device::{self, DeviceAllocator, DeviceAllocatorMode, DeviceStats, DriverStatus, Stream};
@@ -284,7 +285,9 @@ impl MemoryManager {
     /// # Errors
     /// [`Error::ConfigTooLate`] after the first pinned allocation.
     pub fn set_pinned_pool_size(&self, bytes: usize) -> Result<()> {
-        self.pinned.set_initial_size(bytes).map_err(|_| Error::ConfigTooLate { what: "the pinned pool size" })
+        self.pinned
+            .set_initial_size(bytes)
+            .map_err(|_| Error::ConfigTooLate { what: "the pinned pool size", why: crate::pool::FIRST_ALLOCATION })
     }
 
     // ---- device memory ----
@@ -389,7 +392,7 @@ impl MemoryManager {
     pub fn set_device_pool_size(&self, bytes: usize) -> Result<()> {
         let mut size = crate::sync::lock(&self.device_pool_size);
         if self.initialised_devices().any(|d| d.pool().used()) {
-            return Err(Error::ConfigTooLate { what: "the device pool size" });
+            return Err(Error::ConfigTooLate { what: "the device pool size", why: crate::pool::FIRST_ALLOCATION });
         }
         for d in self.initialised_devices() {
             d.pool().set_initial_size(bytes)?;
@@ -547,65 +550,6 @@ impl MemoryManager {
             released += d.release_cached()?;
         }
         Ok(released)
-    }
-
-    /// The device malloc heap's size limit (`CU_LIMIT_MALLOC_HEAP_SIZE`):
-    /// the heap kernels' `malloc` draws on.
-    ///
-    /// # Errors
-    /// [`Error::NeedsGpu`] on the host fallback; a driver error.
-    pub fn device_malloc_heap_size(&self) -> Result<usize> {
-        let ctx = self.heap_ctx()?;
-        ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
-        result::ctx::get_limit(sys::CUlimit::CU_LIMIT_MALLOC_HEAP_SIZE).map_err(device::driver_err("cuCtxGetLimit"))
-    }
-
-    /// Sets the device malloc heap's size (`cuCtxSetLimit` with
-    /// `CU_LIMIT_MALLOC_HEAP_SIZE`). Must happen before any module whose
-    /// kernels call `malloc` is loaded into the context; the heap can't
-    /// change afterwards.
-    ///
-    /// # Errors
-    /// [`Error::NeedsGpu`] on the host fallback; [`Error::ConfigTooLate`]
-    /// when the driver refuses because such a module is loaded already;
-    /// other driver errors.
-    pub fn set_device_malloc_heap_size(&self, bytes: usize) -> Result<()> {
-        let ctx = self.heap_ctx()?;
-        ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
-        let before = self.device_malloc_heap_size()?;
-        match result::ctx::set_limit(sys::CUlimit::CU_LIMIT_MALLOC_HEAP_SIZE, bytes) {
-            Ok(()) => {
-                let now = self.device_malloc_heap_size()?;
-                if now < bytes && now == before && before != bytes {
-                    return Err(Error::ConfigTooLate {
-                        what: "the device malloc heap size (a module using malloc is already loaded)",
-                    });
-                }
-                Ok(())
-            }
-            Err(e)
-                if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_SUPPORTED
-                    || e.0 == sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE =>
-            {
-                Err(Error::ConfigTooLate {
-                    what:
-                        "the device malloc heap size (a module using malloc is already loaded, or the size is refused)",
-                })
-            }
-            Err(e) => Err(device::driver_err("cuCtxSetLimit")(e)),
-        }
-    }
-
-    fn heap_ctx(&self) -> Result<Arc<CudaContext>> {
-        match &self.backend {
-            Backend::Host { .. } => Err(Error::NeedsGpu("the device malloc heap")),
-            Backend::Cuda { .. } => Ok(self
-                .default_device()?
-                .context()
-                .cloned()
-                .or_else(|| self.pinned_ctx.clone())
-                .ok_or(Error::NeedsGpu("the device malloc heap"))?),
-        }
     }
 
     /// A readable table of every pool's state, in the spirit of

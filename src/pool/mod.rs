@@ -25,6 +25,11 @@ use crate::upstream::{Chunk, Upstream};
 /// allocation alignment, which code that uses the memory relies on).
 pub const BLOCK_ALIGN: usize = 256;
 
+/// Why a pool setting is refused once the pool has allocated
+/// ([`Error::ConfigTooLate`]).
+pub(crate) const FIRST_ALLOCATION: &str =
+    "it must be set before the first allocation from that pool (set it in the Config, or right after init())";
+
 /// The largest alignment a pool honours.
 pub const MAX_ALIGN: usize = 1 << 21;
 
@@ -196,7 +201,7 @@ impl<U: Upstream> Pool<U> {
     pub fn set_initial_size(&self, bytes: usize) -> Result<()> {
         let mut inner = lock(&self.inner);
         if inner.used {
-            return Err(Error::ConfigTooLate { what: "the pool size" });
+            return Err(Error::ConfigTooLate { what: "the pool size", why: FIRST_ALLOCATION });
         }
         inner.initial_size = Some(bytes);
         Ok(())
