@@ -149,7 +149,11 @@ impl<T: Copy> DeviceBuffer<T> {
                 // synchronous call; the destination is this buffer.
                 unsafe { sys::cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), self.num_bytes()) }
                     .result()
-                    .map_err(driver_err("cuMemcpyHtoD"))?
+                    .map_err(driver_err("cuMemcpyHtoD"))?;
+                // From pageable memory the call may return once the data is
+                // staged, before it reaches the device; the copy runs on the
+                // legacy stream, which non-blocking streams don't wait for.
+                self.sync_legacy_stream()?
             }
         }
         Ok(())
@@ -231,6 +235,13 @@ impl<T: Copy> DeviceBuffer<T> {
         unsafe { self.mm.copy_to_host_async(dst.as_mut_ptr().cast(), self.ptr, self.num_bytes(), stream) }
     }
 
+    /// Waits for the legacy default stream, where the synchronous copy and
+    /// memset functions run (`cuStreamSynchronize(0)`).
+    fn sync_legacy_stream(&self) -> Result<()> {
+        // SAFETY: the null stream is always valid in the current context.
+        unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result().map_err(driver_err("cuStreamSynchronize"))
+    }
+
     fn bind(&self) -> Result<()> {
         if let Some(ctx) = self.mm.default_device()?.context() {
             ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
@@ -253,7 +264,9 @@ impl<T: Copy + DeviceRepr> DeviceBuffer<T> {
         }
         self.bind()?;
         // SAFETY: the range is exactly this buffer.
-        unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.num_bytes()) }.result().map_err(driver_err("cuMemsetD8"))
+        unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.num_bytes()) }.result().map_err(driver_err("cuMemsetD8"))?;
+        // The memset may still be running on the legacy stream.
+        self.sync_legacy_stream()
     }
 }
 
