@@ -31,6 +31,10 @@ struct Args {
     /// Replays per trace and target; the median time is reported.
     #[arg(long, short, default_value_t = 5)]
     repeat: usize,
+    /// Warm replays: each fresh allocator first replays the trace once
+    /// untimed, so the timed pass sees a pool that already holds its memory.
+    #[arg(long)]
+    warm: bool,
     /// Base configuration for the cumem targets, in `CUMEM_CONF` syntax
     /// (for instance `min_chunk=20MiB,expandable=false`); the target sets
     /// the mode and backend.
@@ -115,7 +119,7 @@ fn run(args: &Args) -> cumem::Result<()> {
             let mut per_op = Vec::new();
             let mut last = None;
             for _ in 0..args.repeat.max(1) {
-                match replay::replay(trace, target, &base, 1) {
+                match replay::replay_with(trace, target, &base, 1, args.warm) {
                     Ok(r) => {
                         per_op.push(r.ns_per_op);
                         last = Some(r);
@@ -170,7 +174,12 @@ fn mib(bytes: usize) -> String {
 }
 
 fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], args: &Args) {
-    println!("cumem-replay on {backend}; median of {} replay(s); conf '{}'", args.repeat.max(1), args.conf);
+    println!(
+        "cumem-replay on {backend}; median of {} {} replay(s); conf '{}'",
+        args.repeat.max(1),
+        if args.warm { "warm" } else { "cold (fresh allocator, growth timed)" },
+        args.conf
+    );
     for i in infos {
         println!(
             "trace {}: {} records, {} operations, peak live {} MiB ({} B); skipped frees {}, allocate failures {}, \

@@ -184,14 +184,25 @@ pub fn median(values: &mut [f64]) -> f64 {
 /// [`Error::NeedsGpu`] for a GPU target without a GPU; errors creating the
 /// manager, stream or pool.
 pub fn replay_once(trace: &Trace, target: Target, base: &Config) -> Result<Measurement> {
+    replay_once_with(trace, target, base, false)
+}
+
+/// As [`replay_once`]; with `warm`, the fresh resources first replay the
+/// trace once untimed (and free what it left), so the timed pass measures
+/// an allocator that already holds its memory (steady state) rather than
+/// one that grows from nothing.
+///
+/// # Errors
+/// As [`replay_once`].
+pub fn replay_once_with(trace: &Trace, target: Target, base: &Config, warm: bool) -> Result<Measurement> {
     if target.needs_gpu() && device::driver_status().devices() == 0 {
         return Err(Error::NeedsGpu("this replay target"));
     }
     match target {
-        Target::Host => replay_cumem(trace, base.clone().backend(BackendChoice::Host)),
-        Target::Mode(m) => replay_cumem(trace, base.clone().backend(BackendChoice::Auto).mode(m)),
+        Target::Host => replay_cumem(trace, base.clone().backend(BackendChoice::Host), warm),
+        Target::Mode(m) => replay_cumem(trace, base.clone().backend(BackendChoice::Auto).mode(m), warm),
         Target::RawCuMemAlloc => raw::replay_cumemalloc(trace, base.device),
-        Target::RawCuMemAllocAsync => raw::replay_cumemallocasync(trace, base.device),
+        Target::RawCuMemAllocAsync => raw::replay_cumemallocasync(trace, base.device, warm),
         Target::Simulated => sim::replay_simulated(trace, base),
     }
 }
@@ -202,10 +213,18 @@ pub fn replay_once(trace: &Trace, target: Target, base: &Config) -> Result<Measu
 /// # Errors
 /// The first replay's error.
 pub fn replay(trace: &Trace, target: Target, base: &Config, repeat: usize) -> Result<ReplayReport> {
+    replay_with(trace, target, base, repeat, false)
+}
+
+/// As [`replay`], warm or cold (see [`replay_once_with`]).
+///
+/// # Errors
+/// The first replay's error.
+pub fn replay_with(trace: &Trace, target: Target, base: &Config, repeat: usize, warm: bool) -> Result<ReplayReport> {
     let mut per_op = Vec::with_capacity(repeat.max(1));
     let mut last = Measurement::default();
     for _ in 0..repeat.max(1) {
-        last = replay_once(trace, target, base)?;
+        last = replay_once_with(trace, target, base, warm)?;
         per_op.push(last.elapsed_ns as f64 / trace.operations().max(1) as f64);
     }
     let min = per_op.iter().copied().fold(f64::INFINITY, f64::min);
@@ -239,7 +258,7 @@ fn fresh_default_pool(ordinal: usize) -> Result<Option<NativePool>> {
     Ok(Some(pool))
 }
 
-fn replay_cumem(trace: &Trace, config: Config) -> Result<Measurement> {
+fn replay_cumem(trace: &Trace, config: Config, warm: bool) -> Result<Measurement> {
     let ordinal = config.device;
     let mm = MemoryManager::new(config)?;
     let dev = mm.default_device()?;
@@ -257,33 +276,53 @@ fn replay_cumem(trace: &Trace, config: Config) -> Result<Measurement> {
         }
         DeviceAllocatorMode::SyncPool => {}
     }
-    let mut ptrs = vec![0u64; trace.slots];
-    let mut failures = 0;
-    let start = Instant::now();
-    for op in &trace.ops {
-        match *op {
-            Op::Allocate { slot, size } => {
-                let r = match &stream {
-                    Some(s) => mm.allocate_device_on(size, s),
-                    None => mm.allocate_device(size),
-                };
-                match r {
-                    Ok(p) => ptrs[slot as usize] = p,
-                    Err(_) => failures += 1,
-                }
-            }
-            Op::Free { slot } => {
-                let p = std::mem::take(&mut ptrs[slot as usize]);
-                if p != 0 {
+    let pass = |ptrs: &mut Vec<u64>| {
+        let mut failures = 0;
+        for op in &trace.ops {
+            match *op {
+                Op::Allocate { slot, size } => {
                     let r = match &stream {
-                        Some(s) => mm.free_device_on(p, s),
-                        None => mm.free_device(p),
+                        Some(s) => mm.allocate_device_on(size, s),
+                        None => mm.allocate_device(size),
                     };
-                    failures += usize::from(r.is_err());
+                    match r {
+                        Ok(p) => ptrs[slot as usize] = p,
+                        Err(_) => failures += 1,
+                    }
+                }
+                Op::Free { slot } => {
+                    let p = std::mem::take(&mut ptrs[slot as usize]);
+                    if p != 0 {
+                        let r = match &stream {
+                            Some(s) => mm.free_device_on(p, s),
+                            None => mm.free_device(p),
+                        };
+                        failures += usize::from(r.is_err());
+                    }
                 }
             }
         }
+        failures
+    };
+    let free_all = |ptrs: &mut Vec<u64>| -> Result<()> {
+        for p in ptrs.iter_mut().filter(|p| **p != 0) {
+            match &stream {
+                Some(s) => mm.free_device_on(std::mem::take(p), s)?,
+                None => mm.free_device(std::mem::take(p))?,
+            }
+        }
+        Ok(())
+    };
+    let mut ptrs = vec![0u64; trace.slots];
+    if warm {
+        pass(&mut ptrs);
+        free_all(&mut ptrs)?;
+        if let Some(s) = &stream {
+            s.synchronize()?;
+        }
     }
+    let start = Instant::now();
+    let failures = pass(&mut ptrs);
     let elapsed_ns = start.elapsed().as_nanos() as u64;
     let stats = dev.stats();
     let (peak_live, peak_reserved) = match mode {
@@ -295,12 +334,7 @@ fn replay_cumem(trace: &Trace, config: Config) -> Result<Measurement> {
             (stats.stream_ordered.peak_in_use, stats.native_pool.map(|a| a.reserved_high as usize))
         }
     };
-    for p in ptrs.into_iter().filter(|&p| p != 0) {
-        match &stream {
-            Some(s) => mm.free_device_on(p, s)?,
-            None => mm.free_device(p)?,
-        }
-    }
+    free_all(&mut ptrs)?;
     if let Some(s) = &stream {
         s.synchronize()?;
     }

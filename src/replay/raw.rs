@@ -57,35 +57,50 @@ pub(super) fn replay_cumemalloc(trace: &Trace, ordinal: usize) -> Result<Measure
 /// first; release threshold raised to keep memory cached). Peak reserved
 /// is the pool's `CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH`; peak live the
 /// trace's own.
-pub(super) fn replay_cumemallocasync(trace: &Trace, ordinal: usize) -> Result<Measurement> {
+pub(super) fn replay_cumemallocasync(trace: &Trace, ordinal: usize, warm: bool) -> Result<Measurement> {
     let ctx = context(ordinal)?;
     let pool = fresh_default_pool(ordinal)?.ok_or(Error::NeedsGpu("a raw driver replay"))?;
     ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
     let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
     let cu = stream.cu_stream();
-    let mut ptrs: Vec<sys::CUdeviceptr> = vec![0; trace.slots];
-    let mut failures = 0;
-    let start = Instant::now();
-    for op in &trace.ops {
-        match *op {
-            Op::Allocate { slot, size } => {
-                // SAFETY: `cu` is a live stream of the current context; the
-                // memory is only kept as an address and used on no stream.
-                match unsafe { result::malloc_async(cu, size) } {
-                    Ok(p) => ptrs[slot as usize] = p,
-                    Err(_) => failures += 1,
+    let pass = |ptrs: &mut Vec<sys::CUdeviceptr>| {
+        let mut failures = 0;
+        for op in &trace.ops {
+            match *op {
+                Op::Allocate { slot, size } => {
+                    // SAFETY: `cu` is a live stream of the current context;
+                    // the memory is only kept as an address and used on no
+                    // stream.
+                    match unsafe { result::malloc_async(cu, size) } {
+                        Ok(p) => ptrs[slot as usize] = p,
+                        Err(_) => failures += 1,
+                    }
                 }
-            }
-            Op::Free { slot } => {
-                let p = std::mem::take(&mut ptrs[slot as usize]);
-                if p != 0 {
-                    // SAFETY: `p` came from cuMemAllocAsync on `cu` and its
-                    // slot is cleared, so it is freed once; no work uses it.
-                    failures += usize::from(unsafe { result::free_async(p, cu) }.is_err());
+                Op::Free { slot } => {
+                    let p = std::mem::take(&mut ptrs[slot as usize]);
+                    if p != 0 {
+                        // SAFETY: `p` came from cuMemAllocAsync on `cu` and
+                        // its slot is cleared, so it is freed once; no work
+                        // uses it.
+                        failures += usize::from(unsafe { result::free_async(p, cu) }.is_err());
+                    }
                 }
             }
         }
+        failures
+    };
+    let mut ptrs: Vec<sys::CUdeviceptr> = vec![0; trace.slots];
+    if warm {
+        pass(&mut ptrs);
+        for p in ptrs.iter_mut().filter(|p| **p != 0) {
+            // SAFETY: a live allocation of the warm-up pass on `cu`, freed
+            // once (its slot is cleared).
+            unsafe { result::free_async(std::mem::take(p), cu) }.map_err(driver_err("cuMemFreeAsync"))?;
+        }
+        stream.synchronize().map_err(driver_err("cuStreamSynchronize"))?;
     }
+    let start = Instant::now();
+    let failures = pass(&mut ptrs);
     let elapsed_ns = start.elapsed().as_nanos() as u64;
     for p in ptrs.into_iter().filter(|&p| p != 0) {
         // SAFETY: a live allocation of this replay on `cu`, freed once.
