@@ -16,6 +16,11 @@ pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize,
 #[cfg(not(loom))]
 pub(crate) use std::sync::{Arc, Mutex, MutexGuard};
 
+/// An atomic for `static` counters that hand out ids. Loom objects can't
+/// live in statics, so this one is always `std`'s; use it only where the
+/// value is an identity, never to order other memory.
+pub(crate) use std::sync::atomic::AtomicU64 as StaticAtomicU64;
+
 /// Locks `mutex`, recovering the data if a panicking thread poisoned it.
 ///
 /// Pool state is updated so that a panic can't leave it half-changed (every

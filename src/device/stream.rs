@@ -9,11 +9,11 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 use super::driver_err;
 use crate::error::Result;
 use crate::pool::StreamTag;
-use crate::sync::{lock, AtomicU64, Mutex, Ordering};
+use crate::sync::{lock, Mutex, Ordering, StaticAtomicU64};
 
 fn next_stream_id() -> u64 {
     // 0 is `StreamTag::NONE` and u64::MAX `StreamTag::MIXED`.
-    static NEXT: AtomicU64 = AtomicU64::new(1);
+    static NEXT: StaticAtomicU64 = StaticAtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 

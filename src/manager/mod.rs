@@ -118,6 +118,28 @@ impl MemoryManager {
     }
 }
 
+// Loom objects can't live in statics, so under `cfg(loom)` there is no
+// process-wide manager (models build their own `InitCell`s and pools).
+#[cfg(loom)]
+impl MemoryManager {
+    /// Not available under loom.
+    ///
+    /// # Errors
+    /// Always [`Error::InvalidState`].
+    pub fn init(config: Config) -> Result<&'static MemoryManager> {
+        let _ = config;
+        Err(Error::InvalidState("no process-wide manager under loom".into()))
+    }
+
+    /// Not available under loom.
+    ///
+    /// # Errors
+    /// Always [`Error::InvalidState`].
+    pub fn global() -> Result<&'static MemoryManager> {
+        Err(Error::InvalidState("no process-wide manager under loom".into()))
+    }
+}
+
 impl MemoryManager {
     /// A manager of its own, outside the singleton (for tests and for
     /// programs that want separate pools). Prefer the singleton: pinned
