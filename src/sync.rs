@@ -36,3 +36,22 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         mutex.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
+
+/// Waits a moment in a spin loop. Spins for the first attempts, then yields
+/// the processor; under loom it always yields, so models of spin loops
+/// terminate.
+pub(crate) fn backoff(attempt: u32) {
+    #[cfg(loom)]
+    {
+        let _ = attempt;
+        loom::thread::yield_now();
+    }
+    #[cfg(not(loom))]
+    {
+        if attempt < 64 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}

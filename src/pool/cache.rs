@@ -11,7 +11,7 @@
 //! ```text
 //!  ThreadCaches (one per pool)            ThreadCache (one per thread and pool)
 //!  +-----------------------------+        +--------------------------------+
-//!  | registry: [Arc<ThreadCache>]| -----> | Mutex<Local>                   |
+//!  | registry: [Arc<ThreadCache>]| -----> | SpinLock<Local>                |
 //!  | lent: 16 shards             |        |   live: addr -> size, requests |
 //!  |   addr -> Arc<ThreadCache>  | -----> |   bins[class]: cached blocks   |
 //!  | pool: Arc<Mutex<Inner>>     |        |   delta: stats correction      |
@@ -56,6 +56,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use crossbeam::utils::CachePadded;
 
+use super::spin::SpinLock;
 use super::{Allocation, Freed, Inner, PoolStats, StreamTag, BLOCK_ALIGN};
 use crate::sync::{lock, Arc, Mutex};
 
@@ -70,6 +71,8 @@ const CLASSES: usize = EXACT_LIMIT / BLOCK_ALIGN + 10 * STEPS;
 /// Blocks one bin holds before its older half is flushed.
 pub const BIN_MAX: usize = 32;
 const LENT_SHARDS: usize = 16;
+/// [`LiveEntry::bin`] of a block too large for its cache's budget.
+const NO_BIN: u32 = u32::MAX;
 
 /// The class of a request already rounded to 256 B: `(index, class size)`,
 /// or `None` when such blocks aren't cached.
@@ -114,6 +117,8 @@ type AddrMap<V> = HashMap<usize, V, BuildHasherDefault<AddrHasher>>;
 #[derive(Debug, Clone, Copy)]
 struct LiveEntry {
     size: usize,
+    /// The bin it goes to when freed; [`NO_BIN`] when it can't be cached.
+    bin: u32,
     /// What the user asked for this time.
     requested: usize,
     /// What the shared pool recorded when it lent the block.
@@ -203,7 +208,7 @@ impl Local {
 /// One thread's cache for one pool.
 pub(super) struct ThreadCache {
     shared: Arc<ThreadCaches>,
-    local: Mutex<Local>,
+    local: SpinLock<Local>,
 }
 
 /// What [`ThreadCaches::deallocate`] did with a free.
@@ -288,32 +293,39 @@ impl ThreadCaches {
 
     /// Runs `f` on this thread's cache for this pool, creating it first.
     /// `None` while thread-locals are being torn down.
-    fn with_local<R>(self: &Arc<Self>, f: impl FnOnce(&Arc<ThreadCache>) -> R) -> Option<R> {
+    #[inline]
+    fn with_local<R>(this: &Arc<Self>, f: impl FnOnce(&Arc<ThreadCache>) -> R) -> Option<R> {
         CACHES
             .try_with(|cell| {
                 {
                     let caches = cell.try_borrow().ok()?;
-                    if let Some(tc) = caches.0.iter().find(|tc| Arc::ptr_eq(&tc.shared, self)) {
+                    if let Some(tc) = caches.0.iter().find(|tc| Arc::ptr_eq(&tc.shared, this)) {
                         return Some(f(tc));
                     }
                 }
-                let tc = self.register()?;
-                let mut caches = cell.try_borrow_mut().ok()?;
-                // Forget caches of pools that shut down or were dropped.
-                caches.0.retain(|c| !lock(&c.local).closed);
-                caches.0.push(tc.clone());
-                drop(caches);
+                let tc = Self::register_local(this, cell)?;
                 Some(f(&tc))
             })
             .ok()
             .flatten()
     }
 
-    fn register(self: &Arc<Self>) -> Option<Arc<ThreadCache>> {
+    /// Creates this thread's cache for this pool and keeps it in `cell`.
+    #[cold]
+    fn register_local(this: &Arc<Self>, cell: &RefCell<LocalCaches>) -> Option<Arc<ThreadCache>> {
+        let tc = Self::register(this)?;
+        let mut caches = cell.try_borrow_mut().ok()?;
+        // Forget caches of pools that shut down or were dropped.
+        caches.0.retain(|c| !c.local.lock().closed);
+        caches.0.push(tc.clone());
+        Some(tc)
+    }
+
+    fn register(this: &Arc<Self>) -> Option<Arc<ThreadCache>> {
         let mut local = Local::default();
         local.bins = (0..CLASSES).map(|_| Vec::new()).collect();
-        let tc = Arc::new(ThreadCache { shared: self.clone(), local: Mutex::new(local) });
-        let mut reg = lock(&self.registry);
+        let tc = Arc::new(ThreadCache { shared: this.clone(), local: SpinLock::new(local) });
+        let mut reg = lock(&this.registry);
         if reg.closed {
             return None;
         }
@@ -322,13 +334,15 @@ impl ThreadCaches {
     }
 
     /// Serves a request of class `class` from this thread's cache.
-    pub(super) fn allocate(self: &Arc<Self>, class: usize, requested: usize) -> Option<Allocation> {
-        self.with_local(|tc| {
-            let mut l = lock(&tc.local);
+    #[inline]
+    pub(super) fn allocate(this: &Arc<Self>, class: usize, requested: usize) -> Option<Allocation> {
+        Self::with_local(this, |tc| {
+            let mut l = tc.local.lock();
             let b = l.bins[class].pop()?;
             l.cached_bytes -= b.size;
             l.delta.add(Delta { in_use: b.size as isize, requested: requested as isize, live: 1, allocations: 1, frees: 0 });
-            l.live.insert(b.addr, LiveEntry { size: b.size, requested, pool_requested: b.pool_requested });
+            let e = LiveEntry { size: b.size, bin: class as u32, requested, pool_requested: b.pool_requested };
+            l.live.insert(b.addr, e);
             Some(Allocation { addr: b.addr, size: b.size, tag: StreamTag::NONE })
         })
         .flatten()
@@ -337,14 +351,20 @@ impl ThreadCaches {
     /// Lends `a`, just allocated from the pool for `requested` bytes, to
     /// this thread's cache. Returns `false` (the block stays a plain pool
     /// block) when the caches are closed.
-    pub(super) fn lend(self: &Arc<Self>, a: &Allocation, requested: usize) -> bool {
-        self.with_local(|tc| {
-            let mut l = lock(&tc.local);
+    pub(super) fn lend(this: &Arc<Self>, a: &Allocation, requested: usize) -> bool {
+        Self::with_local(this, |tc| {
+            let mut l = tc.local.lock();
             if l.closed {
                 return false;
             }
-            l.live.insert(a.addr, LiveEntry { size: a.size, requested, pool_requested: requested });
-            lock(&self.lent[lent_shard(a.addr)]).insert(a.addr, tc.clone());
+            // A block larger than half the budget is lent (so that frees
+            // find it) but never cached.
+            let bin = match class_of(a.size) {
+                Some((c, size)) if size == a.size && size <= this.max_bytes / 2 => c as u32,
+                _ => NO_BIN,
+            };
+            l.live.insert(a.addr, LiveEntry { size: a.size, bin, requested, pool_requested: requested });
+            lock(&this.lent[lent_shard(a.addr)]).insert(a.addr, tc.clone());
             true
         })
         .unwrap_or(false)
@@ -355,17 +375,24 @@ impl ThreadCaches {
     }
 
     /// Frees `addr` into a cache when it is a lent block.
-    pub(super) fn deallocate(self: &Arc<Self>, addr: usize, tag: StreamTag) -> CacheFree {
+    #[inline]
+    pub(super) fn deallocate(this: &Arc<Self>, addr: usize, tag: StreamTag) -> CacheFree {
         // Most frees happen on the thread that allocated.
-        let here = self.with_local(|tc| {
-            let mut l = lock(&tc.local);
-            l.live.remove(&addr).map(|e| self.free_into(&mut l, addr, e, tag))
+        let here = Self::with_local(this, |tc| {
+            let mut l = tc.local.lock();
+            l.live.remove(&addr).map(|e| this.free_into(&mut l, addr, e, tag))
         });
-        if let Some(Some(done)) = here {
-            return done;
+        match here {
+            Some(Some(done)) => done,
+            _ => this.deallocate_remote(addr, tag),
         }
+    }
+
+    /// Frees `addr`, not live in this thread's cache, into its owner's.
+    #[cold]
+    fn deallocate_remote(&self, addr: usize, tag: StreamTag) -> CacheFree {
         let Some(owner) = self.owner(addr) else { return CacheFree::NotLent };
-        let mut l = lock(&owner.local);
+        let mut l = owner.local.lock();
         match l.live.remove(&addr) {
             Some(e) => self.free_into(&mut l, addr, e, tag),
             None => CacheFree::DoubleFree,
@@ -374,17 +401,13 @@ impl ThreadCaches {
 
     /// Under the owner's lock `l`: parks the live block `e` in a bin, or
     /// unlends it when it can't be cached.
+    #[inline]
     fn free_into(&self, l: &mut Local, addr: usize, e: LiveEntry, tag: StreamTag) -> CacheFree {
         let freed = Freed { size: e.size, requested: e.requested };
-        let class = class_of(e.size).filter(|&(_, size)| size == e.size);
-        let class = match class {
-            Some((c, _)) if tag == StreamTag::NONE && !l.closed && !l.dead && e.size <= self.max_bytes / 2 => c,
-            _ => {
-                lock(&self.lent[lent_shard(addr)]).remove(&addr);
-                l.delta.requested += e.pool_requested as isize - e.requested as isize;
-                return CacheFree::Return(freed);
-            }
-        };
+        if tag != StreamTag::NONE || l.closed || l.dead || e.bin == NO_BIN {
+            return self.give_back(l, addr, e, freed);
+        }
+        let class = e.bin as usize;
         l.delta.add(Delta {
             in_use: -(e.size as isize),
             requested: -(e.requested as isize),
@@ -395,16 +418,32 @@ impl ThreadCaches {
         l.cached_bytes += e.size;
         l.bins[class].push(CachedBlock { addr, size: e.size, pool_requested: e.pool_requested });
         if l.bins[class].len() > BIN_MAX || l.cached_bytes > self.max_bytes {
-            let mut out = Vec::new();
-            if l.bins[class].len() > BIN_MAX {
-                l.take_oldest(class, BIN_MAX / 2, &mut out);
-            }
-            if l.cached_bytes > self.max_bytes {
-                l.take((0..CLASSES).rev(), self.max_bytes / 4 * 3, &mut out);
-            }
-            self.flush(&out);
+            self.trim(l, class);
         }
         CacheFree::Cached(freed)
+    }
+
+    /// Under the owner's lock: unlends the live block `e`, which can't be
+    /// cached; the pool frees it.
+    #[cold]
+    fn give_back(&self, l: &mut Local, addr: usize, e: LiveEntry, freed: Freed) -> CacheFree {
+        lock(&self.lent[lent_shard(addr)]).remove(&addr);
+        l.delta.requested += e.pool_requested as isize - e.requested as isize;
+        CacheFree::Return(freed)
+    }
+
+    /// Under the owner's lock: flushes the older half of a full bin, and the
+    /// largest classes while the cache is over its budget.
+    #[cold]
+    fn trim(&self, l: &mut Local, class: usize) {
+        let mut out = Vec::new();
+        if l.bins[class].len() > BIN_MAX {
+            l.take_oldest(class, BIN_MAX / 2, &mut out);
+        }
+        if l.cached_bytes > self.max_bytes {
+            l.take((0..CLASSES).rev(), self.max_bytes / 4 * 3, &mut out);
+        }
+        self.flush(&out);
     }
 
     /// Gives blocks taken out of a cache (statistics already corrected) back
@@ -428,7 +467,7 @@ impl ThreadCaches {
     /// resized in place).
     pub(super) fn unlend(&self, addr: usize) -> Unlent {
         let Some(owner) = self.owner(addr) else { return Unlent::NotLent };
-        let mut l = lock(&owner.local);
+        let mut l = owner.local.lock();
         match l.live.remove(&addr) {
             Some(e) => {
                 lock(&self.lent[lent_shard(addr)]).remove(&addr);
@@ -443,7 +482,7 @@ impl ThreadCaches {
     /// (not the user's), `None` if it is not lent.
     pub(super) fn lent_size(&self, addr: usize) -> Option<Option<usize>> {
         let owner = self.owner(addr)?;
-        let l = lock(&owner.local);
+        let l = owner.local.lock();
         Some(l.live.get(&addr).map(|e| e.size))
     }
 
@@ -458,7 +497,7 @@ impl ThreadCaches {
         let mut drained = 0;
         let mut out = Vec::new();
         for tc in &caches {
-            let mut l = lock(&tc.local);
+            let mut l = tc.local.lock();
             l.closed |= close;
             drained += l.cached_bytes;
             out.clear();
@@ -474,7 +513,7 @@ impl ThreadCaches {
         let mut reg = lock(&self.registry);
         let mut retired = lock(&self.retired);
         reg.caches.retain(|tc| {
-            let l = lock(&tc.local);
+            let l = tc.local.lock();
             let gone = l.dead && l.live.is_empty();
             if gone {
                 retired.add(l.delta);
@@ -488,7 +527,7 @@ impl ThreadCaches {
         let mut d = *lock(&self.retired);
         let caches: Vec<Arc<ThreadCache>> = lock(&self.registry).caches.clone();
         for tc in &caches {
-            let l = lock(&tc.local);
+            let l = tc.local.lock();
             d.add(l.delta);
             s.cached += l.cached_bytes;
         }
@@ -514,7 +553,7 @@ impl ThreadCache {
     /// The owning thread is exiting: flush, and cache nothing more.
     fn retire(&self) {
         {
-            let mut l = lock(&self.local);
+            let mut l = self.local.lock();
             l.dead = true;
             let mut out = Vec::new();
             l.take(0..CLASSES, 0, &mut out);

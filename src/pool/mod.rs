@@ -17,6 +17,7 @@
 
 mod best_fit;
 mod cache;
+mod spin;
 mod stats;
 
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
@@ -233,7 +234,7 @@ impl<U: Upstream> Pool<U> {
         // allocates the class size here and lends the block to the cache.
         let class = if align <= BLOCK_ALIGN { cache::class_of(rounded) } else { None };
         if let Some((class, _)) = class {
-            if let Some(a) = cache.allocate(class, size) {
+            if let Some(a) = ThreadCaches::allocate(cache, class, size) {
                 return Ok(a);
             }
         }
@@ -245,7 +246,7 @@ impl<U: Upstream> Pool<U> {
             r => r?,
         };
         if class.is_some() {
-            cache.lend(&a, size);
+            ThreadCaches::lend(cache, &a, size);
         }
         Ok(a)
     }
@@ -433,7 +434,7 @@ impl<U: Upstream> Pool<U> {
     /// [`Error::UnknownPointer`]; the pool is unchanged then.
     pub fn deallocate(&self, addr: usize, tag: StreamTag) -> Result<Freed> {
         // Lent blocks go back to a thread cache (cache.rs) when they can.
-        let lent = match self.cache.as_ref().map(|c| c.deallocate(addr, tag)) {
+        let lent = match self.cache.as_ref().map(|c| ThreadCaches::deallocate(c, addr, tag)) {
             Some(CacheFree::Cached(freed)) => return Ok(freed),
             Some(CacheFree::DoubleFree) => return Err(self.free_error(addr, FreeError::DoubleFree)),
             Some(CacheFree::Return(freed)) => Some(freed),
