@@ -21,7 +21,7 @@ mod spin;
 mod stats;
 
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
-pub use cache::{BIN_MAX, MAX_CACHED_BLOCK};
+pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
 pub use stats::PoolStats;
 
 use crate::error::{Error, OomState, PoolKind, Result};
