@@ -218,6 +218,8 @@ fn event_gated_reuse(cache: bool) {
             // in stream order.
             let (m3, e3) = (m2.clone(), e2.clone());
             let kernel = thread::spawn(move || {
+                // SAFETY: loom checks this access: it races with nothing
+                // only if the protocol holds.
                 m3[i].with_mut(|v| unsafe { *v = 1 });
                 e3.store(true, Ordering::Release);
             });
@@ -235,6 +237,7 @@ fn event_gated_reuse(cache: bool) {
                 thread::yield_now();
             }
         }
+        // SAFETY: as above; a missing wait is a race loom reports.
         memory[cell(b.addr)].with_mut(|v| unsafe { *v = 2 });
         pool.deallocate(b.addr, T).unwrap();
         s.join().unwrap().join().unwrap();

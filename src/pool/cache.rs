@@ -113,6 +113,9 @@ impl Hasher for AddrHasher {
 
 type AddrMap<V> = HashMap<usize, V, BuildHasherDefault<AddrHasher>>;
 
+/// One shard of the map from lent block to owner cache.
+type LentShard = CachePadded<Mutex<AddrMap<Arc<ThreadCache>>>>;
+
 /// A lent block held by a user.
 #[derive(Debug, Clone, Copy)]
 struct LiveEntry {
@@ -231,7 +234,7 @@ pub(super) enum Unlent {
     /// Not lent: the pool owns it directly.
     NotLent,
     /// It was lent and live; it is a plain pool block now.
-    Unlent { requested: usize },
+    Released { requested: usize },
     /// It is parked in a cache: the user does not hold it.
     Cached,
 }
@@ -243,7 +246,7 @@ pub(super) struct ThreadCaches {
     registry: Mutex<Registry>,
     /// Figures of caches dropped from the registry.
     retired: Mutex<Delta>,
-    lent: Box<[CachePadded<Mutex<AddrMap<Arc<ThreadCache>>>>]>,
+    lent: Box<[LentShard]>,
 }
 
 #[derive(Default)]
@@ -338,8 +341,7 @@ impl ThreadCaches {
     }
 
     fn register(this: &Arc<Self>) -> Option<Arc<ThreadCache>> {
-        let mut local = Local::default();
-        local.bins = (0..CLASSES).map(|_| Vec::new()).collect();
+        let local = Local { bins: (0..CLASSES).map(|_| Vec::new()).collect(), ..Local::default() };
         let tc = Arc::new(ThreadCache { shared: this.clone(), local: SpinLock::new(local) });
         let mut reg = lock(&this.registry);
         if reg.closed {
@@ -356,7 +358,13 @@ impl ThreadCaches {
             let mut l = tc.local.lock();
             let b = l.bins[class].pop()?;
             l.cached_bytes -= b.size;
-            l.delta.add(Delta { in_use: b.size as isize, requested: requested as isize, live: 1, allocations: 1, frees: 0 });
+            l.delta.add(Delta {
+                in_use: b.size as isize,
+                requested: requested as isize,
+                live: 1,
+                allocations: 1,
+                frees: 0,
+            });
             let e = LiveEntry { size: b.size, bin: class as u32, requested, pool_requested: b.pool_requested };
             l.live.insert(b.addr, e);
             Some(Allocation { addr: b.addr, size: b.size, tag: StreamTag::NONE })
@@ -407,7 +415,9 @@ impl ThreadCaches {
     /// Frees `addr`, not live in this thread's cache, into its owner's.
     #[cold]
     fn deallocate_remote(&self, addr: usize, tag: StreamTag) -> CacheFree {
-        let Some(owner) = self.owner(addr) else { return CacheFree::NotLent };
+        let Some(owner) = self.owner(addr) else {
+            return CacheFree::NotLent;
+        };
         let mut l = owner.local.lock();
         match l.live.remove(&addr) {
             Some(e) => self.free_into(&mut l, addr, e, tag),
@@ -482,13 +492,15 @@ impl ThreadCaches {
     /// Makes the lent block at `addr` a plain pool block (before it is
     /// resized in place).
     pub(super) fn unlend(&self, addr: usize) -> Unlent {
-        let Some(owner) = self.owner(addr) else { return Unlent::NotLent };
+        let Some(owner) = self.owner(addr) else {
+            return Unlent::NotLent;
+        };
         let mut l = owner.local.lock();
         match l.live.remove(&addr) {
             Some(e) => {
                 lock(&self.lent[lent_shard(addr)]).remove(&addr);
                 l.delta.requested += e.pool_requested as isize - e.requested as isize;
-                Unlent::Unlent { requested: e.requested }
+                Unlent::Released { requested: e.requested }
             }
             None => Unlent::Cached,
         }

@@ -26,8 +26,8 @@ pub use stats::PoolStats;
 
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, Arc, Mutex};
-use cache::{CacheFree, ThreadCaches, Unlent};
 use crate::upstream::{Chunk, Upstream};
+use cache::{CacheFree, ThreadCaches, Unlent};
 
 /// Every block's address and size are multiples of this (CUDA's own
 /// allocation alignment, which code that uses the memory relies on).
@@ -229,7 +229,9 @@ impl<U: Upstream> Pool<U> {
     /// pool nor the upstream (after cached chunks were released) can serve.
     pub fn allocate(&self, size: usize, align: usize) -> Result<Allocation> {
         let rounded = validate(size, align)?;
-        let Some(cache) = &self.cache else { return self.allocate_exact(rounded, align, size) };
+        let Some(cache) = &self.cache else {
+            return self.allocate_exact(rounded, align, size);
+        };
         // The thread cache (cache.rs): a hit takes no pool lock; a miss
         // allocates the class size here and lends the block to the cache.
         let class = if align <= BLOCK_ALIGN { cache::class_of(rounded) } else { None };
@@ -507,7 +509,7 @@ impl<U: Upstream> Pool<U> {
     fn unlend(&self, addr: usize) -> bool {
         match self.cache.as_ref().map_or(Unlent::NotLent, |c| c.unlend(addr)) {
             Unlent::NotLent => true,
-            Unlent::Unlent { requested } => {
+            Unlent::Released { requested } => {
                 lock(&self.inner).fit.set_requested(addr, requested);
                 true
             }
