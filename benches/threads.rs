@@ -10,7 +10,8 @@
 //!
 //! `cargo bench --bench threads` (filter with criterion's usual argument,
 //! e.g. `-- scaling/host`); a plain table of Mops/s follows criterion's
-//! output.
+//! output. `CUMEM_BENCH_SIZES=uniform` draws sizes uniformly instead;
+//! `CUMEM_BENCH_CACHE_MIB` sets the per-thread cache budget.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
@@ -72,9 +73,18 @@ impl Target for RawAsync {
     }
 }
 
+/// A request size: log-uniform from 1 B to 4 MiB (as many 1-2 KiB
+/// requests as 1-2 MiB ones), or uniform with `CUMEM_BENCH_SIZES=uniform`.
 fn size(rng: &mut SmallRng) -> usize {
-    (rng.gen_range(0.0..MAX_SIZE.ln()).exp() as usize).max(1)
+    if *UNIFORM {
+        rng.gen_range(1..=MAX_SIZE as usize)
+    } else {
+        (rng.gen_range(0.0..MAX_SIZE.ln()).exp() as usize).max(1)
+    }
 }
+
+static UNIFORM: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| std::env::var("CUMEM_BENCH_SIZES").is_ok_and(|v| v == "uniform"));
 
 /// One thread's random operations: allocate or free with equal odds,
 /// within `MAX_LIVE` live blocks.
@@ -206,7 +216,8 @@ fn main() {
     }
     c.final_summary();
 
-    println!("\nTotal Mops/s (allocations + frees), random 1 B..4 MiB, <= {MAX_LIVE} live per thread");
+    let dist = if *UNIFORM { "uniform" } else { "log-uniform" };
+    println!("\nTotal Mops/s (allocations + frees), {dist} 1 B..4 MiB, <= {MAX_LIVE} live per thread");
     print!("{:<34}", "target");
     for t in THREADS {
         print!("{:>9}", format!("{t} thr"));
