@@ -132,9 +132,17 @@ type Table = Mutex<BTreeMap<String, BTreeMap<usize, (u64, Duration)>>>;
 /// Share of allocations served by thread caches, per pool target.
 type Hits = Mutex<BTreeMap<String, f64>>;
 
-fn record_hits<U: Upstream>(hits: &Hits, name: &str, pool: &Pool<U>) {
-    let all = pool.stats().allocations;
-    let shared = pool.with_fit(|f| f.stats().allocations);
+/// Allocations served in all, and by the shared pool.
+fn counts<U: Upstream>(pool: &Pool<U>) -> (u64, u64) {
+    (pool.stats().allocations, pool.with_fit(|f| f.stats().allocations))
+}
+
+/// Runs the scaling benchmark on a pool and records its cache hit rate.
+fn scaling_pool<U: Upstream>(c: &mut Criterion, table: &Table, hits: &Hits, name: &str, pool: &Pool<U>) {
+    let (all0, shared0) = counts(pool);
+    scaling(c, table, name, pool);
+    let (all, shared) = counts(pool);
+    let (all, shared) = (all - all0, shared - shared0);
     hits.lock().unwrap().insert(name.to_string(), (all - shared) as f64 / all.max(1) as f64);
 }
 
@@ -191,8 +199,7 @@ fn main() {
         let tag = if cache { "cache_on" } else { "cache_off" };
         let host = Pool::new(Host::new(), config(PoolKind::Pinned, cache));
         pair(&mut c, &format!("host_pinned_pool/{tag}"), &host);
-        scaling(&mut c, &table, &format!("host_pinned_pool/{tag}"), &host);
-        record_hits(&hits, &format!("host_pinned_pool/{tag}"), &host);
+        scaling_pool(&mut c, &table, &hits, &format!("host_pinned_pool/{tag}"), &host);
     }
     match driver_status() {
         DriverStatus::Available { .. } => {
@@ -201,12 +208,10 @@ fn main() {
                 let tag = if cache { "cache_on" } else { "cache_off" };
                 let dev = Pool::new(CudaDeviceMemory::new(ctx.clone()), config(PoolKind::Device, cache));
                 pair(&mut c, &format!("device_sync_pool/{tag}"), &dev);
-                scaling(&mut c, &table, &format!("device_sync_pool/{tag}"), &dev);
-                record_hits(&hits, &format!("device_sync_pool/{tag}"), &dev);
+                scaling_pool(&mut c, &table, &hits, &format!("device_sync_pool/{tag}"), &dev);
                 drop(dev);
                 let pinned = Pool::new(CudaPinnedMemory::new(ctx.clone()), config(PoolKind::Pinned, cache));
-                scaling(&mut c, &table, &format!("cuda_pinned_pool/{tag}"), &pinned);
-                record_hits(&hits, &format!("cuda_pinned_pool/{tag}"), &pinned);
+                scaling_pool(&mut c, &table, &hits, &format!("cuda_pinned_pool/{tag}"), &pinned);
             }
             if ctx.has_async_alloc() {
                 scaling(&mut c, &table, "raw_cuMemAllocAsync", &RawAsync(ctx.clone()));

@@ -37,6 +37,8 @@
 //!   when freed.
 //! - `release_cached`, `shutdown` and the pool's drop drain every cache in
 //!   the registry; shutdown also closes them (nothing is cached after it).
+//! - A miss above 4 KiB may take a block of one of the next two classes
+//!   (at most 12.5 % larger) before it goes to the pool.
 //! - Blocks are cached only when freed with [`StreamTag::NONE`], so a cache
 //!   hit never needs stream ordering.
 //!
@@ -45,73 +47,29 @@
 //!
 //! What the caches change about best fit: everything that reaches the
 //! shared pool is still an exact best fit (of the class size). A cache hit
-//! returns the most recently cached block of the request's class instead,
+//! returns the most recently cached block of the request's class (or of a
+//! class up to two steps larger) instead,
 //! and cached blocks count as used in the shared pool, so memory parked in
 //! one thread's cache is not available to another until flushed (an
 //! allocation that would fail drains every cache and retries first).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
 use crossbeam::utils::CachePadded;
 
+pub use super::classes::MAX_CACHED_BLOCK;
+use super::classes::{class_of, AddrMap, CLASSES, EXACT_LIMIT};
 use super::spin::SpinLock;
 use super::{Allocation, Freed, Inner, PoolStats, StreamTag, BLOCK_ALIGN};
 use crate::sync::{lock, Arc, Mutex};
 
-/// The largest block size (after class rounding) the thread caches hold.
-pub const MAX_CACHED_BLOCK: usize = 4 << 20;
-/// Classes in exact 256 B steps end here.
-const EXACT_LIMIT: usize = 4096;
-/// Classes per doubling above [`EXACT_LIMIT`].
-const STEPS: usize = 16;
-/// Number of classes: 16 exact ones, then 16 per doubling up to 4 MiB.
-const CLASSES: usize = EXACT_LIMIT / BLOCK_ALIGN + 10 * STEPS;
 /// Blocks one bin holds before its older half is flushed.
 pub const BIN_MAX: usize = 32;
 const LENT_SHARDS: usize = 16;
+/// Larger classes a miss may take a cached block from.
+const NEIGHBOURS: usize = 2;
 /// [`LiveEntry::bin`] of a block too large for its cache's budget.
 const NO_BIN: u32 = u32::MAX;
-
-/// The class of a request already rounded to 256 B: `(index, class size)`,
-/// or `None` when such blocks aren't cached.
-pub(super) fn class_of(rounded: usize) -> Option<(usize, usize)> {
-    debug_assert!(rounded % BLOCK_ALIGN == 0 && rounded > 0);
-    if rounded <= EXACT_LIMIT {
-        return Some((rounded / BLOCK_ALIGN - 1, rounded));
-    }
-    if rounded > MAX_CACHED_BLOCK {
-        return None;
-    }
-    // `rounded` lies in (2^p, 2^(p+1)], cut into STEPS classes.
-    let p = (usize::BITS - 1 - (rounded - 1).leading_zeros()) as usize;
-    let base = 1usize << p;
-    let step = base / STEPS;
-    let size = rounded.next_multiple_of(step);
-    let k = (size - base) / step;
-    Some((EXACT_LIMIT / BLOCK_ALIGN + (p - 12) * STEPS + k - 1, size))
-}
-
-/// A cheap hash for 256-aligned addresses.
-#[derive(Default)]
-pub(super) struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    fn finish(&self) -> u64 {
-        self.0 ^ (self.0 >> 29)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_usize(&mut self, x: usize) {
-        self.0 = ((x as u64) >> 8).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-type AddrMap<V> = HashMap<usize, V, BuildHasherDefault<AddrHasher>>;
 
 /// One shard of the map from lent block to owner cache.
 type LentShard = CachePadded<Mutex<AddrMap<Arc<ThreadCache>>>>;
@@ -190,6 +148,17 @@ impl Local {
                 out.push(b);
             }
         }
+    }
+
+    /// On a miss in bin `class`: a block of the next [`NEIGHBOURS`] larger
+    /// classes (at most 12.5 % larger), where classes are 1/16 of a
+    /// doubling apart.
+    #[cold]
+    fn pop_larger(&mut self, class: usize) -> Option<CachedBlock> {
+        if class < EXACT_LIMIT / BLOCK_ALIGN {
+            return None;
+        }
+        (class + 1..(class + 1 + NEIGHBOURS).min(CLASSES)).find_map(|c| self.bins[c].pop())
     }
 
     /// Takes the oldest `n` blocks of bin `class` out (as [`Local::take`]).
@@ -356,7 +325,10 @@ impl ThreadCaches {
     pub(super) fn allocate(this: &Arc<Self>, class: usize, requested: usize) -> Option<Allocation> {
         Self::with_local(this, |tc| {
             let mut l = tc.local.lock();
-            let b = l.bins[class].pop()?;
+            let b = match l.bins[class].pop() {
+                Some(b) => b,
+                None => l.pop_larger(class)?,
+            };
             l.cached_bytes -= b.size;
             l.delta.add(Delta {
                 in_use: b.size as isize,

@@ -17,6 +17,7 @@
 
 mod best_fit;
 mod cache;
+mod classes;
 mod spin;
 mod stats;
 
@@ -234,7 +235,7 @@ impl<U: Upstream> Pool<U> {
         };
         // The thread cache (cache.rs): a hit takes no pool lock; a miss
         // allocates the class size here and lends the block to the cache.
-        let class = if align <= BLOCK_ALIGN { cache::class_of(rounded) } else { None };
+        let class = if align <= BLOCK_ALIGN { classes::class_of(rounded) } else { None };
         if let Some((class, _)) = class {
             if let Some(a) = ThreadCaches::allocate(cache, class, size) {
                 return Ok(a);
