@@ -199,3 +199,23 @@ fn off_means_exact_sizes_and_no_cache() {
     p.deallocate(a.addr, StreamTag::NONE).unwrap();
     assert_eq!(p.stats().cached, 0);
 }
+
+#[test]
+fn pinned_vectors_grow_and_shrink_through_the_caches() {
+    use cumem::{MemoryManager, PinnedAlloc, PinnedVec};
+    // The global manager's pinned pool has thread caches on by default.
+    let mm = MemoryManager::global().unwrap();
+    assert!(mm.pinned_pool().config().thread_cache);
+    let before = mm.pinned_stats();
+    for round in 0..3u32 {
+        let mut v: PinnedVec<u32> = PinnedVec::new_in(PinnedAlloc);
+        for i in 0..50_000u32 {
+            v.push(i ^ round);
+        }
+        v.truncate(1000);
+        v.shrink_to_fit();
+        assert!(v.iter().enumerate().all(|(i, &x)| x == i as u32 ^ round));
+    }
+    let after = mm.pinned_stats();
+    assert_eq!((after.in_use, after.live_blocks), (before.in_use, before.live_blocks), "{after:?}");
+}
