@@ -219,3 +219,23 @@ fn pinned_vectors_grow_and_shrink_through_the_caches() {
     let after = mm.pinned_stats();
     assert_eq!((after.in_use, after.live_blocks), (before.in_use, before.live_blocks), "{after:?}");
 }
+
+#[test]
+fn a_miss_may_take_a_slightly_larger_block_which_returns_to_its_own_bin() {
+    let p = pool(true);
+    let a = p.allocate(9216, 256).unwrap();
+    p.deallocate(a.addr, StreamTag::NONE).unwrap();
+    // 8704 B is the class below 9216 B: served by the cached 9216 B block.
+    let b = p.allocate(8600, 256).unwrap();
+    assert_eq!((b.addr, b.size), (a.addr, 9216));
+    assert_eq!(p.stats().in_use, 9216);
+    p.deallocate(b.addr, StreamTag::NONE).unwrap();
+    // Back in its own bin: a 9216 B request hits it.
+    let c = p.allocate(9216, 256).unwrap();
+    assert_eq!(c.addr, a.addr);
+    p.deallocate(c.addr, StreamTag::NONE).unwrap();
+    // Small classes never take a larger block.
+    let d = p.allocate(512, 256).unwrap();
+    p.deallocate(d.addr, StreamTag::NONE).unwrap();
+    assert_eq!(p.allocate(256, 256).unwrap().size, 256);
+}

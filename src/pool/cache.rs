@@ -54,6 +54,7 @@
 //! allocation that would fail drains every cache and retries first).
 
 use std::cell::RefCell;
+use std::ptr::NonNull;
 
 use crossbeam::utils::CachePadded;
 
@@ -91,6 +92,8 @@ struct LiveEntry {
 pub(super) struct CachedBlock {
     addr: usize,
     size: usize,
+    /// Its own bin (a hit may come from a neighbouring one).
+    bin: u32,
     pool_requested: usize,
 }
 
@@ -279,9 +282,31 @@ impl ThreadCaches {
         })
     }
 
+    /// This thread's cache for this pool, created on first use; `None`
+    /// while thread-locals are being torn down. The thread-local holds an
+    /// `Arc` to the cache, so the pointer stays valid until this thread
+    /// calls [`release_thread_caches`] or exits.
+    ///
+    /// The hot paths use this rather than [`with_local`](Self::with_local):
+    /// results returned through the closure cost a store-forwarding stall.
+    #[inline]
+    fn local(this: &Arc<Self>) -> Option<NonNull<ThreadCache>> {
+        CACHES
+            .try_with(|cell| {
+                {
+                    let caches = cell.try_borrow().ok()?;
+                    if let Some(tc) = caches.0.iter().find(|tc| Arc::ptr_eq(&tc.shared, this)) {
+                        return Some(NonNull::from(&**tc));
+                    }
+                }
+                Self::register_local(this, cell).map(|tc| NonNull::from(&*tc))
+            })
+            .ok()
+            .flatten()
+    }
+
     /// Runs `f` on this thread's cache for this pool, creating it first.
     /// `None` while thread-locals are being torn down.
-    #[inline]
     fn with_local<R>(this: &Arc<Self>, f: impl FnOnce(&Arc<ThreadCache>) -> R) -> Option<R> {
         CACHES
             .try_with(|cell| {
@@ -323,7 +348,11 @@ impl ThreadCaches {
     /// Serves a request of class `class` from this thread's cache.
     #[inline]
     pub(super) fn allocate(this: &Arc<Self>, class: usize, requested: usize) -> Option<Allocation> {
-        Self::with_local(this, |tc| {
+        let tc = Self::local(this)?;
+        // SAFETY: `local` hands out a cache the thread-local keeps alive
+        // until this thread releases it, which nothing below does.
+        let tc = unsafe { tc.as_ref() };
+        {
             let mut l = tc.local.lock();
             let b = match l.bins[class].pop() {
                 Some(b) => b,
@@ -337,11 +366,10 @@ impl ThreadCaches {
                 allocations: 1,
                 frees: 0,
             });
-            let e = LiveEntry { size: b.size, bin: class as u32, requested, pool_requested: b.pool_requested };
+            let e = LiveEntry { size: b.size, bin: b.bin, requested, pool_requested: b.pool_requested };
             l.live.insert(b.addr, e);
             Some(Allocation { addr: b.addr, size: b.size, tag: StreamTag::NONE })
-        })
-        .flatten()
+        }
     }
 
     /// Lends `a`, just allocated from the pool for `requested` bytes, to
@@ -374,14 +402,15 @@ impl ThreadCaches {
     #[inline]
     pub(super) fn deallocate(this: &Arc<Self>, addr: usize, tag: StreamTag) -> CacheFree {
         // Most frees happen on the thread that allocated.
-        let here = Self::with_local(this, |tc| {
+        if let Some(tc) = Self::local(this) {
+            // SAFETY: as in `allocate`.
+            let tc = unsafe { tc.as_ref() };
             let mut l = tc.local.lock();
-            l.live.remove(&addr).map(|e| this.free_into(&mut l, addr, e, tag))
-        });
-        match here {
-            Some(Some(done)) => done,
-            _ => this.deallocate_remote(addr, tag),
+            if let Some(e) = l.live.remove(&addr) {
+                return this.free_into(&mut l, addr, e, tag);
+            }
         }
+        this.deallocate_remote(addr, tag)
     }
 
     /// Frees `addr`, not live in this thread's cache, into its owner's.
@@ -414,7 +443,7 @@ impl ThreadCaches {
             frees: 1,
         });
         l.cached_bytes += e.size;
-        l.bins[class].push(CachedBlock { addr, size: e.size, pool_requested: e.pool_requested });
+        l.bins[class].push(CachedBlock { addr, size: e.size, bin: e.bin, pool_requested: e.pool_requested });
         if l.bins[class].len() > BIN_MAX || l.cached_bytes > self.max_bytes {
             self.trim(l, class);
         }
