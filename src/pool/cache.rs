@@ -200,17 +200,6 @@ pub(super) enum CacheFree {
     NotLent,
 }
 
-/// Whether a pointer is a lent block (see [`ThreadCaches::unlend`]).
-#[derive(Debug, PartialEq, Eq)]
-pub(super) enum Unlent {
-    /// Not lent: the pool owns it directly.
-    NotLent,
-    /// It was lent and live; it is a plain pool block now.
-    Released { requested: usize },
-    /// It is parked in a cache: the user does not hold it.
-    Cached,
-}
-
 /// The per-thread caches of one pool.
 pub(super) struct ThreadCaches {
     pool: Arc<Mutex<Inner>>,
@@ -490,21 +479,21 @@ impl ThreadCaches {
         }
     }
 
-    /// Makes the lent block at `addr` a plain pool block (before it is
-    /// resized in place).
-    pub(super) fn unlend(&self, addr: usize) -> Unlent {
+    /// Makes the lent block at `addr` a plain pool block before it is
+    /// resized in place; `false` if it is parked in a cache (not the
+    /// caller's to resize).
+    pub(super) fn unlend(&self, addr: usize) -> bool {
         let Some(owner) = self.owner(addr) else {
-            return Unlent::NotLent;
+            return true;
         };
         let mut l = owner.local.lock();
-        match l.live.remove(&addr) {
-            Some(e) => {
-                lock(&self.lent[lent_shard(addr)]).remove(&addr);
-                l.delta.requested += e.pool_requested as isize - e.requested as isize;
-                Unlent::Released { requested: e.requested }
-            }
-            None => Unlent::Cached,
-        }
+        let Some(e) = l.live.remove(&addr) else {
+            return false;
+        };
+        lock(&self.lent[lent_shard(addr)]).remove(&addr);
+        l.delta.requested += e.pool_requested as isize - e.requested as isize;
+        lock(&self.pool).fit.set_requested(addr, e.requested);
+        true
     }
 
     /// The size of the lent block at `addr`: `Some(None)` if it is cached

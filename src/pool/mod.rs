@@ -28,7 +28,7 @@ pub use stats::PoolStats;
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, Arc, Mutex};
 use crate::upstream::{Chunk, Upstream};
-use cache::{CacheFree, ThreadCaches, Unlent};
+use cache::{CacheFree, ThreadCaches};
 
 /// Every block's address and size are multiples of this (CUDA's own
 /// allocation alignment, which code that uses the memory relies on).
@@ -479,7 +479,7 @@ impl<U: Upstream> Pool<U> {
     /// moving it, when the block after it is free and large enough.
     pub fn grow_in_place(&self, addr: usize, new_size: usize) -> bool {
         let Some(rounded) = round_size(new_size) else { return false };
-        if !self.unlend(addr) {
+        if self.cache.as_ref().is_some_and(|c| !c.unlend(addr)) {
             return false;
         }
         let mut inner = lock(&self.inner);
@@ -494,7 +494,7 @@ impl<U: Upstream> Pool<U> {
     /// place, freeing its tail.
     pub fn shrink_in_place(&self, addr: usize, new_size: usize) -> bool {
         let Some(rounded) = round_size(new_size) else { return false };
-        if !self.unlend(addr) {
+        if self.cache.as_ref().is_some_and(|c| !c.unlend(addr)) {
             return false;
         }
         let mut inner = lock(&self.inner);
@@ -503,19 +503,6 @@ impl<U: Upstream> Pool<U> {
             inner.fit.set_requested(addr, new_size);
         }
         ok
-    }
-
-    /// Makes a block lent to a thread cache a plain pool block before it is
-    /// resized; `false` if `addr` is parked in a cache (not the caller's).
-    fn unlend(&self, addr: usize) -> bool {
-        match self.cache.as_ref().map_or(Unlent::NotLent, |c| c.unlend(addr)) {
-            Unlent::NotLent => true,
-            Unlent::Released { requested } => {
-                lock(&self.inner).fit.set_requested(addr, requested);
-                true
-            }
-            Unlent::Cached => false,
-        }
     }
 
     /// Flushes every thread's cache, then returns every wholly free chunk
