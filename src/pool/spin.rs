@@ -10,8 +10,14 @@
 //! locked by its own thread on every operation and by others only for a
 //! cross-thread free or a drain.
 
+#[cfg(not(loom))]
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
+
+// Under loom the value sits in loom's cell, so models check that holders'
+// accesses never overlap.
+#[cfg(loom)]
+use loom::cell::UnsafeCell;
 
 use crate::sync::{backoff, AtomicBool, Ordering};
 
@@ -46,35 +52,52 @@ impl<T> SpinLock<T> {
                 attempt = attempt.saturating_add(1);
             }
         }
-        SpinGuard { lock: self }
+        SpinGuard {
+            lock: self,
+            #[cfg(loom)]
+            access: Some(self.value.get_mut()),
+        }
     }
 }
 
 /// Access to a [`SpinLock`]'s value; unlocks when dropped.
 pub(super) struct SpinGuard<'a, T> {
     lock: &'a SpinLock<T>,
+    /// Loom's record of this holder's access (ends before the unlock).
+    #[cfg(loom)]
+    access: Option<loom::cell::MutPtr<T>>,
 }
 
 impl<T> Deref for SpinGuard<'_, T> {
     type Target = T;
     fn deref(&self) -> &T {
+        #[cfg(not(loom))]
         // SAFETY: the guard exists only while this thread holds the lock,
         // so no other reference to the value is live.
-        unsafe { &*self.lock.value.get() }
+        return unsafe { &*self.lock.value.get() };
+        #[cfg(loom)]
+        // SAFETY: as above; loom checks it.
+        return unsafe { loom::cell::MutPtr::deref(self.access.as_ref().expect("held")) };
     }
 }
 
 impl<T> DerefMut for SpinGuard<'_, T> {
     fn deref_mut(&mut self) -> &mut T {
+        #[cfg(not(loom))]
         // SAFETY: as in `deref`; `&mut self` makes this the only access
         // through the guard.
-        unsafe { &mut *self.lock.value.get() }
+        return unsafe { &mut *self.lock.value.get() };
+        #[cfg(loom)]
+        // SAFETY: as above; loom checks it.
+        return unsafe { loom::cell::MutPtr::deref(self.access.as_ref().expect("held")) };
     }
 }
 
 impl<T> Drop for SpinGuard<'_, T> {
     #[inline]
     fn drop(&mut self) {
+        #[cfg(loom)]
+        drop(self.access.take());
         self.lock.locked.store(false, Ordering::Release);
     }
 }
