@@ -82,7 +82,7 @@ pub struct PoolConfig {
     /// class (at most 6.25 % more), and most allocations and frees skip the
     /// pool's lock.
     pub thread_cache: bool,
-    /// The most bytes one thread's cache of this pool holds.
+    /// The most bytes one thread's cache of this pool holds (0: no caches).
     pub thread_cache_bytes: usize,
 }
 
@@ -187,7 +187,8 @@ impl<U: Upstream> Pool<U> {
     /// A pool that takes its chunks from `upstream`.
     pub fn new(upstream: U, config: PoolConfig) -> Self {
         let inner = Arc::new(Mutex::new(Inner::default()));
-        let cache = config.thread_cache.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes));
+        let on = config.thread_cache && config.thread_cache_bytes > 0;
+        let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes));
         Pool { inner, cache, upstream, config }
     }
 
