@@ -16,6 +16,11 @@ pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize,
 #[cfg(not(loom))]
 pub(crate) use std::sync::{Arc, Mutex, MutexGuard};
 
+/// An atomic for `static` counters that hand out ids. Loom objects can't
+/// live in statics, so this one is always `std`'s; use it only where the
+/// value is an identity, never to order other memory.
+pub(crate) use std::sync::atomic::AtomicU64 as StaticAtomicU64;
+
 /// Locks `mutex`, recovering the data if a panicking thread poisoned it.
 ///
 /// Pool state is updated so that a panic can't leave it half-changed (every
@@ -32,7 +37,21 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
-/// An atomic for process-wide counters kept in `static`s, which loom's
-/// types can't be (they must be created inside a model). Loom does not
-/// model these; use them only for values no protocol depends on (ids).
-pub(crate) use std::sync::atomic::AtomicU64 as StaticAtomicU64;
+/// Waits a moment in a spin loop. Spins for the first attempts, then yields
+/// the processor; under loom it always yields, so models of spin loops
+/// terminate.
+pub(crate) fn backoff(attempt: u32) {
+    #[cfg(loom)]
+    {
+        let _ = attempt;
+        loom::thread::yield_now();
+    }
+    #[cfg(not(loom))]
+    {
+        if attempt < 64 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}

@@ -8,8 +8,12 @@ use cumem::{Error, PoolKind};
 
 const MIB: usize = 1 << 20;
 
+/// Thread caches off: these tests look at how freed blocks coalesce in the
+/// shared pool, which parked (cached) blocks would hide.
 fn config() -> PoolConfig {
-    PoolConfig::new(PoolKind::Standalone)
+    let mut c = PoolConfig::new(PoolKind::Standalone);
+    c.thread_cache = false;
+    c
 }
 
 #[test]

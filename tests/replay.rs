@@ -42,7 +42,8 @@ fn workload(mm: &MemoryManager, seed: u64, ops: usize) -> usize {
 fn a_recorded_log_replays_to_the_same_peak() {
     let path = temp_path("log.csv");
     // The GPU where there is one, else the host fallback.
-    let mm = MemoryManager::new(Config::new().log(&path)).unwrap();
+    // Thread caches off: with them the pool's peak is an upper bound.
+    let mm = MemoryManager::new(Config::new().log(&path).thread_cache(false)).unwrap();
     assert_eq!(mm.event_log().unwrap().path(), path.as_path());
     let peak = workload(&mm, 7, 3000);
     assert_eq!(mm.device_stats(0).unwrap().pool.peak_requested, peak);
@@ -58,7 +59,7 @@ fn a_recorded_log_replays_to_the_same_peak() {
     assert_eq!(trace.skipped_frees, 0);
     assert_eq!(trace.peak_live, peak, "the trace's own peak");
     assert!(trace.records.iter().any(|r| r.action == Action::Free && r.size == 4096));
-    let report = replay::replay(&trace, Target::Host, &Config::new(), 2).unwrap();
+    let report = replay::replay(&trace, Target::Host, &Config::new().thread_cache(false), 2).unwrap();
     assert_eq!(report.peak_live, peak, "the replayed pool's peak");
     assert_eq!(report.trace_peak_live, peak);
     assert_eq!(report.failures, 0);
@@ -135,12 +136,15 @@ fn shared_traces_replay_on_the_host() {
         let trace = Trace::read(&path).unwrap();
         assert!(trace.operations() > 1000);
         let r = replay::replay(&trace, Target::Host, &Config::new(), 1).unwrap();
-        assert_eq!(r.peak_live, trace.peak_live, "{}", trace.name);
+        assert!(r.peak_live >= trace.peak_live, "{}", trace.name);
+        let exact = replay::replay(&trace, Target::Host, &Config::new().thread_cache(false), 1).unwrap();
+        assert_eq!(exact.peak_live, trace.peak_live, "{}", trace.name);
         let ratio = r.ratio.unwrap();
         assert!((1.0..3.0).contains(&ratio), "{}: {ratio}", trace.name);
         // One range that grows in place (expandable segments) leaves almost
         // nothing unused: exact best fit reaches about 1.01 here.
-        let sim = replay::replay(&trace, Target::Simulated, &Config::new().expandable(true), 1).unwrap();
+        let sim =
+            replay::replay(&trace, Target::Simulated, &Config::new().expandable(true).thread_cache(false), 1).unwrap();
         assert_eq!(sim.peak_live, trace.peak_live, "{}", trace.name);
         let ratio = sim.ratio.unwrap();
         assert!((1.0..1.02).contains(&ratio), "{} expandable: {ratio}", trace.name);

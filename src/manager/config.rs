@@ -50,6 +50,17 @@ pub struct Config {
     pub expandable: bool,
     /// CUDA or the host fallback.
     pub backend: BackendChoice,
+    /// Per-thread caches of freed blocks in front of the pinned pool: fast,
+    /// scalable frees and reallocations from many threads. Sizes up to
+    /// 4 MiB are rounded to size classes (at most 6.25% more), parked blocks
+    /// serve only their thread until flushed, and the pool's peak
+    /// statistics become upper bounds. On by default.
+    pub pinned_thread_cache: bool,
+    /// The same in front of the device pools' sync pool (blocks freed on a
+    /// stream are never cached). Off by default: device memory is the
+    /// scarce resource, and the caches cost fragmentation (on the training
+    /// traces peak reserved / peak live rises from 1.004 to about 1.05).
+    pub device_thread_cache: bool,
     /// Record where each allocation is made (a backtrace per allocation),
     /// so the shutdown report can say where live memory came from.
     pub track_allocations: bool,
@@ -72,6 +83,8 @@ impl Default for Config {
             expandable: true,
             backend: BackendChoice::Auto,
             track_allocations: false,
+            pinned_thread_cache: true,
+            device_thread_cache: false,
             log_path: None,
         }
     }
@@ -142,6 +155,23 @@ impl Config {
     /// Sets [`Config::expandable`].
     pub fn expandable(mut self, on: bool) -> Self {
         self.expandable = on;
+        self
+    }
+    /// Sets both [`Config::pinned_thread_cache`] and
+    /// [`Config::device_thread_cache`].
+    pub fn thread_cache(mut self, on: bool) -> Self {
+        self.pinned_thread_cache = on;
+        self.device_thread_cache = on;
+        self
+    }
+    /// Sets [`Config::pinned_thread_cache`].
+    pub fn pinned_thread_cache(mut self, on: bool) -> Self {
+        self.pinned_thread_cache = on;
+        self
+    }
+    /// Sets [`Config::device_thread_cache`].
+    pub fn device_thread_cache(mut self, on: bool) -> Self {
+        self.device_thread_cache = on;
         self
     }
     /// Sets [`Config::track_allocations`].
@@ -237,6 +267,12 @@ impl std::str::FromStr for Config {
                 }
                 "expandable" => c.expandable = bool_value(key, value)?,
                 "track_allocations" => c.track_allocations = bool_value(key, value)?,
+                "thread_cache" => {
+                    c.pinned_thread_cache = bool_value(key, value)?;
+                    c.device_thread_cache = c.pinned_thread_cache;
+                }
+                "pinned_thread_cache" => c.pinned_thread_cache = bool_value(key, value)?,
+                "device_thread_cache" => c.device_thread_cache = bool_value(key, value)?,
                 "backend" => {
                     c.backend = match value {
                         "auto" => BackendChoice::Auto,
@@ -250,7 +286,8 @@ impl std::str::FromStr for Config {
                     return Err(Error::Config(format!(
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
                          max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
-                         track_allocations, backend, log)"
+                         track_allocations, thread_cache, pinned_thread_cache, \
+                         device_thread_cache, backend, log)"
                     )))
                 }
             }

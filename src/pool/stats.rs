@@ -5,7 +5,9 @@
 pub struct PoolStats {
     /// Bytes in live blocks (requests rounded up to 256 B).
     pub in_use: usize,
-    /// The largest `in_use` since creation or the last peak reset.
+    /// The largest `in_use` since creation or the last peak reset. With
+    /// thread caches it is taken at the shared pool, so it counts cached
+    /// blocks as in use (an upper bound).
     pub peak_in_use: usize,
     /// Bytes the callers asked for, summed over live blocks.
     pub requested: usize,
@@ -15,6 +17,11 @@ pub struct PoolStats {
     pub reserved: usize,
     /// The largest `reserved` since creation or the last peak reset.
     pub peak_reserved: usize,
+    /// Bytes in blocks parked in thread caches: freed by their users, not
+    /// yet back in the shared pool (counted neither in `in_use` nor in
+    /// `free_blocks`; [`Pool::release_cached`](super::Pool::release_cached)
+    /// returns them).
+    pub cached: usize,
     /// Live blocks.
     pub live_blocks: usize,
     /// Free blocks.
@@ -70,6 +77,7 @@ impl PoolStats {
         self.peak_requested += o.peak_requested;
         self.reserved += o.reserved;
         self.peak_reserved += o.peak_reserved;
+        self.cached += o.cached;
         self.live_blocks += o.live_blocks;
         self.free_blocks += o.free_blocks;
         self.chunks += o.chunks;

@@ -156,7 +156,7 @@ pub struct ReplayReport {
     pub trace_peak_live: usize,
     /// Peak reserved bytes (`None`: the target can't tell).
     pub peak_reserved: Option<usize>,
-    /// `peak_reserved / peak_live`.
+    /// `peak_reserved / trace_peak_live`.
     pub ratio: Option<f64>,
     /// Allocations that failed in the last replay.
     pub failures: usize,
@@ -238,7 +238,9 @@ pub fn replay_with(trace: &Trace, target: Target, base: &Config, repeat: usize, 
         peak_live: last.peak_live,
         trace_peak_live: trace.peak_live,
         peak_reserved: last.peak_reserved,
-        ratio: last.peak_reserved.filter(|_| last.peak_live > 0).map(|r| r as f64 / last.peak_live as f64),
+        // Against the trace's own peak: the pool's peak counts blocks parked
+        // in thread caches as live, so it is only an upper bound.
+        ratio: last.peak_reserved.filter(|_| trace.peak_live > 0).map(|r| r as f64 / trace.peak_live as f64),
         failures: last.failures,
     })
 }

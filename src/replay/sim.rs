@@ -104,6 +104,7 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config) -> Result<Measure
     pc.min_chunk = config.min_chunk;
     pc.max_size = config.max_device_pool_size;
     pc.expandable = config.expandable;
+    pc.thread_cache = config.device_thread_cache;
     let pool = Pool::new(AddressRange::new(), pc);
     let mut addrs = vec![0usize; trace.slots];
     let mut failures = 0;

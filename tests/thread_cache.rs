@@ -1,0 +1,241 @@
+//! The pool's per-thread caches: statistics stay truthful, bad frees are
+//! still caught, blocks cached by other (or exited) threads come back.
+
+use std::sync::Arc;
+
+use cumem::pool::{Pool, PoolConfig, StreamTag};
+use cumem::upstream::Host;
+use cumem::{Error, PoolKind};
+
+fn pool(cache: bool) -> Pool<Host> {
+    let mut c = PoolConfig::new(PoolKind::Standalone);
+    c.thread_cache = cache;
+    Pool::new(Host::new(), c)
+}
+
+fn check(p: &Pool<Host>) {
+    p.with_fit(|f| f.check_invariants()).unwrap();
+}
+
+#[test]
+fn hit_reuses_the_block_and_stats_balance() {
+    let p = pool(true);
+    let a = p.allocate(1000, 256).unwrap();
+    p.deallocate(a.addr, StreamTag::NONE).unwrap();
+    let s = p.stats();
+    assert_eq!((s.in_use, s.requested, s.live_blocks, s.cached), (0, 0, 0, 1024));
+    let b = p.allocate(900, 1).unwrap();
+    assert_eq!(b.addr, a.addr, "a hit returns the cached block");
+    let s = p.stats();
+    assert_eq!((s.in_use, s.requested, s.live_blocks, s.cached), (1024, 900, 1, 0));
+    assert_eq!((s.allocations, s.frees), (2, 1));
+    p.deallocate(b.addr, StreamTag::NONE).unwrap();
+    assert!(p.release_cached().unwrap() > 0);
+    let s = p.stats();
+    assert_eq!((s.in_use, s.requested, s.cached, s.reserved, s.frees), (0, 0, 0, 0, 2));
+    check(&p);
+}
+
+#[test]
+fn classes_round_up_by_at_most_a_sixteenth() {
+    let p = pool(true);
+    for size in [1, 256, 4096, 4097, 5000, 100_000, 3 << 20, 4 << 20] {
+        let a = p.allocate(size, 256).unwrap();
+        let exact = size.next_multiple_of(256);
+        assert!(a.size >= exact && a.size - exact <= exact / 16, "{size} -> {}", a.size);
+        p.deallocate(a.addr, StreamTag::NONE).unwrap();
+    }
+    // Beyond the cached range sizes are exact.
+    let a = p.allocate((4 << 20) + 256, 256).unwrap();
+    assert_eq!(a.size, (4 << 20) + 256);
+    p.deallocate(a.addr, StreamTag::NONE).unwrap();
+}
+
+#[test]
+fn bad_frees_are_still_caught() {
+    let p = pool(true);
+    let a = p.allocate(5000, 256).unwrap();
+    assert!(matches!(p.deallocate(a.addr + 256, StreamTag::NONE), Err(Error::InteriorPointer { .. })));
+    assert!(matches!(p.deallocate(1 << 40, StreamTag::NONE), Err(Error::UnknownPointer { .. })));
+    p.deallocate(a.addr, StreamTag::NONE).unwrap();
+    // Now cached: a second free is a double free, and does not cache it twice.
+    assert!(matches!(p.deallocate(a.addr, StreamTag::NONE), Err(Error::DoubleFree { .. })));
+    let x = p.allocate(5000, 256).unwrap();
+    let y = p.allocate(5000, 256).unwrap();
+    assert_ne!(x.addr, y.addr);
+    // A cached block is not the user's: no size, no resizing.
+    p.deallocate(x.addr, StreamTag::NONE).unwrap();
+    assert_eq!(p.block_size(x.addr), None);
+    assert!(!p.grow_in_place(x.addr, 6000));
+    assert_eq!(p.block_size(y.addr), Some(y.size));
+    p.deallocate(y.addr, StreamTag::NONE).unwrap();
+    check(&p);
+}
+
+#[test]
+fn tagged_frees_bypass_the_cache() {
+    let p = pool(true);
+    let a = p.allocate(1 << 16, 256).unwrap();
+    p.deallocate(a.addr, StreamTag { stream: 7, seq: 1 }).unwrap();
+    assert_eq!(p.stats().cached, 0);
+    let b = p.allocate(1 << 16, 256).unwrap();
+    assert_eq!((b.addr, b.tag), (a.addr, StreamTag { stream: 7, seq: 1 }), "the pool keeps the stream tag");
+    p.deallocate(b.addr, StreamTag::NONE).unwrap();
+    check(&p);
+}
+
+#[test]
+fn resizing_a_lent_block_keeps_stats_right() {
+    let p = pool(true);
+    let a = p.allocate(1000, 256).unwrap();
+    assert!(p.shrink_in_place(a.addr, 300));
+    let s = p.stats();
+    assert_eq!((s.in_use, s.requested), (512, 300));
+    assert!(p.grow_in_place(a.addr, 2000));
+    p.deallocate(a.addr, StreamTag::NONE).unwrap();
+    let s = p.stats();
+    assert_eq!((s.in_use, s.requested, s.live_blocks), (0, 0, 0));
+    check(&p);
+}
+
+#[test]
+fn cross_thread_frees_and_exited_threads() {
+    let p = Arc::new(pool(true));
+    // Blocks allocated here, freed on another thread.
+    let blocks: Vec<_> = (0..100).map(|i| p.allocate(256 * (1 + i % 40), 256).unwrap()).collect();
+    let q = p.clone();
+    std::thread::spawn(move || {
+        for b in &blocks {
+            q.deallocate(b.addr, StreamTag::NONE).unwrap();
+        }
+        for b in &blocks {
+            assert!(matches!(q.deallocate(b.addr, StreamTag::NONE), Err(Error::DoubleFree { .. })));
+        }
+    })
+    .join()
+    .unwrap();
+    // Blocks cached by a thread that exited come back; its live blocks are
+    // still freeable here.
+    let q = p.clone();
+    let kept = std::thread::spawn(move || {
+        let keep: Vec<_> = (0..50).map(|_| q.allocate(3000, 256).unwrap()).collect();
+        for _ in 0..50 {
+            let b = q.allocate(70_000, 256).unwrap();
+            q.deallocate(b.addr, StreamTag::NONE).unwrap();
+        }
+        keep
+    })
+    .join()
+    .unwrap();
+    for b in &kept {
+        p.deallocate(b.addr, StreamTag::NONE).unwrap();
+    }
+    p.release_cached().unwrap();
+    let s = p.stats();
+    assert_eq!((s.in_use, s.requested, s.live_blocks, s.cached, s.reserved), (0, 0, 0, 0, 0), "{s:?}");
+    assert_eq!(s.allocations, s.frees);
+    check(&p);
+}
+
+#[test]
+fn release_cached_drains_other_threads_caches() {
+    let p = Arc::new(pool(true));
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let q = p.clone();
+    let t = std::thread::spawn(move || {
+        let b = q.allocate(8192, 256).unwrap();
+        q.deallocate(b.addr, StreamTag::NONE).unwrap();
+        done_tx.send(()).unwrap();
+        rx.recv().unwrap(); // stay alive: the cache is not flushed by exit
+    });
+    done_rx.recv().unwrap();
+    assert_eq!(p.stats().cached, 8192);
+    p.release_cached().unwrap();
+    let s = p.stats();
+    assert_eq!((s.cached, s.reserved), (0, 0));
+    tx.send(()).unwrap();
+    t.join().unwrap();
+}
+
+#[test]
+fn shutdown_closes_the_caches() {
+    let p = pool(true);
+    let a = p.allocate(512, 256).unwrap();
+    let b = p.allocate(512, 256).unwrap();
+    p.deallocate(a.addr, StreamTag::NONE).unwrap();
+    let live = p.shutdown().unwrap();
+    assert_eq!(live.len(), 1);
+    assert!(matches!(p.allocate(512, 256), Err(Error::ShutDown(_))));
+    p.deallocate(b.addr, StreamTag::NONE).unwrap();
+    let s = p.stats();
+    assert_eq!((s.in_use, s.cached, s.reserved), (0, 0, 0), "{s:?}");
+}
+
+#[test]
+fn caches_are_bounded_and_drained_on_out_of_memory() {
+    let mut c = PoolConfig::new(PoolKind::Standalone);
+    c.thread_cache_bytes = 1 << 20;
+    c.max_size = Some(8 << 20);
+    c.min_chunk = 1 << 20;
+    let p = Pool::new(Host::new(), c);
+    let blocks: Vec<_> = (0..60).map(|_| p.allocate(64 << 10, 256).unwrap()).collect();
+    for b in &blocks {
+        p.deallocate(b.addr, StreamTag::NONE).unwrap();
+    }
+    assert!(p.stats().cached <= 1 << 20);
+    // Everything is free or cached: one allocation of nearly the limit must
+    // succeed by draining the cache.
+    let big = p.allocate(7 << 20, 256).unwrap();
+    p.deallocate(big.addr, StreamTag::NONE).unwrap();
+    check(&p);
+}
+
+#[test]
+fn off_means_exact_sizes_and_no_cache() {
+    let p = pool(false);
+    let a = p.allocate(5000, 256).unwrap();
+    assert_eq!(a.size, 5120);
+    p.deallocate(a.addr, StreamTag::NONE).unwrap();
+    assert_eq!(p.stats().cached, 0);
+}
+
+#[test]
+fn pinned_vectors_grow_and_shrink_through_the_caches() {
+    use cumem::{MemoryManager, PinnedAlloc, PinnedVec};
+    // The global manager's pinned pool has thread caches on by default.
+    let mm = MemoryManager::global().unwrap();
+    assert!(mm.pinned_pool().config().thread_cache);
+    let before = mm.pinned_stats();
+    for round in 0..3u32 {
+        let mut v: PinnedVec<u32> = PinnedVec::new_in(PinnedAlloc);
+        for i in 0..50_000u32 {
+            v.push(i ^ round);
+        }
+        v.truncate(1000);
+        v.shrink_to_fit();
+        assert!(v.iter().enumerate().all(|(i, &x)| x == i as u32 ^ round));
+    }
+    let after = mm.pinned_stats();
+    assert_eq!((after.in_use, after.live_blocks), (before.in_use, before.live_blocks), "{after:?}");
+}
+
+#[test]
+fn a_miss_may_take_a_slightly_larger_block_which_returns_to_its_own_bin() {
+    let p = pool(true);
+    let a = p.allocate(9216, 256).unwrap();
+    p.deallocate(a.addr, StreamTag::NONE).unwrap();
+    // 8704 B is the class below 9216 B: served by the cached 9216 B block.
+    let b = p.allocate(8600, 256).unwrap();
+    assert_eq!((b.addr, b.size), (a.addr, 9216));
+    assert_eq!(p.stats().in_use, 9216);
+    p.deallocate(b.addr, StreamTag::NONE).unwrap();
+    // Back in its own bin: a 9216 B request hits it.
+    let c = p.allocate(9216, 256).unwrap();
+    assert_eq!(c.addr, a.addr);
+    p.deallocate(c.addr, StreamTag::NONE).unwrap();
+    // Small classes never take a larger block.
+    let d = p.allocate(512, 256).unwrap();
+    p.deallocate(d.addr, StreamTag::NONE).unwrap();
+    assert_eq!(p.allocate(256, 256).unwrap().size, 256);
+}
