@@ -29,8 +29,12 @@ for line in sys.stdin:
             cp "$exe" "$BIN/tests/$kind-$name"
         done
     cargo build --release --examples --bins
-    for ex in examples/*.rs; do
-        name=$(basename "$ex" .rs)
+    for ex in examples/*.rs examples/*/main.rs; do
+        [ -e "$ex" ] || continue
+        case "$ex" in
+        */main.rs) name=$(basename "$(dirname "$ex")") ;;
+        *) name=$(basename "$ex" .rs) ;;
+        esac
         cp "target/release/examples/$name" "$BIN/examples/$name"
     done
     for b in target/release/cumem-*; do
