@@ -61,6 +61,10 @@ pub struct Config {
     /// scarce resource, and the caches cost fragmentation (on the training
     /// traces peak reserved / peak live rises from 1.004 to about 1.05).
     pub device_thread_cache: bool,
+    /// The most bytes one thread's cache parks per pool before it flushes
+    /// (256 MiB: on the 8-thread benchmark 97% of requests then hit the
+    /// cache; at 64 MiB, 89%).
+    pub thread_cache_bytes: usize,
     /// Record where each allocation is made (a backtrace per allocation),
     /// so the shutdown report can say where live memory came from.
     pub track_allocations: bool,
@@ -85,6 +89,7 @@ impl Default for Config {
             track_allocations: false,
             pinned_thread_cache: true,
             device_thread_cache: false,
+            thread_cache_bytes: 256 << 20,
             log_path: None,
         }
     }
@@ -167,6 +172,11 @@ impl Config {
     /// Sets [`Config::pinned_thread_cache`].
     pub fn pinned_thread_cache(mut self, on: bool) -> Self {
         self.pinned_thread_cache = on;
+        self
+    }
+    /// Sets [`Config::thread_cache_bytes`].
+    pub fn thread_cache_bytes(mut self, bytes: usize) -> Self {
+        self.thread_cache_bytes = bytes;
         self
     }
     /// Sets [`Config::device_thread_cache`].
@@ -273,6 +283,7 @@ impl std::str::FromStr for Config {
                 }
                 "pinned_thread_cache" => c.pinned_thread_cache = bool_value(key, value)?,
                 "device_thread_cache" => c.device_thread_cache = bool_value(key, value)?,
+                "thread_cache_bytes" => c.thread_cache_bytes = size_value(key, value)?,
                 "backend" => {
                     c.backend = match value {
                         "auto" => BackendChoice::Auto,
@@ -287,7 +298,7 @@ impl std::str::FromStr for Config {
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
                          max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          track_allocations, thread_cache, pinned_thread_cache, \
-                         device_thread_cache, backend, log)"
+                         device_thread_cache, thread_cache_bytes, backend, log)"
                     )))
                 }
             }

@@ -182,6 +182,7 @@ impl MemoryManager {
         pinned_config.min_chunk = config.min_chunk;
         pinned_config.max_size = config.max_pinned_pool_size;
         pinned_config.thread_cache = config.pinned_thread_cache;
+        pinned_config.thread_cache_bytes = config.thread_cache_bytes;
         Ok(MemoryManager {
             device_pool_size: crate::sync::Mutex::new(config.device_pool_size),
             pinned: Pool::new(pinned_upstream, pinned_config),
@@ -328,6 +329,7 @@ impl MemoryManager {
         pc.max_size = self.config.max_device_pool_size;
         pc.expandable = self.config.expandable;
         pc.thread_cache = self.config.device_thread_cache;
+        pc.thread_cache_bytes = self.config.thread_cache_bytes;
         Ok(DeviceAllocator::new(ordinal, ctx, Pool::new(upstream, pc), self.config.mode, self.config.release_threshold))
     }
 

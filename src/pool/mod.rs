@@ -104,7 +104,7 @@ pub struct PoolConfig {
 impl PoolConfig {
     /// Defaults for a pool of this kind: no initial reservation, 2 MiB
     /// minimum chunks, no limit, expandable growth where the upstream
-    /// supports it, thread caches of 64 MiB (per thread).
+    /// supports it, thread caches of 256 MiB (per thread).
     pub fn new(kind: PoolKind) -> Self {
         PoolConfig {
             kind,
@@ -113,7 +113,7 @@ impl PoolConfig {
             max_size: None,
             expandable: true,
             thread_cache: true,
-            thread_cache_bytes: 64 << 20,
+            thread_cache_bytes: 256 << 20,
         }
     }
 }
