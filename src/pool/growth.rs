@@ -1,0 +1,165 @@
+//! How a [`Pool`] grows: planning growth against the size limit, asking
+//! the upstream outside the pool's lock, and giving free tails back to
+//! expandable upstreams.
+
+use super::{lock, Chunk, Error, Inner, OomState, Pool, Result, Upstream, BLOCK_ALIGN};
+
+fn round_up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+impl<U: Upstream> Pool<U> {
+    /// Decides how to grow for a request of `rounded` bytes; books the
+    /// growth against the limit. `Err(true)` when the limit forbids it.
+    pub(super) fn plan_growth(&self, inner: &mut Inner, rounded: usize, align: usize) -> Result<Growth, bool> {
+        let gran = self.upstream.granularity().max(BLOCK_ALIGN);
+        // Room for alignment padding beyond what the upstream guarantees.
+        let need = rounded + align.saturating_sub(gran.min(4096)).min(align);
+        let stats = inner.fit.stats();
+        let growth = if self.config.expandable && self.upstream.can_extend() {
+            inner.fit.last_chunk().map(|(chunk, free_tail)| {
+                let extra = round_up(need.saturating_sub(free_tail).max(1), gran);
+                // Grow at least by the minimum chunk so mapping stays rare.
+                let extra = extra.max(round_up(self.config.min_chunk, gran));
+                Growth::Extend { chunk, extra, need }
+            })
+        } else {
+            None
+        };
+        let growth = growth.unwrap_or_else(|| {
+            let mut bytes = need.max(self.config.min_chunk);
+            if stats.reserved == 0 && inner.pending_growth == 0 && stats.upstream_allocs == 0 {
+                bytes = bytes.max(inner.initial_size.unwrap_or(self.config.initial_size));
+            }
+            Growth::New { bytes: round_up(bytes, gran) }
+        });
+        if let Some(max) = self.config.max_size {
+            let total = stats.reserved + inner.pending_growth + growth.bytes();
+            if total > max {
+                // Try the smallest growth that would do before giving up.
+                let minimal = match growth {
+                    Growth::Extend { chunk, .. } => {
+                        let free_tail = inner.fit.last_chunk().map_or(0, |(_, t)| t);
+                        let extra = round_up(need.saturating_sub(free_tail).max(1), gran);
+                        Growth::Extend { chunk, extra, need }
+                    }
+                    Growth::New { .. } => Growth::New { bytes: round_up(need, gran) },
+                };
+                if stats.reserved + inner.pending_growth + minimal.bytes() > max {
+                    return Err(true);
+                }
+                inner.pending_growth += minimal.bytes();
+                return Ok(minimal);
+            }
+        }
+        inner.pending_growth += growth.bytes();
+        Ok(growth)
+    }
+
+    /// Obtains the planned memory from the upstream (no lock held) and adds
+    /// it to the pool.
+    pub(super) fn grow(&self, plan: Growth) -> Result<()> {
+        match plan {
+            Growth::Extend { chunk, extra, need } => {
+                if self.upstream.try_extend(chunk, extra)? {
+                    let mut inner = lock(&self.inner);
+                    inner.pending_growth -= extra;
+                    let added = inner.fit.extend_chunk(chunk, extra);
+                    debug_assert!(added, "the upstream extended a chunk the pool does not hold");
+                    inner.fit.stats_mut().upstream_allocs += 1;
+                    return Ok(());
+                }
+                // The upstream can't extend: take a new chunk instead.
+                let bytes = round_up(need.max(self.config.min_chunk), self.upstream.granularity());
+                {
+                    let mut inner = lock(&self.inner);
+                    let total = inner.fit.stats().reserved + inner.pending_growth - extra + bytes;
+                    if self.config.max_size.is_some_and(|max| total > max) {
+                        return Err(Error::OutOfMemory {
+                            pool: self.config.kind,
+                            requested: need,
+                            state: Box::new(OomState {
+                                upstream: Some(format!("{} can't extend the pool in place", self.upstream.name())),
+                                ..Default::default()
+                            }),
+                        });
+                    }
+                    inner.pending_growth = inner.pending_growth - extra + bytes;
+                }
+                self.grow(Growth::New { bytes }).inspect_err(|_| {
+                    // `allocate` un-books `plan.bytes()` (= extra); un-book
+                    // the difference here.
+                    let mut inner = lock(&self.inner);
+                    inner.pending_growth = inner.pending_growth + extra - bytes;
+                })
+            }
+            Growth::New { bytes } => {
+                let chunk = self.upstream.allocate_chunk(bytes)?;
+                let mut inner = lock(&self.inner);
+                inner.pending_growth -= bytes;
+                inner.fit.stats_mut().upstream_allocs += 1;
+                if !inner.fit.add_chunk(chunk) {
+                    drop(inner);
+                    // An upstream that hands out misaligned or overlapping
+                    // memory is broken; give the chunk back and say so.
+                    let _ = self.upstream.deallocate_chunk(chunk);
+                    return Err(Error::InvalidState(format!(
+                        "upstream {} returned an unusable chunk {:#x}+{}",
+                        self.upstream.name(),
+                        chunk.addr,
+                        chunk.size
+                    )));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Gives the free tails of grown chunks back to an expandable upstream
+    /// (whole granules only); returns the bytes released.
+    pub(super) fn release_free_tails(&self) -> Result<usize> {
+        let gran = self.upstream.granularity();
+        let cuts: Vec<(Chunk, usize)> = {
+            let mut inner = lock(&self.inner);
+            let tails = inner.fit.free_tails();
+            tails
+                .into_iter()
+                .filter_map(|(chunk, tail)| {
+                    let amount = tail / gran * gran;
+                    (amount > 0 && inner.fit.shrink_chunk(chunk, amount)).then_some((chunk, amount))
+                })
+                .collect()
+        };
+        let mut released = 0;
+        for (chunk, amount) in cuts {
+            let shrunk = Chunk { addr: chunk.addr, size: chunk.size - amount };
+            match self.upstream.try_shrink(chunk, amount) {
+                Ok(true) => {
+                    released += amount;
+                    lock(&self.inner).fit.stats_mut().upstream_frees += 1;
+                }
+                other => {
+                    // The upstream kept the memory: hand it back to the pool.
+                    lock(&self.inner).fit.extend_chunk(shrunk, amount);
+                    other?;
+                }
+            }
+        }
+        Ok(released)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Growth {
+    Extend { chunk: Chunk, extra: usize, need: usize },
+    New { bytes: usize },
+}
+
+impl Growth {
+    pub(super) fn bytes(&self) -> usize {
+        match *self {
+            Growth::Extend { extra, .. } => extra,
+            Growth::New { bytes } => bytes,
+        }
+    }
+}

@@ -1,0 +1,56 @@
+//! Stream tags: which queued work may still use a free block.
+
+/// Which queued work may still use a free block: the stream it was freed
+/// on, and the free's sequence number on that stream (work queued before
+/// the free with that number).
+///
+/// `NONE` means no work is pending (freed synchronously, or never used);
+/// `MIXED` means the block merged blocks freed on several streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamTag {
+    /// The stream's id (0: none, `u64::MAX`: several).
+    pub stream: u64,
+    /// The free's sequence number on that stream.
+    pub seq: u64,
+}
+
+impl StreamTag {
+    /// No pending work.
+    pub const NONE: StreamTag = StreamTag { stream: 0, seq: 0 };
+    /// Work on several streams may be pending.
+    pub const MIXED: StreamTag = StreamTag { stream: u64::MAX, seq: 0 };
+
+    /// The tag of a block made of two blocks with these tags: the later
+    /// free on one stream covers the earlier; two streams make `MIXED`.
+    pub fn merge(self, other: StreamTag) -> StreamTag {
+        if other == StreamTag::NONE {
+            self
+        } else if self == StreamTag::NONE {
+            other
+        } else if self.stream == other.stream && self != StreamTag::MIXED {
+            StreamTag { stream: self.stream, seq: self.seq.max(other.seq) }
+        } else {
+            StreamTag::MIXED
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StreamTag;
+
+    #[test]
+    fn tags_merge_to_the_latest_free_or_mixed() {
+        let a1 = StreamTag { stream: 1, seq: 1 };
+        let a5 = StreamTag { stream: 1, seq: 5 };
+        let b2 = StreamTag { stream: 2, seq: 2 };
+        assert_eq!(a1.merge(StreamTag::NONE), a1);
+        assert_eq!(StreamTag::NONE.merge(a1), a1);
+        assert_eq!(a1.merge(a5), a5);
+        assert_eq!(a5.merge(a1), a5);
+        assert_eq!(a1.merge(b2), StreamTag::MIXED);
+        assert_eq!(StreamTag::MIXED.merge(a1), StreamTag::MIXED);
+        assert_eq!(a1.merge(StreamTag::MIXED), StreamTag::MIXED);
+        assert_eq!(StreamTag::MIXED.merge(StreamTag::MIXED), StreamTag::MIXED);
+    }
+}
