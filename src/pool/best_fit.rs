@@ -19,7 +19,8 @@
 //! Indexes:
 //! - `free_index`: every free block as `(size, addr, slot)`, ordered, so the
 //!   best fit is the first entry at or after `(size, 0)`: the smallest block
-//!   that fits, ties to the lowest address. O(log n).
+//!   that fits, ties to the lowest address. O(log n); binned by size class
+//!   so each search touches one small set (see `free_index.rs`).
 //! - `live`: start address → slot of every allocated block, for `free`.
 //! - `chunks_by_addr`: chunk start → chunk, for classifying bad pointers.
 //!
@@ -34,7 +35,9 @@
 //! Splitting and coalescing never cross a chunk boundary, because links
 //! never do.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
+
+use super::free_index::FreeIndex;
 
 use super::stats::PoolStats;
 use super::{StreamTag, BLOCK_ALIGN};
@@ -109,7 +112,7 @@ pub struct BestFit {
     chunks: Vec<Option<ChunkInfo>>,
     vacant_chunks: Vec<u32>,
     chunks_by_addr: BTreeMap<usize, u32>,
-    free_index: BTreeSet<(usize, usize, u32)>,
+    free_index: FreeIndex,
     live: hashbrown::HashMap<usize, u32>,
     stats: PoolStats,
 }
@@ -209,10 +212,10 @@ impl BestFit {
     /// The smallest free block that can hold `size` bytes at an `align`
     /// boundary, ties to the lowest address.
     fn find(&self, size: usize, align: usize) -> Option<u32> {
-        let mut candidates = self.free_index.range((size, 0, 0)..);
         if align <= BLOCK_ALIGN {
-            return candidates.next().map(|&(_, _, slot)| slot);
+            return self.free_index.best_fit(size).map(|(_, _, slot)| slot);
         }
+        let mut candidates = self.free_index.from_size(size);
         // Larger alignments: the first block (in size order) whose aligned
         // start still leaves room. Blocks of at least `size + align - 256`
         // always fit, so the scan ends there at the latest.
@@ -567,7 +570,7 @@ impl BestFit {
 
     /// The largest free block's size (0 if none).
     pub fn largest_free(&self) -> usize {
-        self.free_index.iter().next_back().map_or(0, |&(size, _, _)| size)
+        self.free_index.last().map_or(0, |&(size, _, _)| size)
     }
 
     /// The number of free blocks.

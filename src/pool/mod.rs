@@ -18,6 +18,7 @@
 mod best_fit;
 mod cache;
 mod classes;
+mod free_index;
 mod growth;
 mod spin;
 mod stats;
