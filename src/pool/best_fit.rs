@@ -215,7 +215,7 @@ impl BestFit {
         if align <= BLOCK_ALIGN {
             return self.free_index.best_fit(size).map(|(_, _, slot)| slot);
         }
-        let mut candidates = self.free_index.from_size(size);
+        let mut candidates = self.free_index.at_least(size);
         // Larger alignments: the first block (in size order) whose aligned
         // start still leaves room. Blocks of at least `size + align - 256`
         // always fit, so the scan ends there at the latest.

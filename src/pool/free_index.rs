@@ -118,7 +118,7 @@ impl FreeIndex {
     }
 
     /// Every block of at least `size` bytes, in `(size, addr)` order.
-    pub(super) fn from_size(&self, size: usize) -> impl Iterator<Item = &Key> + '_ {
+    pub(super) fn at_least(&self, size: usize) -> impl Iterator<Item = &Key> + '_ {
         let c = class_of(size);
         let first = self.bins[c].range((size, 0, 0)..);
         let rest = std::iter::successors(self.next_nonempty(c), move |&b| self.next_nonempty(b))
@@ -135,7 +135,7 @@ impl FreeIndex {
 
     /// Every free block, in `(size, addr)` order.
     pub(super) fn iter(&self) -> impl Iterator<Item = &Key> + '_ {
-        self.from_size(0)
+        self.at_least(0)
     }
 }
 
