@@ -160,7 +160,7 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
     if size > isize::MAX as usize / 2 {
         return Err(Error::InvalidSize { size, reason: "larger than any memory this machine can have" });
     }
-    round_size(size).ok_or_else(|| Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
+    round_size(size).ok_or(Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
 }
 
 impl<U: Upstream> Pool<U> {
