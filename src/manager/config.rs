@@ -3,7 +3,9 @@
 use std::path::PathBuf;
 
 use crate::device::DeviceAllocatorMode;
+use crate::error::PoolKind;
 use crate::error::{Error, Result};
+use crate::pool::PoolConfig;
 
 /// Which memory the manager runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -115,6 +117,29 @@ impl Config {
             Err(std::env::VarError::NotPresent) => Ok(Config::default()),
             Err(std::env::VarError::NotUnicode(_)) => Err(Error::Config("CUMEM_CONF is not valid UTF-8".into())),
         }
+    }
+
+    /// The pinned pool's settings under this configuration.
+    pub fn pinned_pool_config(&self) -> PoolConfig {
+        let mut pc = PoolConfig::new(PoolKind::Pinned);
+        pc.initial_size = self.pinned_pool_size;
+        pc.min_chunk = self.min_chunk;
+        pc.max_size = self.max_pinned_pool_size;
+        pc.thread_cache = self.pinned_thread_cache;
+        pc.thread_cache_bytes = self.thread_cache_bytes;
+        pc
+    }
+
+    /// A device sync pool's settings under this configuration.
+    pub fn device_pool_config(&self) -> PoolConfig {
+        let mut pc = PoolConfig::new(PoolKind::Device);
+        pc.initial_size = self.device_pool_size;
+        pc.min_chunk = self.min_chunk;
+        pc.max_size = self.max_device_pool_size;
+        pc.expandable = self.expandable;
+        pc.thread_cache = self.device_thread_cache;
+        pc.thread_cache_bytes = self.thread_cache_bytes;
+        pc
     }
 
     /// Sets [`Config::pinned_pool_size`].

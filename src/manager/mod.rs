@@ -21,7 +21,7 @@ use once_cell::sync::OnceCell;
 use crate::device::{self, DeviceAllocator, DeviceAllocatorMode, DeviceStats, DriverStatus, Stream};
 use crate::error::{Error, PoolKind, Result};
 use crate::log::EventLog;
-use crate::pool::{Pool, PoolConfig, PoolStats};
+use crate::pool::{Pool, PoolStats};
 use crate::sync::{AtomicBool, Ordering};
 use crate::upstream::{Host, HostExpandable, Upstream};
 
@@ -177,12 +177,7 @@ impl MemoryManager {
             Some(ctx) => Box::new(device::CudaPinnedMemory::new(ctx.clone())),
             None => Box::new(Host::new()),
         };
-        let mut pinned_config = PoolConfig::new(PoolKind::Pinned);
-        pinned_config.initial_size = config.pinned_pool_size;
-        pinned_config.min_chunk = config.min_chunk;
-        pinned_config.max_size = config.max_pinned_pool_size;
-        pinned_config.thread_cache = config.pinned_thread_cache;
-        pinned_config.thread_cache_bytes = config.thread_cache_bytes;
+        let pinned_config = config.pinned_pool_config();
         Ok(MemoryManager {
             device_pool_size: crate::sync::Mutex::new(config.device_pool_size),
             pinned: Pool::new(pinned_upstream, pinned_config),
@@ -323,13 +318,9 @@ impl MemoryManager {
             None if self.config.expandable => Box::new(HostExpandable::new(HOST_DEVICE_RESERVATION)?),
             None => Box::new(Host::new()),
         };
-        let mut pc = PoolConfig::new(PoolKind::Device);
+        let mut pc = self.config.device_pool_config();
+        // A size set with `set_device_pool_size` wins over the config's.
         pc.initial_size = *crate::sync::lock(&self.device_pool_size);
-        pc.min_chunk = self.config.min_chunk;
-        pc.max_size = self.config.max_device_pool_size;
-        pc.expandable = self.config.expandable;
-        pc.thread_cache = self.config.device_thread_cache;
-        pc.thread_cache_bytes = self.config.thread_cache_bytes;
         Ok(DeviceAllocator::new(ordinal, ctx, Pool::new(upstream, pc), self.config.mode, self.config.release_threshold))
     }
 

@@ -10,9 +10,9 @@
 use std::time::Instant;
 
 use super::Measurement;
-use crate::error::{PoolKind, Result};
+use crate::error::Result;
 use crate::manager::Config;
-use crate::pool::{Pool, PoolConfig, StreamTag, BLOCK_ALIGN};
+use crate::pool::{Pool, StreamTag, BLOCK_ALIGN};
 use crate::sync::{lock, Mutex};
 use crate::trace::{Op, Trace};
 use crate::upstream::{Chunk, Upstream};
@@ -99,13 +99,7 @@ impl Upstream for AddressRange {
 /// the device pool settings of `config` (`min_chunk`, `expandable`,
 /// `device_pool_size`, `max_device_pool_size`).
 pub(super) fn replay_simulated(trace: &Trace, config: &Config) -> Result<Measurement> {
-    let mut pc = PoolConfig::new(PoolKind::Device);
-    pc.initial_size = config.device_pool_size;
-    pc.min_chunk = config.min_chunk;
-    pc.max_size = config.max_device_pool_size;
-    pc.expandable = config.expandable;
-    pc.thread_cache = config.device_thread_cache;
-    let pool = Pool::new(AddressRange::new(), pc);
+    let pool = Pool::new(AddressRange::new(), config.device_pool_config());
     let mut addrs = vec![0usize; trace.slots];
     let mut failures = 0;
     let start = Instant::now();
