@@ -210,7 +210,17 @@ fn main() {
                 pair(&mut c, &format!("device_sync_pool/{tag}"), &dev);
                 scaling_pool(&mut c, &table, &hits, &format!("device_sync_pool/{tag}"), &dev);
                 drop(dev);
-                let pinned = Pool::new(CudaPinnedMemory::new(ctx.clone()), config(PoolKind::Pinned, cache));
+                // Pinned memory is reserved up front, as a program sets
+                // `pinned_pool_size` at start: growing it inside the timed
+                // loop would time `cuMemHostAlloc` (about 1 ms per call,
+                // serialised in the driver), not the pool.
+                let mut pc = config(PoolKind::Pinned, cache);
+                pc.initial_size = 10 << 30;
+                let pinned = Pool::new(CudaPinnedMemory::new(ctx.clone()), pc);
+                // Make the reservation now, outside the measurements.
+                if let Ok(a) = pinned.allocate(256, 256) {
+                    let _ = pinned.deallocate(a.addr, StreamTag::NONE);
+                }
                 scaling_pool(&mut c, &table, &hits, &format!("cuda_pinned_pool/{tag}"), &pinned);
             }
             if ctx.has_async_alloc() {
