@@ -67,6 +67,8 @@ struct TraceInfo {
 struct Output {
     backend: String,
     repeat: usize,
+    /// Whether each replay was timed after an untimed warm-up pass.
+    warm: bool,
     conf: String,
     traces: Vec<TraceInfo>,
     results: Vec<ReplayReport>,
@@ -144,8 +146,15 @@ fn run(args: &Args) -> cumem::Result<()> {
     bar.finish_and_clear();
     let infos: Vec<TraceInfo> = traces.iter().zip(&args.traces).map(|(t, p)| trace_info(t, p)).collect();
     if args.json {
-        let out =
-            Output { backend, repeat: args.repeat.max(1), conf: args.conf.clone(), traces: infos, results, skipped };
+        let out = Output {
+            backend,
+            repeat: args.repeat.max(1),
+            warm: args.warm,
+            conf: args.conf.clone(),
+            traces: infos,
+            results,
+            skipped,
+        };
         let text = serde_json::to_string_pretty(&out).map_err(|e| cumem::Error::InvalidState(e.to_string()))?;
         println!("{text}");
     } else {
