@@ -262,3 +262,106 @@ fn out_of_memory_is_recoverable_and_nothing_leaks() {
         "device free memory returns to where it started: {free_before} before, {free_after} after"
     );
 }
+
+#[test]
+fn random_cross_stream_reuse_never_races() {
+    let Some(ctx) = gpu_for_test("random_cross_stream_reuse_never_races") else { return };
+    let _serial = serial();
+    use rand::{Rng, SeedableRng};
+    // Each kernel writes its own value into its block, spins, then counts
+    // the elements that no longer hold that value: a block handed to
+    // another stream (or to the host) before the first kernel finished
+    // shows up as a mismatch.
+    const CHECK: &str = r#"
+extern "C" __global__ void fill_spin_check(unsigned int* p, unsigned int v, unsigned long long n,
+                                           long long cycles, unsigned long long* errors) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < n) p[i] = v;
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    if (i < n && p[i] != v) atomicAdd(errors, 1ULL);
+}
+"#;
+    let ptx = cudarc::nvrtc::compile_ptx(CHECK).expect("NVRTC compiles the check kernel");
+    let m = ctx.load_module(ptx).expect("module loads");
+    let f = m.load_function("fill_spin_check").expect("kernel exists");
+    let mm = MemoryManager::new(Config::new()).unwrap();
+    let streams: Vec<Stream> = (0..4).map(|_| Stream::new().unwrap()).collect();
+    let errors = mm.allocate_device(8).unwrap();
+    // SAFETY: `errors` is an 8-byte device allocation.
+    unsafe { cudarc::driver::sys::cuMemsetD8_v2(errors, 0, 8) }.result().unwrap();
+    ctx.synchronize().unwrap(); // the memset ran on the legacy stream
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    let mut live: Vec<(u64, usize)> = Vec::new();
+    for round in 0..400u32 {
+        if live.len() > 6 || (!live.is_empty() && rng.gen_bool(0.5)) {
+            let (p, s) = live.swap_remove(rng.gen_range(0..live.len()));
+            if rng.gen_bool(0.15) {
+                // A stream-less free is allowed once the stream is idle.
+                streams[s].synchronize().unwrap();
+                mm.free_device(p).unwrap();
+            } else {
+                mm.free_device_on(p, &streams[s]).unwrap();
+            }
+        }
+        let s = rng.gen_range(0..streams.len());
+        let n = [1usize << 12, 1 << 14, 1 << 16][rng.gen_range(0..3)];
+        let p = if rng.gen_bool(0.1) {
+            mm.allocate_device(n * 4).unwrap()
+        } else {
+            mm.allocate_device_on(n * 4, &streams[s]).unwrap()
+        };
+        let (v, nn, cycles) = (round + 1, n as u64, rng.gen_range(100_000i64..2_000_000));
+        let cs = streams[s].cudarc().unwrap();
+        let mut launch = cs.launch_builder(&f);
+        launch.arg(&p).arg(&v).arg(&nn).arg(&cycles).arg(&errors);
+        // SAFETY: the arguments match the kernel; `p` holds `n` u32 and is
+        // freed only in stream order after this launch.
+        unsafe { launch.launch(cfg(n)) }.unwrap();
+        live.push((p, s));
+    }
+    for (p, s) in live {
+        mm.free_device_on(p, &streams[s]).unwrap();
+    }
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+    let mut count = 0u64;
+    // SAFETY: `count` is 8 writable bytes; every stream is idle.
+    unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2((&mut count as *mut u64).cast(), errors, 8) }.result().unwrap();
+    assert_eq!(count, 0, "{count} elements were overwritten by a premature reuse");
+
+    // Control: break the contract (a stream-less free while the kernel
+    // still runs) and the check must see the race. A fresh manager, so no
+    // stream tag from the rounds above orders the two kernels by chance.
+    // SAFETY: as above.
+    unsafe { cudarc::driver::sys::cuMemsetD8_v2(errors, 0, 8) }.result().unwrap();
+    ctx.synchronize().unwrap();
+    let fresh = MemoryManager::new(Config::new()).unwrap();
+    let n = 1usize << 16;
+    let (nn, cycles) = (n as u64, 20_000_000i64);
+    let a = fresh.allocate_device_on(n * 4, &streams[0]).unwrap();
+    let sa = streams[0].cudarc().unwrap();
+    let mut launch = sa.launch_builder(&f);
+    let va = 0xAAu32;
+    launch.arg(&a).arg(&va).arg(&nn).arg(&cycles).arg(&errors);
+    // SAFETY: as above; the early free below is the point of the control.
+    unsafe { launch.launch(cfg(n)) }.unwrap();
+    fresh.free_device(a).unwrap();
+    let b = fresh.allocate_device_on(n * 4, &streams[1]).unwrap();
+    assert_eq!(a, b, "best fit hands the same block to the second stream");
+    let sb = streams[1].cudarc().unwrap();
+    let mut launch = sb.launch_builder(&f);
+    let vb = 0xBBu32;
+    launch.arg(&b).arg(&vb).arg(&nn).arg(&cycles).arg(&errors);
+    // SAFETY: as above.
+    unsafe { launch.launch(cfg(n)) }.unwrap();
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+    // SAFETY: as above.
+    unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2((&mut count as *mut u64).cast(), errors, 8) }.result().unwrap();
+    assert!(count > 0, "control: a premature reuse should have been detected");
+    fresh.free_device(b).unwrap();
+    mm.free_device(errors).unwrap();
+}
