@@ -12,8 +12,16 @@
 //! (found with the bitmap): the smallest block that fits, ties to the lowest
 //! address, as with one ordered set over all free blocks, but each search
 //! and update touches only one small set.
+//!
+//! A bin is a sorted vector while it holds at most [`SMALL_BIN`] blocks
+//! (binary search, a short move on insert and remove, and no allocation
+//! once its capacity is there: most bins empty and refill all the time),
+//! and an ordered set beyond that, so every operation stays O(log n).
 
 use std::collections::BTreeSet;
+
+/// Blocks a bin keeps in a sorted vector before it becomes an ordered set.
+const SMALL_BIN: usize = 32;
 
 /// Blocks under this many 256-byte units get a class each.
 const EXACT_UNITS: usize = 128;
@@ -26,17 +34,132 @@ const WORDS: usize = CLASSES.div_ceil(64);
 /// A free block's key: size, address, slab slot.
 pub(super) type Key = (usize, usize, u32);
 
+/// One size class's free blocks, ordered by key.
+#[derive(Debug)]
+enum Bin {
+    Small(Vec<Key>),
+    Large(BTreeSet<Key>),
+}
+
+impl Default for Bin {
+    fn default() -> Self {
+        Bin::Small(Vec::new())
+    }
+}
+
+impl Bin {
+    fn insert(&mut self, key: Key) -> bool {
+        match self {
+            Bin::Small(v) => match v.binary_search(&key) {
+                Ok(_) => false,
+                Err(at) => {
+                    if v.len() == SMALL_BIN {
+                        let mut set: BTreeSet<Key> = v.drain(..).collect();
+                        set.insert(key);
+                        *self = Bin::Large(set);
+                    } else {
+                        v.insert(at, key);
+                    }
+                    true
+                }
+            },
+            Bin::Large(set) => set.insert(key),
+        }
+    }
+
+    fn remove(&mut self, key: &Key) -> bool {
+        match self {
+            Bin::Small(v) => match v.binary_search(key) {
+                Ok(at) => {
+                    v.remove(at);
+                    true
+                }
+                Err(_) => false,
+            },
+            Bin::Large(set) => {
+                let removed = set.remove(key);
+                if removed && set.len() < SMALL_BIN / 2 {
+                    *self = Bin::Small(set.iter().copied().collect());
+                }
+                removed
+            }
+        }
+    }
+
+    fn contains(&self, key: &Key) -> bool {
+        match self {
+            Bin::Small(v) => v.binary_search(key).is_ok(),
+            Bin::Large(set) => set.contains(key),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        match self {
+            Bin::Small(v) => v.is_empty(),
+            Bin::Large(set) => set.is_empty(),
+        }
+    }
+
+    fn first(&self) -> Option<&Key> {
+        match self {
+            Bin::Small(v) => v.first(),
+            Bin::Large(set) => set.first(),
+        }
+    }
+
+    fn last(&self) -> Option<&Key> {
+        match self {
+            Bin::Small(v) => v.last(),
+            Bin::Large(set) => set.last(),
+        }
+    }
+
+    /// The blocks of at least `size` bytes, in order.
+    fn at_least(&self, size: usize) -> BinIter<'_> {
+        match self {
+            Bin::Small(v) => BinIter::Small(v[v.partition_point(|k| k.0 < size)..].iter()),
+            Bin::Large(set) => BinIter::Large(set.range((size, 0, 0)..)),
+        }
+    }
+
+    /// The first block of at least `size` bytes.
+    fn first_at_least(&self, size: usize) -> Option<&Key> {
+        match self {
+            Bin::Small(v) => v.get(v.partition_point(|k| k.0 < size)),
+            Bin::Large(set) => set.range((size, 0, 0)..).next(),
+        }
+    }
+}
+
+/// An ordered walk over part of a bin (no allocation: it runs under the
+/// pool's lock).
+enum BinIter<'a> {
+    Small(std::slice::Iter<'a, Key>),
+    Large(std::collections::btree_set::Range<'a, Key>),
+}
+
+impl<'a> Iterator for BinIter<'a> {
+    type Item = &'a Key;
+
+    fn next(&mut self) -> Option<&'a Key> {
+        match self {
+            BinIter::Small(i) => i.next(),
+            BinIter::Large(r) => r.next(),
+        }
+    }
+}
+
 /// Free blocks by size class (see the module docs).
 #[derive(Debug)]
 pub(super) struct FreeIndex {
-    bins: Vec<BTreeSet<Key>>,
+    bins: Vec<Bin>,
     nonempty: [u64; WORDS],
     len: usize,
 }
 
 impl Default for FreeIndex {
     fn default() -> Self {
-        FreeIndex { bins: (0..CLASSES).map(|_| BTreeSet::new()).collect(), nonempty: [0; WORDS], len: 0 }
+        FreeIndex { bins: (0..CLASSES).map(|_| Bin::default()).collect(), nonempty: [0; WORDS], len: 0 }
     }
 }
 
@@ -110,7 +233,7 @@ impl FreeIndex {
     /// address.
     pub(super) fn best_fit(&self, size: usize) -> Option<Key> {
         let c = class_of(size);
-        if let Some(&k) = self.bins[c].range((size, 0, 0)..).next() {
+        if let Some(&k) = self.bins[c].first_at_least(size) {
             return Some(k);
         }
         let next = self.next_nonempty(c)?;
@@ -120,9 +243,9 @@ impl FreeIndex {
     /// Every block of at least `size` bytes, in `(size, addr)` order.
     pub(super) fn at_least(&self, size: usize) -> impl Iterator<Item = &Key> + '_ {
         let c = class_of(size);
-        let first = self.bins[c].range((size, 0, 0)..);
+        let first = self.bins[c].at_least(size);
         let rest = std::iter::successors(self.next_nonempty(c), move |&b| self.next_nonempty(b))
-            .flat_map(move |b| self.bins[b].iter());
+            .flat_map(move |b| self.bins[b].at_least(0));
         first.chain(rest)
     }
 
@@ -172,5 +295,29 @@ mod tests {
         assert!(ix.remove(&(3 << 20, 6096, 2)));
         assert_eq!(ix.last().map(|k| k.0), Some(1 << 20));
         assert_eq!(ix.len(), 4);
+    }
+
+    #[test]
+    fn bins_switch_between_vector_and_set_and_stay_ordered() {
+        let mut ix = FreeIndex::default();
+        // Many blocks of one exact class, inserted out of order.
+        let keys: Vec<Key> = (0..200u32).map(|i| (4096, ((i * 7919) % 200) as usize * 8192, i)).collect();
+        for &k in &keys {
+            assert!(ix.insert(k));
+            assert!(!ix.insert(k), "no duplicates");
+        }
+        assert!(matches!(ix.bins[class_of(4096)], Bin::Large(_)));
+        let addrs: Vec<usize> = ix.iter().map(|k| k.1).collect();
+        assert!(addrs.windows(2).all(|w| w[0] < w[1]), "ordered by address within a size");
+        assert_eq!(ix.best_fit(4096).map(|k| k.1), Some(0));
+        for &k in &keys[..190] {
+            assert!(ix.remove(&k));
+            assert!(!ix.contains(&k));
+        }
+        assert!(matches!(ix.bins[class_of(4096)], Bin::Small(_)));
+        assert_eq!(ix.len(), 10);
+        let addrs: Vec<usize> = ix.iter().map(|k| k.1).collect();
+        assert!(addrs.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(ix.best_fit(4096).map(|k| k.1), addrs.first().copied());
     }
 }
