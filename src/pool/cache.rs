@@ -139,17 +139,8 @@ impl Local {
             if self.cached_bytes <= keep_bytes {
                 break;
             }
-            for b in self.bins[c].drain(..) {
-                self.cached_bytes -= b.size;
-                self.delta.add(Delta {
-                    in_use: b.size as isize,
-                    requested: b.pool_requested as isize,
-                    live: 1,
-                    allocations: 0,
-                    frees: -1,
-                });
-                out.push(b);
-            }
+            let n = self.bins[c].len();
+            self.take_oldest(c, n, out);
         }
     }
 
@@ -166,17 +157,25 @@ impl Local {
 
     /// Takes the oldest `n` blocks of bin `class` out (as [`Local::take`]).
     fn take_oldest(&mut self, class: usize, n: usize, out: &mut Vec<CachedBlock>) {
-        for b in self.bins[class].drain(..n) {
-            self.cached_bytes -= b.size;
-            self.delta.add(Delta {
-                in_use: b.size as isize,
-                requested: b.pool_requested as isize,
-                live: 1,
-                allocations: 0,
-                frees: -1,
-            });
-            out.push(b);
+        for i in 0..n {
+            let b = self.bins[class][i];
+            self.unpark(b, out);
         }
+        self.bins[class].drain(..n);
+    }
+
+    /// A block leaves its bin for the pool: the statistics count it as the
+    /// pool does (lent, live) until the pool frees it.
+    fn unpark(&mut self, b: CachedBlock, out: &mut Vec<CachedBlock>) {
+        self.cached_bytes -= b.size;
+        self.delta.add(Delta {
+            in_use: b.size as isize,
+            requested: b.pool_requested as isize,
+            live: 1,
+            allocations: 0,
+            frees: -1,
+        });
+        out.push(b);
     }
 }
 
