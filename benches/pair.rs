@@ -61,6 +61,8 @@ fn size_name(size: usize) -> String {
 fn host_benches(c: &mut Criterion) {
     let pool = Pool::new(Host::new(), PoolConfig::new(PoolKind::Standalone));
     let mm = MemoryManager::new(Config::new().backend(BackendChoice::Host)).expect("host manager");
+    let cached =
+        MemoryManager::new(Config::new().backend(BackendChoice::Host).device_thread_cache(true)).expect("host manager");
     for size in DEVICE_SIZES {
         bench_pair(c, "host", "host_pool", size, || {
             let a = pool.allocate(size, 256).expect("allocate");
@@ -69,6 +71,10 @@ fn host_benches(c: &mut Criterion) {
         bench_pair(c, "host", "host_manager_device", size, || {
             let p = mm.allocate_device(size).expect("allocate");
             mm.free_device(std::hint::black_box(p)).expect("free");
+        });
+        bench_pair(c, "host", "host_manager_device_thread_cache", size, || {
+            let p = cached.allocate_device(size).expect("allocate");
+            cached.free_device(std::hint::black_box(p)).expect("free");
         });
     }
 }
@@ -97,6 +103,18 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
         stream.synchronize().expect("sync");
         drop(mm);
     }
+    // The sync pool with per-thread caches (opt-in for device pools): a
+    // block freed on a stream is reused by the same stream without the
+    // pool's lock.
+    let mm = MemoryManager::new(Config::new().device_thread_cache(true)).expect("manager");
+    for size in DEVICE_SIZES {
+        bench_pair(c, "device", "sync_pool_thread_cache", size, || {
+            let p = mm.allocate_device_on(size, &stream).expect("allocate");
+            mm.free_device_on(std::hint::black_box(p), &stream).expect("free");
+        });
+    }
+    stream.synchronize().expect("sync");
+    drop(mm);
     ctx.bind_to_thread().expect("bind");
     let cu = stream.cu_stream();
     for size in DEVICE_SIZES {
@@ -149,7 +167,7 @@ fn print_summary() {
     println!();
     println!("pair summary (median ns per allocate+free pair; ratio = ours / raw driver, lower is better)");
     println!(
-        "{:<8} {:>8}  {:<22} {:>14} {:>12} {:>14}",
+        "{:<8} {:>8}  {:<32} {:>14} {:>12} {:>14}",
         "group", "size", "target", "ns/pair", "vs cuMemAlloc", "vs raw async/host"
     );
     for ((group, size), rows) in &medians {
@@ -162,7 +180,7 @@ fn print_summary() {
         for (target, ns) in rows {
             let ratio = |r: Option<f64>| r.map_or_else(|| "-".to_string(), |r| format!("{:.4}x", ns / r));
             println!(
-                "{:<8} {:>8}  {:<22} {:>14.1} {:>12} {:>14}",
+                "{:<8} {:>8}  {:<32} {:>14.1} {:>12} {:>14}",
                 group,
                 size_name(*size),
                 target,

@@ -90,11 +90,22 @@ run() {
                 grep -vE "^(Benchmarking|Found|  [0-9]+ \(|Warning|\s*$)" "$out/bench-$(basename "$b").log" | tail -60
             done
             ;;
+        bench:*)
+            b="$BIN/benches/${w#bench:}"
+            echo "== $b"
+            timeout 400 "$b" --bench >"$out/bench-$(basename "$b").log" 2>&1 || { echo "FAILED: $b"; failed=1; }
+            grep -vE "^(Benchmarking|Found|  [0-9]+ \(|Warning|\s*$)" "$out/bench-$(basename "$b").log" | tail -60
+            ;;
         replay)
-            for tool in "$BIN"/tools/cumem-replay; do
-                [ -x "$tool" ] || continue
-                echo "== $tool"
-                "$tool" --target all "$BIN"/traces/*.csv.gz 2>&1 | tee "$out/replay.log" | tail -40
+            tool="$BIN/tools/cumem-replay"
+            echo "== $tool: cold (fresh allocator per replay), every target"
+            "$tool" --no-progress --target all,sim_device "$BIN"/traces/*.csv.gz 2>&1 | tee "$out/replay.log" | tail -20
+            echo "== $tool: warm (the pool already holds its memory)"
+            "$tool" --no-progress --warm --target all,sim_device "$BIN"/traces/*.csv.gz 2>&1 | tee "$out/replay-warm.log" | tail -20
+            echo "== $tool: sync pool with device thread caches, cold and warm"
+            for warm in "" --warm; do
+                "$tool" --no-progress $warm --conf device_thread_cache=true --target sync_pool "$BIN"/traces/*.csv.gz 2>&1 |
+                    tee -a "$out/replay-cache.log" | tail -4
             done
             ;;
         *) echo "unknown part: $w"; failed=1 ;;

@@ -263,16 +263,11 @@ fn out_of_memory_is_recoverable_and_nothing_leaks() {
     );
 }
 
-#[test]
-fn random_cross_stream_reuse_never_races() {
-    let Some(ctx) = gpu_for_test("random_cross_stream_reuse_never_races") else { return };
-    let _serial = serial();
-    use rand::{Rng, SeedableRng};
-    // Each kernel writes its own value into its block, spins, then counts
-    // the elements that no longer hold that value: a block handed to
-    // another stream (or to the host) before the first kernel finished
-    // shows up as a mismatch.
-    const CHECK: &str = r#"
+/// A kernel that writes its own value into its block, spins, then counts
+/// the elements that no longer hold that value: a block handed to another
+/// stream (or to the host) before the first kernel finished shows up as a
+/// mismatch.
+const CHECK: &str = r#"
 extern "C" __global__ void fill_spin_check(unsigned int* p, unsigned int v, unsigned long long n,
                                            long long cycles, unsigned long long* errors) {
     unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
@@ -282,11 +277,20 @@ extern "C" __global__ void fill_spin_check(unsigned int* p, unsigned int v, unsi
     if (i < n && p[i] != v) atomicAdd(errors, 1ULL);
 }
 "#;
+
+fn check_kernel(ctx: &Arc<CudaContext>) -> CudaFunction {
     let ptx = cudarc::nvrtc::compile_ptx(CHECK).expect("NVRTC compiles the check kernel");
     let m = ctx.load_module(ptx).expect("module loads");
-    let f = m.load_function("fill_spin_check").expect("kernel exists");
-    let mm = MemoryManager::new(Config::new()).unwrap();
-    let streams: Vec<Stream> = (0..4).map(|_| Stream::new().unwrap()).collect();
+    m.load_function("fill_spin_check").expect("kernel exists")
+}
+
+/// 400 random allocations across four streams (some stream-less, some
+/// stream-less frees after a sync), each checked by [`CHECK`]; returns the
+/// elements overwritten early (0 when every reuse was ordered) and the
+/// bytes the pool's thread caches held once the last blocks were freed.
+fn random_rounds(ctx: &Arc<CudaContext>, mm: &MemoryManager, streams: &[Stream]) -> (u64, usize) {
+    use rand::{Rng, SeedableRng};
+    let f = check_kernel(ctx);
     let errors = mm.allocate_device(8).unwrap();
     // SAFETY: `errors` is an 8-byte device allocation.
     unsafe { cudarc::driver::sys::cuMemsetD8_v2(errors, 0, 8) }.result().unwrap();
@@ -323,13 +327,39 @@ extern "C" __global__ void fill_spin_check(unsigned int* p, unsigned int v, unsi
     for (p, s) in live {
         mm.free_device_on(p, &streams[s]).unwrap();
     }
-    for s in &streams {
+    let cached = mm.default_device().unwrap().pool().stats().cached;
+    for s in streams {
         s.synchronize().unwrap();
     }
     let mut count = 0u64;
     // SAFETY: `count` is 8 writable bytes; every stream is idle.
     unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2((&mut count as *mut u64).cast(), errors, 8) }.result().unwrap();
+    mm.free_device(errors).unwrap();
+    (count, cached)
+}
+
+#[test]
+fn random_cross_stream_reuse_with_thread_caches_never_races() {
+    let name = "random_cross_stream_reuse_with_thread_caches_never_races";
+    let Some(ctx) = gpu_for_test(name) else { return };
+    let _serial = serial();
+    let mm = MemoryManager::new(Config::new().device_thread_cache(true)).unwrap();
+    let streams: Vec<Stream> = (0..4).map(|_| Stream::new().unwrap()).collect();
+    let (count, cached) = random_rounds(&ctx, &mm, &streams);
     assert_eq!(count, 0, "{count} elements were overwritten by a premature reuse");
+    assert!(cached > 0, "blocks freed on streams were cached");
+}
+
+#[test]
+fn random_cross_stream_reuse_never_races() {
+    let Some(ctx) = gpu_for_test("random_cross_stream_reuse_never_races") else { return };
+    let _serial = serial();
+    let mm = MemoryManager::new(Config::new()).unwrap();
+    let streams: Vec<Stream> = (0..4).map(|_| Stream::new().unwrap()).collect();
+    let (mut count, _) = random_rounds(&ctx, &mm, &streams);
+    assert_eq!(count, 0, "{count} elements were overwritten by a premature reuse");
+    let f = check_kernel(&ctx);
+    let errors = mm.allocate_device(8).unwrap();
 
     // Control: break the contract (a stream-less free while the kernel
     // still runs) and the check must see the race. A fresh manager, so no

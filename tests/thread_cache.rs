@@ -39,16 +39,111 @@ fn hit_reuses_the_block_and_stats_balance() {
 #[test]
 fn classes_round_up_by_at_most_a_sixteenth() {
     let p = pool(true);
-    for size in [1, 256, 4096, 4097, 5000, 100_000, 3 << 20, 4 << 20] {
+    for size in [1, 256, 4096, 4097, 5000, 100_000, 3 << 20, 4 << 20, 40 << 20, 64 << 20] {
         let a = p.allocate(size, 256).unwrap();
         let exact = size.next_multiple_of(256);
         assert!(a.size >= exact && a.size - exact <= exact / 16, "{size} -> {}", a.size);
         p.deallocate(a.addr, StreamTag::NONE).unwrap();
     }
     // Beyond the cached range sizes are exact.
-    let a = p.allocate((4 << 20) + 256, 256).unwrap();
-    assert_eq!(a.size, (4 << 20) + 256);
+    let a = p.allocate((64 << 20) + 256, 256).unwrap();
+    assert_eq!(a.size, (64 << 20) + 256);
     p.deallocate(a.addr, StreamTag::NONE).unwrap();
+}
+
+fn exact_pool() -> Pool<Host> {
+    let mut c = PoolConfig::new(PoolKind::Standalone);
+    c.cache_exact = true;
+    Pool::new(Host::new(), c)
+}
+
+#[test]
+fn exact_caches_round_nothing_and_hit_only_the_same_size() {
+    let p = exact_pool();
+    let a = p.allocate(40_000, 256).unwrap();
+    assert_eq!(a.size, 40_192, "no class rounding");
+    p.deallocate(a.addr, StreamTag::NONE).unwrap();
+    assert_eq!(p.stats().cached, 40_192);
+    // Same class, other size: a miss, served by the pool.
+    let b = p.allocate(40_960, 256).unwrap();
+    assert_ne!(b.addr, a.addr);
+    assert_eq!(b.size, 40_960);
+    // The same rounded size: a hit.
+    let c = p.allocate(40_100, 256).unwrap();
+    assert_eq!((c.addr, c.size), (a.addr, 40_192));
+    for x in [b, c] {
+        p.deallocate(x.addr, StreamTag::NONE).unwrap();
+    }
+    check(&p);
+}
+
+#[test]
+fn stream_tagged_blocks_are_cached_for_their_own_stream() {
+    let p = exact_pool();
+    let s7 = StreamTag { stream: 7, seq: 1 };
+    let a = p.allocate_for(1 << 16, 256, 7).unwrap();
+    p.deallocate(a.addr, s7).unwrap();
+    assert_eq!(p.stats().cached, 1 << 16, "a block freed on a stream is cached");
+    // Neither another stream nor a stream-less request may take it.
+    let other = p.allocate_for(1 << 16, 256, 9).unwrap();
+    let none = p.allocate(1 << 16, 256).unwrap();
+    assert!(other.addr != a.addr && none.addr != a.addr);
+    assert_eq!((other.tag, none.tag), (StreamTag::NONE, StreamTag::NONE));
+    // Its own stream takes it, with the tag (no wait needed on stream 7).
+    let mine = p.allocate_for(1 << 16, 256, 7).unwrap();
+    assert_eq!((mine.addr, mine.tag), (a.addr, s7));
+    p.deallocate(mine.addr, StreamTag { stream: 7, seq: 2 }).unwrap();
+    // Flushed to the pool, the block keeps its tag there: the pool hands
+    // it out naming stream 7, so the caller orders its reuse.
+    p.release_cached().unwrap();
+    assert_eq!(p.stats().cached, 0);
+    let again = p.allocate_for(1 << 16, 256, 9).unwrap();
+    assert_eq!((again.addr, again.tag), (a.addr, StreamTag { stream: 7, seq: 2 }));
+    for x in [other, none, again] {
+        p.deallocate(x.addr, StreamTag::NONE).unwrap();
+    }
+    let s = p.stats();
+    assert_eq!((s.in_use, s.live_blocks), (0, 0));
+    check(&p);
+}
+
+#[test]
+fn a_hit_prefers_a_usable_block_under_others() {
+    let p = exact_pool();
+    let mine = p.allocate_for(4096, 256, 3).unwrap();
+    let theirs = p.allocate_for(4096, 256, 4).unwrap();
+    p.deallocate(mine.addr, StreamTag { stream: 3, seq: 1 }).unwrap();
+    p.deallocate(theirs.addr, StreamTag { stream: 4, seq: 1 }).unwrap();
+    // Stream 4's block is on top of the bin; stream 3 finds its own below.
+    let a = p.allocate_for(4096, 256, 3).unwrap();
+    assert_eq!(a.addr, mine.addr);
+    let b = p.allocate_for(4096, 256, 4).unwrap();
+    assert_eq!(b.addr, theirs.addr);
+    for x in [a, b] {
+        p.deallocate(x.addr, StreamTag::NONE).unwrap();
+    }
+    check(&p);
+}
+
+#[test]
+fn growth_drains_the_caches_first() {
+    let mut c = PoolConfig::new(PoolKind::Standalone);
+    c.min_chunk = 1 << 20;
+    c.cache_exact = true;
+    let p = Pool::new(Host::new(), c);
+    let blocks: Vec<_> = (0..16).map(|_| p.allocate(64 << 10, 256).unwrap()).collect();
+    assert_eq!(p.stats().reserved, 1 << 20);
+    for b in &blocks {
+        p.deallocate(b.addr, StreamTag::NONE).unwrap();
+    }
+    assert_eq!(p.stats().cached, 1 << 20, "the whole chunk sits in the cache");
+    // A request the cache can't serve would grow the pool; the cache is
+    // flushed first and the chunk serves it.
+    let big = p.allocate(1 << 20, 256).unwrap();
+    let s = p.stats();
+    assert_eq!((s.reserved, s.cached, s.upstream_allocs), (1 << 20, 0, 1));
+    p.deallocate(big.addr, StreamTag::NONE).unwrap();
+    check(&p);
 }
 
 #[test]
@@ -73,13 +168,13 @@ fn bad_frees_are_still_caught() {
 }
 
 #[test]
-fn tagged_frees_bypass_the_cache() {
+fn mixed_tags_bypass_the_cache() {
     let p = pool(true);
     let a = p.allocate(1 << 16, 256).unwrap();
-    p.deallocate(a.addr, StreamTag { stream: 7, seq: 1 }).unwrap();
+    p.deallocate(a.addr, StreamTag::MIXED).unwrap();
     assert_eq!(p.stats().cached, 0);
     let b = p.allocate(1 << 16, 256).unwrap();
-    assert_eq!((b.addr, b.tag), (a.addr, StreamTag { stream: 7, seq: 1 }), "the pool keeps the stream tag");
+    assert_eq!((b.addr, b.tag), (a.addr, StreamTag::MIXED), "the pool keeps the stream tag");
     p.deallocate(b.addr, StreamTag::NONE).unwrap();
     check(&p);
 }

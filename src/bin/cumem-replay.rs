@@ -22,7 +22,7 @@ struct Args {
     /// gzip-compressed or plain.
     #[arg(required = true)]
     traces: Vec<PathBuf>,
-    /// Targets, comma-separated, or `all`: sync_pool, async_stream_ordered,
+    /// Targets, comma-separated (`all` names every one but sim_device): sync_pool, async_stream_ordered,
     /// cuda_async_pool, host, raw_cumemalloc, raw_cumemallocasync; also
     /// sim_device (cumem's pool over a simulated 2 MiB-granular device
     /// address range that grows in place when expandable; not in `all`).

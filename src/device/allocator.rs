@@ -270,14 +270,15 @@ impl DeviceAllocator {
     }
 
     fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
-        let a = match self.pool.allocate(size, pool::BLOCK_ALIGN) {
+        let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
+        let a = match self.pool.allocate_for(size, pool::BLOCK_ALIGN, want) {
             Err(Error::OutOfMemory { .. }) if self.ctx.is_some() && self.holds_cached_memory() => {
                 // The pool already released its own free chunks; memory may
                 // also sit in the native pools, or in chunks whose blocks
                 // were waiting on streams. Release all of it (after the
                 // streams' work), then try once more.
                 self.release_cached()?;
-                self.pool.allocate(size, pool::BLOCK_ALIGN)?
+                self.pool.allocate_for(size, pool::BLOCK_ALIGN, want)?
             }
             other => other?,
         };

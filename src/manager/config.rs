@@ -139,6 +139,7 @@ impl Config {
         pc.expandable = self.expandable;
         pc.thread_cache = self.device_thread_cache;
         pc.thread_cache_bytes = self.thread_cache_bytes;
+        pc.cache_exact = true;
         pc
     }
 

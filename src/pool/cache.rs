@@ -39,8 +39,15 @@
 //!   the registry; shutdown also closes them (nothing is cached after it).
 //! - A miss above 4 KiB may take a block of one of the next two classes
 //!   (at most 12.5 % larger) before it goes to the pool.
-//! - Blocks are cached only when freed with [`StreamTag::NONE`], so a cache
-//!   hit never needs stream ordering.
+//! - A cached block keeps the stream tag it was freed with. A request on
+//!   stream S takes only blocks tagged `NONE` or S (work on S is ordered
+//!   after S's earlier work, so neither needs waiting); a request with no
+//!   stream takes only `NONE` blocks. Blocks go back to the pool with
+//!   their tags, so the pool orders their reuse as any other block's.
+//! - Exact mode ([`PoolConfig::cache_exact`](super::PoolConfig::cache_exact),
+//!   the device pools' default): nothing is rounded to a class; a bin holds
+//!   blocks of any size of its class and a hit needs the exact size, so the
+//!   caches add no fragmentation of their own.
 //!
 //! Lock order: registry → a cache → the pool → a `lent` shard. No lock is
 //! taken while a later one in that order is held, so there is no deadlock.
@@ -95,7 +102,23 @@ pub(super) struct CachedBlock {
     /// Its own bin (a hit may come from a neighbouring one).
     bin: u32,
     pool_requested: usize,
+    /// The stream whose queued work may still use it (as the pool's tags).
+    tag: StreamTag,
 }
+
+impl CachedBlock {
+    /// Whether a request on stream `want` (0: no stream) may take this
+    /// block without waiting: nothing is pending on it, or only work of
+    /// `want` itself, which is ordered before the requester's.
+    #[inline]
+    fn usable_by(&self, want: u64) -> bool {
+        self.tag == StreamTag::NONE || (want != 0 && self.tag.stream == want)
+    }
+}
+
+/// Blocks of a bin a hit looks at, from the newest, for one the request
+/// can use (exact size, usable stream).
+const SCAN: usize = 8;
 
 /// The difference between what the shared pool counts (every lent block as
 /// live, with the request it was lent for) and what users hold.
@@ -123,6 +146,7 @@ struct Local {
     live: AddrMap<LiveEntry>,
     bins: Vec<Vec<CachedBlock>>,
     cached_bytes: usize,
+    cached_blocks: usize,
     delta: Delta,
     /// The pool shut down or was dropped: cache nothing any more.
     closed: bool,
@@ -144,15 +168,33 @@ impl Local {
         }
     }
 
+    /// Takes a block of bin `class` that a request of `size` bytes on
+    /// stream `want` can use: of exactly `size` bytes when `exact`, of the
+    /// class's size otherwise (every block of a class bin has it then).
+    #[inline]
+    fn pop(&mut self, class: usize, size: usize, want: u64, exact: bool) -> Option<CachedBlock> {
+        let bin = &mut self.bins[class];
+        let last = bin.last()?;
+        if last.usable_by(want) && (!exact || last.size == size) {
+            return bin.pop();
+        }
+        let i = bin.iter().rev().take(SCAN).position(|b| b.usable_by(want) && (!exact || b.size == size))?;
+        let i = bin.len() - 1 - i;
+        Some(bin.remove(i))
+    }
+
     /// On a miss in bin `class`: a block of the next [`NEIGHBOURS`] larger
     /// classes (at most 12.5 % larger), where classes are 1/16 of a
     /// doubling apart.
     #[cold]
-    fn pop_larger(&mut self, class: usize) -> Option<CachedBlock> {
+    fn pop_larger(&mut self, class: usize, want: u64) -> Option<CachedBlock> {
         if class < EXACT_LIMIT / BLOCK_ALIGN {
             return None;
         }
-        (class + 1..(class + 1 + NEIGHBOURS).min(CLASSES)).find_map(|c| self.bins[c].pop())
+        (class + 1..(class + 1 + NEIGHBOURS).min(CLASSES)).find_map(|c| {
+            let size = self.bins[c].last()?.size;
+            self.pop(c, size, want, false)
+        })
     }
 
     /// Takes the oldest `n` blocks of bin `class` out (as [`Local::take`]).
@@ -168,6 +210,7 @@ impl Local {
     /// pool does (lent, live) until the pool frees it.
     fn unpark(&mut self, b: CachedBlock, out: &mut Vec<CachedBlock>) {
         self.cached_bytes -= b.size;
+        self.cached_blocks -= 1;
         self.delta.add(Delta {
             in_use: b.size as isize,
             requested: b.pool_requested as isize,
@@ -203,6 +246,10 @@ pub(super) enum CacheFree {
 pub(super) struct ThreadCaches {
     pool: Arc<Mutex<Inner>>,
     max_bytes: usize,
+    /// Hits need the exact (256 B-rounded) size; no class rounding.
+    exact: bool,
+    /// The most blocks one cache holds.
+    max_blocks: usize,
     registry: Mutex<Registry>,
     /// Figures of caches dropped from the registry.
     retired: Mutex<Delta>,
@@ -260,10 +307,12 @@ fn lent_shard(addr: usize) -> usize {
 impl ThreadCaches {
     /// Caches in front of the pool state `pool`, each holding at most
     /// `max_bytes`.
-    pub(super) fn new(pool: Arc<Mutex<Inner>>, max_bytes: usize) -> Arc<Self> {
+    pub(super) fn new(pool: Arc<Mutex<Inner>>, max_bytes: usize, exact: bool) -> Arc<Self> {
         Arc::new(ThreadCaches {
             pool,
             max_bytes,
+            exact,
+            max_blocks: usize::MAX,
             registry: Mutex::new(Registry::default()),
             retired: Mutex::new(Delta::default()),
             lent: (0..LENT_SHARDS).map(|_| CachePadded::new(Mutex::new(AddrMap::default()))).collect(),
@@ -333,20 +382,35 @@ impl ThreadCaches {
         Some(tc)
     }
 
-    /// Serves a request of class `class` from this thread's cache.
+    /// Whether hits need the exact size (no class rounding).
+    pub(super) fn exact(&self) -> bool {
+        self.exact
+    }
+
+    /// Serves a request of class `class` (`size` bytes: the class size, or
+    /// the exact rounded size with [`exact`](Self::exact)) for work on
+    /// stream `want` (0: none) from this thread's cache.
     #[inline]
-    pub(super) fn allocate(this: &Arc<Self>, class: usize, requested: usize) -> Option<Allocation> {
+    pub(super) fn allocate(
+        this: &Arc<Self>,
+        class: usize,
+        size: usize,
+        requested: usize,
+        want: u64,
+    ) -> Option<Allocation> {
         let tc = Self::local(this)?;
         // SAFETY: `local` hands out a cache the thread-local keeps alive
         // until this thread releases it, which nothing below does.
         let tc = unsafe { tc.as_ref() };
         {
             let mut l = tc.local.lock();
-            let b = match l.bins[class].pop() {
+            let b = match l.pop(class, size, want, this.exact) {
                 Some(b) => b,
-                None => l.pop_larger(class)?,
+                None if this.exact => return None,
+                None => l.pop_larger(class, want)?,
             };
             l.cached_bytes -= b.size;
+            l.cached_blocks -= 1;
             l.delta.add(Delta {
                 in_use: b.size as isize,
                 requested: requested as isize,
@@ -356,7 +420,7 @@ impl ThreadCaches {
             });
             let e = LiveEntry { size: b.size, bin: b.bin, requested, pool_requested: b.pool_requested };
             l.live.insert(b.addr, e);
-            Some(Allocation { addr: b.addr, size: b.size, tag: StreamTag::NONE })
+            Some(Allocation { addr: b.addr, size: b.size, tag: b.tag })
         }
     }
 
@@ -370,9 +434,10 @@ impl ThreadCaches {
                 return false;
             }
             // A block larger than half the budget is lent (so that frees
-            // find it) but never cached.
+            // find it) but never cached. Class bins hold blocks of the
+            // class's size only; exact bins any size of their class.
             let bin = match class_of(a.size) {
-                Some((c, size)) if size == a.size && size <= this.max_bytes / 2 => c as u32,
+                Some((c, size)) if (this.exact || size == a.size) && a.size <= this.max_bytes / 2 => c as u32,
                 _ => NO_BIN,
             };
             l.live.insert(a.addr, LiveEntry { size: a.size, bin, requested, pool_requested: requested });
@@ -419,7 +484,7 @@ impl ThreadCaches {
     #[inline]
     fn free_into(&self, l: &mut Local, addr: usize, e: LiveEntry, tag: StreamTag) -> CacheFree {
         let freed = Freed { size: e.size, requested: e.requested };
-        if tag != StreamTag::NONE || l.closed || l.dead || e.bin == NO_BIN {
+        if tag == StreamTag::MIXED || l.closed || l.dead || e.bin == NO_BIN {
             return self.give_back(l, addr, e, freed);
         }
         let class = e.bin as usize;
@@ -430,8 +495,12 @@ impl ThreadCaches {
             allocations: 0,
             frees: 1,
         });
+        if l.cached_blocks >= self.max_blocks {
+            self.trim_all(l);
+        }
         l.cached_bytes += e.size;
-        l.bins[class].push(CachedBlock { addr, size: e.size, bin: e.bin, pool_requested: e.pool_requested });
+        l.cached_blocks += 1;
+        l.bins[class].push(CachedBlock { addr, size: e.size, bin: e.bin, pool_requested: e.pool_requested, tag });
         if l.bins[class].len() > BIN_MAX || l.cached_bytes > self.max_bytes {
             self.trim(l, class);
         }
@@ -445,6 +514,14 @@ impl ThreadCaches {
         lock(&self.lent[lent_shard(addr)]).remove(&addr);
         l.delta.requested += e.pool_requested as isize - e.requested as isize;
         CacheFree::Return(freed)
+    }
+
+    /// Under the owner's lock: flushes every cached block.
+    #[cold]
+    fn trim_all(&self, l: &mut Local) {
+        let mut out = Vec::new();
+        l.take(0..CLASSES, 0, &mut out);
+        self.flush(&out);
     }
 
     /// Under the owner's lock: flushes the older half of a full bin, and the
@@ -473,7 +550,7 @@ impl ThreadCaches {
             // Still under the pool's lock: nobody can lend the block anew
             // before its old entry is gone.
             lock(&self.lent[lent_shard(b.addr)]).remove(&b.addr);
-            let r = inner.fit.free(b.addr, StreamTag::NONE);
+            let r = inner.fit.free(b.addr, b.tag);
             debug_assert!(r.is_ok(), "a cached block was not live in the pool: {r:?}");
         }
     }

@@ -2,7 +2,7 @@
 //! addresses.
 //!
 //! Classes: exact 256 B steps up to 4 KiB (16 classes), then 16 classes per
-//! doubling up to [`MAX_CACHED_BLOCK`] (160 more), so a class is at most
+//! doubling up to [`MAX_CACHED_BLOCK`] (224 more), so a class is at most
 //! 1/16 (6.25 %) larger than the request rounded to 256 B.
 
 use std::collections::HashMap;
@@ -11,13 +11,13 @@ use std::hash::{BuildHasherDefault, Hasher};
 use super::BLOCK_ALIGN;
 
 /// The largest block size (after class rounding) the thread caches hold.
-pub const MAX_CACHED_BLOCK: usize = 4 << 20;
+pub const MAX_CACHED_BLOCK: usize = 64 << 20;
 /// Classes in exact 256 B steps end here.
 pub(super) const EXACT_LIMIT: usize = 4096;
 /// Classes per doubling above [`EXACT_LIMIT`].
 const STEPS: usize = 16;
-/// Number of classes: 16 exact ones, then 16 per doubling up to 4 MiB.
-pub(super) const CLASSES: usize = EXACT_LIMIT / BLOCK_ALIGN + 10 * STEPS;
+/// Number of classes: 16 exact ones, then 16 per doubling up to 64 MiB.
+pub(super) const CLASSES: usize = EXACT_LIMIT / BLOCK_ALIGN + 14 * STEPS;
 
 /// The class of a request already rounded to 256 B: `(index, class size)`,
 /// or `None` when such blocks aren't cached.

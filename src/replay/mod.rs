@@ -84,14 +84,13 @@ impl Target {
     /// # Errors
     /// [`Error::Config`] naming an unknown target.
     pub fn parse_list(s: &str) -> Result<Vec<Target>> {
-        if s.trim().eq_ignore_ascii_case("all") {
-            return Ok(Target::ALL.to_vec());
-        }
         let mut out = Vec::new();
         for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-            let t: Target = name.parse()?;
-            if !out.contains(&t) {
-                out.push(t);
+            let targets = if name.eq_ignore_ascii_case("all") { Target::ALL.to_vec() } else { vec![name.parse()?] };
+            for t in targets {
+                if !out.contains(&t) {
+                    out.push(t);
+                }
             }
         }
         if out.is_empty() {
@@ -349,6 +348,7 @@ mod tests {
             assert_eq!(t.name().parse::<Target>().unwrap(), t);
         }
         assert_eq!(Target::parse_list("all").unwrap().len(), 6);
+        assert_eq!(Target::parse_list("all,sim_device").unwrap().len(), 7);
         assert_eq!(Target::parse_list("host, raw_cumemalloc,host").unwrap(), vec![Target::Host, Target::RawCuMemAlloc]);
         let e = Target::parse_list("host,nope").unwrap_err().to_string();
         assert!(e.contains("'nope'"), "{e}");
