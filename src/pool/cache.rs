@@ -61,6 +61,7 @@
 //! allocation that would fail drains every cache and retries first).
 
 use std::cell::RefCell;
+use std::num::NonZeroU32;
 use std::ptr::NonNull;
 
 use crossbeam::utils::CachePadded;
@@ -82,16 +83,38 @@ const NO_BIN: u32 = u32::MAX;
 /// One shard of the map from lent block to owner cache.
 type LentShard = CachePadded<Mutex<AddrMap<Arc<ThreadCache>>>>;
 
-/// A lent block held by a user.
+/// A lent block held by a user. Lent blocks are at most
+/// [`MAX_CACHED_BLOCK`] bytes, so every figure fits 32 bits, and the entry
+/// (16 bytes, `Option` included) travels in registers.
 #[derive(Debug, Clone, Copy)]
 struct LiveEntry {
-    size: usize,
+    size: NonZeroU32,
     /// The bin it goes to when freed; [`NO_BIN`] when it can't be cached.
     bin: u32,
     /// What the user asked for this time.
-    requested: usize,
+    requested: u32,
     /// What the shared pool recorded when it lent the block.
-    pool_requested: usize,
+    pool_requested: u32,
+}
+
+const _: () = assert!(MAX_CACHED_BLOCK <= u32::MAX as usize);
+
+impl LiveEntry {
+    /// An entry for a lent block (`size`, `requested` and `pool_requested`
+    /// at most [`MAX_CACHED_BLOCK`], `size` non-zero: pool blocks are).
+    fn new(size: usize, bin: u32, requested: usize, pool_requested: usize) -> LiveEntry {
+        debug_assert!(size <= MAX_CACHED_BLOCK && requested <= size && pool_requested <= size);
+        LiveEntry {
+            size: NonZeroU32::new(size as u32).expect("pool blocks are never empty"),
+            bin,
+            requested: requested as u32,
+            pool_requested: pool_requested as u32,
+        }
+    }
+
+    fn size(&self) -> usize {
+        self.size.get() as usize
+    }
 }
 
 /// A lent block parked in a bin.
@@ -418,7 +441,7 @@ impl ThreadCaches {
                 allocations: 1,
                 frees: 0,
             });
-            let e = LiveEntry { size: b.size, bin: b.bin, requested, pool_requested: b.pool_requested };
+            let e = LiveEntry::new(b.size, b.bin, requested, b.pool_requested);
             l.live.insert(b.addr, e);
             Some(Allocation { addr: b.addr, size: b.size, tag: b.tag })
         }
@@ -440,7 +463,7 @@ impl ThreadCaches {
                 Some((c, size)) if (this.exact || size == a.size) && a.size <= this.max_bytes / 2 => c as u32,
                 _ => NO_BIN,
             };
-            l.live.insert(a.addr, LiveEntry { size: a.size, bin, requested, pool_requested: requested });
+            l.live.insert(a.addr, LiveEntry::new(a.size, bin, requested, requested));
             lock(&this.lent[lent_shard(a.addr)]).insert(a.addr, tc.clone());
             true
         })
@@ -483,13 +506,13 @@ impl ThreadCaches {
     /// unlends it when it can't be cached.
     #[inline]
     fn free_into(&self, l: &mut Local, addr: usize, e: LiveEntry, tag: StreamTag) -> CacheFree {
-        let freed = Freed { size: e.size, requested: e.requested };
+        let freed = Freed { size: e.size(), requested: e.requested as usize };
         if tag == StreamTag::MIXED || l.closed || l.dead || e.bin == NO_BIN {
             return self.give_back(l, addr, e, freed);
         }
         let class = e.bin as usize;
         l.delta.add(Delta {
-            in_use: -(e.size as isize),
+            in_use: -(e.size() as isize),
             requested: -(e.requested as isize),
             live: -1,
             allocations: 0,
@@ -498,9 +521,15 @@ impl ThreadCaches {
         if l.cached_blocks >= self.max_blocks {
             self.trim_all(l);
         }
-        l.cached_bytes += e.size;
+        l.cached_bytes += e.size();
         l.cached_blocks += 1;
-        l.bins[class].push(CachedBlock { addr, size: e.size, bin: e.bin, pool_requested: e.pool_requested, tag });
+        l.bins[class].push(CachedBlock {
+            addr,
+            size: e.size(),
+            bin: e.bin,
+            pool_requested: e.pool_requested as usize,
+            tag,
+        });
         if l.bins[class].len() > BIN_MAX || l.cached_bytes > self.max_bytes {
             self.trim(l, class);
         }
@@ -568,7 +597,7 @@ impl ThreadCaches {
         };
         lock(&self.lent[lent_shard(addr)]).remove(&addr);
         l.delta.requested += e.pool_requested as isize - e.requested as isize;
-        lock(&self.pool).fit.set_requested(addr, e.requested);
+        lock(&self.pool).fit.set_requested(addr, e.requested as usize);
         true
     }
 
@@ -577,7 +606,7 @@ impl ThreadCaches {
     pub(super) fn lent_size(&self, addr: usize) -> Option<Option<usize>> {
         let owner = self.owner(addr)?;
         let l = owner.local.lock();
-        Some(l.live.get(&addr).map(|e| e.size))
+        Some(l.live.get(&addr).map(LiveEntry::size))
     }
 
     /// Flushes every cache to the pool; with `close`, caches take nothing
