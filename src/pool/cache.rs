@@ -35,6 +35,8 @@
 //! - A thread's exit flushes its cache (a thread-local destructor); its live
 //!   blocks stay lent to the dead cache and go straight back to the pool
 //!   when freed.
+//! - Before the pool grows, the growing thread's cache is flushed and the
+//!   pool tried again; an allocation that would fail drains every cache.
 //! - `release_cached`, `shutdown` and the pool's drop drain every cache in
 //!   the registry; shutdown also closes them (nothing is cached after it).
 //! - A miss above 4 KiB may take a block of one of the next two classes
@@ -629,6 +631,20 @@ impl ThreadCaches {
         }
         self.prune();
         drained
+    }
+
+    /// Flushes the calling thread's cache to the pool; returns the bytes
+    /// flushed. Other threads' caches are left alone (they may be busy).
+    pub(super) fn drain_local(this: &Arc<Self>) -> usize {
+        Self::with_local(this, |tc| {
+            let mut l = tc.local.lock();
+            let drained = l.cached_bytes;
+            let mut out = Vec::new();
+            l.take(0..CLASSES, 0, &mut out);
+            this.flush(&out);
+            drained
+        })
+        .unwrap_or(0)
     }
 
     /// Drops caches of exited threads that hold no live block.

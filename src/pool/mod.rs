@@ -268,12 +268,15 @@ impl<U: Upstream> Pool<U> {
                 if let Some(a) = inner.fit.allocate(rounded, align, size) {
                     return Ok(a);
                 }
-                // Before the pool grows, blocks parked in thread caches go
-                // back and coalesce: caches never make the pool larger.
+                // Before the pool grows, the blocks this thread's cache
+                // parked go back and coalesce, so one thread's cache never
+                // makes the pool larger. (Other threads' caches are drained
+                // only when the upstream is out of memory: draining them on
+                // every growth would stall them all while they fill up.)
                 if let (false, Some(cache)) = (drained, &self.cache) {
                     drop(inner);
                     drained = true;
-                    if cache.drain_all(false) > 0 {
+                    if ThreadCaches::drain_local(cache) > 0 {
                         continue;
                     }
                     inner = lock(&self.inner);
