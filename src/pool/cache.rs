@@ -14,7 +14,7 @@
 //!  | registry: [Arc<ThreadCache>]| -----> | SpinLock<Local>                |
 //!  | lent: 16 shards             |        |   live: addr -> size, requests |
 //!  |   addr -> Arc<ThreadCache>  | -----> |   bins[class]: cached blocks   |
-//!  | pool: Arc<Mutex<Inner>>     |        |   delta: stats correction      |
+//!  | pool: Arc<SpinLock<Inner>>     |        |   delta: stats correction      |
 //!  +-----------------------------+        +--------------------------------+
 //! ```
 //!
@@ -269,7 +269,7 @@ pub(super) enum CacheFree {
 
 /// The per-thread caches of one pool.
 pub(super) struct ThreadCaches {
-    pool: Arc<Mutex<Inner>>,
+    pool: Arc<SpinLock<Inner>>,
     max_bytes: usize,
     /// Hits need the exact (256 B-rounded) size; no class rounding.
     exact: bool,
@@ -332,7 +332,7 @@ fn lent_shard(addr: usize) -> usize {
 impl ThreadCaches {
     /// Caches in front of the pool state `pool`, each holding at most
     /// `max_bytes`.
-    pub(super) fn new(pool: Arc<Mutex<Inner>>, max_bytes: usize, exact: bool) -> Arc<Self> {
+    pub(super) fn new(pool: Arc<SpinLock<Inner>>, max_bytes: usize, exact: bool) -> Arc<Self> {
         Arc::new(ThreadCaches {
             pool,
             max_bytes,
@@ -576,7 +576,7 @@ impl ThreadCaches {
         if blocks.is_empty() {
             return;
         }
-        let mut inner = lock(&self.pool);
+        let mut inner = self.pool.lock();
         for b in blocks {
             // Still under the pool's lock: nobody can lend the block anew
             // before its old entry is gone.
@@ -599,7 +599,7 @@ impl ThreadCaches {
         };
         lock(&self.lent[lent_shard(addr)]).remove(&addr);
         l.delta.requested += e.pool_requested as isize - e.requested as isize;
-        lock(&self.pool).fit.set_requested(addr, e.requested as usize);
+        self.pool.lock().fit.set_requested(addr, e.requested as usize);
         true
     }
 

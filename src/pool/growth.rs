@@ -2,7 +2,7 @@
 //! the upstream outside the pool's lock, and giving free tails back to
 //! expandable upstreams.
 
-use super::{lock, Chunk, Error, Inner, OomState, Pool, Result, Upstream, BLOCK_ALIGN};
+use super::{Chunk, Error, Inner, OomState, Pool, Result, Upstream, BLOCK_ALIGN};
 
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
@@ -62,7 +62,7 @@ impl<U: Upstream> Pool<U> {
         match plan {
             Growth::Extend { chunk, extra, need } => {
                 if self.upstream.try_extend(chunk, extra)? {
-                    let mut inner = lock(&self.inner);
+                    let mut inner = self.inner.lock();
                     inner.pending_growth -= extra;
                     let added = inner.fit.extend_chunk(chunk, extra);
                     debug_assert!(added, "the upstream extended a chunk the pool does not hold");
@@ -72,7 +72,7 @@ impl<U: Upstream> Pool<U> {
                 // The upstream can't extend: take a new chunk instead.
                 let bytes = round_up(need.max(self.config.min_chunk), self.upstream.granularity());
                 {
-                    let mut inner = lock(&self.inner);
+                    let mut inner = self.inner.lock();
                     let total = inner.fit.stats().reserved + inner.pending_growth - extra + bytes;
                     if self.config.max_size.is_some_and(|max| total > max) {
                         return Err(Error::OutOfMemory {
@@ -89,13 +89,13 @@ impl<U: Upstream> Pool<U> {
                 self.grow(Growth::New { bytes }).inspect_err(|_| {
                     // `allocate` un-books `plan.bytes()` (= extra); un-book
                     // the difference here.
-                    let mut inner = lock(&self.inner);
+                    let mut inner = self.inner.lock();
                     inner.pending_growth = inner.pending_growth + extra - bytes;
                 })
             }
             Growth::New { bytes } => {
                 let chunk = self.upstream.allocate_chunk(bytes)?;
-                let mut inner = lock(&self.inner);
+                let mut inner = self.inner.lock();
                 inner.pending_growth -= bytes;
                 inner.fit.stats_mut().upstream_allocs += 1;
                 if !inner.fit.add_chunk(chunk) {
@@ -120,7 +120,7 @@ impl<U: Upstream> Pool<U> {
     pub(super) fn release_free_tails(&self) -> Result<usize> {
         let gran = self.upstream.granularity();
         let cuts: Vec<(Chunk, usize)> = {
-            let mut inner = lock(&self.inner);
+            let mut inner = self.inner.lock();
             let tails = inner.fit.free_tails();
             tails
                 .into_iter()
@@ -136,11 +136,11 @@ impl<U: Upstream> Pool<U> {
             match self.upstream.try_shrink(chunk, amount) {
                 Ok(true) => {
                     released += amount;
-                    lock(&self.inner).fit.stats_mut().upstream_frees += 1;
+                    self.inner.lock().fit.stats_mut().upstream_frees += 1;
                 }
                 other => {
                     // The upstream kept the memory: hand it back to the pool.
-                    lock(&self.inner).fit.extend_chunk(shrunk, amount);
+                    self.inner.lock().fit.extend_chunk(shrunk, amount);
                     other?;
                 }
             }

@@ -9,7 +9,8 @@
 //! policy. The lock is never held across an upstream call: on a miss the
 //! pool books the growth under the lock, drops it, asks the upstream, and
 //! takes the lock again to add the chunk (so a slow `cuMemAlloc` never
-//! stalls other threads' hits).
+//! stalls other threads' hits). Because of that the lock is a spin lock
+//! (`spin.rs`: its unlock is a plain store), held for one best-fit step.
 //!
 //! In front of the lock sit optional per-thread caches of freed blocks
 //! (`cache.rs`, [`PoolConfig::thread_cache`]): most allocations and frees
@@ -30,9 +31,10 @@ pub use stats::PoolStats;
 pub use tag::StreamTag;
 
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::{lock, Arc, Mutex};
+use crate::sync::Arc;
 use crate::upstream::{Chunk, Upstream};
 use cache::{CacheFree, ThreadCaches};
+use spin::SpinLock;
 
 /// Every block's address and size are multiples of this (CUDA's own
 /// allocation alignment, which code that uses the memory relies on).
@@ -131,7 +133,7 @@ struct Inner {
 /// # Ok::<(), cumem::Error>(())
 /// ```
 pub struct Pool<U: Upstream> {
-    inner: Arc<Mutex<Inner>>,
+    inner: Arc<SpinLock<Inner>>,
     cache: Option<Arc<ThreadCaches>>,
     upstream: U,
     config: PoolConfig,
@@ -171,7 +173,7 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
 impl<U: Upstream> Pool<U> {
     /// A pool that takes its chunks from `upstream`.
     pub fn new(upstream: U, config: PoolConfig) -> Self {
-        let inner = Arc::new(Mutex::new(Inner::default()));
+        let inner = Arc::new(SpinLock::new(Inner::default()));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
         Pool { inner, cache, upstream, config }
@@ -189,7 +191,7 @@ impl<U: Upstream> Pool<U> {
 
     /// Whether any allocation was made yet.
     pub fn used(&self) -> bool {
-        lock(&self.inner).used
+        self.inner.lock().used
     }
 
     /// Sets the bytes the first allocation reserves.
@@ -197,7 +199,7 @@ impl<U: Upstream> Pool<U> {
     /// # Errors
     /// [`Error::ConfigTooLate`] once the pool has allocated.
     pub fn set_initial_size(&self, bytes: usize) -> Result<()> {
-        let mut inner = lock(&self.inner);
+        let mut inner = self.inner.lock();
         if inner.used {
             return Err(Error::ConfigTooLate { what: "the pool size", why: FIRST_ALLOCATION });
         }
@@ -260,7 +262,7 @@ impl<U: Upstream> Pool<U> {
         let mut drained = false;
         loop {
             let plan = {
-                let mut inner = lock(&self.inner);
+                let mut inner = self.inner.lock();
                 if inner.shut_down {
                     return Err(Error::ShutDown("allocation"));
                 }
@@ -279,7 +281,7 @@ impl<U: Upstream> Pool<U> {
                     if ThreadCaches::drain_local(cache) > 0 {
                         continue;
                     }
-                    inner = lock(&self.inner);
+                    inner = self.inner.lock();
                     if let Some(a) = inner.fit.allocate(rounded, align, size) {
                         return Ok(a);
                     }
@@ -302,7 +304,7 @@ impl<U: Upstream> Pool<U> {
             match self.grow(plan) {
                 Ok(()) => continue,
                 Err(e) => {
-                    let mut inner = lock(&self.inner);
+                    let mut inner = self.inner.lock();
                     inner.pending_growth -= plan.bytes();
                     let can_release = inner.fit.stats().free() > 0;
                     if !released_once && can_release {
@@ -323,7 +325,7 @@ impl<U: Upstream> Pool<U> {
     }
 
     fn count_retry(&self) {
-        lock(&self.inner).fit.stats_mut().oom_retries += 1;
+        self.inner.lock().fit.stats_mut().oom_retries += 1;
     }
 
     fn oom(&self, inner: &Inner, requested: usize, over_limit: bool, upstream: Option<String>) -> Error {
@@ -364,7 +366,7 @@ impl<U: Upstream> Pool<U> {
             Some(CacheFree::Return(freed)) => Some(freed),
             Some(CacheFree::NotLent) | None => None,
         };
-        let mut inner = lock(&self.inner);
+        let mut inner = self.inner.lock();
         let freed = inner.fit.free(addr, tag).map_err(|e| self.free_error(addr, e))?;
         let freed = lent.unwrap_or(freed);
         if inner.shut_down {
@@ -393,7 +395,7 @@ impl<U: Upstream> Pool<U> {
         if let Some(lent) = self.cache.as_ref().and_then(|c| c.lent_size(addr)) {
             return lent;
         }
-        lock(&self.inner).fit.block_size(addr)
+        self.inner.lock().fit.block_size(addr)
     }
 
     /// Grows the live block at `addr` to hold `new_size` bytes without
@@ -403,7 +405,7 @@ impl<U: Upstream> Pool<U> {
         if self.cache.as_ref().is_some_and(|c| !c.unlend(addr)) {
             return false;
         }
-        let mut inner = lock(&self.inner);
+        let mut inner = self.inner.lock();
         let ok = inner.fit.grow_in_place(addr, rounded);
         if ok {
             inner.fit.set_requested(addr, new_size);
@@ -418,7 +420,7 @@ impl<U: Upstream> Pool<U> {
         if self.cache.as_ref().is_some_and(|c| !c.unlend(addr)) {
             return false;
         }
-        let mut inner = lock(&self.inner);
+        let mut inner = self.inner.lock();
         let ok = inner.fit.shrink_in_place(addr, rounded);
         if ok {
             inner.fit.set_requested(addr, new_size);
@@ -437,7 +439,7 @@ impl<U: Upstream> Pool<U> {
             cache.drain_all(false);
         }
         let chunks = {
-            let mut inner = lock(&self.inner);
+            let mut inner = self.inner.lock();
             let chunks = inner.fit.take_free_chunks();
             inner.fit.stats_mut().upstream_frees += chunks.len() as u64;
             chunks
@@ -468,7 +470,7 @@ impl<U: Upstream> Pool<U> {
 
     /// Statistics.
     pub fn stats(&self) -> PoolStats {
-        let mut s = lock(&self.inner).fit.stats();
+        let mut s = self.inner.lock().fit.stats();
         if let Some(cache) = &self.cache {
             cache.adjust(&mut s);
         }
@@ -477,12 +479,12 @@ impl<U: Upstream> Pool<U> {
 
     /// Sets every peak to its current value.
     pub fn reset_peaks(&self) {
-        lock(&self.inner).fit.stats_mut().reset_peaks();
+        self.inner.lock().fit.stats_mut().reset_peaks();
     }
 
     /// Runs `f` on the allocator under the lock (tests, summaries).
     pub fn with_fit<R>(&self, f: impl FnOnce(&BestFit) -> R) -> R {
-        f(&lock(&self.inner).fit)
+        f(&self.inner.lock().fit)
     }
 
     /// Stops serving allocations, returns all free memory to the upstream
@@ -493,12 +495,12 @@ impl<U: Upstream> Pool<U> {
     /// # Errors
     /// An upstream error while returning free chunks.
     pub fn shutdown(&self) -> Result<Vec<LiveBlock>> {
-        lock(&self.inner).shut_down = true;
+        self.inner.lock().shut_down = true;
         if let Some(cache) = &self.cache {
             cache.drain_all(true);
         }
         self.release_cached()?;
-        let inner = lock(&self.inner);
+        let inner = self.inner.lock();
         Ok(inner
             .fit
             .live_blocks()
@@ -509,7 +511,7 @@ impl<U: Upstream> Pool<U> {
 
     /// Whether [`shutdown`](Pool::shutdown) was called.
     pub fn is_shut_down(&self) -> bool {
-        lock(&self.inner).shut_down
+        self.inner.lock().shut_down
     }
 }
 

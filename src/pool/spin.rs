@@ -6,9 +6,14 @@
 //! plain store (Release), about half the cost of `std::sync::Mutex`, whose
 //! unlock must also check for sleeping waiters. A waiter spins, then
 //! yields (`crate::sync::backoff`); it never sleeps, so use this only where
-//! contention is rare and critical sections are short: a thread cache is
-//! locked by its own thread on every operation and by others only for a
-//! cross-thread free or a drain.
+//! critical sections are short and never block: a thread cache is locked
+//! by its own thread on every operation and by others only for a
+//! cross-thread free or a drain; a pool's state is locked for one best-fit
+//! step (no upstream call is made under it). On the H100 host the pool's
+//! switch from `Mutex` to this lock also helped contended threads (16
+//! threads without caches: 1.34 against 0.69 Mops/s); with more threads
+//! than cores, yielding waiters do worse than sleeping ones (2 cores, 16
+//! threads: 3.4 against 5.3 Mops/s).
 
 #[cfg(not(loom))]
 use std::cell::UnsafeCell;
