@@ -197,7 +197,7 @@ pub fn replay_once_with(trace: &Trace, target: Target, base: &Config, warm: bool
         Target::Mode(m) => replay_cumem(trace, base.clone().backend(BackendChoice::Auto).mode(m), warm),
         Target::RawCuMemAlloc => raw::replay_cumemalloc(trace, base.device),
         Target::RawCuMemAllocAsync => raw::replay_cumemallocasync(trace, base.device, warm),
-        Target::Simulated => sim::replay_simulated(trace, base),
+        Target::Simulated => sim::replay_simulated(trace, base, warm),
     }
 }
 
