@@ -171,7 +171,6 @@ struct Local {
     live: AddrMap<LiveEntry>,
     bins: Vec<Vec<CachedBlock>>,
     cached_bytes: usize,
-    cached_blocks: usize,
     delta: Delta,
     /// The pool shut down or was dropped: cache nothing any more.
     closed: bool,
@@ -216,10 +215,7 @@ impl Local {
         if class < EXACT_LIMIT / BLOCK_ALIGN {
             return None;
         }
-        (class + 1..(class + 1 + NEIGHBOURS).min(CLASSES)).find_map(|c| {
-            let size = self.bins[c].last()?.size;
-            self.pop(c, size, want, false)
-        })
+        (class + 1..(class + 1 + NEIGHBOURS).min(CLASSES)).find_map(|c| self.pop(c, 0, want, false))
     }
 
     /// Takes the oldest `n` blocks of bin `class` out (as [`Local::take`]).
@@ -235,7 +231,6 @@ impl Local {
     /// pool does (lent, live) until the pool frees it.
     fn unpark(&mut self, b: CachedBlock, out: &mut Vec<CachedBlock>) {
         self.cached_bytes -= b.size;
-        self.cached_blocks -= 1;
         self.delta.add(Delta {
             in_use: b.size as isize,
             requested: b.pool_requested as isize,
@@ -273,8 +268,6 @@ pub(super) struct ThreadCaches {
     max_bytes: usize,
     /// Hits need the exact (256 B-rounded) size; no class rounding.
     exact: bool,
-    /// The most blocks one cache holds.
-    max_blocks: usize,
     registry: Mutex<Registry>,
     /// Figures of caches dropped from the registry.
     retired: Mutex<Delta>,
@@ -337,7 +330,6 @@ impl ThreadCaches {
             pool,
             max_bytes,
             exact,
-            max_blocks: usize::MAX,
             registry: Mutex::new(Registry::default()),
             retired: Mutex::new(Delta::default()),
             lent: (0..LENT_SHARDS).map(|_| CachePadded::new(Mutex::new(AddrMap::default()))).collect(),
@@ -435,7 +427,6 @@ impl ThreadCaches {
                 None => l.pop_larger(class, want)?,
             };
             l.cached_bytes -= b.size;
-            l.cached_blocks -= 1;
             l.delta.add(Delta {
                 in_use: b.size as isize,
                 requested: requested as isize,
@@ -520,11 +511,7 @@ impl ThreadCaches {
             allocations: 0,
             frees: 1,
         });
-        if l.cached_blocks >= self.max_blocks {
-            self.trim_all(l);
-        }
         l.cached_bytes += e.size();
-        l.cached_blocks += 1;
         l.bins[class].push(CachedBlock {
             addr,
             size: e.size(),
@@ -545,14 +532,6 @@ impl ThreadCaches {
         lock(&self.lent[lent_shard(addr)]).remove(&addr);
         l.delta.requested += e.pool_requested as isize - e.requested as isize;
         CacheFree::Return(freed)
-    }
-
-    /// Under the owner's lock: flushes every cached block.
-    #[cold]
-    fn trim_all(&self, l: &mut Local) {
-        let mut out = Vec::new();
-        l.take(0..CLASSES, 0, &mut out);
-        self.flush(&out);
     }
 
     /// Under the owner's lock: flushes the older half of a full bin, and the
@@ -633,18 +612,15 @@ impl ThreadCaches {
         drained
     }
 
-    /// Flushes the calling thread's cache to the pool; returns the bytes
-    /// flushed. Other threads' caches are left alone (they may be busy).
-    pub(super) fn drain_local(this: &Arc<Self>) -> usize {
+    /// Flushes the calling thread's cache to the pool. Other threads'
+    /// caches are left alone (they may be busy).
+    pub(super) fn drain_local(this: &Arc<Self>) {
         Self::with_local(this, |tc| {
             let mut l = tc.local.lock();
-            let drained = l.cached_bytes;
             let mut out = Vec::new();
             l.take(0..CLASSES, 0, &mut out);
             this.flush(&out);
-            drained
-        })
-        .unwrap_or(0)
+        });
     }
 
     /// Drops caches of exited threads that hold no live block.

@@ -236,13 +236,14 @@ impl<U: Upstream> Pool<U> {
         // allocates the class size (or the exact size) here and lends the
         // block to the cache.
         let class = if align <= BLOCK_ALIGN { classes::class_of(rounded) } else { None };
+        // `(class, block size)`: what a hit returns and a miss allocates.
         let class = class.map(|(c, class_size)| (c, if cache.exact() { rounded } else { class_size }));
-        if let Some((class, hit_size)) = class {
-            if let Some(a) = ThreadCaches::allocate(cache, class, hit_size, size, stream) {
+        if let Some((class, block_size)) = class {
+            if let Some(a) = ThreadCaches::allocate(cache, class, block_size, size, stream) {
                 return Ok(a);
             }
         }
-        let exact = class.map_or(rounded, |(_, class_size)| class_size);
+        let exact = class.map_or(rounded, |(_, block_size)| block_size);
         let a = match self.allocate_exact(exact, align, size) {
             // Memory parked in thread caches counts as used: flush it all
             // and try once more.
@@ -278,13 +279,8 @@ impl<U: Upstream> Pool<U> {
                 if let (false, Some(cache)) = (drained, &self.cache) {
                     drop(inner);
                     drained = true;
-                    if ThreadCaches::drain_local(cache) > 0 {
-                        continue;
-                    }
-                    inner = self.inner.lock();
-                    if let Some(a) = inner.fit.allocate(rounded, align, size) {
-                        return Ok(a);
-                    }
+                    ThreadCaches::drain_local(cache);
+                    continue;
                 }
                 match self.plan_growth(&mut inner, rounded, align) {
                     Ok(plan) => plan,
