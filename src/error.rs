@@ -184,6 +184,10 @@ pub enum Error {
         /// The bytes the block holds.
         available: usize,
     },
+    /// A request that a CUDA graph capture under way makes impossible or
+    /// unsafe (the capture is left intact: nothing illegal was called).
+    #[error("graph capture: {0}")]
+    Capture(String),
     /// A change to an arena plan after `commit()`.
     #[error("the arena plan is committed: {0} is no longer possible (release_all() reopens it)")]
     ArenaCommitted(&'static str),

@@ -18,6 +18,8 @@ pub mod upstream;
 pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};
 pub use arena::{ArenaPlan, DeviceHandle, HostHandle, PlanReport};
 pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, VmBackend};
-pub use device::{DeviceAllocatorMode, Stream};
+pub use device::{DeviceAllocatorMode, GraphPool, GraphStats, Stream};
 pub use error::{Error, OomState, PoolKind, Result};
-pub use manager::{Backend, BackendChoice, Config, MemoryManager, ShutdownReport};
+pub use manager::{
+    Backend, BackendChoice, CaptureScope, CapturedGraph, Config, GraphCapture, MemoryManager, ShutdownReport,
+};

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
+use super::graph::{GraphStats, Graphs};
 use super::native_pool::{self, NativePool, NativePoolAttributes};
 use super::stream::{Stream, StreamRegistry};
 use crate::error::{Error, PoolKind, Result};
@@ -112,12 +113,16 @@ pub struct DeviceStats {
     pub native_pool: Option<NativePoolAttributes>,
     /// The device default pool's attributes, once `cuMemAllocAsync` is used.
     pub default_pool: Option<NativePoolAttributes>,
+    /// The graph-private pools (CUDA graphs).
+    pub graphs: GraphStats,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct AsyncBlock {
     size: usize,
     mode: DeviceAllocatorMode,
+    /// The capture that made it (0: none).
+    capture: u64,
 }
 
 #[derive(Debug, Default)]
@@ -130,7 +135,7 @@ struct AsyncBook {
 pub struct DeviceAllocator {
     ordinal: usize,
     ctx: Option<Arc<CudaContext>>,
-    pool: Pool<Box<dyn Upstream>>,
+    pub(super) pool: Pool<Box<dyn Upstream>>,
     supports_async: bool,
     requested: AtomicU8,
     effective: AtomicU8,
@@ -145,6 +150,8 @@ pub struct DeviceAllocator {
     /// lock while it is 0 (the sync pool's frees, most of the time).
     async_live: AtomicUsize,
     streams: StreamRegistry,
+    /// Graph-private pools and the captures routed into them (graph.rs).
+    pub(super) graphs: Graphs,
 }
 
 impl std::fmt::Debug for DeviceAllocator {
@@ -160,13 +167,16 @@ impl std::fmt::Debug for DeviceAllocator {
 
 impl DeviceAllocator {
     /// An allocator for device `ordinal` (`ctx` is `None` on the host
-    /// fallback) whose sync pool draws on `pool`.
+    /// fallback) whose sync pool draws on `pool`. With `capture_check_always`
+    /// every call on a stream asks whether the stream captures a graph, not
+    /// only while a capture registered with cumem is under way.
     pub(crate) fn new(
         ordinal: usize,
         ctx: Option<Arc<CudaContext>>,
         pool: Pool<Box<dyn Upstream>>,
         mode: DeviceAllocatorMode,
         release_threshold: u64,
+        capture_check_always: bool,
     ) -> Self {
         let supports_async = ctx.as_ref().is_some_and(|c| c.has_async_alloc());
         let a = DeviceAllocator {
@@ -183,6 +193,7 @@ impl DeviceAllocator {
             async_book: Mutex::new(AsyncBook::default()),
             async_live: AtomicUsize::new(0),
             streams: StreamRegistry::default(),
+            graphs: Graphs::new(capture_check_always),
         };
         a.set_mode(mode);
         a
@@ -263,16 +274,47 @@ impl DeviceAllocator {
     /// # Errors
     /// Invalid sizes, [`Error::OutOfMemory`], driver errors.
     pub fn allocate(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
+        if let Some(s) = stream.filter(|_| self.graphs.watching()) {
+            if let Some((capture, p)) = self.graphs.capture_for(s)? {
+                return match self.effective_mode() {
+                    DeviceAllocatorMode::SyncPool => self.allocate_private(&p.pool, &p.streams, size, s),
+                    mode => self.allocate_stream_ordered(size, stream, mode, capture),
+                };
+            }
+        }
         match self.effective_mode() {
             DeviceAllocatorMode::SyncPool => self.allocate_sync_pool(size, stream),
-            mode => self.allocate_stream_ordered(size, stream, mode),
+            mode => self.allocate_stream_ordered(size, stream, mode, 0),
         }
+    }
+
+    /// Allocates for work on capturing stream `s` from a graph-private pool
+    /// (`pool` with the registry of the streams that freed into it).
+    fn allocate_private(
+        &self,
+        pool: &Pool<Box<dyn Upstream>>,
+        streams: &StreamRegistry,
+        size: usize,
+        s: &Stream,
+    ) -> Result<u64> {
+        let a = pool.allocate_for(size, pool::BLOCK_ALIGN, s.id())?;
+        if let Some(ctx) = &self.ctx {
+            // Only streams of this capture freed into the pool since it
+            // began: an event edge between them is legal inside the capture.
+            if let Err(e) = streams.order_reuse(a.tag, Some(s), ctx, false) {
+                let _ = pool.deallocate(a.addr, a.tag);
+                return Err(e);
+            }
+        }
+        Ok(a.addr as u64)
     }
 
     fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
         let a = match self.pool.allocate_for(size, pool::BLOCK_ALIGN, want) {
-            Err(Error::OutOfMemory { .. }) if self.ctx.is_some() && self.holds_cached_memory() => {
+            Err(Error::OutOfMemory { .. })
+                if self.ctx.is_some() && self.graphs.active() == 0 && self.holds_cached_memory() =>
+            {
                 // The pool already released its own free chunks; memory may
                 // also sit in the native pools, or in chunks whose blocks
                 // were waiting on streams. Release all of it (after the
@@ -283,7 +325,7 @@ impl DeviceAllocator {
             other => other?,
         };
         if let Some(ctx) = &self.ctx {
-            if let Err(e) = self.streams.order_reuse(a.tag, stream, ctx) {
+            if let Err(e) = self.streams.order_reuse(a.tag, stream, ctx, self.graphs.active() > 0) {
                 // Could not order the reuse: keep the block out of reach of
                 // this caller and give it back with its tag intact.
                 let _ = self.pool.deallocate(a.addr, a.tag);
@@ -293,7 +335,15 @@ impl DeviceAllocator {
         Ok(a.addr as u64)
     }
 
-    fn allocate_stream_ordered(&self, size: usize, stream: Option<&Stream>, mode: DeviceAllocatorMode) -> Result<u64> {
+    /// Allocates with `cuMemAllocAsync` (`capture`: the capture the stream
+    /// takes part in, 0 if none; the driver makes it a graph memory node).
+    fn allocate_stream_ordered(
+        &self,
+        size: usize,
+        stream: Option<&Stream>,
+        mode: DeviceAllocatorMode,
+        capture: u64,
+    ) -> Result<u64> {
         pool::validate(size, pool::BLOCK_ALIGN)?;
         let ctx = self.require_ctx()?;
         let on = match stream {
@@ -309,7 +359,7 @@ impl DeviceAllocator {
         };
         let ptr = match attempt() {
             Ok(p) => p,
-            Err(Error::OutOfMemory { .. }) => {
+            Err(Error::OutOfMemory { .. }) if self.graphs.active() == 0 => {
                 // Release what is cached everywhere on this device, then
                 // try once more.
                 lock(&self.async_book).stats.oom_retries += 1;
@@ -322,7 +372,7 @@ impl DeviceAllocator {
             on.synchronize()?;
         }
         let mut book = lock(&self.async_book);
-        book.live.insert(ptr as usize, AsyncBlock { size, mode });
+        book.live.insert(ptr as usize, AsyncBlock { size, mode, capture });
         self.async_live.fetch_add(1, Ordering::Release);
         let st = &mut book.stats;
         st.in_use += size;
@@ -343,27 +393,30 @@ impl DeviceAllocator {
         let async_block =
             if self.async_live.load(Ordering::Acquire) > 0 { lock(&self.async_book).live.remove(&addr) } else { None };
         if let Some(block) = async_block {
-            let ctx = self.require_ctx()?;
+            // Freed during a capture that did not make it: the graph keeps it.
+            match self.hold_stream_ordered(addr, block.size, block.mode, block.capture, stream) {
+                Ok(true) => return Ok(block.size),
+                Ok(false) => {}
+                Err(e) => {
+                    lock(&self.async_book).live.insert(addr, block);
+                    return Err(e);
+                }
+            }
             let on = match stream {
                 Some(s) if !s.is_host() => s,
                 _ => self.internal_stream()?,
             };
-            // SAFETY: `ptr` was allocated stream-ordered on this context (it
-            // was in the live map, from which it is now removed, so it is
-            // freed once); the caller guarantees work after this free on
-            // `on` does not use it.
-            let r = unsafe { native_pool::free_async(ctx, ptr, on) };
-            if let Err(e) = r {
+            if let Err(e) = self.free_stream_ordered(ptr, on) {
                 lock(&self.async_book).live.insert(addr, block);
                 return Err(e);
             }
-            let _ = block.mode;
-            self.async_live.fetch_sub(1, Ordering::Release);
-            let st = &mut lock(&self.async_book).stats;
-            st.in_use -= block.size;
-            st.live -= 1;
-            st.frees += 1;
+            self.count_stream_ordered_free(block.size);
             return Ok(block.size);
+        }
+        if self.graphs.routes_frees() {
+            if let Some(size) = self.free_routed(addr, stream)? {
+                return Ok(size);
+            }
         }
         let tag = match stream {
             Some(s) if !s.is_host() => {
@@ -372,7 +425,38 @@ impl DeviceAllocator {
             }
             _ => StreamTag::NONE,
         };
-        Ok(self.pool.deallocate(addr, tag)?.size)
+        match self.pool.deallocate(addr, tag) {
+            Ok(freed) => Ok(freed.size),
+            Err(e @ Error::UnknownPointer { .. }) if self.graphs.has_pools() => {
+                self.free_into_private(addr, stream)?.ok_or(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `cuMemFreeAsync` of a stream-ordered allocation on `on`.
+    fn free_stream_ordered(&self, ptr: u64, on: &Stream) -> Result<()> {
+        let ctx = self.require_ctx()?;
+        // SAFETY: `ptr` was allocated stream-ordered on this context and has
+        // just been taken out of the live map, so it is freed once; the
+        // caller guarantees work after this free on `on` does not use it.
+        unsafe { native_pool::free_async(ctx, ptr, on) }
+    }
+
+    fn count_stream_ordered_free(&self, size: usize) {
+        self.async_live.fetch_sub(1, Ordering::Release);
+        let st = &mut lock(&self.async_book).stats;
+        st.in_use -= size;
+        st.live -= 1;
+        st.frees += 1;
+    }
+
+    /// Frees a stream-ordered allocation a graph held, once the device is
+    /// idle (graph.rs).
+    pub(super) fn free_stream_ordered_now(&self, addr: usize, size: usize, _mode: DeviceAllocatorMode) -> Result<()> {
+        self.free_stream_ordered(addr as u64, self.internal_stream()?)?;
+        self.count_stream_ordered_free(size);
+        Ok(())
     }
 
     fn holds_cached_memory(&self) -> bool {
@@ -389,6 +473,14 @@ impl DeviceAllocator {
     /// # Errors
     /// The first driver error.
     pub fn release_cached(&self) -> Result<usize> {
+        if self.graphs.active() > 0 {
+            return Err(Error::Capture(
+                "cached memory can't be released while a graph capture is under way (it would synchronize \
+                 capturing streams)"
+                    .into(),
+            ));
+        }
+        self.release_retired()?;
         if self.ctx.is_some() {
             // Work queued on streams may still use free blocks.
             self.streams.synchronize_all()?;
@@ -410,6 +502,7 @@ impl DeviceAllocator {
             stream_ordered: lock(&self.async_book).stats.clone(),
             native_pool: self.native.get().and_then(|p| p.attributes().ok()),
             default_pool: self.default_pool.get().and_then(|p| p.attributes().ok()),
+            graphs: self.graphs_stats(),
         }
     }
 
@@ -427,6 +520,10 @@ impl DeviceAllocator {
     /// Releases what is free and lists what is live (sync pool blocks and
     /// stream-ordered allocations).
     pub(crate) fn shutdown(&self) -> Result<Vec<LiveBlock>> {
+        if self.graphs.active() > 0 {
+            return Err(Error::Capture("shutdown() while a graph capture is under way".into()));
+        }
+        self.release_retired()?;
         if self.ctx.is_some() {
             self.streams.synchronize_all()?;
         }

@@ -21,6 +21,11 @@ pub enum DriverStatus {
 }
 
 impl DriverStatus {
+    /// Whether the driver and at least one device are there.
+    pub fn is_available(&self) -> bool {
+        matches!(self, DriverStatus::Available { .. })
+    }
+
     /// The number of devices (0 when unavailable).
     pub fn devices(&self) -> usize {
         match self {

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 
+use super::capture::RelaxedCaptureMode;
 use super::driver_err;
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::upstream::{Chunk, Upstream};
@@ -39,6 +40,7 @@ impl CudaDeviceMemory {
 
 impl Upstream for CudaDeviceMemory {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
+        let _relaxed = RelaxedCaptureMode::enter();
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         // SAFETY: the context is current; the memory is only used through
         // the addresses the pool hands out.
@@ -50,6 +52,7 @@ impl Upstream for CudaDeviceMemory {
     }
 
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
+        let _relaxed = RelaxedCaptureMode::enter();
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         // SAFETY: the pool returns a chunk from `allocate_chunk` once no
         // block in it is live; `cuMemFree` waits for work that uses it.
@@ -88,6 +91,7 @@ impl CudaPinnedMemory {
 
 impl Upstream for CudaPinnedMemory {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
+        let _relaxed = RelaxedCaptureMode::enter();
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         // SAFETY: the context is current; the flags are a valid
         // combination; the memory is used only through the pool.
@@ -99,6 +103,7 @@ impl Upstream for CudaPinnedMemory {
     }
 
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
+        let _relaxed = RelaxedCaptureMode::enter();
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         // SAFETY: the chunk came from `cuMemHostAlloc` and no block in it is
         // live.

@@ -6,8 +6,10 @@
 //! building needs no CUDA toolkit, running needs only the NVIDIA driver.
 
 mod allocator;
+mod capture;
 mod context;
 mod cuda_upstream;
+mod graph;
 mod native_pool;
 mod stream;
 pub mod vmm;
@@ -18,7 +20,9 @@ pub use cuda_upstream::{CudaDeviceMemory, CudaPinnedMemory};
 pub use native_pool::{NativePool, NativePoolAttributes};
 pub use stream::Stream;
 
+pub(crate) use capture::RelaxedCaptureMode;
 pub(crate) use context::driver_err;
+pub use graph::{GraphPool, GraphStats};
 
 use std::sync::Arc;
 

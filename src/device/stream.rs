@@ -40,6 +40,9 @@ struct StreamInner {
     /// The registry this stream was last registered in (its address), so a
     /// free on the stream usually skips the registry's lock.
     registered_in: AtomicUsize,
+    /// A host queue's capture under way (0: none): host queues model graph
+    /// capture so its rules hold, and are tested, without a GPU.
+    host_capture: AtomicU64,
 }
 
 impl StreamInner {
@@ -50,6 +53,7 @@ impl StreamInner {
             freed: AtomicU64::new(0),
             synced: AtomicU64::new(0),
             registered_in: AtomicUsize::new(0),
+            host_capture: AtomicU64::new(0),
         })
     }
 }
@@ -116,6 +120,26 @@ impl Stream {
         self.inner.id
     }
 
+    /// The capture a host queue takes part in (always `None` for CUDA
+    /// streams: ask the driver, `capture::capture_of`).
+    pub(crate) fn host_capture(&self) -> Option<u64> {
+        match self.inner.host_capture.load(Ordering::Acquire) {
+            0 => None,
+            id => Some(id),
+        }
+    }
+
+    /// Starts (`Some(id)`) or ends (`None`) a host queue's capture.
+    pub(crate) fn set_host_capture(&self, id: Option<u64>) {
+        self.inner.host_capture.store(id.unwrap_or(0), Ordering::Release);
+    }
+
+    /// Whether `self` and `other` are the same stream (clones of one
+    /// `Stream`).
+    pub fn same_as(&self, other: &Stream) -> bool {
+        self.inner.id == other.inner.id
+    }
+
     /// A fresh tag for a block freed on this stream now.
     pub(crate) fn free_tag(&self) -> StreamTag {
         let seq = self.inner.freed.fetch_add(1, Ordering::AcqRel) + 1;
@@ -125,6 +149,11 @@ impl Stream {
     /// Whether the free tagged `tag` on this stream is known complete.
     fn completed(&self, tag: StreamTag) -> bool {
         self.inner.synced.load(Ordering::Acquire) >= tag.seq
+    }
+
+    /// Whether every free on this stream so far is known complete.
+    fn all_frees_complete(&self) -> bool {
+        self.inner.synced.load(Ordering::Acquire) >= self.inner.freed.load(Ordering::Acquire)
     }
 
     /// Waits until all work queued on the stream is done
@@ -188,14 +217,25 @@ impl StreamRegistry {
     /// work is known complete or `user` is the freeing stream; otherwise
     /// `user` waits for the freeing stream's work (an event), or the host
     /// waits when there is no `user`.
-    pub(crate) fn order_reuse(&self, tag: StreamTag, user: Option<&Stream>, ctx: &CudaContext) -> Result<()> {
+    ///
+    /// With `captures` set (a graph capture is under way on the device), a
+    /// source stream that captures is never synchronised or waited on from
+    /// outside its capture: that would break the capture, so the reuse is
+    /// refused with [`Error::Capture`](crate::Error::Capture) instead.
+    pub(crate) fn order_reuse(
+        &self,
+        tag: StreamTag,
+        user: Option<&Stream>,
+        ctx: &CudaContext,
+        captures: bool,
+    ) -> Result<()> {
         if tag == StreamTag::NONE || user.is_some_and(|u| u.inner.id == tag.stream) {
             return Ok(());
         }
         let sources: Vec<Stream> = {
             let map = lock(&self.streams);
             if tag == StreamTag::MIXED {
-                map.values().cloned().collect()
+                map.values().filter(|s| !s.all_frees_complete()).cloned().collect()
             } else {
                 match map.get(&tag.stream) {
                     Some(s) if s.completed(tag) => return Ok(()),
@@ -205,16 +245,43 @@ impl StreamRegistry {
             }
         };
         if sources.is_empty() && tag != StreamTag::MIXED {
+            if captures {
+                return Err(crate::Error::Capture(
+                    "a block freed on a stream cumem never saw can't be reused while a capture is under way".into(),
+                ));
+            }
             // A stream this registry never saw: wait for the whole device.
             return ctx.synchronize().map_err(driver_err("cuCtxSynchronize"));
         }
         for src in sources.iter().filter(|s| user.is_none_or(|u| u.inner.id != s.inner.id)) {
+            if captures && super::capture::capture_of(src)?.is_some() {
+                return Err(crate::Error::Capture(
+                    "the block's last use is queued on a stream that now captures a graph; synchronize streams \
+                     before beginning a capture"
+                        .into(),
+                ));
+            }
             match user {
                 Some(u) if !u.is_host() => u.wait_for(src)?,
                 _ => src.synchronize()?,
             }
         }
         Ok(())
+    }
+
+    /// The streams registered.
+    pub(crate) fn streams(&self) -> Vec<Stream> {
+        lock(&self.streams).values().cloned().collect()
+    }
+
+    /// Forgets every stream (their blocks' tags are cleared or settled).
+    pub(crate) fn clear(&self) {
+        let me = self as *const StreamRegistry as usize;
+        let streams = std::mem::take(&mut *lock(&self.streams));
+        for s in streams.values() {
+            // The next free on the stream registers it here again.
+            let _ = s.inner.registered_in.compare_exchange(me, 0, Ordering::AcqRel, Ordering::Acquire);
+        }
     }
 
     /// Waits for every registered stream (before memory goes back to the

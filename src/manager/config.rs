@@ -73,6 +73,13 @@ pub struct Config {
     /// Where to write an event log of every allocation and free, in RMM's
     /// CSV format (see [`EventLog`](crate::log::EventLog)); `None`: no log.
     pub log_path: Option<PathBuf>,
+    /// Ask the driver on every device allocation and free on a stream
+    /// whether the stream captures a CUDA graph (`capture_check=always`),
+    /// so a capture begun without telling cumem gets an error instead of
+    /// memory shared with work outside the graph. Off by default
+    /// (`capture_check=registered`): the question is asked only while a
+    /// capture registered with cumem is under way.
+    pub capture_check_always: bool,
 }
 
 impl Default for Config {
@@ -93,6 +100,7 @@ impl Default for Config {
             device_thread_cache: false,
             thread_cache_bytes: 256 << 20,
             log_path: None,
+            capture_check_always: false,
         }
     }
 }
@@ -141,6 +149,23 @@ impl Config {
         pc.thread_cache_bytes = self.thread_cache_bytes;
         pc.cache_exact = true;
         pc
+    }
+
+    /// A graph-private pool's settings: those of the device pool, without
+    /// thread caches or an initial reservation, never giving chunks back
+    /// on its own (its graphs may replay).
+    pub fn graph_pool_config(&self) -> PoolConfig {
+        let mut pc = self.device_pool_config();
+        pc.initial_size = 0;
+        pc.thread_cache = false;
+        pc.keep_chunks = true;
+        pc
+    }
+
+    /// Sets [`Config::capture_check_always`].
+    pub fn capture_check_always(mut self, on: bool) -> Self {
+        self.capture_check_always = on;
+        self
     }
 
     /// Sets [`Config::pinned_pool_size`].
@@ -317,6 +342,17 @@ impl std::str::FromStr for Config {
                         _ => return Err(Error::Config(format!("backend: '{value}' is not auto or host"))),
                     }
                 }
+                "capture_check" => {
+                    c.capture_check_always = match value {
+                        "always" => true,
+                        "registered" => false,
+                        _ => {
+                            return Err(Error::Config(format!(
+                                "capture_check: '{value}' is not 'registered' or 'always'"
+                            )))
+                        }
+                    }
+                }
                 "log" if !value.is_empty() => c.log_path = Some(PathBuf::from(value)),
                 "log" => return Err(Error::Config("log: expected a file path".into())),
                 _ => {
@@ -324,7 +360,7 @@ impl std::str::FromStr for Config {
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
                          max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          track_allocations, thread_cache, pinned_thread_cache, \
-                         device_thread_cache, thread_cache_bytes, backend, log)"
+                         device_thread_cache, thread_cache_bytes, backend, log, capture_check)"
                     )))
                 }
             }

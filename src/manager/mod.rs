@@ -2,12 +2,14 @@
 //! shutdown.
 
 mod config;
+mod graphs;
 mod heap;
 mod init;
 mod summary;
 mod tracking;
 
 pub use config::{parse_size, BackendChoice, Config};
+pub use graphs::{CaptureScope, CapturedGraph, GraphCapture};
 #[doc(hidden)]
 pub use init::{InitCell, InitError};
 pub use summary::{human_bytes, LiveAllocation, ShutdownReport};
@@ -311,17 +313,30 @@ impl MemoryManager {
             Backend::Cuda { .. } => device::device_context(ordinal)?,
             Backend::Host { .. } => None,
         };
-        let upstream: Box<dyn Upstream> = match &ctx {
+        let upstream = self.device_upstream(ctx.as_ref())?;
+        let mut pc = self.config.device_pool_config();
+        // A size set with `set_device_pool_size` wins over the config's.
+        pc.initial_size = *crate::sync::lock(&self.device_pool_size);
+        Ok(DeviceAllocator::new(
+            ordinal,
+            ctx,
+            Pool::new(upstream, pc),
+            self.config.mode,
+            self.config.release_threshold,
+            self.config.capture_check_always,
+        ))
+    }
+
+    /// Where a device pool of the context's device (the host fallback's
+    /// without one) takes its chunks.
+    fn device_upstream(&self, ctx: Option<&Arc<CudaContext>>) -> Result<Box<dyn Upstream>> {
+        Ok(match ctx {
             Some(ctx) => device::device_upstream(ctx.clone(), self.config.expandable)?,
             // The host twin of expandable segments: address space reserved
             // up front, committed as the pool grows.
             None if self.config.expandable => Box::new(HostExpandable::new(HOST_DEVICE_RESERVATION)?),
             None => Box::new(Host::new()),
-        };
-        let mut pc = self.config.device_pool_config();
-        // A size set with `set_device_pool_size` wins over the config's.
-        pc.initial_size = *crate::sync::lock(&self.device_pool_size);
-        Ok(DeviceAllocator::new(ordinal, ctx, Pool::new(upstream, pc), self.config.mode, self.config.release_threshold))
+        })
     }
 
     /// Allocates `size` bytes of device memory on the default device,

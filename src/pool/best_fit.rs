@@ -297,6 +297,16 @@ impl BestFit {
         tail
     }
 
+    /// Forgets which streams' queued work may still use the free blocks:
+    /// every free block gets [`StreamTag::NONE`]. For a caller that knows
+    /// that work is complete or otherwise ordered (a graph-private pool at
+    /// the end of a capture). Linear in the number of blocks.
+    pub fn clear_tags(&mut self) {
+        for b in self.blocks.iter_mut().filter(|b| b.free) {
+            b.tag = StreamTag::NONE;
+        }
+    }
+
     /// Frees the block starting at `addr`; `tag` names the stream whose
     /// queued work may still use it. Coalesces with free neighbours.
     ///
@@ -382,6 +392,17 @@ impl BestFit {
     /// The size of the live block starting at `addr`.
     pub fn block_size(&self, addr: usize) -> Option<usize> {
         self.live.get(&addr).map(|&slot| self.blocks[slot as usize].size)
+    }
+
+    /// Whether `addr` lies in one of the pool's chunks.
+    pub fn contains(&self, addr: usize) -> bool {
+        self.overlaps_chunk(Chunk { addr, size: 1 })
+    }
+
+    /// The size of the live block at `addr`, or why freeing `addr` would
+    /// fail. Changes nothing.
+    pub fn check_live(&self, addr: usize) -> Result<usize, FreeError> {
+        self.block_size(addr).ok_or_else(|| self.classify(addr))
     }
 
     /// Grows the live block at `addr` to `new_size` (rounded) in place, by

@@ -74,6 +74,11 @@ pub struct PoolConfig {
     /// nothing up to a class: no fragmentation of their own, fewer hits
     /// when sizes vary. The device pools use it.
     pub cache_exact: bool,
+    /// Never give free chunks back to the upstream to retry a failed
+    /// allocation: only an explicit [`Pool::release_cached`] or
+    /// [`Pool::shutdown`] does. For memory that work recorded earlier (a
+    /// CUDA graph) may still use while its blocks look free.
+    pub keep_chunks: bool,
 }
 
 impl PoolConfig {
@@ -90,6 +95,7 @@ impl PoolConfig {
             thread_cache: true,
             thread_cache_bytes: 256 << 20,
             cache_exact: false,
+            keep_chunks: false,
         }
     }
 }
@@ -285,7 +291,7 @@ impl<U: Upstream> Pool<U> {
                 match self.plan_growth(&mut inner, rounded, align) {
                     Ok(plan) => plan,
                     Err(over_limit) => {
-                        if !released_once && inner.fit.stats().free() > 0 {
+                        if !released_once && !self.config.keep_chunks && inner.fit.stats().free() > 0 {
                             drop(inner);
                             released_once = true;
                             self.count_retry();
@@ -302,7 +308,7 @@ impl<U: Upstream> Pool<U> {
                 Err(e) => {
                     let mut inner = self.inner.lock();
                     inner.pending_growth -= plan.bytes();
-                    let can_release = inner.fit.stats().free() > 0;
+                    let can_release = !self.config.keep_chunks && inner.fit.stats().free() > 0;
                     if !released_once && can_release {
                         drop(inner);
                         released_once = true;
@@ -394,6 +400,28 @@ impl<U: Upstream> Pool<U> {
         self.inner.lock().fit.block_size(addr)
     }
 
+    /// Whether `addr` lies in one of the pool's chunks.
+    pub fn contains(&self, addr: usize) -> bool {
+        self.inner.lock().fit.contains(addr)
+    }
+
+    /// The size of the live block at `addr`, or the error freeing it would
+    /// give ([`Error::DoubleFree`], [`Error::InteriorPointer`],
+    /// [`Error::UnknownPointer`]). Changes nothing.
+    ///
+    /// # Errors
+    /// As described.
+    pub fn check_live(&self, addr: usize) -> Result<usize> {
+        match self.cache.as_ref().and_then(|c| c.lent_size(addr)) {
+            Some(Some(size)) => return Ok(size),
+            // A thread cache owns the block and it is not lent: it is free.
+            Some(None) => return Err(self.free_error(addr, FreeError::DoubleFree)),
+            None => {}
+        }
+        let r = self.inner.lock().fit.check_live(addr);
+        r.map_err(|e| self.free_error(addr, e))
+    }
+
     /// Grows the live block at `addr` to hold `new_size` bytes without
     /// moving it, when the block after it is free and large enough.
     pub fn grow_in_place(&self, addr: usize, new_size: usize) -> bool {
@@ -462,6 +490,14 @@ impl<U: Upstream> Pool<U> {
             Some(e) => Err(e),
             None => Ok(released),
         }
+    }
+
+    /// Marks every free block as having no pending stream work (see
+    /// [`BestFit::clear_tags`]). Blocks parked in thread caches keep their
+    /// tags: use it on pools without caches.
+    pub fn clear_tags(&self) {
+        debug_assert!(self.cache.is_none(), "clear_tags does not reach thread caches");
+        self.inner.lock().fit.clear_tags();
     }
 
     /// Statistics.

@@ -9,7 +9,7 @@
 
 use super::region::{Region, VmBackend};
 use super::{Chunk, Upstream};
-use crate::device::{device_context, vmm};
+use crate::device::{device_context, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, Mutex};
 
@@ -189,18 +189,22 @@ impl CudaVmm {
 
 impl Upstream for CudaVmm {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
+        let _relaxed = RelaxedCaptureMode::enter();
         self.inner.allocate_chunk(size, PoolKind::Device)
     }
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
+        let _relaxed = RelaxedCaptureMode::enter();
         self.inner.deallocate_chunk(chunk)
     }
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        let _relaxed = RelaxedCaptureMode::enter();
         self.inner.try_extend(chunk, extra, PoolKind::Device)
     }
     fn can_extend(&self) -> bool {
         true
     }
     fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
+        let _relaxed = RelaxedCaptureMode::enter();
         self.inner.try_shrink(chunk, amount)
     }
     fn granularity(&self) -> usize {

@@ -1,0 +1,116 @@
+//! Asking whether a stream captures a CUDA graph, and making the driver
+//! calls cumem needs during someone's capture legal.
+//!
+//! # Implementation details
+//!
+//! While a stream captures, work queued on it is recorded into a graph
+//! instead of running, and some calls become illegal: synchronising or
+//! querying the capturing stream or an event recorded in it, and (in the
+//! default *global* capture mode) "potentially unsafe" calls from any
+//! thread, among them `cuMemAlloc`/`cuMemFree` and friends. An illegal call
+//! fails and also invalidates the capture, so cumem must never make one.
+//!
+//! Two tools here:
+//! - [`capture_of`]: the capture a stream belongs to, from
+//!   `cuStreamGetCaptureInfo` (or `cuStreamIsCapturing` on drivers older
+//!   than CUDA 12.3, which lack the former's current entry point). Host
+//!   queues take part through a capture id of their own, so the graph
+//!   rules are tested on machines without a GPU.
+//! - [`RelaxedCaptureMode`]: switches the calling thread to the relaxed
+//!   capture mode (`cuThreadExchangeStreamCaptureMode`) for the duration of
+//!   a growth or release call, so that mapping more memory while another
+//!   thread captures is legal (the driver's mapping calls don't touch any
+//!   stream).
+
+use cudarc::driver::sys;
+use once_cell::sync::OnceCell;
+
+use super::stream::Stream;
+use crate::error::{Error, Result};
+
+/// Whether `cuStreamGetCaptureInfo_v3` exists in the loaded driver
+/// (CUDA 12.3 and later).
+fn has_capture_info() -> bool {
+    static HAS: OnceCell<bool> = OnceCell::new();
+    *HAS.get_or_init(|| {
+        // SAFETY: only looks a symbol up in the already loaded driver
+        // library; nothing is called.
+        unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuStreamGetCaptureInfo_v3") }.is_ok()
+    })
+}
+
+/// The id of the capture `stream` takes part in, or `None` when it does
+/// not capture.
+///
+/// On drivers without `cuStreamGetCaptureInfo_v3` the id is the stream's
+/// own (a capture is then recognised only on the stream it began on).
+///
+/// # Errors
+/// [`Error::Capture`] when the capture was invalidated (something illegal
+/// happened on it); a driver error.
+pub(crate) fn capture_of(stream: &Stream) -> Result<Option<u64>> {
+    let Some(cuda) = stream.cudarc() else { return Ok(stream.host_capture()) };
+    cuda.context().bind_to_thread().map_err(super::driver_err("cuCtxSetCurrent"))?;
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id: u64 = 0;
+    if has_capture_info() {
+        // SAFETY: the stream is alive (held by `stream`); the out-pointers
+        // are valid locals; the optional outputs are null, which the call
+        // allows.
+        unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                cuda.cu_stream(),
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(super::driver_err("cuStreamGetCaptureInfo"))?;
+    } else {
+        // SAFETY: as above.
+        unsafe { sys::cuStreamIsCapturing(cuda.cu_stream(), &mut status) }
+            .result()
+            .map_err(super::driver_err("cuStreamIsCapturing"))?;
+        id = stream.id();
+    }
+    match status {
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => Ok(None),
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => Ok(Some(id)),
+        _ => Err(Error::Capture("the stream's capture was invalidated by an illegal call".into())),
+    }
+}
+
+/// The calling thread in the relaxed capture mode until dropped
+/// (`cuThreadExchangeStreamCaptureMode`): the driver calls made meanwhile
+/// are legal even while other threads capture in the global mode. For
+/// calls that touch no stream (mapping, allocating and releasing memory).
+pub(crate) struct RelaxedCaptureMode {
+    previous: Option<sys::CUstreamCaptureMode>,
+}
+
+impl RelaxedCaptureMode {
+    /// Enters the relaxed mode (does nothing without a driver).
+    pub(crate) fn enter() -> RelaxedCaptureMode {
+        if !super::driver_status().is_available() {
+            return RelaxedCaptureMode { previous: None };
+        }
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a valid in/out location; the call only swaps the
+        // calling thread's mode.
+        let ok = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }.result().is_ok();
+        RelaxedCaptureMode { previous: ok.then_some(mode) }
+    }
+}
+
+impl Drop for RelaxedCaptureMode {
+    fn drop(&mut self) {
+        if let Some(mut mode) = self.previous.take() {
+            // SAFETY: restores the mode saved by `enter` on this thread.
+            let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    }
+}
