@@ -256,7 +256,10 @@ impl DeviceAllocator {
 
     fn default_pool(&self) -> Result<&NativePool> {
         let ctx = self.require_ctx()?;
-        self.default_pool.get_or_try_init(|| NativePool::device_default(ctx.clone(), self.release_threshold))
+        self.default_pool.get_or_try_init(|| {
+            let _relaxed = super::RelaxedCaptureMode::enter();
+            NativePool::device_default(ctx.clone(), self.release_threshold)
+        })
     }
 
     /// The dedicated native pool, created on first use.
@@ -265,7 +268,11 @@ impl DeviceAllocator {
     /// [`Error::NeedsGpu`] on the host fallback; a driver error.
     pub fn native_pool(&self) -> Result<&NativePool> {
         let ctx = self.require_ctx()?;
-        self.native.get_or_try_init(|| NativePool::create(ctx.clone(), self.release_threshold))
+        self.native.get_or_try_init(|| {
+            // Legal even while this thread captures a graph.
+            let _relaxed = super::RelaxedCaptureMode::enter();
+            NativePool::create(ctx.clone(), self.release_threshold)
+        })
     }
 
     /// Allocates `size` bytes for work on `stream` (`None`: usable at once

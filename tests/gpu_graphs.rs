@@ -1,0 +1,333 @@
+//! CUDA graphs on a GPU: captured kernels replayed many times must never
+//! overwrite memory that anyone outside the graph holds, in every mode.
+//! Each test skips with a printed reason without a GPU and fails instead
+//! under `CUMEM_REQUIRE_GPU=1`.
+
+use std::sync::{Arc, Barrier, Mutex, MutexGuard};
+
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
+use cumem::device::gpu_for_test;
+use cumem::{Config, DeviceAllocatorMode, Error, MemoryManager, Stream};
+
+const KERNELS: &str = r#"
+extern "C" __global__ void fill(unsigned int* p, unsigned int v, unsigned long long n) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < n) p[i] = v;
+}
+extern "C" __global__ void add_copy(unsigned int* dst, const unsigned int* src, unsigned int k, unsigned long long n) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i] + k;
+}
+"#;
+
+const N: usize = 1 << 20; // 4 MiB of u32
+const REPLAYS: usize = 10;
+
+struct Kernels {
+    fill: CudaFunction,
+    add_copy: CudaFunction,
+    _module: Arc<CudaModule>,
+}
+
+fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
+    let ptx = cudarc::nvrtc::compile_ptx(KERNELS).expect("NVRTC compiles the test kernels");
+    let module = ctx.load_module(ptx).expect("the module loads");
+    Kernels {
+        fill: module.load_function("fill").unwrap(),
+        add_copy: module.load_function("add_copy").unwrap(),
+        _module: module,
+    }
+}
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn cfg(n: usize) -> LaunchConfig {
+    LaunchConfig::for_num_elems(n as u32)
+}
+
+fn fill(k: &Kernels, s: &Stream, p: u64, v: u32, n: usize) {
+    let nn = n as u64;
+    let cs = s.cudarc().unwrap();
+    let mut l = cs.launch_builder(&k.fill);
+    l.arg(&p).arg(&v).arg(&nn);
+    // SAFETY: the arguments match the kernel; `p` holds at least `n` u32.
+    unsafe { l.launch(cfg(n)) }.unwrap();
+}
+
+fn add_copy(k: &Kernels, s: &Stream, dst: u64, src: u64, add: u32, n: usize) {
+    let nn = n as u64;
+    let cs = s.cudarc().unwrap();
+    let mut l = cs.launch_builder(&k.add_copy);
+    l.arg(&dst).arg(&src).arg(&add).arg(&nn);
+    // SAFETY: the arguments match the kernel; both hold at least `n` u32.
+    unsafe { l.launch(cfg(n)) }.unwrap();
+}
+
+fn read(p: u64, n: usize) -> Vec<u32> {
+    let mut v = vec![0u32; n];
+    // SAFETY: `v` holds `n` u32; `p` is a device allocation of at least that
+    // size and the streams that write it were synchronised.
+    unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr().cast(), p, n * 4) }.result().unwrap();
+    v
+}
+
+/// How a test captures: through cumem's guard, the raw form (cudarc's
+/// capture, registered with cumem), or a raw capture cumem is not told of.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum How {
+    Guard,
+    Raw,
+    Unregistered,
+}
+
+/// The first finding's scenario: a captured step takes a temporary buffer,
+/// fills it, copies it (plus one) to an output, frees it; then another
+/// caller allocates the same size on another stream and fills it; the graph
+/// replays ten times. Returns (the other caller's values intact, the
+/// output right).
+fn scenario(ctx: &Arc<CudaContext>, mode: DeviceAllocatorMode, how: How) -> (bool, bool) {
+    let k = kernels(ctx);
+    let mm = MemoryManager::new(Config::new().mode(mode)).unwrap();
+    let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let t = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let out = mm.allocate_device(N * 4).unwrap();
+    let pool = mm.graph_pool().unwrap();
+    let cs = s.cudarc().unwrap().clone();
+    let mode_raw = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    let (guard, scope) = match how {
+        How::Guard => (Some(mm.begin_capture(&s, &pool).unwrap()), None),
+        How::Raw => {
+            s.synchronize().unwrap();
+            cs.begin_capture(mode_raw).unwrap();
+            (None, Some(mm.capture_into(&s, &pool).unwrap()))
+        }
+        How::Unregistered => {
+            s.synchronize().unwrap();
+            cs.begin_capture(mode_raw).unwrap();
+            (None, None)
+        }
+    };
+    let tmp = mm.allocate_device_on(N * 4, &s).unwrap();
+    fill(&k, &s, tmp, 0x600D, N);
+    add_copy(&k, &s, out, tmp, 1, N);
+    mm.free_device_on(tmp, &s).unwrap();
+    let (graph, raw_graph) = match guard {
+        Some(g) => (Some(g.end().unwrap()), None),
+        None => {
+            let g = cs.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+            drop(scope);
+            (None, Some(g))
+        }
+    };
+    let other = mm.allocate_device_on(N * 4, &t).unwrap();
+    fill(&k, &t, other, 0x0BAD, N);
+    t.synchronize().unwrap();
+    for _ in 0..REPLAYS {
+        match (&graph, &raw_graph) {
+            (Some(g), _) => g.launch(&s).unwrap(),
+            (_, Some(g)) => g.launch().unwrap(),
+            _ => unreachable!(),
+        }
+    }
+    s.synchronize().unwrap();
+    let intact = read(other, N).iter().all(|&v| v == 0x0BAD);
+    let right = read(out, N).iter().all(|&v| v == 0x600E);
+    if let Some(g) = &graph {
+        assert!(g.pool().stats().reserved > 0 || mode != DeviceAllocatorMode::SyncPool, "the graph holds memory");
+    }
+    mm.free_device_on(other, &t).unwrap();
+    t.synchronize().unwrap();
+    drop((graph, raw_graph, pool));
+    mm.free_device(out).unwrap();
+    (intact, right)
+}
+
+#[test]
+fn captured_step_never_overwrites_another_callers_memory_in_any_mode() {
+    let Some(ctx) = gpu_for_test("captured_step_never_overwrites_another_callers_memory_in_any_mode") else {
+        return;
+    };
+    let _serial = serial();
+    for mode in DeviceAllocatorMode::ALL {
+        for how in [How::Guard, How::Raw] {
+            let (intact, right) = scenario(&ctx, mode, how);
+            assert!(intact, "{mode} {how:?}: the graph's replays overwrote another caller's memory");
+            assert!(right, "{mode} {how:?}: the graph's output is wrong");
+        }
+    }
+}
+
+#[test]
+fn control_an_unregistered_capture_in_the_sync_pool_does_corrupt() {
+    // Without telling cumem, the sync pool hands the captured temporary to
+    // the next caller and every replay overwrites it: the check above can
+    // fail. (The stream-ordered modes are safe even then: the driver makes
+    // graph memory nodes.)
+    let Some(ctx) = gpu_for_test("control_an_unregistered_capture_in_the_sync_pool_does_corrupt") else { return };
+    let _serial = serial();
+    let (intact, _) = scenario(&ctx, DeviceAllocatorMode::SyncPool, How::Unregistered);
+    assert!(!intact, "control: the unregistered capture should have shared its memory");
+    for mode in [DeviceAllocatorMode::AsyncStreamOrdered, DeviceAllocatorMode::CudaAsyncPool] {
+        let (intact, right) = scenario(&ctx, mode, How::Unregistered);
+        assert!(intact && right, "{mode}: graph memory nodes keep the graph's memory apart");
+    }
+}
+
+#[test]
+fn capture_check_always_refuses_an_unregistered_capture_and_keeps_it_intact() {
+    let Some(ctx) = gpu_for_test("capture_check_always_refuses_an_unregistered_capture_and_keeps_it_intact") else {
+        return;
+    };
+    let _serial = serial();
+    let k = kernels(&ctx);
+    let mm = MemoryManager::new(Config::new().capture_check_always(true)).unwrap();
+    let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let out = mm.allocate_device(N * 4).unwrap();
+    let cs = s.cudarc().unwrap().clone();
+    cs.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+    let e = mm.allocate_device_on(N * 4, &s).unwrap_err();
+    assert!(matches!(e, Error::Capture(_)), "{e}");
+    // The capture is still valid: record a kernel and replay it.
+    fill(&k, &s, out, 7, N);
+    let g = cs.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+    g.launch().unwrap();
+    s.synchronize().unwrap();
+    assert!(read(out, N).iter().all(|&v| v == 7));
+    mm.free_device(out).unwrap();
+}
+
+#[test]
+fn a_dropped_graphs_memory_is_reused_and_stays_with_its_new_owner() {
+    let Some(ctx) = gpu_for_test("a_dropped_graphs_memory_is_reused_and_stays_with_its_new_owner") else { return };
+    let _serial = serial();
+    let k = kernels(&ctx);
+    let mm = MemoryManager::new(Config::new()).unwrap();
+    let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let t = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let out = mm.allocate_device(N * 4).unwrap();
+    let before = mm.allocate_device_on(N * 4, &s).unwrap();
+    let pool = mm.graph_pool().unwrap();
+    let cap = mm.begin_capture(&s, &pool).unwrap();
+    fill(&k, &s, before, 3, N);
+    add_copy(&k, &s, out, before, 1, N);
+    mm.free_device_on(before, &s).unwrap(); // held by the graph
+    let g = cap.end().unwrap();
+    for _ in 0..REPLAYS {
+        g.launch(&s).unwrap();
+    }
+    drop((g, pool)); // waits for the device, gives `before` back
+    let again = mm.allocate_device_on(N * 4, &t).unwrap();
+    assert_eq!(again, before, "best fit hands the returned block out again");
+    fill(&k, &t, again, 0xABC, N);
+    t.synchronize().unwrap();
+    s.synchronize().unwrap();
+    assert!(read(again, N).iter().all(|&v| v == 0xABC), "nothing of the dropped graph wrote afterwards");
+    assert!(read(out, N).iter().all(|&v| v == 4));
+    mm.free_device_on(again, &t).unwrap();
+    t.synchronize().unwrap();
+    mm.free_device(out).unwrap();
+}
+
+#[test]
+fn two_graphs_share_a_private_pool() {
+    let Some(ctx) = gpu_for_test("two_graphs_share_a_private_pool") else { return };
+    let _serial = serial();
+    let k = kernels(&ctx);
+    let mm = MemoryManager::new(Config::new()).unwrap();
+    let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let outs = [mm.allocate_device(N * 4).unwrap(), mm.allocate_device(N * 4).unwrap()];
+    let pool = mm.graph_pool().unwrap();
+    let graphs: Vec<_> = outs
+        .iter()
+        .enumerate()
+        .map(|(i, &out)| {
+            let cap = mm.begin_capture(&s, &pool).unwrap();
+            let a = mm.allocate_device_on(N * 4, &s).unwrap();
+            let b = mm.allocate_device_on(N * 4, &s).unwrap();
+            fill(&k, &s, a, 100 * (i as u32 + 1), N);
+            add_copy(&k, &s, b, a, 1, N);
+            add_copy(&k, &s, out, b, 1, N);
+            mm.free_device_on(a, &s).unwrap();
+            mm.free_device_on(b, &s).unwrap();
+            cap.end().unwrap()
+        })
+        .collect();
+    assert_eq!(pool.stats().reserved, 8 << 20, "two graphs of 8 MiB each share 8 MiB");
+    for _ in 0..REPLAYS {
+        for g in &graphs {
+            g.launch(&s).unwrap(); // one stream: replays never overlap
+        }
+    }
+    s.synchronize().unwrap();
+    assert!(read(outs[0], N).iter().all(|&v| v == 102));
+    assert!(read(outs[1], N).iter().all(|&v| v == 202));
+    drop((graphs, pool));
+    for o in outs {
+        mm.free_device(o).unwrap();
+    }
+}
+
+#[test]
+fn threads_allocating_on_their_streams_during_a_capture_keep_their_data() {
+    let Some(ctx) = gpu_for_test("threads_allocating_on_their_streams_during_a_capture_keep_their_data") else {
+        return;
+    };
+    let _serial = serial();
+    let k = Arc::new(kernels(&ctx));
+    let mm = Arc::new(MemoryManager::new(Config::new()).unwrap());
+    let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let out = mm.allocate_device(N * 4).unwrap();
+    let pool = mm.graph_pool().unwrap();
+    let threads = 4;
+    let go = Arc::new(Barrier::new(threads + 1));
+    let cap = mm.begin_capture(&s, &pool).unwrap();
+    let workers: Vec<_> = (0..threads)
+        .map(|i| {
+            let (mm, k, go, ctx) = (mm.clone(), k.clone(), go.clone(), ctx.clone());
+            std::thread::spawn(move || {
+                let t = Stream::from_cudarc(ctx.new_stream().unwrap());
+                go.wait();
+                let mut kept = Vec::new();
+                for round in 0..64usize {
+                    let n = (round % 8 + 1) * (N / 8);
+                    let p = mm.allocate_device_on(n * 4, &t).unwrap();
+                    let v = (i * 1000 + round) as u32;
+                    fill(&k, &t, p, v, n);
+                    if round % 2 == 0 {
+                        kept.push((p, n, v));
+                    } else {
+                        mm.free_device_on(p, &t).unwrap();
+                    }
+                }
+                t.synchronize().unwrap();
+                (t, kept)
+            })
+        })
+        .collect();
+    go.wait();
+    for round in 0..32u32 {
+        let tmp = mm.allocate_device_on(N * 4, &s).unwrap();
+        fill(&k, &s, tmp, 0xDEAD_0000 + round, N);
+        add_copy(&k, &s, out, tmp, 0, N);
+        mm.free_device_on(tmp, &s).unwrap();
+    }
+    let results: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    let g = cap.end().unwrap();
+    for _ in 0..REPLAYS {
+        g.launch(&s).unwrap();
+    }
+    s.synchronize().unwrap();
+    assert!(read(out, N).iter().all(|&v| v == 0xDEAD_0000 + 31));
+    for (t, kept) in results {
+        for (p, n, v) in kept {
+            assert!(read(p, n).iter().all(|&x| x == v), "a worker's block at {p:#x} was overwritten");
+            mm.free_device_on(p, &t).unwrap();
+        }
+        t.synchronize().unwrap();
+    }
+    drop((g, pool));
+    mm.free_device(out).unwrap();
+}
