@@ -52,6 +52,7 @@ fn memory_allocated_and_freed_in_a_capture_is_never_handed_out() {
     assert!(!overlaps((other, 4 * MIB), (tmp, 4 * MIB)));
     mm.free_device(other).unwrap();
     assert_eq!(graph.pool().stats().reserved, 4 * MIB, "the graph keeps its memory");
+    assert!(mm.memory_summary().contains("1 private pool(s), reserved 4.00 MiB"), "{}", mm.memory_summary());
     s.synchronize().unwrap();
 }
 

@@ -169,6 +169,19 @@ pub(super) fn render(mm: &MemoryManager) -> String {
                 );
             }
         }
+        let g = &st.graphs;
+        if g.pools > 0 {
+            let _ = writeln!(
+                out,
+                "| device {} graphs: {} private pool(s), reserved {} (peak {}), in use {}, held for graphs {}",
+                d.ordinal(),
+                g.pools,
+                human_bytes(g.reserved),
+                human_bytes(g.peak_reserved),
+                human_bytes(g.in_use),
+                human_bytes(g.held)
+            );
+        }
         let _ = writeln!(
             out,
             "device {}: mode {} (requested {}), upstream {}, OOM retries {}",
