@@ -12,6 +12,15 @@ use cumem::{CapturedGraph, Config, Error, MemoryManager, Stream};
 
 const MIB: usize = 1 << 20;
 
+/// One test at a time: on a GPU every manager here shares the device's
+/// context, and a context-wide synchronisation by one test (releasing a
+/// graph pool, unmapping) would invalidate another test's capture. A
+/// program's single manager coordinates its own captures.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn manager() -> MemoryManager {
     MemoryManager::new(Config::new()).expect("a manager")
 }
@@ -22,6 +31,7 @@ fn overlaps(a: (u64, usize), b: (u64, usize)) -> bool {
 
 #[test]
 fn control_without_a_capture_the_freed_block_is_reused_at_once() {
+    let _serial = serial();
     // The contract the graph tests rely on to be able to fail: outside a
     // capture a block freed on a stream is the next block of its size.
     let mm = manager();
@@ -35,6 +45,7 @@ fn control_without_a_capture_the_freed_block_is_reused_at_once() {
 
 #[test]
 fn memory_allocated_and_freed_in_a_capture_is_never_handed_out() {
+    let _serial = serial();
     let mm = manager();
     let (s, t) = (Stream::new().unwrap(), Stream::new().unwrap());
     let pool = mm.graph_pool().unwrap();
@@ -58,6 +69,7 @@ fn memory_allocated_and_freed_in_a_capture_is_never_handed_out() {
 
 #[test]
 fn a_block_freed_during_a_capture_stays_the_graphs_until_it_is_dropped() {
+    let _serial = serial();
     let mm = manager();
     let (s, t) = (Stream::new().unwrap(), Stream::new().unwrap());
     let before = mm.allocate_device_on(8 * MIB, &s).unwrap();
@@ -88,6 +100,7 @@ fn a_block_freed_during_a_capture_stays_the_graphs_until_it_is_dropped() {
 
 #[test]
 fn graphs_that_share_a_pool_cost_the_largest_not_the_sum() {
+    let _serial = serial();
     let mm = manager();
     let s = Stream::new().unwrap();
     fn step<'a>(mm: &'a MemoryManager, s: &Stream, pool: &cumem::GraphPool<'a>, mib: usize) -> CapturedGraph<'a> {
@@ -112,6 +125,7 @@ fn graphs_that_share_a_pool_cost_the_largest_not_the_sum() {
 
 #[test]
 fn graph_outputs_outlive_the_capture_and_come_back_to_its_pool() {
+    let _serial = serial();
     let mm = manager();
     let (s, t) = (Stream::new().unwrap(), Stream::new().unwrap());
     let pool = mm.graph_pool().unwrap();
@@ -138,6 +152,7 @@ fn graph_outputs_outlive_the_capture_and_come_back_to_its_pool() {
 
 #[test]
 fn bad_frees_during_a_capture_are_errors_and_change_nothing() {
+    let _serial = serial();
     let mm = manager();
     let s = Stream::new().unwrap();
     let pool = mm.graph_pool().unwrap();
@@ -163,6 +178,7 @@ fn bad_frees_during_a_capture_are_errors_and_change_nothing() {
 
 #[test]
 fn other_threads_allocating_during_a_capture_never_touch_the_graphs_memory() {
+    let _serial = serial();
     let mm = Arc::new(manager());
     let s = Stream::new().unwrap();
     let pool = mm.graph_pool().unwrap();
@@ -211,6 +227,7 @@ fn other_threads_allocating_during_a_capture_never_touch_the_graphs_memory() {
 
 #[test]
 fn stream_ordered_modes_route_captures_too() {
+    let _serial = serial();
     // On a GPU the driver turns these into graph memory nodes; on the host
     // fallback the mode is the sync pool and the rules above apply.
     for mode in cumem::DeviceAllocatorMode::ALL {
