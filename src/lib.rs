@@ -20,4 +20,4 @@ pub use arena::{ArenaPlan, DeviceHandle, HostHandle, PlanReport};
 pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, VmBackend};
 pub use device::{DeviceAllocatorMode, Stream};
 pub use error::{Error, OomState, PoolKind, Result};
-pub use manager::{Backend, BackendChoice, Config, MemoryManager, ShutdownReport};
+pub use manager::{Backend, BackendChoice, Config, MemoryManager, PeerAccess, ShutdownReport};

@@ -9,6 +9,7 @@ mod allocator;
 mod context;
 mod cuda_upstream;
 mod native_pool;
+mod peer;
 mod stream;
 pub mod vmm;
 
@@ -16,9 +17,11 @@ pub use allocator::{AsyncStats, DeviceAllocator, DeviceAllocatorMode, DeviceStat
 pub use context::{device_context, driver_status, gpu_for_test, DriverStatus};
 pub use cuda_upstream::{CudaDeviceMemory, CudaPinnedMemory};
 pub use native_pool::{NativePool, NativePoolAttributes};
+pub use peer::{can_access_peer, enable_peer_access, peers_of};
 pub use stream::Stream;
 
 pub(crate) use context::driver_err;
+pub(crate) use peer::{register_mapped, PeerMapped};
 
 use std::sync::Arc;
 

@@ -17,6 +17,52 @@ pub enum BackendChoice {
     Host,
 }
 
+/// Which devices get peer access to which, when their allocators are
+/// created (`CUMEM_CONF` key `peer_access`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PeerAccess {
+    /// None (the default): call
+    /// [`MemoryManager::enable_peer_access`](crate::MemoryManager::enable_peer_access)
+    /// where it is needed.
+    #[default]
+    None,
+    /// Every device to every other device that has a peer path to it
+    /// (`peer_access=all`); pairs without one are skipped.
+    All,
+    /// These `(accessor, owner)` pairs: kernels on the accessor read and
+    /// write the owner's memory (`peer_access=1:0;0:1`).
+    Pairs(Vec<(usize, usize)>),
+}
+
+impl std::str::FromStr for PeerAccess {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("all") {
+            return Ok(PeerAccess::All);
+        }
+        if s.eq_ignore_ascii_case("none") || s.is_empty() {
+            return Ok(PeerAccess::None);
+        }
+        let bad = |item: &str| {
+            Error::Config(format!(
+                "peer_access: '{item}' is not accessor:owner (examples: all, none, 1:0, 1:0;0:1)"
+            ))
+        };
+        let mut pairs = Vec::new();
+        for item in s.split(';').map(str::trim).filter(|i| !i.is_empty()) {
+            let (a, b) = item.split_once(':').ok_or_else(|| bad(item))?;
+            let a: usize = a.trim().parse().map_err(|_| bad(item))?;
+            let b: usize = b.trim().parse().map_err(|_| bad(item))?;
+            if a != b && !pairs.contains(&(a, b)) {
+                pairs.push((a, b));
+            }
+        }
+        Ok(PeerAccess::Pairs(pairs))
+    }
+}
+
 /// How the [`MemoryManager`](crate::MemoryManager) is set up. Build it with
 /// the methods below, or parse it from a string like
 /// `pinned_pool_size=256MiB,device_pool_size=1GiB,mode=sync_pool` (the
@@ -73,6 +119,8 @@ pub struct Config {
     /// Where to write an event log of every allocation and free, in RMM's
     /// CSV format (see [`EventLog`](crate::log::EventLog)); `None`: no log.
     pub log_path: Option<PathBuf>,
+    /// Peer access applied as each device's allocator is created.
+    pub peer_access: PeerAccess,
 }
 
 impl Default for Config {
@@ -93,6 +141,7 @@ impl Default for Config {
             device_thread_cache: false,
             thread_cache_bytes: 256 << 20,
             log_path: None,
+            peer_access: PeerAccess::None,
         }
     }
 }
@@ -220,6 +269,11 @@ impl Config {
         self.backend = backend;
         self
     }
+    /// Sets [`Config::peer_access`].
+    pub fn peer_access(mut self, peers: PeerAccess) -> Self {
+        self.peer_access = peers;
+        self
+    }
     /// Sets [`Config::log_path`]: log every allocation and free to `path`.
     pub fn log(mut self, path: impl Into<PathBuf>) -> Self {
         self.log_path = Some(path.into());
@@ -317,6 +371,7 @@ impl std::str::FromStr for Config {
                         _ => return Err(Error::Config(format!("backend: '{value}' is not auto or host"))),
                     }
                 }
+                "peer_access" => c.peer_access = value.parse()?,
                 "log" if !value.is_empty() => c.log_path = Some(PathBuf::from(value)),
                 "log" => return Err(Error::Config("log: expected a file path".into())),
                 _ => {
@@ -324,7 +379,7 @@ impl std::str::FromStr for Config {
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
                          max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          track_allocations, thread_cache, pinned_thread_cache, \
-                         device_thread_cache, thread_cache_bytes, backend, log)"
+                         device_thread_cache, thread_cache_bytes, backend, peer_access, log)"
                     )))
                 }
             }

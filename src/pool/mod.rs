@@ -344,6 +344,7 @@ impl<U: Upstream> Pool<U> {
                 device_free: self.upstream.device_free(),
                 upstream,
                 hint,
+                device: None,
             }),
         }
     }
