@@ -353,7 +353,9 @@ impl<T: Copy> GrowableBuffer<T> {
         match (self.backend(), other.backend()) {
             (VmBackend::Cuda(a), VmBackend::Cuda(b)) if a != b => {
                 let (Some(dst_ctx), Some(src_ctx)) = (self.ctx.clone(), other.ctx.clone()) else {
-                    return Err(Error::InvalidState(format!("GrowableBuffers on devices {b} and {a} without contexts")));
+                    return Err(Error::InvalidState(format!(
+                        "GrowableBuffers on devices {b} and {a} without contexts"
+                    )));
                 };
                 let bytes = Self::bytes_for(other.len)?;
                 self.reserve(other.len)?;
@@ -363,11 +365,9 @@ impl<T: Copy> GrowableBuffer<T> {
                 // this buffer; the source holds `other.len` values and is
                 // borrowed, so nothing writes to it. `cuMemcpyPeer` runs on
                 // the legacy streams and returns once the copy is done.
-                unsafe {
-                    sys::cuMemcpyPeer(dst as u64, dst_ctx.cu_ctx(), other.device_ptr(), src_ctx.cu_ctx(), bytes)
-                }
-                .result()
-                .map_err(driver_err("cuMemcpyPeer"))?;
+                unsafe { sys::cuMemcpyPeer(dst as u64, dst_ctx.cu_ctx(), other.device_ptr(), src_ctx.cu_ctx(), bytes) }
+                    .result()
+                    .map_err(driver_err("cuMemcpyPeer"))?;
                 vmm::synchronize(&dst_ctx)?;
                 self.len += other.len;
                 Ok(())

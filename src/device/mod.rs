@@ -14,7 +14,7 @@ mod stream;
 pub mod vmm;
 
 pub use allocator::{AsyncStats, DeviceAllocator, DeviceAllocatorMode, DeviceStats};
-pub use context::{device_context, driver_status, gpu_for_test, DriverStatus};
+pub use context::{device_context, driver_status, gpu_for_test, gpus_for_test, DriverStatus};
 pub use cuda_upstream::{CudaDeviceMemory, CudaPinnedMemory};
 pub use native_pool::{NativePool, NativePoolAttributes};
 pub use peer::{can_access_peer, enable_peer_access, peers_of};

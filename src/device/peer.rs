@@ -91,10 +91,7 @@ pub fn can_access_peer(accessor: usize, owner: usize) -> Result<bool> {
 
 fn access_desc(device: usize) -> sys::CUmemAccessDesc {
     sys::CUmemAccessDesc {
-        location: sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: device as i32,
-        },
+        location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device as i32 },
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     }
 }

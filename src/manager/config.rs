@@ -46,9 +46,7 @@ impl std::str::FromStr for PeerAccess {
             return Ok(PeerAccess::None);
         }
         let bad = |item: &str| {
-            Error::Config(format!(
-                "peer_access: '{item}' is not accessor:owner (examples: all, none, 1:0, 1:0;0:1)"
-            ))
+            Error::Config(format!("peer_access: '{item}' is not accessor:owner (examples: all, none, 1:0, 1:0;0:1)"))
         };
         let mut pairs = Vec::new();
         for item in s.split(';').map(str::trim).filter(|i| !i.is_empty()) {

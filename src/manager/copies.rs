@@ -134,7 +134,9 @@ impl MemoryManager {
                 unsafe { std::ptr::copy_nonoverlapping(src as usize as *const u8, dst as usize as *mut u8, size) };
                 Ok(())
             }
-            _ => Err(Error::InvalidState("a peer copy needs a CUDA stream and CUDA memory (or all on the host)".into())),
+            _ => {
+                Err(Error::InvalidState("a peer copy needs a CUDA stream and CUDA memory (or all on the host)".into()))
+            }
         }
     }
 }

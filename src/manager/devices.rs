@@ -13,9 +13,8 @@
 //! addresses, so at most one device knows a pointer. The single-device case
 //! pays nothing for this: the fallback runs only on the error path.
 
-
-use super::{Backend, MemoryManager};
 use super::config::PeerAccess;
+use super::{Backend, MemoryManager};
 use crate::device::{self, DeviceStats, Stream};
 use crate::error::{Error, PoolKind, Result};
 
@@ -65,7 +64,13 @@ impl MemoryManager {
     /// After device `tried` did not know `ptr`: frees it on the initialised
     /// device that does. Returns the first answer other than "unknown
     /// pointer", else `unknown`.
-    pub(crate) fn free_on_owner(&self, ptr: u64, stream: Option<&Stream>, tried: usize, unknown: Error) -> Result<usize> {
+    pub(crate) fn free_on_owner(
+        &self,
+        ptr: u64,
+        stream: Option<&Stream>,
+        tried: usize,
+        unknown: Error,
+    ) -> Result<usize> {
         for (ordinal, cell) in self.devices.iter().enumerate() {
             let Some(d) = cell.get().filter(|_| ordinal != tried) else { continue };
             match d.free(ptr, stream) {

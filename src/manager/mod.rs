@@ -374,7 +374,9 @@ impl MemoryManager {
     pub fn free_device(&self, ptr: u64) -> Result<()> {
         let ordinal = self.config.device;
         let r = match self.device(ordinal)?.free(ptr, None) {
-            Err(e @ Error::UnknownPointer { .. }) if self.devices.len() > 1 => self.free_on_owner(ptr, None, ordinal, e),
+            Err(e @ Error::UnknownPointer { .. }) if self.devices.len() > 1 => {
+                self.free_on_owner(ptr, None, ordinal, e)
+            }
             r => r,
         };
         self.note_free(PoolKind::Device, &r, ptr, 0);
