@@ -119,6 +119,10 @@ pub struct Config {
     pub log_path: Option<PathBuf>,
     /// Peer access applied as each device's allocator is created.
     pub peer_access: PeerAccess,
+    /// How many stand-in devices the host fallback offers (at least 1), so
+    /// that code for several devices runs and is tested without a GPU.
+    /// Ignored on CUDA, where the driver says how many there are.
+    pub host_devices: usize,
 }
 
 impl Default for Config {
@@ -140,6 +144,7 @@ impl Default for Config {
             thread_cache_bytes: 256 << 20,
             log_path: None,
             peer_access: PeerAccess::None,
+            host_devices: 1,
         }
     }
 }
@@ -272,6 +277,11 @@ impl Config {
         self.peer_access = peers;
         self
     }
+    /// Sets [`Config::host_devices`].
+    pub fn host_devices(mut self, count: usize) -> Self {
+        self.host_devices = count;
+        self
+    }
     /// Sets [`Config::log_path`]: log every allocation and free to `path`.
     pub fn log(mut self, path: impl Into<PathBuf>) -> Self {
         self.log_path = Some(path.into());
@@ -370,6 +380,12 @@ impl std::str::FromStr for Config {
                     }
                 }
                 "peer_access" => c.peer_access = value.parse()?,
+                "host_devices" => {
+                    c.host_devices =
+                        value.parse().ok().filter(|n| *n >= 1).ok_or_else(|| {
+                            Error::Config(format!("host_devices: '{value}' is not a count of at least 1"))
+                        })?
+                }
                 "log" if !value.is_empty() => c.log_path = Some(PathBuf::from(value)),
                 "log" => return Err(Error::Config("log: expected a file path".into())),
                 _ => {
@@ -377,7 +393,7 @@ impl std::str::FromStr for Config {
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
                          max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          track_allocations, thread_cache, pinned_thread_cache, \
-                         device_thread_cache, thread_cache_bytes, backend, peer_access, log)"
+                         device_thread_cache, thread_cache_bytes, backend, peer_access, host_devices, log)"
                     )))
                 }
             }

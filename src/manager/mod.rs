@@ -171,7 +171,7 @@ impl MemoryManager {
         };
         let device_count = match &backend {
             Backend::Cuda { devices } => *devices,
-            Backend::Host { .. } => 1,
+            Backend::Host { .. } => config.host_devices.max(1),
         };
         if config.device >= device_count {
             return Err(Error::NoSuchDevice { ordinal: config.device, count: device_count });
@@ -496,9 +496,10 @@ impl MemoryManager {
         summary::render(self)
     }
 
-    /// Stops serving allocations, returns all free memory to the driver,
-    /// and reports what is still live. Live memory stays valid; it is
-    /// returned to the driver when freed. Calling it twice is harmless.
+    /// Stops serving allocations, returns all free memory to the driver
+    /// (the pinned pool and every initialised device), and reports what is
+    /// still live, by device. Live memory stays valid; it is returned to
+    /// the driver when freed. Calling it twice is harmless.
     ///
     /// # Errors
     /// A driver error while releasing memory (what could be released, was).
@@ -508,16 +509,29 @@ impl MemoryManager {
         let before = self.pinned.stats().reserved;
         for b in self.pinned.shutdown()? {
             let site = self.sites.as_ref().and_then(|t| t.site(PoolKind::Pinned, b.addr));
-            report.push(PoolKind::Pinned, b, site);
+            report.push(PoolKind::Pinned, None, b, site);
         }
         report.released_bytes += before - self.pinned.stats().reserved;
+        // Every initialised device, even after one fails: the first error
+        // (naming its device) is returned once all were tried.
+        let mut first_error = None;
         for d in self.devices.iter().filter_map(|c| c.get()) {
             let before = d.pool().stats().reserved;
-            for b in d.shutdown()? {
-                let site = self.sites.as_ref().and_then(|t| t.site(PoolKind::Device, b.addr));
-                report.push(PoolKind::Device, b, site);
+            match d.shutdown() {
+                Ok(live) => {
+                    for b in live {
+                        let site = self.sites.as_ref().and_then(|t| t.site(PoolKind::Device, b.addr));
+                        report.push(PoolKind::Device, Some(d.ordinal()), b, site);
+                    }
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e.on_device(d.ordinal()));
+                }
             }
-            report.released_bytes += before - d.pool().stats().reserved;
+            report.released_bytes += before.saturating_sub(d.pool().stats().reserved);
+        }
+        if let Some(e) = first_error {
+            return Err(e);
         }
         self.flush_event_log()?;
         Ok(report)
