@@ -85,8 +85,9 @@ fn main() -> Result<(), Error> {
         println!("skipped: {devices} GPU present; the peer reduction and peer-copy bandwidth need two or more.");
         return Ok(());
     }
-    let ctxs: Vec<Arc<CudaContext>> =
-        (0..devices).map(|d| cumem::device::device_context(d).map(|c| c.expect("CUDA backend"))).collect::<Result<_, _>>()?;
+    let ctxs: Vec<Arc<CudaContext>> = (0..devices)
+        .map(|d| cumem::device::device_context(d).map(|c| c.expect("CUDA backend")))
+        .collect::<Result<_, _>>()?;
     let streams: Vec<Stream> = (0..devices).map(Stream::new_on).collect::<Result<_, _>>()?;
     let ptx = cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| Error::InvalidState(e.to_string()))?;
     let modules: Vec<_> = ctxs.iter().map(|c| c.load_module(ptx.clone()).map_err(driver)).collect::<Result<_, _>>()?;
@@ -147,7 +148,14 @@ fn main() -> Result<(), Error> {
         // SAFETY: both raw buffers hold COPY_BYTES and live until the
         // stream is synchronised.
         unsafe {
-            sys::cuMemcpyPeerAsync(raw_dst.ptr, ctxs[1].cu_ctx(), raw_src.ptr, ctxs[0].cu_ctx(), COPY_BYTES, s1.cu_stream())
+            sys::cuMemcpyPeerAsync(
+                raw_dst.ptr,
+                ctxs[1].cu_ctx(),
+                raw_src.ptr,
+                ctxs[0].cu_ctx(),
+                COPY_BYTES,
+                s1.cu_stream(),
+            )
         }
         .result()
         .map_err(driver)

@@ -221,7 +221,10 @@ fn pinned_pool_is_page_locked_memory() {
     let Some(ctx) = gpu_for_test("pinned_pool_is_page_locked_memory") else { return };
     let _serial = serial();
     let mm = MemoryManager::global().unwrap();
-    let mut v: PinnedVec<u8> = PinnedVec::with_capacity_in(1 << 20, PinnedAlloc);
+    // The fallible form: a refusal fails the test with its reason instead
+    // of aborting the whole binary in `handle_alloc_error`.
+    let mut v: PinnedVec<u8> = PinnedVec::new_in(PinnedAlloc);
+    v.try_reserve_exact(1 << 20).unwrap_or_else(|e| panic!("{e:?}: {:?}", PinnedAlloc::last_error()));
     v.resize(1 << 20, 3);
     let mut flags = 0u32;
     ctx.bind_to_thread().unwrap();
