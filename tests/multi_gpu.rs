@@ -179,6 +179,7 @@ fn gpu_allocations_land_on_the_streams_device_and_frees_reach_the_owner() {
         let mm = MemoryManager::new(config).unwrap();
         for (d, s) in streams.iter().enumerate() {
             let p = mm.allocate_device_on(1 << 20, s).unwrap();
+            s.synchronize().unwrap(); // a stream-ordered allocation exists once its stream gets there
             assert_eq!(device_of(p), d as i32, "{name}: allocate_device_on a device-{d} stream");
             let q = mm.allocate_device_for(d, 1 << 20).unwrap();
             assert_eq!(device_of(q), d as i32, "{name}: allocate_device_for({d})");
@@ -369,4 +370,15 @@ fn gpu_peer_copies_and_pinned_memory_from_device_1() {
     s1.synchronize().unwrap();
     assert_eq!(&back[..], &data[..]);
     mm.free_device_on(d1, &s1).unwrap();
+}
+
+#[test]
+fn a_mode_set_before_a_device_is_first_used_holds_for_it() {
+    let mm = host_manager(2);
+    mm.set_device_allocator_mode(DeviceAllocatorMode::AsyncStreamOrdered).unwrap();
+    // Device 1 is created now; it takes the mode asked for, falling back to
+    // the sync pool on the host as device 0 does.
+    let d1 = mm.device(1).unwrap();
+    assert_eq!(d1.requested_mode(), DeviceAllocatorMode::AsyncStreamOrdered);
+    assert_eq!(d1.effective_mode(), mm.effective_device_allocator_mode());
 }

@@ -144,17 +144,26 @@ impl<T: Copy> GrowableBuffer<T> {
 
     fn map(&mut self, offset: usize, size: usize) -> Result<()> {
         let result = self.region().map(offset, size);
-        if let Err(e) = &result {
-            if vmm::is_out_of_memory(e) {
+        if let Err(e) = result {
+            let device = self.ctx.as_ref().map(|c| c.ordinal());
+            if vmm::is_out_of_memory(&e) {
                 let device_free = self.ctx.as_deref().and_then(|c| vmm::memory_info(c).ok()).map(|(f, _)| f);
                 return Err(Error::OutOfMemory {
                     pool: PoolKind::Device,
                     requested: size,
-                    state: Box::new(OomState { upstream: Some(e.to_string()), device_free, ..Default::default() }),
+                    state: Box::new(OomState {
+                        upstream: Some(e.to_string()),
+                        device_free,
+                        device,
+                        ..Default::default()
+                    }),
                 });
             }
+            return Err(match device {
+                Some(d) => e.on_device(d),
+                None => e,
+            });
         }
-        result?;
         self.stats.pieces_mapped += 1;
         Ok(())
     }

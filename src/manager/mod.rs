@@ -325,7 +325,13 @@ impl MemoryManager {
         let mut pc = self.config.device_pool_config();
         // A size set with `set_device_pool_size` wins over the config's.
         pc.initial_size = *crate::sync::lock(&self.device_pool_size);
-        Ok(DeviceAllocator::new(ordinal, ctx, Pool::new(upstream, pc), self.config.mode, self.config.release_threshold))
+        // A mode set with `set_device_allocator_mode` (recorded on the
+        // default device, which it creates) holds for devices made later.
+        let mode = match self.devices[self.config.device].get() {
+            Some(d) if ordinal != self.config.device => d.requested_mode(),
+            _ => self.config.mode,
+        };
+        Ok(DeviceAllocator::new(ordinal, ctx, Pool::new(upstream, pc), mode, self.config.release_threshold))
     }
 
     /// Allocates `size` bytes of device memory on the default device,
