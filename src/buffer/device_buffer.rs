@@ -183,7 +183,8 @@ impl<T: Copy> DeviceBuffer<T> {
                 // synchronous call; the destination is this buffer.
                 unsafe { sys::cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), self.num_bytes()) }
                     .result()
-                    .map_err(driver_err("cuMemcpyHtoD"))?;
+                    .map_err(driver_err("cuMemcpyHtoD"))
+                    .map_err(|e| e.on_device(self.device))?;
                 // From pageable memory the call may return once the data is
                 // staged, before it reaches the device; the copy runs on the
                 // legacy stream, which non-blocking streams don't wait for.
@@ -221,6 +222,7 @@ impl<T: Copy> DeviceBuffer<T> {
         unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), self.ptr, self.num_bytes()) }
             .result()
             .map_err(driver_err("cuMemcpyDtoH"))
+            .map_err(|e| e.on_device(self.device))
     }
 
     /// The contents, copied to a new `Vec`.
@@ -332,12 +334,15 @@ impl<T: Copy> DeviceBuffer<T> {
     /// memset functions run (`cuStreamSynchronize(0)`).
     fn sync_legacy_stream(&self) -> Result<()> {
         // SAFETY: the null stream is always valid in the current context.
-        unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result().map_err(driver_err("cuStreamSynchronize"))
+        unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }
+            .result()
+            .map_err(driver_err("cuStreamSynchronize"))
+            .map_err(|e| e.on_device(self.device))
     }
 
     fn bind(&self) -> Result<()> {
         if let Some(ctx) = self.mm.device(self.device)?.context() {
-            ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+            ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent")).map_err(|e| e.on_device(self.device))?;
         }
         Ok(())
     }
@@ -357,7 +362,10 @@ impl<T: Copy + DeviceRepr> DeviceBuffer<T> {
         }
         self.bind()?;
         // SAFETY: the range is exactly this buffer.
-        unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.num_bytes()) }.result().map_err(driver_err("cuMemsetD8"))?;
+        unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.num_bytes()) }
+            .result()
+            .map_err(driver_err("cuMemsetD8"))
+            .map_err(|e| e.on_device(self.device))?;
         // The memset may still be running on the legacy stream.
         self.sync_legacy_stream()
     }
