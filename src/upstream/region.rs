@@ -173,8 +173,10 @@ impl Region {
     /// Reserves at least `size` bytes on `backend`. With `headroom`, the
     /// addresses after the range are cleared first (a larger range is
     /// reserved and given back, and the new one placed at its start), so
-    /// that later growth can extend in place.
-    pub(crate) fn reserve(backend: &VmBackend, size: usize, headroom: bool) -> Result<Self> {
+    /// that later growth can extend in place. Private: regions are made
+    /// with [`reserve_shared`](Self::reserve_shared), which registers them
+    /// for peer access.
+    fn reserve(backend: &VmBackend, size: usize, headroom: bool) -> Result<Self> {
         let space = match backend {
             VmBackend::Host => Space::Host { page: page_size() },
             VmBackend::Cuda(ordinal) => {
