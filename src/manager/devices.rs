@@ -104,7 +104,10 @@ impl MemoryManager {
     /// future), the default and dedicated native pools
     /// (`cuMemPoolSetAccess`), and so the arena's blocks. One-way: call it
     /// with the roles swapped for the other direction. Granting twice, or
-    /// `accessor == owner`, is harmless.
+    /// `accessor == owner`, is harmless. The grant is process-wide (the
+    /// devices' primary contexts are shared): every manager and every
+    /// growable buffer sees it. On the host fallback it only checks the
+    /// ordinals.
     ///
     /// # Errors
     /// [`Error::NoSuchDevice`]; [`Error::PeerAccess`] when the two devices
