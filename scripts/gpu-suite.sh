@@ -4,10 +4,18 @@
 #   scripts/gpu-suite.sh build          # here: build test, example, bench and tool
 #                                       # binaries, copy them (stripped) into gpu-bin/
 #   scripts/gpu-suite.sh run [what...]  # there: run them with CUMEM_REQUIRE_GPU=1;
-#                                       # what = tests examples benches replay (default: all)
+#                                       # what = tests examples benches replay (default: all),
+#                                       # tests-device1 (the test binaries again with
+#                                       # CUMEM_CONF=device=1: needs two GPUs),
+#                                       # memcheck (compute-sanitizer over tests/multi_gpu.rs),
+#                                       # bench:NAME (one bench)
+#
+# Two GPUs: CUMEM_GPUS=2 scripts/gpu-suite.sh run tests tests-device1 examples
+# (CUMEM_GPUS=2 makes the two-GPU tests fail instead of skipping when a GPU
+# is missing). One GPU: scripts/gpu-suite.sh run tests examples
 #
 # gpu-bin/ is git-ignored; carry it to the GPU machine. Logs go to $OUT (or
-# gpu-logs/) when set.
+# gpu-logs/) when set, and every run bundles them into gpu-logs.tar.gz there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=gpu-bin
@@ -62,16 +70,21 @@ run() {
     [ ${#what[@]} -eq 0 ] && what=(tests examples benches replay)
     local failed=0
     nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1 | tee "$out/gpu.txt"
+    echo "CUMEM_GPUS=${CUMEM_GPUS:-unset} CUMEM_CONF=${CUMEM_CONF:-unset}" | tee -a "$out/gpu.txt"
     for w in "${what[@]}"; do
         case "$w" in
-        tests)
-            for t in "$BIN"/tests/*; do
-                echo "== $t"
-                if ! "$t" --test-threads=4 >"$out/$(basename "$t").log" 2>&1; then
-                    echo "FAILED: $t"; tail -40 "$out/$(basename "$t").log"; failed=1
-                else
-                    grep -E "test result|skipped" "$out/$(basename "$t").log" | tail -3
+        tests) run_tests "$out" "" || failed=1 ;;
+        tests-device1) CUMEM_CONF=device=1 run_tests "$out" "-device1" || failed=1 ;;
+        memcheck)
+            for t in "$BIN"/tests/test-multi_gpu; do
+                [ -e "$t" ] || continue
+                echo "== compute-sanitizer memcheck $t"
+                # The control that faults on purpose is left out.
+                if ! timeout 600 compute-sanitizer --tool memcheck --error-exitcode 3 "$t" --test-threads=1 \
+                    --skip gpu_without_peer_access >"$out/memcheck-$(basename "$t").log" 2>&1; then
+                    echo "FAILED: memcheck $t"; failed=1
                 fi
+                grep -E "ERROR SUMMARY|test result" "$out/memcheck-$(basename "$t").log" | tail -3
             done
             ;;
         examples)
@@ -111,11 +124,27 @@ run() {
         *) echo "unknown part: $w"; failed=1 ;;
         esac
     done
+    tar czf "$out/gpu-logs.tar.gz" --exclude=gpu-logs.tar.gz -C "$out" . && echo "logs: $out/gpu-logs.tar.gz"
+    return $failed
+}
+
+# Runs every test binary; logs are named after the binary plus $2.
+run_tests() {
+    local out=$1 suffix=$2 failed=0
+    for t in "$BIN"/tests/*; do
+        local log="$out/$(basename "$t")$suffix.log"
+        echo "== $t${CUMEM_CONF:+ (CUMEM_CONF=$CUMEM_CONF)}"
+        if ! "$t" --test-threads=4 >"$log" 2>&1; then
+            echo "FAILED: $t"; tail -40 "$log"; failed=1
+        else
+            grep -E "test result|skipped" "$log" | tail -3
+        fi
+    done
     return $failed
 }
 
 case "${1:-}" in
 build) build ;;
 run) shift; run "$@" ;;
-*) echo "usage: $0 build | run [tests|examples|benches|replay]..." >&2; exit 2 ;;
+*) echo "usage: $0 build | run [tests|tests-device1|memcheck|examples|benches|bench:NAME|replay]..." >&2; exit 2 ;;
 esac

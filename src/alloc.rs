@@ -18,6 +18,18 @@ use crate::pool::MAX_ALIGN;
 /// `grow` and `shrink` resize in place when the block after the allocation
 /// is free, and otherwise allocate, copy and free.
 ///
+/// # Errors, not aborts
+/// Every refusal (out of pinned memory, an alignment over 2 MiB, an
+/// absurd size, the manager shut down or not configurable) is an
+/// [`AllocError`]; [`PinnedAlloc::last_error`] then says why. What a
+/// collection does with an `AllocError` is its own rule: the infallible
+/// methods (`push`, `with_capacity_in`, `reserve`, `resize`, `Box::new_in`)
+/// abort the process through `handle_alloc_error`, as every Rust
+/// collection does. Where a refusal is possible, use the fallible forms
+/// (`try_reserve`, `try_reserve_exact`, `Box::try_new_in`), which return
+/// the error instead. cumem's own code never grows a pinned collection
+/// infallibly.
+///
 /// # Examples
 /// ```
 /// use cumem::{PinnedAlloc, PinnedVec};
@@ -35,8 +47,39 @@ pub type PinnedVec<T> = allocator_api2::vec::Vec<T, PinnedAlloc>;
 /// A `Box` in pinned host memory.
 pub type PinnedBox<T> = allocator_api2::boxed::Box<T, PinnedAlloc>;
 
+thread_local! {
+    /// Why this thread's last `PinnedAlloc` request was refused.
+    static LAST_ERROR: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Records why a request was refused, for [`PinnedAlloc::last_error`], and
+/// turns it into the trait's error.
+fn refused(why: impl std::fmt::Display) -> AllocError {
+    let text = why.to_string();
+    // A thread being torn down has no slot left: nothing to record then.
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = Some(text));
+    AllocError
+}
+
 fn manager() -> Result<&'static MemoryManager, AllocError> {
-    MemoryManager::global().map_err(|_| AllocError)
+    MemoryManager::global().map_err(refused)
+}
+
+impl PinnedAlloc {
+    /// Why this thread's most recent refused request was refused (the
+    /// [`Error`](crate::Error)'s message), or `None` if none was. An
+    /// [`AllocError`] carries no reason; this does.
+    ///
+    /// # Examples
+    /// ```
+    /// use cumem::{PinnedAlloc, PinnedVec};
+    /// let mut v: PinnedVec<u8> = PinnedVec::new_in(PinnedAlloc);
+    /// assert!(v.try_reserve(usize::MAX / 2).is_err()); // an error, no abort
+    /// assert!(PinnedAlloc::last_error().is_some());
+    /// ```
+    pub fn last_error() -> Option<String> {
+        LAST_ERROR.try_with(|e| e.borrow().clone()).ok().flatten()
+    }
 }
 
 fn dangling(layout: Layout) -> NonNull<[u8]> {
@@ -58,11 +101,11 @@ unsafe impl Allocator for PinnedAlloc {
             return Ok(dangling(layout));
         }
         if layout.align() > MAX_ALIGN {
-            return Err(AllocError);
+            return Err(refused(crate::Error::InvalidAlignment { align: layout.align(), max: MAX_ALIGN }));
         }
         let mm = manager()?;
-        let a = mm.allocate_pinned_block(layout.size(), layout.align()).map_err(|_| AllocError)?;
-        let ptr = NonNull::new(a.addr as *mut u8).ok_or(AllocError)?;
+        let a = mm.allocate_pinned_block(layout.size(), layout.align()).map_err(refused)?;
+        let ptr = NonNull::new(a.addr as *mut u8).ok_or_else(|| refused("the pinned pool returned address 0"))?;
         Ok(NonNull::slice_from_raw_parts(ptr, a.size))
     }
 

@@ -43,6 +43,9 @@ pub struct OomState {
     pub upstream: Option<String>,
     /// Advice that applies to this failure, if any.
     pub hint: Option<&'static str>,
+    /// The device whose memory ran out, when the request was for device
+    /// memory of a known device.
+    pub device: Option<usize>,
 }
 
 /// Everything that can go wrong in cumem.
@@ -121,12 +124,14 @@ pub enum Error {
     #[error("the memory manager is shut down; {0} is no longer possible")]
     ShutDown(&'static str),
     /// A CUDA driver call failed.
-    #[error("CUDA driver call {call} failed: {message}")]
+    #[error("CUDA driver call {call} failed{}: {message}", on_device(*device))]
     Driver {
         /// The driver function.
         call: &'static str,
         /// The driver's error name and text.
         message: String,
+        /// The device the call worked on, where cumem knows it.
+        device: Option<usize>,
     },
     /// The operation needs a GPU and the crate runs on the host fallback.
     #[error("{0} needs a CUDA device; cumem runs on the host fallback here")]
@@ -136,6 +141,17 @@ pub enum Error {
     UnsupportedMode {
         /// The mode asked for.
         mode: &'static str,
+        /// Why not.
+        reason: String,
+    },
+    /// Peer access between two devices that can't have it, or that the
+    /// driver refused.
+    #[error("device {accessor} can't access the memory of device {owner}: {reason}")]
+    PeerAccess {
+        /// The device whose kernels were to access the memory.
+        accessor: usize,
+        /// The device that owns the memory.
+        owner: usize,
         /// Why not.
         reason: String,
     },
@@ -216,7 +232,29 @@ impl fmt::Display for OomState {
         if let Some(hint) = self.hint {
             write!(f, " (hint: {hint})")?;
         }
+        if let Some(device) = self.device {
+            write!(f, "; device {device}")?;
+        }
         Ok(())
+    }
+}
+
+fn on_device(device: Option<usize>) -> String {
+    device.map_or_else(String::new, |d| format!(" on device {d}"))
+}
+
+impl Error {
+    /// The same error, naming device `ordinal` where it concerns a device
+    /// and names none yet (driver errors, device out-of-memory).
+    pub(crate) fn on_device(mut self, ordinal: usize) -> Error {
+        match &mut self {
+            Error::Driver { device, .. } if device.is_none() => *device = Some(ordinal),
+            Error::OutOfMemory { pool: PoolKind::Device, state, .. } if state.device.is_none() => {
+                state.device = Some(ordinal)
+            }
+            _ => {}
+        }
+        self
     }
 }
 

@@ -21,5 +21,6 @@ pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, VmBackend};
 pub use device::{DeviceAllocatorMode, GraphPool, GraphStats, Stream};
 pub use error::{Error, OomState, PoolKind, Result};
 pub use manager::{
-    Backend, BackendChoice, CaptureScope, CapturedGraph, Config, GraphCapture, MemoryManager, ShutdownReport,
+    Backend, BackendChoice, CaptureScope, CapturedGraph, Config, GraphCapture, MemoryManager, PeerAccess,
+    ShutdownReport,
 };

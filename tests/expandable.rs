@@ -143,7 +143,7 @@ fn cuda_vmm_needs_a_gpu_here() {
 #[test]
 fn gpu_pool_over_cuda_vmm_grows_as_one_chunk() {
     let Some(ctx) = cumem::device::gpu_for_test("gpu_pool_over_cuda_vmm_grows_as_one_chunk") else { return };
-    let up = CudaVmm::new(0).unwrap();
+    let up = CudaVmm::new(ctx.ordinal()).unwrap();
     assert_eq!(up.granularity() % (2 * MIB), 0);
     println!("reserved {} B at {:#x}, granularity {} B", up.reserved(), up.base(), up.granularity());
     let pool = Pool::new(up, PoolConfig::new(PoolKind::Device));

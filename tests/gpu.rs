@@ -26,6 +26,13 @@ extern "C" __global__ void saxpy(float* y, const float* x, float a, unsigned lon
 }
 "#;
 
+/// A configuration on the default device (`CUMEM_CONF`'s `device`), the
+/// device `gpu_for_test` hands out: the suite runs on device 1 with
+/// `CUMEM_CONF=device=1`, and kernels only touch their own device's memory.
+fn config() -> Config {
+    Config::new().device(Config::from_env().map_or(0, |c| c.device))
+}
+
 fn module(ctx: &Arc<CudaContext>) -> Arc<CudaModule> {
     let ptx = cudarc::nvrtc::compile_ptx(KERNELS).expect("NVRTC compiles the test kernels");
     ctx.load_module(ptx).expect("the module loads")
@@ -76,7 +83,7 @@ fn reuse_on_another_stream_waits_for_the_first() {
     let Some(ctx) = gpu_for_test("reuse_on_another_stream_waits_for_the_first") else { return };
     let _serial = serial();
     // A manager of its own, so the free block B gets is predictable.
-    let mm = MemoryManager::new(Config::new()).unwrap();
+    let mm = MemoryManager::new(config()).unwrap();
     let m = module(&ctx);
     let fill = func(&m, "fill");
     let spin = func(&m, "fill_then_spin");
@@ -147,7 +154,7 @@ fn reuse_on_another_stream_waits_for_the_first() {
 fn every_mode_allocates_real_device_memory() {
     let Some(ctx) = gpu_for_test("every_mode_allocates_real_device_memory") else { return };
     let _serial = serial();
-    let mm = MemoryManager::new(Config::new()).unwrap();
+    let mm = MemoryManager::new(config()).unwrap();
     assert!(mm.supports_async_device_allocator(), "H100/H200 support memory pools");
     let stream = Stream::from_cudarc(ctx.new_stream().unwrap());
     let mut live = Vec::new();
@@ -172,7 +179,7 @@ fn every_mode_allocates_real_device_memory() {
     for (mode, d) in live {
         mm.free_device(d).unwrap_or_else(|e| panic!("freeing a {mode} allocation: {e}"));
     }
-    let st = mm.device_stats(0).unwrap();
+    let st = mm.device_stats(mm.config().device).unwrap();
     assert_eq!(st.stream_ordered.live, 0);
     assert_eq!(st.pool.live_blocks, 0);
     assert!(st.native_pool.is_some() && st.default_pool.is_some());
@@ -185,11 +192,10 @@ fn every_mode_allocates_real_device_memory() {
 fn native_pool_attributes_trim_and_high_water() {
     let Some(ctx) = gpu_for_test("native_pool_attributes_trim_and_high_water") else { return };
     let _serial = serial();
-    let mm =
-        MemoryManager::new(Config::new().mode(DeviceAllocatorMode::CudaAsyncPool).release_threshold(u64::MAX)).unwrap();
+    let mm = MemoryManager::new(config().mode(DeviceAllocatorMode::CudaAsyncPool).release_threshold(u64::MAX)).unwrap();
     let stream = Stream::from_cudarc(ctx.new_stream().unwrap());
     let ptrs: Vec<u64> = (0..8).map(|_| mm.allocate_device_on(32 << 20, &stream).unwrap()).collect();
-    let dev = mm.device(0).unwrap();
+    let dev = mm.device(mm.config().device).unwrap();
     let attrs = dev.native_pool().unwrap().attributes().unwrap();
     assert!(attrs.used_current >= 256 << 20, "{attrs:?}");
     assert!(attrs.reserved_current >= attrs.used_current, "{attrs:?}");
@@ -215,7 +221,10 @@ fn pinned_pool_is_page_locked_memory() {
     let Some(ctx) = gpu_for_test("pinned_pool_is_page_locked_memory") else { return };
     let _serial = serial();
     let mm = MemoryManager::global().unwrap();
-    let mut v: PinnedVec<u8> = PinnedVec::with_capacity_in(1 << 20, PinnedAlloc);
+    // The fallible form: a refusal fails the test with its reason instead
+    // of aborting the whole binary in `handle_alloc_error`.
+    let mut v: PinnedVec<u8> = PinnedVec::new_in(PinnedAlloc);
+    v.try_reserve_exact(1 << 20).unwrap_or_else(|e| panic!("{e:?}: {:?}", PinnedAlloc::last_error()));
     v.resize(1 << 20, 3);
     let mut flags = 0u32;
     ctx.bind_to_thread().unwrap();
@@ -230,7 +239,7 @@ fn out_of_memory_is_recoverable_and_nothing_leaks() {
     let Some(ctx) = gpu_for_test("out_of_memory_is_recoverable_and_nothing_leaks") else { return };
     let _serial = serial();
     let (free_before, _) = ctx.mem_get_info().unwrap();
-    let mm = MemoryManager::new(Config::new().expandable(false)).unwrap();
+    let mm = MemoryManager::new(config().expandable(false)).unwrap();
     let chunk = 1usize << 30;
     let mut held = Vec::new();
     let err = loop {
@@ -343,7 +352,7 @@ fn random_cross_stream_reuse_with_thread_caches_never_races() {
     let name = "random_cross_stream_reuse_with_thread_caches_never_races";
     let Some(ctx) = gpu_for_test(name) else { return };
     let _serial = serial();
-    let mm = MemoryManager::new(Config::new().device_thread_cache(true)).unwrap();
+    let mm = MemoryManager::new(config().device_thread_cache(true)).unwrap();
     let streams: Vec<Stream> = (0..4).map(|_| Stream::new().unwrap()).collect();
     let (count, cached) = random_rounds(&ctx, &mm, &streams);
     assert_eq!(count, 0, "{count} elements were overwritten by a premature reuse");
@@ -354,7 +363,7 @@ fn random_cross_stream_reuse_with_thread_caches_never_races() {
 fn random_cross_stream_reuse_never_races() {
     let Some(ctx) = gpu_for_test("random_cross_stream_reuse_never_races") else { return };
     let _serial = serial();
-    let mm = MemoryManager::new(Config::new()).unwrap();
+    let mm = MemoryManager::new(config()).unwrap();
     let streams: Vec<Stream> = (0..4).map(|_| Stream::new().unwrap()).collect();
     let (mut count, _) = random_rounds(&ctx, &mm, &streams);
     assert_eq!(count, 0, "{count} elements were overwritten by a premature reuse");
@@ -367,7 +376,7 @@ fn random_cross_stream_reuse_never_races() {
     // SAFETY: as above.
     unsafe { cudarc::driver::sys::cuMemsetD8_v2(errors, 0, 8) }.result().unwrap();
     ctx.synchronize().unwrap();
-    let fresh = MemoryManager::new(Config::new()).unwrap();
+    let fresh = MemoryManager::new(config()).unwrap();
     let n = 1usize << 16;
     let (nn, cycles) = (n as u64, 20_000_000i64);
     let a = fresh.allocate_device_on(n * 4, &streams[0]).unwrap();

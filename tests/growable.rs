@@ -192,14 +192,14 @@ fn automatic_backend_matches_driver_status() {
 
 #[test]
 fn gpu_growable_many_grows_keep_contents() {
-    let Some(_ctx) = cumem::device::gpu_for_test("gpu_growable_many_grows_keep_contents") else { return };
-    let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(0), 1).unwrap();
+    let Some(ctx) = cumem::device::gpu_for_test("gpu_growable_many_grows_keep_contents") else { return };
+    let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(ctx.ordinal()), 1).unwrap();
     assert_eq!(buf.granularity() % (2 << 20), 0, "VMM granularity {}", buf.granularity());
     let paths = fill_and_check(&mut buf, 24, 400_000);
     println!("paths: {paths:?}, stats: {:?}", buf.stats());
     assert!(paths.len() >= 3);
     // Device-to-device appends (cuMemcpyDtoD) from another buffer.
-    let mut other = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(0), 1).unwrap();
+    let mut other = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(ctx.ordinal()), 1).unwrap();
     other.extend_from_buffer(&buf).unwrap();
     other.extend_from_buffer(&buf).unwrap();
     let mut want = pattern(0, buf.len());
@@ -209,8 +209,8 @@ fn gpu_growable_many_grows_keep_contents() {
 
 #[test]
 fn gpu_growable_pointer_stable_in_place() {
-    let Some(_ctx) = cumem::device::gpu_for_test("gpu_growable_pointer_stable_in_place") else { return };
-    let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(0), 1 << 19).unwrap();
+    let Some(ctx) = cumem::device::gpu_for_test("gpu_growable_pointer_stable_in_place") else { return };
+    let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(ctx.ordinal()), 1 << 19).unwrap();
     println!("headroom guard: {} B", buf.headroom_bytes());
     buf.extend_from_host(&pattern(0, 1 << 19)).unwrap();
     let mut ptr = buf.device_ptr();
@@ -230,7 +230,7 @@ fn gpu_growable_pointer_stable_in_place() {
 fn gpu_growable_remap_path_forced() {
     let Some(ctx) = cumem::device::gpu_for_test("gpu_growable_remap_path_forced") else { return };
     let gran = vmm::granularity(&ctx).unwrap().minimum;
-    let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(0), 1).unwrap();
+    let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(ctx.ordinal()), 1).unwrap();
     buf.set_headroom(false);
     let mut blockers = Vec::new();
     for round in 0..6 {
@@ -261,7 +261,7 @@ fn gpu_growable_beyond_half_of_free_memory() {
     let (free, total) = vmm::memory_info(&ctx).unwrap();
     let target = free / 4 * 3;
     println!("device free {free} B of {total} B; growing to {target} B");
-    let mut buf = GrowableBuffer::<u8>::with_capacity_on(VmBackend::Cuda(0), 2 << 20).unwrap();
+    let mut buf = GrowableBuffer::<u8>::with_capacity_on(VmBackend::Cuda(ctx.ordinal()), 2 << 20).unwrap();
     let head: Vec<u8> = (0..1 << 20).map(|i| (i * 7 + 3) as u8).collect();
     buf.extend_from_host(&head).unwrap();
     let mut crossed_half = false;

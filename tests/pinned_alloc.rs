@@ -7,8 +7,16 @@ use std::alloc::Layout;
 use allocator_api2::alloc::Allocator;
 use cumem::{MemoryManager, PinnedAlloc, PinnedBox, PinnedVec};
 
+/// The global manager, so that a manager that can't be had (for example
+/// `CUMEM_CONF=device=1` on a one-GPU machine) fails the test with its
+/// error instead of aborting inside a collection's infallible growth.
+fn manager() -> &'static MemoryManager {
+    MemoryManager::global().unwrap_or_else(|e| panic!("the global manager: {e}"))
+}
+
 #[test]
 fn vec_push_grow_shrink_keeps_contents() {
+    manager();
     for round in 0..20u32 {
         let mut v: PinnedVec<u64> = PinnedVec::new_in(PinnedAlloc);
         let n = 1000 + round as usize * 3777;
@@ -34,6 +42,7 @@ fn vec_push_grow_shrink_keeps_contents() {
 
 #[test]
 fn box_and_zero_sized_types() {
+    manager();
     let b: PinnedBox<[u8; 4096]> = PinnedBox::new_in([7u8; 4096], PinnedAlloc);
     assert!(b.iter().all(|&x| x == 7));
     let z: PinnedBox<()> = PinnedBox::new_in((), PinnedAlloc);
@@ -54,6 +63,7 @@ fn box_and_zero_sized_types() {
 
 #[test]
 fn hashbrown_map_in_pinned_memory() {
+    manager();
     let mut m: hashbrown::HashMap<u32, String, hashbrown::DefaultHashBuilder, PinnedAlloc> =
         hashbrown::HashMap::with_hasher_in(hashbrown::DefaultHashBuilder::default(), PinnedAlloc);
     for i in 0..20_000u32 {
@@ -70,7 +80,7 @@ fn hashbrown_map_in_pinned_memory() {
 
 #[test]
 fn grow_in_place_when_the_next_block_is_free() {
-    let mm = MemoryManager::global().unwrap();
+    let mm = manager();
     // A large block whose tail stays free: shrink it, then grow it back.
     let l = Layout::from_size_align(1 << 20, 256).unwrap();
     let p = PinnedAlloc.allocate(l).unwrap();
@@ -97,6 +107,7 @@ fn grow_in_place_when_the_next_block_is_free() {
 
 #[test]
 fn grow_moves_when_the_next_block_is_taken() {
+    manager();
     let a_layout = Layout::from_size_align(4096, 256).unwrap();
     let a = PinnedAlloc.allocate(a_layout).unwrap().cast::<u8>();
     let b = PinnedAlloc.allocate(a_layout).unwrap().cast::<u8>();
@@ -120,4 +131,25 @@ fn grow_moves_when_the_next_block_is_taken() {
         PinnedAlloc.deallocate(moved, z);
         PinnedAlloc.deallocate(b, a_layout);
     }
+}
+
+#[test]
+fn refusals_are_errors_with_a_reason_not_aborts() {
+    manager();
+    let mut v: PinnedVec<u8> = PinnedVec::new_in(PinnedAlloc);
+    v.extend_from_slice(&[1, 2, 3]);
+    // More than any machine has: the pool refuses, the fallible form
+    // returns the error, and the vector is unchanged.
+    assert!(v.try_reserve(isize::MAX as usize / 2 + 4096).is_err());
+    let why = PinnedAlloc::last_error().expect("the refusal's reason is kept");
+    assert!(why.contains("invalid size"), "{why}");
+    assert_eq!(&v[..], &[1, 2, 3]);
+    // An alignment over the pool's limit.
+    let l = Layout::from_size_align(4096, 1 << 22).unwrap();
+    assert!(PinnedAlloc.allocate(l).is_err());
+    assert!(PinnedAlloc::last_error().unwrap().contains("alignment"));
+    // A box through the fallible constructor.
+    assert!(PinnedBox::try_new_in([0u8; 64], PinnedAlloc).is_ok());
+    v.try_reserve(1 << 20).unwrap();
+    assert!(v.capacity() >= (1 << 20) + 3);
 }

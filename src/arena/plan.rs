@@ -101,13 +101,40 @@ impl ArenaPlan {
     /// # Errors
     /// The manager's allocation errors.
     pub fn with_manager(mm: &'static MemoryManager, host_bytes: usize, device_bytes: usize) -> Result<Self> {
+        Self::with_manager_on_device(mm, mm.config().device, host_bytes, device_bytes)
+    }
+
+    /// As [`new`](Self::new), with the device block on device `ordinal`
+    /// (pinned memory serves every device).
+    ///
+    /// # Errors
+    /// [`Error::NoSuchDevice`]; the manager's allocation errors.
+    #[cfg(not(loom))]
+    pub fn new_on_device(ordinal: usize, host_bytes: usize, device_bytes: usize) -> Result<Self> {
+        Self::with_manager_on_device(MemoryManager::global()?, ordinal, host_bytes, device_bytes)
+    }
+
+    /// As [`with_manager`](Self::with_manager), with the device block on
+    /// device `ordinal`.
+    ///
+    /// # Errors
+    /// [`Error::NoSuchDevice`]; the manager's allocation errors.
+    pub fn with_manager_on_device(
+        mm: &'static MemoryManager,
+        ordinal: usize,
+        host_bytes: usize,
+        device_bytes: usize,
+    ) -> Result<Self> {
         let ctx = match mm.backend() {
-            Backend::Cuda { .. } => mm.default_device()?.context().cloned(),
-            Backend::Host { .. } => None,
+            Backend::Cuda { .. } => mm.device(ordinal)?.context().cloned(),
+            Backend::Host { .. } => {
+                mm.device(ordinal)?;
+                None
+            }
         };
         let host = if host_bytes > 0 { Some(mm.allocate_pinned(host_bytes)?) } else { None };
         let device = if device_bytes > 0 {
-            match mm.allocate_device(device_bytes) {
+            match mm.allocate_device_for(ordinal, device_bytes) {
                 Ok(d) => Some(d),
                 Err(e) => {
                     if let Some(h) = host {

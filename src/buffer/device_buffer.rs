@@ -11,7 +11,9 @@ use crate::error::{Error, Result};
 use crate::manager::MemoryManager;
 
 /// `len` values of `T` in device memory, allocated by the global
-/// [`MemoryManager`] on its default device.
+/// [`MemoryManager`]: on the device of the stream it is made on
+/// ([`new_on`](Self::new_on)), on a device named by ordinal
+/// ([`new_on_device`](Self::new_on_device)), or on the default device.
 ///
 /// Device memory is never exposed as a host reference: the contents move
 /// through copies ([`copy_from_host`](Self::copy_from_host),
@@ -33,6 +35,8 @@ use crate::manager::MemoryManager;
 pub struct DeviceBuffer<T> {
     ptr: u64,
     len: usize,
+    /// The device the memory is on.
+    device: usize,
     stream: Option<Stream>,
     mm: &'static MemoryManager,
     _marker: PhantomData<T>,
@@ -47,7 +51,11 @@ unsafe impl<T: Sync> Sync for DeviceBuffer<T> {}
 
 impl<T> std::fmt::Debug for DeviceBuffer<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceBuffer").field("ptr", &format_args!("{:#x}", self.ptr)).field("len", &self.len).finish()
+        f.debug_struct("DeviceBuffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("device", &self.device)
+            .finish()
     }
 }
 
@@ -57,33 +65,59 @@ fn bytes_of<T>(len: usize) -> Result<usize> {
 }
 
 impl<T: Copy> DeviceBuffer<T> {
-    /// Uninitialised device memory for `len` values, usable at once by any
-    /// stream.
+    /// Uninitialised device memory for `len` values on the default device,
+    /// usable at once by any stream.
     ///
     /// # Errors
     /// [`Error::InvalidSize`] for `len == 0` or a zero-sized `T`; the
     /// manager's allocation errors.
     pub fn new(len: usize) -> Result<Self> {
-        Self::alloc(len, None)
+        let mm = MemoryManager::global()?;
+        Self::alloc(mm, len, mm.config().device, None)
     }
 
-    /// Uninitialised device memory for `len` values, for work on `stream`,
-    /// freed on `stream` when dropped.
+    /// Uninitialised device memory for `len` values on the device of
+    /// `stream` ([`Stream::device`]), for work on `stream`, freed on
+    /// `stream` when dropped.
     ///
     /// # Errors
     /// As [`new`](Self::new).
     pub fn new_on(len: usize, stream: &Stream) -> Result<Self> {
-        Self::alloc(len, Some(stream))
+        let mm = MemoryManager::global()?;
+        Self::alloc(mm, len, stream.device().unwrap_or(mm.config().device), Some(stream))
     }
 
-    fn alloc(len: usize, stream: Option<&Stream>) -> Result<Self> {
-        let mm = MemoryManager::global()?;
+    /// Uninitialised device memory for `len` values on device `ordinal`,
+    /// usable at once by any stream of that device.
+    ///
+    /// # Errors
+    /// [`Error::NoSuchDevice`] for an ordinal past the last device (on the
+    /// host fallback there is one device, 0); as [`new`](Self::new).
+    ///
+    /// # Examples
+    /// ```
+    /// use cumem::{DeviceBuffer, Error};
+    /// let b = DeviceBuffer::<f32>::new_on_device(0, 16)?;
+    /// assert_eq!(b.device(), 0);
+    /// assert!(matches!(DeviceBuffer::<f32>::new_on_device(99, 16), Err(Error::NoSuchDevice { .. })));
+    /// # Ok::<(), cumem::Error>(())
+    /// ```
+    pub fn new_on_device(ordinal: usize, len: usize) -> Result<Self> {
+        Self::alloc(MemoryManager::global()?, len, ordinal, None)
+    }
+
+    fn alloc(mm: &'static MemoryManager, len: usize, device: usize, stream: Option<&Stream>) -> Result<Self> {
         let bytes = bytes_of::<T>(len)?;
         let ptr = match stream {
             Some(s) => mm.allocate_device_on(bytes, s)?,
-            None => mm.allocate_device(bytes)?,
+            None => mm.allocate_device_for(device, bytes)?,
         };
-        Ok(DeviceBuffer { ptr, len, stream: stream.cloned(), mm, _marker: PhantomData })
+        Ok(DeviceBuffer { ptr, len, device, stream: stream.cloned(), mm, _marker: PhantomData })
+    }
+
+    /// The ordinal of the device the memory is on (0 on the host fallback).
+    pub fn device(&self) -> usize {
+        self.device
     }
 
     /// A buffer holding a copy of `data` (synchronous).
@@ -149,7 +183,8 @@ impl<T: Copy> DeviceBuffer<T> {
                 // synchronous call; the destination is this buffer.
                 unsafe { sys::cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), self.num_bytes()) }
                     .result()
-                    .map_err(driver_err("cuMemcpyHtoD"))?;
+                    .map_err(driver_err("cuMemcpyHtoD"))
+                    .map_err(|e| e.on_device(self.device))?;
                 // From pageable memory the call may return once the data is
                 // staged, before it reaches the device; the copy runs on the
                 // legacy stream, which non-blocking streams don't wait for.
@@ -187,6 +222,7 @@ impl<T: Copy> DeviceBuffer<T> {
         unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), self.ptr, self.num_bytes()) }
             .result()
             .map_err(driver_err("cuMemcpyDtoH"))
+            .map_err(|e| e.on_device(self.device))
     }
 
     /// The contents, copied to a new `Vec`.
@@ -235,16 +271,78 @@ impl<T: Copy> DeviceBuffer<T> {
         unsafe { self.mm.copy_to_host_async(dst.as_mut_ptr().cast(), self.ptr, self.num_bytes(), stream) }
     }
 
+    /// Queues a copy of all of `src` into this buffer on `stream`: a peer
+    /// copy when the two are on different devices (`cuMemcpyPeerAsync`,
+    /// which needs no peer access), else `cuMemcpyDtoDAsync`. Work queued on
+    /// `stream` before it is done first; work queued after it sees the data.
+    ///
+    /// # Safety
+    /// Both buffers must stay alive, and `src` unmodified, until the copy is
+    /// done (synchronise `stream`): dropping either meanwhile, or writing
+    /// `src` from another stream, races with the copy.
+    ///
+    /// # Errors
+    /// A length mismatch ([`Error::InvalidState`]) or a driver error naming
+    /// the call and device.
+    pub unsafe fn copy_from_buffer_async(&mut self, src: &DeviceBuffer<T>, stream: &Stream) -> Result<()> {
+        self.check_len(src.len)?;
+        // SAFETY: both ranges are whole buffers of `num_bytes()` bytes on
+        // the devices recorded; distinct buffers don't overlap (`&mut self`
+        // and `&src` can't be the same buffer); the caller keeps both alive
+        // until the stream's copy is done.
+        unsafe { self.mm.copy_peer_async(self.ptr, self.device, src.ptr, src.device, self.num_bytes(), stream) }
+    }
+
+    /// Copies all of `src` into this buffer and waits for the copy
+    /// (`cuMemcpyPeer` between devices, `cuMemcpyDtoD` within one). Like
+    /// the other synchronous copies it runs on the legacy stream: work on
+    /// other streams that writes either buffer must be finished first.
+    ///
+    /// # Errors
+    /// A length mismatch or a driver error.
+    pub fn copy_from_buffer(&mut self, src: &DeviceBuffer<T>) -> Result<()> {
+        self.check_len(src.len)?;
+        if self.mm.backend().is_host() {
+            // SAFETY: on the host fallback both buffers are distinct host
+            // allocations of `num_bytes()` bytes, `self` borrowed mutably.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.ptr as usize as *const u8,
+                    self.ptr as usize as *mut u8,
+                    self.num_bytes(),
+                )
+            };
+            return Ok(());
+        }
+        let (dst_ctx, src_ctx) = (self.context()?, src.context()?);
+        dst_ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: both ranges are whole, distinct, live buffers of
+        // `num_bytes()` bytes on the devices of the two contexts.
+        unsafe { sys::cuMemcpyPeer(self.ptr, dst_ctx.cu_ctx(), src.ptr, src_ctx.cu_ctx(), self.num_bytes()) }
+            .result()
+            .map_err(driver_err("cuMemcpyPeer"))
+            .map_err(|e| e.on_device(self.device))?;
+        // A device-to-device copy may return before it is done.
+        self.sync_legacy_stream()
+    }
+
+    fn context(&self) -> Result<std::sync::Arc<cudarc::driver::CudaContext>> {
+        self.mm.device(self.device)?.context().cloned().ok_or(Error::NeedsGpu("a device-to-device copy"))
+    }
+
     /// Waits for the legacy default stream, where the synchronous copy and
     /// memset functions run (`cuStreamSynchronize(0)`).
     fn sync_legacy_stream(&self) -> Result<()> {
         // SAFETY: the null stream is always valid in the current context.
-        unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result().map_err(driver_err("cuStreamSynchronize"))
+        unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }
+            .result()
+            .map_err(driver_err("cuStreamSynchronize"))
+            .map_err(|e| e.on_device(self.device))
     }
 
     fn bind(&self) -> Result<()> {
-        if let Some(ctx) = self.mm.default_device()?.context() {
-            ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        if let Some(ctx) = self.mm.device(self.device)?.context() {
+            ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent")).map_err(|e| e.on_device(self.device))?;
         }
         Ok(())
     }
@@ -264,7 +362,10 @@ impl<T: Copy + DeviceRepr> DeviceBuffer<T> {
         }
         self.bind()?;
         // SAFETY: the range is exactly this buffer.
-        unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.num_bytes()) }.result().map_err(driver_err("cuMemsetD8"))?;
+        unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.num_bytes()) }
+            .result()
+            .map_err(driver_err("cuMemsetD8"))
+            .map_err(|e| e.on_device(self.device))?;
         // The memset may still be running on the legacy stream.
         self.sync_legacy_stream()
     }

@@ -17,9 +17,14 @@ use std::mem::{align_of, size_of};
 
 use cudarc::driver::sys;
 
-use crate::device::{driver_err, vmm};
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+
+use crate::device::{driver_err, vmm, Stream};
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::upstream::region::{GrowPath, Region, VmBackend};
+use crate::sync::{lock, MutexGuard};
+use crate::upstream::region::{GrowPath, Region, SharedRegion, VmBackend};
 
 /// How a [`GrowableBuffer`]'s growths were served.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -69,15 +74,19 @@ impl GrowStats {
 /// ```
 #[derive(Debug)]
 pub struct GrowableBuffer<T: Copy> {
-    region: Region,
+    /// The region, shared with the peer-access registry (so that a later
+    /// `enable_peer_access` reaches this buffer's mappings too).
+    shared: SharedRegion,
+    /// The region's context (it never changes); `None` on the host.
+    ctx: Option<Arc<CudaContext>>,
     len: usize,
     stats: GrowStats,
     _marker: PhantomData<T>,
 }
 
 impl<T: Copy> GrowableBuffer<T> {
-    /// A buffer with room for at least `capacity` elements, on device 0
-    /// when CUDA is usable and on the host fallback otherwise
+    /// A buffer with room for at least `capacity` elements, on the default
+    /// device when CUDA is usable and on the host fallback otherwise
     /// ([`VmBackend::auto`]).
     ///
     /// # Errors
@@ -103,13 +112,27 @@ impl<T: Copy> GrowableBuffer<T> {
             return Err(Error::InvalidAlignment { align: align_of::<T>(), max: crate::pool::BLOCK_ALIGN });
         }
         let bytes = Self::bytes_for(capacity)?;
-        let region = Region::reserve(&backend, bytes.max(1), true)?;
-        let mut buf = GrowableBuffer { region, len: 0, stats: GrowStats::default(), _marker: PhantomData };
+        let shared = Region::reserve_shared(&backend, bytes.max(1), true)?;
+        let ctx = lock(&shared).cuda_context().cloned();
+        let mut buf = GrowableBuffer { shared, ctx, len: 0, stats: GrowStats::default(), _marker: PhantomData };
         if bytes > 0 {
-            let size = buf.region.reserved();
+            let size = buf.region().reserved();
             buf.map(0, size)?;
         }
         Ok(buf)
+    }
+
+    /// A buffer with room for at least `capacity` elements on the device
+    /// of `stream` (a host queue: as [`with_capacity`](Self::with_capacity)).
+    ///
+    /// # Errors
+    /// As [`with_capacity_on`](Self::with_capacity_on).
+    pub fn with_capacity_for(stream: &Stream, capacity: usize) -> Result<Self> {
+        Self::with_capacity_on(VmBackend::of_stream(stream), capacity)
+    }
+
+    fn region(&self) -> MutexGuard<'_, Region> {
+        lock(&self.shared)
     }
 
     fn bytes_for(elements: usize) -> Result<usize> {
@@ -120,25 +143,34 @@ impl<T: Copy> GrowableBuffer<T> {
     }
 
     fn map(&mut self, offset: usize, size: usize) -> Result<()> {
-        let result = self.region.map(offset, size);
-        if let Err(e) = &result {
-            if vmm::is_out_of_memory(e) {
-                let device_free = self.region.cuda_context().and_then(|c| vmm::memory_info(c).ok()).map(|(f, _)| f);
+        let result = self.region().map(offset, size);
+        if let Err(e) = result {
+            let device = self.ctx.as_ref().map(|c| c.ordinal());
+            if vmm::is_out_of_memory(&e) {
+                let device_free = self.ctx.as_deref().and_then(|c| vmm::memory_info(c).ok()).map(|(f, _)| f);
                 return Err(Error::OutOfMemory {
                     pool: PoolKind::Device,
                     requested: size,
-                    state: Box::new(OomState { upstream: Some(e.to_string()), device_free, ..Default::default() }),
+                    state: Box::new(OomState {
+                        upstream: Some(e.to_string()),
+                        device_free,
+                        device,
+                        ..Default::default()
+                    }),
                 });
             }
+            return Err(match device {
+                Some(d) => e.on_device(d),
+                None => e,
+            });
         }
-        result?;
         self.stats.pieces_mapped += 1;
         Ok(())
     }
 
     /// Where the memory lives.
     pub fn backend(&self) -> VmBackend {
-        self.region.backend()
+        self.region().backend()
     }
 
     /// The number of elements.
@@ -153,25 +185,25 @@ impl<T: Copy> GrowableBuffer<T> {
 
     /// The number of elements the mapped memory holds.
     pub fn capacity(&self) -> usize {
-        self.region.mapped_prefix() / size_of::<T>()
+        self.region().mapped_prefix() / size_of::<T>()
     }
 
     /// The bytes of memory mapped.
     pub fn capacity_bytes(&self) -> usize {
-        self.region.mapped_prefix()
+        self.region().mapped_prefix()
     }
 
     /// The bytes of address space reserved (at least
     /// [`capacity_bytes`](Self::capacity_bytes)).
     pub fn reserved_bytes(&self) -> usize {
-        self.region.reserved()
+        self.region().reserved()
     }
 
     /// The bytes of address space (no memory) held right after the
     /// reservation so that growth can extend in place; 0 when there is no
     /// such guard.
     pub fn headroom_bytes(&self) -> usize {
-        self.region.headroom()
+        self.region().headroom()
     }
 
     /// Whether to keep the addresses after the reservation reserved
@@ -180,19 +212,19 @@ impl<T: Copy> GrowableBuffer<T> {
     /// back (`cuMemAddressFree`; `munmap` on the host), and growth then
     /// extends in place only where nobody else took them.
     pub fn set_headroom(&mut self, on: bool) {
-        self.region.set_headroom(on);
+        self.region().set_headroom(on);
     }
 
     /// The unit memory is mapped in: the device's minimum VMM granularity
     /// (2 MiB on current GPUs) or the host page size.
     pub fn granularity(&self) -> usize {
-        self.region.granularity()
+        self.region().granularity()
     }
 
     /// The address of the first element, for kernels (a `CUdeviceptr`; a
     /// host address on the fallback). It changes when a growth remaps.
     pub fn device_ptr(&self) -> u64 {
-        self.region.base() as u64
+        self.region().base() as u64
     }
 
     /// How growths were served so far.
@@ -214,12 +246,12 @@ impl<T: Copy> GrowableBuffer<T> {
         if min_capacity <= self.capacity() {
             return Ok(GrowPath::Unchanged);
         }
-        let needed = self.region.round(Self::bytes_for(min_capacity)?)?;
-        let mapped = self.region.mapped_prefix();
-        let target = self.region.round(needed.max(mapped.saturating_mul(2)))?;
+        let needed = self.region().round(Self::bytes_for(min_capacity)?)?;
+        let mapped = self.region().mapped_prefix();
+        let target = self.region().round(needed.max(mapped.saturating_mul(2)))?;
         let mut path = GrowPath::WithinReservation;
-        if target > self.region.reserved() {
-            path = self.region.grow_reservation(target)?;
+        if target > self.region().reserved() {
+            path = self.region().grow_reservation(target)?;
         }
         match self.map(mapped, target - mapped) {
             Ok(()) => {}
@@ -301,8 +333,8 @@ impl<T: Copy> GrowableBuffer<T> {
     pub unsafe fn extend_from_device(&mut self, src: u64, len: usize) -> Result<()> {
         let bytes = Self::bytes_for(len)?;
         self.reserve(len)?;
-        let dst = self.region.base() + self.len * size_of::<T>();
-        match self.region.cuda_context() {
+        let dst = self.region().base() + self.len * size_of::<T>();
+        match &self.ctx {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
                 // SAFETY: the destination is mapped (just reserved) and
@@ -320,28 +352,46 @@ impl<T: Copy> GrowableBuffer<T> {
     }
 
     /// Appends the contents of `other`, copying device to device
-    /// (`cuMemcpyDtoD`), host to device or device to host as the two
-    /// backends require.
+    /// (`cuMemcpyDtoD`, or `cuMemcpyPeer` between two devices), host to
+    /// device or device to host as the two backends require.
     ///
     /// # Errors
-    /// [`Error::InvalidState`] when both are on different devices; as
-    /// [`grow`](Self::grow); driver errors.
+    /// As [`grow`](Self::grow); driver errors. Between two devices the copy
+    /// is a peer copy (`cuMemcpyPeer`).
     pub fn extend_from_buffer(&mut self, other: &GrowableBuffer<T>) -> Result<()> {
         match (self.backend(), other.backend()) {
-            (VmBackend::Cuda(a), VmBackend::Cuda(b)) if a != b => Err(Error::InvalidState(format!(
-                "can't copy between GrowableBuffers on devices {b} and {a}; copy through the host"
-            ))),
+            (VmBackend::Cuda(a), VmBackend::Cuda(b)) if a != b => {
+                let (Some(dst_ctx), Some(src_ctx)) = (self.ctx.clone(), other.ctx.clone()) else {
+                    return Err(Error::InvalidState(format!(
+                        "GrowableBuffers on devices {b} and {a} without contexts"
+                    )));
+                };
+                let bytes = Self::bytes_for(other.len)?;
+                self.reserve(other.len)?;
+                let dst = self.region().base() + self.len * size_of::<T>();
+                dst_ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+                // SAFETY: the destination is mapped (just reserved) inside
+                // this buffer; the source holds `other.len` values and is
+                // borrowed, so nothing writes to it. `cuMemcpyPeer` runs on
+                // the legacy streams and returns once the copy is done.
+                unsafe { sys::cuMemcpyPeer(dst as u64, dst_ctx.cu_ctx(), other.device_ptr(), src_ctx.cu_ctx(), bytes) }
+                    .result()
+                    .map_err(driver_err("cuMemcpyPeer"))?;
+                vmm::synchronize(&dst_ctx)?;
+                self.len += other.len;
+                Ok(())
+            }
             (VmBackend::Cuda(_), VmBackend::Host) => {
                 // SAFETY: `other` is committed host memory holding
                 // `other.len` initialised values of `T`; it is borrowed, so
                 // nothing writes to it meanwhile.
-                let src = unsafe { std::slice::from_raw_parts(other.region.base() as *const T, other.len) };
+                let src = unsafe { std::slice::from_raw_parts(other.region().base() as *const T, other.len) };
                 self.extend_from_host(src)
             }
             (VmBackend::Host, VmBackend::Cuda(_)) => {
                 let start = self.len;
                 self.reserve(other.len)?;
-                let dst = self.region.base() + start * size_of::<T>();
+                let dst = self.region().base() + start * size_of::<T>();
                 // SAFETY: the destination is committed host memory inside
                 // this buffer with room for `other.len` elements (just
                 // reserved); `other` is device memory, so they don't overlap.
@@ -357,9 +407,9 @@ impl<T: Copy> GrowableBuffer<T> {
 
     fn write_host(&self, at: usize, src: &[T]) -> Result<()> {
         let bytes = std::mem::size_of_val(src);
-        let dst = self.region.base() + at * size_of::<T>();
+        let dst = self.region().base() + at * size_of::<T>();
         debug_assert!(at * size_of::<T>() + bytes <= self.capacity_bytes());
-        match self.region.cuda_context() {
+        match &self.ctx {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
                 // SAFETY: the destination lies in mapped memory of this
@@ -402,8 +452,8 @@ impl<T: Copy> GrowableBuffer<T> {
             )));
         }
         let bytes = n * size_of::<T>();
-        let src = self.region.base();
-        match self.region.cuda_context() {
+        let src = self.region().base();
+        match &self.ctx {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
                 // SAFETY: the source lies in mapped memory holding `n`
@@ -446,24 +496,32 @@ impl<T: Copy> GrowableBuffer<T> {
     /// Driver or OS errors.
     pub fn shrink_to_fit(&mut self) -> Result<usize> {
         let keep = self.len * size_of::<T>();
-        let mapped = self.region.mapped_prefix();
-        let cut = self.region.piece_bounds().map(|(start, _)| start).find(|start| *start >= keep).unwrap_or(mapped);
+        let mapped = self.region().mapped_prefix();
+        let cut = self.region().piece_bounds().map(|(start, _)| start).find(|start| *start >= keep).unwrap_or(mapped);
         if cut >= mapped {
             return Ok(0);
         }
-        if !self.region.unmap(cut, mapped - cut)? {
+        if !self.region().unmap(cut, mapped - cut)? {
             return Err(Error::InvalidState("the buffer's mapped pieces are not contiguous".into()));
         }
         Ok(mapped - cut)
     }
 
     /// Gives the devices in `peers` (ordinals) read-write access to the
-    /// buffer too, now and after every growth (`cuMemSetAccess`). Nothing to
-    /// do on the host fallback.
+    /// buffer too (added to those that have it), now and after every growth
+    /// (`cuMemSetAccess`). Nothing to do on the host fallback. Devices
+    /// granted access to this buffer's device with
+    /// [`enable_peer_access`](crate::device::enable_peer_access) have it
+    /// already.
     ///
     /// # Errors
     /// A driver error, for example for a device that can't access this one.
     pub fn set_peer_access(&mut self, peers: &[usize]) -> Result<()> {
-        self.region.set_peers(peers)
+        self.region().set_peers(peers)
+    }
+
+    /// The devices given access to the buffer besides its own.
+    pub fn peers(&self) -> Vec<usize> {
+        self.region().peers().to_vec()
     }
 }

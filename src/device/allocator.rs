@@ -254,6 +254,16 @@ impl DeviceAllocator {
             .get_or_try_init(|| ctx.new_stream().map(Stream::from_cudarc).map_err(super::driver_err("cuStreamCreate")))
     }
 
+    /// The stream a stream-ordered call runs on: `stream` when it is a
+    /// CUDA stream of this device, else the device's internal stream
+    /// (which callers order against another device's stream with events).
+    fn ordering_stream<'a>(&'a self, stream: Option<&'a Stream>) -> Result<&'a Stream> {
+        match stream {
+            Some(s) if !s.is_host() && s.device() == Some(self.ordinal) => Ok(s),
+            _ => self.internal_stream(),
+        }
+    }
+
     fn default_pool(&self) -> Result<&NativePool> {
         let ctx = self.require_ctx()?;
         self.default_pool.get_or_try_init(|| {
@@ -353,10 +363,7 @@ impl DeviceAllocator {
     ) -> Result<u64> {
         pool::validate(size, pool::BLOCK_ALIGN)?;
         let ctx = self.require_ctx()?;
-        let on = match stream {
-            Some(s) if !s.is_host() => s,
-            _ => self.internal_stream()?,
-        };
+        let on = self.ordering_stream(stream)?;
         let attempt = || match mode {
             DeviceAllocatorMode::CudaAsyncPool => self.native_pool()?.allocate_async(size, on),
             _ => {
@@ -375,8 +382,10 @@ impl DeviceAllocator {
             }
             Err(e) => return Err(e),
         };
-        if stream.is_none_or(|s| s.is_host()) {
-            on.synchronize()?;
+        match stream {
+            Some(s) if !s.is_host() && s.id() != on.id() => s.wait_for(on)?,
+            Some(s) if !s.is_host() => {}
+            _ => on.synchronize()?,
         }
         let mut book = lock(&self.async_book);
         book.live.insert(ptr as usize, AsyncBlock { size, mode, capture });
@@ -409,11 +418,14 @@ impl DeviceAllocator {
                     return Err(e);
                 }
             }
-            let on = match stream {
-                Some(s) if !s.is_host() => s,
-                _ => self.internal_stream()?,
-            };
-            if let Err(e) = self.free_stream_ordered(ptr, on) {
+            let r = self.ordering_stream(stream).and_then(|on| {
+                if let Some(s) = stream.filter(|s| !s.is_host() && s.id() != on.id()) {
+                    // Another device's stream: the free waits for its work.
+                    on.wait_for(s)?;
+                }
+                self.free_stream_ordered(ptr, on)
+            });
+            if let Err(e) = r {
                 lock(&self.async_book).live.insert(addr, block);
                 return Err(e);
             }

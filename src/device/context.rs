@@ -82,12 +82,13 @@ pub fn device_context(ordinal: usize) -> Result<Option<Arc<CudaContext>>> {
 
 /// Converts a cudarc driver error into [`Error::Driver`] naming `call`.
 pub(crate) fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Driver { call, message: e.to_string() }
+    move |e| Error::Driver { call, message: e.to_string(), device: None }
 }
 
-/// For GPU tests: the context of device 0, or `None` after printing why the
-/// test is skipped. With `CUMEM_REQUIRE_GPU=1` set, a missing GPU is a
-/// failure instead, so a GPU test on the device machine can never pass by
+/// For GPU tests: the context of the default device (`CUMEM_CONF`'s
+/// `device`, 0 when unset), or `None` after printing why the test is
+/// skipped. With `CUMEM_REQUIRE_GPU=1` set, a missing GPU is a failure
+/// instead, so a GPU test on the device machine can never pass by
 /// skipping.
 ///
 /// # Panics
@@ -95,7 +96,7 @@ pub(crate) fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverEr
 #[doc(hidden)]
 pub fn gpu_for_test(test: &str) -> Option<Arc<CudaContext>> {
     let required = std::env::var_os("CUMEM_REQUIRE_GPU").is_some_and(|v| v == "1");
-    let reason = match device_context(0) {
+    let reason = match device_context(crate::manager::default_ordinal()) {
         Ok(Some(ctx)) => return Some(ctx),
         Ok(None) => match driver_status() {
             DriverStatus::Unavailable(why) => why.clone(),
@@ -107,5 +108,42 @@ pub fn gpu_for_test(test: &str) -> Option<Arc<CudaContext>> {
         panic!("{test}: CUMEM_REQUIRE_GPU=1 but no GPU is usable: {reason}");
     }
     println!("{test}: skipped, no GPU: {reason}");
+    None
+}
+
+/// For tests that need `n` GPUs: the contexts of devices `0..n`, or `None`
+/// after printing why the test is skipped (no GPU, or fewer than `n`).
+/// With `CUMEM_REQUIRE_GPU=1`, having no GPU is a failure, and so is
+/// having fewer than `n` when `CUMEM_GPUS` is set to `n` or more, so the
+/// test can't pass by skipping on the machine meant to run it; with
+/// `CUMEM_REQUIRE_GPU=1` alone, one GPU still skips (the single-GPU
+/// suite).
+///
+/// # Panics
+/// When `CUMEM_REQUIRE_GPU=1` and the test can't run for a reason other
+/// than "fewer than `n` GPUs on a machine not promised `n`".
+#[doc(hidden)]
+pub fn gpus_for_test(n: usize, test: &str) -> Option<Vec<Arc<CudaContext>>> {
+    let required = std::env::var_os("CUMEM_REQUIRE_GPU").is_some_and(|v| v == "1");
+    let promised = std::env::var("CUMEM_GPUS").ok().and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(0);
+    let present = driver_status().devices();
+    let reason = if present < n {
+        match driver_status() {
+            DriverStatus::Unavailable(why) => format!("no GPU: {why}"),
+            DriverStatus::Available { devices } => format!("needs {n} GPUs, {devices} present"),
+        }
+    } else {
+        match (0..n).map(device_context).collect::<Result<Vec<_>>>() {
+            Ok(ctxs) if ctxs.iter().all(Option::is_some) => return Some(ctxs.into_iter().flatten().collect()),
+            Ok(_) => "no device context".to_string(),
+            Err(e) => e.to_string(),
+        }
+    };
+    // Under CUMEM_REQUIRE_GPU=1 only "fewer GPUs than this test needs, on a
+    // machine not promised to have them" may skip.
+    if required && (promised >= n || present == 0 || present >= n) {
+        panic!("{test}: CUMEM_REQUIRE_GPU=1 (CUMEM_GPUS={promised}) but {reason}");
+    }
+    println!("{test}: skipped, {reason}");
     None
 }

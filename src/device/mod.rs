@@ -11,18 +11,21 @@ mod context;
 mod cuda_upstream;
 mod graph;
 mod native_pool;
+mod peer;
 mod stream;
 pub mod vmm;
 
 pub use allocator::{AsyncStats, DeviceAllocator, DeviceAllocatorMode, DeviceStats};
-pub use context::{device_context, driver_status, gpu_for_test, DriverStatus};
+pub use context::{device_context, driver_status, gpu_for_test, gpus_for_test, DriverStatus};
 pub use cuda_upstream::{CudaDeviceMemory, CudaPinnedMemory};
 pub use native_pool::{NativePool, NativePoolAttributes};
+pub use peer::{can_access_peer, enable_peer_access, peers_of};
 pub use stream::Stream;
 
 pub(crate) use capture::RelaxedCaptureMode;
 pub(crate) use context::driver_err;
 pub use graph::{GraphPool, GraphStats};
+pub(crate) use peer::{register_mapped, PeerMapped};
 
 use std::sync::Arc;
 

@@ -61,6 +61,9 @@ impl NativePool {
         let pool = unsafe { result::mem_pool::create(&props) }.map_err(driver_err("cuMemPoolCreate"))?;
         let pool = NativePool { ctx, pool, owned: true };
         pool.set_release_threshold(release_threshold)?;
+        // Devices granted peer access to this one reach the new pool too
+        // (`cuMemPoolSetAccess`), as do later grants.
+        super::peer::register_pool(&pool.ctx, pool.pool)?;
         Ok(pool)
     }
 
@@ -169,6 +172,11 @@ impl NativePool {
         })
     }
 
+    /// The device the pool's memory lives on.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
     /// The raw handle.
     pub fn raw(&self) -> sys::CUmemoryPool {
         self.pool
@@ -180,6 +188,7 @@ impl Drop for NativePool {
         if !self.owned {
             return;
         }
+        super::peer::unregister_pool(self.pool);
         let r = self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent")).and_then(|()| {
             // SAFETY: cumem created this pool and drops its handle once; the
             // manager drops it only when no allocation from it is live.

@@ -32,6 +32,10 @@ pub struct Stream {
 struct StreamInner {
     id: u64,
     cuda: Option<Arc<CudaStream>>,
+    /// The ordinal of the stream's device (from its context, read once
+    /// here so that dispatch by stream costs no driver call); `None` for a
+    /// host queue.
+    device: Option<usize>,
     /// Sequence number of the last free on this stream.
     freed: AtomicU64,
     /// Every free up to this sequence number is known complete (the host
@@ -47,9 +51,11 @@ struct StreamInner {
 
 impl StreamInner {
     fn new(cuda: Option<Arc<CudaStream>>) -> Arc<Self> {
+        let device = cuda.as_ref().map(|s| s.context().ordinal());
         Arc::new(StreamInner {
             id: next_stream_id(),
             cuda,
+            device,
             freed: AtomicU64::new(0),
             synced: AtomicU64::new(0),
             registered_in: AtomicUsize::new(0),
@@ -60,7 +66,11 @@ impl StreamInner {
 
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stream").field("id", &self.inner.id).field("cuda", &self.inner.cuda.is_some()).finish()
+        f.debug_struct("Stream")
+            .field("id", &self.inner.id)
+            .field("cuda", &self.inner.cuda.is_some())
+            .field("device", &self.inner.device)
+            .finish()
     }
 }
 
@@ -77,12 +87,14 @@ impl Stream {
         }
     }
 
-    /// A new stream on device 0 (see [`Stream::new_on`]).
+    /// A new stream on the default device (see [`Stream::new_on`]): the
+    /// global manager's [`Config::device`](crate::Config::device) once it
+    /// exists, else `CUMEM_CONF`'s `device` (0 when unset).
     ///
     /// # Errors
     /// As [`Stream::new_on`].
     pub fn new() -> Result<Stream> {
-        Stream::new_on(0)
+        Stream::new_on(crate::manager::default_ordinal())
     }
 
     /// A host queue: work "queued" on it has already happened.
@@ -108,6 +120,13 @@ impl Stream {
     /// The context the stream belongs to, if it is a CUDA stream.
     pub fn context(&self) -> Option<&Arc<CudaContext>> {
         self.inner.cuda.as_ref().map(|s| s.context())
+    }
+
+    /// The ordinal of the device the stream belongs to (its context's
+    /// device, read once when the `Stream` was made); `None` for a host
+    /// queue. Every cumem call that takes a stream works on this device.
+    pub fn device(&self) -> Option<usize> {
+        self.inner.device
     }
 
     /// Whether this is a host queue.

@@ -122,6 +122,7 @@ pub fn granularity(ctx: &CudaContext) -> Result<Granularity> {
         return Err(Error::Driver {
             call: "cuMemGetAllocationGranularity",
             message: format!("unusable minimum granularity {minimum}"),
+            device: Some(ctx.ordinal()),
         });
     }
     let recommended = if recommended >= minimum && recommended % minimum == 0 { recommended } else { minimum };

@@ -17,6 +17,50 @@ pub enum BackendChoice {
     Host,
 }
 
+/// Which devices get peer access to which, when their allocators are
+/// created (`CUMEM_CONF` key `peer_access`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PeerAccess {
+    /// None (the default): call
+    /// [`MemoryManager::enable_peer_access`](crate::MemoryManager::enable_peer_access)
+    /// where it is needed.
+    #[default]
+    None,
+    /// Every device to every other device that has a peer path to it
+    /// (`peer_access=all`); pairs without one are skipped.
+    All,
+    /// These `(accessor, owner)` pairs: kernels on the accessor read and
+    /// write the owner's memory (`peer_access=1:0;0:1`).
+    Pairs(Vec<(usize, usize)>),
+}
+
+impl std::str::FromStr for PeerAccess {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("all") {
+            return Ok(PeerAccess::All);
+        }
+        if s.eq_ignore_ascii_case("none") || s.is_empty() {
+            return Ok(PeerAccess::None);
+        }
+        let bad = |item: &str| {
+            Error::Config(format!("peer_access: '{item}' is not accessor:owner (examples: all, none, 1:0, 1:0;0:1)"))
+        };
+        let mut pairs = Vec::new();
+        for item in s.split(';').map(str::trim).filter(|i| !i.is_empty()) {
+            let (a, b) = item.split_once(':').ok_or_else(|| bad(item))?;
+            let a: usize = a.trim().parse().map_err(|_| bad(item))?;
+            let b: usize = b.trim().parse().map_err(|_| bad(item))?;
+            if a != b && !pairs.contains(&(a, b)) {
+                pairs.push((a, b));
+            }
+        }
+        Ok(PeerAccess::Pairs(pairs))
+    }
+}
+
 /// How the [`MemoryManager`](crate::MemoryManager) is set up. Build it with
 /// the methods below, or parse it from a string like
 /// `pinned_pool_size=256MiB,device_pool_size=1GiB,mode=sync_pool` (the
@@ -80,6 +124,12 @@ pub struct Config {
     /// (`capture_check=registered`): the question is asked only while a
     /// capture registered with cumem is under way.
     pub capture_check_always: bool,
+    /// Peer access applied as each device's allocator is created.
+    pub peer_access: PeerAccess,
+    /// How many stand-in devices the host fallback offers (at least 1), so
+    /// that code for several devices runs and is tested without a GPU.
+    /// Ignored on CUDA, where the driver says how many there are.
+    pub host_devices: usize,
 }
 
 impl Default for Config {
@@ -101,6 +151,8 @@ impl Default for Config {
             thread_cache_bytes: 256 << 20,
             log_path: None,
             capture_check_always: false,
+            peer_access: PeerAccess::None,
+            host_devices: 1,
         }
     }
 }
@@ -245,6 +297,16 @@ impl Config {
         self.backend = backend;
         self
     }
+    /// Sets [`Config::peer_access`].
+    pub fn peer_access(mut self, peers: PeerAccess) -> Self {
+        self.peer_access = peers;
+        self
+    }
+    /// Sets [`Config::host_devices`].
+    pub fn host_devices(mut self, count: usize) -> Self {
+        self.host_devices = count;
+        self
+    }
     /// Sets [`Config::log_path`]: log every allocation and free to `path`.
     pub fn log(mut self, path: impl Into<PathBuf>) -> Self {
         self.log_path = Some(path.into());
@@ -353,6 +415,13 @@ impl std::str::FromStr for Config {
                         }
                     }
                 }
+                "peer_access" => c.peer_access = value.parse()?,
+                "host_devices" => {
+                    c.host_devices =
+                        value.parse().ok().filter(|n| *n >= 1).ok_or_else(|| {
+                            Error::Config(format!("host_devices: '{value}' is not a count of at least 1"))
+                        })?
+                }
                 "log" if !value.is_empty() => c.log_path = Some(PathBuf::from(value)),
                 "log" => return Err(Error::Config("log: expected a file path".into())),
                 _ => {
@@ -360,7 +429,8 @@ impl std::str::FromStr for Config {
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
                          max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          track_allocations, thread_cache, pinned_thread_cache, \
-                         device_thread_cache, thread_cache_bytes, backend, log, capture_check)"
+                         device_thread_cache, thread_cache_bytes, backend, peer_access, host_devices, log, \
+                         capture_check)"
                     )))
                 }
             }

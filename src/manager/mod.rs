@@ -2,13 +2,16 @@
 //! shutdown.
 
 mod config;
+mod copies;
+mod devices;
 mod graphs;
 mod heap;
 mod init;
 mod summary;
 mod tracking;
 
-pub use config::{parse_size, BackendChoice, Config};
+pub use config::{parse_size, BackendChoice, Config, PeerAccess};
+pub(crate) use devices::default_ordinal;
 pub use graphs::{CaptureScope, CapturedGraph, GraphCapture};
 #[doc(hidden)]
 pub use init::{InitCell, InitError};
@@ -17,7 +20,7 @@ pub use summary::{human_bytes, LiveAllocation, ShutdownReport};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext};
+use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
 use crate::device::{self, DeviceAllocator, DeviceAllocatorMode, DeviceStats, DriverStatus, Stream};
@@ -170,7 +173,7 @@ impl MemoryManager {
         };
         let device_count = match &backend {
             Backend::Cuda { devices } => *devices,
-            Backend::Host { .. } => 1,
+            Backend::Host { .. } => config.host_devices.max(1),
         };
         if config.device >= device_count {
             return Err(Error::NoSuchDevice { ordinal: config.device, count: device_count });
@@ -309,6 +312,7 @@ impl MemoryManager {
     }
 
     fn make_device(&self, ordinal: usize) -> Result<DeviceAllocator> {
+        self.apply_peer_config(ordinal)?;
         let ctx = match self.backend {
             Backend::Cuda { .. } => device::device_context(ordinal)?,
             Backend::Host { .. } => None,
@@ -317,11 +321,17 @@ impl MemoryManager {
         let mut pc = self.config.device_pool_config();
         // A size set with `set_device_pool_size` wins over the config's.
         pc.initial_size = *crate::sync::lock(&self.device_pool_size);
+        // A mode set with `set_device_allocator_mode` (recorded on the
+        // default device, which it creates) holds for devices made later.
+        let mode = match self.devices[self.config.device].get() {
+            Some(d) if ordinal != self.config.device => d.requested_mode(),
+            _ => self.config.mode,
+        };
         Ok(DeviceAllocator::new(
             ordinal,
             ctx,
             Pool::new(upstream, pc),
-            self.config.mode,
+            mode,
             self.config.release_threshold,
             self.config.capture_check_always,
         ))
@@ -351,19 +361,23 @@ impl MemoryManager {
     /// driver errors.
     pub fn allocate_device(&self, size: usize) -> Result<u64> {
         self.check_running("device allocation")?;
-        let r = self.default_device()?.allocate(size, None);
+        let ordinal = self.config.device;
+        let r = self.device(ordinal)?.allocate(size, None).map_err(|e| e.on_device(ordinal));
         self.note_allocation(PoolKind::Device, &r, size, 0);
         r
     }
 
     /// Allocates `size` bytes of device memory for work on `stream`: safe to
-    /// use by work queued on `stream` from now on.
+    /// use by work queued on `stream` from now on. The memory is on the
+    /// stream's device ([`Stream::device`]; the default device for a host
+    /// queue).
     ///
     /// # Errors
     /// As [`allocate_device`](Self::allocate_device).
     pub fn allocate_device_on(&self, size: usize, stream: &Stream) -> Result<u64> {
         self.check_running("device allocation")?;
-        let r = self.default_device()?.allocate(size, Some(stream));
+        let ordinal = self.ordinal_of(stream);
+        let r = self.device(ordinal)?.allocate(size, Some(stream)).map_err(|e| e.on_device(ordinal));
         self.note_allocation(PoolKind::Device, &r, size, stream.cu_stream() as u64);
         r
     }
@@ -371,26 +385,40 @@ impl MemoryManager {
     /// Frees device memory at once. The caller guarantees that no work
     /// queued on any stream still uses it (for example after synchronising
     /// the stream that used it); use [`free_device_on`](Self::free_device_on)
-    /// to free in stream order instead.
+    /// to free in stream order instead. The memory goes back to the device
+    /// that made it, whichever that is.
     ///
     /// # Errors
     /// [`Error::DoubleFree`], [`Error::InteriorPointer`],
     /// [`Error::UnknownPointer`] (also for pinned pointers); nothing changes
     /// then.
     pub fn free_device(&self, ptr: u64) -> Result<()> {
-        let r = self.default_device()?.free(ptr, None);
+        let ordinal = self.config.device;
+        let r = match self.device(ordinal)?.free(ptr, None) {
+            Err(e @ Error::UnknownPointer { .. }) if self.devices.len() > 1 => {
+                self.free_on_owner(ptr, None, ordinal, e)
+            }
+            r => r,
+        };
         self.note_free(PoolKind::Device, &r, ptr, 0);
         r.map(|_| ())
     }
 
     /// Frees device memory in stream order: work queued on `stream` before
     /// this call may still use it; other streams reuse it only after that
-    /// work is done.
+    /// work is done. The memory goes back to the device that made it, which
+    /// need not be the stream's (the stream's device is asked first).
     ///
     /// # Errors
     /// As [`free_device`](Self::free_device).
     pub fn free_device_on(&self, ptr: u64, stream: &Stream) -> Result<()> {
-        let r = self.default_device()?.free(ptr, Some(stream));
+        let ordinal = self.ordinal_of(stream);
+        let r = match self.device(ordinal)?.free(ptr, Some(stream)) {
+            Err(e @ Error::UnknownPointer { .. }) if self.devices.len() > 1 => {
+                self.free_on_owner(ptr, Some(stream), ordinal, e)
+            }
+            r => r,
+        };
         self.note_free(PoolKind::Device, &r, ptr, stream.cu_stream() as u64);
         r.map(|_| ())
     }
@@ -447,85 +475,6 @@ impl MemoryManager {
         self.default_device().is_ok_and(|d| d.supports_async())
     }
 
-    // ---- copies ----
-
-    /// Queues a copy of `size` bytes from host memory `src` to device memory
-    /// `dst` on `stream` (`cuMemcpyHtoDAsync`). From pinned memory the copy
-    /// runs asynchronously; from pageable memory the driver stages it. On
-    /// the host fallback it happens at once.
-    ///
-    /// # Safety
-    /// `src` must be valid for reads of `size` bytes and `dst` a device
-    /// allocation of at least `size` bytes, both until the copy is done
-    /// (synchronise `stream`), and neither may be written meanwhile.
-    ///
-    /// # Errors
-    /// A driver error.
-    pub unsafe fn copy_to_device_async(&self, dst: u64, src: *const u8, size: usize, stream: &Stream) -> Result<()> {
-        if size == 0 {
-            return Ok(());
-        }
-        match stream.context() {
-            Some(ctx) => {
-                ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the caller guarantees both ranges for `size` bytes
-                // until the stream's copy is done.
-                unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), size, stream.cu_stream()) }
-                    .result()
-                    .map_err(device::driver_err("cuMemcpyHtoDAsync"))
-            }
-            None => {
-                self.host_copy_check()?;
-                // SAFETY: on the host fallback device memory is host memory;
-                // the caller guarantees both ranges and that they don't
-                // overlap (they are distinct allocations).
-                unsafe { std::ptr::copy_nonoverlapping(src, dst as usize as *mut u8, size) };
-                Ok(())
-            }
-        }
-    }
-
-    /// Queues a copy of `size` bytes from device memory `src` to host memory
-    /// `dst` on `stream` (`cuMemcpyDtoHAsync`).
-    ///
-    /// # Safety
-    /// `dst` must be valid for writes of `size` bytes and `src` a device
-    /// allocation of at least `size` bytes, both until the copy is done, and
-    /// `dst` must not be read or written meanwhile.
-    ///
-    /// # Errors
-    /// A driver error.
-    pub unsafe fn copy_to_host_async(&self, dst: *mut u8, src: u64, size: usize, stream: &Stream) -> Result<()> {
-        if size == 0 {
-            return Ok(());
-        }
-        match stream.context() {
-            Some(ctx) => {
-                ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the caller guarantees both ranges until the copy is
-                // done.
-                unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, size, stream.cu_stream()) }
-                    .result()
-                    .map_err(device::driver_err("cuMemcpyDtoHAsync"))
-            }
-            None => {
-                self.host_copy_check()?;
-                // SAFETY: on the host fallback device memory is host memory;
-                // the caller guarantees both ranges.
-                unsafe { std::ptr::copy_nonoverlapping(src as usize as *const u8, dst, size) };
-                Ok(())
-            }
-        }
-    }
-
-    fn host_copy_check(&self) -> Result<()> {
-        if self.backend.is_host() {
-            Ok(())
-        } else {
-            Err(Error::InvalidState("a host stream can't copy CUDA device memory; use a CUDA stream".into()))
-        }
-    }
-
     // ---- statistics ----
 
     /// The pinned pool's statistics.
@@ -568,9 +517,10 @@ impl MemoryManager {
         summary::render(self)
     }
 
-    /// Stops serving allocations, returns all free memory to the driver,
-    /// and reports what is still live. Live memory stays valid; it is
-    /// returned to the driver when freed. Calling it twice is harmless.
+    /// Stops serving allocations, returns all free memory to the driver
+    /// (the pinned pool and every initialised device), and reports what is
+    /// still live, by device. Live memory stays valid; it is returned to
+    /// the driver when freed. Calling it twice is harmless.
     ///
     /// # Errors
     /// A driver error while releasing memory (what could be released, was).
@@ -580,16 +530,29 @@ impl MemoryManager {
         let before = self.pinned.stats().reserved;
         for b in self.pinned.shutdown()? {
             let site = self.sites.as_ref().and_then(|t| t.site(PoolKind::Pinned, b.addr));
-            report.push(PoolKind::Pinned, b, site);
+            report.push(PoolKind::Pinned, None, b, site);
         }
         report.released_bytes += before - self.pinned.stats().reserved;
+        // Every initialised device, even after one fails: the first error
+        // (naming its device) is returned once all were tried.
+        let mut first_error = None;
         for d in self.devices.iter().filter_map(|c| c.get()) {
             let before = d.pool().stats().reserved;
-            for b in d.shutdown()? {
-                let site = self.sites.as_ref().and_then(|t| t.site(PoolKind::Device, b.addr));
-                report.push(PoolKind::Device, b, site);
+            match d.shutdown() {
+                Ok(live) => {
+                    for b in live {
+                        let site = self.sites.as_ref().and_then(|t| t.site(PoolKind::Device, b.addr));
+                        report.push(PoolKind::Device, Some(d.ordinal()), b, site);
+                    }
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e.on_device(d.ordinal()));
+                }
             }
-            report.released_bytes += before - d.pool().stats().reserved;
+            report.released_bytes += before.saturating_sub(d.pool().stats().reserved);
+        }
+        if let Some(e) = first_error {
+            return Err(e);
         }
         self.flush_event_log()?;
         Ok(report)

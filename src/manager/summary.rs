@@ -36,6 +36,8 @@ pub struct LiveAllocation {
     /// Where it was allocated (function and line), when
     /// `Config::track_allocations` is on.
     pub site: Option<String>,
+    /// The device it is on (`None` for pinned memory).
+    pub device: Option<usize>,
 }
 
 /// What [`MemoryManager::shutdown`] found still live.
@@ -52,10 +54,11 @@ pub struct ShutdownReport {
 }
 
 impl ShutdownReport {
-    pub(crate) fn push(&mut self, pool: PoolKind, block: LiveBlock, site: Option<String>) {
+    pub(crate) fn push(&mut self, pool: PoolKind, device: Option<usize>, block: LiveBlock, site: Option<String>) {
         self.live_count += 1;
         self.live_bytes += block.size;
-        self.live.push(LiveAllocation { pool, addr: block.addr, size: block.size, requested: block.requested, site });
+        let (addr, size, requested) = (block.addr, block.size, block.requested);
+        self.live.push(LiveAllocation { pool, addr, size, requested, site, device });
     }
 
     /// Whether nothing was live.
@@ -74,10 +77,14 @@ impl fmt::Display for ShutdownReport {
             human_bytes(self.live_bytes)
         )?;
         for a in self.live.iter().take(20) {
+            let pool = match a.device {
+                Some(d) => format!("{} {d}", a.pool),
+                None => a.pool.to_string(),
+            };
             write!(
                 f,
-                "  {:>7} {:#014x} {:>12} (asked {})",
-                a.pool,
+                "  {:>9} {:#014x} {:>12} (asked {})",
+                pool,
                 a.addr,
                 human_bytes(a.size),
                 human_bytes(a.requested)
@@ -182,9 +189,15 @@ pub(super) fn render(mm: &MemoryManager) -> String {
                 human_bytes(g.held)
             );
         }
+        let peers = if d.context().is_some() { crate::device::peers_of(d.ordinal()) } else { Vec::new() };
+        let peers = if peers.is_empty() {
+            "none".to_string()
+        } else {
+            peers.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+        };
         let _ = writeln!(
             out,
-            "device {}: mode {} (requested {}), upstream {}, OOM retries {}",
+            "device {}: mode {} (requested {}), upstream {}, OOM retries {}, devices with peer access: {peers}",
             d.ordinal(),
             d.effective_mode(),
             d.requested_mode(),

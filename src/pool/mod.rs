@@ -350,6 +350,7 @@ impl<U: Upstream> Pool<U> {
                 device_free: self.upstream.device_free(),
                 upstream,
                 hint,
+                device: None,
             }),
         }
     }

@@ -7,16 +7,16 @@
 //! without a GPU. Both keep the list of mapped pieces (offset, physical
 //! memory) so shrinking and freeing unmap exactly what was mapped.
 
-use super::region::{Region, VmBackend};
+use super::region::{Region, SharedRegion, VmBackend};
 use super::{Chunk, Upstream};
 use crate::device::{device_context, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::{lock, Mutex};
+use crate::sync::lock;
 
 /// The state both expandable upstreams share: one reserved region.
 #[derive(Debug)]
 struct Expandable {
-    region: Mutex<Region>,
+    region: SharedRegion,
     base: usize,
     reserved: usize,
     granularity: usize,
@@ -24,13 +24,12 @@ struct Expandable {
 
 impl Expandable {
     fn new(backend: &VmBackend, reserve: usize) -> Result<Self> {
-        let region = Region::reserve(backend, reserve, false)?;
-        Ok(Expandable {
-            base: region.base(),
-            reserved: region.reserved(),
-            granularity: region.granularity(),
-            region: Mutex::new(region),
-        })
+        let region = Region::reserve_shared(backend, reserve, false)?;
+        let (base, reserved, granularity) = {
+            let r = lock(&region);
+            (r.base(), r.reserved(), r.granularity())
+        };
+        Ok(Expandable { base, reserved, granularity, region })
     }
 
     /// The offset of `chunk` in the region, if it lies inside it.

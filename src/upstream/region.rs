@@ -31,8 +31,9 @@ use cudarc::driver::CudaContext;
 
 use super::host_vm::{page_size, HostRange};
 use crate::device::vmm::{self, AddressRange, PhysicalChunk};
-use crate::device::{device_context, driver_status, DriverStatus};
+use crate::device::{device_context, driver_status, register_mapped, DriverStatus, PeerMapped};
 use crate::error::{Error, Result};
+use crate::sync::{lock, Mutex};
 
 /// Where a virtual region's memory lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,13 +46,19 @@ pub enum VmBackend {
 }
 
 impl VmBackend {
-    /// Device 0 when the CUDA driver is usable, the host fallback when it is
-    /// not (or `CUMEM_FORCE_HOST=1` is set).
+    /// The default device (see [`Stream::new`](crate::Stream::new)) when
+    /// the CUDA driver is usable, the host fallback when it is not (or
+    /// `CUMEM_FORCE_HOST=1` is set).
     pub fn auto() -> Self {
         match driver_status() {
-            DriverStatus::Available { .. } => VmBackend::Cuda(0),
+            DriverStatus::Available { .. } => VmBackend::Cuda(crate::manager::default_ordinal()),
             DriverStatus::Unavailable(_) => VmBackend::Host,
         }
+    }
+
+    /// The device of `stream` (a host queue: [`auto`](Self::auto)).
+    pub fn of_stream(stream: &crate::Stream) -> Self {
+        stream.device().map_or_else(VmBackend::auto, VmBackend::Cuda)
     }
 
     /// Whether this is the host fallback.
@@ -166,8 +173,10 @@ impl Region {
     /// Reserves at least `size` bytes on `backend`. With `headroom`, the
     /// addresses after the range are cleared first (a larger range is
     /// reserved and given back, and the new one placed at its start), so
-    /// that later growth can extend in place.
-    pub(crate) fn reserve(backend: &VmBackend, size: usize, headroom: bool) -> Result<Self> {
+    /// that later growth can extend in place. Private: regions are made
+    /// with [`reserve_shared`](Self::reserve_shared), which registers them
+    /// for peer access.
+    fn reserve(backend: &VmBackend, size: usize, headroom: bool) -> Result<Self> {
         let space = match backend {
             VmBackend::Host => Space::Host { page: page_size() },
             VmBackend::Cuda(ordinal) => {
@@ -412,18 +421,41 @@ impl Region {
         self.pieces.iter().map(|p| (p.offset, p.size))
     }
 
-    /// Gives access to the mapped memory to the devices in `peers` too, now
-    /// and for every piece mapped later (`cuMemSetAccess`). Nothing to do on
-    /// the host.
+    /// Gives access to the mapped memory to the devices in `peers` too
+    /// (added to those that have it already), now and for every piece
+    /// mapped later (`cuMemSetAccess`). Nothing to do on the host.
     pub(crate) fn set_peers(&mut self, peers: &[usize]) -> Result<()> {
+        let mut all = self.peers.clone();
+        for &p in peers {
+            if !all.contains(&p) {
+                all.push(p);
+            }
+        }
         for piece in &self.pieces {
             let seg = &self.segments[self.segment_of(piece.offset)];
             if let Reservation::Cuda(range) = &seg.res {
-                range.set_access(piece.offset - seg.offset, piece.size, peers)?;
+                range.set_access(piece.offset - seg.offset, piece.size, &all)?;
             }
         }
-        self.peers = peers.to_vec();
+        self.peers = all;
         Ok(())
+    }
+
+    /// The devices given access besides the owner.
+    pub(crate) fn peers(&self) -> &[usize] {
+        &self.peers
+    }
+
+    /// [`reserve`](Self::reserve), shared behind a lock and, on CUDA,
+    /// registered for peer access: every device granted access to this
+    /// device's memory (`enable_peer_access`), before or after, reaches all
+    /// the region's mappings.
+    pub(crate) fn reserve_shared(backend: &VmBackend, size: usize, headroom: bool) -> Result<SharedRegion> {
+        let region = Arc::new(Mutex::new(Region::reserve(backend, size, headroom)?));
+        if let VmBackend::Cuda(ordinal) = backend {
+            register_mapped(*ordinal, &region)?;
+        }
+        Ok(region)
     }
 
     /// Grows the reservation to at least `new_size` bytes: in place when the
@@ -511,6 +543,16 @@ impl Region {
         self.segments.clear();
         self.segments.push(Segment { offset: 0, res: fresh });
         Ok(())
+    }
+}
+
+/// A region behind its lock, as growable buffers and expandable segments
+/// hold it (registered for peer access on CUDA).
+pub(crate) type SharedRegion = Arc<Mutex<Region>>;
+
+impl PeerMapped for Mutex<Region> {
+    fn set_peers(&self, peers: &[usize]) -> Result<()> {
+        lock(self).set_peers(peers)
     }
 }
 

@@ -1,0 +1,161 @@
+//! Several devices: choosing the device of a call, finding the device
+//! that owns a pointer, peer access and peer copies.
+//!
+//! # Implementation details
+//!
+//! A call that takes a stream works on the stream's device: the stream
+//! caches its device ordinal when it is made, so dispatch is an index into
+//! the manager's device table, as for the default device. A free goes
+//! first to the device the caller points at (the stream's, or the default
+//! device); only when that device's pools don't know the pointer
+//! ([`Error::UnknownPointer`], which changes nothing) are the other
+//! initialised devices asked. Unified addressing gives every device its own
+//! addresses, so at most one device knows a pointer. The single-device case
+//! pays nothing for this: the fallback runs only on the error path.
+
+use super::config::PeerAccess;
+use super::{Backend, MemoryManager};
+use crate::device::{self, DeviceStats, Stream};
+use crate::error::{Error, PoolKind, Result};
+
+/// The default device's ordinal: the global manager's
+/// [`Config::device`](crate::Config::device) once it exists, else
+/// `CUMEM_CONF`'s `device` (0 when unset or unreadable).
+pub(crate) fn default_ordinal() -> usize {
+    #[cfg(not(loom))]
+    if let Some(mm) = super::MANAGER.get() {
+        return mm.config.device;
+    }
+    crate::Config::from_env().map_or(0, |c| c.device)
+}
+
+impl MemoryManager {
+    /// Allocates `size` bytes of device memory on device `ordinal`, usable
+    /// at once by the host (copies) and by any stream of that device (as
+    /// [`allocate_device`](Self::allocate_device) does on the default
+    /// device).
+    ///
+    /// # Errors
+    /// [`Error::NoSuchDevice`]; as [`allocate_device`](Self::allocate_device),
+    /// with device errors naming `ordinal`.
+    ///
+    /// # Examples
+    /// ```
+    /// let mm = cumem::MemoryManager::global()?;
+    /// let p = mm.allocate_device_for(0, 4096)?;
+    /// mm.free_device(p)?; // finds the device that made it
+    /// assert!(matches!(mm.allocate_device_for(7, 4096), Err(cumem::Error::NoSuchDevice { .. })));
+    /// # Ok::<(), cumem::Error>(())
+    /// ```
+    pub fn allocate_device_for(&self, ordinal: usize, size: usize) -> Result<u64> {
+        self.check_running("device allocation")?;
+        let r = self.device(ordinal)?.allocate(size, None).map_err(|e| e.on_device(ordinal));
+        self.note_allocation(PoolKind::Device, &r, size, 0);
+        r
+    }
+
+    /// The device a stream's calls work on: its own, or the default device
+    /// for a host queue.
+    #[inline]
+    pub(crate) fn ordinal_of(&self, stream: &Stream) -> usize {
+        stream.device().unwrap_or(self.config.device)
+    }
+
+    /// After device `tried` did not know `ptr`: frees it on the initialised
+    /// device that does. Returns the first answer other than "unknown
+    /// pointer", else `unknown`.
+    pub(crate) fn free_on_owner(
+        &self,
+        ptr: u64,
+        stream: Option<&Stream>,
+        tried: usize,
+        unknown: Error,
+    ) -> Result<usize> {
+        for (ordinal, cell) in self.devices.iter().enumerate() {
+            let Some(d) = cell.get().filter(|_| ordinal != tried) else { continue };
+            match d.free(ptr, stream) {
+                Err(Error::UnknownPointer { .. }) => continue,
+                r => return r.map_err(|e| e.on_device(ordinal)),
+            }
+        }
+        Err(unknown)
+    }
+
+    /// The device that owns `ptr`, among the initialised devices whose sync
+    /// pools hold it as a live block, or `None`.
+    pub fn owner_of(&self, ptr: u64) -> Option<usize> {
+        self.initialised_devices().find(|d| d.pool().block_size(ptr as usize).is_some()).map(|d| d.ordinal())
+    }
+
+    /// How many devices the manager can serve (1 on the host fallback).
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// The statistics of every initialised device, by ordinal.
+    pub fn all_device_stats(&self) -> Vec<(usize, DeviceStats)> {
+        self.initialised_devices().map(|d| (d.ordinal(), d.stats())).collect()
+    }
+
+    /// Lets kernels on device `accessor` read and write every block of
+    /// device `owner`'s memory that cumem hands out, now and later: sync
+    /// pool chunks (`cuCtxEnablePeerAccess`), expandable segments and
+    /// growable buffers (`cuMemSetAccess` on every mapping, present and
+    /// future), the default and dedicated native pools
+    /// (`cuMemPoolSetAccess`), and so the arena's blocks. One-way: call it
+    /// with the roles swapped for the other direction. Granting twice, or
+    /// `accessor == owner`, is harmless. The grant is process-wide (the
+    /// devices' primary contexts are shared): every manager and every
+    /// growable buffer sees it. On the host fallback it only checks the
+    /// ordinals.
+    ///
+    /// # Errors
+    /// [`Error::NoSuchDevice`]; [`Error::PeerAccess`] when the two devices
+    /// have no peer path; a driver error naming the call.
+    pub fn enable_peer_access(&self, accessor: usize, owner: usize) -> Result<()> {
+        let count = self.devices.len();
+        for ordinal in [accessor, owner] {
+            if ordinal >= count {
+                return Err(Error::NoSuchDevice { ordinal, count });
+            }
+        }
+        match self.backend {
+            Backend::Host { .. } => Ok(()),
+            Backend::Cuda { .. } => device::enable_peer_access(accessor, owner),
+        }
+    }
+
+    /// Applies the configuration's `peer_access` to the pairs that involve
+    /// device `ordinal` (before its allocator is created). With
+    /// [`PeerAccess::All`], pairs without a peer path are skipped.
+    pub(crate) fn apply_peer_config(&self, ordinal: usize) -> Result<()> {
+        if self.backend.is_host() {
+            return Ok(());
+        }
+        let count = self.devices.len();
+        match &self.config.peer_access {
+            PeerAccess::None => Ok(()),
+            PeerAccess::All => {
+                for other in (0..count).filter(|&o| o != ordinal) {
+                    for (a, b) in [(ordinal, other), (other, ordinal)] {
+                        if device::can_access_peer(a, b)? {
+                            device::enable_peer_access(a, b)?;
+                        }
+                    }
+                }
+                Ok(())
+            }
+            PeerAccess::Pairs(pairs) => {
+                for &(a, b) in pairs.iter().filter(|(a, b)| *a == ordinal || *b == ordinal) {
+                    if a >= count || b >= count {
+                        return Err(Error::Config(format!(
+                            "peer_access: {a}:{b} names a device past the last ({count} present)"
+                        )));
+                    }
+                    device::enable_peer_access(a, b)?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
