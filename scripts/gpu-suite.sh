@@ -7,7 +7,7 @@
 #                                       # what = tests examples benches replay (default: all),
 #                                       # tests-device1 (the test binaries again with
 #                                       # CUMEM_CONF=device=1: needs two GPUs),
-#                                       # memcheck (compute-sanitizer over tests/multi_gpu.rs),
+#                                       # memcheck (compute-sanitizer over tests/multi_gpu.rs and gpu_graphs.rs),
 #                                       # bench:NAME (one bench)
 #
 # Two GPUs: CUMEM_GPUS=2 scripts/gpu-suite.sh run tests tests-device1 examples
@@ -76,7 +76,8 @@ run() {
         tests) run_tests "$out" "" || failed=1 ;;
         tests-device1) CUMEM_CONF=device=1 run_tests "$out" "-device1" || failed=1 ;;
         memcheck)
-            for t in "$BIN"/tests/test-multi_gpu; do
+            command -v compute-sanitizer >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
+            for t in "$BIN"/tests/test-multi_gpu "$BIN"/tests/test-gpu_graphs; do
                 [ -e "$t" ] || continue
                 echo "== compute-sanitizer memcheck $t"
                 # The control that faults on purpose is left out.
