@@ -15,7 +15,7 @@
 # is missing). One GPU: scripts/gpu-suite.sh run tests examples
 #
 # gpu-bin/ is git-ignored; carry it to the GPU machine. Logs go to $OUT (or
-# gpu-logs/) when set, and every run bundles them into gpu-logs.tar.gz there.
+# gpu-logs/) as one archive, gpu-logs.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=gpu-bin
@@ -63,8 +63,12 @@ for line in sys.stdin:
 }
 
 run() {
-    local out=${OUT:-gpu-logs}
-    mkdir -p "$out"
+    # Logs are written to a folder of their own and bundled into one archive
+    # under $OUT (only a few files come back from the device machine).
+    local dest=${OUT:-gpu-logs}
+    local out
+    out=$(mktemp -d)
+    mkdir -p "$dest"
     export CUMEM_REQUIRE_GPU=1
     local what=("$@")
     [ ${#what[@]} -eq 0 ] && what=(tests examples benches replay)
@@ -125,7 +129,8 @@ run() {
         *) echo "unknown part: $w"; failed=1 ;;
         esac
     done
-    tar czf "$out/gpu-logs.tar.gz" --exclude=gpu-logs.tar.gz -C "$out" . && echo "logs: $out/gpu-logs.tar.gz"
+    tar czf "$dest/gpu-logs.tar.gz" -C "$out" . && echo "logs: $dest/gpu-logs.tar.gz"
+    [ $failed = 0 ] && echo "GPU SUITE: PASSED" || echo "GPU SUITE: FAILED"
     return $failed
 }
 

@@ -39,6 +39,12 @@ fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
     }
 }
 
+/// The configuration from `CUMEM_CONF` (the suite also runs with another
+/// default device), so managers and the test's context agree.
+fn config() -> Config {
+    Config::from_env().expect("CUMEM_CONF parses")
+}
+
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
@@ -90,7 +96,7 @@ enum How {
 /// output right).
 fn scenario(ctx: &Arc<CudaContext>, mode: DeviceAllocatorMode, how: How) -> (bool, bool) {
     let k = kernels(ctx);
-    let mm = MemoryManager::new(Config::new().mode(mode)).unwrap();
+    let mm = MemoryManager::new(config().mode(mode)).unwrap();
     let s = Stream::from_cudarc(ctx.new_stream().unwrap());
     let t = Stream::from_cudarc(ctx.new_stream().unwrap());
     let out = mm.allocate_device(N * 4).unwrap();
@@ -183,7 +189,7 @@ fn capture_check_always_refuses_an_unregistered_capture_and_keeps_it_intact() {
     };
     let _serial = serial();
     let k = kernels(&ctx);
-    let mm = MemoryManager::new(Config::new().capture_check_always(true)).unwrap();
+    let mm = MemoryManager::new(config().capture_check_always(true)).unwrap();
     let s = Stream::from_cudarc(ctx.new_stream().unwrap());
     let out = mm.allocate_device(N * 4).unwrap();
     let cs = s.cudarc().unwrap().clone();
@@ -204,7 +210,7 @@ fn a_dropped_graphs_memory_is_reused_and_stays_with_its_new_owner() {
     let Some(ctx) = gpu_for_test("a_dropped_graphs_memory_is_reused_and_stays_with_its_new_owner") else { return };
     let _serial = serial();
     let k = kernels(&ctx);
-    let mm = MemoryManager::new(Config::new()).unwrap();
+    let mm = MemoryManager::new(config()).unwrap();
     let s = Stream::from_cudarc(ctx.new_stream().unwrap());
     let t = Stream::from_cudarc(ctx.new_stream().unwrap());
     let out = mm.allocate_device(N * 4).unwrap();
@@ -236,7 +242,7 @@ fn two_graphs_share_a_private_pool() {
     let Some(ctx) = gpu_for_test("two_graphs_share_a_private_pool") else { return };
     let _serial = serial();
     let k = kernels(&ctx);
-    let mm = MemoryManager::new(Config::new()).unwrap();
+    let mm = MemoryManager::new(config()).unwrap();
     let s = Stream::from_cudarc(ctx.new_stream().unwrap());
     let outs = [mm.allocate_device(N * 4).unwrap(), mm.allocate_device(N * 4).unwrap()];
     let pool = mm.graph_pool().unwrap();
@@ -277,7 +283,7 @@ fn threads_allocating_on_their_streams_during_a_capture_keep_their_data() {
     };
     let _serial = serial();
     let k = Arc::new(kernels(&ctx));
-    let mm = Arc::new(MemoryManager::new(Config::new()).unwrap());
+    let mm = Arc::new(MemoryManager::new(config()).unwrap());
     let s = Stream::from_cudarc(ctx.new_stream().unwrap());
     let out = mm.allocate_device(N * 4).unwrap();
     let pool = mm.graph_pool().unwrap();

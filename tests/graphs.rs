@@ -21,8 +21,18 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The configuration from `CUMEM_CONF` (the suite also runs with another
+/// default device), so managers and `Stream::new()` agree on the device.
+fn config() -> Config {
+    Config::from_env().expect("CUMEM_CONF parses")
+}
+
 fn manager() -> MemoryManager {
-    MemoryManager::new(Config::new()).expect("a manager")
+    MemoryManager::new(config()).expect("a manager")
+}
+
+fn graph_stats(mm: &MemoryManager) -> cumem::GraphStats {
+    mm.device_stats(mm.config().device).unwrap().graphs
 }
 
 fn overlaps(a: (u64, usize), b: (u64, usize)) -> bool {
@@ -90,7 +100,7 @@ fn a_block_freed_during_a_capture_stays_the_graphs_until_it_is_dropped() {
     assert_ne!(other, before);
     mm.free_device_on(other, &t).unwrap();
     drop(pool);
-    assert_eq!(mm.device_stats(0).unwrap().graphs.held, 0);
+    assert_eq!(graph_stats(&mm).held, 0);
     // Now it is the device pool's again: best fit finds it.
     t.synchronize().unwrap();
     let again = mm.allocate_device(8 * MIB).unwrap();
@@ -119,7 +129,7 @@ fn graphs_that_share_a_pool_cost_the_largest_not_the_sum() {
     assert_eq!(sum, 48 * MIB, "separate pools: the sum");
     drop((graphs, separate, shared));
     s.synchronize().unwrap();
-    let st = mm.device_stats(0).unwrap().graphs;
+    let st = graph_stats(&mm);
     assert_eq!((st.pools, st.reserved), (0, 0), "every private pool went back: {st:?}");
 }
 
@@ -144,10 +154,10 @@ fn graph_outputs_outlive_the_capture_and_come_back_to_its_pool() {
     let graph2 = capture.end().unwrap();
     drop((graph, graph2, pool));
     // Outputs still live keep the private pool; freeing the last retires it.
-    assert_eq!(mm.device_stats(0).unwrap().graphs.pools, 1);
+    assert_eq!(graph_stats(&mm).pools, 1);
     mm.free_device_on(again, &s).unwrap();
     s.synchronize().unwrap();
-    assert_eq!(mm.device_stats(0).unwrap().graphs.pools, 0);
+    assert_eq!(graph_stats(&mm).pools, 0);
 }
 
 #[test]
@@ -231,7 +241,7 @@ fn stream_ordered_modes_route_captures_too() {
     // On a GPU the driver turns these into graph memory nodes; on the host
     // fallback the mode is the sync pool and the rules above apply.
     for mode in cumem::DeviceAllocatorMode::ALL {
-        let mm = MemoryManager::new(Config::new().mode(mode)).unwrap();
+        let mm = MemoryManager::new(config().mode(mode)).unwrap();
         let (s, t) = (Stream::new().unwrap(), Stream::new().unwrap());
         let before = mm.allocate_device_on(MIB, &s).unwrap();
         let pool = mm.graph_pool().unwrap();
@@ -243,6 +253,6 @@ fn stream_ordered_modes_route_captures_too() {
         assert!(matches!(mm.free_device_on(before, &t), Err(Error::DoubleFree { .. })), "{mode}");
         drop((graph, pool));
         s.synchronize().unwrap();
-        assert_eq!(mm.device_stats(0).unwrap().graphs.held, 0, "{mode}");
+        assert_eq!(graph_stats(&mm).held, 0, "{mode}");
     }
 }

@@ -218,6 +218,9 @@ fn check_from_device_1(what: &str, f: &CudaFunction, ctx0: &CudaContext, s1: &St
     ctx0.bind_to_thread().unwrap();
     // SAFETY: `ptr` holds `n` u32 of device memory; the copy is synchronous.
     unsafe { sys::cuMemcpyHtoD_v2(ptr, seed.as_ptr().cast(), n * 4) }.result().unwrap();
+    // From pageable memory the copy may return before its DMA lands; the
+    // device-1 kernel runs on a non-blocking stream of another device.
+    ctx0.synchronize().unwrap();
     let nn = n as u64;
     let cs = s1.cudarc().unwrap();
     let mut launch = cs.launch_builder(f);
