@@ -17,7 +17,7 @@ pub mod upstream;
 
 pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};
 pub use arena::{ArenaPlan, DeviceHandle, HostHandle, PlanReport};
-pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, VmBackend};
+pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, TrackedPinnedVec, VmBackend};
 pub use device::{DeviceAllocatorMode, Stream};
 pub use error::{Error, OomState, PoolKind, Result};
 pub use manager::{Backend, BackendChoice, Config, MemoryManager, ShutdownReport};

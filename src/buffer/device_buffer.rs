@@ -6,6 +6,7 @@ use std::mem::size_of;
 
 use cudarc::driver::{sys, DeviceRepr};
 
+use super::interop::CudaShadow;
 use crate::device::{driver_err, Stream};
 use crate::error::{Error, Result};
 use crate::manager::MemoryManager;
@@ -35,6 +36,8 @@ pub struct DeviceBuffer<T> {
     len: usize,
     stream: Option<Stream>,
     mm: &'static MemoryManager,
+    /// cudarc's view of the buffer, made on first use (`buffer::interop`).
+    cuda: CudaShadow<T>,
     _marker: PhantomData<T>,
 }
 
@@ -83,7 +86,7 @@ impl<T: Copy> DeviceBuffer<T> {
             Some(s) => mm.allocate_device_on(bytes, s)?,
             None => mm.allocate_device(bytes)?,
         };
-        Ok(DeviceBuffer { ptr, len, stream: stream.cloned(), mm, _marker: PhantomData })
+        Ok(DeviceBuffer { ptr, len, stream: stream.cloned(), mm, cuda: CudaShadow::default(), _marker: PhantomData })
     }
 
     /// A buffer holding a copy of `data` (synchronous).
@@ -270,8 +273,51 @@ impl<T: Copy + DeviceRepr> DeviceBuffer<T> {
     }
 }
 
+impl<T> DeviceBuffer<T> {
+    pub(super) fn raw_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub(super) fn own_stream(&self) -> Option<&Stream> {
+        self.stream.as_ref()
+    }
+
+    pub(super) fn len_raw(&self) -> usize {
+        self.len
+    }
+
+    pub(super) fn cuda_shadow(&self) -> &CudaShadow<T> {
+        &self.cuda
+    }
+
+    pub(super) fn cuda_shadow_mut(&mut self) -> &mut CudaShadow<T> {
+        &mut self.cuda
+    }
+
+    /// The context of the device the memory is on (`None` on the host
+    /// fallback).
+    pub(super) fn cuda_context(&self) -> Result<Option<std::sync::Arc<cudarc::driver::CudaContext>>> {
+        if let Some(ctx) = self.stream.as_ref().and_then(|s| s.context()) {
+            return Ok(Some(ctx.clone()));
+        }
+        Ok(self.mm.default_device()?.context().cloned())
+    }
+}
+
 impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
+        // Uses tracked by cudarc's events come first: on the buffer's own
+        // stream, ahead of its stream-ordered free, else on the host.
+        let waited = match self.stream.as_ref().is_some_and(|s| !s.is_host()) {
+            true => {
+                self.cuda.release();
+                Ok(())
+            }
+            false => self.cuda.release_and_wait(),
+        };
+        if let Err(e) = waited {
+            eprintln!("cumem: waiting for cudarc's uses of a DeviceBuffer: {e}");
+        }
         let r = match &self.stream {
             Some(s) => self.mm.free_device_on(self.ptr, s),
             None => self.mm.free_device(self.ptr),

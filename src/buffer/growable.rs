@@ -17,6 +17,7 @@ use std::mem::{align_of, size_of};
 
 use cudarc::driver::sys;
 
+use super::interop::CudaShadow;
 use crate::device::{driver_err, vmm};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::upstream::region::{GrowPath, Region, VmBackend};
@@ -72,6 +73,10 @@ pub struct GrowableBuffer<T: Copy> {
     region: Region,
     len: usize,
     stats: GrowStats,
+    /// cudarc's view of the first `len` values, made on first use and
+    /// released whenever the length or the address changes
+    /// (`buffer::interop`).
+    cuda: CudaShadow<T>,
     _marker: PhantomData<T>,
 }
 
@@ -104,7 +109,13 @@ impl<T: Copy> GrowableBuffer<T> {
         }
         let bytes = Self::bytes_for(capacity)?;
         let region = Region::reserve(&backend, bytes.max(1), true)?;
-        let mut buf = GrowableBuffer { region, len: 0, stats: GrowStats::default(), _marker: PhantomData };
+        let mut buf = GrowableBuffer {
+            region,
+            len: 0,
+            stats: GrowStats::default(),
+            cuda: CudaShadow::default(),
+            _marker: PhantomData,
+        };
         if bytes > 0 {
             let size = buf.region.reserved();
             buf.map(0, size)?;
@@ -211,6 +222,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// [`Error::OutOfMemory`] when the device has no memory for it; driver
     /// and OS errors. The contents are unchanged on error.
     pub fn grow(&mut self, min_capacity: usize) -> Result<GrowPath> {
+        self.cuda.release();
         if min_capacity <= self.capacity() {
             return Ok(GrowPath::Unchanged);
         }
@@ -250,6 +262,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// # Errors
     /// As [`grow`](Self::grow) and the copies.
     pub fn resize(&mut self, new_len: usize, value: T) -> Result<()> {
+        self.cuda.release();
         if new_len <= self.len {
             self.len = new_len;
             return Ok(());
@@ -267,11 +280,13 @@ impl<T: Copy> GrowableBuffer<T> {
     /// Shortens the buffer to `new_len` elements (no effect if it is
     /// shorter); the memory stays mapped.
     pub fn truncate(&mut self, new_len: usize) {
+        self.cuda.release();
         self.len = self.len.min(new_len);
     }
 
     /// Removes every element; the memory stays mapped.
     pub fn clear(&mut self) {
+        self.cuda.release();
         self.len = 0;
     }
 
@@ -280,6 +295,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// # Errors
     /// As [`grow`](Self::grow); a driver error from the copy.
     pub fn extend_from_host(&mut self, src: &[T]) -> Result<()> {
+        self.cuda.release();
         self.reserve(src.len())?;
         self.write_host(self.len, src)?;
         self.len += src.len();
@@ -465,5 +481,29 @@ impl<T: Copy> GrowableBuffer<T> {
     /// A driver error, for example for a device that can't access this one.
     pub fn set_peer_access(&mut self, peers: &[usize]) -> Result<()> {
         self.region.set_peers(peers)
+    }
+}
+
+impl<T: Copy> GrowableBuffer<T> {
+    pub(super) fn cuda_shadow(&self) -> &CudaShadow<T> {
+        &self.cuda
+    }
+
+    pub(super) fn cuda_shadow_mut(&mut self) -> &mut CudaShadow<T> {
+        &mut self.cuda
+    }
+
+    /// The context of the buffer's device (`None` on the host fallback).
+    pub(super) fn cuda_context(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaContext>> {
+        self.region.cuda_context()
+    }
+}
+
+impl<T: Copy> Drop for GrowableBuffer<T> {
+    fn drop(&mut self) {
+        // Uses tracked by cudarc's events finish before the region unmaps.
+        if let Err(e) = self.cuda.release_and_wait() {
+            eprintln!("cumem: waiting for cudarc's uses of a GrowableBuffer: {e}");
+        }
     }
 }
