@@ -5,6 +5,7 @@
 pub mod alloc;
 pub mod arena;
 pub mod buffer;
+mod copy;
 pub mod device;
 mod error;
 pub mod log;
