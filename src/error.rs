@@ -12,6 +12,8 @@ pub enum PoolKind {
     Device,
     /// A pool outside the manager (tests, user pools).
     Standalone,
+    /// Managed (unified) memory, reachable from the host and kernels.
+    Managed,
 }
 
 impl fmt::Display for PoolKind {
@@ -20,6 +22,7 @@ impl fmt::Display for PoolKind {
             PoolKind::Pinned => "pinned",
             PoolKind::Device => "device",
             PoolKind::Standalone => "standalone",
+            PoolKind::Managed => "managed",
         })
     }
 }
