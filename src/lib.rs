@@ -13,6 +13,7 @@ pub mod managed;
 pub mod manager;
 pub mod pool;
 pub mod replay;
+pub mod snapshot;
 pub(crate) mod sync;
 pub mod trace;
 pub mod upstream;
@@ -23,4 +24,5 @@ pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, TrackedPinne
 pub use device::{DeviceAllocatorMode, Stream};
 pub use error::{Error, OomState, PoolKind, Result};
 pub use managed::{ManagedAlloc, ManagedBox, ManagedVec};
+pub use snapshot::{MemorySnapshot, PoolPicture};
 pub use manager::{Backend, BackendChoice, Config, MemoryManager, ShutdownReport};

@@ -13,6 +13,7 @@
 //! The trace's own peak live ([`Trace::peak_live`]) is reported beside it:
 //! the two agree when every allocation succeeded.
 
+pub mod plot;
 mod raw;
 mod sim;
 
