@@ -24,5 +24,5 @@ pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, TrackedPinne
 pub use device::{DeviceAllocatorMode, Stream};
 pub use error::{Error, OomState, PoolKind, Result};
 pub use managed::{ManagedAlloc, ManagedBox, ManagedVec};
-pub use snapshot::{MemorySnapshot, PoolPicture};
 pub use manager::{Backend, BackendChoice, Config, MemoryManager, ShutdownReport};
+pub use snapshot::{MemorySnapshot, PoolPicture};

@@ -607,11 +607,7 @@ impl BestFit {
     /// both left empty, when their capacity is too small (see
     /// [`chunk_count`](Self::chunk_count) and
     /// [`block_count`](Self::block_count)).
-    pub fn snapshot_into(
-        &self,
-        chunks: &mut Vec<Chunk>,
-        blocks: &mut Vec<super::snapshot::SnapshotBlock>,
-    ) -> bool {
+    pub fn snapshot_into(&self, chunks: &mut Vec<Chunk>, blocks: &mut Vec<super::snapshot::SnapshotBlock>) -> bool {
         use super::snapshot::{stream_of, BlockState, SnapshotBlock};
         chunks.clear();
         blocks.clear();
