@@ -49,6 +49,17 @@ pub struct OomState {
 }
 
 /// Everything that can go wrong in cumem.
+///
+/// # Examples
+/// ```
+/// use cumem::{Error, MemoryManager};
+/// let mm = MemoryManager::global()?;
+/// match mm.allocate_pinned(0) {
+///     Err(Error::InvalidSize { size: 0, .. }) => {}
+///     other => panic!("expected InvalidSize, got {other:?}"),
+/// }
+/// # Ok::<(), cumem::Error>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

@@ -10,6 +10,9 @@ use crate::manager::{human_bytes, MemoryManager};
 use crate::pool::{BlockState, PoolSnapshot, PoolStats};
 
 /// One pool of a [`MemorySnapshot`].
+///
+/// # Examples
+/// See [`MemorySnapshot`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolPicture {
     /// "pinned", "managed" or "device N".

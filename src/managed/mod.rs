@@ -30,9 +30,19 @@ use crate::pool::{Pool, PoolConfig, PoolStats, StreamTag, BLOCK_ALIGN, MAX_ALIGN
 use crate::upstream::{Host, Upstream};
 
 /// A `Vec` in managed memory (see [`ManagedAlloc`]).
+///
+/// # Examples
+/// See [`ManagedAlloc`].
 pub type ManagedVec<T> = allocator_api2::vec::Vec<T, ManagedAlloc>;
 
 /// A `Box` in managed memory.
+///
+/// # Examples
+/// ```
+/// use cumem::{ManagedAlloc, ManagedBox};
+/// let b: ManagedBox<[u64; 512]> = ManagedBox::new_in([1; 512], ManagedAlloc);
+/// assert_eq!(b.iter().sum::<u64>(), 512);
+/// ```
 pub type ManagedBox<T> = allocator_api2::boxed::Box<T, ManagedAlloc>;
 
 impl MemoryManager {
@@ -249,6 +259,9 @@ impl ManagedAlloc {
 }
 
 /// Where managed pages should go.
+///
+/// # Examples
+/// See [`ManagedAlloc`] and [`prefetch`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Location {
     /// The memory of device `ordinal`.
@@ -258,6 +271,9 @@ pub enum Location {
 }
 
 /// Hints for the driver about how a managed range is used (`cuMemAdvise`).
+///
+/// # Examples
+/// See [`advise`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Advice {
     /// Mostly read: devices that read it get their own copies

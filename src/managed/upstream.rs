@@ -11,6 +11,10 @@ use crate::upstream::{Chunk, Upstream};
 /// Managed (unified) memory, reachable from the host and from kernels on
 /// every device (`cuMemAllocManaged(CU_MEM_ATTACH_GLOBAL)` / `cuMemFree`).
 /// The driver migrates pages to whoever touches them.
+///
+/// The manager's managed pool uses it; see
+/// [`MemoryManager::managed_pool`](crate::MemoryManager::managed_pool) for an
+/// example of the pool.
 pub struct CudaManagedMemory {
     ctx: Arc<CudaContext>,
 }

@@ -39,6 +39,16 @@ pub struct LiveAllocation {
 }
 
 /// What [`MemoryManager::shutdown`] found still live.
+///
+/// # Examples
+/// ```
+/// let mm = cumem::MemoryManager::new(cumem::Config::new())?;
+/// let p = mm.allocate_pinned(100)?;
+/// let report = mm.shutdown()?;
+/// assert_eq!(report.live_count, 1);
+/// mm.free_pinned(p.as_ptr())?;
+/// # Ok::<(), cumem::Error>(())
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ShutdownReport {
     /// Each live allocation.

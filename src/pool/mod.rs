@@ -51,6 +51,9 @@ pub(crate) const FIRST_ALLOCATION: &str =
 pub const MAX_ALIGN: usize = 1 << 21;
 
 /// How a pool grows and how large it may get.
+///
+/// # Examples
+/// See [`Pool`].
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
     /// Which pool this is (named in errors).

@@ -14,6 +14,9 @@ use super::{Pool, StreamTag};
 use crate::upstream::{Chunk, Upstream};
 
 /// What a block is used for.
+///
+/// # Examples
+/// See [`PoolSnapshot`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BlockState {
     /// Held by a user.
@@ -26,6 +29,9 @@ pub enum BlockState {
 }
 
 /// One block of a [`PoolSnapshot`].
+///
+/// # Examples
+/// See [`PoolSnapshot`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SnapshotBlock {
     /// Its start.

@@ -19,6 +19,9 @@ use crate::pool::{Pool, StreamTag, BLOCK_ALIGN};
 use crate::trace::{Op, Trace};
 
 /// One line of a panel: `(operation index, bytes)` points.
+///
+/// # Examples
+/// See [`render_svg`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Series {
     /// The legend's text ("live (trace)", "reserved: sync_pool", ...).
@@ -28,6 +31,9 @@ pub struct Series {
 }
 
 /// One trace's panel.
+///
+/// # Examples
+/// See [`render_svg`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Panel {
     /// The trace's name (the panel's caption).
