@@ -222,7 +222,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// [`Error::OutOfMemory`] when the device has no memory for it; driver
     /// and OS errors. The contents are unchanged on error.
     pub fn grow(&mut self, min_capacity: usize) -> Result<GrowPath> {
-        self.cuda.release();
+        self.forget_cuda();
         if min_capacity <= self.capacity() {
             return Ok(GrowPath::Unchanged);
         }
@@ -262,7 +262,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// # Errors
     /// As [`grow`](Self::grow) and the copies.
     pub fn resize(&mut self, new_len: usize, value: T) -> Result<()> {
-        self.cuda.release();
+        self.forget_cuda();
         if new_len <= self.len {
             self.len = new_len;
             return Ok(());
@@ -280,13 +280,13 @@ impl<T: Copy> GrowableBuffer<T> {
     /// Shortens the buffer to `new_len` elements (no effect if it is
     /// shorter); the memory stays mapped.
     pub fn truncate(&mut self, new_len: usize) {
-        self.cuda.release();
+        self.forget_cuda();
         self.len = self.len.min(new_len);
     }
 
     /// Removes every element; the memory stays mapped.
     pub fn clear(&mut self) {
-        self.cuda.release();
+        self.forget_cuda();
         self.len = 0;
     }
 
@@ -295,7 +295,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// # Errors
     /// As [`grow`](Self::grow); a driver error from the copy.
     pub fn extend_from_host(&mut self, src: &[T]) -> Result<()> {
-        self.cuda.release();
+        self.forget_cuda();
         self.reserve(src.len())?;
         self.write_host(self.len, src)?;
         self.len += src.len();
@@ -496,6 +496,17 @@ impl<T: Copy> GrowableBuffer<T> {
     /// The context of the buffer's device (`None` on the host fallback).
     pub(super) fn cuda_context(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaContext>> {
         self.region.cuda_context()
+    }
+}
+
+impl<T: Copy> GrowableBuffer<T> {
+    /// Before the length or the address changes: cudarc's tracked uses of
+    /// the buffer finish (the host waits), and its cudarc shadow, which
+    /// describes the old length and address, is dropped.
+    fn forget_cuda(&mut self) {
+        if let Err(e) = self.cuda.release_and_wait() {
+            eprintln!("cumem: waiting for cudarc's uses of a GrowableBuffer: {e}");
+        }
     }
 }
 

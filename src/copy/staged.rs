@@ -304,12 +304,12 @@ impl MemoryManager {
         if bytes == 0 {
             return Ok(());
         }
-        let Some(cs) = stream.cudarc() else {
-            if !self.backend().is_host() {
-                return Err(Error::InvalidState(
-                    "a host queue can't copy CUDA device memory; use a CUDA stream".into(),
-                ));
-            }
+        if !self.backend().is_host() && stream.is_host() {
+            return Err(Error::InvalidState("a host queue can't copy CUDA device memory; use a CUDA stream".into()));
+        }
+        // On the host fallback device memory is host memory, whatever the
+        // stream.
+        let Some(cs) = stream.cudarc().filter(|_| !self.backend().is_host()) else {
             let (h, d) = (host as *mut u8, dev as usize as *mut u8);
             // SAFETY: on the host fallback device memory is host memory;
             // the caller vouches for both ranges and that they don't overlap.
