@@ -82,3 +82,47 @@ fn length_mismatches_and_host_queues_are_errors() {
     // SAFETY: no byte is copied.
     unsafe { mm.copy_from_pageable::<u8>(buf.device_ptr(), &[], &stream) }.unwrap();
 }
+
+const KERNEL: &str = r#"
+extern "C" __global__ void spin_then_fill(unsigned char* p, unsigned char v, unsigned long long n, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    for (; i < n; i += (unsigned long long)gridDim.x * blockDim.x) p[i] = v;
+}
+"#;
+
+/// The staged copies are stream-ordered: a read queued after a slow kernel
+/// on the same stream sees what the kernel wrote, and a write queued
+/// behind it lands after it.
+#[test]
+fn staged_copies_follow_the_stream_order() {
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let Some(ctx) = gpu_for_test("staged_copies_follow_the_stream_order") else { return };
+    let ptx = cudarc::nvrtc::compile_ptx(KERNEL).expect("NVRTC compiles the kernel");
+    let f = ctx.load_module(ptx).unwrap().load_function("spin_then_fill").unwrap();
+    let stream = Stream::new().unwrap();
+    let s = stream.cudarc().unwrap();
+    let n = (16 << 20) + 5;
+    let mut buf = DeviceBuffer::<u8>::new_on(n, &stream).unwrap();
+    buf.copy_from_pageable(&vec![1u8; n], &stream).unwrap();
+    // About 0.1 s of spinning, then the whole buffer becomes 9.
+    let (ptr, v, nn, cycles) = (buf.device_ptr(), 9u8, n as u64, 200_000_000i64);
+    let launch_fill = |v: &u8| {
+        let mut launch = s.launch_builder(&f);
+        launch.arg(&ptr).arg(v).arg(&nn).arg(&cycles);
+        let cfg = LaunchConfig { grid_dim: (256, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the signature matches; the buffer holds `n` bytes and
+        // lives until after the stream is synchronised.
+        unsafe { launch.launch(cfg) }.unwrap();
+    };
+    launch_fill(&v);
+    let mut back = vec![0u8; n];
+    buf.copy_to_pageable(&mut back, &stream).unwrap();
+    assert!(back.iter().all(|b| *b == 9), "the read did not wait for the kernel");
+    // A write queued behind a slow fill of 3 lands after it.
+    launch_fill(&3u8);
+    buf.copy_from_pageable(&vec![5u8; n], &stream).unwrap();
+    buf.copy_to_pageable(&mut back, &stream).unwrap();
+    assert!(back.iter().all(|b| *b == 5), "the write landed before the kernel's");
+}
