@@ -36,6 +36,7 @@ fn vectors_boxes_and_maps_in_managed_memory() {
     assert_eq!(m[&777], 778);
     let stats = MemoryManager::global().unwrap().managed_stats().expect("the pool exists after use");
     assert!(stats.reserved > 0);
+    assert!(MemoryManager::global().unwrap().memory_summary().contains("| managed"));
 }
 
 #[test]

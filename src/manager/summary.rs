@@ -144,6 +144,9 @@ pub(super) fn render(mm: &MemoryManager) -> String {
     );
     let _ = writeln!(out, "|{}|", "-".repeat(150));
     row(&mut out, "pinned", &mm.pinned_stats());
+    if let Some(s) = mm.managed_stats() {
+        row(&mut out, "managed", &s);
+    }
     for d in mm.initialised_devices() {
         let st = d.stats();
         row(&mut out, &format!("device {} pool", d.ordinal()), &st.pool);
