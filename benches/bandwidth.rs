@@ -4,7 +4,8 @@
 //! pageable `Vec` staged through the pinned pool
 //! (`copy_from_pageable` / `copy_to_pageable`), all measured in the same
 //! run on one stream, median of several copies. A second table compares
-//! the staged copy with the plain ones at 8, 32 and 256 MiB.
+//! the staged copy with the plain ones at 8, 32 and 256 MiB, a third the
+//! staged copy with 1, 2, 4 and 8 lanes (host threads).
 //!
 //! Prints tables; on the host fallback it says there is nothing to measure.
 
@@ -125,6 +126,27 @@ fn main() -> Result<(), cumem::Error> {
             "| {mib} MiB | {sh:.1} GB/s | {ph:.1} GB/s | {rh:.1} GB/s | {sd:.1} GB/s | {pd:.1} GB/s | {rd:.1} GB/s |"
         );
     }
+
+    // The staged copy's lanes (host threads), same run.
+    let defaults = MemoryManager::set_staging(0, 0);
+    println!();
+    println!("staged copies by lanes (largest chunk {} KiB; default lanes {}):", defaults.0 >> 10, defaults.1);
+    println!("| lanes | 8 MiB H2D | 8 MiB D2H | 256 MiB H2D | 256 MiB D2H |");
+    println!("| --- | --- | --- | --- | --- |");
+    for lanes in [1usize, 2, 4, 8] {
+        MemoryManager::set_staging(0, lanes);
+        let d = dev.device_ptr();
+        let mut cells = Vec::new();
+        for mib in [8usize, 256] {
+            let n = mib << 20;
+            for to_device in [true, false] {
+                let secs = time_staged(mm, &mut pageable[..n], d, &stream, to_device);
+                cells.push(format!("{:.1} GB/s", n as f64 / secs / 1e9));
+            }
+        }
+        println!("| {lanes} | {} |", cells.join(" | "));
+    }
+    MemoryManager::set_staging(0, defaults.1);
     // SAFETY: `raw` came from cuMemHostAlloc and no copy uses it any more.
     unsafe { result::free_host(raw.cast()) }.expect("cuMemFreeHost");
     Ok(())

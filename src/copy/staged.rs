@@ -29,24 +29,42 @@ use once_cell::sync::Lazy;
 use crate::device::{driver_err, Stream};
 use crate::error::{Error, Result};
 use crate::manager::{parse_size, MemoryManager};
+use crate::sync::{Ordering, StaticAtomicU64};
 
-/// Bytes per chunk unless `CUMEM_STAGING_CHUNK` says otherwise.
+/// The largest chunk unless `CUMEM_STAGING_CHUNK` says otherwise.
 const DEFAULT_CHUNK: usize = 2 << 20;
 /// Most lanes (threads) unless `CUMEM_STAGING_LANES` says otherwise.
 const DEFAULT_LANES: usize = 4;
+/// The smallest chunk: below it a DMA's fixed cost dominates.
+const MIN_CHUNK: usize = 256 << 10;
+/// Chunks each lane gets at least, where the size allows: with fewer the
+/// pipeline hardly fills.
+const CHUNKS_PER_LANE: usize = 4;
 
-/// Chunk size and lane limit, read once from the environment.
-static TUNING: Lazy<(usize, usize)> = Lazy::new(|| {
+/// The tuning set with [`MemoryManager::set_staging`] (0: not set).
+static SET_CHUNK: StaticAtomicU64 = StaticAtomicU64::new(0);
+static SET_LANES: StaticAtomicU64 = StaticAtomicU64::new(0);
+
+/// Largest chunk and most lanes from the environment, read once.
+static FROM_ENV: Lazy<(usize, usize)> = Lazy::new(|| {
     let chunk = std::env::var("CUMEM_STAGING_CHUNK")
         .ok()
         .and_then(|v| parse_size(&v))
-        .map_or(DEFAULT_CHUNK, |c| (c as usize).clamp(64 << 10, 256 << 20));
+        .map_or(DEFAULT_CHUNK, |c| (c as usize).clamp(MIN_CHUNK, 256 << 20));
     let lanes = std::env::var("CUMEM_STAGING_LANES")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
         .map_or(DEFAULT_LANES, |l| l.clamp(1, 16));
     (chunk, lanes)
 });
+
+/// The largest chunk and the most lanes in effect.
+fn tuning() -> (usize, usize) {
+    let (env_chunk, env_lanes) = *FROM_ENV;
+    let chunk = SET_CHUNK.load(Ordering::Relaxed) as usize;
+    let lanes = SET_LANES.load(Ordering::Relaxed) as usize;
+    (if chunk == 0 { env_chunk } else { chunk }, if lanes == 0 { env_lanes } else { lanes })
+}
 
 /// How a copy of `bytes` is cut: chunk size, chunk count, lanes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +75,13 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(bytes: usize, chunk: usize, max_lanes: usize) -> Plan {
+    /// Chunks of at most `max_chunk` bytes, small enough that every lane
+    /// gets [`CHUNKS_PER_LANE`] of them, but not below [`MIN_CHUNK`]
+    /// (rounded to 64 KiB); as many lanes as there are pairs of chunks, up
+    /// to `max_lanes`.
+    fn new(bytes: usize, max_chunk: usize, max_lanes: usize) -> Plan {
+        let want = bytes.div_ceil(max_lanes * CHUNKS_PER_LANE).next_multiple_of(64 << 10);
+        let chunk = want.clamp(MIN_CHUNK.min(max_chunk), max_chunk);
         let chunks = bytes.div_ceil(chunk);
         // Each lane needs two chunks to overlap anything.
         let lanes = chunks.div_ceil(2).clamp(1, max_lanes);
@@ -224,6 +248,32 @@ fn lane(job: &Job<'_>, index: usize) -> Result<()> {
 }
 
 impl MemoryManager {
+    /// Sets, for the whole process, the largest staging chunk (bytes,
+    /// clamped to 256 KiB ..= 256 MiB) and the most lanes (host threads,
+    /// 1 ..= 16) of the staged copies; 0 keeps the current value. The
+    /// defaults come from `CUMEM_STAGING_CHUNK` (e.g. `4MiB`) and
+    /// `CUMEM_STAGING_LANES`, else 2 MiB and 4. A copy cuts its bytes into
+    /// chunks small enough for every lane to get four (but at least
+    /// 256 KiB) and uses a lane per pair of chunks. Returns the values now
+    /// in effect.
+    ///
+    /// # Examples
+    /// ```
+    /// use cumem::MemoryManager;
+    /// let before = MemoryManager::set_staging(0, 0);
+    /// assert_eq!(MemoryManager::set_staging(4 << 20, 8), (4 << 20, 8));
+    /// MemoryManager::set_staging(before.0, before.1);
+    /// ```
+    pub fn set_staging(max_chunk: usize, lanes: usize) -> (usize, usize) {
+        if max_chunk != 0 {
+            SET_CHUNK.store(max_chunk.clamp(MIN_CHUNK, 256 << 20) as u64, Ordering::Relaxed);
+        }
+        if lanes != 0 {
+            SET_LANES.store(lanes.clamp(1, 16) as u64, Ordering::Relaxed);
+        }
+        tuning()
+    }
+
     /// Copies `src` (ordinary pageable host memory) to device memory at
     /// `dst` through pinned staging blocks from the pinned pool, in
     /// double-buffered chunks, so the copy runs at close to pinned speed
@@ -232,8 +282,7 @@ impl MemoryManager {
     /// on `stream` before the call; the call returns once it has landed.
     /// On the host fallback it is a plain copy.
     ///
-    /// Tuning: `CUMEM_STAGING_CHUNK` (bytes per chunk, default 2 MiB) and
-    /// `CUMEM_STAGING_LANES` (host threads, default 4).
+    /// Tuning: see [`set_staging`](Self::set_staging).
     ///
     /// # Safety
     /// `dst .. dst + size_of_val(src)` is device memory (on the fallback:
@@ -321,7 +370,7 @@ impl MemoryManager {
             }
             return Ok(());
         };
-        let (chunk, lanes) = *TUNING;
+        let (chunk, lanes) = tuning();
         let job = Job { mm: self, stream: cs, dir, host, dev, bytes, plan: Plan::new(bytes, chunk, lanes) };
         std::thread::scope(|scope| {
             let job = &job;
@@ -355,9 +404,10 @@ mod tests {
     #[test]
     fn plans_cover_every_byte_once() {
         for bytes in [1usize, 255, 2 << 20, (2 << 20) + 1, 8 << 20, 300 << 20, 12_345_678] {
-            for lanes in [1, 3, 4] {
+            for lanes in [1, 3, 4, 16] {
                 let p = Plan::new(bytes, 2 << 20, lanes);
                 assert!(p.lanes >= 1 && p.lanes <= lanes);
+                assert!(p.chunk <= 2 << 20 && (p.chunk >= 256 << 10 || p.chunks == 1));
                 let mut covered = 0;
                 for i in 0..p.chunks {
                     let (off, len) = p.piece(i, bytes);
@@ -368,5 +418,9 @@ mod tests {
                 assert_eq!(covered, bytes);
             }
         }
+        // 8 MiB on four lanes: 512 KiB chunks, four lanes of four.
+        assert_eq!(Plan::new(8 << 20, 2 << 20, 4), Plan { chunk: 512 << 10, chunks: 16, lanes: 4 });
+        // 256 MiB: the largest chunks.
+        assert_eq!(Plan::new(256 << 20, 2 << 20, 4), Plan { chunk: 2 << 20, chunks: 128, lanes: 4 });
     }
 }
