@@ -10,6 +10,7 @@
 //! pinned bandwidth without pinning the caller's memory.
 
 mod staged;
+mod workers;
 
 use crate::device::Stream;
 use crate::error::{Error, Result};

@@ -13,8 +13,9 @@
 //! ```
 //!
 //! so the host memcpy of one chunk overlaps the DMA of the next. Lane 0
-//! runs on the calling thread, the others on scoped threads (a single
-//! host memcpy thread can't keep up with the DMA engine). All DMAs go to
+//! runs on the calling thread, the others on helper threads kept for the
+//! purpose (`workers.rs`): a single host memcpy thread can't keep up with
+//! the DMA engine. All DMAs go to
 //! the caller's stream, so they run after the work queued on it before the
 //! call. The call returns once every chunk has arrived; the staging blocks
 //! go back to the pinned pool only after their DMAs are known complete
@@ -372,28 +373,7 @@ impl MemoryManager {
         };
         let (chunk, lanes) = tuning();
         let job = Job { mm: self, stream: cs, dir, host, dev, bytes, plan: Plan::new(bytes, chunk, lanes) };
-        std::thread::scope(|scope| {
-            let job = &job;
-            let mut inline = Vec::new();
-            let mut spawned = Vec::new();
-            for i in 1..job.plan.lanes {
-                match std::thread::Builder::new().name("cumem-staging".into()).spawn_scoped(scope, move || lane(job, i))
-                {
-                    Ok(h) => spawned.push(h),
-                    // No thread to be had: this thread runs that lane too.
-                    Err(_) => inline.push(i),
-                }
-            }
-            let mut result = lane(job, 0);
-            for i in inline {
-                result = result.and(lane(job, i));
-            }
-            for h in spawned {
-                let r = h.join().unwrap_or_else(|_| Err(Error::InvalidState("a staging thread panicked".into())));
-                result = result.and(r);
-            }
-            result
-        })
+        super::workers::run_lanes(job.plan.lanes, &|i| lane(&job, i))
     }
 }
 
