@@ -131,3 +131,20 @@ fn a_kernel_reads_and_writes_a_managed_vec() {
     }
     advise(&v, Advice::PreferredLocation(Location::Device(0)), false).unwrap();
 }
+
+#[test]
+fn shutdown_reports_live_managed_blocks_and_refuses_more() {
+    let mm = MemoryManager::new(cumem::Config::new()).unwrap();
+    let p = mm.allocate_managed(3000).unwrap();
+    let q = mm.allocate_managed(100).unwrap();
+    mm.free_managed(q.as_ptr()).unwrap();
+    let report = mm.shutdown().unwrap();
+    let managed: Vec<_> = report.live.iter().filter(|a| a.pool == PoolKind::Managed).collect();
+    assert_eq!(managed.len(), 1);
+    assert_eq!(managed[0].addr, p.as_ptr() as usize);
+    assert!(matches!(mm.allocate_managed(10), Err(Error::ShutDown(_))));
+    // The live block stays valid and can still be freed.
+    // SAFETY: `p` is a live 3000-byte managed block.
+    unsafe { p.as_ptr().write_bytes(1, 3000) };
+    mm.free_managed(p.as_ptr()).unwrap();
+}

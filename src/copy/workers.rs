@@ -129,7 +129,7 @@ pub(super) fn run_lanes(lanes: usize, work: &Work<'_>) -> Result<()> {
 mod tests {
     use super::run_lanes;
     use crate::error::Error;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use crate::sync::{AtomicUsize, Ordering};
 
     #[test]
     fn every_lane_runs_once_and_errors_come_back() {
