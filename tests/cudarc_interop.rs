@@ -134,6 +134,18 @@ fn cudarc_events_order_a_read_on_another_stream() {
     s2.memcpy_dtoh(&buf, &mut out).unwrap();
     s2.synchronize().unwrap();
     assert!(out.iter().all(|x| *x == 9.0), "the read on s2 did not wait for the kernel on s1");
+    // cumem's own synchronous copy waits for cudarc's tracked write too.
+    let mut launch = s1.launch_builder(&spin_then_fill);
+    let v2 = 4.0f32;
+    launch.arg(&mut buf).arg(&v2).arg(&nn).arg(&cycles);
+    // SAFETY: as above.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+    assert!(buf.to_vec().unwrap().iter().all(|x| *x == 4.0), "to_vec did not wait for the kernel on s1");
+    // And a cudarc read after cumem's own write sees it.
+    buf.copy_from_host(&vec![6.0f32; n]).unwrap();
+    s2.memcpy_dtoh(&buf, &mut out).unwrap();
+    s2.synchronize().unwrap();
+    assert!(out.iter().all(|x| *x == 6.0));
     // Dropping the buffer orders its free after the tracked uses.
     drop(buf);
     s1.synchronize().unwrap();

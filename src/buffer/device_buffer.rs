@@ -148,6 +148,7 @@ impl<T: Copy> DeviceBuffer<T> {
             true => unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr as usize as *mut T, self.len) },
             false => {
                 self.bind()?;
+                self.legacy_after_cudarc_uses();
                 // SAFETY: `src` is valid for `num_bytes()` reads for the whole
                 // synchronous call; the destination is this buffer.
                 unsafe { sys::cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), self.num_bytes()) }
@@ -186,6 +187,7 @@ impl<T: Copy> DeviceBuffer<T> {
             return Ok(());
         }
         self.bind()?;
+        self.legacy_after_cudarc_writes();
         // SAFETY: the caller vouches for `dst` for the whole synchronous call.
         unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), self.ptr, self.num_bytes()) }
             .result()
@@ -266,6 +268,7 @@ impl<T: Copy + DeviceRepr> DeviceBuffer<T> {
             return Ok(());
         }
         self.bind()?;
+        self.legacy_after_cudarc_uses();
         // SAFETY: the range is exactly this buffer.
         unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.num_bytes()) }.result().map_err(driver_err("cuMemsetD8"))?;
         // The memset may still be running on the legacy stream.

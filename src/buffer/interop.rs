@@ -92,6 +92,16 @@ impl<T> CudaShadow<T> {
         self.cell.get().is_some()
     }
 
+    /// The shadow, if cudarc has seen the buffer.
+    fn made(&self) -> Option<&CudaSlice<T>> {
+        self.cell.get().map(|s| &**s)
+    }
+
+    /// As [`made`](Self::made), mutably.
+    fn made_mut(&mut self) -> Option<&mut CudaSlice<T>> {
+        self.cell.get_mut().map(|s| &mut **s)
+    }
+
     /// Gives the shadow up before the memory is freed, moved or resized:
     /// its stream waits for the last tracked read and write
     /// (`cuStreamWaitEvent`). Returns that stream, for callers that free
@@ -149,6 +159,31 @@ impl<T> DeviceBuffer<T> {
         match self.cuda_context()? {
             Some(ctx) => Ok(ctx.default_stream()),
             None => Err(Error::NeedsGpu("cudarc's API")),
+        }
+    }
+}
+
+impl<T> DeviceBuffer<T> {
+    /// Before a synchronous read on the legacy default stream (cumem's own
+    /// copies out): that stream waits for cudarc's tracked writes of the
+    /// buffer (`cuStreamWaitEvent`). Nothing to do before cudarc has seen
+    /// the buffer. The read is recorded as a use at once: the copy
+    /// completes before the call that makes it returns.
+    pub(super) fn legacy_after_cudarc_writes(&self) {
+        if let (Some(shadow), Ok(Some(ctx))) = (self.cuda_shadow().made(), self.cuda_context()) {
+            let legacy = ctx.default_stream();
+            drop(DevicePtr::device_ptr(shadow, &legacy));
+        }
+    }
+
+    /// Before a synchronous write on the legacy default stream (cumem's own
+    /// copies in, memset): that stream waits for cudarc's tracked reads
+    /// and writes of the buffer.
+    pub(super) fn legacy_after_cudarc_uses(&mut self) {
+        let Ok(Some(ctx)) = self.cuda_context() else { return };
+        if let Some(shadow) = self.cuda_shadow_mut().made_mut() {
+            let legacy = ctx.default_stream();
+            drop(DevicePtrMut::device_ptr_mut(shadow, &legacy));
         }
     }
 }
