@@ -76,6 +76,18 @@ fn copies_and_kernels_through_cudarc_only() {
     s.memcpy_dtoh(&view, &mut part).unwrap();
     s.synchronize().unwrap();
     assert_eq!(part, out[1000..1010]);
+    // A growable buffer as a kernel argument: g = 1 * x + g.
+    let one = 1.0f32;
+    let mut launch = s.launch_builder(&saxpy);
+    launch.arg(&mut g).arg(&x).arg(&one).arg(&nn);
+    // SAFETY: the signature matches; both hold `n` floats.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+    let mut gv = vec![0f32; n];
+    s.memcpy_dtoh(&g, &mut gv).unwrap();
+    s.synchronize().unwrap();
+    for i in (0..n).step_by(991) {
+        assert_eq!(gv[i], out[i] + xs[i], "growable element {i}");
+    }
 
     // A mutable view of a sub-range: only that range changes.
     let mut view = x.cuda_view_mut(10..20).unwrap();

@@ -244,7 +244,20 @@ macro_rules! cudarc_surface {
             /// for a range outside the buffer.
             ///
             /// # Examples
-            /// See `tests/cudarc_interop.rs`.
+            /// ```no_run
+            /// use cumem::{DeviceBuffer, GrowableBuffer};
+            /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+            /// let ctx = cumem::device::device_context(0)?.expect("a GPU");
+            /// let s = ctx.default_stream();
+            /// let buf = DeviceBuffer::from_host(&[1u32, 2, 3, 4])?;
+            /// let mut part = [0u32; 2];
+            /// s.memcpy_dtoh(&buf.cuda_view(1..3)?, &mut part)?;
+            /// let mut g = GrowableBuffer::<u32>::with_capacity(4)?;
+            /// g.resize(4, 0)?;
+            /// s.memcpy_htod(&[9u32, 9], &mut g.cuda_view_mut(..2)?)?;
+            /// s.synchronize()?;
+            /// # Ok(()) }
+            /// ```
             pub fn cuda_view(&self, range: impl RangeBounds<usize>) -> Result<CudaView<'_, T>> {
                 let (s, e) = bounds(range, self.values())?;
                 self.check_cuda()?;
@@ -256,6 +269,9 @@ macro_rules! cudarc_surface {
             ///
             /// # Errors
             /// As [`cuda_view`](Self::cuda_view).
+            ///
+            /// # Examples
+            /// See [`cuda_view`](Self::cuda_view).
             pub fn cuda_view_mut(&mut self, range: impl RangeBounds<usize>) -> Result<CudaViewMut<'_, T>> {
                 let (s, e) = bounds(range, self.values())?;
                 self.check_cuda()?;
