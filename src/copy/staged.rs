@@ -34,8 +34,12 @@ use crate::sync::{Ordering, StaticAtomicU64};
 
 /// The largest chunk unless `CUMEM_STAGING_CHUNK` says otherwise.
 const DEFAULT_CHUNK: usize = 2 << 20;
-/// Most lanes (threads) unless `CUMEM_STAGING_LANES` says otherwise.
-const DEFAULT_LANES: usize = 4;
+/// Most lanes (threads) unless `CUMEM_STAGING_LANES` says otherwise: half
+/// the cores, 2 to 8 (one memcpy thread moves well under what a DMA
+/// engine does; past a handful they share the memory bandwidth).
+fn default_lanes() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| (n.get() / 2).clamp(2, 8))
+}
 /// The smallest chunk: below it a DMA's fixed cost dominates.
 const MIN_CHUNK: usize = 256 << 10;
 /// Chunks each lane gets at least, where the size allows: with fewer the
@@ -55,7 +59,7 @@ static FROM_ENV: Lazy<(usize, usize)> = Lazy::new(|| {
     let lanes = std::env::var("CUMEM_STAGING_LANES")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
-        .map_or(DEFAULT_LANES, |l| l.clamp(1, 16));
+        .map_or_else(default_lanes, |l| l.clamp(1, 16));
     (chunk, lanes)
 });
 
@@ -253,7 +257,7 @@ impl MemoryManager {
     /// clamped to 256 KiB ..= 256 MiB) and the most lanes (host threads,
     /// 1 ..= 16) of the staged copies; 0 keeps the current value. The
     /// defaults come from `CUMEM_STAGING_CHUNK` (e.g. `4MiB`) and
-    /// `CUMEM_STAGING_LANES`, else 2 MiB and 4. A copy cuts its bytes into
+    /// `CUMEM_STAGING_LANES`, else 2 MiB and half the cores (2 to 8). A copy cuts its bytes into
     /// chunks small enough for every lane to get four (but at least
     /// 256 KiB) and uses a lane per pair of chunks. Returns the values now
     /// in effect.
