@@ -117,7 +117,7 @@ run() {
         replay)
             tool="$BIN/tools/cumem-replay"
             echo "== $tool: cold (fresh allocator per replay), every target"
-            "$tool" --no-progress --target all,sim_device "$BIN"/traces/*.csv.gz 2>&1 | tee "$out/replay.log" | tail -20
+            "$tool" --no-progress --target all,sim_device --plot "$out/replay.svg" "$BIN"/traces/*.csv.gz 2>&1 | tee "$out/replay.log" | tail -24
             echo "== $tool: warm (the pool already holds its memory)"
             "$tool" --no-progress --warm --target all,sim_device "$BIN"/traces/*.csv.gz 2>&1 | tee "$out/replay-warm.log" | tail -20
             echo "== $tool: sync pool with device thread caches, cold and warm"

@@ -42,9 +42,19 @@ use crate::pool::MAX_ALIGN;
 pub struct PinnedAlloc;
 
 /// A `Vec` in pinned host memory.
+///
+/// # Examples
+/// See [`PinnedAlloc`].
 pub type PinnedVec<T> = allocator_api2::vec::Vec<T, PinnedAlloc>;
 
 /// A `Box` in pinned host memory.
+///
+/// # Examples
+/// ```
+/// use cumem::{PinnedAlloc, PinnedBox};
+/// let b: PinnedBox<[u8; 4096]> = PinnedBox::new_in([0; 4096], PinnedAlloc);
+/// assert_eq!(b.as_ptr() as usize % 256, 0);
+/// ```
 pub type PinnedBox<T> = allocator_api2::boxed::Box<T, PinnedAlloc>;
 
 thread_local! {

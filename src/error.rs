@@ -12,6 +12,8 @@ pub enum PoolKind {
     Device,
     /// A pool outside the manager (tests, user pools).
     Standalone,
+    /// Managed (unified) memory, reachable from the host and kernels.
+    Managed,
 }
 
 impl fmt::Display for PoolKind {
@@ -20,6 +22,7 @@ impl fmt::Display for PoolKind {
             PoolKind::Pinned => "pinned",
             PoolKind::Device => "device",
             PoolKind::Standalone => "standalone",
+            PoolKind::Managed => "managed",
         })
     }
 }
@@ -49,6 +52,17 @@ pub struct OomState {
 }
 
 /// Everything that can go wrong in cumem.
+///
+/// # Examples
+/// ```
+/// use cumem::{Error, MemoryManager};
+/// let mm = MemoryManager::global()?;
+/// match mm.allocate_pinned(0) {
+///     Err(Error::InvalidSize { size: 0, .. }) => {}
+///     other => panic!("expected InvalidSize, got {other:?}"),
+/// }
+/// # Ok::<(), cumem::Error>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

@@ -5,22 +5,27 @@
 pub mod alloc;
 pub mod arena;
 pub mod buffer;
+mod copy;
 pub mod device;
 mod error;
 pub mod log;
+pub mod managed;
 pub mod manager;
 pub mod pool;
 pub mod replay;
+pub mod snapshot;
 pub(crate) mod sync;
 pub mod trace;
 pub mod upstream;
 
 pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};
 pub use arena::{ArenaPlan, DeviceHandle, HostHandle, PlanReport};
-pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, VmBackend};
+pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, TrackedPinnedVec, VmBackend};
 pub use device::{DeviceAllocatorMode, GraphPool, GraphStats, Stream};
 pub use error::{Error, OomState, PoolKind, Result};
+pub use managed::{ManagedAlloc, ManagedBox, ManagedVec};
 pub use manager::{
     Backend, BackendChoice, CaptureScope, CapturedGraph, Config, GraphCapture, MemoryManager, PeerAccess,
     ShutdownReport,
 };
+pub use snapshot::{MemorySnapshot, PoolPicture};

@@ -87,6 +87,14 @@ pub enum Op {
 }
 
 /// A trace, read and resolved for replay.
+///
+/// # Examples
+/// ```
+/// let csv = "Thread,Time,Action,Pointer,Size,Stream\n0,1,allocate,0x1000,512,0x0\n0,2,free,0x1000,512,0x0\n";
+/// let trace = cumem::trace::parse_str(csv)?;
+/// assert_eq!((trace.operations(), trace.peak_live), (2, 512));
+/// # Ok::<(), cumem::Error>(())
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct Trace {
     /// A name for reports (the file name without `.csv.gz`).

@@ -1,4 +1,4 @@
-//! `PinnedAlloc` through allocator-api2 0.4's collections (feature
+//! `PinnedAlloc` and `ManagedAlloc` through allocator-api2 0.4's collections (feature
 //! `allocator-api2-04`; CI runs it with the feature on).
 #![cfg(feature = "allocator-api2-04")]
 
@@ -18,4 +18,14 @@ fn vec_of_the_04_line_lives_in_the_pinned_pool() {
     v.truncate(10);
     v.shrink_to_fit();
     assert_eq!(v[9], 27);
+}
+
+#[test]
+fn vec_of_the_04_line_lives_in_the_managed_pool() {
+    use cumem::ManagedAlloc;
+    let mut v: Vec<u32, ManagedAlloc> = Vec::new_in(ManagedAlloc);
+    v.extend(0..50_000u32);
+    assert!(v.iter().enumerate().all(|(i, &x)| x == i as u32));
+    let stats = MemoryManager::global().unwrap().managed_stats().expect("the managed pool was used");
+    assert!(stats.in_use >= 50_000 * 4);
 }

@@ -46,6 +46,13 @@ struct Args {
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
+    /// Also draw live and reserved bytes over each trace, one panel per
+    /// trace and a line per target, into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Points per line in the plot.
+    #[arg(long, default_value_t = 400)]
+    plot_samples: usize,
 }
 
 /// One trace's facts, for the report.
@@ -144,6 +151,9 @@ fn run(args: &Args) -> cumem::Result<()> {
         }
     }
     bar.finish_and_clear();
+    if let Some(path) = &args.plot {
+        plot(path, &traces, &targets, &base, args)?;
+    }
     let infos: Vec<TraceInfo> = traces.iter().zip(&args.traces).map(|(t, p)| trace_info(t, p)).collect();
     if args.json {
         let out = Output {
@@ -159,6 +169,24 @@ fn run(args: &Args) -> cumem::Result<()> {
         println!("{text}");
     } else {
         print_table(&backend, &infos, &results, args);
+    }
+    Ok(())
+}
+
+/// Writes the `--plot` picture.
+fn plot(path: &std::path::Path, traces: &[Trace], targets: &[Target], base: &Config, args: &Args) -> cumem::Result<()> {
+    let mut panels = Vec::new();
+    for trace in traces {
+        let (panel, skipped) = replay::plot::panel(trace, targets, base, args.plot_samples);
+        for s in skipped {
+            eprintln!("cumem-replay: plot: {s}");
+        }
+        panels.push(panel);
+    }
+    let svg = replay::plot::render_svg(&panels)?;
+    std::fs::write(path, svg).map_err(|e| cumem::Error::InvalidState(format!("{}: {e}", path.display())))?;
+    if !args.json {
+        eprintln!("cumem-replay: wrote {} ({} panel(s))", path.display(), panels.len());
     }
     Ok(())
 }

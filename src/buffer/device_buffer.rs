@@ -6,6 +6,7 @@ use std::mem::size_of;
 
 use cudarc::driver::{sys, DeviceRepr};
 
+use super::interop::CudaShadow;
 use crate::device::{driver_err, Stream};
 use crate::error::{Error, Result};
 use crate::manager::MemoryManager;
@@ -39,6 +40,8 @@ pub struct DeviceBuffer<T> {
     device: usize,
     stream: Option<Stream>,
     mm: &'static MemoryManager,
+    /// cudarc's view of the buffer, made on first use (`buffer::interop`).
+    cuda: CudaShadow<T>,
     _marker: PhantomData<T>,
 }
 
@@ -112,7 +115,15 @@ impl<T: Copy> DeviceBuffer<T> {
             Some(s) => mm.allocate_device_on(bytes, s)?,
             None => mm.allocate_device_for(device, bytes)?,
         };
-        Ok(DeviceBuffer { ptr, len, device, stream: stream.cloned(), mm, _marker: PhantomData })
+        Ok(DeviceBuffer {
+            ptr,
+            len,
+            device,
+            stream: stream.cloned(),
+            mm,
+            cuda: CudaShadow::default(),
+            _marker: PhantomData,
+        })
     }
 
     /// The ordinal of the device the memory is on (0 on the host fallback).
@@ -179,6 +190,7 @@ impl<T: Copy> DeviceBuffer<T> {
             true => unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr as usize as *mut T, self.len) },
             false => {
                 self.bind()?;
+                self.legacy_after_cudarc_uses();
                 // SAFETY: `src` is valid for `num_bytes()` reads for the whole
                 // synchronous call; the destination is this buffer.
                 unsafe { sys::cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), self.num_bytes()) }
@@ -218,6 +230,7 @@ impl<T: Copy> DeviceBuffer<T> {
             return Ok(());
         }
         self.bind()?;
+        self.legacy_after_cudarc_writes();
         // SAFETY: the caller vouches for `dst` for the whole synchronous call.
         unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), self.ptr, self.num_bytes()) }
             .result()
@@ -361,6 +374,7 @@ impl<T: Copy + DeviceRepr> DeviceBuffer<T> {
             return Ok(());
         }
         self.bind()?;
+        self.legacy_after_cudarc_uses();
         // SAFETY: the range is exactly this buffer.
         unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.num_bytes()) }
             .result()
@@ -371,8 +385,51 @@ impl<T: Copy + DeviceRepr> DeviceBuffer<T> {
     }
 }
 
+impl<T> DeviceBuffer<T> {
+    pub(super) fn raw_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub(super) fn own_stream(&self) -> Option<&Stream> {
+        self.stream.as_ref()
+    }
+
+    pub(super) fn len_raw(&self) -> usize {
+        self.len
+    }
+
+    pub(super) fn cuda_shadow(&self) -> &CudaShadow<T> {
+        &self.cuda
+    }
+
+    pub(super) fn cuda_shadow_mut(&mut self) -> &mut CudaShadow<T> {
+        &mut self.cuda
+    }
+
+    /// The context of the device the memory is on (`None` on the host
+    /// fallback).
+    pub(super) fn cuda_context(&self) -> Result<Option<std::sync::Arc<cudarc::driver::CudaContext>>> {
+        if let Some(ctx) = self.stream.as_ref().and_then(|s| s.context()) {
+            return Ok(Some(ctx.clone()));
+        }
+        Ok(self.mm.default_device()?.context().cloned())
+    }
+}
+
 impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
+        // Uses tracked by cudarc's events come first: on the buffer's own
+        // stream, ahead of its stream-ordered free, else on the host.
+        let waited = match self.stream.as_ref().is_some_and(|s| !s.is_host()) {
+            true => {
+                self.cuda.release();
+                Ok(())
+            }
+            false => self.cuda.release_and_wait(),
+        };
+        if let Err(e) = waited {
+            eprintln!("cumem: waiting for cudarc's uses of a DeviceBuffer: {e}");
+        }
         let r = match &self.stream {
             Some(s) => self.mm.free_device_on(self.ptr, s),
             None => self.mm.free_device(self.ptr),

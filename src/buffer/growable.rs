@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
+use super::interop::CudaShadow;
 use crate::device::{driver_err, vmm, Stream};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, MutexGuard};
@@ -81,6 +82,10 @@ pub struct GrowableBuffer<T: Copy> {
     ctx: Option<Arc<CudaContext>>,
     len: usize,
     stats: GrowStats,
+    /// cudarc's view of the first `len` values, made on first use and
+    /// released whenever the length or the address changes
+    /// (`buffer::interop`).
+    cuda: CudaShadow<T>,
     _marker: PhantomData<T>,
 }
 
@@ -114,7 +119,14 @@ impl<T: Copy> GrowableBuffer<T> {
         let bytes = Self::bytes_for(capacity)?;
         let shared = Region::reserve_shared(&backend, bytes.max(1), true)?;
         let ctx = lock(&shared).cuda_context().cloned();
-        let mut buf = GrowableBuffer { shared, ctx, len: 0, stats: GrowStats::default(), _marker: PhantomData };
+        let mut buf = GrowableBuffer {
+            shared,
+            ctx,
+            len: 0,
+            stats: GrowStats::default(),
+            cuda: CudaShadow::default(),
+            _marker: PhantomData,
+        };
         if bytes > 0 {
             let size = buf.region().reserved();
             buf.map(0, size)?;
@@ -243,6 +255,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// [`Error::OutOfMemory`] when the device has no memory for it; driver
     /// and OS errors. The contents are unchanged on error.
     pub fn grow(&mut self, min_capacity: usize) -> Result<GrowPath> {
+        self.forget_cuda();
         if min_capacity <= self.capacity() {
             return Ok(GrowPath::Unchanged);
         }
@@ -282,6 +295,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// # Errors
     /// As [`grow`](Self::grow) and the copies.
     pub fn resize(&mut self, new_len: usize, value: T) -> Result<()> {
+        self.forget_cuda();
         if new_len <= self.len {
             self.len = new_len;
             return Ok(());
@@ -299,11 +313,13 @@ impl<T: Copy> GrowableBuffer<T> {
     /// Shortens the buffer to `new_len` elements (no effect if it is
     /// shorter); the memory stays mapped.
     pub fn truncate(&mut self, new_len: usize) {
+        self.forget_cuda();
         self.len = self.len.min(new_len);
     }
 
     /// Removes every element; the memory stays mapped.
     pub fn clear(&mut self) {
+        self.forget_cuda();
         self.len = 0;
     }
 
@@ -312,6 +328,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// # Errors
     /// As [`grow`](Self::grow); a driver error from the copy.
     pub fn extend_from_host(&mut self, src: &[T]) -> Result<()> {
+        self.forget_cuda();
         self.reserve(src.len())?;
         self.write_host(self.len, src)?;
         self.len += src.len();
@@ -523,5 +540,40 @@ impl<T: Copy> GrowableBuffer<T> {
     /// The devices given access to the buffer besides its own.
     pub fn peers(&self) -> Vec<usize> {
         self.region().peers().to_vec()
+    }
+}
+
+impl<T: Copy> GrowableBuffer<T> {
+    pub(super) fn cuda_shadow(&self) -> &CudaShadow<T> {
+        &self.cuda
+    }
+
+    pub(super) fn cuda_shadow_mut(&mut self) -> &mut CudaShadow<T> {
+        &mut self.cuda
+    }
+
+    /// The context of the buffer's device (`None` on the host fallback).
+    pub(super) fn cuda_context(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaContext>> {
+        self.ctx.as_ref()
+    }
+}
+
+impl<T: Copy> GrowableBuffer<T> {
+    /// Before the length or the address changes: cudarc's tracked uses of
+    /// the buffer finish (the host waits), and its cudarc shadow, which
+    /// describes the old length and address, is dropped.
+    fn forget_cuda(&mut self) {
+        if let Err(e) = self.cuda.release_and_wait() {
+            eprintln!("cumem: waiting for cudarc's uses of a GrowableBuffer: {e}");
+        }
+    }
+}
+
+impl<T: Copy> Drop for GrowableBuffer<T> {
+    fn drop(&mut self) {
+        // Uses tracked by cudarc's events finish before the region unmaps.
+        if let Err(e) = self.cuda.release_and_wait() {
+            eprintln!("cumem: waiting for cudarc's uses of a GrowableBuffer: {e}");
+        }
     }
 }

@@ -28,6 +28,17 @@ use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::upstream::Upstream;
 
 /// How device memory is allocated.
+///
+/// # Examples
+/// ```
+/// use cumem::{DeviceAllocatorMode, MemoryManager};
+/// let mm = MemoryManager::global()?;
+/// let effective = mm.set_device_allocator_mode(DeviceAllocatorMode::AsyncStreamOrdered)?;
+/// // Without memory-pool support (or a GPU) the sync pool stands in.
+/// assert!(effective == DeviceAllocatorMode::AsyncStreamOrdered || effective == DeviceAllocatorMode::SyncPool);
+/// mm.set_device_allocator_mode(DeviceAllocatorMode::SyncPool)?;
+/// # Ok::<(), cumem::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum DeviceAllocatorMode {
     /// cumem's own best-fit pool over driver memory, with stream-ordered

@@ -24,6 +24,16 @@ fn next_stream_id() -> u64 {
 /// stream once with [`Stream::from_cudarc`] and keep the result: each
 /// conversion is a distinct identity for cumem's stream-ordered reuse
 /// (still correct, but it adds waits).
+///
+/// # Examples
+/// ```
+/// use cumem::{DeviceBuffer, Stream};
+/// let stream = Stream::new()?; // a host queue on the fallback
+/// let buf = DeviceBuffer::<f32>::new_on(1024, &stream)?;
+/// stream.synchronize()?;
+/// drop(buf); // freed in stream order
+/// # Ok::<(), cumem::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Stream {
     inner: Arc<StreamInner>,

@@ -8,6 +8,14 @@ use crate::error::{Error, Result};
 use crate::pool::PoolConfig;
 
 /// Which memory the manager runs on.
+///
+/// # Examples
+/// ```
+/// use cumem::{Backend, BackendChoice, Config, MemoryManager};
+/// let mm = MemoryManager::new(Config::new().backend(BackendChoice::Host))?;
+/// assert!(matches!(mm.backend(), Backend::Host { .. }));
+/// # Ok::<(), cumem::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BackendChoice {
     /// CUDA when a driver and a device are present, else the host fallback.

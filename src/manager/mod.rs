@@ -34,6 +34,9 @@ use crate::upstream::{Host, HostExpandable, Upstream};
 /// memory until used).
 const HOST_DEVICE_RESERVATION: usize = 64 << 30;
 
+/// A pool over a boxed upstream, as the manager keeps them.
+pub(crate) type BoxedPool = Pool<Box<dyn Upstream>>;
+
 /// What memory the manager runs on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backend {
@@ -89,6 +92,8 @@ pub struct MemoryManager {
     backend: Backend,
     pinned: Pool<Box<dyn Upstream>>,
     pinned_ctx: Option<Arc<CudaContext>>,
+    /// The managed-memory pool, made on first use (`crate::managed`).
+    managed: OnceCell<Pool<Box<dyn Upstream>>>,
     devices: Vec<OnceCell<DeviceAllocator>>,
     /// Device pool sizes set before the device's allocator exists.
     device_pool_size: crate::sync::Mutex<usize>,
@@ -187,6 +192,7 @@ impl MemoryManager {
             device_pool_size: crate::sync::Mutex::new(config.device_pool_size),
             pinned: Pool::new(pinned_upstream, pinned_config),
             pinned_ctx: ctx,
+            managed: OnceCell::new(),
             devices: (0..device_count).map(|_| OnceCell::new()).collect(),
 
             backend,
@@ -280,6 +286,12 @@ impl MemoryManager {
     /// The pinned pool.
     pub fn pinned_pool(&self) -> &Pool<Box<dyn Upstream>> {
         &self.pinned
+    }
+
+    /// The managed pool's cell and the default device's context, for
+    /// `crate::managed`, which creates the pool on first use.
+    pub(crate) fn managed_cell(&self) -> (&OnceCell<BoxedPool>, Option<&Arc<CudaContext>>) {
+        (&self.managed, self.pinned_ctx.as_ref())
     }
 
     /// Sets the bytes the first pinned allocation reserves.
@@ -505,6 +517,9 @@ impl MemoryManager {
     /// The first driver error.
     pub fn release_cached(&self) -> Result<usize> {
         let mut released = self.pinned.release_cached()?;
+        if let Some(m) = self.managed.get() {
+            released += m.release_cached()?;
+        }
         for d in self.devices.iter().filter_map(|c| c.get()) {
             released += d.release_cached()?;
         }
@@ -533,6 +548,13 @@ impl MemoryManager {
             report.push(PoolKind::Pinned, None, b, site);
         }
         report.released_bytes += before - self.pinned.stats().reserved;
+        if let Some(m) = self.managed.get() {
+            let before = m.stats().reserved;
+            for b in m.shutdown()? {
+                report.push(PoolKind::Managed, None, b, None);
+            }
+            report.released_bytes += before - m.stats().reserved;
+        }
         // Every initialised device, even after one fails: the first error
         // (naming its device) is returned once all were tried.
         let mut first_error = None;

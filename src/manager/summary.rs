@@ -41,6 +41,16 @@ pub struct LiveAllocation {
 }
 
 /// What [`MemoryManager::shutdown`] found still live.
+///
+/// # Examples
+/// ```
+/// let mm = cumem::MemoryManager::new(cumem::Config::new())?;
+/// let p = mm.allocate_pinned(100)?;
+/// let report = mm.shutdown()?;
+/// assert_eq!(report.live_count, 1);
+/// mm.free_pinned(p.as_ptr())?;
+/// # Ok::<(), cumem::Error>(())
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ShutdownReport {
     /// Each live allocation.
@@ -141,6 +151,9 @@ pub(super) fn render(mm: &MemoryManager) -> String {
     );
     let _ = writeln!(out, "|{}|", "-".repeat(150));
     row(&mut out, "pinned", &mm.pinned_stats());
+    if let Some(s) = mm.managed_stats() {
+        row(&mut out, "managed", &s);
+    }
     for d in mm.initialised_devices() {
         let st = d.stats();
         row(&mut out, &format!("device {} pool", d.ordinal()), &st.pool);

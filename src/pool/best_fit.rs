@@ -613,6 +613,45 @@ impl BestFit {
         &mut self.stats
     }
 
+    /// The number of chunks.
+    pub fn chunk_count(&self) -> usize {
+        self.chunks_by_addr.len()
+    }
+
+    /// The number of blocks, live and free.
+    pub fn block_count(&self) -> usize {
+        self.live.len() + self.free_index.len()
+    }
+
+    /// Copies every chunk and block, in address order, into `chunks` and
+    /// `blocks` (cleared first) without allocating. Returns `false`, with
+    /// both left empty, when their capacity is too small (see
+    /// [`chunk_count`](Self::chunk_count) and
+    /// [`block_count`](Self::block_count)).
+    pub fn snapshot_into(&self, chunks: &mut Vec<Chunk>, blocks: &mut Vec<super::snapshot::SnapshotBlock>) -> bool {
+        use super::snapshot::{stream_of, BlockState, SnapshotBlock};
+        chunks.clear();
+        blocks.clear();
+        if chunks.capacity() < self.chunk_count() || blocks.capacity() < self.block_count() {
+            return false;
+        }
+        for (i, &id) in self.chunks_by_addr.values().enumerate() {
+            let info = self.chunk_info(id);
+            chunks.push(info.chunk);
+            let mut slot = info.first;
+            while slot != NIL {
+                let b = &self.blocks[slot as usize];
+                let (state, stream, requested) = match b.free {
+                    true => (BlockState::Free, stream_of(b.tag), 0),
+                    false => (BlockState::Live, 0, b.requested),
+                };
+                blocks.push(SnapshotBlock { addr: b.addr, size: b.size, requested, state, stream, chunk: i });
+                slot = b.next;
+            }
+        }
+        true
+    }
+
     /// Every live block as `(addr, size, requested)`, in address order.
     pub fn live_blocks(&self) -> Vec<(usize, usize, usize)> {
         let mut v: Vec<_> = self

@@ -637,6 +637,27 @@ impl ThreadCaches {
         });
     }
 
+    /// Every block parked in a cache as `(addr, tag)`, sorted by address
+    /// (for snapshots). Vectors are sized with each cache's lock dropped
+    /// and filled under it, retrying if the cache grew meanwhile.
+    pub(super) fn cached_blocks(&self) -> Vec<(usize, StreamTag)> {
+        let caches: Vec<Arc<ThreadCache>> = lock(&self.registry).caches.clone();
+        let mut all = Vec::new();
+        for tc in &caches {
+            loop {
+                let n = tc.local.lock().bins.iter().map(Vec::len).sum::<usize>();
+                all.reserve(n + 16);
+                let l = tc.local.lock();
+                if l.bins.iter().map(Vec::len).sum::<usize>() <= all.capacity() - all.len() {
+                    all.extend(l.bins.iter().flatten().map(|b| (b.addr, b.tag)));
+                    break;
+                }
+            }
+        }
+        all.sort_unstable();
+        all
+    }
+
     /// Corrects the shared pool's statistics `s` for what the caches hold.
     pub(super) fn adjust(&self, s: &mut PoolStats) {
         let mut d = *lock(&self.retired);

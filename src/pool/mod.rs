@@ -21,12 +21,14 @@ mod cache;
 mod classes;
 mod free_index;
 mod growth;
+mod snapshot;
 mod spin;
 mod stats;
 mod tag;
 
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
+pub use snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use stats::PoolStats;
 pub use tag::StreamTag;
 
@@ -49,6 +51,9 @@ pub(crate) const FIRST_ALLOCATION: &str =
 pub const MAX_ALIGN: usize = 1 << 21;
 
 /// How a pool grows and how large it may get.
+///
+/// # Examples
+/// See [`Pool`].
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
     /// Which pool this is (named in errors).

@@ -1,6 +1,16 @@
 //! Pool statistics.
 
 /// What a pool holds and has done. Sizes in bytes.
+///
+/// # Examples
+/// ```
+/// let mm = cumem::MemoryManager::global()?;
+/// let p = mm.allocate_pinned(1000)?;
+/// let s = mm.pinned_stats();
+/// assert!(s.in_use >= 1024 && s.reserved >= s.in_use);
+/// mm.free_pinned(p.as_ptr())?;
+/// # Ok::<(), cumem::Error>(())
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolStats {
     /// Bytes in live blocks (requests rounded up to 256 B).

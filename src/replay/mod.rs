@@ -13,6 +13,7 @@
 //! The trace's own peak live ([`Trace::peak_live`]) is reported beside it:
 //! the two agree when every allocation succeeded.
 
+pub mod plot;
 mod raw;
 mod sim;
 
@@ -28,6 +29,16 @@ use crate::manager::{BackendChoice, Config, MemoryManager};
 use crate::trace::{Op, Trace};
 
 /// What a trace is replayed through.
+///
+/// # Examples
+/// ```
+/// use cumem::replay::{replay, Target};
+/// let csv = "Thread,Time,Action,Pointer,Size,Stream\n0,1,allocate,0x1000,5000,0x0\n0,2,free,0x1000,5000,0x0\n";
+/// let trace = cumem::trace::parse_str(csv)?;
+/// let report = replay(&trace, Target::Simulated, &cumem::Config::new(), 1)?;
+/// assert_eq!(report.trace_peak_live, 5000);
+/// # Ok::<(), cumem::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Target {
     /// A cumem device mode on the GPU, a fresh manager per replay.

@@ -7,6 +7,9 @@ use crate::error::{Error, Result};
 /// committed) until it is used, so a pool can reserve gigabytes on a small
 /// machine. The fallback when no CUDA driver or device is present; it
 /// stands in for pinned and for device memory alike.
+///
+/// # Examples
+/// See [`Upstream`](super::Upstream) and [`Pool`](crate::pool::Pool).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Host {
     _private: (),

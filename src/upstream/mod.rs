@@ -37,6 +37,16 @@ impl Chunk {
 ///
 /// Implementations are called outside the pool's lock and may be called
 /// from several threads at once.
+///
+/// # Examples
+/// ```
+/// use cumem::upstream::{Host, Upstream};
+/// let host = Host::new();
+/// let c = host.allocate_chunk(1 << 20)?;
+/// assert!(c.addr % 256 == 0 && c.size >= 1 << 20);
+/// host.deallocate_chunk(c)?;
+/// # Ok::<(), cumem::Error>(())
+/// ```
 pub trait Upstream: Send + Sync {
     /// Allocates a chunk of at least `size` bytes whose address is aligned
     /// to at least 256 bytes. `size` is a multiple of [`granularity`].

@@ -1,0 +1,419 @@
+//! Managed (unified) memory: [`ManagedAlloc`], an `Allocator` over a
+//! best-fit pool of `cuMemAllocManaged` memory, so that
+//! [`ManagedVec<T>`] is one vector the host and kernels both use; and
+//! [`prefetch`] / [`advise`] to steer where its pages live.
+//!
+//! The manager owns the pool and creates it on first use, with
+//! [`CudaManagedMemory`] as its upstream (host memory on the host
+//! fallback, where the helpers do nothing).
+//!
+//! Host code may touch managed memory while kernels run only on devices
+//! with concurrent managed access (`CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`,
+//! true on Linux with Pascal or newer); elsewhere synchronise first. As
+//! with pinned memory, a block must no longer be used by queued work when
+//! it is freed.
+
+mod upstream;
+
+pub use upstream::CudaManagedMemory;
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use allocator_api2::alloc::{AllocError, Allocator};
+use cudarc::driver::sys;
+
+use crate::device::{driver_err, Stream};
+use crate::error::{Error, PoolKind, Result};
+use crate::manager::MemoryManager;
+use crate::pool::{Pool, PoolConfig, PoolStats, StreamTag, BLOCK_ALIGN, MAX_ALIGN};
+use crate::upstream::{Host, Upstream};
+
+/// A `Vec` in managed memory (see [`ManagedAlloc`]).
+///
+/// # Examples
+/// See [`ManagedAlloc`].
+pub type ManagedVec<T> = allocator_api2::vec::Vec<T, ManagedAlloc>;
+
+/// A `Box` in managed memory.
+///
+/// # Examples
+/// ```
+/// use cumem::{ManagedAlloc, ManagedBox};
+/// let b: ManagedBox<[u64; 512]> = ManagedBox::new_in([1; 512], ManagedAlloc);
+/// assert_eq!(b.iter().sum::<u64>(), 512);
+/// ```
+pub type ManagedBox<T> = allocator_api2::boxed::Box<T, ManagedAlloc>;
+
+impl MemoryManager {
+    /// The managed pool, created on first use (its upstream is
+    /// [`CudaManagedMemory`] on the default device, or host memory on the
+    /// fallback).
+    ///
+    /// # Errors
+    /// [`Error::InvalidState`] when the device can't allocate managed
+    /// memory; driver errors.
+    pub fn managed_pool(&self) -> Result<&Pool<Box<dyn Upstream>>> {
+        let (cell, ctx) = self.managed_cell();
+        cell.get_or_try_init(|| {
+            let upstream: Box<dyn Upstream> = match ctx {
+                Some(ctx) => Box::new(CudaManagedMemory::new(ctx.clone())?),
+                None => Box::new(Host::new()),
+            };
+            let mut pc = PoolConfig::new(PoolKind::Managed);
+            pc.min_chunk = self.config().min_chunk;
+            Ok(Pool::new(upstream, pc))
+        })
+    }
+
+    /// Allocates `size` bytes of managed memory, 256-byte aligned, from the
+    /// managed pool (`cuMemAllocManaged` when it grows).
+    ///
+    /// # Errors
+    /// [`Error::InvalidSize`] for 0 or absurd sizes, [`Error::ShutDown`],
+    /// [`Error::OutOfMemory`], errors of [`managed_pool`](Self::managed_pool).
+    ///
+    /// # Examples
+    /// ```
+    /// let mm = cumem::MemoryManager::global()?;
+    /// let p = mm.allocate_managed(1000)?;
+    /// // SAFETY: 1000 fresh bytes, host-accessible.
+    /// unsafe { p.as_ptr().write_bytes(7, 1000) };
+    /// mm.free_managed(p.as_ptr())?;
+    /// # Ok::<(), cumem::Error>(())
+    /// ```
+    pub fn allocate_managed(&self, size: usize) -> Result<NonNull<u8>> {
+        let a = self.allocate_managed_block(size, BLOCK_ALIGN)?;
+        Ok(NonNull::new(a.addr as *mut u8).expect("pools never hand out address 0"))
+    }
+
+    fn allocate_managed_block(&self, size: usize, align: usize) -> Result<crate::pool::Allocation> {
+        if self.is_shut_down() {
+            return Err(Error::ShutDown("managed allocation"));
+        }
+        self.managed_pool()?.allocate(size, align)
+    }
+
+    /// Returns managed memory to the pool. Nothing (host or queued work)
+    /// may use it any more.
+    ///
+    /// # Errors
+    /// [`Error::DoubleFree`], [`Error::InteriorPointer`],
+    /// [`Error::UnknownPointer`]; the pool is unchanged then.
+    pub fn free_managed(&self, ptr: *mut u8) -> Result<()> {
+        match self.managed_cell().0.get() {
+            Some(pool) => pool.deallocate(ptr as usize, StreamTag::NONE).map(|_| ()),
+            None => Err(Error::UnknownPointer { pool: PoolKind::Managed, addr: ptr as usize }),
+        }
+    }
+
+    /// The managed pool's statistics (`None` before its first use).
+    pub fn managed_stats(&self) -> Option<PoolStats> {
+        self.managed_cell().0.get().map(|p| p.stats())
+    }
+}
+
+/// A handle to the global manager's managed pool that implements
+/// [`Allocator`] (allocator-api2 0.2), so `ManagedVec<T>` and
+/// `ManagedBox<T>` live in memory the host and kernels share: fill a
+/// vector on the host, pass `v.as_ptr()` to a kernel, read the results
+/// back without a copy. `grow` and `shrink` resize in place when the next
+/// block is free.
+///
+/// Without a GPU the pool holds ordinary host memory and everything works
+/// the same on the host.
+///
+/// # Examples
+/// ```
+/// use cumem::managed::{prefetch, Location, ManagedAlloc, ManagedVec};
+/// let mut v: ManagedVec<u32> = ManagedVec::new_in(ManagedAlloc);
+/// v.extend(0..1000);
+/// // Move the pages to device 0 ahead of a kernel (a no-op on the fallback).
+/// prefetch(&v, Location::Device(0), &cumem::Stream::new()?)?;
+/// assert_eq!(v[999], 999);
+/// # Ok::<(), cumem::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ManagedAlloc;
+
+fn managed_pool() -> std::result::Result<&'static Pool<Box<dyn Upstream>>, AllocError> {
+    MemoryManager::global().and_then(|mm| mm.managed_pool()).map_err(|_| AllocError)
+}
+
+fn dangling(layout: Layout) -> NonNull<[u8]> {
+    // A zero-size allocation needs only an aligned, non-null address.
+    let ptr = NonNull::new(layout.align() as *mut u8).expect("alignments are non-zero");
+    NonNull::slice_from_raw_parts(ptr, 0)
+}
+
+// SAFETY: blocks come from the managed pool, which hands each address
+// range to one owner until it is freed, aligned to at least the layout's
+// alignment (checked ≤ MAX_ALIGN) and at least `layout.size()` long; the
+// slice returned is the block's real size, all of it reserved for this
+// allocation. Managed memory is host-accessible. All `ManagedAlloc`s name
+// the same pool, so any of them may free what another allocated.
+unsafe impl Allocator for ManagedAlloc {
+    fn allocate(&self, layout: Layout) -> std::result::Result<NonNull<[u8]>, AllocError> {
+        if layout.size() == 0 {
+            return Ok(dangling(layout));
+        }
+        if layout.align() > MAX_ALIGN {
+            return Err(AllocError);
+        }
+        let mm = MemoryManager::global().map_err(|_| AllocError)?;
+        let a = mm.allocate_managed_block(layout.size(), layout.align()).map_err(|_| AllocError)?;
+        let ptr = NonNull::new(a.addr as *mut u8).ok_or(AllocError)?;
+        Ok(NonNull::slice_from_raw_parts(ptr, a.size))
+    }
+
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 {
+            return;
+        }
+        if let Ok(pool) = managed_pool() {
+            if let Err(e) = pool.deallocate(ptr.as_ptr() as usize, StreamTag::NONE) {
+                // `deallocate` can't fail; a bad pointer is the caller's
+                // bug. Say so and leave the pool intact.
+                eprintln!("cumem: ManagedAlloc::deallocate: {e}");
+            }
+        }
+    }
+
+    unsafe fn grow(
+        &self,
+        ptr: NonNull<u8>,
+        old: Layout,
+        new: Layout,
+    ) -> std::result::Result<NonNull<[u8]>, AllocError> {
+        // SAFETY: the caller's contract for `grow` is what `resize` needs.
+        unsafe { self.resize(ptr, old, new, false) }
+    }
+
+    unsafe fn grow_zeroed(
+        &self,
+        ptr: NonNull<u8>,
+        old: Layout,
+        new: Layout,
+    ) -> std::result::Result<NonNull<[u8]>, AllocError> {
+        // SAFETY: as in `grow`.
+        unsafe { self.resize(ptr, old, new, true) }
+    }
+
+    unsafe fn shrink(
+        &self,
+        ptr: NonNull<u8>,
+        old: Layout,
+        new: Layout,
+    ) -> std::result::Result<NonNull<[u8]>, AllocError> {
+        if new.size() == 0 {
+            // SAFETY: `ptr` is a live allocation of `old`, freed once here.
+            unsafe { self.deallocate(ptr, old) };
+            return Ok(dangling(new));
+        }
+        if old.size() != 0 && new.align() <= old.align().max(BLOCK_ALIGN) {
+            let pool = managed_pool()?;
+            let addr = ptr.as_ptr() as usize;
+            if pool.shrink_in_place(addr, new.size()) {
+                let size = pool.block_size(addr).unwrap_or(new.size());
+                return Ok(NonNull::slice_from_raw_parts(ptr, size));
+            }
+        }
+        // SAFETY: as in `grow`.
+        unsafe { self.resize(ptr, old, new, false) }
+    }
+}
+
+impl ManagedAlloc {
+    /// Resizes in place when the pool can, else allocates `new`, copies
+    /// the common prefix and frees the old block.
+    ///
+    /// # Safety
+    /// `ptr` is a live allocation of this allocator with layout `old`.
+    unsafe fn resize(
+        &self,
+        ptr: NonNull<u8>,
+        old: Layout,
+        new: Layout,
+        zero_tail: bool,
+    ) -> std::result::Result<NonNull<[u8]>, AllocError> {
+        let addr = ptr.as_ptr() as usize;
+        if old.size() != 0 && addr % new.align() == 0 {
+            let pool = managed_pool()?;
+            if pool.grow_in_place(addr, new.size()) {
+                let size = pool.block_size(addr).unwrap_or(new.size());
+                if zero_tail && new.size() > old.size() {
+                    // SAFETY: the block now spans at least `new.size()`
+                    // bytes from `ptr`, all owned by this allocation.
+                    unsafe { ptr.as_ptr().add(old.size()).write_bytes(0, new.size() - old.size()) };
+                }
+                return Ok(NonNull::slice_from_raw_parts(ptr, size));
+            }
+        }
+        let fresh = if zero_tail { self.allocate_zeroed(new)? } else { self.allocate(new)? };
+        // SAFETY: both are live, distinct blocks of at least `keep` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(ptr.as_ptr(), fresh.as_ptr().cast::<u8>(), old.size().min(new.size())) };
+        // SAFETY: the old block is live (the caller's contract), freed once.
+        unsafe { self.deallocate(ptr, old) };
+        Ok(fresh)
+    }
+}
+
+/// Where managed pages should go.
+///
+/// # Examples
+/// See [`ManagedAlloc`] and [`prefetch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Location {
+    /// The memory of device `ordinal`.
+    Device(usize),
+    /// Host memory.
+    Host,
+}
+
+/// Hints for the driver about how a managed range is used (`cuMemAdvise`).
+///
+/// # Examples
+/// See [`advise`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Advice {
+    /// Mostly read: devices that read it get their own copies
+    /// (`CU_MEM_ADVISE_SET_READ_MOSTLY`).
+    ReadMostly,
+    /// Keep the pages here when possible
+    /// (`CU_MEM_ADVISE_SET_PREFERRED_LOCATION`).
+    PreferredLocation(Location),
+    /// This device (or the host) accesses the range: keep it mapped there
+    /// (`CU_MEM_ADVISE_SET_ACCESSED_BY`).
+    AccessedBy(Location),
+}
+
+fn location(at: Location) -> Result<sys::CUmemLocation> {
+    Ok(match at {
+        Location::Device(ordinal) => {
+            let count = crate::device::driver_status().devices();
+            if ordinal >= count {
+                return Err(Error::NoSuchDevice { ordinal, count });
+            }
+            sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal as i32 }
+        }
+        Location::Host => sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, id: 0 },
+    })
+}
+
+/// The manager, with its context current on this thread; `None` on the
+/// host fallback.
+fn cuda_manager() -> Result<Option<&'static MemoryManager>> {
+    let mm = MemoryManager::global()?;
+    match mm.managed_cell().1 {
+        Some(ctx) => {
+            ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+            Ok(Some(mm))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Queues a migration of the pages under `data` (managed memory) to `to`
+/// on `stream` (`cuMemPrefetchAsync`), so a kernel there, or the host,
+/// finds them in place instead of faulting them in. Does nothing on the
+/// host fallback or for an empty slice.
+///
+/// # Errors
+/// [`Error::NoSuchDevice`]; a driver error, for example when `data` is not
+/// managed memory.
+///
+/// # Examples
+/// See [`ManagedAlloc`].
+pub fn prefetch<T>(data: &[T], to: Location, stream: &Stream) -> Result<()> {
+    let bytes = std::mem::size_of_val(data);
+    let Some(_mm) = cuda_manager()? else { return Ok(()) };
+    if bytes == 0 {
+        return Ok(());
+    }
+    let loc = location(to)?;
+    // SAFETY: a prefetch only moves pages of the range (which `data`
+    // borrows, so it is live); it never changes their contents.
+    unsafe { sys::cuMemPrefetchAsync_v2(data.as_ptr() as u64, bytes, loc, 0, stream.cu_stream()) }
+        .result()
+        .map_err(driver_err("cuMemPrefetchAsync"))
+}
+
+/// Sets (`set == true`) or clears an [`Advice`] for the pages under `data`
+/// (managed memory; `cuMemAdvise`). Does nothing on the host fallback or
+/// for an empty slice.
+///
+/// # Errors
+/// As [`prefetch`].
+///
+/// # Examples
+/// ```
+/// use cumem::managed::{advise, Advice, Location, ManagedAlloc, ManagedVec};
+/// let mut v: ManagedVec<f32> = ManagedVec::new_in(ManagedAlloc);
+/// v.resize(1 << 16, 1.0);
+/// advise(&v, Advice::ReadMostly, true)?;
+/// advise(&v, Advice::PreferredLocation(Location::Host), true)?;
+/// # Ok::<(), cumem::Error>(())
+/// ```
+pub fn advise<T>(data: &[T], advice: Advice, set: bool) -> Result<()> {
+    use sys::CUmem_advise as A;
+    let bytes = std::mem::size_of_val(data);
+    let Some(_mm) = cuda_manager()? else { return Ok(()) };
+    if bytes == 0 {
+        return Ok(());
+    }
+    let (flag, at) = match (advice, set) {
+        (Advice::ReadMostly, true) => (A::CU_MEM_ADVISE_SET_READ_MOSTLY, Location::Host),
+        (Advice::ReadMostly, false) => (A::CU_MEM_ADVISE_UNSET_READ_MOSTLY, Location::Host),
+        (Advice::PreferredLocation(l), true) => (A::CU_MEM_ADVISE_SET_PREFERRED_LOCATION, l),
+        (Advice::PreferredLocation(l), false) => (A::CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION, l),
+        (Advice::AccessedBy(l), true) => (A::CU_MEM_ADVISE_SET_ACCESSED_BY, l),
+        (Advice::AccessedBy(l), false) => (A::CU_MEM_ADVISE_UNSET_ACCESSED_BY, l),
+    };
+    let loc = location(at)?;
+    // SAFETY: advice changes where pages live, never their contents; the
+    // range is borrowed, so it is live.
+    unsafe { sys::cuMemAdvise_v2(data.as_ptr() as u64, bytes, flag, loc) }.result().map_err(driver_err("cuMemAdvise"))
+}
+
+/// The same allocator for allocator-api2 0.4 (feature `allocator-api2-04`),
+/// so collections of that line (`allocator_api2_04::vec::Vec<T,
+/// ManagedAlloc>`) use the managed pool too.
+#[cfg(feature = "allocator-api2-04")]
+mod api04 {
+    use std::alloc::Layout;
+    use std::ptr::NonNull;
+
+    use allocator_api2::alloc::Allocator as Allocator02;
+    use allocator_api2_04::alloc::{AllocError, Allocator};
+
+    use super::ManagedAlloc;
+
+    // SAFETY: every method forwards to the allocator-api2 0.2
+    // implementation above, whose contract is the same; only the error
+    // type differs.
+    unsafe impl Allocator for ManagedAlloc {
+        fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+            Allocator02::allocate(self, layout).map_err(|_| AllocError)
+        }
+
+        unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+            // SAFETY: the caller's contract for `deallocate` is the 0.2 one.
+            unsafe { Allocator02::deallocate(self, ptr, layout) }
+        }
+
+        unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+            // SAFETY: the caller's contract for `grow` is the 0.2 one.
+            unsafe { Allocator02::grow(self, ptr, old, new) }.map_err(|_| AllocError)
+        }
+
+        unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+            // SAFETY: as in `grow`.
+            unsafe { Allocator02::grow_zeroed(self, ptr, old, new) }.map_err(|_| AllocError)
+        }
+
+        unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+            // SAFETY: the caller's contract for `shrink` is the 0.2 one.
+            unsafe { Allocator02::shrink(self, ptr, old, new) }.map_err(|_| AllocError)
+        }
+    }
+}
