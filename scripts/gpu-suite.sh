@@ -57,7 +57,7 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" "$BIN/benches/$name"; done
     cp ../shared/traces/*.csv.gz "$BIN/traces/" 2>/dev/null || true
-    strip --strip-debug "$BIN"/tests/* "$BIN"/examples/* "$BIN"/benches/* "$BIN"/tools/* 2>/dev/null || true
+    strip --strip-all "$BIN"/tests/* "$BIN"/examples/* "$BIN"/benches/* "$BIN"/tools/* 2>/dev/null || true
     du -sh "$BIN"
     ls -R "$BIN" | head -60
 }
@@ -81,7 +81,7 @@ run() {
         tests-device1) CUMEM_CONF=device=1 run_tests "$out" "-device1" || failed=1 ;;
         memcheck)
             command -v compute-sanitizer >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
-            for t in "$BIN"/tests/test-multi_gpu "$BIN"/tests/test-gpu_graphs; do
+            for t in "$BIN"/tests/test-multi_gpu "$BIN"/tests/test-gpu_graphs "$BIN"/tests/test-cudarc_interop "$BIN"/tests/test-managed_alloc; do
                 [ -e "$t" ] || continue
                 echo "== compute-sanitizer memcheck $t"
                 # The control that faults on purpose is left out.
