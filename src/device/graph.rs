@@ -308,6 +308,11 @@ impl<'a> GraphPool<'a> {
         self.inner.id
     }
 
+    /// Whether a capture is routed into the pool now.
+    pub fn is_capturing(&self) -> bool {
+        self.inner.capturing.load(Ordering::Acquire)
+    }
+
     /// The device ordinal it belongs to.
     pub fn device(&self) -> usize {
         self.device.ordinal()

@@ -6,7 +6,7 @@
 use cudarc::driver::{sys, CudaGraph};
 
 use super::MemoryManager;
-use crate::device::{driver_err, DeviceAllocator, GraphPool, Stream};
+use crate::device::{driver_err, DeviceAllocator, GraphPool, RelaxedCaptureMode, Stream};
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::sync::{Ordering, StaticAtomicU64};
@@ -75,7 +75,14 @@ impl MemoryManager {
     pub fn begin_capture<'a>(&'a self, stream: &Stream, pool: &GraphPool<'a>) -> Result<GraphCapture<'a>> {
         self.check_running("graph capture")?;
         check_device(stream, pool)?;
-        stream.synchronize()?;
+        if pool.is_capturing() {
+            return Err(Error::Capture(format!("graph pool {} already has a capture under way", pool.id())));
+        }
+        {
+            // Legal even while this thread captures another stream.
+            let _relaxed = RelaxedCaptureMode::enter();
+            stream.synchronize()?;
+        }
         match stream.cudarc() {
             Some(s) => s
                 .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
