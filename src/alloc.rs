@@ -203,46 +203,64 @@ impl PinnedAlloc {
     }
 }
 
-/// The same allocator for allocator-api2 0.4 (feature `allocator-api2-04`),
-/// so collections of that line (`allocator_api2_04::vec::Vec<T,
-/// PinnedAlloc>`) use the pinned pool too.
+/// Implements allocator-api2 0.4's `Allocator` (feature
+/// `allocator-api2-04`) for an allocator that implements the 0.2 trait, by
+/// forwarding every method, so collections of that line
+/// (`allocator_api2_04::vec::Vec<T, A>`) use the same pool.
 #[cfg(feature = "allocator-api2-04")]
-mod api04 {
-    use std::alloc::Layout;
-    use std::ptr::NonNull;
+macro_rules! forward_allocator_api2_04 {
+    ($alloc:ty) => {
+        const _: () = {
+            use std::alloc::Layout;
+            use std::ptr::NonNull;
 
-    use allocator_api2::alloc::Allocator as Allocator02;
-    use allocator_api2_04::alloc::{AllocError, Allocator};
+            use allocator_api2::alloc::Allocator as Allocator02;
+            use allocator_api2_04::alloc::{AllocError, Allocator};
 
-    use super::PinnedAlloc;
+            // SAFETY: every method forwards to the allocator-api2 0.2
+            // implementation, whose contract is the same (the 0.4 trait has
+            // the same methods, arguments and guarantees); only the error
+            // type differs.
+            unsafe impl Allocator for $alloc {
+                fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+                    Allocator02::allocate(self, layout).map_err(|_| AllocError)
+                }
 
-    // SAFETY: every method forwards to the allocator-api2 0.2
-    // implementation above, whose contract is the same (the 0.4 trait has
-    // the same methods, arguments and guarantees); only the error type
-    // differs.
-    unsafe impl Allocator for PinnedAlloc {
-        fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-            Allocator02::allocate(self, layout).map_err(|_| AllocError)
-        }
+                unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+                    // SAFETY: the caller's contract for `deallocate` is the 0.2 one.
+                    unsafe { Allocator02::deallocate(self, ptr, layout) }
+                }
 
-        unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-            // SAFETY: the caller's contract for `deallocate` is the 0.2 one.
-            unsafe { Allocator02::deallocate(self, ptr, layout) }
-        }
+                unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+                    // SAFETY: the caller's contract for `grow` is the 0.2 one.
+                    unsafe { Allocator02::grow(self, ptr, old, new) }.map_err(|_| AllocError)
+                }
 
-        unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-            // SAFETY: the caller's contract for `grow` is the 0.2 one.
-            unsafe { Allocator02::grow(self, ptr, old, new) }.map_err(|_| AllocError)
-        }
+                unsafe fn grow_zeroed(
+                    &self,
+                    ptr: NonNull<u8>,
+                    old: Layout,
+                    new: Layout,
+                ) -> Result<NonNull<[u8]>, AllocError> {
+                    // SAFETY: as in `grow`.
+                    unsafe { Allocator02::grow_zeroed(self, ptr, old, new) }.map_err(|_| AllocError)
+                }
 
-        unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-            // SAFETY: as in `grow`.
-            unsafe { Allocator02::grow_zeroed(self, ptr, old, new) }.map_err(|_| AllocError)
-        }
-
-        unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-            // SAFETY: the caller's contract for `shrink` is the 0.2 one.
-            unsafe { Allocator02::shrink(self, ptr, old, new) }.map_err(|_| AllocError)
-        }
-    }
+                unsafe fn shrink(
+                    &self,
+                    ptr: NonNull<u8>,
+                    old: Layout,
+                    new: Layout,
+                ) -> Result<NonNull<[u8]>, AllocError> {
+                    // SAFETY: the caller's contract for `shrink` is the 0.2 one.
+                    unsafe { Allocator02::shrink(self, ptr, old, new) }.map_err(|_| AllocError)
+                }
+            }
+        };
+    };
 }
+#[cfg(feature = "allocator-api2-04")]
+pub(crate) use forward_allocator_api2_04;
+
+#[cfg(feature = "allocator-api2-04")]
+forward_allocator_api2_04!(PinnedAlloc);

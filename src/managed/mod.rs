@@ -375,45 +375,7 @@ pub fn advise<T>(data: &[T], advice: Advice, set: bool) -> Result<()> {
     unsafe { sys::cuMemAdvise_v2(data.as_ptr() as u64, bytes, flag, loc) }.result().map_err(driver_err("cuMemAdvise"))
 }
 
-/// The same allocator for allocator-api2 0.4 (feature `allocator-api2-04`),
-/// so collections of that line (`allocator_api2_04::vec::Vec<T,
-/// ManagedAlloc>`) use the managed pool too.
+// The same allocator for allocator-api2 0.4 (feature `allocator-api2-04`),
+// so collections of that line use the managed pool too.
 #[cfg(feature = "allocator-api2-04")]
-mod api04 {
-    use std::alloc::Layout;
-    use std::ptr::NonNull;
-
-    use allocator_api2::alloc::Allocator as Allocator02;
-    use allocator_api2_04::alloc::{AllocError, Allocator};
-
-    use super::ManagedAlloc;
-
-    // SAFETY: every method forwards to the allocator-api2 0.2
-    // implementation above, whose contract is the same; only the error
-    // type differs.
-    unsafe impl Allocator for ManagedAlloc {
-        fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-            Allocator02::allocate(self, layout).map_err(|_| AllocError)
-        }
-
-        unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-            // SAFETY: the caller's contract for `deallocate` is the 0.2 one.
-            unsafe { Allocator02::deallocate(self, ptr, layout) }
-        }
-
-        unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-            // SAFETY: the caller's contract for `grow` is the 0.2 one.
-            unsafe { Allocator02::grow(self, ptr, old, new) }.map_err(|_| AllocError)
-        }
-
-        unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-            // SAFETY: as in `grow`.
-            unsafe { Allocator02::grow_zeroed(self, ptr, old, new) }.map_err(|_| AllocError)
-        }
-
-        unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-            // SAFETY: the caller's contract for `shrink` is the 0.2 one.
-            unsafe { Allocator02::shrink(self, ptr, old, new) }.map_err(|_| AllocError)
-        }
-    }
-}
+crate::alloc::forward_allocator_api2_04!(ManagedAlloc);
