@@ -61,11 +61,21 @@ impl<U: Upstream> Pool<U> {
     pub(super) fn grow(&self, plan: Growth) -> Result<()> {
         match plan {
             Growth::Extend { chunk, extra, need } => {
-                if self.upstream.try_extend(chunk, extra)? {
+                // With page remapping the pool grows by address space only;
+                // pages are mapped where allocations land (pages.rs).
+                let extended = if self.remap {
+                    self.upstream.try_extend_reserved(chunk, extra)?
+                } else {
+                    self.upstream.try_extend(chunk, extra)?
+                };
+                if extended {
                     let mut inner = self.inner.lock();
                     inner.pending_growth -= extra;
                     let added = inner.fit.extend_chunk(chunk, extra);
                     debug_assert!(added, "the upstream extended a chunk the pool does not hold");
+                    if self.remap {
+                        inner.pages.add_unmapped(chunk.end(), extra);
+                    }
                     inner.fit.stats_mut().upstream_allocs += 1;
                     return Ok(());
                 }
@@ -94,11 +104,19 @@ impl<U: Upstream> Pool<U> {
                 })
             }
             Growth::New { bytes } => {
-                let chunk = self.upstream.allocate_chunk(bytes)?;
+                let chunk = if self.remap {
+                    self.upstream.reserve_chunk(bytes)?
+                } else {
+                    self.upstream.allocate_chunk(bytes)?
+                };
                 let mut inner = self.inner.lock();
                 inner.pending_growth -= bytes;
                 inner.fit.stats_mut().upstream_allocs += 1;
-                if !inner.fit.add_chunk(chunk) {
+                let added = inner.fit.add_chunk(chunk);
+                if added && self.remap {
+                    inner.pages.add_unmapped(chunk.addr, chunk.size);
+                }
+                if !added {
                     drop(inner);
                     // An upstream that hands out misaligned or overlapping
                     // memory is broken; give the chunk back and say so.
@@ -122,13 +140,19 @@ impl<U: Upstream> Pool<U> {
         let cuts: Vec<(Chunk, usize)> = {
             let mut inner = self.inner.lock();
             let tails = inner.fit.free_tails();
-            tails
+            let cuts: Vec<(Chunk, usize)> = tails
                 .into_iter()
                 .filter_map(|(chunk, tail)| {
                     let amount = tail / gran * gran;
                     (amount > 0 && inner.fit.shrink_chunk(chunk, amount)).then_some((chunk, amount))
                 })
-                .collect()
+                .collect();
+            if self.remap {
+                for (chunk, amount) in &cuts {
+                    inner.pages.forget(chunk.end() - amount, *amount);
+                }
+            }
+            cuts
         };
         let mut released = 0;
         for (chunk, amount) in cuts {
@@ -139,8 +163,15 @@ impl<U: Upstream> Pool<U> {
                     self.inner.lock().fit.stats_mut().upstream_frees += 1;
                 }
                 other => {
-                    // The upstream kept the memory: hand it back to the pool.
-                    self.inner.lock().fit.extend_chunk(shrunk, amount);
+                    // The upstream kept the memory: hand it back to the pool
+                    // (with remapping, as holes: mapping them again fails
+                    // safely rather than doubling a mapping).
+                    let mut inner = self.inner.lock();
+                    inner.fit.extend_chunk(shrunk, amount);
+                    if self.remap {
+                        inner.pages.add_unmapped(shrunk.end(), amount);
+                    }
+                    drop(inner);
                     other?;
                 }
             }

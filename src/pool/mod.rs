@@ -21,17 +21,19 @@ mod cache;
 mod classes;
 mod free_index;
 mod growth;
+mod pages;
 mod spin;
 mod stats;
 mod tag;
 
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
+pub use pages::RANK_LIMIT;
 pub use stats::PoolStats;
 pub use tag::StreamTag;
 
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::Arc;
+use crate::sync::{lock, Arc, Mutex};
 use crate::upstream::{Chunk, Upstream};
 use cache::{CacheFree, ThreadCaches};
 use spin::SpinLock;
@@ -121,6 +123,8 @@ struct Inner {
     used: bool,
     /// Overrides `PoolConfig::initial_size` (set before first use).
     initial_size: Option<usize>,
+    /// Which pages have memory mapped (page remapping; `pages.rs`).
+    pages: pages::Pages,
 }
 
 /// A thread-safe best-fit pool over an upstream.
@@ -143,6 +147,11 @@ pub struct Pool<U: Upstream> {
     cache: Option<Arc<ThreadCaches>>,
     upstream: U,
     config: PoolConfig,
+    /// Page remapping is on (`pages.rs`).
+    remap: bool,
+    /// Held across a remap's upstream calls (never with the pool lock
+    /// held while waiting for it): one remap at a time.
+    remap_lock: Mutex<()>,
 }
 
 impl<U: Upstream> std::fmt::Debug for Pool<U> {
@@ -179,10 +188,12 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
 impl<U: Upstream> Pool<U> {
     /// A pool that takes its chunks from `upstream`.
     pub fn new(upstream: U, config: PoolConfig) -> Self {
-        let inner = Arc::new(SpinLock::new(Inner::default()));
+        let remap = config.expandable && !config.keep_chunks && upstream.can_remap();
+        let page = upstream.granularity().max(BLOCK_ALIGN);
+        let inner = Arc::new(SpinLock::new(Inner { pages: pages::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
-        Pool { inner, cache, upstream, config }
+        Pool { inner, cache, upstream, config, remap, remap_lock: Mutex::new(()) }
     }
 
     /// The upstream.
@@ -268,14 +279,40 @@ impl<U: Upstream> Pool<U> {
         let mut released_once = false;
         let mut drained = false;
         loop {
+            if self.remap {
+                match self.allocate_remapping(rounded, align, size) {
+                    Ok(Some(a)) => return Ok(a),
+                    Ok(None) => {}
+                    Err(Error::OutOfMemory { .. }) if !released_once => {
+                        // Unmapping free pages is the first step.
+                        released_once = true;
+                        self.count_retry();
+                        self.release_cached()?;
+                        continue;
+                    }
+                    Err(e) => {
+                        let mut inner = self.inner.lock();
+                        inner.fit.stats_mut().failed_allocations += 1;
+                        return Err(match e {
+                            Error::OutOfMemory { state, .. } => self.oom(&inner, size, false, state.upstream),
+                            other => other,
+                        });
+                    }
+                }
+            }
             let plan = {
                 let mut inner = self.inner.lock();
                 if inner.shut_down {
                     return Err(Error::ShutDown("allocation"));
                 }
                 inner.used = true;
-                if let Some(a) = inner.fit.allocate(rounded, align, size) {
-                    return Ok(a);
+                if !self.remap {
+                    if let Some(a) = inner.fit.allocate(rounded, align, size) {
+                        return Ok(a);
+                    }
+                } else if inner.fit.largest_free() >= rounded + align.saturating_sub(BLOCK_ALIGN) {
+                    // Memory was freed since the placement failed.
+                    continue;
                 }
                 // Before the pool grows, the blocks this thread's cache
                 // parked go back and coalesce, so one thread's cache never
@@ -377,6 +414,9 @@ impl<U: Upstream> Pool<U> {
             // as its last block is free.
             if let Some((chunk, _)) = inner.fit.take_free_chunk_at(addr) {
                 inner.fit.stats_mut().upstream_frees += 1;
+                if self.remap {
+                    inner.pages.forget(chunk.addr, chunk.size);
+                }
                 drop(inner);
                 self.upstream.deallocate_chunk(chunk)?;
             }
@@ -463,10 +503,16 @@ impl<U: Upstream> Pool<U> {
         if let Some(cache) = &self.cache {
             cache.drain_all(false);
         }
+        let _remap = self.remap.then(|| lock(&self.remap_lock));
         let chunks = {
             let mut inner = self.inner.lock();
             let chunks = inner.fit.take_free_chunks();
             inner.fit.stats_mut().upstream_frees += chunks.len() as u64;
+            if self.remap {
+                for (chunk, _) in &chunks {
+                    inner.pages.forget(chunk.addr, chunk.size);
+                }
+            }
             chunks
         };
         let mut released = 0;
@@ -481,6 +527,14 @@ impl<U: Upstream> Pool<U> {
         }
         if self.upstream.can_extend() {
             match self.release_free_tails() {
+                Ok(bytes) => released += bytes,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if self.remap {
+            match self.unmap_free_pages() {
                 Ok(bytes) => released += bytes,
                 Err(e) => {
                     first_err.get_or_insert(e);
@@ -503,7 +557,23 @@ impl<U: Upstream> Pool<U> {
 
     /// Statistics.
     pub fn stats(&self) -> PoolStats {
-        let mut s = self.inner.lock().fit.stats();
+        let mut s = {
+            let inner = self.inner.lock();
+            let mut s = inner.fit.stats();
+            if self.remap {
+                let page = inner.pages.page();
+                s.mapped = inner.pages.mapped * page;
+                s.peak_mapped = inner.pages.peak * page;
+                s.map_calls = inner.pages.map_calls;
+                s.unmap_calls = inner.pages.unmap_calls;
+            } else {
+                s.mapped = s.reserved;
+                s.peak_mapped = s.peak_reserved;
+                s.map_calls = s.upstream_allocs;
+                s.unmap_calls = s.upstream_frees;
+            }
+            s
+        };
         if let Some(cache) = &self.cache {
             cache.adjust(&mut s);
         }
@@ -512,7 +582,9 @@ impl<U: Upstream> Pool<U> {
 
     /// Sets every peak to its current value.
     pub fn reset_peaks(&self) {
-        self.inner.lock().fit.stats_mut().reset_peaks();
+        let mut inner = self.inner.lock();
+        inner.fit.stats_mut().reset_peaks();
+        inner.pages.peak = inner.pages.mapped;
     }
 
     /// Runs `f` on the allocator under the lock (tests, summaries).

@@ -1,0 +1,338 @@
+//! Page remapping: physical memory near the peak of live memory.
+//!
+//! # Implementation details
+//!
+//! A pool over an upstream that can remap ([`Upstream::can_remap`]) takes
+//! its chunks as address space alone and keeps a bitmap of the pages of
+//! its chunks that have no memory mapped (*holes*). Physical memory held is
+//! the mapped pages; the address space may be larger.
+//!
+//! - **Placement** ranks mapped space first: among the first
+//!   [`RANK_LIMIT`] candidates in best-fit order, the first whose placement
+//!   touches no hole wins; only when none does is the exact best fit taken
+//!   and its holes mapped. A pool whose mapped set fits its work therefore
+//!   maps nothing: steady-state iterations move nothing.
+//! - **Mapping** happens under the pool's remap lock, never under the pool
+//!   lock: the allocation is undone, the remap lock taken, the placement
+//!   made again, the touched holes mapped (one map call per piece of
+//!   memory, one access call per run), and the allocation kept.
+//! - **Reclaim**: only when mapping would take physical memory above its
+//!   peak, pieces of memory lying wholly in free blocks are unmapped first
+//!   and their memory mapped where it is needed, as many as the excess.
+//!   The largest free blocks give first: best fit takes small blocks
+//!   first, so the largest are the last to be needed again.
+//! - **Stream order**: the pages to reclaim are marked holes before the
+//!   pool lock is dropped, so no allocation lands on them while they move;
+//!   when a free block that gives pages carries a stream tag, the upstream
+//!   waits for the device before it unmaps (or unmaps nothing when it
+//!   can't wait now, and the pool grows instead).
+//! - **Out of memory**: [`Pool::release_cached`] unmaps every wholly free
+//!   piece, the first step of the retry ladder.
+//! - Pools with [`PoolConfig::keep_chunks`](super::PoolConfig::keep_chunks)
+//!   never remap (their graphs replay later into free-looking blocks).
+
+use super::{Allocation, Chunk, Error, Inner, Pool, Result, StreamTag, Upstream};
+use crate::sync::lock;
+
+/// How many best-fit candidates placement looks at for one that touches
+/// only mapped pages.
+pub const RANK_LIMIT: usize = 16;
+
+/// Which pages of a remapping pool's chunks have no memory mapped.
+#[derive(Debug, Default)]
+pub(super) struct Pages {
+    shift: u32,
+    /// The address of the first page of bit 0 (aligned to 64 pages).
+    base: usize,
+    /// One bit per page: set for a hole (nothing mapped, or memory moving).
+    holes: Vec<u64>,
+    hole_count: usize,
+    /// Pages mapped, and their peak.
+    pub(super) mapped: usize,
+    pub(super) peak: usize,
+    /// Map calls (one per piece mapped) and unmap calls (one per piece).
+    pub(super) map_calls: u64,
+    pub(super) unmap_calls: u64,
+}
+
+impl Pages {
+    pub(super) fn new(page: usize) -> Self {
+        Pages { shift: page.trailing_zeros(), ..Default::default() }
+    }
+
+    pub(super) fn page(&self) -> usize {
+        1 << self.shift
+    }
+
+    fn index(&self, addr: usize) -> usize {
+        (addr - self.base) >> self.shift
+    }
+
+    /// Makes room for the pages of `[addr, end)`.
+    fn cover(&mut self, addr: usize, end: usize) {
+        let word_span = 64usize << self.shift;
+        if self.holes.is_empty() {
+            self.base = addr / word_span * word_span;
+        } else if addr < self.base {
+            let new_base = addr / word_span * word_span;
+            let words = (self.base - new_base) / word_span;
+            self.holes.splice(0..0, std::iter::repeat_n(0, words));
+            self.base = new_base;
+        }
+        let need = (end - self.base).div_ceil(word_span);
+        if self.holes.len() < need {
+            self.holes.resize(need, 0);
+        }
+    }
+
+    /// Whether `[addr, addr + size)` touches no hole.
+    #[inline]
+    pub(super) fn clear(&self, addr: usize, size: usize) -> bool {
+        if self.hole_count == 0 {
+            return true;
+        }
+        if addr < self.base {
+            return true;
+        }
+        let (first, last) = (self.index(addr), self.index(addr + size - 1));
+        (first..=last).all(|p| self.holes.get(p / 64).is_none_or(|w| w & (1 << (p % 64)) == 0))
+    }
+
+    fn set(&mut self, page: usize, hole: bool) -> bool {
+        let (w, bit) = (page / 64, 1u64 << (page % 64));
+        let was = self.holes[w] & bit != 0;
+        if hole {
+            self.holes[w] |= bit;
+        } else {
+            self.holes[w] &= !bit;
+        }
+        if was != hole {
+            if hole {
+                self.hole_count += 1;
+            } else {
+                self.hole_count -= 1;
+            }
+        }
+        was
+    }
+
+    /// The runs of holes that `[addr, addr + size)` touches, as page-aligned
+    /// chunks.
+    pub(super) fn holes_in(&self, addr: usize, size: usize) -> Vec<Chunk> {
+        let page = self.page();
+        let (first, last) = (self.index(addr), self.index(addr + size - 1));
+        let mut runs: Vec<Chunk> = Vec::new();
+        for p in first..=last {
+            if self.holes[p / 64] & (1 << (p % 64)) == 0 {
+                continue;
+            }
+            let at = self.base + (p << self.shift);
+            match runs.last_mut() {
+                Some(r) if r.end() == at => r.size += page,
+                _ => runs.push(Chunk { addr: at, size: page }),
+            }
+        }
+        runs
+    }
+
+    /// The mapped runs of whole pages inside `[addr, addr + size)`.
+    pub(super) fn mapped_inside(&self, addr: usize, size: usize) -> Vec<Chunk> {
+        let page = self.page();
+        let start = addr.next_multiple_of(page);
+        let end = (addr + size) / page * page;
+        let mut runs: Vec<Chunk> = Vec::new();
+        let mut at = start;
+        while at < end {
+            let p = self.index(at);
+            if self.holes[p / 64] & (1 << (p % 64)) == 0 {
+                match runs.last_mut() {
+                    Some(r) if r.end() == at => r.size += page,
+                    _ => runs.push(Chunk { addr: at, size: page }),
+                }
+            }
+            at += page;
+        }
+        runs
+    }
+
+    /// Marks the pages of `run` (page-aligned) holes or not; returns how
+    /// many changed.
+    pub(super) fn mark(&mut self, run: Chunk, hole: bool) -> usize {
+        self.cover(run.addr, run.end());
+        let first = self.index(run.addr);
+        (first..first + (run.size >> self.shift)).filter(|&p| self.set(p, hole) != hole).count()
+    }
+
+    /// Adds a chunk's new address space (nothing mapped).
+    pub(super) fn add_unmapped(&mut self, addr: usize, size: usize) {
+        self.mark(Chunk { addr, size }, true);
+    }
+
+    /// Forgets the pages of `[addr, addr + size)` (given back to the
+    /// upstream); returns how many of them were mapped.
+    pub(super) fn forget(&mut self, addr: usize, size: usize) -> usize {
+        let pages = size >> self.shift;
+        let was_holes = self.mark(Chunk { addr, size }, false);
+        let mapped = pages - was_holes;
+        self.mapped -= mapped;
+        mapped
+    }
+}
+
+/// The work one remap step does outside the pool lock.
+struct Plan {
+    alloc: Allocation,
+    runs: Vec<Chunk>,
+    spans: Vec<Chunk>,
+    want: usize,
+    pending: bool,
+}
+
+impl<U: Upstream> Pool<U> {
+    /// Allocates from the shared pool with page remapping: mapped space
+    /// first; holes the placement touches are mapped under the remap lock.
+    /// `Ok(None)` when no free block fits (the caller grows the pool).
+    pub(super) fn allocate_remapping(&self, rounded: usize, align: usize, size: usize) -> Result<Option<Allocation>> {
+        {
+            let mut inner = self.inner.lock();
+            if inner.shut_down {
+                return Err(Error::ShutDown("allocation"));
+            }
+            inner.used = true;
+            let Inner { fit, pages, .. } = &mut *inner;
+            let Some(a) = fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))
+            else {
+                return Ok(None);
+            };
+            if pages.clear(a.addr, a.size) {
+                return Ok(Some(a));
+            }
+            fit.undo_allocate(&a);
+        }
+        let _remap = lock(&self.remap_lock);
+        let plan = {
+            let mut inner = self.inner.lock();
+            if inner.shut_down {
+                return Err(Error::ShutDown("allocation"));
+            }
+            let Inner { fit, pages, .. } = &mut *inner;
+            let Some(a) = fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))
+            else {
+                return Ok(None);
+            };
+            if pages.clear(a.addr, a.size) {
+                return Ok(Some(a));
+            }
+            let runs = pages.holes_in(a.addr, a.size);
+            let needed: usize = runs.iter().map(|r| r.size >> pages.shift).sum();
+            let want = (pages.mapped + needed).saturating_sub(pages.peak);
+            let mut spans = Vec::new();
+            let mut pending = false;
+            if want > 0 {
+                // Offer twice the excess: only whole pieces inside the
+                // spans can move.
+                let mut offered = 0;
+                for (addr, bsize, tag) in fit.free_blocks_largest_first(pages.page()) {
+                    if offered >= 2 * want {
+                        break;
+                    }
+                    for span in pages.mapped_inside(addr, bsize) {
+                        offered += span.size >> pages.shift;
+                        pending |= tag != StreamTag::NONE;
+                        spans.push(span);
+                    }
+                }
+                for span in &spans {
+                    // Holes while they may move: no allocation lands there.
+                    pages.mark(*span, true);
+                }
+            }
+            Plan { alloc: a, runs, spans, want: want << pages.shift, pending }
+        };
+        self.carry_out(plan).map(Some)
+    }
+
+    /// Unmaps what `plan` reclaims and maps its runs (no pool lock held),
+    /// then records the result.
+    fn carry_out(&self, plan: Plan) -> Result<Allocation> {
+        let unmapped = if plan.spans.is_empty() {
+            Ok(Vec::new())
+        } else {
+            self.upstream.unmap_within(&plan.spans, plan.want, plan.pending, true)
+        };
+        let (unmapped, unmap_err) = match unmapped {
+            Ok(v) => (v, None),
+            Err(e) => (Vec::new(), Some(e)),
+        };
+        let mapped = match unmap_err {
+            Some(e) => Err(e),
+            None => self.upstream.map_runs(&plan.runs),
+        };
+        if mapped.is_err() {
+            self.upstream.release_kept();
+        }
+        let mut inner = self.inner.lock();
+        let Inner { fit, pages, .. } = &mut *inner;
+        for span in &plan.spans {
+            pages.mark(*span, false);
+        }
+        for piece in &unmapped {
+            pages.mark(*piece, true);
+            pages.mapped -= piece.size >> pages.shift;
+        }
+        pages.unmap_calls += unmapped.len() as u64;
+        match mapped {
+            Ok(calls) => {
+                for run in &plan.runs {
+                    pages.mapped += pages.mark(*run, false);
+                }
+                pages.map_calls += calls;
+                pages.peak = pages.peak.max(pages.mapped);
+                Ok(plan.alloc)
+            }
+            Err(e) => {
+                fit.undo_allocate(&plan.alloc);
+                Err(e)
+            }
+        }
+    }
+
+    /// Unmaps every wholly free piece of memory (release and out-of-memory
+    /// paths; the caller holds the remap lock); returns the bytes unmapped.
+    pub(super) fn unmap_free_pages(&self) -> Result<usize> {
+        let (spans, pending) = {
+            let mut inner = self.inner.lock();
+            let Inner { fit, pages, .. } = &mut *inner;
+            let mut spans = Vec::new();
+            let mut pending = false;
+            for (addr, bsize, tag) in fit.free_blocks_largest_first(pages.page()) {
+                for span in pages.mapped_inside(addr, bsize) {
+                    pending |= tag != StreamTag::NONE;
+                    spans.push(span);
+                }
+            }
+            for span in &spans {
+                pages.mark(*span, true);
+            }
+            (spans, pending)
+        };
+        if spans.is_empty() {
+            return Ok(0);
+        }
+        let r = self.upstream.unmap_within(&spans, usize::MAX, pending, false);
+        let mut inner = self.inner.lock();
+        let pages = &mut inner.pages;
+        for span in &spans {
+            pages.mark(*span, false);
+        }
+        let unmapped = r.as_ref().map_or(&[][..], |v| &v[..]);
+        let mut bytes = 0;
+        for piece in unmapped {
+            pages.mark(*piece, true);
+            pages.mapped -= piece.size >> pages.shift;
+            bytes += piece.size;
+        }
+        pages.unmap_calls += unmapped.len() as u64;
+        r.map(|_| bytes)
+    }
+}
