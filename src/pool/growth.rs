@@ -134,25 +134,20 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// Gives the free tails of grown chunks back to an expandable upstream
-    /// (whole granules only); returns the bytes released.
+    /// (whole granules only; not used with page remapping); returns the
+    /// bytes released.
     pub(super) fn release_free_tails(&self) -> Result<usize> {
         let gran = self.upstream.granularity();
         let cuts: Vec<(Chunk, usize)> = {
             let mut inner = self.inner.lock();
             let tails = inner.fit.free_tails();
-            let cuts: Vec<(Chunk, usize)> = tails
+            tails
                 .into_iter()
                 .filter_map(|(chunk, tail)| {
                     let amount = tail / gran * gran;
                     (amount > 0 && inner.fit.shrink_chunk(chunk, amount)).then_some((chunk, amount))
                 })
-                .collect();
-            if self.remap {
-                for (chunk, amount) in &cuts {
-                    inner.pages.forget(chunk.end() - amount, *amount);
-                }
-            }
-            cuts
+                .collect()
         };
         let mut released = 0;
         for (chunk, amount) in cuts {
@@ -163,15 +158,8 @@ impl<U: Upstream> Pool<U> {
                     self.inner.lock().fit.stats_mut().upstream_frees += 1;
                 }
                 other => {
-                    // The upstream kept the memory: hand it back to the pool
-                    // (with remapping, as holes: mapping them again fails
-                    // safely rather than doubling a mapping).
-                    let mut inner = self.inner.lock();
-                    inner.fit.extend_chunk(shrunk, amount);
-                    if self.remap {
-                        inner.pages.add_unmapped(shrunk.end(), amount);
-                    }
-                    drop(inner);
+                    // The upstream kept the memory: hand it back to the pool.
+                    self.inner.lock().fit.extend_chunk(shrunk, amount);
                     other?;
                 }
             }

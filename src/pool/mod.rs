@@ -471,6 +471,10 @@ impl<U: Upstream> Pool<U> {
             return false;
         }
         let mut inner = self.inner.lock();
+        if self.remap && !inner.pages.clear(addr, rounded) {
+            // The space after the block has no memory mapped.
+            return false;
+        }
         let ok = inner.fit.grow_in_place(addr, rounded);
         if ok {
             inner.fit.set_requested(addr, new_size);
@@ -525,7 +529,9 @@ impl<U: Upstream> Pool<U> {
                 }
             }
         }
-        if self.upstream.can_extend() {
+        // With page remapping, free tails are unmapped piece by piece below
+        // (a tail need not end on a piece's edge); their address space stays.
+        if self.upstream.can_extend() && !self.remap {
             match self.release_free_tails() {
                 Ok(bytes) => released += bytes,
                 Err(e) => {

@@ -96,8 +96,13 @@ impl Expandable {
             || Error::InvalidState(format!("chunk {:#x}+{} is not mapped by this upstream", chunk.addr, chunk.size));
         let offset = self.offset_of(chunk).ok_or_else(unknown)?;
         // A chunk of page remapping may hold holes: unmap what is mapped.
-        lock(&self.region).unmap_inside(offset, chunk.size)?.ok_or_else(unknown)?;
+        // Nothing mapped is fine only for address space handed out alone.
+        let mut region = lock(&self.region);
         let mut top = lock(&self.reserved_top);
+        let mapped = region.unmap_inside(offset, chunk.size)?.ok_or_else(unknown)?;
+        if mapped == 0 && offset + chunk.size > *top {
+            return Err(unknown());
+        }
         if *top == offset + chunk.size {
             *top = offset;
         }
