@@ -12,7 +12,9 @@ impl<U: Upstream> Pool<U> {
     /// Decides how to grow for a request of `rounded` bytes; books the
     /// growth against the limit. `Err(true)` when the limit forbids it.
     pub(super) fn plan_growth(&self, inner: &mut Inner, rounded: usize, align: usize) -> Result<Growth, bool> {
-        let gran = self.upstream.granularity().max(BLOCK_ALIGN);
+        // With page remapping, chunks grow by whole pages, so that every
+        // page lies in one chunk.
+        let gran = if self.remap { self.remap_page } else { self.upstream.granularity().max(BLOCK_ALIGN) };
         // Room for alignment padding beyond what the upstream guarantees.
         let need = rounded + align.saturating_sub(gran.min(4096)).min(align);
         let stats = inner.fit.stats();

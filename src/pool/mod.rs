@@ -149,6 +149,9 @@ pub struct Pool<U: Upstream> {
     config: PoolConfig,
     /// Page remapping is on (`pages.rs`).
     remap: bool,
+    /// The unit of page remapping: the upstream's granularity, or
+    /// `min_chunk` when that is a larger power of two.
+    remap_page: usize,
     /// Held across a remap's upstream calls (never with the pool lock
     /// held while waiting for it): one remap at a time.
     remap_lock: Mutex<()>,
@@ -189,11 +192,12 @@ impl<U: Upstream> Pool<U> {
     /// A pool that takes its chunks from `upstream`.
     pub fn new(upstream: U, config: PoolConfig) -> Self {
         let remap = config.expandable && !config.keep_chunks && upstream.can_remap();
-        let page = upstream.granularity().max(BLOCK_ALIGN);
+        let gran = upstream.granularity().max(BLOCK_ALIGN);
+        let page = if config.min_chunk.is_power_of_two() { gran.max(config.min_chunk) } else { gran };
         let inner = Arc::new(SpinLock::new(Inner { pages: pages::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
-        Pool { inner, cache, upstream, config, remap, remap_lock: Mutex::new(()) }
+        Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock: Mutex::new(()) }
     }
 
     /// The upstream.

@@ -68,16 +68,16 @@ impl Pages {
         (addr - self.base) >> self.shift
     }
 
-    /// Makes room for the pages of `[addr, end)`.
+    /// Makes room for the pages of `[addr, end)`. Pages are counted from
+    /// the first chunk's start (chunks lie whole pages apart).
     fn cover(&mut self, addr: usize, end: usize) {
         let word_span = 64usize << self.shift;
         if self.holes.is_empty() {
-            self.base = addr / word_span * word_span;
+            self.base = addr;
         } else if addr < self.base {
-            let new_base = addr / word_span * word_span;
-            let words = (self.base - new_base) / word_span;
+            let words = (self.base - addr).div_ceil(word_span);
             self.holes.splice(0..0, std::iter::repeat_n(0, words));
-            self.base = new_base;
+            self.base -= words * word_span;
         }
         let need = (end - self.base).div_ceil(word_span);
         if self.holes.len() < need {
@@ -88,14 +88,48 @@ impl Pages {
     /// Whether `[addr, addr + size)` touches no hole.
     #[inline]
     pub(super) fn clear(&self, addr: usize, size: usize) -> bool {
-        if self.hole_count == 0 {
-            return true;
-        }
-        if addr < self.base {
+        if self.hole_count == 0 || addr < self.base {
             return true;
         }
         let (first, last) = (self.index(addr), self.index(addr + size - 1));
-        (first..=last).all(|p| self.holes.get(p / 64).is_none_or(|w| w & (1 << (p % 64)) == 0))
+        if first / 64 == last / 64 {
+            let w = self.holes.get(first / 64).copied().unwrap_or(0);
+            let mask = (u64::MAX >> (63 - (last % 64))) & (u64::MAX << (first % 64));
+            return w & mask == 0;
+        }
+        self.runs(first, last + 1, true).next().is_none()
+    }
+
+    /// The runs `[start, end)` of pages in `[first, end)` that are holes
+    /// (`holes`) or mapped (`!holes`), in order, a word at a time.
+    fn runs(&self, first: usize, end: usize, holes: bool) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let bit = move |p: usize| -> bool {
+            let w = self.holes.get(p / 64).copied().unwrap_or(0);
+            (w >> (p % 64)) & 1 == 1
+        };
+        // The next page at or after `p` (before `end`) whose bit is `want`.
+        let seek = move |mut p: usize, want: bool| -> usize {
+            while p < end {
+                let w = self.holes.get(p / 64).copied().unwrap_or(0);
+                let w = if want { w } else { !w } >> (p % 64);
+                if w != 0 {
+                    return (p + w.trailing_zeros() as usize).min(end);
+                }
+                p = (p / 64 + 1) * 64;
+            }
+            end
+        };
+        let mut p = first;
+        std::iter::from_fn(move || {
+            let start = seek(p, holes);
+            if start >= end {
+                return None;
+            }
+            let stop = seek(start, !holes);
+            debug_assert!(bit(start) == holes);
+            p = stop;
+            Some((start, stop))
+        })
     }
 
     fn set(&mut self, page: usize, hole: bool) -> bool {
@@ -116,43 +150,26 @@ impl Pages {
         was
     }
 
+    fn chunk_of(&self, (start, stop): (usize, usize)) -> Chunk {
+        Chunk { addr: self.base + (start << self.shift), size: (stop - start) << self.shift }
+    }
+
     /// The runs of holes that `[addr, addr + size)` touches, as page-aligned
     /// chunks.
     pub(super) fn holes_in(&self, addr: usize, size: usize) -> Vec<Chunk> {
-        let page = self.page();
         let (first, last) = (self.index(addr), self.index(addr + size - 1));
-        let mut runs: Vec<Chunk> = Vec::new();
-        for p in first..=last {
-            if self.holes[p / 64] & (1 << (p % 64)) == 0 {
-                continue;
-            }
-            let at = self.base + (p << self.shift);
-            match runs.last_mut() {
-                Some(r) if r.end() == at => r.size += page,
-                _ => runs.push(Chunk { addr: at, size: page }),
-            }
-        }
-        runs
+        self.runs(first, last + 1, true).map(|r| self.chunk_of(r)).collect()
     }
 
     /// The mapped runs of whole pages inside `[addr, addr + size)`.
     pub(super) fn mapped_inside(&self, addr: usize, size: usize) -> Vec<Chunk> {
         let page = self.page();
-        let start = addr.next_multiple_of(page);
-        let end = (addr + size) / page * page;
-        let mut runs: Vec<Chunk> = Vec::new();
-        let mut at = start;
-        while at < end {
-            let p = self.index(at);
-            if self.holes[p / 64] & (1 << (p % 64)) == 0 {
-                match runs.last_mut() {
-                    Some(r) if r.end() == at => r.size += page,
-                    _ => runs.push(Chunk { addr: at, size: page }),
-                }
-            }
-            at += page;
+        let start = (addr - self.base).next_multiple_of(page) >> self.shift;
+        let end = (addr + size - self.base) >> self.shift;
+        if start >= end {
+            return Vec::new();
         }
-        runs
+        self.runs(start, end, false).map(|r| self.chunk_of(r)).collect()
     }
 
     /// Marks the pages of `run` (page-aligned) holes or not; returns how
@@ -192,6 +209,7 @@ impl<U: Upstream> Pool<U> {
     /// Allocates from the shared pool with page remapping: mapped space
     /// first; holes the placement touches are mapped under the remap lock.
     /// `Ok(None)` when no free block fits (the caller grows the pool).
+    #[inline]
     pub(super) fn allocate_remapping(&self, rounded: usize, align: usize, size: usize) -> Result<Option<Allocation>> {
         {
             let mut inner = self.inner.lock();
@@ -200,15 +218,20 @@ impl<U: Upstream> Pool<U> {
             }
             inner.used = true;
             let Inner { fit, pages, .. } = &mut *inner;
-            let Some(a) = fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))
-            else {
-                return Ok(None);
-            };
-            if pages.clear(a.addr, a.size) {
-                return Ok(Some(a));
+            match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
+                None => return Ok(None),
+                Some((a, true)) => return Ok(Some(a)),
+                Some((a, false)) => fit.undo_allocate(&a),
             }
-            fit.undo_allocate(&a);
         }
+        self.map_for(rounded, align, size)
+    }
+
+    /// The slow path of [`allocate_remapping`](Self::allocate_remapping):
+    /// under the remap lock, place again and map the holes the placement
+    /// touches.
+    #[cold]
+    fn map_for(&self, rounded: usize, align: usize, size: usize) -> Result<Option<Allocation>> {
         let _remap = lock(&self.remap_lock);
         let plan = {
             let mut inner = self.inner.lock();
@@ -216,13 +239,11 @@ impl<U: Upstream> Pool<U> {
                 return Err(Error::ShutDown("allocation"));
             }
             let Inner { fit, pages, .. } = &mut *inner;
-            let Some(a) = fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))
-            else {
-                return Ok(None);
+            let a = match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
+                None => return Ok(None),
+                Some((a, true)) => return Ok(Some(a)),
+                Some((a, false)) => a,
             };
-            if pages.clear(a.addr, a.size) {
-                return Ok(Some(a));
-            }
             let runs = pages.holes_in(a.addr, a.size);
             let needed: usize = runs.iter().map(|r| r.size >> pages.shift).sum();
             let want = (pages.mapped + needed).saturating_sub(pages.peak);

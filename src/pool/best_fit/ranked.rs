@@ -8,7 +8,9 @@ impl BestFit {
     /// As [`allocate`](BestFit::allocate), but among the first `limit`
     /// candidates in best-fit order (smallest fitting block, then lowest
     /// address) takes the first whose placement `[addr, addr + size)`
-    /// `preferred` accepts; when none does, the exact best fit.
+    /// `preferred` accepts; when none does, the exact best fit. Says
+    /// whether the placement is a preferred one.
+    #[inline]
     pub fn allocate_preferring(
         &mut self,
         size: usize,
@@ -16,9 +18,30 @@ impl BestFit {
         requested: usize,
         limit: usize,
         mut preferred: impl FnMut(usize, usize) -> bool,
-    ) -> Option<Allocation> {
+    ) -> Option<(Allocation, bool)> {
         debug_assert!(size % BLOCK_ALIGN == 0 && size > 0);
         let align = align.max(BLOCK_ALIGN);
+        if align == BLOCK_ALIGN {
+            // The common case: the exact best fit is preferred.
+            let (_, addr, slot) = self.free_index.best_fit(size)?;
+            if preferred(addr, size) {
+                return Some((self.allocate_slot(slot, size, align, requested), true));
+            }
+        }
+        self.allocate_ranked(size, align, requested, limit, preferred)
+    }
+
+    /// The scan of [`allocate_preferring`](Self::allocate_preferring) past
+    /// the exact best fit.
+    #[cold]
+    fn allocate_ranked(
+        &mut self,
+        size: usize,
+        align: usize,
+        requested: usize,
+        limit: usize,
+        mut preferred: impl FnMut(usize, usize) -> bool,
+    ) -> Option<(Allocation, bool)> {
         let mut first = None;
         let mut chosen = None;
         for (seen, &(bsize, addr, slot)) in self.free_index.at_least(size).enumerate() {
@@ -35,8 +58,9 @@ impl BestFit {
                 break;
             }
         }
+        let hit = chosen.is_some();
         let slot = chosen.or(first)?;
-        Some(self.allocate_slot(slot, size, align, requested))
+        Some((self.allocate_slot(slot, size, align, requested), hit))
     }
 
     /// Takes back an allocation just made (a caller that can't use its
