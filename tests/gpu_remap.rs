@@ -69,7 +69,7 @@ impl Kernels {
             // SAFETY: as in `fill`; `bad` is one u64 on this device.
             unsafe { launch.launch(Self::cfg(size / 4)) }.expect("check launches");
         }
-        self.stream.memcpy_dtov(&bad).expect("the count comes back")[0]
+        self.stream.clone_dtoh(&bad).expect("the count comes back")[0]
     }
 }
 
