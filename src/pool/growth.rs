@@ -1,14 +1,71 @@
-//! How a [`Pool`] grows: planning growth against the size limit, asking
-//! the upstream outside the pool's lock, and giving free tails back to
-//! expandable upstreams.
+//! How a [`Pool`] grows and gives memory back: planning growth against the
+//! size limit, asking the upstream outside the pool's lock, releasing free
+//! chunks, and giving free tails back to expandable upstreams.
 
 use super::{Chunk, Error, Inner, OomState, Pool, Result, Upstream, BLOCK_ALIGN};
+use crate::sync::lock;
 
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
 
 impl<U: Upstream> Pool<U> {
+    /// Flushes every thread's cache, then returns every wholly free chunk
+    /// to the upstream; returns the bytes released.
+    ///
+    /// # Errors
+    /// The first upstream error; chunks it could not return are dropped
+    /// from the pool (leaked), never reused.
+    pub fn release_cached(&self) -> Result<usize> {
+        if let Some(cache) = &self.cache {
+            cache.drain_all(false);
+        }
+        let _remap = self.remap.then(|| lock(&self.remap_lock));
+        let chunks = {
+            let mut inner = self.inner.lock();
+            let chunks = inner.fit.take_free_chunks();
+            inner.fit.stats_mut().upstream_frees += chunks.len() as u64;
+            if self.remap {
+                for (chunk, _) in &chunks {
+                    inner.pages.forget(chunk.addr, chunk.size);
+                }
+            }
+            chunks
+        };
+        let mut released = 0;
+        let mut first_err = None;
+        for (chunk, _) in chunks {
+            match self.upstream.deallocate_chunk(chunk) {
+                Ok(()) => released += chunk.size,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        // With page remapping, free tails are unmapped piece by piece below
+        // (a tail need not end on a piece's edge); their address space stays.
+        if self.upstream.can_extend() && !self.remap {
+            match self.release_free_tails() {
+                Ok(bytes) => released += bytes,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if self.remap {
+            match self.unmap_free_pages() {
+                Ok(bytes) => released += bytes,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(released),
+        }
+    }
+
     /// Decides how to grow for a request of `rounded` bytes; books the
     /// growth against the limit. `Err(true)` when the limit forbids it.
     pub(super) fn plan_growth(&self, inner: &mut Inner, rounded: usize, align: usize) -> Result<Growth, bool> {

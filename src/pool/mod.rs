@@ -33,7 +33,7 @@ pub use stats::PoolStats;
 pub use tag::StreamTag;
 
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::{lock, Arc, Mutex};
+use crate::sync::{Arc, Mutex};
 use crate::upstream::{Chunk, Upstream};
 use cache::{CacheFree, ThreadCaches};
 use spin::SpinLock;
@@ -501,62 +501,6 @@ impl<U: Upstream> Pool<U> {
         ok
     }
 
-    /// Flushes every thread's cache, then returns every wholly free chunk
-    /// to the upstream; returns the bytes released.
-    ///
-    /// # Errors
-    /// The first upstream error; chunks it could not return are dropped
-    /// from the pool (leaked), never reused.
-    pub fn release_cached(&self) -> Result<usize> {
-        if let Some(cache) = &self.cache {
-            cache.drain_all(false);
-        }
-        let _remap = self.remap.then(|| lock(&self.remap_lock));
-        let chunks = {
-            let mut inner = self.inner.lock();
-            let chunks = inner.fit.take_free_chunks();
-            inner.fit.stats_mut().upstream_frees += chunks.len() as u64;
-            if self.remap {
-                for (chunk, _) in &chunks {
-                    inner.pages.forget(chunk.addr, chunk.size);
-                }
-            }
-            chunks
-        };
-        let mut released = 0;
-        let mut first_err = None;
-        for (chunk, _) in chunks {
-            match self.upstream.deallocate_chunk(chunk) {
-                Ok(()) => released += chunk.size,
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        // With page remapping, free tails are unmapped piece by piece below
-        // (a tail need not end on a piece's edge); their address space stays.
-        if self.upstream.can_extend() && !self.remap {
-            match self.release_free_tails() {
-                Ok(bytes) => released += bytes,
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        if self.remap {
-            match self.unmap_free_pages() {
-                Ok(bytes) => released += bytes,
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(released),
-        }
-    }
-
     /// Marks every free block as having no pending stream work (see
     /// [`BestFit::clear_tags`]). Blocks parked in thread caches keep their
     /// tags: use it on pools without caches.
@@ -570,18 +514,7 @@ impl<U: Upstream> Pool<U> {
         let mut s = {
             let inner = self.inner.lock();
             let mut s = inner.fit.stats();
-            if self.remap {
-                let page = inner.pages.page();
-                s.mapped = inner.pages.mapped * page;
-                s.peak_mapped = inner.pages.peak * page;
-                s.map_calls = inner.pages.map_calls;
-                s.unmap_calls = inner.pages.unmap_calls;
-            } else {
-                s.mapped = s.reserved;
-                s.peak_mapped = s.peak_reserved;
-                s.map_calls = s.upstream_allocs;
-                s.unmap_calls = s.upstream_frees;
-            }
+            inner.pages.fill_stats(&mut s, self.remap);
             s
         };
         if let Some(cache) = &self.cache {

@@ -181,6 +181,22 @@ impl Pages {
         (first..first + (run.size >> self.shift)).filter(|&p| self.set(p, hole) != hole).count()
     }
 
+    /// Fills in the physical figures of `s`: the mapped pages with
+    /// remapping on, else the chunks (all mapped).
+    pub(super) fn fill_stats(&self, s: &mut super::PoolStats, remap: bool) {
+        if remap {
+            s.mapped = self.mapped << self.shift;
+            s.peak_mapped = self.peak << self.shift;
+            s.map_calls = self.map_calls;
+            s.unmap_calls = self.unmap_calls;
+        } else {
+            s.mapped = s.reserved;
+            s.peak_mapped = s.peak_reserved;
+            s.map_calls = s.upstream_allocs;
+            s.unmap_calls = s.upstream_frees;
+        }
+    }
+
     /// Adds a chunk's new address space (nothing mapped).
     pub(super) fn add_unmapped(&mut self, addr: usize, size: usize) {
         self.mark(Chunk { addr, size }, true);
