@@ -39,8 +39,6 @@ use std::collections::BTreeMap;
 
 mod ranked;
 
-pub use ranked::RANK_SPREAD;
-
 use super::free_index::FreeIndex;
 
 use super::stats::PoolStats;

@@ -26,7 +26,7 @@ mod spin;
 mod stats;
 mod tag;
 
-pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed, RANK_SPREAD};
+pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
 pub use pages::RANK_LIMIT;
 pub use stats::PoolStats;

@@ -8,10 +8,9 @@
 //! the mapped pages; the address space may be larger.
 //!
 //! - **Placement** ranks mapped space first: among the first
-//!   [`RANK_LIMIT`] candidates in best-fit order (blocks at most
-//!   [`RANK_SPREAD`](super::RANK_SPREAD) times the best fit's
-//!   size), the first whose placement touches no hole wins; only when none
-//!   does is the exact best fit taken and its holes mapped. A pool whose mapped set fits its work therefore
+//!   [`RANK_LIMIT`] candidates in best-fit order, the first whose placement
+//!   touches no hole wins; only when none does is the exact best fit taken
+//!   and its holes mapped. A pool whose mapped set fits its work therefore
 //!   maps nothing: steady-state iterations move nothing.
 //! - **Mapping** happens under the pool's remap lock, never under the pool
 //!   lock: the allocation is undone, the remap lock taken, the placement

@@ -4,17 +4,10 @@
 
 use super::{Allocation, BestFit, StreamTag, BLOCK_ALIGN};
 
-/// A preferred placement may come from a free block at most this many
-/// times the size of the exact best fit: splitting much larger blocks to
-/// avoid mapping would fragment the address space, and in the end the
-/// memory.
-pub const RANK_SPREAD: usize = 2;
-
 impl BestFit {
     /// As [`allocate`](BestFit::allocate), but among the first `limit`
     /// candidates in best-fit order (smallest fitting block, then lowest
-    /// address) no more than [`RANK_SPREAD`] times the best fit's size,
-    /// takes the first whose placement `[addr, addr + size)` `preferred`
+    /// address) takes the first whose placement `[addr, addr + size)` `preferred`
     /// accepts; when none does, the exact best fit. Says whether the
     /// placement is a preferred one.
     #[inline]
@@ -51,19 +44,12 @@ impl BestFit {
     ) -> Option<(Allocation, bool)> {
         let mut first = None;
         let mut chosen = None;
-        let mut first_size = 0usize;
         for (seen, &(bsize, addr, slot)) in self.free_index.at_least(size).enumerate() {
             let start = addr.next_multiple_of(align);
             if start - addr + size > bsize {
                 continue;
             }
-            if first.is_none() {
-                first_size = bsize;
-            }
             first.get_or_insert(slot);
-            if bsize / RANK_SPREAD > first_size {
-                break;
-            }
             if preferred(start, size) {
                 chosen = Some(slot);
                 break;
