@@ -21,6 +21,10 @@
 //!   and their memory mapped where it is needed, as many as the excess.
 //!   The largest free blocks give first: best fit takes small blocks
 //!   first, so the largest are the last to be needed again.
+//! - **No ping-pong**: a page whose memory was moved away is filled again
+//!   by new memory, never by another move. A pattern that wants memory in
+//!   two places at different times of an iteration thus settles on
+//!   holding both, and later iterations move nothing.
 //! - **Stream order**: the pages to reclaim are marked holes before the
 //!   pool lock is dropped, so no allocation lands on them while they move;
 //!   when a free block that gives pages carries a stream tag, the upstream
@@ -47,6 +51,8 @@ pub(super) struct Pages {
     /// One bit per page: set for a hole (nothing mapped, or memory moving).
     holes: Vec<u64>,
     hole_count: usize,
+    /// One bit per page: a hole made by moving the page's memory away.
+    moved_out: Vec<u64>,
     /// Pages mapped, and their peak.
     pub(super) mapped: usize,
     pub(super) peak: usize,
@@ -77,11 +83,13 @@ impl Pages {
         } else if addr < self.base {
             let words = (self.base - addr).div_ceil(word_span);
             self.holes.splice(0..0, std::iter::repeat_n(0, words));
+            self.moved_out.splice(0..0, std::iter::repeat_n(0, words));
             self.base -= words * word_span;
         }
         let need = (end - self.base).div_ceil(word_span);
         if self.holes.len() < need {
             self.holes.resize(need, 0);
+            self.moved_out.resize(need, 0);
         }
     }
 
@@ -196,6 +204,32 @@ impl Pages {
         }
     }
 
+    /// Marks the pages of `run` as moved away (or not); returns how many of
+    /// them were marked so before.
+    pub(super) fn mark_moved(&mut self, run: Chunk, moved: bool) -> usize {
+        self.cover(run.addr, run.end());
+        let first = self.index(run.addr);
+        let mut was = 0;
+        for p in first..first + (run.size >> self.shift) {
+            let (w, bit) = (p / 64, 1u64 << (p % 64));
+            was += usize::from(self.moved_out[w] & bit != 0);
+            if moved {
+                self.moved_out[w] |= bit;
+            } else {
+                self.moved_out[w] &= !bit;
+            }
+        }
+        was
+    }
+
+    /// How many pages of `run` are holes made by moving memory away.
+    fn moved_in(&self, run: Chunk) -> usize {
+        let first = self.index(run.addr);
+        (first..first + (run.size >> self.shift))
+            .filter(|&p| self.moved_out.get(p / 64).is_some_and(|w| w & (1 << (p % 64)) != 0))
+            .count()
+    }
+
     /// Adds a chunk's new address space (nothing mapped).
     pub(super) fn add_unmapped(&mut self, addr: usize, size: usize) {
         self.mark(Chunk { addr, size }, true);
@@ -262,7 +296,12 @@ impl<U: Upstream> Pool<U> {
             };
             let runs = pages.holes_in(a.addr, a.size);
             let needed: usize = runs.iter().map(|r| r.size >> pages.shift).sum();
-            let want = (pages.mapped + needed).saturating_sub(pages.peak);
+            let mut want = (pages.mapped + needed).saturating_sub(pages.peak);
+            if runs.iter().any(|r| pages.moved_in(*r) > 0) {
+                // The memory of these pages was moved away before: moving
+                // memory back would ping-pong every iteration. Grow.
+                want = 0;
+            }
             let mut spans = Vec::new();
             let mut pending = false;
             if want > 0 {
@@ -315,6 +354,7 @@ impl<U: Upstream> Pool<U> {
         }
         for piece in &unmapped {
             pages.mark(*piece, true);
+            pages.mark_moved(*piece, true);
             pages.mapped -= piece.size >> pages.shift;
         }
         pages.unmap_calls += unmapped.len() as u64;
@@ -322,6 +362,7 @@ impl<U: Upstream> Pool<U> {
             Ok(calls) => {
                 for run in &plan.runs {
                     pages.mapped += pages.mark(*run, false);
+                    pages.mark_moved(*run, false);
                 }
                 pages.map_calls += calls;
                 pages.peak = pages.peak.max(pages.mapped);
