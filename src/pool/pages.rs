@@ -239,6 +239,7 @@ impl Pages {
     /// upstream); returns how many of them were mapped.
     pub(super) fn forget(&mut self, addr: usize, size: usize) -> usize {
         let pages = size >> self.shift;
+        self.mark_moved(Chunk { addr, size }, false);
         let was_holes = self.mark(Chunk { addr, size }, false);
         let mapped = pages - was_holes;
         self.mapped -= mapped;
