@@ -235,12 +235,22 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
     }
     println!();
     println!(
-        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5}",
-        "trace", "target", "ops", "ns/op", "min ns/op", "live MiB", "trace MiB", "reserved MiB", "ratio", "fail"
+        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13}",
+        "trace",
+        "target",
+        "ops",
+        "ns/op",
+        "min ns/op",
+        "live MiB",
+        "trace MiB",
+        "reserved MiB",
+        "ratio",
+        "fail",
+        "map/unmap"
     );
     for r in results {
         println!(
-            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5}",
+            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13}",
             r.trace,
             r.target,
             r.operations,
@@ -250,7 +260,13 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
             mib(r.trace_peak_live),
             r.peak_reserved.map_or_else(|| "n/a".to_string(), mib),
             r.ratio.map_or_else(|| "n/a".to_string(), |x| format!("{x:.3}")),
-            r.failures
+            r.failures,
+            // Driver map and unmap calls in the timed pass (physical
+            // memory moves and growth).
+            match (r.map_calls, r.unmap_calls) {
+                (Some(m), Some(u)) => format!("{m}/{u}"),
+                _ => "n/a".to_string(),
+            }
         );
     }
     // Ratios against the raw driver calls measured in this run.

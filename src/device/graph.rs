@@ -129,6 +129,16 @@ struct State {
     held: HashSet<usize>,
 }
 
+/// Registered captures under way in the process, on any device (a count,
+/// ordering no other memory): while it is non-zero, page remapping waits
+/// for no device (that would synchronise capturing streams).
+static CAPTURES_UNDER_WAY: StaticAtomicU64 = StaticAtomicU64::new(0);
+
+/// Whether a capture registered with cumem is under way on any device.
+pub(crate) fn captures_under_way() -> bool {
+    CAPTURES_UNDER_WAY.load(std::sync::atomic::Ordering::Relaxed) > 0
+}
+
 /// One device's private pools and the captures routed into them.
 pub(super) struct Graphs {
     /// Captures under way (routing is off while 0).
@@ -370,6 +380,7 @@ impl DeviceAllocator {
         }
         lock(&self.graphs.state).captures.push((id, p.clone()));
         self.graphs.active.fetch_add(1, Ordering::AcqRel);
+        CAPTURES_UNDER_WAY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(id)
     }
 
@@ -410,6 +421,7 @@ impl DeviceAllocator {
         p.pool.clear_tags();
         p.capturing.store(false, Ordering::Release);
         self.graphs.active.fetch_sub(1, Ordering::AcqRel);
+        CAPTURES_UNDER_WAY.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         self.release_retired_or_log();
     }
 

@@ -24,6 +24,7 @@ pub use stream::Stream;
 
 pub(crate) use capture::RelaxedCaptureMode;
 pub(crate) use context::driver_err;
+pub(crate) use graph::captures_under_way;
 pub use graph::{GraphPool, GraphStats};
 pub(crate) use peer::{register_mapped, PeerMapped};
 

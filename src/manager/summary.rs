@@ -117,8 +117,9 @@ fn row(out: &mut String, name: &str, s: &PoolStats) {
         "| {name:<16} | {:>11} | {:>11} | {:>11} | {:>11} | {:>7} | {:>7} | {:>11} | {:>9} | {:>9} | {:>5}/{:<5} | {:>5.3} |",
         human_bytes(s.in_use),
         human_bytes(s.peak_in_use),
-        human_bytes(s.reserved),
-        human_bytes(s.peak_reserved),
+        // Physical memory: with page remapping less than the address space.
+        human_bytes(s.mapped),
+        human_bytes(s.peak_mapped),
         s.live_blocks,
         s.free_blocks,
         human_bytes(s.largest_free),

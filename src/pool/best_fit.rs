@@ -37,6 +37,8 @@
 
 use std::collections::BTreeMap;
 
+mod ranked;
+
 use super::free_index::FreeIndex;
 
 use super::stats::PoolStats;
@@ -234,6 +236,11 @@ impl BestFit {
         debug_assert!(size % BLOCK_ALIGN == 0 && size > 0);
         debug_assert!(align.is_power_of_two());
         let slot = self.find(size, align)?;
+        Some(self.allocate_slot(slot, size, align, requested))
+    }
+
+    /// Allocates `size` bytes at `align` from free block `slot`, which fits.
+    fn allocate_slot(&mut self, slot: u32, size: usize, align: usize, requested: usize) -> Allocation {
         self.unindex_free(slot);
         let (addr, bsize, tag) = {
             let b = &self.blocks[slot as usize];
@@ -268,7 +275,7 @@ impl BestFit {
         s.peak_requested = s.peak_requested.max(s.requested);
         s.allocations += 1;
         s.live_blocks += 1;
-        Some(Allocation { addr: start, size, tag })
+        Allocation { addr: start, size, tag }
     }
 
     /// Cuts block `slot` after `keep` bytes; the tail becomes a new free

@@ -1,18 +1,77 @@
-//! How a [`Pool`] grows: planning growth against the size limit, asking
-//! the upstream outside the pool's lock, and giving free tails back to
-//! expandable upstreams.
+//! How a [`Pool`] grows and gives memory back: planning growth against the
+//! size limit, asking the upstream outside the pool's lock, releasing free
+//! chunks, and giving free tails back to expandable upstreams.
 
 use super::{Chunk, Error, Inner, OomState, Pool, Result, Upstream, BLOCK_ALIGN};
+use crate::sync::lock;
 
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
 
 impl<U: Upstream> Pool<U> {
+    /// Flushes every thread's cache, then returns every wholly free chunk
+    /// to the upstream; returns the bytes released.
+    ///
+    /// # Errors
+    /// The first upstream error; chunks it could not return are dropped
+    /// from the pool (leaked), never reused.
+    pub fn release_cached(&self) -> Result<usize> {
+        if let Some(cache) = &self.cache {
+            cache.drain_all(false);
+        }
+        let _remap = self.remap.then(|| lock(&self.remap_lock));
+        let chunks = {
+            let mut inner = self.inner.lock();
+            let chunks = inner.fit.take_free_chunks();
+            inner.fit.stats_mut().upstream_frees += chunks.len() as u64;
+            if self.remap {
+                for (chunk, _) in &chunks {
+                    inner.pages.forget(chunk.addr, chunk.size);
+                }
+            }
+            chunks
+        };
+        let mut released = 0;
+        let mut first_err = None;
+        for (chunk, _) in chunks {
+            match self.upstream.deallocate_chunk(chunk) {
+                Ok(()) => released += chunk.size,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        // With page remapping, free tails are unmapped piece by piece below
+        // (a tail need not end on a piece's edge); their address space stays.
+        if self.upstream.can_extend() && !self.remap {
+            match self.release_free_tails() {
+                Ok(bytes) => released += bytes,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if self.remap {
+            match self.unmap_free_pages() {
+                Ok(bytes) => released += bytes,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(released),
+        }
+    }
+
     /// Decides how to grow for a request of `rounded` bytes; books the
     /// growth against the limit. `Err(true)` when the limit forbids it.
     pub(super) fn plan_growth(&self, inner: &mut Inner, rounded: usize, align: usize) -> Result<Growth, bool> {
-        let gran = self.upstream.granularity().max(BLOCK_ALIGN);
+        // With page remapping, chunks grow by whole pages, so that every
+        // page lies in one chunk.
+        let gran = if self.remap { self.remap_page } else { self.upstream.granularity().max(BLOCK_ALIGN) };
         // Room for alignment padding beyond what the upstream guarantees.
         let need = rounded + align.saturating_sub(gran.min(4096)).min(align);
         let stats = inner.fit.stats();
@@ -61,11 +120,21 @@ impl<U: Upstream> Pool<U> {
     pub(super) fn grow(&self, plan: Growth) -> Result<()> {
         match plan {
             Growth::Extend { chunk, extra, need } => {
-                if self.upstream.try_extend(chunk, extra)? {
+                // With page remapping the pool grows by address space only;
+                // pages are mapped where allocations land (pages.rs).
+                let extended = if self.remap {
+                    self.upstream.try_extend_reserved(chunk, extra)?
+                } else {
+                    self.upstream.try_extend(chunk, extra)?
+                };
+                if extended {
                     let mut inner = self.inner.lock();
                     inner.pending_growth -= extra;
                     let added = inner.fit.extend_chunk(chunk, extra);
                     debug_assert!(added, "the upstream extended a chunk the pool does not hold");
+                    if self.remap {
+                        inner.pages.add_unmapped(chunk.end(), extra);
+                    }
                     inner.fit.stats_mut().upstream_allocs += 1;
                     return Ok(());
                 }
@@ -94,11 +163,19 @@ impl<U: Upstream> Pool<U> {
                 })
             }
             Growth::New { bytes } => {
-                let chunk = self.upstream.allocate_chunk(bytes)?;
+                let chunk = if self.remap {
+                    self.upstream.reserve_chunk(bytes)?
+                } else {
+                    self.upstream.allocate_chunk(bytes)?
+                };
                 let mut inner = self.inner.lock();
                 inner.pending_growth -= bytes;
                 inner.fit.stats_mut().upstream_allocs += 1;
-                if !inner.fit.add_chunk(chunk) {
+                let added = inner.fit.add_chunk(chunk);
+                if added && self.remap {
+                    inner.pages.add_unmapped(chunk.addr, chunk.size);
+                }
+                if !added {
                     drop(inner);
                     // An upstream that hands out misaligned or overlapping
                     // memory is broken; give the chunk back and say so.
@@ -116,7 +193,8 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// Gives the free tails of grown chunks back to an expandable upstream
-    /// (whole granules only); returns the bytes released.
+    /// (whole granules only; not used with page remapping); returns the
+    /// bytes released.
     pub(super) fn release_free_tails(&self) -> Result<usize> {
         let gran = self.upstream.granularity();
         let cuts: Vec<(Chunk, usize)> = {

@@ -21,6 +21,7 @@ mod cache;
 mod classes;
 mod free_index;
 mod growth;
+mod pages;
 mod snapshot;
 mod spin;
 mod stats;
@@ -28,12 +29,13 @@ mod tag;
 
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
+pub use pages::RANK_LIMIT;
 pub use snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use stats::PoolStats;
 pub use tag::StreamTag;
 
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::Arc;
+use crate::sync::{Arc, Mutex};
 use crate::upstream::{Chunk, Upstream};
 use cache::{CacheFree, ThreadCaches};
 use spin::SpinLock;
@@ -126,6 +128,8 @@ struct Inner {
     used: bool,
     /// Overrides `PoolConfig::initial_size` (set before first use).
     initial_size: Option<usize>,
+    /// Which pages have memory mapped (page remapping; `pages.rs`).
+    pages: pages::Pages,
 }
 
 /// A thread-safe best-fit pool over an upstream.
@@ -148,6 +152,14 @@ pub struct Pool<U: Upstream> {
     cache: Option<Arc<ThreadCaches>>,
     upstream: U,
     config: PoolConfig,
+    /// Page remapping is on (`pages.rs`).
+    remap: bool,
+    /// The unit of page remapping: the upstream's granularity, or
+    /// `min_chunk` when that is a larger power of two.
+    remap_page: usize,
+    /// Held across a remap's upstream calls (never with the pool lock
+    /// held while waiting for it): one remap at a time.
+    remap_lock: Mutex<()>,
 }
 
 impl<U: Upstream> std::fmt::Debug for Pool<U> {
@@ -184,10 +196,13 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
 impl<U: Upstream> Pool<U> {
     /// A pool that takes its chunks from `upstream`.
     pub fn new(upstream: U, config: PoolConfig) -> Self {
-        let inner = Arc::new(SpinLock::new(Inner::default()));
+        let remap = config.expandable && !config.keep_chunks && upstream.can_remap();
+        let gran = upstream.granularity().max(BLOCK_ALIGN);
+        let page = if config.min_chunk.is_power_of_two() { gran.max(config.min_chunk) } else { gran };
+        let inner = Arc::new(SpinLock::new(Inner { pages: pages::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
-        Pool { inner, cache, upstream, config }
+        Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock: Mutex::new(()) }
     }
 
     /// The upstream.
@@ -273,14 +288,40 @@ impl<U: Upstream> Pool<U> {
         let mut released_once = false;
         let mut drained = false;
         loop {
+            if self.remap {
+                match self.allocate_remapping(rounded, align, size) {
+                    Ok(Some(a)) => return Ok(a),
+                    Ok(None) => {}
+                    Err(Error::OutOfMemory { .. }) if !released_once => {
+                        // Unmapping free pages is the first step.
+                        released_once = true;
+                        self.count_retry();
+                        self.release_cached()?;
+                        continue;
+                    }
+                    Err(e) => {
+                        let mut inner = self.inner.lock();
+                        inner.fit.stats_mut().failed_allocations += 1;
+                        return Err(match e {
+                            Error::OutOfMemory { state, .. } => self.oom(&inner, size, false, state.upstream),
+                            other => other,
+                        });
+                    }
+                }
+            }
             let plan = {
                 let mut inner = self.inner.lock();
                 if inner.shut_down {
                     return Err(Error::ShutDown("allocation"));
                 }
                 inner.used = true;
-                if let Some(a) = inner.fit.allocate(rounded, align, size) {
-                    return Ok(a);
+                if !self.remap {
+                    if let Some(a) = inner.fit.allocate(rounded, align, size) {
+                        return Ok(a);
+                    }
+                } else if inner.fit.largest_free() >= rounded + align.saturating_sub(BLOCK_ALIGN) {
+                    // Memory was freed since the placement failed.
+                    continue;
                 }
                 // Before the pool grows, the blocks this thread's cache
                 // parked go back and coalesce, so one thread's cache never
@@ -382,6 +423,9 @@ impl<U: Upstream> Pool<U> {
             // as its last block is free.
             if let Some((chunk, _)) = inner.fit.take_free_chunk_at(addr) {
                 inner.fit.stats_mut().upstream_frees += 1;
+                if self.remap {
+                    inner.pages.forget(chunk.addr, chunk.size);
+                }
                 drop(inner);
                 self.upstream.deallocate_chunk(chunk)?;
             }
@@ -436,6 +480,10 @@ impl<U: Upstream> Pool<U> {
             return false;
         }
         let mut inner = self.inner.lock();
+        if self.remap && !inner.pages.clear(addr, rounded) {
+            // The space after the block has no memory mapped.
+            return false;
+        }
         let ok = inner.fit.grow_in_place(addr, rounded);
         if ok {
             inner.fit.set_requested(addr, new_size);
@@ -458,46 +506,6 @@ impl<U: Upstream> Pool<U> {
         ok
     }
 
-    /// Flushes every thread's cache, then returns every wholly free chunk
-    /// to the upstream; returns the bytes released.
-    ///
-    /// # Errors
-    /// The first upstream error; chunks it could not return are dropped
-    /// from the pool (leaked), never reused.
-    pub fn release_cached(&self) -> Result<usize> {
-        if let Some(cache) = &self.cache {
-            cache.drain_all(false);
-        }
-        let chunks = {
-            let mut inner = self.inner.lock();
-            let chunks = inner.fit.take_free_chunks();
-            inner.fit.stats_mut().upstream_frees += chunks.len() as u64;
-            chunks
-        };
-        let mut released = 0;
-        let mut first_err = None;
-        for (chunk, _) in chunks {
-            match self.upstream.deallocate_chunk(chunk) {
-                Ok(()) => released += chunk.size,
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        if self.upstream.can_extend() {
-            match self.release_free_tails() {
-                Ok(bytes) => released += bytes,
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(released),
-        }
-    }
-
     /// Marks every free block as having no pending stream work (see
     /// [`BestFit::clear_tags`]). Blocks parked in thread caches keep their
     /// tags: use it on pools without caches.
@@ -508,7 +516,12 @@ impl<U: Upstream> Pool<U> {
 
     /// Statistics.
     pub fn stats(&self) -> PoolStats {
-        let mut s = self.inner.lock().fit.stats();
+        let mut s = {
+            let inner = self.inner.lock();
+            let mut s = inner.fit.stats();
+            inner.pages.fill_stats(&mut s, self.remap);
+            s
+        };
         if let Some(cache) = &self.cache {
             cache.adjust(&mut s);
         }
@@ -517,7 +530,9 @@ impl<U: Upstream> Pool<U> {
 
     /// Sets every peak to its current value.
     pub fn reset_peaks(&self) {
-        self.inner.lock().fit.stats_mut().reset_peaks();
+        let mut inner = self.inner.lock();
+        inner.fit.stats_mut().reset_peaks();
+        inner.pages.peak = inner.pages.mapped;
     }
 
     /// Runs `f` on the allocator under the lock (tests, summaries).

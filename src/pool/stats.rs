@@ -27,6 +27,19 @@ pub struct PoolStats {
     pub reserved: usize,
     /// The largest `reserved` since creation or the last peak reset.
     pub peak_reserved: usize,
+    /// Bytes of physical memory mapped: what the pool holds from the
+    /// driver. With page remapping (`pages.rs`) it can be less than
+    /// `reserved`, the address space of the chunks; otherwise equal.
+    pub mapped: usize,
+    /// The largest `mapped` since creation or the last peak reset: the
+    /// figure fragmentation is measured by.
+    pub peak_mapped: usize,
+    /// Map calls (one per piece of memory mapped; without remapping, the
+    /// upstream allocations).
+    pub map_calls: u64,
+    /// Unmap calls (one per piece unmapped; without remapping, the upstream
+    /// frees).
+    pub unmap_calls: u64,
     /// Bytes in blocks parked in thread caches: freed by their users, not
     /// yet back in the shared pool (counted neither in `in_use` nor in
     /// `free_blocks`; [`Pool::release_cached`](super::Pool::release_cached)
@@ -77,6 +90,7 @@ impl PoolStats {
         self.peak_in_use = self.in_use;
         self.peak_requested = self.requested;
         self.peak_reserved = self.reserved;
+        self.peak_mapped = self.mapped;
     }
 
     /// Adds another pool's figures to these (for per-device totals).
@@ -87,6 +101,10 @@ impl PoolStats {
         self.peak_requested += o.peak_requested;
         self.reserved += o.reserved;
         self.peak_reserved += o.peak_reserved;
+        self.mapped += o.mapped;
+        self.peak_mapped += o.peak_mapped;
+        self.map_calls += o.map_calls;
+        self.unmap_calls += o.unmap_calls;
         self.cached += o.cached;
         self.live_blocks += o.live_blocks;
         self.free_blocks += o.free_blocks;

@@ -138,6 +138,11 @@ pub struct Measurement {
     pub peak_reserved: Option<usize>,
     /// Allocations that failed (their frees are skipped).
     pub failures: usize,
+    /// Map calls during the timed replay, where the target can tell
+    /// (page remapping and growth: one per piece of memory mapped).
+    pub map_calls: Option<u64>,
+    /// Unmap calls during the timed replay, where the target can tell.
+    pub unmap_calls: Option<u64>,
 }
 
 /// A trace replayed several times through one target.
@@ -165,6 +170,10 @@ pub struct ReplayReport {
     pub ratio: Option<f64>,
     /// Allocations that failed in the last replay.
     pub failures: usize,
+    /// Map calls in the last replay's timed pass.
+    pub map_calls: Option<u64>,
+    /// Unmap calls in the last replay's timed pass.
+    pub unmap_calls: Option<u64>,
 }
 
 /// The median of `values` (0 when empty).
@@ -247,6 +256,8 @@ pub fn replay_with(trace: &Trace, target: Target, base: &Config, repeat: usize, 
         // in thread caches as live, so it is only an upper bound.
         ratio: last.peak_reserved.filter(|_| trace.peak_live > 0).map(|r| r as f64 / trace.peak_live as f64),
         failures: last.failures,
+        map_calls: last.map_calls,
+        unmap_calls: last.unmap_calls,
     })
 }
 
@@ -328,12 +339,16 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool) -> Result<Measurement
             s.synchronize()?;
         }
     }
+    let before = dev.stats().pool;
     let start = Instant::now();
     let failures = pass(&mut ptrs);
     let elapsed_ns = start.elapsed().as_nanos() as u64;
     let stats = dev.stats();
+    let calls = (mode == DeviceAllocatorMode::SyncPool)
+        .then(|| (stats.pool.map_calls - before.map_calls, stats.pool.unmap_calls - before.unmap_calls));
     let (peak_live, peak_reserved) = match mode {
-        DeviceAllocatorMode::SyncPool => (stats.pool.peak_requested, Some(stats.pool.peak_reserved)),
+        // Physical memory: the mapped pages.
+        DeviceAllocatorMode::SyncPool => (stats.pool.peak_requested, Some(stats.pool.peak_mapped)),
         DeviceAllocatorMode::AsyncStreamOrdered => {
             (stats.stream_ordered.peak_in_use, stats.default_pool.map(|a| a.reserved_high as usize))
         }
@@ -346,7 +361,14 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool) -> Result<Measurement
         s.synchronize()?;
     }
     mm.release_cached()?;
-    Ok(Measurement { elapsed_ns, peak_live, peak_reserved, failures })
+    Ok(Measurement {
+        elapsed_ns,
+        peak_live,
+        peak_reserved,
+        failures,
+        map_calls: calls.map(|c| c.0),
+        unmap_calls: calls.map(|c| c.1),
+    })
 }
 
 #[cfg(test)]

@@ -26,9 +26,59 @@ const BASE: usize = 1 << 40;
 /// A simulated address range: chunks are carved from the top; the topmost
 /// chunk can grow and shrink in place. Separate chunks are one granule
 /// apart, so they never touch.
+///
+/// It also models page remapping as CUDA VMM does it: memory is mapped in
+/// pieces (one `cuMemCreate` handle each), a piece is unmapped whole, and
+/// unmapped pieces are mapped again elsewhere before new ones are made.
+/// [`calls`](Self::calls) counts the driver calls a device would make.
 #[derive(Debug)]
 pub struct AddressRange {
     top: Mutex<usize>,
+    vm: Mutex<Mapped>,
+}
+
+/// The driver calls a simulated device would have made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SimCalls {
+    /// `cuMemCreate`: new physical memory.
+    pub creates: u64,
+    /// `cuMemMap`: one per piece mapped.
+    pub maps: u64,
+    /// `cuMemSetAccess`: one per run mapped.
+    pub set_access: u64,
+    /// `cuMemUnmap`: one per piece unmapped.
+    pub unmaps: u64,
+    /// `cuMemRelease`.
+    pub releases: u64,
+    /// Device synchronisations before unmapping pages that queued work may
+    /// still use.
+    pub syncs: u64,
+}
+
+#[derive(Debug, Default)]
+struct Mapped {
+    /// Mapped pieces, address → size.
+    pieces: std::collections::BTreeMap<usize, usize>,
+    /// Sizes of unmapped pieces kept for the next map.
+    spare: Vec<usize>,
+    calls: SimCalls,
+}
+
+impl Mapped {
+    fn release_spare(&mut self) {
+        self.calls.releases += self.spare.len() as u64;
+        self.spare.clear();
+    }
+
+    /// Drops the pieces inside `[addr, addr + size)`.
+    fn unmap_inside(&mut self, addr: usize, size: usize) {
+        let inside: Vec<usize> = self.pieces.range(addr..addr + size).map(|(&a, _)| a).collect();
+        for a in inside {
+            self.pieces.remove(&a);
+            self.calls.unmaps += 1;
+            self.calls.releases += 1;
+        }
+    }
 }
 
 impl Default for AddressRange {
@@ -40,19 +90,51 @@ impl Default for AddressRange {
 impl AddressRange {
     /// An empty range.
     pub fn new() -> Self {
-        AddressRange { top: Mutex::new(BASE) }
+        AddressRange { top: Mutex::new(BASE), vm: Mutex::new(Mapped::default()) }
+    }
+
+    /// The driver calls made so far.
+    pub fn calls(&self) -> SimCalls {
+        lock(&self.vm).calls
+    }
+}
+
+impl AddressRange {
+    fn carve(&self, size: usize) -> Chunk {
+        let mut top = lock(&self.top);
+        let addr = *top + GRANULARITY;
+        *top = addr + size;
+        Chunk { addr, size }
+    }
+
+    fn extend_top(&self, chunk: Chunk, extra: usize) -> bool {
+        let mut top = lock(&self.top);
+        if chunk.end() != *top {
+            return false;
+        }
+        *top += extra;
+        true
+    }
+
+    /// Records one piece mapped with new memory (the plain growth path).
+    fn map_new(&self, addr: usize, size: usize) {
+        let mut vm = lock(&self.vm);
+        vm.pieces.insert(addr, size);
+        vm.calls.creates += 1;
+        vm.calls.maps += 1;
+        vm.calls.set_access += 1;
     }
 }
 
 impl Upstream for AddressRange {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
-        let mut top = lock(&self.top);
-        let addr = *top + GRANULARITY;
-        *top = addr + size;
-        Ok(Chunk { addr, size })
+        let chunk = self.carve(size);
+        self.map_new(chunk.addr, chunk.size);
+        Ok(chunk)
     }
 
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
+        lock(&self.vm).unmap_inside(chunk.addr, chunk.size);
         let mut top = lock(&self.top);
         if chunk.end() == *top {
             *top = chunk.addr - GRANULARITY;
@@ -65,12 +147,11 @@ impl Upstream for AddressRange {
     }
 
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
-        let mut top = lock(&self.top);
-        if chunk.end() != *top {
-            return Ok(false);
+        let extended = self.extend_top(chunk, extra);
+        if extended {
+            self.map_new(chunk.end(), extra);
         }
-        *top += extra;
-        Ok(true)
+        Ok(extended)
     }
 
     fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
@@ -79,7 +160,73 @@ impl Upstream for AddressRange {
             return Ok(false);
         }
         *top -= amount;
+        lock(&self.vm).unmap_inside(chunk.end() - amount, amount);
         Ok(true)
+    }
+
+    fn can_remap(&self) -> bool {
+        true
+    }
+
+    fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
+        Ok(self.carve(size))
+    }
+
+    fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        Ok(self.extend_top(chunk, extra))
+    }
+
+    fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
+        let mut vm = lock(&self.vm);
+        let mut maps = 0;
+        for run in runs {
+            let mut at = run.addr;
+            while at < run.end() {
+                let rem = run.end() - at;
+                let pick = (0..vm.spare.len()).filter(|&i| vm.spare[i] <= rem).max_by_key(|&i| vm.spare[i]);
+                let len = match pick {
+                    Some(i) => vm.spare.swap_remove(i),
+                    None => {
+                        vm.calls.creates += 1;
+                        rem
+                    }
+                };
+                vm.pieces.insert(at, len);
+                vm.calls.maps += 1;
+                maps += 1;
+                at += len;
+            }
+            vm.calls.set_access += 1;
+        }
+        vm.release_spare();
+        Ok(maps)
+    }
+
+    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
+        let mut vm = lock(&self.vm);
+        let pieces: Vec<(usize, usize)> = vm.pieces.iter().map(|(&a, &s)| (a, s)).collect();
+        let spans: Vec<(usize, usize)> = spans.iter().map(|c| (c.addr, c.size)).collect();
+        let chosen = crate::upstream::region::choose_pieces(&pieces, &spans, want);
+        if pending && !chosen.is_empty() {
+            vm.calls.syncs += 1;
+        }
+        let mut out = Vec::with_capacity(chosen.len());
+        for i in chosen {
+            let (addr, size) = pieces[i];
+            vm.pieces.remove(&addr);
+            vm.calls.unmaps += 1;
+            if keep {
+                vm.spare.push(size);
+            } else {
+                vm.calls.releases += 1;
+            }
+            out.push(Chunk { addr, size });
+        }
+        Ok(out)
+    }
+
+    fn release_kept(&self) {
+        lock(&self.vm).release_spare();
     }
 
     fn granularity(&self) -> usize {
@@ -127,11 +274,20 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool) -> Re
             pool.deallocate(std::mem::take(a), StreamTag::NONE)?;
         }
     }
+    let before = pool.upstream().calls();
     let start = Instant::now();
     let failures = pass(&mut addrs);
     let elapsed_ns = start.elapsed().as_nanos() as u64;
+    let after = pool.upstream().calls();
     let stats = pool.stats();
-    Ok(Measurement { elapsed_ns, peak_live: stats.peak_requested, peak_reserved: Some(stats.peak_reserved), failures })
+    Ok(Measurement {
+        elapsed_ns,
+        peak_live: stats.peak_requested,
+        peak_reserved: Some(stats.peak_mapped),
+        failures,
+        map_calls: Some(after.maps - before.maps),
+        unmap_calls: Some(after.unmaps - before.unmaps),
+    })
 }
 
 #[cfg(test)]

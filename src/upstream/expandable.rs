@@ -9,9 +9,9 @@
 
 use super::region::{Region, SharedRegion, VmBackend};
 use super::{Chunk, Upstream};
-use crate::device::{device_context, vmm, RelaxedCaptureMode};
+use crate::device::{captures_under_way, device_context, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::lock;
+use crate::sync::{lock, Mutex};
 
 /// The state both expandable upstreams share: one reserved region.
 #[derive(Debug)]
@@ -20,6 +20,9 @@ struct Expandable {
     base: usize,
     reserved: usize,
     granularity: usize,
+    /// The end (offset) of the address space handed out as chunks with
+    /// nothing mapped ([`Upstream::reserve_chunk`]; page remapping).
+    reserved_top: Mutex<usize>,
 }
 
 impl Expandable {
@@ -29,7 +32,7 @@ impl Expandable {
             let r = lock(&region);
             (r.base(), r.reserved(), r.granularity())
         };
-        Ok(Expandable { base, reserved, granularity, region })
+        Ok(Expandable { base, reserved, granularity, region, reserved_top: Mutex::new(0) })
     }
 
     /// The offset of `chunk` in the region, if it lies inside it.
@@ -92,11 +95,18 @@ impl Expandable {
         let unknown =
             || Error::InvalidState(format!("chunk {:#x}+{} is not mapped by this upstream", chunk.addr, chunk.size));
         let offset = self.offset_of(chunk).ok_or_else(unknown)?;
-        if lock(&self.region).unmap(offset, chunk.size)? {
-            Ok(())
-        } else {
-            Err(unknown())
+        // A chunk of page remapping may hold holes: unmap what is mapped.
+        // Nothing mapped is fine only for address space handed out alone.
+        let mut region = lock(&self.region);
+        let mut top = lock(&self.reserved_top);
+        let mapped = region.unmap_inside(offset, chunk.size)?.ok_or_else(unknown)?;
+        if mapped == 0 && offset + chunk.size > *top {
+            return Err(unknown());
         }
+        if *top == offset + chunk.size {
+            *top = offset;
+        }
+        Ok(())
     }
 
     fn try_extend(&self, chunk: Chunk, extra: usize, kind: PoolKind) -> Result<bool> {
@@ -122,7 +132,87 @@ impl Expandable {
         if amount == 0 || amount >= chunk.size {
             return Ok(false);
         }
-        lock(&self.region).unmap(offset + chunk.size - amount, amount)
+        let end = offset + chunk.size;
+        if lock(&self.region).unmap_inside(end - amount, amount)?.is_none() {
+            return Ok(false);
+        }
+        let mut top = lock(&self.reserved_top);
+        if *top == end {
+            *top = end - amount;
+        }
+        Ok(true)
+    }
+
+    /// Address space for a chunk, above everything mapped or handed out.
+    fn reserve_chunk(&self, size: usize, kind: PoolKind) -> Result<Chunk> {
+        if size == 0 || size % self.granularity != 0 {
+            return Err(Error::InvalidSize { size, reason: "not a positive multiple of the granularity" });
+        }
+        let mapped_end = lock(&self.region).mapped_end();
+        let mut top = lock(&self.reserved_top);
+        let offset = (*top).max(mapped_end);
+        if offset.checked_add(size).is_none_or(|end| end > self.reserved) {
+            let why = format!("the expandable segment's {} B reservation has no room for {size} B", self.reserved);
+            return Err(self.oom(size, why, kind));
+        }
+        *top = offset + size;
+        Ok(Chunk { addr: self.base + offset, size })
+    }
+
+    fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> bool {
+        let Some(offset) = self.offset_of(chunk) else { return false };
+        let mut top = lock(&self.reserved_top);
+        let end = offset + chunk.size;
+        if extra == 0 || extra % self.granularity != 0 || *top != end || end + extra > self.reserved {
+            return false;
+        }
+        *top = end + extra;
+        true
+    }
+
+    fn map_runs(&self, runs: &[Chunk], kind: PoolKind) -> Result<u64> {
+        let mut region = lock(&self.region);
+        let mut calls = 0;
+        for (i, run) in runs.iter().enumerate() {
+            let r = match self.offset_of(*run) {
+                Some(offset) => region.map_run(offset, run.size),
+                None => Err(Error::InvalidState(format!("run {:#x}+{} is outside the segment", run.addr, run.size))),
+            };
+            match r {
+                Ok(n) => calls += n,
+                Err(e) => {
+                    for done in &runs[..i] {
+                        if let Some(offset) = self.offset_of(*done) {
+                            let _ = region.unmap_inside(offset, done.size);
+                        }
+                    }
+                    region.release_spare();
+                    return Err(if vmm::is_out_of_memory(&e) { self.oom(run.size, e.to_string(), kind) } else { e });
+                }
+            }
+        }
+        region.release_spare();
+        Ok(calls)
+    }
+
+    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
+        let offsets: Vec<(usize, usize)> =
+            spans.iter().filter_map(|c| self.offset_of(*c).map(|o| (o, c.size))).collect();
+        let mut region = lock(&self.region);
+        if pending {
+            // Work on a peer's streams may use the memory too.
+            for &peer in region.peers() {
+                if let Some(ctx) = device_context(peer)? {
+                    vmm::synchronize(&ctx)?;
+                }
+            }
+        }
+        let out = region.unmap_within(&offsets, want, pending, keep)?;
+        Ok(out.into_iter().map(|(offset, size)| Chunk { addr: self.base + offset, size }).collect())
+    }
+
+    fn release_kept(&self) {
+        lock(&self.region).release_spare();
     }
 
     fn mapped(&self) -> usize {
@@ -206,6 +296,32 @@ impl Upstream for CudaVmm {
         let _relaxed = RelaxedCaptureMode::enter();
         self.inner.try_shrink(chunk, amount)
     }
+    fn can_remap(&self) -> bool {
+        true
+    }
+    fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
+        self.inner.reserve_chunk(size, PoolKind::Device)
+    }
+    fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        Ok(self.inner.try_extend_reserved(chunk, extra))
+    }
+    fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
+        let _relaxed = RelaxedCaptureMode::enter();
+        self.inner.map_runs(runs, PoolKind::Device)
+    }
+    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
+        // Waiting for the device would break a capture under way: keep the
+        // pages mapped then (the pool grows instead).
+        if pending && captures_under_way() {
+            return Ok(Vec::new());
+        }
+        let _relaxed = RelaxedCaptureMode::enter();
+        self.inner.unmap_within(spans, want, pending, keep)
+    }
+    fn release_kept(&self) {
+        let _relaxed = RelaxedCaptureMode::enter();
+        self.inner.release_kept();
+    }
     fn granularity(&self) -> usize {
         self.inner.granularity
     }
@@ -274,6 +390,26 @@ impl Upstream for HostExpandable {
     }
     fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
         self.inner.try_shrink(chunk, amount)
+    }
+    fn can_remap(&self) -> bool {
+        true
+    }
+    fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
+        self.inner.reserve_chunk(size, PoolKind::Standalone)
+    }
+    fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        Ok(self.inner.try_extend_reserved(chunk, extra))
+    }
+    fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
+        self.inner.map_runs(runs, PoolKind::Standalone)
+    }
+    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
+        // Host queues run their work at once: nothing to wait for.
+        let _ = pending;
+        self.inner.unmap_within(spans, want, false, keep)
+    }
+    fn release_kept(&self) {
+        self.inner.release_kept();
     }
     fn granularity(&self) -> usize {
         self.inner.granularity

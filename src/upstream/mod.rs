@@ -108,6 +108,66 @@ pub trait Upstream: Send + Sync {
     fn device_free(&self) -> Option<usize> {
         None
     }
+
+    /// Whether this upstream can hand out chunks as address space alone
+    /// ([`reserve_chunk`](Upstream::reserve_chunk)) and map and unmap
+    /// memory page by page inside them ([`map_runs`](Upstream::map_runs),
+    /// [`unmap_within`](Upstream::unmap_within)): page remapping, with
+    /// pages of [`granularity`](Upstream::granularity) bytes.
+    fn can_remap(&self) -> bool {
+        false
+    }
+
+    /// Reserves a chunk of `size` bytes (a multiple of the granularity) of
+    /// address space with no memory mapped in it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidState`](crate::Error::InvalidState) when the
+    /// upstream can't remap; out of address space.
+    fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
+        let _ = size;
+        Err(crate::Error::InvalidState(format!("{} can't reserve address space alone", self.name())))
+    }
+
+    /// Extends `chunk`'s address space in place by `extra` bytes, mapping
+    /// nothing. `Ok(false)` when it can't.
+    ///
+    /// # Errors
+    /// An upstream error.
+    fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        let _ = (chunk, extra);
+        Ok(false)
+    }
+
+    /// Maps memory over each run (page-aligned, unmapped, inside chunks of
+    /// this upstream), reusing memory [`unmap_within`](Upstream::unmap_within)
+    /// kept, and gives the device (and its peers) access. Returns the
+    /// number of map calls made. On failure no run stays mapped.
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) or a driver error.
+    fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
+        let _ = runs;
+        Err(crate::Error::InvalidState(format!("{} can't map pages", self.name())))
+    }
+
+    /// Unmaps whole mapped pieces lying inside `spans` (in the order
+    /// given) until at least `want` bytes are unmapped, and returns them.
+    /// With `pending`, work queued on streams may still use the spans:
+    /// the upstream waits for it first, or unmaps nothing when it can't
+    /// wait now. The memory is kept for the next
+    /// [`map_runs`](Upstream::map_runs) (`keep`) or released.
+    ///
+    /// # Errors
+    /// A driver error.
+    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
+        let _ = (spans, want, pending, keep);
+        Ok(Vec::new())
+    }
+
+    /// Releases memory an [`unmap_within`](Upstream::unmap_within) kept
+    /// and no [`map_runs`](Upstream::map_runs) reused.
+    fn release_kept(&self) {}
 }
 
 impl<U: Upstream + ?Sized> Upstream for Box<U> {
@@ -137,5 +197,23 @@ impl<U: Upstream + ?Sized> Upstream for Box<U> {
     }
     fn device_free(&self) -> Option<usize> {
         (**self).device_free()
+    }
+    fn can_remap(&self) -> bool {
+        (**self).can_remap()
+    }
+    fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
+        (**self).reserve_chunk(size)
+    }
+    fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        (**self).try_extend_reserved(chunk, extra)
+    }
+    fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
+        (**self).map_runs(runs)
+    }
+    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
+        (**self).unmap_within(spans, want, pending, keep)
+    }
+    fn release_kept(&self) {
+        (**self).release_kept()
     }
 }

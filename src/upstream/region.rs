@@ -35,6 +35,10 @@ use crate::device::{device_context, driver_status, register_mapped, DriverStatus
 use crate::error::{Error, Result};
 use crate::sync::{lock, Mutex};
 
+mod pages;
+
+pub(crate) use pages::choose_pieces;
+
 /// Where a virtual region's memory lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VmBackend {
@@ -159,6 +163,9 @@ pub(crate) struct Region {
     /// that nobody else takes the addresses growth in place needs. Given
     /// back just before the reservation is extended into it.
     guard: Option<Reservation>,
+    /// Memory unmapped by page remapping and kept for the next map
+    /// (`pages.rs`): `(size, backing)`.
+    spare: Vec<(usize, Backing)>,
 }
 
 /// The guard after a reservation is this many times its size (at least
@@ -193,6 +200,7 @@ impl Region {
             peers: Vec::new(),
             headroom,
             guard: None,
+            spare: Vec::new(),
         };
         let size = region.round(size.max(1))?;
         let res = region.fresh_reservation(size)?;

@@ -1,0 +1,454 @@
+//! Page remapping: physical memory near the peak of live memory.
+//!
+//! # Implementation details
+//!
+//! A pool over an upstream that can remap ([`Upstream::can_remap`]) takes
+//! its chunks as address space alone and keeps a bitmap of the pages of
+//! its chunks that have no memory mapped (*holes*). Physical memory held is
+//! the mapped pages; the address space may be larger.
+//!
+//! - **Placement** ranks mapped space first: among the first
+//!   [`RANK_LIMIT`] candidates in best-fit order, the first whose placement
+//!   touches no hole wins; only when none does is the exact best fit taken
+//!   and its holes mapped. A pool whose mapped set fits its work therefore
+//!   maps nothing: steady-state iterations move nothing.
+//! - **Mapping** happens under the pool's remap lock, never under the pool
+//!   lock: the allocation is undone, the remap lock taken, the placement
+//!   made again, the touched holes mapped (one map call per piece of
+//!   memory, one access call per run), and the allocation kept.
+//! - **Reclaim**: only when mapping would take physical memory above its
+//!   peak, pieces of memory lying wholly in free blocks are unmapped first
+//!   and their memory mapped where it is needed, as many as the excess.
+//!   The largest free blocks give first: best fit takes small blocks
+//!   first, so the largest are the last to be needed again.
+//! - **No ping-pong**: a page whose memory was moved away is filled again
+//!   by new memory, never by another move. A pattern that wants memory in
+//!   two places at different times of an iteration thus settles on
+//!   holding both, and later iterations move nothing.
+//! - **Stream order**: the pages to reclaim are marked holes before the
+//!   pool lock is dropped, so no allocation lands on them while they move;
+//!   when a free block that gives pages carries a stream tag, the upstream
+//!   waits for the device before it unmaps (or unmaps nothing when it
+//!   can't wait now, and the pool grows instead).
+//! - **Out of memory**: [`Pool::release_cached`] unmaps every wholly free
+//!   piece, the first step of the retry ladder.
+//! - Pools with [`PoolConfig::keep_chunks`](super::PoolConfig::keep_chunks)
+//!   never remap (their graphs replay later into free-looking blocks).
+
+use super::{Allocation, Chunk, Error, Inner, Pool, Result, StreamTag, Upstream};
+use crate::sync::lock;
+
+/// How many best-fit candidates placement looks at for one that touches
+/// only mapped pages.
+pub const RANK_LIMIT: usize = 16;
+
+/// Which pages of a remapping pool's chunks have no memory mapped.
+#[derive(Debug, Default)]
+pub(super) struct Pages {
+    shift: u32,
+    /// The address of the first page of bit 0 (aligned to 64 pages).
+    base: usize,
+    /// One bit per page: set for a hole (nothing mapped, or memory moving).
+    holes: Vec<u64>,
+    hole_count: usize,
+    /// One bit per page: a hole made by moving the page's memory away.
+    moved_out: Vec<u64>,
+    /// Pages mapped, and their peak.
+    pub(super) mapped: usize,
+    pub(super) peak: usize,
+    /// Map calls (one per piece mapped) and unmap calls (one per piece).
+    pub(super) map_calls: u64,
+    pub(super) unmap_calls: u64,
+}
+
+impl Pages {
+    pub(super) fn new(page: usize) -> Self {
+        Pages { shift: page.trailing_zeros(), ..Default::default() }
+    }
+
+    pub(super) fn page(&self) -> usize {
+        1 << self.shift
+    }
+
+    fn index(&self, addr: usize) -> usize {
+        (addr - self.base) >> self.shift
+    }
+
+    /// Makes room for the pages of `[addr, end)`. Pages are counted from
+    /// the first chunk's start (chunks lie whole pages apart).
+    fn cover(&mut self, addr: usize, end: usize) {
+        let word_span = 64usize << self.shift;
+        if self.holes.is_empty() {
+            self.base = addr;
+        } else if addr < self.base {
+            let words = (self.base - addr).div_ceil(word_span);
+            self.holes.splice(0..0, std::iter::repeat_n(0, words));
+            self.moved_out.splice(0..0, std::iter::repeat_n(0, words));
+            self.base -= words * word_span;
+        }
+        let need = (end - self.base).div_ceil(word_span);
+        if self.holes.len() < need {
+            self.holes.resize(need, 0);
+            self.moved_out.resize(need, 0);
+        }
+    }
+
+    /// Whether `[addr, addr + size)` touches no hole.
+    #[inline]
+    pub(super) fn clear(&self, addr: usize, size: usize) -> bool {
+        if self.hole_count == 0 || addr < self.base {
+            return true;
+        }
+        let (first, last) = (self.index(addr), self.index(addr + size - 1));
+        if first / 64 == last / 64 {
+            let w = self.holes.get(first / 64).copied().unwrap_or(0);
+            let mask = (u64::MAX >> (63 - (last % 64))) & (u64::MAX << (first % 64));
+            return w & mask == 0;
+        }
+        self.runs(first, last + 1, true).next().is_none()
+    }
+
+    /// The runs `[start, end)` of pages in `[first, end)` that are holes
+    /// (`holes`) or mapped (`!holes`), in order, a word at a time.
+    fn runs(&self, first: usize, end: usize, holes: bool) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let bit = move |p: usize| -> bool {
+            let w = self.holes.get(p / 64).copied().unwrap_or(0);
+            (w >> (p % 64)) & 1 == 1
+        };
+        // The next page at or after `p` (before `end`) whose bit is `want`.
+        let seek = move |mut p: usize, want: bool| -> usize {
+            while p < end {
+                let w = self.holes.get(p / 64).copied().unwrap_or(0);
+                let w = if want { w } else { !w } >> (p % 64);
+                if w != 0 {
+                    return (p + w.trailing_zeros() as usize).min(end);
+                }
+                p = (p / 64 + 1) * 64;
+            }
+            end
+        };
+        let mut p = first;
+        std::iter::from_fn(move || {
+            let start = seek(p, holes);
+            if start >= end {
+                return None;
+            }
+            let stop = seek(start, !holes);
+            debug_assert!(bit(start) == holes);
+            p = stop;
+            Some((start, stop))
+        })
+    }
+
+    fn set(&mut self, page: usize, hole: bool) -> bool {
+        let (w, bit) = (page / 64, 1u64 << (page % 64));
+        let was = self.holes[w] & bit != 0;
+        if hole {
+            self.holes[w] |= bit;
+        } else {
+            self.holes[w] &= !bit;
+        }
+        if was != hole {
+            if hole {
+                self.hole_count += 1;
+            } else {
+                self.hole_count -= 1;
+            }
+        }
+        was
+    }
+
+    fn chunk_of(&self, (start, stop): (usize, usize)) -> Chunk {
+        Chunk { addr: self.base + (start << self.shift), size: (stop - start) << self.shift }
+    }
+
+    /// The runs of holes that `[addr, addr + size)` touches, as page-aligned
+    /// chunks.
+    pub(super) fn holes_in(&self, addr: usize, size: usize) -> Vec<Chunk> {
+        let (first, last) = (self.index(addr), self.index(addr + size - 1));
+        self.runs(first, last + 1, true).map(|r| self.chunk_of(r)).collect()
+    }
+
+    /// The mapped runs of whole pages inside `[addr, addr + size)`.
+    pub(super) fn mapped_inside(&self, addr: usize, size: usize) -> Vec<Chunk> {
+        let page = self.page();
+        let start = (addr - self.base).next_multiple_of(page) >> self.shift;
+        let end = (addr + size - self.base) >> self.shift;
+        if start >= end {
+            return Vec::new();
+        }
+        self.runs(start, end, false).map(|r| self.chunk_of(r)).collect()
+    }
+
+    /// Marks the pages of `run` (page-aligned) holes or not; returns how
+    /// many changed.
+    pub(super) fn mark(&mut self, run: Chunk, hole: bool) -> usize {
+        self.cover(run.addr, run.end());
+        let first = self.index(run.addr);
+        (first..first + (run.size >> self.shift)).filter(|&p| self.set(p, hole) != hole).count()
+    }
+
+    /// Fills in the physical figures of `s`: the mapped pages with
+    /// remapping on, else the chunks (all mapped).
+    pub(super) fn fill_stats(&self, s: &mut super::PoolStats, remap: bool) {
+        if remap {
+            s.mapped = self.mapped << self.shift;
+            s.peak_mapped = self.peak << self.shift;
+            s.map_calls = self.map_calls;
+            s.unmap_calls = self.unmap_calls;
+        } else {
+            s.mapped = s.reserved;
+            s.peak_mapped = s.peak_reserved;
+            s.map_calls = s.upstream_allocs;
+            s.unmap_calls = s.upstream_frees;
+        }
+    }
+
+    /// Marks the pages of `run` as moved away (or not); returns how many of
+    /// them were marked so before.
+    pub(super) fn mark_moved(&mut self, run: Chunk, moved: bool) -> usize {
+        self.cover(run.addr, run.end());
+        let first = self.index(run.addr);
+        let mut was = 0;
+        for p in first..first + (run.size >> self.shift) {
+            let (w, bit) = (p / 64, 1u64 << (p % 64));
+            was += usize::from(self.moved_out[w] & bit != 0);
+            if moved {
+                self.moved_out[w] |= bit;
+            } else {
+                self.moved_out[w] &= !bit;
+            }
+        }
+        was
+    }
+
+    /// How many pages of `run` are holes made by moving memory away.
+    fn moved_in(&self, run: Chunk) -> usize {
+        let first = self.index(run.addr);
+        (first..first + (run.size >> self.shift))
+            .filter(|&p| self.moved_out.get(p / 64).is_some_and(|w| w & (1 << (p % 64)) != 0))
+            .count()
+    }
+
+    /// Adds a chunk's new address space (nothing mapped).
+    pub(super) fn add_unmapped(&mut self, addr: usize, size: usize) {
+        self.mark(Chunk { addr, size }, true);
+    }
+
+    /// Forgets the pages of `[addr, addr + size)` (given back to the
+    /// upstream); returns how many of them were mapped.
+    pub(super) fn forget(&mut self, addr: usize, size: usize) -> usize {
+        let pages = size >> self.shift;
+        self.mark_moved(Chunk { addr, size }, false);
+        let was_holes = self.mark(Chunk { addr, size }, false);
+        let mapped = pages - was_holes;
+        self.mapped -= mapped;
+        mapped
+    }
+}
+
+/// The work one remap step does outside the pool lock.
+struct Plan {
+    alloc: Allocation,
+    runs: Vec<Chunk>,
+    spans: Vec<Chunk>,
+    want: usize,
+    pending: bool,
+}
+
+impl<U: Upstream> Pool<U> {
+    /// Allocates from the shared pool with page remapping: mapped space
+    /// first; holes the placement touches are mapped under the remap lock.
+    /// `Ok(None)` when no free block fits (the caller grows the pool).
+    #[inline]
+    pub(super) fn allocate_remapping(&self, rounded: usize, align: usize, size: usize) -> Result<Option<Allocation>> {
+        {
+            let mut inner = self.inner.lock();
+            if inner.shut_down {
+                return Err(Error::ShutDown("allocation"));
+            }
+            inner.used = true;
+            let Inner { fit, pages, .. } = &mut *inner;
+            match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
+                None => return Ok(None),
+                Some((a, true)) => return Ok(Some(a)),
+                Some((a, false)) => fit.undo_allocate(&a),
+            }
+        }
+        self.map_for(rounded, align, size)
+    }
+
+    /// The slow path of [`allocate_remapping`](Self::allocate_remapping):
+    /// under the remap lock, place again and map the holes the placement
+    /// touches.
+    #[cold]
+    fn map_for(&self, rounded: usize, align: usize, size: usize) -> Result<Option<Allocation>> {
+        let _remap = lock(&self.remap_lock);
+        let plan = {
+            let mut inner = self.inner.lock();
+            if inner.shut_down {
+                return Err(Error::ShutDown("allocation"));
+            }
+            let Inner { fit, pages, .. } = &mut *inner;
+            let a = match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
+                None => return Ok(None),
+                Some((a, true)) => return Ok(Some(a)),
+                Some((a, false)) => a,
+            };
+            let runs = pages.holes_in(a.addr, a.size);
+            let needed: usize = runs.iter().map(|r| r.size >> pages.shift).sum();
+            let mut want = (pages.mapped + needed).saturating_sub(pages.peak);
+            if runs.iter().any(|r| pages.moved_in(*r) > 0) {
+                // The memory of these pages was moved away before: moving
+                // memory back would ping-pong every iteration. Grow.
+                want = 0;
+            }
+            let mut spans = Vec::new();
+            let mut pending = false;
+            if want > 0 {
+                // Offer twice the excess: only whole pieces inside the
+                // spans can move.
+                let mut offered = 0;
+                for (addr, bsize, tag) in fit.free_blocks_largest_first(pages.page()) {
+                    if offered >= 2 * want {
+                        break;
+                    }
+                    for span in pages.mapped_inside(addr, bsize) {
+                        offered += span.size >> pages.shift;
+                        pending |= tag != StreamTag::NONE;
+                        spans.push(span);
+                    }
+                }
+                for span in &spans {
+                    // Holes while they may move: no allocation lands there.
+                    pages.mark(*span, true);
+                }
+            }
+            Plan { alloc: a, runs, spans, want: want << pages.shift, pending }
+        };
+        self.carry_out(plan).map(Some)
+    }
+
+    /// Unmaps what `plan` reclaims and maps its runs (no pool lock held),
+    /// then records the result.
+    fn carry_out(&self, plan: Plan) -> Result<Allocation> {
+        let unmapped = if plan.spans.is_empty() {
+            Ok(Vec::new())
+        } else {
+            self.upstream.unmap_within(&plan.spans, plan.want, plan.pending, true)
+        };
+        let (unmapped, unmap_err) = match unmapped {
+            Ok(v) => (v, None),
+            Err(e) => (Vec::new(), Some(e)),
+        };
+        let mapped = match unmap_err {
+            Some(e) => Err(e),
+            None => self.upstream.map_runs(&plan.runs),
+        };
+        if mapped.is_err() {
+            self.upstream.release_kept();
+        }
+        let mut inner = self.inner.lock();
+        let Inner { fit, pages, .. } = &mut *inner;
+        for span in &plan.spans {
+            pages.mark(*span, false);
+        }
+        for piece in &unmapped {
+            pages.mark(*piece, true);
+            pages.mark_moved(*piece, true);
+            pages.mapped -= piece.size >> pages.shift;
+        }
+        pages.unmap_calls += unmapped.len() as u64;
+        match mapped {
+            Ok(calls) => {
+                for run in &plan.runs {
+                    pages.mapped += pages.mark(*run, false);
+                    pages.mark_moved(*run, false);
+                }
+                pages.map_calls += calls;
+                pages.peak = pages.peak.max(pages.mapped);
+                Ok(plan.alloc)
+            }
+            Err(e) => {
+                fit.undo_allocate(&plan.alloc);
+                Err(e)
+            }
+        }
+    }
+
+    /// Unmaps every wholly free piece of memory (release and out-of-memory
+    /// paths; the caller holds the remap lock); returns the bytes unmapped.
+    pub(super) fn unmap_free_pages(&self) -> Result<usize> {
+        let (spans, pending) = {
+            let mut inner = self.inner.lock();
+            let Inner { fit, pages, .. } = &mut *inner;
+            let mut spans = Vec::new();
+            let mut pending = false;
+            for (addr, bsize, tag) in fit.free_blocks_largest_first(pages.page()) {
+                for span in pages.mapped_inside(addr, bsize) {
+                    pending |= tag != StreamTag::NONE;
+                    spans.push(span);
+                }
+            }
+            for span in &spans {
+                pages.mark(*span, true);
+            }
+            (spans, pending)
+        };
+        if spans.is_empty() {
+            return Ok(0);
+        }
+        let r = self.upstream.unmap_within(&spans, usize::MAX, pending, false);
+        let mut inner = self.inner.lock();
+        let pages = &mut inner.pages;
+        for span in &spans {
+            pages.mark(*span, false);
+        }
+        let unmapped = r.as_ref().map_or(&[][..], |v| &v[..]);
+        let mut bytes = 0;
+        for piece in unmapped {
+            pages.mark(*piece, true);
+            pages.mapped -= piece.size >> pages.shift;
+            bytes += piece.size;
+        }
+        pages.unmap_calls += unmapped.len() as u64;
+        r.map(|_| bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_runs_match_a_page_by_page_walk() {
+        let page = 4096;
+        let mut p = Pages::new(page);
+        let base = 1 << 30;
+        p.add_unmapped(base, 300 * page);
+        // Map a pattern that crosses word edges.
+        let mut mapped = vec![false; 300];
+        let mut x = 12345u64;
+        for _ in 0..60 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let start = (x % 290) as usize;
+            let len = 1 + (x >> 20) as usize % 9;
+            p.mark(Chunk { addr: base + start * page, size: len * page }, false);
+            mapped[start..start + len].iter_mut().for_each(|m| *m = true);
+        }
+        for (start, len) in [(0, 300), (63, 2), (1, 64), (100, 130), (299, 1)] {
+            let addr = base + start * page + 256;
+            let size = len * page - 512;
+            let want_holes: usize = (start..start + len).filter(|&i| !mapped[i]).count();
+            let got: usize = p.holes_in(addr, size).iter().map(|c| c.size / page).sum();
+            assert_eq!(got, want_holes, "holes in {start}+{len}");
+            assert_eq!(p.clear(addr, size), want_holes == 0, "clear {start}+{len}");
+            // Whole pages inside: the first and last are cut by the 256 B.
+            let inner = (start + 1..start + len - 1).filter(|&i| mapped[i]).count();
+            let got: usize = p.mapped_inside(addr, size).iter().map(|c| c.size / page).sum();
+            assert_eq!(got, inner, "mapped inside {start}+{len}");
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! Page remapping inside a region: mapping runs of pages with memory that
+//! was unmapped elsewhere (no new allocation), and unmapping whole pieces
+//! that lie in free space.
+//!
+//! # Implementation details
+//! A piece is unmapped whole, as it was mapped (the driver can't unmap
+//! part of a mapping). Its memory (on CUDA, the `cuMemCreate` handle) goes
+//! to `spare` when the caller moves it, and the next [`Region::map_run`]
+//! maps spares of at most the run's remaining size (largest first) before
+//! it allocates new memory for the rest. Each piece is one `cuMemMap`; the
+//! whole run gets one `cuMemSetAccess` for the owner and every granted
+//! peer, so remapped memory is reachable from the same devices as the rest
+//! of the region.
+
+use super::{Backing, Piece, Region, Reservation};
+use crate::device::vmm::PhysicalChunk;
+use crate::error::{Error, Result};
+
+impl Region {
+    /// Maps memory over `[offset, offset + size)` (granularity multiples,
+    /// unmapped, inside one segment): spares first, new memory for the
+    /// rest. Returns the number of map calls. On failure nothing new stays
+    /// mapped (spares used go back to the spares).
+    pub(crate) fn map_run(&mut self, offset: usize, size: usize) -> Result<u64> {
+        let gran = self.granularity();
+        let end = offset.checked_add(size).filter(|e| *e <= self.reserved() && size > 0);
+        let Some(end) = end.filter(|_| offset % gran == 0 && size % gran == 0) else {
+            return Err(Error::InvalidState(format!("can't map a run of {size} B at offset {offset}")));
+        };
+        let s = self.segment_of(offset);
+        let seg_off = self.segments[s].offset;
+        if seg_off + self.segments[s].res.size() < end {
+            // Runs crossing reservations (only growable buffers have
+            // several) go through the plain path.
+            self.map(offset, size)?;
+            return Ok(1);
+        }
+        let at = self.pieces.partition_point(|p| p.offset < offset);
+        let overlaps_prev = at > 0 && self.pieces[at - 1].offset + self.pieces[at - 1].size > offset;
+        if overlaps_prev || self.pieces.get(at).is_some_and(|p| p.offset < end) {
+            return Err(Error::InvalidState(format!("offset {offset} (+{size} B) is already mapped")));
+        }
+        let mut new: Vec<Piece> = Vec::new();
+        let mut cursor = offset;
+        let mut failure = None;
+        while cursor < end {
+            let rem = end - cursor;
+            let pick = (0..self.spare.len()).filter(|&i| self.spare[i].0 <= rem).max_by_key(|&i| self.spare[i].0);
+            let (len, backing) = match pick {
+                Some(i) => self.spare.swap_remove(i),
+                None => match self.new_backing(rem) {
+                    Ok(b) => (rem, b),
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                },
+            };
+            let piece = Piece { offset: cursor, size: len, backing };
+            if let Err(e) = self.map_backing(&piece, cursor - seg_off) {
+                self.spare.push((piece.size, piece.backing));
+                failure = Some(e);
+                break;
+            }
+            cursor += len;
+            new.push(piece);
+        }
+        if failure.is_none() {
+            if let Reservation::Cuda(range) = &self.segments[s].res {
+                failure = range.set_access(offset - seg_off, size, &self.peers).err();
+            }
+        }
+        let calls = new.len() as u64;
+        if let Some(e) = failure {
+            for piece in new {
+                self.unmap_piece(&piece);
+                self.spare.push((piece.size, piece.backing));
+            }
+            return Err(e);
+        }
+        self.pieces.splice(at..at, new);
+        Ok(calls)
+    }
+
+    fn new_backing(&self, size: usize) -> Result<Backing> {
+        match &self.space {
+            super::Space::Cuda { ctx, .. } => Ok(Backing::Cuda(PhysicalChunk::create(ctx, size)?)),
+            super::Space::Host { .. } => Ok(Backing::Host),
+        }
+    }
+
+    /// Maps one piece's memory at `seg_offset` of its segment (no access
+    /// set yet on CUDA; committed on the host).
+    fn map_backing(&self, piece: &Piece, seg_offset: usize) -> Result<()> {
+        let seg = &self.segments[self.segment_of(piece.offset)];
+        match (&seg.res, &piece.backing) {
+            (Reservation::Cuda(range), Backing::Cuda(chunk)) => range.map(seg_offset, chunk),
+            (Reservation::Host(range), Backing::Host) => range.commit(seg_offset, piece.size),
+            _ => super::unreachable_backing(),
+        }
+    }
+
+    /// Unmaps whole pieces lying inside the spans `(offset, size)`, in the
+    /// order given, until at least `want` bytes are unmapped; returns them
+    /// as `(offset, size)`. Within a span, pieces no larger than what is
+    /// still wanted go first. With `sync`, waits for the device first.
+    /// With `keep`, their memory becomes spare for [`map_run`](Self::map_run);
+    /// else it is released.
+    pub(crate) fn unmap_within(
+        &mut self,
+        spans: &[(usize, usize)],
+        want: usize,
+        sync: bool,
+        keep: bool,
+    ) -> Result<Vec<(usize, usize)>> {
+        let bounds: Vec<(usize, usize)> = self.pieces.iter().map(|p| (p.offset, p.size)).collect();
+        let mut chosen = choose_pieces(&bounds, spans, want);
+        if chosen.is_empty() {
+            return Ok(Vec::new());
+        }
+        if sync {
+            self.synchronize()?;
+        }
+        chosen.sort_unstable();
+        let mut out = Vec::with_capacity(chosen.len());
+        for i in chosen.into_iter().rev() {
+            let piece = self.pieces.remove(i);
+            self.unmap_piece(&piece);
+            out.push((piece.offset, piece.size));
+            if keep {
+                self.spare.push((piece.size, piece.backing));
+            }
+        }
+        out.reverse();
+        Ok(out)
+    }
+
+    /// Unmaps and releases every piece inside `[offset, offset + size)`
+    /// after waiting for the device; returns the bytes unmapped. Nothing
+    /// changes when a piece crosses the span's edge.
+    pub(crate) fn unmap_inside(&mut self, offset: usize, size: usize) -> Result<Option<usize>> {
+        let end = offset.saturating_add(size);
+        let first = self.pieces.partition_point(|p| p.offset < offset);
+        let last = self.pieces.partition_point(|p| p.offset < end);
+        let cut_before = first > 0 && self.pieces[first - 1].offset + self.pieces[first - 1].size > offset;
+        let cut_after = last > first && self.pieces[last - 1].offset + self.pieces[last - 1].size > end;
+        if cut_before || cut_after || size == 0 {
+            return Ok(None);
+        }
+        if last > first {
+            self.synchronize()?;
+        }
+        let removed: Vec<Piece> = self.pieces.drain(first..last).collect();
+        let mut bytes = 0;
+        for piece in &removed {
+            self.unmap_piece(piece);
+            bytes += piece.size;
+        }
+        Ok(Some(bytes))
+    }
+
+    /// Releases the spare memory (`cuMemRelease` on CUDA).
+    pub(crate) fn release_spare(&mut self) {
+        self.spare.clear();
+    }
+}
+
+/// Which of `pieces` (`(offset, size)`, sorted, disjoint) to unmap: whole
+/// pieces inside the spans, span by span in the order given, until at
+/// least `want` bytes; within a span the pieces no larger than what is
+/// still wanted go first (largest first), then the smallest of the rest.
+/// Returns indices into `pieces`.
+pub(crate) fn choose_pieces(pieces: &[(usize, usize)], spans: &[(usize, usize)], want: usize) -> Vec<usize> {
+    let mut chosen = Vec::new();
+    let mut got = 0usize;
+    for &(start, len) in spans {
+        if got >= want {
+            break;
+        }
+        let end = start.saturating_add(len);
+        let first = pieces.partition_point(|p| p.0 < start);
+        let last = pieces.partition_point(|p| p.0 < end);
+        let mut inside: Vec<usize> = (first..last).filter(|&i| pieces[i].0 + pieces[i].1 <= end).collect();
+        inside.sort_by_key(|&i| {
+            let size = pieces[i].1;
+            if size <= want - got {
+                (0, usize::MAX - size)
+            } else {
+                (1, size)
+            }
+        });
+        for i in inside {
+            if got >= want {
+                break;
+            }
+            got += pieces[i].1;
+            chosen.push(i);
+        }
+    }
+    chosen
+}

@@ -1,0 +1,394 @@
+//! A randomized model check of page remapping (issue 14): a pool over a
+//! model upstream that maps and unmaps pieces of pages and records which
+//! streams' queued work may still use each page.
+//!
+//! Checked after every step (and by the upstream at every unmap):
+//! - no live block ever sits on an unmapped page;
+//! - no page is unmapped while queued work may use it (a block freed on a
+//!   stream whose work has not completed), unless the pool asked the
+//!   upstream to wait for that work first;
+//! - the pool's count of mapped bytes is the upstream's;
+//! - every map targets unmapped pages inside the pool's chunks.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use cumem::pool::{Pool, PoolConfig, StreamTag};
+use cumem::upstream::{Chunk, Upstream};
+use cumem::{PoolKind, Result};
+
+const PAGE: usize = 64 << 10;
+const BASE: usize = 1 << 36;
+
+/// The model device: address space carved from `top`, mapped pieces, and
+/// for each page the last queued work on it (stream, sequence number).
+#[derive(Default)]
+struct World {
+    top: usize,
+    pieces: BTreeMap<usize, usize>,
+    spare: Vec<usize>,
+    /// Pages with work that may still be queued: page → (stream, seq).
+    queued: HashMap<usize, (u64, u64)>,
+    /// Per stream, the sequence number up to which work is complete.
+    complete: HashMap<u64, u64>,
+    /// Blocks the test holds (a subset of the pool's live blocks).
+    live: BTreeMap<usize, usize>,
+    violations: Vec<String>,
+    maps: u64,
+    unmaps: u64,
+    syncs: u64,
+}
+
+impl World {
+    fn mapped(&self, page: usize) -> bool {
+        match self.pieces.range(..=page).next_back() {
+            Some((&a, &s)) => page < a + s,
+            None => false,
+        }
+    }
+
+    fn mapped_bytes(&self) -> usize {
+        self.pieces.values().sum()
+    }
+
+    fn pages(addr: usize, size: usize) -> impl Iterator<Item = usize> {
+        (addr / PAGE * PAGE..addr + size).step_by(PAGE)
+    }
+
+    /// Every queued work completes (a device synchronisation).
+    fn sync(&mut self) {
+        self.syncs += 1;
+        self.queued.clear();
+        for v in self.complete.values_mut() {
+            *v = u64::MAX;
+        }
+    }
+
+    fn unmap_piece(&mut self, addr: usize, size: usize, pending: bool) {
+        for page in Self::pages(addr, size) {
+            if let Some(&(s, seq)) = self.queued.get(&page) {
+                let done = self.complete.get(&s).copied().unwrap_or(0) >= seq;
+                if !done && !pending {
+                    self.violations.push(format!("page {page:#x} unmapped while work {s}/{seq} may use it"));
+                }
+            }
+            for (&a, &s) in self.live.range(..page + PAGE) {
+                if a + s > page {
+                    self.violations.push(format!("page {page:#x} of live block {a:#x}+{s} unmapped"));
+                }
+            }
+        }
+        self.pieces.remove(&addr);
+        self.unmaps += 1;
+    }
+}
+
+#[derive(Clone, Default)]
+struct Model(Arc<Mutex<World>>);
+
+impl Model {
+    fn world(&self) -> std::sync::MutexGuard<'_, World> {
+        self.0.lock().unwrap()
+    }
+}
+
+impl Upstream for Model {
+    fn allocate_chunk(&self, _size: usize) -> Result<Chunk> {
+        Err(cumem::Error::InvalidState("the model only remaps".into()))
+    }
+    fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
+        let mut w = self.world();
+        let inside: Vec<(usize, usize)> = w.pieces.range(chunk.addr..chunk.end()).map(|(&a, &s)| (a, s)).collect();
+        if !inside.is_empty() {
+            w.sync();
+        }
+        for (a, s) in inside {
+            w.unmap_piece(a, s, true);
+        }
+        if w.top == chunk.end() {
+            w.top = chunk.addr;
+        }
+        Ok(())
+    }
+    fn can_extend(&self) -> bool {
+        true
+    }
+    fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
+        self.deallocate_chunk(Chunk { addr: chunk.end() - amount, size: amount })?;
+        Ok(true)
+    }
+    fn granularity(&self) -> usize {
+        PAGE
+    }
+    fn name(&self) -> &'static str {
+        "model"
+    }
+    fn host_accessible(&self) -> bool {
+        false
+    }
+    fn can_remap(&self) -> bool {
+        true
+    }
+    fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
+        let mut w = self.world();
+        let addr = BASE.max(w.top);
+        w.top = addr + size;
+        Ok(Chunk { addr, size })
+    }
+    fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        let mut w = self.world();
+        if w.top != chunk.end() {
+            return Ok(false);
+        }
+        w.top += extra;
+        Ok(true)
+    }
+    fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
+        let mut w = self.world();
+        let mut calls = 0;
+        for run in runs {
+            assert!(run.addr % PAGE == 0 && run.size % PAGE == 0, "unaligned run {run:?}");
+            let mut at = run.addr;
+            while at < run.end() {
+                if w.mapped(at) {
+                    w.violations.push(format!("page {at:#x} mapped twice"));
+                }
+                if at >= w.top || at < BASE {
+                    w.violations.push(format!("page {at:#x} mapped outside the chunks"));
+                }
+                let rem = run.end() - at;
+                let pick = (0..w.spare.len()).filter(|&i| w.spare[i] <= rem).max_by_key(|&i| w.spare[i]);
+                let len = pick.map_or(rem, |i| w.spare.swap_remove(i));
+                w.pieces.insert(at, len);
+                w.maps += 1;
+                calls += 1;
+                at += len;
+            }
+        }
+        w.spare.clear();
+        Ok(calls)
+    }
+    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
+        let mut w = self.world();
+        let mut out = Vec::new();
+        let mut got = 0;
+        let mut synced = false;
+        for span in spans {
+            let inside: Vec<(usize, usize)> = w
+                .pieces
+                .range(span.addr..span.end())
+                .filter(|(&a, &s)| a + s <= span.end())
+                .map(|(&a, &s)| (a, s))
+                .collect();
+            for (a, s) in inside {
+                if got >= want {
+                    break;
+                }
+                if pending && !synced {
+                    w.sync();
+                    synced = true;
+                }
+                w.unmap_piece(a, s, false);
+                if keep {
+                    w.spare.push(s);
+                }
+                got += s;
+                out.push(Chunk { addr: a, size: s });
+            }
+        }
+        Ok(out)
+    }
+    fn release_kept(&self) {
+        self.world().spare.clear();
+    }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn pool(model: &Model) -> Pool<Model> {
+    let mut pc = PoolConfig::new(PoolKind::Standalone);
+    pc.thread_cache = false;
+    pc.min_chunk = PAGE;
+    Pool::new(model.clone(), pc)
+}
+
+fn check(model: &Model, pool: &Pool<Model>, step: usize) {
+    let w = model.world();
+    assert!(w.violations.is_empty(), "step {step}: {:?}", w.violations);
+    for (&a, &s) in &w.live {
+        for page in World::pages(a, s) {
+            assert!(w.mapped(page), "step {step}: live block {a:#x}+{s} on unmapped page {page:#x}");
+        }
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.mapped, w.mapped_bytes(), "step {step}: the pool's mapped bytes drifted");
+    assert!(stats.peak_mapped >= stats.mapped);
+    pool.with_fit(|f| f.check_invariants()).unwrap_or_else(|e| panic!("step {step}: {e}"));
+}
+
+fn run_seed(seed: u64, steps: usize) {
+    let model = Model::default();
+    let pool = pool(&model);
+    let mut rng = Rng(seed | 1);
+    let mut seqs: HashMap<u64, u64> = HashMap::new();
+    let mut held: Vec<(usize, usize)> = Vec::new();
+    for step in 0..steps {
+        let r = rng.below(100);
+        if r < 50 || held.is_empty() {
+            // Sizes from 256 B to about 1 MiB, log-uniform, some large.
+            let size = if rng.below(20) == 0 {
+                (1 + rng.below(8) as usize) * PAGE * 3 + 256
+            } else {
+                256usize << rng.below(12)
+            };
+            let a = pool.allocate(size, 256).expect("the model never runs out of memory");
+            let mut w = model.world();
+            w.live.insert(a.addr, a.size);
+            // Work queued on a stream that reuses the block orders itself
+            // after the tag's work; the model only tracks work until frees.
+            drop(w);
+            held.push((a.addr, a.size));
+        } else if r < 95 {
+            let i = rng.below(held.len() as u64) as usize;
+            let (addr, size) = held.swap_remove(i);
+            let stream = rng.below(4);
+            let tag = if stream == 0 {
+                StreamTag::NONE
+            } else {
+                let seq = seqs.entry(stream).or_default();
+                *seq += 1;
+                StreamTag { stream, seq: *seq }
+            };
+            {
+                let mut w = model.world();
+                w.live.remove(&addr);
+                if tag != StreamTag::NONE {
+                    // The block's last use is work queued on the stream.
+                    for page in World::pages(addr, size) {
+                        w.queued.insert(page, (tag.stream, tag.seq));
+                    }
+                }
+            }
+            pool.deallocate(addr, tag).unwrap();
+        } else if r < 98 {
+            // Some stream's work completes.
+            let stream = 1 + rng.below(3);
+            let upto = seqs.get(&stream).copied().unwrap_or(0);
+            model.world().complete.insert(stream, upto);
+        } else {
+            // The release path (also the first step on out of memory).
+            model.world().sync();
+            pool.release_cached().unwrap();
+        }
+        check(&model, &pool, step);
+    }
+    let w = model.world();
+    assert!(w.maps > 0, "seed {seed}: nothing was ever mapped");
+    assert!(w.unmaps > 0, "seed {seed}: no page ever moved, the check saw nothing");
+}
+
+#[test]
+fn random_remaps_keep_live_blocks_mapped_and_stream_order() {
+    for seed in [1u64, 2, 3, 5, 8, 13, 21, 34] {
+        run_seed(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), 4000);
+    }
+}
+
+#[test]
+fn free_pages_move_to_where_memory_is_needed() {
+    // 32 blocks of 4 pages; every other one freed on a stream (its work
+    // may still run), a small long-lived block in the first hole; then one
+    // block of 60 pages, which fits in no hole: the range grows, but the
+    // holes' memory moves there instead of new memory.
+    let model = Model::default();
+    let pool = pool(&model);
+    let blocks: Vec<_> = (0..32).map(|_| pool.allocate(4 * PAGE, 256).unwrap()).collect();
+    assert_eq!(pool.stats().mapped, 128 * PAGE);
+    for (i, b) in blocks.iter().enumerate().filter(|(i, _)| i % 2 == 1) {
+        pool.deallocate(b.addr, StreamTag { stream: 1, seq: i as u64 }).unwrap();
+    }
+    let pin = pool.allocate(PAGE / 4, 256).unwrap();
+    let big = pool.allocate(60 * PAGE, 256).unwrap();
+    let s = pool.stats();
+    assert!(s.reserved >= 184 * PAGE, "the address space grew: {}", s.reserved / PAGE);
+    assert!(s.peak_mapped <= 129 * PAGE, "physical peak {} pages, expected at most 129", s.peak_mapped / PAGE);
+    assert!(s.unmap_calls >= 14, "{} unmap calls", s.unmap_calls);
+    let w = model.world();
+    assert!(w.syncs > 0, "pages freed on a stream moved without waiting for it");
+    assert!(w.violations.is_empty(), "{:?}", w.violations);
+    drop(w);
+    check(&model, &pool, 0);
+    // Steady state: the same requests again move nothing.
+    pool.deallocate(big.addr, StreamTag::NONE).unwrap();
+    let before = pool.stats();
+    let again = pool.allocate(60 * PAGE, 256).unwrap();
+    let after = pool.stats();
+    assert_eq!(after.map_calls, before.map_calls, "a repeated request mapped memory");
+    assert_eq!(after.unmap_calls, before.unmap_calls, "a repeated request unmapped memory");
+    for a in [again.addr, pin.addr] {
+        pool.deallocate(a, StreamTag::NONE).unwrap();
+    }
+}
+
+#[test]
+fn threads_never_see_an_unmapped_page() {
+    let model = Model::default();
+    let pool = Arc::new(pool(&model));
+    let handles: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (pool, model) = (pool.clone(), model.clone());
+            std::thread::spawn(move || {
+                let mut rng = Rng((t + 1) * 0x2545_F491_4F6C_DD1D);
+                let mut held: Vec<(usize, usize)> = Vec::new();
+                let mut seq = 0;
+                for _ in 0..3000 {
+                    if rng.below(2) == 0 || held.is_empty() {
+                        let size = 256usize << rng.below(13);
+                        let a = pool.allocate(size, 256).unwrap();
+                        let mut w = model.world();
+                        for page in World::pages(a.addr, a.size) {
+                            assert!(w.mapped(page), "thread {t}: fresh block on unmapped page {page:#x}");
+                        }
+                        w.live.insert(a.addr, a.size);
+                        held.push((a.addr, a.size));
+                    } else {
+                        let i = rng.below(held.len() as u64) as usize;
+                        let (addr, size) = held.swap_remove(i);
+                        seq += 1;
+                        let tag = StreamTag { stream: 10 + t, seq };
+                        {
+                            let mut w = model.world();
+                            w.live.remove(&addr);
+                            for page in World::pages(addr, size) {
+                                w.queued.insert(page, (tag.stream, tag.seq));
+                            }
+                        }
+                        pool.deallocate(addr, tag).unwrap();
+                    }
+                }
+                held
+            })
+        })
+        .collect();
+    let mut seen = HashSet::new();
+    for h in handles {
+        for (addr, _) in h.join().unwrap() {
+            assert!(seen.insert(addr), "two threads hold the block at {addr:#x}");
+        }
+    }
+    let w = model.world();
+    assert!(w.violations.is_empty(), "{:?}", w.violations);
+    assert_eq!(pool.stats().mapped, w.mapped_bytes());
+}
