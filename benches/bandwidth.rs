@@ -134,7 +134,7 @@ fn main() -> Result<(), cumem::Error> {
     let defaults = MemoryManager::set_staging(0, 0);
     println!();
     println!(
-        "staged copies by lanes (helper threads; largest chunk {} KiB; default lanes {}):",
+        "staged copies by lanes (most helper threads, one per 2 MiB; largest chunk {} KiB; default lanes {}):",
         defaults.0 >> 10,
         defaults.1
     );

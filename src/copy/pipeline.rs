@@ -25,9 +25,9 @@
 //! Nobody sleeps on a lock while a copy is in flight: helpers and the
 //! caller wait by spinning on atomics ([`Waiter`]), then yielding, then
 //! sleeping briefly for long waits (work queued on the stream before the
-//! copy). While it has no driver work to do at the very start (to device)
-//! or end (to host), or when no helper could be had, the calling thread
-//! copies pieces too.
+//! copy). Whenever it has no driver work to do, the calling thread copies
+//! the next piece too (so a copy finishes even when no helper comes: they
+//! are shared by all copies).
 
 use std::time::{Duration, Instant};
 
@@ -53,6 +53,10 @@ const MIN_PIECE: usize = 64 << 10;
 const MAX_PIECE: usize = 256 << 10;
 /// The staging ring's bytes, where the chunks allow (at least two slots).
 const RING: usize = 16 << 20;
+/// Bytes per helper thread: more helpers on a small copy cost more (in
+/// hand-offs and in threads spinning beside the copying ones) than they
+/// bring.
+const PER_HELPER: usize = 2 << 20;
 
 /// How a copy of `bytes` is cut.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,7 +78,7 @@ impl Plan {
     /// About [`CHUNKS`] chunks of [`MIN_CHUNK`] ..= `max_chunk` bytes
     /// (multiples of 64 KiB), pieces of about an eighth of a chunk
     /// (64 ..= 256 KiB), a ring of up to 16 MiB (two slots at least), and
-    /// up to `lanes` helpers, one per two pieces.
+    /// up to `lanes` helpers, one per 2 MiB and per two pieces.
     pub(super) fn new(bytes: usize, max_chunk: usize, lanes: usize) -> Plan {
         let bytes = bytes.max(1);
         let chunk = bytes.div_ceil(CHUNKS).next_multiple_of(64 << 10).clamp(MIN_CHUNK.min(max_chunk), max_chunk);
@@ -83,7 +87,7 @@ impl Plan {
         let piece = (chunk / PIECES).next_multiple_of(16 << 10).clamp(MIN_PIECE, MAX_PIECE).min(chunk);
         let per_chunk = chunk.div_ceil(piece);
         let slots = (RING / chunk).max(2).min(chunks);
-        let helpers = (chunks * per_chunk / 2).min(lanes);
+        let helpers = (chunks * per_chunk / 2).min(bytes.div_ceil(PER_HELPER)).min(lanes);
         Plan { chunk, chunks, piece, per_chunk, slots, helpers }
     }
 
@@ -275,13 +279,14 @@ impl Job {
         engine.queue(slot, (self.stage + slot * self.plan.chunk) as *mut u8, off, len)
     }
 
-    /// The calling thread's part: every driver call of the copy. Returns
-    /// once all data has arrived; on an error, stops the helpers.
-    /// `helpers` is how many helpers were actually started.
-    pub(super) fn drive(&self, engine: &mut impl Engine, helpers: usize) -> Result<()> {
+    /// The calling thread's part: every driver call of the copy, and,
+    /// whenever it has no driver work, the next piece that may be copied
+    /// (so the copy finishes even when no helper comes). Returns once all
+    /// data has arrived; on an error, stops the helpers.
+    pub(super) fn drive(&self, engine: &mut impl Engine) -> Result<()> {
         let r = match self.dir {
-            Direction::ToDevice => self.drive_to_device(engine, helpers),
-            Direction::ToHost => self.drive_to_host(engine, helpers),
+            Direction::ToDevice => self.drive_to_device(engine),
+            Direction::ToHost => self.drive_to_host(engine),
         };
         if r.is_err() {
             self.abort.store(true, Ordering::Release);
@@ -289,7 +294,7 @@ impl Job {
         r
     }
 
-    fn drive_to_device(&self, engine: &mut impl Engine, helpers: usize) -> Result<()> {
+    fn drive_to_device(&self, engine: &mut impl Engine) -> Result<()> {
         let Plan { chunks, slots, .. } = self.plan;
         let (mut queued, mut retired) = (0, 0);
         let mut w = Waiter::new();
@@ -304,7 +309,7 @@ impl Job {
                 // The slot's DMA is done: the chunk `slots` later may fill it.
                 retired += 1;
                 self.gate.store(retired + slots, Ordering::Release);
-            } else if !((helpers == 0 || queued == 0) && self.help_once()) {
+            } else if !self.help_once() {
                 w.pause();
                 continue;
             }
@@ -318,7 +323,7 @@ impl Job {
         Ok(())
     }
 
-    fn drive_to_host(&self, engine: &mut impl Engine, helpers: usize) -> Result<()> {
+    fn drive_to_host(&self, engine: &mut impl Engine) -> Result<()> {
         let Plan { chunks, slots, .. } = self.plan;
         let (mut queued, mut arrived, mut retired) = (0, 0, 0);
         let mut w = Waiter::new();
@@ -335,7 +340,7 @@ impl Job {
                 self.gate.store(arrived, Ordering::Release);
             } else if retired < arrived && self.chunk_done(retired) {
                 retired += 1;
-            } else if !((helpers == 0 || arrived == chunks) && self.help_once()) {
+            } else if !self.help_once() {
                 w.pause();
                 continue;
             }
@@ -376,10 +381,10 @@ mod tests {
         }
         // 8 MiB: eight chunks of 1 MiB in eight 128 KiB pieces each.
         let p = Plan::new(8 << 20, 2 << 20, 8);
-        assert_eq!((p.chunk, p.chunks, p.piece, p.slots, p.helpers), (1 << 20, 8, 128 << 10, 8, 8));
+        assert_eq!((p.chunk, p.chunks, p.piece, p.slots, p.helpers), (1 << 20, 8, 128 << 10, 8, 4));
         // 256 MiB: the largest chunks through a 16 MiB ring.
         let p = Plan::new(256 << 20, 2 << 20, 8);
-        assert_eq!((p.chunk, p.chunks, p.piece, p.slots), (2 << 20, 128, 256 << 10, 8));
+        assert_eq!((p.chunk, p.chunks, p.piece, p.slots, p.helpers), (2 << 20, 128, 256 << 10, 8, 8));
         // Tiny copies stay on the calling thread.
         assert_eq!(Plan::new(1000, 2 << 20, 8).helpers, 0);
     }
@@ -455,7 +460,7 @@ mod tests {
             let job = unsafe { Job::new(dir, host, ring.as_mut_ptr() as usize, bytes, plan) };
             let mut fake =
                 Fake { dir, dev: std::mem::take(&mut dev), pending: vec![None; plan.slots], fail_at, queued: 0 };
-            let r = run_with_helpers(plan.helpers, &|| job.help(), |started| job.drive(&mut fake, started));
+            let r = run_with_helpers(plan.helpers, &|| job.help(), |_| job.drive(&mut fake));
             for s in 0..plan.slots {
                 fake.finish(s);
             }

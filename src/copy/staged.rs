@@ -164,7 +164,7 @@ unsafe fn staged_cuda(
     // block of `ring_bytes` owned by this copy until freed below.
     let job = unsafe { Job::new(dir, host, stage.as_ptr() as usize, bytes, plan) };
     let mut cuda = Cuda { stream: cs, dir, dev, events: &events };
-    let result = run_with_helpers(plan.helpers, &|| job.help(), |started| job.drive(&mut cuda, started));
+    let result = run_with_helpers(plan.helpers, &|| job.help(), |_| job.drive(&mut cuda));
     // After an error an event may have missed its DMA: only an idle
     // stream proves the ring unused.
     let idle = result.is_ok() || cs.synchronize().is_ok();
@@ -188,8 +188,8 @@ impl MemoryManager {
     /// 2 MiB and half the cores (2 to 8). A copy is cut into about eight
     /// chunks (at least 256 KiB, at most the largest), each copied on the
     /// host in about eight pieces of 64 to 256 KiB shared by the helpers
-    /// (one per two pieces at most); the calling thread makes the driver
-    /// calls. Returns the values now in effect.
+    /// (one per 2 MiB at most) and the calling thread, which also makes
+    /// the driver calls. Returns the values now in effect.
     ///
     /// # Examples
     /// ```
