@@ -305,8 +305,13 @@ impl Job {
             if self.chunk_done(queued) {
                 self.queue(engine, queued)?;
                 queued += 1;
-            } else if retired < queued && retired + slots < chunks && engine.done(retired % slots)? {
-                // The slot's DMA is done: the chunk `slots` later may fill it.
+            } else if retired < queued && engine.done(retired % slots)? {
+                // The slot's DMA is done: the chunk `slots` later may fill
+                // it. Polled even when no later chunk needs the slot, so
+                // driver calls keep coming while pieces are copied: copies
+                // that fit the ring ran at about the rate of memcpy and DMA
+                // one after the other, as if queued DMAs waited for the
+                // next driver call.
                 retired += 1;
                 self.gate.store(retired + slots, Ordering::Release);
             } else if !self.help_once() {
