@@ -1,6 +1,6 @@
 //! Fast copies from and to ordinary (pageable) host memory: staged through
-//! pinned blocks of the pinned pool, double-buffered, on several host
-//! threads ([`MemoryManager::copy_from_pageable`],
+//! a pinned ring from the pinned pool, pipelined, the host memcpys on
+//! several threads ([`MemoryManager::copy_from_pageable`],
 //! [`DeviceBuffer::copy_from_pageable`] and their `_to_` twins).
 //!
 //! A DMA from pageable memory runs at a fraction of pinned speed (the
@@ -9,6 +9,7 @@
 //! one chunk overlapping the DMA of the previous one gets most of the
 //! pinned bandwidth without pinning the caller's memory.
 
+mod pipeline;
 mod staged;
 mod workers;
 

@@ -1,35 +1,40 @@
-//! Helper threads for the staged copies' lanes: started on first need and
-//! kept, so a copy wakes threads (a channel send) instead of spawning them
-//! (tens of microseconds each, a real share of an 8 MiB copy).
+//! Helper threads for the staged copies: started on first need and kept,
+//! so a copy wakes threads (a channel send) instead of spawning them (tens
+//! of microseconds each, a real share of an 8 MiB copy). After a task a
+//! helper polls for the next one for a short while before it sleeps, so
+//! back-to-back copies don't pay a wake-up each.
 //!
-//! [`run_lanes`] lends the helpers a reference to work on the caller's
-//! stack and waits for every lane's answer before it returns or unwinds,
-//! which is what makes erasing the reference's lifetime sound.
+//! [`run_with_helpers`] lends the helpers a reference to work on the
+//! caller's stack and waits for every helper's answer before it returns
+//! or unwinds, which is what makes erasing the reference's lifetime sound.
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::time::{Duration, Instant};
 
-use crossbeam::channel::{bounded, unbounded, Receiver, Sender};
+use crossbeam::channel::{bounded, unbounded, Receiver, Sender, TryRecvError};
 use once_cell::sync::Lazy;
 
 use crate::error::{Error, Result};
 use crate::sync::{Ordering, StaticAtomicU64};
 
-/// One lane's work, shared by reference.
-type Work<'a> = dyn Fn(usize) -> Result<()> + Sync + 'a;
+/// A helper's work, shared by reference.
+type Work<'a> = dyn Fn() + Sync + 'a;
 
-/// What a helper answers: the lane's result, or its panic.
-type Answer = std::thread::Result<Result<()>>;
+/// What a helper answers: `Ok` or its panic.
+type Answer = std::thread::Result<()>;
+
+/// How long an idle helper polls for the next task before it sleeps.
+const LINGER: Duration = Duration::from_micros(100);
 
 struct Task {
     /// The work, its lifetime erased (see the module docs).
     work: *const Work<'static>,
-    lane: usize,
     done: Sender<Answer>,
 }
 
 // SAFETY: the work is `Sync`, so calling it from another thread through a
-// shared pointer is allowed; `run_lanes` keeps it alive until the task's
-// answer (or the task itself) is gone.
+// shared pointer is allowed; `run_with_helpers` keeps it alive until the
+// task's answer (or the task itself) is gone.
 unsafe impl Send for Task {}
 
 struct Helpers {
@@ -43,11 +48,33 @@ static HELPERS: Lazy<Helpers> = Lazy::new(|| {
     Helpers { tasks, queue, started: StaticAtomicU64::new(0) }
 });
 
+/// The next task: polled for [`LINGER`], then waited for; `None` once the
+/// channel is closed.
+fn next_task(queue: &Receiver<Task>) -> Option<Task> {
+    let since = Instant::now();
+    let mut rounds = 0u32;
+    loop {
+        match queue.try_recv() {
+            Ok(task) => return Some(task),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) if since.elapsed() < LINGER => {
+                rounds += 1;
+                if rounds % 64 == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+            Err(TryRecvError::Empty) => return queue.recv().ok(),
+        }
+    }
+}
+
 fn helper(queue: Receiver<Task>) {
-    for task in queue.iter() {
-        // SAFETY: `run_lanes` keeps the work alive until this task's answer
-        // is received (see `Task`).
-        let answer = catch_unwind(AssertUnwindSafe(|| unsafe { (*task.work)(task.lane) }));
+    while let Some(task) = next_task(&queue) {
+        // SAFETY: `run_with_helpers` keeps the work alive until this
+        // task's answer is received (see `Task`).
+        let answer = catch_unwind(AssertUnwindSafe(|| unsafe { (*task.work)() }));
         let _ = task.done.send(answer);
     }
 }
@@ -72,94 +99,101 @@ fn ensure_helpers(n: usize) -> usize {
     }
 }
 
-/// Runs `work(lane)` for every lane in `0..lanes`: lane 0 on this thread,
-/// the others on helper threads (or here, when no helper can be had).
-/// Returns the first error; waits for every lane before returning, and
-/// re-raises a lane's panic only after that.
-pub(super) fn run_lanes(lanes: usize, work: &Work<'_>) -> Result<()> {
-    let wanted = lanes.saturating_sub(1);
-    let helpers = if wanted == 0 { 0 } else { ensure_helpers(wanted).min(wanted) };
-    let (done, answers) = bounded::<Answer>(lanes.max(1));
+/// Runs `work()` on up to `helpers` helper threads while `main(started)`
+/// runs on this thread (`started`: how many helpers were handed the work;
+/// `main` must finish the job without them if need be, since a helper
+/// busy with another copy may come late). Waits for every helper before
+/// returning, and re-raises a helper's panic only after that. Returns
+/// `main`'s result.
+pub(super) fn run_with_helpers(helpers: usize, work: &Work<'_>, main: impl FnOnce(usize) -> Result<()>) -> Result<()> {
+    let have = if helpers == 0 { 0 } else { ensure_helpers(helpers).min(helpers) };
+    let (done, answers) = bounded::<Answer>(have.max(1));
     // SAFETY: only the lifetime changes (same pointer, same vtable); the
     // work stays alive until every task that holds the pointer has answered
     // or was dropped, which the wait below ensures on every path.
     let erased: *const Work<'static> = unsafe { std::mem::transmute::<*const Work<'_>, *const Work<'static>>(work) };
     let mut sent = 0;
-    let mut inline = Vec::new();
-    for lane in 1..lanes {
-        let task = Task { work: erased, lane, done: done.clone() };
-        if lane <= helpers && HELPERS.tasks.send(task).is_ok() {
+    for _ in 0..have {
+        if HELPERS.tasks.send(Task { work: erased, done: done.clone() }).is_ok() {
             sent += 1;
-        } else {
-            inline.push(lane);
         }
     }
     drop(done);
-    let mine = catch_unwind(AssertUnwindSafe(|| {
-        let mut r = work(0);
-        for lane in inline {
-            r = r.and(work(lane));
-        }
-        r
-    }));
-    let mut result = Ok(());
+    let mine = catch_unwind(AssertUnwindSafe(|| main(sent)));
+    let mut lost = false;
     let mut panic = None;
     for _ in 0..sent {
         match answers.recv() {
-            Ok(Ok(r)) => result = result.and(r),
+            Ok(Ok(())) => {}
             Ok(Err(p)) => panic = Some(p),
             // Every remaining task was dropped unrun: nothing uses the work.
             Err(_) => {
-                result = result.and(Err(Error::InvalidState("a staging lane was lost".into())));
+                lost = true;
                 break;
             }
         }
     }
-    match mine {
-        Ok(r) => result = r.and(result),
-        Err(p) => panic = panic.or(Some(p)),
-    }
+    let result = match mine {
+        Ok(r) => r,
+        Err(p) => {
+            panic = panic.or(Some(p));
+            Ok(())
+        }
+    };
     if let Some(p) = panic {
         resume_unwind(p);
+    }
+    if lost {
+        return result.and(Err(Error::InvalidState("a staging helper was lost".into())));
     }
     result
 }
 
 #[cfg(test)]
 mod tests {
-    use super::run_lanes;
+    use super::run_with_helpers;
     use crate::error::Error;
     use crate::sync::{AtomicUsize, Ordering};
 
     #[test]
-    fn every_lane_runs_once_and_errors_come_back() {
-        for lanes in [1usize, 2, 5, 8] {
-            let hits: Vec<AtomicUsize> = (0..lanes).map(|_| AtomicUsize::new(0)).collect();
-            run_lanes(lanes, &|i| {
-                hits[i].fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            })
-            .unwrap();
-            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+    fn every_helper_runs_once_and_main_result_comes_back() {
+        for helpers in [0usize, 1, 2, 5, 8] {
+            let hits = AtomicUsize::new(0);
+            let r = run_with_helpers(
+                helpers,
+                &|| {
+                    hits.fetch_add(1, Ordering::Relaxed);
+                },
+                |started| {
+                    assert_eq!(started, helpers);
+                    Ok(())
+                },
+            );
+            r.unwrap();
+            assert_eq!(hits.load(Ordering::Relaxed), helpers);
         }
-        let r = run_lanes(4, &|i| if i == 3 { Err(Error::InvalidState("lane 3".into())) } else { Ok(()) });
-        assert!(matches!(r, Err(Error::InvalidState(m)) if m == "lane 3"));
+        let r = run_with_helpers(3, &|| {}, |_| Err(Error::InvalidState("main".into())));
+        assert!(matches!(r, Err(Error::InvalidState(m)) if m == "main"));
     }
 
     #[test]
-    fn a_panicking_lane_is_waited_for_and_re_raised() {
+    fn a_panicking_helper_is_waited_for_and_re_raised() {
         let done = AtomicUsize::new(0);
+        let turn = AtomicUsize::new(0);
         let r = std::panic::catch_unwind(|| {
-            run_lanes(3, &|i| {
-                if i == 1 {
-                    panic!("lane 1");
-                }
-                std::thread::sleep(std::time::Duration::from_millis(20));
-                done.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            })
+            run_with_helpers(
+                3,
+                &|| {
+                    if turn.fetch_add(1, Ordering::Relaxed) == 0 {
+                        panic!("helper");
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    done.fetch_add(1, Ordering::Relaxed);
+                },
+                |_| Ok(()),
+            )
         });
         assert!(r.is_err());
-        assert_eq!(done.load(Ordering::Relaxed), 2, "the other lanes finished first");
+        assert_eq!(done.load(Ordering::Relaxed), 2, "the other helpers finished first");
     }
 }
