@@ -12,6 +12,10 @@
 //! e.g. `-- scaling/host`); a plain table of Mops/s follows criterion's
 //! output. `CUMEM_BENCH_SIZES=uniform` draws sizes uniformly instead;
 //! `CUMEM_BENCH_CACHE_MIB` sets the per-thread cache budget.
+//!
+//! First comes the peers' own workload (`peers.rs`, the anchors' exact
+//! definition) through the manager, beside raw `cuMemAllocAsync` of the
+//! same run; `CUMEM_BENCH_PEERS_ONLY=1` stops after it.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
@@ -25,6 +29,9 @@ use cumem::upstream::{Host, Upstream};
 use cumem::PoolKind;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+
+#[path = "threads/peers.rs"]
+mod peers;
 
 const MAX_LIVE: usize = 1000;
 const MAX_SIZE: f64 = (4 << 20) as f64;
@@ -188,6 +195,10 @@ fn config(kind: PoolKind, cache: bool) -> PoolConfig {
 }
 
 fn main() {
+    peers::main();
+    if std::env::var("CUMEM_BENCH_PEERS_ONLY").is_ok_and(|v| v == "1") {
+        return;
+    }
     let mut c = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(300))

@@ -23,7 +23,7 @@ use super::graph::{GraphStats, Graphs};
 use super::native_pool::{self, NativePool, NativePoolAttributes};
 use super::stream::{Stream, StreamRegistry};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{self, LiveBlock, Pool, PoolStats, StreamTag};
+use crate::pool::{self, Arenas, LiveBlock, Pool, PoolStats, StreamTag};
 use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::upstream::Upstream;
 
@@ -135,7 +135,7 @@ struct AsyncBook {
 pub struct DeviceAllocator {
     ordinal: usize,
     ctx: Option<Arc<CudaContext>>,
-    pub(super) pool: Pool<Box<dyn Upstream>>,
+    pub(super) pool: Arenas,
     supports_async: bool,
     requested: AtomicU8,
     effective: AtomicU8,
@@ -173,7 +173,7 @@ impl DeviceAllocator {
     pub(crate) fn new(
         ordinal: usize,
         ctx: Option<Arc<CudaContext>>,
-        pool: Pool<Box<dyn Upstream>>,
+        pool: Arenas,
         mode: DeviceAllocatorMode,
         release_threshold: u64,
         capture_check_always: bool,
@@ -209,8 +209,9 @@ impl DeviceAllocator {
         self.ctx.as_ref()
     }
 
-    /// The sync pool.
-    pub fn pool(&self) -> &Pool<Box<dyn Upstream>> {
+    /// The sync pool (its arenas: one per thread that allocates, see
+    /// [`Arenas`]).
+    pub fn pool(&self) -> &Arenas {
         &self.pool
     }
 

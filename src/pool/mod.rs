@@ -16,6 +16,7 @@
 //! (`cache.rs`, [`PoolConfig::thread_cache`]): most allocations and frees
 //! of blocks up to [`MAX_CACHED_BLOCK`] never take the pool's lock.
 
+mod arenas;
 mod best_fit;
 mod cache;
 mod classes;
@@ -25,6 +26,7 @@ mod spin;
 mod stats;
 mod tag;
 
+pub use arenas::{default_arena_count, set_thread_slot, Arenas, UpstreamFactory, MAX_ARENAS};
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
 pub use stats::PoolStats;

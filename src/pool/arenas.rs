@@ -1,0 +1,510 @@
+//! Per-thread arenas: several best-fit [`Pool`]s side by side, each with
+//! its own lock and its own upstream, so threads that allocate at the same
+//! time rarely meet on one lock.
+//!
+//! # Implementation details
+//!
+//! - **Which arena serves a request.** Every thread takes a small slot
+//!   number on first use (the lowest one free; a thread's exit frees it, so
+//!   a new thread reuses an exited thread's arena). The first thread to use
+//!   a set gets arena 0 and the others follow by slot number, modulo the
+//!   count. Arena 0 is made with the set; the others
+//!   are made on first use from the upstream factory (on CUDA: a VMM
+//!   reservation of their own, so address space, not memory, is what they
+//!   cost). One thread alone always uses one arena, so a single-threaded
+//!   program sees exactly one pool.
+//! - **Where a free goes.** Each arena's upstream is wrapped so that every
+//!   chunk it hands out widens the arena's address bounds (two atomics,
+//!   only ever widened). A free tries the calling thread's own arena first
+//!   when the address lies in its bounds, then every other arena whose
+//!   bounds hold it; an arena that does not hold the block answers
+//!   [`Error::UnknownPointer`] and changes nothing. Arenas over disjoint
+//!   reservations (the expandable upstreams) never overlap, so one try
+//!   finds the owner; with scattered chunks (pinned memory) a few more may
+//!   be tried, each one lock and one map look-up. No lock is shared by all
+//!   arenas.
+//! - **Streams.** Each arena is a whole [`Pool`]: a block freed on stream A
+//!   keeps A's tag, and whoever reuses it orders after A exactly as with one
+//!   pool. Threads that each keep their own stream mostly reuse their own
+//!   arena's blocks, so reuse stays on the freeing stream.
+//! - **Out of memory.** When an arena can't grow, the free memory of every
+//!   other arena goes back to the upstream and the request is tried once
+//!   more before it fails.
+
+use std::cell::Cell;
+
+use super::{Allocation, BestFit, Freed, LiveBlock, Pool, PoolConfig, PoolStats, StreamTag};
+use crate::error::{Error, Result};
+use crate::manager::InitCell;
+use crate::sync::{Arc, AtomicUsize, Ordering, StaticAtomicU64};
+use crate::upstream::{Chunk, Upstream};
+
+/// Makes the upstream of a new arena (called at most once per arena,
+/// outside every pool lock).
+pub type UpstreamFactory = Box<dyn Fn() -> Result<Box<dyn Upstream>> + Send + Sync>;
+
+/// The most arenas a set holds.
+pub const MAX_ARENAS: usize = 64;
+
+/// The default arena count: twice the processors, at most [`MAX_ARENAS`].
+pub fn default_arena_count() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (2 * cores).clamp(1, MAX_ARENAS)
+}
+
+/// The address range an arena's chunks lie in (only ever widened).
+#[derive(Debug)]
+struct Bounds {
+    lo: AtomicUsize,
+    hi: AtomicUsize,
+}
+
+impl Bounds {
+    fn new() -> Self {
+        Bounds { lo: AtomicUsize::new(usize::MAX), hi: AtomicUsize::new(0) }
+    }
+
+    fn cover(&self, addr: usize, end: usize) {
+        // Widened before the pool hands out a block of the chunk; a thread
+        // that frees the block learned its address after that.
+        self.lo.fetch_min(addr, Ordering::AcqRel);
+        self.hi.fetch_max(end, Ordering::AcqRel);
+    }
+
+    #[inline]
+    fn holds(&self, addr: usize) -> bool {
+        self.lo.load(Ordering::Acquire) <= addr && addr < self.hi.load(Ordering::Acquire)
+    }
+}
+
+/// An upstream that records where its chunks lie.
+struct Tracked {
+    inner: Box<dyn Upstream>,
+    bounds: Arc<Bounds>,
+}
+
+impl Upstream for Tracked {
+    fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
+        let c = self.inner.allocate_chunk(size)?;
+        self.bounds.cover(c.addr, c.end());
+        Ok(c)
+    }
+    fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
+        self.inner.deallocate_chunk(chunk)
+    }
+    fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        let ok = self.inner.try_extend(chunk, extra)?;
+        if ok {
+            self.bounds.cover(chunk.addr, chunk.end() + extra);
+        }
+        Ok(ok)
+    }
+    fn can_extend(&self) -> bool {
+        self.inner.can_extend()
+    }
+    fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
+        self.inner.try_shrink(chunk, amount)
+    }
+    fn granularity(&self) -> usize {
+        self.inner.granularity()
+    }
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn host_accessible(&self) -> bool {
+        self.inner.host_accessible()
+    }
+    fn device_free(&self) -> Option<usize> {
+        self.inner.device_free()
+    }
+}
+
+struct Arena {
+    pool: InitCell<Pool<Box<dyn Upstream>>>,
+    bounds: Arc<Bounds>,
+}
+
+/// Several best-fit pools over upstreams of one kind, chosen by the calling
+/// thread (see the module docs).
+///
+/// # Examples
+/// ```
+/// use cumem::pool::{Arenas, PoolConfig, StreamTag};
+/// use cumem::upstream::{Host, Upstream};
+/// use cumem::PoolKind;
+///
+/// let make = || Ok(Box::new(Host::new()) as Box<dyn Upstream>);
+/// let arenas = Arenas::new(make()?, Some(Box::new(make)), PoolConfig::new(PoolKind::Standalone), 4);
+/// let a = arenas.allocate(1000, 256)?;
+/// // Any thread may free it: the free finds the arena that owns it.
+/// std::thread::scope(|s| s.spawn(|| arenas.deallocate(a.addr, StreamTag::NONE)).join().unwrap())?;
+/// # Ok::<(), cumem::Error>(())
+/// ```
+pub struct Arenas {
+    arenas: Box<[Arena]>,
+    make: Option<UpstreamFactory>,
+    config: PoolConfig,
+    /// The slot of the first thread that used the set (it gets arena 0).
+    base: AtomicUsize,
+}
+
+impl std::fmt::Debug for Arenas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arenas")
+            .field("count", &self.arenas.len())
+            .field("made", &self.made())
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl Arenas {
+    /// A set of at most `count` arenas (at least 1, at most
+    /// [`MAX_ARENAS`]): arena 0 over `first`, the others made on first use
+    /// with `make` (`None`: one arena only).
+    pub fn new(first: Box<dyn Upstream>, make: Option<UpstreamFactory>, config: PoolConfig, count: usize) -> Self {
+        let count = if make.is_some() { count.clamp(1, MAX_ARENAS) } else { 1 };
+        let arenas: Box<[Arena]> =
+            (0..count).map(|_| Arena { pool: InitCell::new(), bounds: Arc::new(Bounds::new()) }).collect();
+        let pool = Pool::new(Self::track(first, &arenas[0].bounds), config.clone());
+        // A new cell is empty, so this always sets it.
+        let _ = arenas[0].pool.init(|| Ok::<_, ()>(pool));
+        Arenas { arenas, make, config, base: AtomicUsize::new(NO_SLOT) }
+    }
+
+    fn track(inner: Box<dyn Upstream>, bounds: &Arc<Bounds>) -> Box<dyn Upstream> {
+        Box::new(Tracked { inner, bounds: bounds.clone() })
+    }
+
+    /// How many arenas the set may hold.
+    pub fn count(&self) -> usize {
+        self.arenas.len()
+    }
+
+    /// How many arenas were made so far.
+    pub fn made(&self) -> usize {
+        self.arenas.iter().filter(|a| a.pool.get().is_some()).count()
+    }
+
+    /// Arena 0, the one a single thread uses.
+    pub fn primary(&self) -> &Pool<Box<dyn Upstream>> {
+        self.arenas[0].pool.get().expect("arena 0 is made with the set")
+    }
+
+    /// The arenas made so far, with their indexes.
+    pub fn pools(&self) -> impl Iterator<Item = (usize, &Pool<Box<dyn Upstream>>)> {
+        self.arenas.iter().enumerate().filter_map(|(i, a)| a.pool.get().map(|p| (i, p)))
+    }
+
+    /// The configuration every arena shares.
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// The index of the arena the calling thread allocates from: the first
+    /// thread to use the set gets arena 0, the others follow by slot.
+    #[inline]
+    pub fn home(&self) -> usize {
+        let n = self.arenas.len();
+        if n == 1 {
+            return 0;
+        }
+        let slot = thread_slot();
+        let mut base = self.base.load(Ordering::Relaxed);
+        if base == NO_SLOT {
+            base = match self.base.compare_exchange(NO_SLOT, slot, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => slot,
+                Err(first) => first,
+            };
+        }
+        (slot as isize - base as isize).rem_euclid(n as isize) as usize
+    }
+
+    /// The calling thread's arena, made on first use (arena 0 when it
+    /// can't be made).
+    fn home_pool(&self) -> &Pool<Box<dyn Upstream>> {
+        let i = self.home();
+        let arena = &self.arenas[i];
+        if let Some(p) = arena.pool.get() {
+            return p;
+        }
+        let (Some(make), false) = (&self.make, self.primary().is_shut_down()) else { return self.primary() };
+        let made =
+            arena.pool.get_or_init(|| make().map(|u| Pool::new(Self::track(u, &arena.bounds), self.config.clone())));
+        made.unwrap_or_else(|_| self.primary())
+    }
+
+    /// [`Pool::allocate`] from the calling thread's arena.
+    ///
+    /// # Errors
+    /// As [`Pool::allocate`].
+    pub fn allocate(&self, size: usize, align: usize) -> Result<Allocation> {
+        self.allocate_for(size, align, 0)
+    }
+
+    /// [`Pool::allocate_for`] from the calling thread's arena; when it is
+    /// out of memory, the other arenas' free memory goes back to the
+    /// upstream and the request is tried once more.
+    ///
+    /// # Errors
+    /// As [`Pool::allocate_for`].
+    #[inline]
+    pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
+        let pool = self.home_pool();
+        match pool.allocate_for(size, align, stream) {
+            Err(e @ Error::OutOfMemory { .. }) => {
+                let mut released = 0;
+                for (_, other) in self.pools().filter(|(_, p)| !std::ptr::eq(*p, pool)) {
+                    released += other.release_cached().unwrap_or(0);
+                }
+                if released == 0 {
+                    return Err(e);
+                }
+                pool.allocate_for(size, align, stream)
+            }
+            r => r,
+        }
+    }
+
+    /// The arenas that may hold `addr`, the caller's own first.
+    fn owners(&self, addr: usize) -> impl Iterator<Item = &Pool<Box<dyn Upstream>>> {
+        let home = self.home();
+        let order = std::iter::once(home).chain((0..self.arenas.len()).filter(move |&i| i != home));
+        order.filter_map(move |i| {
+            let a = &self.arenas[i];
+            if a.bounds.holds(addr) {
+                a.pool.get()
+            } else {
+                None
+            }
+        })
+    }
+
+    /// Runs `f` on the arena that holds the live or free block at `addr`:
+    /// the first answer other than [`Error::UnknownPointer`] wins.
+    fn route<R>(&self, addr: usize, mut f: impl FnMut(&Pool<Box<dyn Upstream>>) -> Result<R>) -> Result<R> {
+        for pool in self.owners(addr) {
+            match f(pool) {
+                Err(Error::UnknownPointer { .. }) => continue,
+                r => return r,
+            }
+        }
+        Err(Error::UnknownPointer { pool: self.config.kind, addr })
+    }
+
+    /// [`Pool::deallocate`] in the arena that owns the block, whichever
+    /// thread calls.
+    ///
+    /// # Errors
+    /// As [`Pool::deallocate`].
+    #[inline]
+    pub fn deallocate(&self, addr: usize, tag: StreamTag) -> Result<Freed> {
+        self.route(addr, |p| p.deallocate(addr, tag))
+    }
+
+    /// [`Pool::check_live`] in the arena that owns the block.
+    ///
+    /// # Errors
+    /// As [`Pool::check_live`].
+    pub fn check_live(&self, addr: usize) -> Result<usize> {
+        self.route(addr, |p| p.check_live(addr))
+    }
+
+    /// The size of the live block at `addr`, if there is one.
+    pub fn block_size(&self, addr: usize) -> Option<usize> {
+        self.owners(addr).find_map(|p| p.block_size(addr))
+    }
+
+    /// Whether `addr` lies in one of the arenas' chunks.
+    pub fn contains(&self, addr: usize) -> bool {
+        self.owners(addr).any(|p| p.contains(addr))
+    }
+
+    /// [`Pool::grow_in_place`] in the arena that owns the block.
+    pub fn grow_in_place(&self, addr: usize, new_size: usize) -> bool {
+        self.owner_of_live(addr).is_some_and(|p| p.grow_in_place(addr, new_size))
+    }
+
+    /// [`Pool::shrink_in_place`] in the arena that owns the block.
+    pub fn shrink_in_place(&self, addr: usize, new_size: usize) -> bool {
+        self.owner_of_live(addr).is_some_and(|p| p.shrink_in_place(addr, new_size))
+    }
+
+    fn owner_of_live(&self, addr: usize) -> Option<&Pool<Box<dyn Upstream>>> {
+        self.owners(addr).find(|p| p.block_size(addr).is_some())
+    }
+
+    /// Whether any arena allocated yet.
+    pub fn used(&self) -> bool {
+        self.pools().any(|(_, p)| p.used())
+    }
+
+    /// Sets the bytes the first allocation of arena 0 reserves.
+    ///
+    /// # Errors
+    /// [`Error::ConfigTooLate`] once it has allocated.
+    pub fn set_initial_size(&self, bytes: usize) -> Result<()> {
+        self.primary().set_initial_size(bytes)
+    }
+
+    /// [`Pool::release_cached`] of every arena; returns the bytes released.
+    ///
+    /// # Errors
+    /// The first upstream error (every arena is still tried).
+    pub fn release_cached(&self) -> Result<usize> {
+        let mut released = 0;
+        let mut first_err = None;
+        for (_, p) in self.pools() {
+            match p.release_cached() {
+                Ok(b) => released += b,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(released), Err)
+    }
+
+    /// [`Pool::clear_tags`] of every arena.
+    pub fn clear_tags(&self) {
+        self.pools().for_each(|(_, p)| p.clear_tags());
+    }
+
+    /// The arenas' statistics added up (peaks are the sum of each arena's
+    /// peak: an upper bound of the set's peak).
+    pub fn stats(&self) -> PoolStats {
+        let mut total = PoolStats::default();
+        self.pools().for_each(|(_, p)| total.accumulate(&p.stats()));
+        total
+    }
+
+    /// Sets every arena's peaks to their current values.
+    pub fn reset_peaks(&self) {
+        self.pools().for_each(|(_, p)| p.reset_peaks());
+    }
+
+    /// Checks every arena's invariants ([`BestFit::check_invariants`]).
+    ///
+    /// # Errors
+    /// The first broken invariant, naming the arena.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        for (i, p) in self.pools() {
+            p.with_fit(BestFit::check_invariants).map_err(|e| format!("arena {i}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on arena 0's allocator under its lock (tests, summaries).
+    pub fn with_fit<R>(&self, f: impl FnOnce(&BestFit) -> R) -> R {
+        self.primary().with_fit(f)
+    }
+
+    /// The upstream of arena 0.
+    pub fn upstream(&self) -> &dyn Upstream {
+        &**self.primary().upstream()
+    }
+
+    /// [`Pool::shutdown`] of every arena; lists the blocks still live.
+    /// Arenas not made yet stay unmade.
+    ///
+    /// # Errors
+    /// The first upstream error.
+    pub fn shutdown(&self) -> Result<Vec<LiveBlock>> {
+        let mut live = Vec::new();
+        for (_, p) in self.pools() {
+            live.extend(p.shutdown()?);
+        }
+        Ok(live)
+    }
+
+    /// Whether [`shutdown`](Arenas::shutdown) was called.
+    pub fn is_shut_down(&self) -> bool {
+        self.primary().is_shut_down()
+    }
+}
+
+// ---- thread slots ----
+
+/// Slots in use, one bit each. Slot numbers are identities only (they
+/// order no memory), so std atomics in a static are fine here.
+static SLOTS: [StaticAtomicU64; 4] =
+    [StaticAtomicU64::new(0), StaticAtomicU64::new(0), StaticAtomicU64::new(0), StaticAtomicU64::new(0)];
+
+/// Threads beyond the bitmap share slots by a counter.
+static OVERFLOW: StaticAtomicU64 = StaticAtomicU64::new(0);
+
+const NO_SLOT: usize = usize::MAX;
+
+fn take_slot() -> usize {
+    for (w, word) in SLOTS.iter().enumerate() {
+        let mut cur = word.load(std::sync::atomic::Ordering::Relaxed);
+        while cur != u64::MAX {
+            let bit = (!cur).trailing_zeros();
+            match word.compare_exchange_weak(
+                cur,
+                cur | (1 << bit),
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            ) {
+                Ok(_) => return w * 64 + bit as usize,
+                Err(now) => cur = now,
+            }
+        }
+    }
+    SLOTS.len() * 64 + (OVERFLOW.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as usize % (SLOTS.len() * 64))
+}
+
+fn give_slot(slot: usize) {
+    if let Some(word) = SLOTS.get(slot / 64) {
+        word.fetch_and(!(1 << (slot % 64)), std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The calling thread's slot; gives it back when the thread ends.
+struct Slot(Cell<usize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        give_slot(self.0.get());
+    }
+}
+
+#[cfg(not(loom))]
+std::thread_local! {
+    static SLOT: Slot = const { Slot(Cell::new(NO_SLOT)) };
+}
+
+#[cfg(loom)]
+loom::thread_local! {
+    static SLOT: Slot = Slot(Cell::new(NO_SLOT));
+}
+
+/// The calling thread's slot number, taken on first use (0 while
+/// thread-locals are being torn down).
+#[inline]
+fn thread_slot() -> usize {
+    SLOT.try_with(|s| {
+        let v = s.0.get();
+        if v != NO_SLOT {
+            return v;
+        }
+        let v = take_slot();
+        s.0.set(v);
+        v
+    })
+    .unwrap_or(0)
+}
+
+/// Makes the calling thread use slot `slot` from now on (its arena in a
+/// set of `n` arenas is `slot % n`), giving its old slot back. For tests
+/// and models that need threads on chosen arenas; two threads may share a
+/// slot.
+#[doc(hidden)]
+pub fn set_thread_slot(slot: usize) {
+    let _ = SLOT.try_with(|s| {
+        let old = s.0.replace(slot);
+        if old != NO_SLOT {
+            give_slot(old);
+        }
+    });
+}
