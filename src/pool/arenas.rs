@@ -27,14 +27,16 @@
 //!   keeps A's tag, and whoever reuses it orders after A exactly as with one
 //!   pool. Threads that each keep their own stream mostly reuse their own
 //!   arena's blocks, so reuse stays on the freeing stream.
-//! - **Out of memory.** When an arena can't grow, the free memory of every
-//!   other arena goes back to the upstream and the request is tried once
-//!   more before it fails.
+//! - **Out of memory.** A size limit (`max_size`) holds for all arenas
+//!   together: every arena's upstream books its chunks against one total.
+//!   When an arena can't grow, the free memory of every other arena goes
+//!   back to the upstream and the request is tried once more before it
+//!   fails.
 
 use std::cell::Cell;
 
 use super::{Allocation, BestFit, Freed, LiveBlock, Pool, PoolConfig, PoolStats, StreamTag};
-use crate::error::{Error, Result};
+use crate::error::{Error, OomState, PoolKind, Result};
 use crate::manager::InitCell;
 use crate::sync::{Arc, AtomicUsize, Ordering, StaticAtomicU64};
 use crate::upstream::{Chunk, Upstream};
@@ -77,25 +79,72 @@ impl Bounds {
     }
 }
 
-/// An upstream that records where its chunks lie.
+/// The bytes all arenas of a set hold, against the set's limit (each
+/// arena's own `max_size` is the same limit, so one arena alone behaves
+/// as a single pool).
+#[derive(Debug)]
+struct Total {
+    bytes: AtomicUsize,
+    limit: Option<usize>,
+    kind: PoolKind,
+}
+
+impl Total {
+    /// Books `size` more bytes, or says why the limit forbids it.
+    fn book(&self, size: usize) -> Result<()> {
+        let before = self.bytes.fetch_add(size, Ordering::AcqRel);
+        match self.limit {
+            Some(limit) if before + size > limit => {
+                self.bytes.fetch_sub(size, Ordering::AcqRel);
+                Err(Error::OutOfMemory {
+                    pool: self.kind,
+                    requested: size,
+                    state: Box::new(OomState {
+                        limit: Some(limit),
+                        upstream: Some(format!("the pool's arenas together hold {before} B of the {limit} B limit")),
+                        hint: Some("raise max_pool_size, or free blocks you hold"),
+                        ..Default::default()
+                    }),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn unbook(&self, size: usize) {
+        self.bytes.fetch_sub(size, Ordering::AcqRel);
+    }
+}
+
+/// An upstream that records where its chunks lie and books them against
+/// the set's limit.
 struct Tracked {
     inner: Box<dyn Upstream>,
     bounds: Arc<Bounds>,
+    total: Arc<Total>,
 }
 
 impl Upstream for Tracked {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
-        let c = self.inner.allocate_chunk(size)?;
+        self.total.book(size)?;
+        let c = self.inner.allocate_chunk(size).inspect_err(|_| self.total.unbook(size))?;
+        // An upstream may hand out more than asked (geometric growth).
+        self.total.bytes.fetch_add(c.size.saturating_sub(size), Ordering::AcqRel);
         self.bounds.cover(c.addr, c.end());
         Ok(c)
     }
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
-        self.inner.deallocate_chunk(chunk)
+        self.inner.deallocate_chunk(chunk)?;
+        self.total.unbook(chunk.size);
+        Ok(())
     }
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
-        let ok = self.inner.try_extend(chunk, extra)?;
+        self.total.book(extra)?;
+        let ok = self.inner.try_extend(chunk, extra).inspect_err(|_| self.total.unbook(extra))?;
         if ok {
             self.bounds.cover(chunk.addr, chunk.end() + extra);
+        } else {
+            self.total.unbook(extra);
         }
         Ok(ok)
     }
@@ -103,7 +152,11 @@ impl Upstream for Tracked {
         self.inner.can_extend()
     }
     fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
-        self.inner.try_shrink(chunk, amount)
+        let ok = self.inner.try_shrink(chunk, amount)?;
+        if ok {
+            self.total.unbook(amount);
+        }
+        Ok(ok)
     }
     fn granularity(&self) -> usize {
         self.inner.granularity()
@@ -146,6 +199,8 @@ pub struct Arenas {
     config: PoolConfig,
     /// The slot of the first thread that used the set (it gets arena 0).
     base: AtomicUsize,
+    /// The bytes all arenas hold, against the limit.
+    total: Arc<Total>,
 }
 
 impl std::fmt::Debug for Arenas {
@@ -166,14 +221,15 @@ impl Arenas {
         let count = if make.is_some() { count.clamp(1, MAX_ARENAS) } else { 1 };
         let arenas: Box<[Arena]> =
             (0..count).map(|_| Arena { pool: InitCell::new(), bounds: Arc::new(Bounds::new()) }).collect();
-        let pool = Pool::new(Self::track(first, &arenas[0].bounds), config.clone());
+        let total = Arc::new(Total { bytes: AtomicUsize::new(0), limit: config.max_size, kind: config.kind });
+        let pool = Pool::new(Self::track(first, &arenas[0].bounds, &total), config.clone());
         // A new cell is empty, so this always sets it.
         let _ = arenas[0].pool.init(|| Ok::<_, ()>(pool));
-        Arenas { arenas, make, config, base: AtomicUsize::new(NO_SLOT) }
+        Arenas { arenas, make, config, base: AtomicUsize::new(NO_SLOT), total }
     }
 
-    fn track(inner: Box<dyn Upstream>, bounds: &Arc<Bounds>) -> Box<dyn Upstream> {
-        Box::new(Tracked { inner, bounds: bounds.clone() })
+    fn track(inner: Box<dyn Upstream>, bounds: &Arc<Bounds>, total: &Arc<Total>) -> Box<dyn Upstream> {
+        Box::new(Tracked { inner, bounds: bounds.clone(), total: total.clone() })
     }
 
     /// How many arenas the set may hold.
@@ -229,8 +285,9 @@ impl Arenas {
             return p;
         }
         let (Some(make), false) = (&self.make, self.primary().is_shut_down()) else { return self.primary() };
-        let made =
-            arena.pool.get_or_init(|| make().map(|u| Pool::new(Self::track(u, &arena.bounds), self.config.clone())));
+        let made = arena
+            .pool
+            .get_or_init(|| make().map(|u| Pool::new(Self::track(u, &arena.bounds, &self.total), self.config.clone())));
         made.unwrap_or_else(|_| self.primary())
     }
 
