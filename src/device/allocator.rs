@@ -115,6 +115,12 @@ pub struct DeviceStats {
     pub default_pool: Option<NativePoolAttributes>,
     /// The graph-private pools (CUDA graphs).
     pub graphs: GraphStats,
+    /// Sync-pool reuses of a block freed on another stream that had to wait
+    /// for that stream's work (`cuEventRecord` + `cuStreamWaitEvent`, or
+    /// the host waiting when no stream was given).
+    pub stream_waits: u64,
+    /// The nanoseconds spent issuing those waits.
+    pub stream_wait_ns: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -523,6 +529,8 @@ impl DeviceAllocator {
             native_pool: self.native.get().and_then(|p| p.attributes().ok()),
             default_pool: self.default_pool.get().and_then(|p| p.attributes().ok()),
             graphs: self.graphs_stats(),
+            stream_waits: self.streams.waits().0,
+            stream_wait_ns: self.streams.waits().1,
         }
     }
 

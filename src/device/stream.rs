@@ -215,6 +215,10 @@ impl From<Arc<CudaStream>> for Stream {
 #[derive(Default)]
 pub(crate) struct StreamRegistry {
     streams: Mutex<HashMap<u64, Stream>>,
+    /// Reuses that had to wait for another stream's work (an event wait,
+    /// or the host waiting), and the nanoseconds those waits took to issue.
+    waits: AtomicU64,
+    wait_ns: AtomicU64,
 }
 
 impl StreamRegistry {
@@ -272,6 +276,8 @@ impl StreamRegistry {
             // A stream this registry never saw: wait for the whole device.
             return ctx.synchronize().map_err(driver_err("cuCtxSynchronize"));
         }
+        let start = std::time::Instant::now();
+        let mut waited = false;
         for src in sources.iter().filter(|s| user.is_none_or(|u| u.inner.id != s.inner.id)) {
             if captures && super::capture::capture_of(src)?.is_some() {
                 return Err(crate::Error::Capture(
@@ -280,12 +286,23 @@ impl StreamRegistry {
                         .into(),
                 ));
             }
+            waited = true;
             match user {
                 Some(u) if !u.is_host() => u.wait_for(src)?,
                 _ => src.synchronize()?,
             }
         }
+        if waited {
+            self.waits.fetch_add(1, Ordering::Relaxed);
+            self.wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
         Ok(())
+    }
+
+    /// Reuses that waited for another stream's work so far, and the
+    /// nanoseconds issuing those waits took.
+    pub(crate) fn waits(&self) -> (u64, u64) {
+        (self.waits.load(Ordering::Relaxed), self.wait_ns.load(Ordering::Relaxed))
     }
 
     /// The streams registered.

@@ -49,7 +49,7 @@ pub(super) fn replay_cumemalloc(trace: &Trace, ordinal: usize) -> Result<Measure
         // SAFETY: a live allocation of this replay, freed once.
         unsafe { result::free_sync(p) }.map_err(driver_err("cuMemFree"))?;
     }
-    Ok(Measurement { elapsed_ns, peak_live: trace.peak_live, peak_reserved: None, failures })
+    Ok(Measurement { elapsed_ns, peak_live: trace.peak_live, peak_reserved: None, failures, ..Default::default() })
 }
 
 /// Replays through `cuMemAllocAsync` / `cuMemFreeAsync` on one new stream,
@@ -109,5 +109,11 @@ pub(super) fn replay_cumemallocasync(trace: &Trace, ordinal: usize, warm: bool) 
     stream.synchronize().map_err(driver_err("cuStreamSynchronize"))?;
     let reserved_high = pool.attributes()?.reserved_high as usize;
     pool.trim_to(0)?;
-    Ok(Measurement { elapsed_ns, peak_live: trace.peak_live, peak_reserved: Some(reserved_high), failures })
+    Ok(Measurement {
+        elapsed_ns,
+        peak_live: trace.peak_live,
+        peak_reserved: Some(reserved_high),
+        failures,
+        ..Default::default()
+    })
 }
