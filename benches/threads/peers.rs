@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, CudaContext, CudaStream};
 use cumem::device::{driver_status, DriverStatus, Stream};
-use cumem::{Config, MemoryManager};
+use cumem::{BackendChoice, Config, MemoryManager};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -51,12 +51,16 @@ struct Device {
     mm: MemoryManager,
     shared: Stream,
     per_thread: bool,
+    /// On the host fallback (host queues, no CUDA streams).
+    host: bool,
 }
 
 impl Target for Device {
     type Local = Stream;
     fn local(&self) -> Stream {
-        if self.per_thread {
+        if self.host {
+            Stream::host()
+        } else if self.per_thread {
             Stream::new().expect("cuStreamCreate")
         } else {
             self.shared.clone()
@@ -131,43 +135,42 @@ fn sequence<T: Target>(t: &T, l: &T::Local, seed: u64, ops: u64, live: &mut Vec<
 }
 
 /// Runs the workload on `threads` threads; returns total Mops/s of the
-/// timed pass.
+/// timed pass, timed from the first thread's start to the last one's end.
 fn run<T: Target>(t: &T, threads: usize, ops: u64, warm: bool) -> f64 {
-    let ready = Barrier::new(threads + 1);
-    let done = Barrier::new(threads + 1);
-    let elapsed: Duration = std::thread::scope(|s| {
-        for id in 0..threads {
-            let (ready, done) = (&ready, &done);
-            s.spawn(move || {
-                let l = t.local();
-                let seed = 0x5eed_0000 + id as u64;
-                let mut live = Vec::with_capacity(LIVE);
-                if warm {
+    let ready = Barrier::new(threads);
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|id| {
+                let ready = &ready;
+                s.spawn(move || {
+                    let l = t.local();
+                    let seed = 0x5eed_0000 + id as u64;
+                    let mut live = Vec::with_capacity(LIVE);
+                    if warm {
+                        sequence(t, &l, seed, ops, &mut live);
+                        for p in live.drain(..) {
+                            t.free(&l, p);
+                        }
+                        t.finish(&l);
+                    }
+                    ready.wait();
+                    let start = Instant::now();
                     sequence(t, &l, seed, ops, &mut live);
+                    let end = Instant::now();
                     for p in live.drain(..) {
                         t.free(&l, p);
                     }
                     t.finish(&l);
-                }
-                ready.wait();
-                sequence(t, &l, seed, ops, &mut live);
-                done.wait();
-                for p in live.drain(..) {
-                    t.free(&l, p);
-                }
-                t.finish(&l);
-            });
-        }
-        ready.wait();
-        let t0 = Instant::now();
-        done.wait();
-        t0.elapsed()
+                    (start, end)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("bench thread")).collect()
     });
+    let start = spans.iter().map(|s| s.0).min().expect("one thread at least");
+    let end = spans.iter().map(|s| s.1).max().expect("one thread at least");
+    let elapsed: Duration = end - start;
     (ops * threads as u64) as f64 / elapsed.as_secs_f64() / 1e6
-}
-
-fn manager(arenas: usize) -> MemoryManager {
-    MemoryManager::new(Config::new().arenas(arenas)).expect("a manager")
 }
 
 fn print_row(name: &str, rates: &[f64], raw: Option<&[f64]>) {
@@ -184,8 +187,7 @@ fn print_row(name: &str, rates: &[f64], raw: Option<&[f64]>) {
 }
 
 /// Grows a fresh pinned pool to 10 GiB in these sizes from one thread.
-fn pinned_growth() {
-    let mm = manager(0);
+fn pinned_growth(mm: MemoryManager) {
     let mut rng = SmallRng::seed_from_u64(7);
     let mut live = Vec::new();
     let t0 = Instant::now();
@@ -214,15 +216,24 @@ fn pinned_growth() {
     }
 }
 
-/// The peers' table.
+/// The peers' table. Without a GPU it is skipped, unless
+/// `CUMEM_PEERS_HOST=1` runs the cumem rows on the host fallback (a smoke
+/// test of the bench itself; its figures mean nothing for the GPU).
 pub fn main() {
     let ctx = match driver_status() {
-        DriverStatus::Available { .. } => CudaContext::new(0).expect("device 0"),
+        DriverStatus::Available { .. } => Some(CudaContext::new(0).expect("device 0")),
+        DriverStatus::Unavailable(why) if std::env::var("CUMEM_PEERS_HOST").is_ok_and(|v| v == "1") => {
+            println!("peers' workload on the host fallback ({why}): the cumem rows only");
+            None
+        }
         DriverStatus::Unavailable(why) => {
             println!("peers' workload: no CUDA driver ({why}), skipped");
             return;
         }
     };
+    let backend = if ctx.is_some() { BackendChoice::Auto } else { BackendChoice::Host };
+    let manager = |arenas: usize| MemoryManager::new(Config::new().backend(backend).arenas(arenas)).expect("a manager");
+    let stream = || if ctx.is_some() { Stream::new().expect("cuStreamCreate") } else { Stream::host() };
     println!("\nThe peers' workload (uniform 1 B..4 MiB, <= {LIVE} live per thread, fair coin), total Mops/s");
     print!("{:<44}", "target");
     for t in THREADS {
@@ -230,28 +241,31 @@ pub fn main() {
     }
     println!("{:>10}{:>9}{:>10}", "8 vs 1", "16/8", "8 vs raw");
     let rows = |f: &dyn Fn(usize) -> f64| THREADS.iter().map(|&t| f(t)).collect::<Vec<f64>>();
-    let raw_shared = rows(&|t| {
-        let raw = Raw { ctx: ctx.clone(), shared: Some(ctx.new_stream().expect("cuStreamCreate")) };
-        run(&raw, t, ops_per_thread(t, true), false)
-    });
-    print_row("raw cuMemAllocAsync, one shared stream", &raw_shared, None);
-    let raw_each = rows(&|t| run(&Raw { ctx: ctx.clone(), shared: None }, t, ops_per_thread(t, true), false));
-    print_row("raw cuMemAllocAsync, a stream per thread", &raw_each, None);
+    let (mut raw_shared, mut raw_each) = (None, None);
+    if let Some(ctx) = &ctx {
+        let shared = rows(&|t| {
+            let raw = Raw { ctx: ctx.clone(), shared: Some(ctx.new_stream().expect("cuStreamCreate")) };
+            run(&raw, t, ops_per_thread(t, true), false)
+        });
+        print_row("raw cuMemAllocAsync, one shared stream", &shared, None);
+        let each = rows(&|t| run(&Raw { ctx: ctx.clone(), shared: None }, t, ops_per_thread(t, true), false));
+        print_row("raw cuMemAllocAsync, a stream per thread", &each, None);
+        (raw_shared, raw_each) = (Some(shared), Some(each));
+    }
     for arenas in [0, 1] {
         let label = if arenas == 0 { "arenas" } else { "1 arena" };
         let device = |per_thread: bool| {
             rows(&|t| {
-                let mm = manager(arenas);
-                let shared = Stream::new().expect("cuStreamCreate");
-                let d = Device { mm, shared, per_thread };
+                let d = Device { mm: manager(arenas), shared: stream(), per_thread, host: ctx.is_none() };
                 // One arena with a stream per thread is the slow case.
                 run(&d, t, ops_per_thread(t, per_thread && arenas == 1), true)
             })
         };
-        print_row(&format!("cumem device, one shared stream ({label})"), &device(false), Some(&raw_shared));
-        print_row(&format!("cumem device, a stream per thread ({label})"), &device(true), Some(&raw_each));
+        let (s, e) = (raw_shared.as_deref(), raw_each.as_deref());
+        print_row(&format!("cumem device, one shared stream ({label})"), &device(false), s);
+        print_row(&format!("cumem device, a stream per thread ({label})"), &device(true), e);
         let pinned = rows(&|t| run(&Pinned(manager(arenas)), t, ops_per_thread(t, false), true));
-        print_row(&format!("cumem pinned ({label})"), &pinned, Some(&raw_shared));
+        print_row(&format!("cumem pinned ({label})"), &pinned, s);
     }
-    pinned_growth();
+    pinned_growth(manager(0));
 }

@@ -17,7 +17,7 @@ use loom::thread;
 #[test]
 fn arena_creation_is_raced_by_two_threads() {
     model(|| {
-        let (arenas, made) = fake_arenas(3, false);
+        let (arenas, made) = fake_arenas(4, false);
         let arenas = Arc::new(arenas);
         // This thread uses the set first: arena 0.
         set_thread_slot(0);
@@ -25,14 +25,14 @@ fn arena_creation_is_raced_by_two_threads() {
         assert_eq!(arenas.home(), 0);
         let a2 = arenas.clone();
         let t = thread::spawn(move || {
-            set_thread_slot(4);
+            set_thread_slot(5);
             let b = a2.allocate(256, 256).unwrap();
             (a2.home(), b.addr)
         });
         set_thread_slot(1);
         let mine = arenas.allocate(256, 256).unwrap();
         let (home, theirs) = t.join().unwrap();
-        assert_eq!((home, arenas.home()), (1, 1), "slots 1 and 4 of 3 arenas share arena 1");
+        assert_eq!((home, arenas.home()), (1, 1), "slots 1 and 5 of 4 arenas share arena 1");
         assert_ne!(mine.addr, theirs);
         assert_eq!(made.load(Ordering::Relaxed), 1, "arena 1 was made once");
         assert_eq!(arenas.made(), 2);

@@ -13,33 +13,30 @@
 //!   reservation of their own, so address space, not memory, is what they
 //!   cost). One thread alone always uses one arena, so a single-threaded
 //!   program sees exactly one pool.
-//! - **Where a free goes.** Each arena's upstream is wrapped so that every
-//!   chunk it hands out widens the arena's address bounds (two atomics,
-//!   only ever widened). A free tries the calling thread's own arena first
-//!   when the address lies in its bounds, then every other arena whose
-//!   bounds hold it; an arena that does not hold the block answers
-//!   [`Error::UnknownPointer`] and changes nothing. Arenas over disjoint
-//!   reservations (the expandable upstreams) never overlap, so one try
-//!   finds the owner; with scattered chunks (pinned memory) a few more may
-//!   be tried, each one lock and one map look-up. No lock is shared by all
-//!   arenas.
+//! - **Where a free goes.** Each arena's upstream is wrapped
+//!   (`arena_upstream.rs`) so that every chunk it hands out is recorded in
+//!   a directory shared by the set: a sorted array of chunks published
+//!   through one atomic pointer. A free finds the owning arena with one
+//!   load and a binary search, then frees there; no lock is shared by all
+//!   arenas, and a cross-thread free costs the same as a local one.
 //! - **Streams.** Each arena is a whole [`Pool`]: a block freed on stream A
 //!   keeps A's tag, and whoever reuses it orders after A exactly as with one
 //!   pool. Threads that each keep their own stream mostly reuse their own
 //!   arena's blocks, so reuse stays on the freeing stream.
 //! - **Out of memory.** A size limit (`max_size`) holds for all arenas
 //!   together: every arena's upstream books its chunks against one total.
-//!   When an arena can't grow, the free memory of every other arena goes
-//!   back to the upstream and the request is tried once more before it
-//!   fails.
+//!   When an arena's upstream can't deliver, it gives back the free memory
+//!   of every other arena and asks once more, before the arena's own
+//!   out-of-memory path (releasing its own free chunks) runs.
 
 use std::cell::Cell;
 
+use super::arena_upstream::{ArenaPools, Shared, Tracked};
 use super::{Allocation, BestFit, Freed, LiveBlock, Pool, PoolConfig, PoolStats, StreamTag};
-use crate::error::{Error, OomState, PoolKind, Result};
+use crate::error::{Error, Result};
 use crate::manager::InitCell;
 use crate::sync::{Arc, AtomicUsize, Ordering, StaticAtomicU64};
-use crate::upstream::{Chunk, Upstream};
+use crate::upstream::Upstream;
 
 /// Makes the upstream of a new arena (called at most once per arena,
 /// outside every pool lock).
@@ -48,133 +45,11 @@ pub type UpstreamFactory = Box<dyn Fn() -> Result<Box<dyn Upstream>> + Send + Sy
 /// The most arenas a set holds.
 pub const MAX_ARENAS: usize = 64;
 
-/// The default arena count: twice the processors, at most [`MAX_ARENAS`].
+/// The default arena count: twice the processors rounded up to a power of
+/// two, at most [`MAX_ARENAS`].
 pub fn default_arena_count() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (2 * cores).clamp(1, MAX_ARENAS)
-}
-
-/// The address range an arena's chunks lie in (only ever widened).
-#[derive(Debug)]
-struct Bounds {
-    lo: AtomicUsize,
-    hi: AtomicUsize,
-}
-
-impl Bounds {
-    fn new() -> Self {
-        Bounds { lo: AtomicUsize::new(usize::MAX), hi: AtomicUsize::new(0) }
-    }
-
-    fn cover(&self, addr: usize, end: usize) {
-        // Widened before the pool hands out a block of the chunk; a thread
-        // that frees the block learned its address after that.
-        self.lo.fetch_min(addr, Ordering::AcqRel);
-        self.hi.fetch_max(end, Ordering::AcqRel);
-    }
-
-    #[inline]
-    fn holds(&self, addr: usize) -> bool {
-        self.lo.load(Ordering::Acquire) <= addr && addr < self.hi.load(Ordering::Acquire)
-    }
-}
-
-/// The bytes all arenas of a set hold, against the set's limit (each
-/// arena's own `max_size` is the same limit, so one arena alone behaves
-/// as a single pool).
-#[derive(Debug)]
-struct Total {
-    bytes: AtomicUsize,
-    limit: Option<usize>,
-    kind: PoolKind,
-}
-
-impl Total {
-    /// Books `size` more bytes, or says why the limit forbids it.
-    fn book(&self, size: usize) -> Result<()> {
-        let before = self.bytes.fetch_add(size, Ordering::AcqRel);
-        match self.limit {
-            Some(limit) if before + size > limit => {
-                self.bytes.fetch_sub(size, Ordering::AcqRel);
-                Err(Error::OutOfMemory {
-                    pool: self.kind,
-                    requested: size,
-                    state: Box::new(OomState {
-                        limit: Some(limit),
-                        upstream: Some(format!("the pool's arenas together hold {before} B of the {limit} B limit")),
-                        hint: Some("raise max_pool_size, or free blocks you hold"),
-                        ..Default::default()
-                    }),
-                })
-            }
-            _ => Ok(()),
-        }
-    }
-
-    fn unbook(&self, size: usize) {
-        self.bytes.fetch_sub(size, Ordering::AcqRel);
-    }
-}
-
-/// An upstream that records where its chunks lie and books them against
-/// the set's limit.
-struct Tracked {
-    inner: Box<dyn Upstream>,
-    bounds: Arc<Bounds>,
-    total: Arc<Total>,
-}
-
-impl Upstream for Tracked {
-    fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
-        self.total.book(size)?;
-        let c = self.inner.allocate_chunk(size).inspect_err(|_| self.total.unbook(size))?;
-        // An upstream may hand out more than asked (geometric growth).
-        self.total.bytes.fetch_add(c.size.saturating_sub(size), Ordering::AcqRel);
-        self.bounds.cover(c.addr, c.end());
-        Ok(c)
-    }
-    fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
-        self.inner.deallocate_chunk(chunk)?;
-        self.total.unbook(chunk.size);
-        Ok(())
-    }
-    fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
-        self.total.book(extra)?;
-        let ok = self.inner.try_extend(chunk, extra).inspect_err(|_| self.total.unbook(extra))?;
-        if ok {
-            self.bounds.cover(chunk.addr, chunk.end() + extra);
-        } else {
-            self.total.unbook(extra);
-        }
-        Ok(ok)
-    }
-    fn can_extend(&self) -> bool {
-        self.inner.can_extend()
-    }
-    fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
-        let ok = self.inner.try_shrink(chunk, amount)?;
-        if ok {
-            self.total.unbook(amount);
-        }
-        Ok(ok)
-    }
-    fn granularity(&self) -> usize {
-        self.inner.granularity()
-    }
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn host_accessible(&self) -> bool {
-        self.inner.host_accessible()
-    }
-    fn device_free(&self) -> Option<usize> {
-        self.inner.device_free()
-    }
-}
-
-struct Arena {
-    pool: InitCell<Pool<Box<dyn Upstream>>>,
-    bounds: Arc<Bounds>,
+    (2 * cores).clamp(1, MAX_ARENAS).next_power_of_two()
 }
 
 /// Several best-fit pools over upstreams of one kind, chosen by the calling
@@ -194,13 +69,15 @@ struct Arena {
 /// # Ok::<(), cumem::Error>(())
 /// ```
 pub struct Arenas {
-    arenas: Box<[Arena]>,
+    /// The arenas' pools (a boxed slice: the upstream wrappers point at it,
+    /// so it never moves; see `arena_upstream.rs`).
+    arenas: Box<ArenaPools>,
     make: Option<UpstreamFactory>,
     config: PoolConfig,
     /// The slot of the first thread that used the set (it gets arena 0).
     base: AtomicUsize,
-    /// The bytes all arenas hold, against the limit.
-    total: Arc<Total>,
+    /// The directory and the total against the limit.
+    shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for Arenas {
@@ -215,21 +92,20 @@ impl std::fmt::Debug for Arenas {
 
 impl Arenas {
     /// A set of at most `count` arenas (at least 1, at most
-    /// [`MAX_ARENAS`]): arena 0 over `first`, the others made on first use
-    /// with `make` (`None`: one arena only).
+    /// [`MAX_ARENAS`], rounded up to a power of two): arena 0 over `first`,
+    /// the others made on first use with `make` (`None`: one arena only).
     pub fn new(first: Box<dyn Upstream>, make: Option<UpstreamFactory>, config: PoolConfig, count: usize) -> Self {
-        let count = if make.is_some() { count.clamp(1, MAX_ARENAS) } else { 1 };
-        let arenas: Box<[Arena]> =
-            (0..count).map(|_| Arena { pool: InitCell::new(), bounds: Arc::new(Bounds::new()) }).collect();
-        let total = Arc::new(Total { bytes: AtomicUsize::new(0), limit: config.max_size, kind: config.kind });
-        let pool = Pool::new(Self::track(first, &arenas[0].bounds, &total), config.clone());
+        let count = if make.is_some() { count.clamp(1, MAX_ARENAS).next_power_of_two() } else { 1 };
+        let arenas: Box<ArenaPools> = (0..count).map(|_| InitCell::new()).collect();
+        let shared = Shared::new(&arenas, config.max_size, config.kind);
+        let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
         // A new cell is empty, so this always sets it.
-        let _ = arenas[0].pool.init(|| Ok::<_, ()>(pool));
-        Arenas { arenas, make, config, base: AtomicUsize::new(NO_SLOT), total }
+        let _ = arenas[0].init(|| Ok::<_, ()>(pool));
+        Arenas { arenas, make, config, base: AtomicUsize::new(NO_SLOT), shared }
     }
 
-    fn track(inner: Box<dyn Upstream>, bounds: &Arc<Bounds>, total: &Arc<Total>) -> Box<dyn Upstream> {
-        Box::new(Tracked { inner, bounds: bounds.clone(), total: total.clone() })
+    fn track(inner: Box<dyn Upstream>, shared: &Arc<Shared>, index: usize) -> Box<dyn Upstream> {
+        Box::new(Tracked { inner, shared: shared.clone(), index })
     }
 
     /// How many arenas the set may hold.
@@ -239,17 +115,17 @@ impl Arenas {
 
     /// How many arenas were made so far.
     pub fn made(&self) -> usize {
-        self.arenas.iter().filter(|a| a.pool.get().is_some()).count()
+        self.arenas.iter().filter(|a| a.get().is_some()).count()
     }
 
     /// Arena 0, the one a single thread uses.
     pub fn primary(&self) -> &Pool<Box<dyn Upstream>> {
-        self.arenas[0].pool.get().expect("arena 0 is made with the set")
+        self.arenas[0].get().expect("arena 0 is made with the set")
     }
 
     /// The arenas made so far, with their indexes.
     pub fn pools(&self) -> impl Iterator<Item = (usize, &Pool<Box<dyn Upstream>>)> {
-        self.arenas.iter().enumerate().filter_map(|(i, a)| a.pool.get().map(|p| (i, p)))
+        self.arenas.iter().enumerate().filter_map(|(i, a)| a.get().map(|p| (i, p)))
     }
 
     /// The configuration every arena shares.
@@ -273,21 +149,28 @@ impl Arenas {
                 Err(first) => first,
             };
         }
-        (slot as isize - base as isize).rem_euclid(n as isize) as usize
+        // The count is a power of two: a mask, not a division.
+        slot.wrapping_sub(base) & (n - 1)
     }
 
     /// The calling thread's arena, made on first use (arena 0 when it
     /// can't be made).
+    #[inline]
     fn home_pool(&self) -> &Pool<Box<dyn Upstream>> {
         let i = self.home();
-        let arena = &self.arenas[i];
-        if let Some(p) = arena.pool.get() {
-            return p;
+        match self.arenas[i].get() {
+            Some(p) => p,
+            None => self.make_arena(i),
         }
+    }
+
+    /// Makes arena `i` (arena 0 when it can't be made).
+    #[cold]
+    fn make_arena(&self, i: usize) -> &Pool<Box<dyn Upstream>> {
+        let arena = &self.arenas[i];
         let (Some(make), false) = (&self.make, self.primary().is_shut_down()) else { return self.primary() };
-        let made = arena
-            .pool
-            .get_or_init(|| make().map(|u| Pool::new(Self::track(u, &arena.bounds, &self.total), self.config.clone())));
+        let made =
+            arena.get_or_init(|| make().map(|u| Pool::new(Self::track(u, &self.shared, i), self.config.clone())));
         made.unwrap_or_else(|_| self.primary())
     }
 
@@ -307,46 +190,20 @@ impl Arenas {
     /// As [`Pool::allocate_for`].
     #[inline]
     pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
-        let pool = self.home_pool();
-        match pool.allocate_for(size, align, stream) {
-            Err(e @ Error::OutOfMemory { .. }) => {
-                let mut released = 0;
-                for (_, other) in self.pools().filter(|(_, p)| !std::ptr::eq(*p, pool)) {
-                    released += other.release_cached().unwrap_or(0);
-                }
-                if released == 0 {
-                    return Err(e);
-                }
-                pool.allocate_for(size, align, stream)
-            }
-            r => r,
-        }
+        // Out of memory, the arena's upstream takes the other arenas' free
+        // memory first (arena_upstream.rs): the result needs no second
+        // look here.
+        self.home_pool().allocate_for(size, align, stream)
     }
 
-    /// The arenas that may hold `addr`, the caller's own first.
-    fn owners(&self, addr: usize) -> impl Iterator<Item = &Pool<Box<dyn Upstream>>> {
-        let home = self.home();
-        let order = std::iter::once(home).chain((0..self.arenas.len()).filter(move |&i| i != home));
-        order.filter_map(move |i| {
-            let a = &self.arenas[i];
-            if a.bounds.holds(addr) {
-                a.pool.get()
-            } else {
-                None
-            }
-        })
+    /// The arena whose chunk holds `addr` (one look-up in the directory).
+    #[inline]
+    fn owner(&self, addr: usize) -> Option<&Pool<Box<dyn Upstream>>> {
+        self.arenas.get(self.shared.directory.find(addr)?)?.get()
     }
 
-    /// Runs `f` on the arena that holds the live or free block at `addr`:
-    /// the first answer other than [`Error::UnknownPointer`] wins.
-    fn route<R>(&self, addr: usize, mut f: impl FnMut(&Pool<Box<dyn Upstream>>) -> Result<R>) -> Result<R> {
-        for pool in self.owners(addr) {
-            match f(pool) {
-                Err(Error::UnknownPointer { .. }) => continue,
-                r => return r,
-            }
-        }
-        Err(Error::UnknownPointer { pool: self.config.kind, addr })
+    fn unknown(&self, addr: usize) -> Error {
+        Error::UnknownPointer { pool: self.config.kind, addr }
     }
 
     /// [`Pool::deallocate`] in the arena that owns the block, whichever
@@ -356,7 +213,10 @@ impl Arenas {
     /// As [`Pool::deallocate`].
     #[inline]
     pub fn deallocate(&self, addr: usize, tag: StreamTag) -> Result<Freed> {
-        self.route(addr, |p| p.deallocate(addr, tag))
+        match self.owner(addr) {
+            Some(p) => p.deallocate(addr, tag),
+            None => Err(self.unknown(addr)),
+        }
     }
 
     /// [`Pool::check_live`] in the arena that owns the block.
@@ -364,31 +224,30 @@ impl Arenas {
     /// # Errors
     /// As [`Pool::check_live`].
     pub fn check_live(&self, addr: usize) -> Result<usize> {
-        self.route(addr, |p| p.check_live(addr))
+        match self.owner(addr) {
+            Some(p) => p.check_live(addr),
+            None => Err(self.unknown(addr)),
+        }
     }
 
     /// The size of the live block at `addr`, if there is one.
     pub fn block_size(&self, addr: usize) -> Option<usize> {
-        self.owners(addr).find_map(|p| p.block_size(addr))
+        self.owner(addr)?.block_size(addr)
     }
 
     /// Whether `addr` lies in one of the arenas' chunks.
     pub fn contains(&self, addr: usize) -> bool {
-        self.owners(addr).any(|p| p.contains(addr))
+        self.owner(addr).is_some_and(|p| p.contains(addr))
     }
 
     /// [`Pool::grow_in_place`] in the arena that owns the block.
     pub fn grow_in_place(&self, addr: usize, new_size: usize) -> bool {
-        self.owner_of_live(addr).is_some_and(|p| p.grow_in_place(addr, new_size))
+        self.owner(addr).is_some_and(|p| p.grow_in_place(addr, new_size))
     }
 
     /// [`Pool::shrink_in_place`] in the arena that owns the block.
     pub fn shrink_in_place(&self, addr: usize, new_size: usize) -> bool {
-        self.owner_of_live(addr).is_some_and(|p| p.shrink_in_place(addr, new_size))
-    }
-
-    fn owner_of_live(&self, addr: usize) -> Option<&Pool<Box<dyn Upstream>>> {
-        self.owners(addr).find(|p| p.block_size(addr).is_some())
+        self.owner(addr).is_some_and(|p| p.shrink_in_place(addr, new_size))
     }
 
     /// Whether any arena allocated yet.
@@ -540,16 +399,18 @@ loom::thread_local! {
 /// thread-locals are being torn down).
 #[inline]
 fn thread_slot() -> usize {
-    SLOT.try_with(|s| {
-        let v = s.0.get();
-        if v != NO_SLOT {
-            return v;
-        }
-        let v = take_slot();
-        s.0.set(v);
-        v
+    SLOT.try_with(|s| match s.0.get() {
+        NO_SLOT => first_slot(s),
+        v => v,
     })
     .unwrap_or(0)
+}
+
+#[cold]
+fn first_slot(s: &Slot) -> usize {
+    let v = take_slot();
+    s.0.set(v);
+    v
 }
 
 /// Makes the calling thread use slot `slot` from now on (its arena in a

@@ -16,6 +16,7 @@
 //! (`cache.rs`, [`PoolConfig::thread_cache`]): most allocations and frees
 //! of blocks up to [`MAX_CACHED_BLOCK`] never take the pool's lock.
 
+mod arena_upstream;
 mod arenas;
 mod best_fit;
 mod cache;
