@@ -44,6 +44,10 @@ trait Target: Sync {
     fn allocate(&self, l: &Self::Local, size: usize) -> u64;
     fn free(&self, l: &Self::Local, ptr: u64);
     fn finish(&self, _l: &Self::Local) {}
+    /// Upstream calls made so far (growth), where the target counts them.
+    fn growth(&self) -> u64 {
+        0
+    }
 }
 
 impl<U: Upstream> Target for Pool<U> {

@@ -2,9 +2,11 @@
 //! N times (N = 200,000 for one thread, 100,000 per thread otherwise): if
 //! fewer than 1,000 blocks are live and (none is live, or a fair coin says
 //! so), allocate a size drawn uniformly from 1 B to 4 MiB, else free a live
-//! block chosen uniformly. Each thread first runs its sequence once
-//! untimed (so the pools have grown to their working size) and frees
-//! everything; then the same sequence is timed.
+//! block chosen uniformly. Each thread first runs its sequence twice
+//! untimed (so the pools have grown to their working size), freeing
+//! everything after each; then the same sequence is timed. The `grew`
+//! column counts upstream calls during the timed passes of the row (0:
+//! the pools had grown).
 //!
 //! Rows, each through a `MemoryManager` of its own: the device sync pool
 //! with one stream shared by all threads, with a stream per thread
@@ -75,6 +77,9 @@ impl Target for Device {
     fn finish(&self, s: &Stream) {
         s.synchronize().expect("cuStreamSynchronize");
     }
+    fn growth(&self) -> u64 {
+        self.mm.device_stats(0).map_or(0, |s| s.pool.upstream_allocs)
+    }
 }
 
 /// The pinned pool through the manager.
@@ -88,6 +93,9 @@ impl Target for Pinned {
     }
     fn free(&self, _: &(), ptr: u64) {
         self.0.free_pinned(ptr as *mut u8).expect("pinned free");
+    }
+    fn growth(&self) -> u64 {
+        self.0.pinned_stats().upstream_allocs
     }
 }
 
@@ -135,18 +143,21 @@ fn sequence<T: Target>(t: &T, l: &T::Local, seed: u64, ops: u64, live: &mut Vec<
 }
 
 /// Runs the workload on `threads` threads; returns total Mops/s of the
-/// timed pass, timed from the first thread's start to the last one's end.
-fn run<T: Target>(t: &T, threads: usize, ops: u64, warm: bool) -> f64 {
-    let ready = Barrier::new(threads);
-    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+/// timed pass (from the first thread's start to the last one's end) and
+/// the upstream calls (growth) made during it. The untimed passes run
+/// twice, so the timed one finds the pools grown.
+fn run<T: Target>(t: &T, threads: usize, ops: u64, warm: bool) -> (f64, u64) {
+    let ready = Barrier::new(threads + 1);
+    let go = Barrier::new(threads + 1);
+    let (spans, grew) = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|id| {
-                let ready = &ready;
+                let (ready, go) = (&ready, &go);
                 s.spawn(move || {
                     let l = t.local();
                     let seed = 0x5eed_0000 + id as u64;
                     let mut live = Vec::with_capacity(LIVE);
-                    if warm {
+                    for _ in 0..if warm { 2 } else { 0 } {
                         sequence(t, &l, seed, ops, &mut live);
                         for p in live.drain(..) {
                             t.free(&l, p);
@@ -154,6 +165,7 @@ fn run<T: Target>(t: &T, threads: usize, ops: u64, warm: bool) -> f64 {
                         t.finish(&l);
                     }
                     ready.wait();
+                    go.wait();
                     let start = Instant::now();
                     sequence(t, &l, seed, ops, &mut live);
                     let end = Instant::now();
@@ -165,25 +177,30 @@ fn run<T: Target>(t: &T, threads: usize, ops: u64, warm: bool) -> f64 {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("bench thread")).collect()
+        ready.wait();
+        let before = t.growth();
+        go.wait();
+        let spans: Vec<(Instant, Instant)> = handles.into_iter().map(|h| h.join().expect("bench thread")).collect();
+        (spans, t.growth() - before)
     });
     let start = spans.iter().map(|s| s.0).min().expect("one thread at least");
     let end = spans.iter().map(|s| s.1).max().expect("one thread at least");
     let elapsed: Duration = end - start;
-    (ops * threads as u64) as f64 / elapsed.as_secs_f64() / 1e6
+    ((ops * threads as u64) as f64 / elapsed.as_secs_f64() / 1e6, grew)
 }
 
-fn print_row(name: &str, rates: &[f64], raw: Option<&[f64]>) {
+fn print_row(name: &str, row: &[(f64, u64)], raw: Option<&[(f64, u64)]>) {
     print!("{name:<44}");
-    for r in rates {
+    for (r, _) in row {
         print!("{r:>9.2}");
     }
-    let (one, eight, sixteen) = (rates[0], rates[3], rates[4]);
+    let (one, eight, sixteen) = (row[0].0, row[3].0, row[4].0);
     print!("{:>9.1}x{:>9.2}", eight / one, sixteen / eight);
     match raw {
-        Some(raw) => println!("{:>9.1}x", eight / raw[3]),
-        None => println!(),
+        Some(raw) => print!("{:>9.1}x", eight / raw[3].0),
+        None => print!("{:>10}", "-"),
     }
+    println!("{:>7}", row.iter().map(|r| r.1).sum::<u64>());
 }
 
 /// Grows a fresh pinned pool to 10 GiB in these sizes from one thread.
@@ -239,8 +256,8 @@ pub fn main() {
     for t in THREADS {
         print!("{:>9}", format!("{t} thr"));
     }
-    println!("{:>10}{:>9}{:>10}", "8 vs 1", "16/8", "8 vs raw");
-    let rows = |f: &dyn Fn(usize) -> f64| THREADS.iter().map(|&t| f(t)).collect::<Vec<f64>>();
+    println!("{:>10}{:>9}{:>10}{:>7}", "8 vs 1", "16/8", "8 vs raw", "grew");
+    let rows = |f: &dyn Fn(usize) -> (f64, u64)| THREADS.iter().map(|&t| f(t)).collect::<Vec<_>>();
     let (mut raw_shared, mut raw_each) = (None, None);
     if let Some(ctx) = &ctx {
         let shared = rows(&|t| {

@@ -9,6 +9,7 @@ mod allocator;
 mod capture;
 mod context;
 mod cuda_upstream;
+mod free_clock;
 mod graph;
 mod native_pool;
 mod peer;

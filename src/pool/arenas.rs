@@ -396,9 +396,10 @@ loom::thread_local! {
 }
 
 /// The calling thread's slot number, taken on first use (0 while
-/// thread-locals are being torn down).
+/// thread-locals are being torn down). Slots are small numbers, reused
+/// after a thread exits.
 #[inline]
-fn thread_slot() -> usize {
+pub(crate) fn thread_slot() -> usize {
     SLOT.try_with(|s| match s.0.get() {
         NO_SLOT => first_slot(s),
         v => v,

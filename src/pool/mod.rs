@@ -27,6 +27,7 @@ mod spin;
 mod stats;
 mod tag;
 
+pub(crate) use arenas::thread_slot;
 pub use arenas::{default_arena_count, set_thread_slot, Arenas, UpstreamFactory, MAX_ARENAS};
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
