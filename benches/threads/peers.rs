@@ -2,11 +2,11 @@
 //! N times (N = 200,000 for one thread, 100,000 per thread otherwise): if
 //! fewer than 1,000 blocks are live and (none is live, or a fair coin says
 //! so), allocate a size drawn uniformly from 1 B to 4 MiB, else free a live
-//! block chosen uniformly. Each thread first runs its sequence twice
-//! untimed (so the pools have grown to their working size), freeing
-//! everything after each; then the same sequence is timed. The `grew`
-//! column counts upstream calls during the timed passes of the row (0:
-//! the pools had grown).
+//! block chosen uniformly. Each thread first runs its sequence untimed
+//! and frees everything, in rounds until a round grows no pool (at most
+//! 4), so the pools have grown to their working size; then the same
+//! sequence is timed. The `grew` column counts upstream calls during the
+//! timed passes of the row (0: the pools had grown).
 //!
 //! Rows, each through a `MemoryManager` of its own: the device sync pool
 //! with one stream shared by all threads, with a stream per thread
@@ -22,6 +22,7 @@
 //!
 //! `CUMEM_PEERS_SCALE` multiplies N (e.g. 0.1 for a quick look).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -142,29 +143,37 @@ fn sequence<T: Target>(t: &T, l: &T::Local, seed: u64, ops: u64, live: &mut Vec<
     }
 }
 
+/// The most untimed rounds before the timed pass.
+const WARM_ROUNDS: usize = 4;
+
 /// Runs the workload on `threads` threads; returns total Mops/s of the
 /// timed pass (from the first thread's start to the last one's end) and
-/// the upstream calls (growth) made during it. The untimed passes run
-/// twice, so the timed one finds the pools grown.
+/// the upstream calls (growth) made during it. With `warm`, every thread
+/// first runs its sequence untimed and frees everything, in rounds, until
+/// a round grows no pool (at most `WARM_ROUNDS`), so the timed pass finds
+/// the pools grown.
 fn run<T: Target>(t: &T, threads: usize, ops: u64, warm: bool) -> (f64, u64) {
-    let ready = Barrier::new(threads + 1);
+    let round_done = Barrier::new(threads + 1);
+    let decided = Barrier::new(threads + 1);
     let go = Barrier::new(threads + 1);
+    let again = AtomicBool::new(warm);
     let (spans, grew) = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|id| {
-                let (ready, go) = (&ready, &go);
+                let (round_done, decided, go, again) = (&round_done, &decided, &go, &again);
                 s.spawn(move || {
                     let l = t.local();
                     let seed = 0x5eed_0000 + id as u64;
                     let mut live = Vec::with_capacity(LIVE);
-                    for _ in 0..if warm { 2 } else { 0 } {
+                    while again.load(Ordering::Acquire) {
                         sequence(t, &l, seed, ops, &mut live);
                         for p in live.drain(..) {
                             t.free(&l, p);
                         }
                         t.finish(&l);
+                        round_done.wait();
+                        decided.wait();
                     }
-                    ready.wait();
                     go.wait();
                     let start = Instant::now();
                     sequence(t, &l, seed, ops, &mut live);
@@ -177,7 +186,18 @@ fn run<T: Target>(t: &T, threads: usize, ops: u64, warm: bool) -> (f64, u64) {
                 })
             })
             .collect();
-        ready.wait();
+        let mut grown = t.growth();
+        let mut rounds = 0;
+        while again.load(Ordering::Acquire) {
+            round_done.wait();
+            rounds += 1;
+            let now = t.growth();
+            if (rounds > 1 && now == grown) || rounds >= WARM_ROUNDS {
+                again.store(false, Ordering::Release);
+            }
+            grown = now;
+            decided.wait();
+        }
         let before = t.growth();
         go.wait();
         let spans: Vec<(Instant, Instant)> = handles.into_iter().map(|h| h.join().expect("bench thread")).collect();

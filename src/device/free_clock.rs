@@ -31,18 +31,26 @@ const COUNT_BITS: u32 = 48;
 const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
 
 /// A sequence number that never counts as complete (see the module docs).
-pub(crate) const PENDING: u64 = u64::MAX;
+pub const PENDING: u64 = u64::MAX;
 
-/// One stream's free counters.
-pub(crate) struct FreeClock {
+/// One stream's free counters (public for the loom models only).
+#[doc(hidden)]
+pub struct FreeClock {
     /// Frees counted per shard.
     freed: Box<[CachePadded<AtomicU64>]>,
     /// Per shard, every free up to this count is known complete.
     synced: Box<[AtomicU64]>,
 }
 
+impl Default for FreeClock {
+    fn default() -> Self {
+        FreeClock::new()
+    }
+}
+
 impl FreeClock {
-    pub(crate) fn new() -> Self {
+    /// Counters at 0.
+    pub fn new() -> Self {
         FreeClock {
             freed: (0..SHARDS).map(|_| CachePadded::new(AtomicU64::new(0))).collect(),
             synced: (0..SHARDS).map(|_| AtomicU64::new(0)).collect(),
@@ -51,14 +59,14 @@ impl FreeClock {
 
     /// The sequence number of a free on the calling thread now (never 0).
     #[inline]
-    pub(crate) fn tick(&self) -> u64 {
+    pub fn tick(&self) -> u64 {
         let shard = crate::pool::thread_slot() % SHARDS;
         let count = self.freed[shard].fetch_add(1, Ordering::AcqRel) + 1;
         (shard as u64) << COUNT_BITS | (count & COUNT_MASK)
     }
 
     /// Whether the free numbered `seq` is known complete.
-    pub(crate) fn completed(&self, seq: u64) -> bool {
+    pub fn completed(&self, seq: u64) -> bool {
         if seq == PENDING {
             return false;
         }
@@ -67,18 +75,18 @@ impl FreeClock {
     }
 
     /// Whether every free counted so far is known complete.
-    pub(crate) fn all_complete(&self) -> bool {
+    pub fn all_complete(&self) -> bool {
         self.freed.iter().zip(self.synced.iter()).all(|(f, s)| s.load(Ordering::Acquire) >= f.load(Ordering::Acquire))
     }
 
     /// Every shard's count now (read before the host waits for the stream).
-    pub(crate) fn seen(&self) -> Vec<u64> {
+    pub fn seen(&self) -> Vec<u64> {
         self.freed.iter().map(|f| f.load(Ordering::Acquire)).collect()
     }
 
     /// Records the counts of [`seen`](Self::seen) as complete (after the
     /// host waited for the stream).
-    pub(crate) fn mark_complete(&self, seen: &[u64]) {
+    pub fn mark_complete(&self, seen: &[u64]) {
         for (s, &n) in self.synced.iter().zip(seen).filter(|(_, &n)| n > 0) {
             s.fetch_max(n, Ordering::AcqRel);
         }
