@@ -18,11 +18,11 @@
 //! same run; `CUMEM_BENCH_PEERS_ONLY=1` stops after it.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use cudarc::driver::{result, CudaContext, CudaStream};
+use cudarc::driver::CudaContext;
 use cumem::device::{driver_status, CudaDeviceMemory, CudaPinnedMemory, DriverStatus};
 use cumem::pool::{Pool, PoolConfig, StreamTag};
 use cumem::upstream::{Host, Upstream};
@@ -58,29 +58,6 @@ impl<U: Upstream> Target for Pool<U> {
     }
     fn free(&self, _: &(), ptr: u64) {
         self.deallocate(ptr as usize, StreamTag::NONE).expect("pool free");
-    }
-}
-
-/// Raw `cuMemAllocAsync` from the device's default pool.
-struct RawAsync(Arc<CudaContext>);
-
-impl Target for RawAsync {
-    type Local = Arc<CudaStream>;
-    fn local(&self) -> Arc<CudaStream> {
-        self.0.bind_to_thread().expect("cuCtxSetCurrent");
-        self.0.new_stream().expect("cuStreamCreate")
-    }
-    fn allocate(&self, s: &Arc<CudaStream>, size: usize) -> u64 {
-        // SAFETY: the stream belongs to the context bound to this thread.
-        unsafe { result::malloc_async(s.cu_stream(), size) }.expect("cuMemAllocAsync")
-    }
-    fn free(&self, s: &Arc<CudaStream>, ptr: u64) {
-        // SAFETY: `ptr` came from `cuMemAllocAsync` on this context and no
-        // work uses it.
-        unsafe { result::free_async(ptr, s.cu_stream()) }.expect("cuMemFreeAsync");
-    }
-    fn finish(&self, s: &Arc<CudaStream>) {
-        s.synchronize().expect("cuStreamSynchronize");
     }
 }
 
@@ -239,7 +216,7 @@ fn main() {
                 scaling_pool(&mut c, &table, &hits, &format!("cuda_pinned_pool/{tag}"), &pinned);
             }
             if ctx.has_async_alloc() {
-                scaling(&mut c, &table, "raw_cuMemAllocAsync", &RawAsync(ctx.clone()));
+                scaling(&mut c, &table, "raw_cuMemAllocAsync", &peers::Raw { ctx: ctx.clone(), shared: None });
             }
         }
         DriverStatus::Unavailable(why) => println!("no CUDA driver ({why}): host fallback only"),

@@ -102,9 +102,9 @@ impl Target for Pinned {
 
 /// Raw `cuMemAllocAsync` from the device's default pool; `shared`: every
 /// thread on this one stream, else a stream per thread.
-struct Raw {
-    ctx: Arc<CudaContext>,
-    shared: Option<Arc<CudaStream>>,
+pub(crate) struct Raw {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) shared: Option<Arc<CudaStream>>,
 }
 
 impl Target for Raw {
