@@ -78,6 +78,8 @@ pub struct Arenas {
     base: AtomicUsize,
     /// The directory and the total against the limit.
     shared: Arc<Shared>,
+    /// Arenas made so far (raised before a new arena hands out a block).
+    made: AtomicUsize,
 }
 
 impl std::fmt::Debug for Arenas {
@@ -101,7 +103,7 @@ impl Arenas {
         let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
         // A new cell is empty, so this always sets it.
         let _ = arenas[0].init(|| Ok::<_, ()>(pool));
-        Arenas { arenas, make, config, base: AtomicUsize::new(NO_SLOT), shared }
+        Arenas { arenas, make, config, base: AtomicUsize::new(NO_SLOT), shared, made: AtomicUsize::new(1) }
     }
 
     fn track(inner: Box<dyn Upstream>, shared: &Arc<Shared>, index: usize) -> Box<dyn Upstream> {
@@ -115,7 +117,7 @@ impl Arenas {
 
     /// How many arenas were made so far.
     pub fn made(&self) -> usize {
-        self.arenas.iter().filter(|a| a.get().is_some()).count()
+        self.made.load(Ordering::Acquire)
     }
 
     /// Arena 0, the one a single thread uses.
@@ -169,8 +171,13 @@ impl Arenas {
     fn make_arena(&self, i: usize) -> &Pool<Box<dyn Upstream>> {
         let arena = &self.arenas[i];
         let (Some(make), false) = (&self.make, self.primary().is_shut_down()) else { return self.primary() };
-        let made =
-            arena.get_or_init(|| make().map(|u| Pool::new(Self::track(u, &self.shared, i), self.config.clone())));
+        let made = arena.get_or_init(|| {
+            let pool = make().map(|u| Pool::new(Self::track(u, &self.shared, i), self.config.clone()));
+            if pool.is_ok() {
+                self.made.fetch_add(1, Ordering::AcqRel);
+            }
+            pool
+        });
         made.unwrap_or_else(|_| self.primary())
     }
 
@@ -213,6 +220,11 @@ impl Arenas {
     /// As [`Pool::deallocate`].
     #[inline]
     pub fn deallocate(&self, addr: usize, tag: StreamTag) -> Result<Freed> {
+        // One arena (a single thread so far): nothing to look up. A block
+        // of a later arena was handed out after the count rose.
+        if self.made.load(Ordering::Acquire) == 1 {
+            return self.primary().deallocate(addr, tag);
+        }
         match self.owner(addr) {
             Some(p) => p.deallocate(addr, tag),
             None => Err(self.unknown(addr)),
