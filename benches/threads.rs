@@ -12,19 +12,26 @@
 //! e.g. `-- scaling/host`); a plain table of Mops/s follows criterion's
 //! output. `CUMEM_BENCH_SIZES=uniform` draws sizes uniformly instead;
 //! `CUMEM_BENCH_CACHE_MIB` sets the per-thread cache budget.
+//!
+//! First comes the peers' own workload (`peers.rs`, the anchors' exact
+//! definition) through the manager, beside raw `cuMemAllocAsync` of the
+//! same run; `CUMEM_BENCH_PEERS_ONLY=1` stops after it.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use cudarc::driver::{result, CudaContext, CudaStream};
+use cudarc::driver::CudaContext;
 use cumem::device::{driver_status, CudaDeviceMemory, CudaPinnedMemory, DriverStatus};
 use cumem::pool::{Pool, PoolConfig, StreamTag};
 use cumem::upstream::{Host, Upstream};
 use cumem::PoolKind;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+
+#[path = "threads/peers.rs"]
+mod peers;
 
 const MAX_LIVE: usize = 1000;
 const MAX_SIZE: f64 = (4 << 20) as f64;
@@ -37,6 +44,10 @@ trait Target: Sync {
     fn allocate(&self, l: &Self::Local, size: usize) -> u64;
     fn free(&self, l: &Self::Local, ptr: u64);
     fn finish(&self, _l: &Self::Local) {}
+    /// Upstream calls made so far (growth), where the target counts them.
+    fn growth(&self) -> u64 {
+        0
+    }
 }
 
 impl<U: Upstream> Target for Pool<U> {
@@ -47,29 +58,6 @@ impl<U: Upstream> Target for Pool<U> {
     }
     fn free(&self, _: &(), ptr: u64) {
         self.deallocate(ptr as usize, StreamTag::NONE).expect("pool free");
-    }
-}
-
-/// Raw `cuMemAllocAsync` from the device's default pool.
-struct RawAsync(Arc<CudaContext>);
-
-impl Target for RawAsync {
-    type Local = Arc<CudaStream>;
-    fn local(&self) -> Arc<CudaStream> {
-        self.0.bind_to_thread().expect("cuCtxSetCurrent");
-        self.0.new_stream().expect("cuStreamCreate")
-    }
-    fn allocate(&self, s: &Arc<CudaStream>, size: usize) -> u64 {
-        // SAFETY: the stream belongs to the context bound to this thread.
-        unsafe { result::malloc_async(s.cu_stream(), size) }.expect("cuMemAllocAsync")
-    }
-    fn free(&self, s: &Arc<CudaStream>, ptr: u64) {
-        // SAFETY: `ptr` came from `cuMemAllocAsync` on this context and no
-        // work uses it.
-        unsafe { result::free_async(ptr, s.cu_stream()) }.expect("cuMemFreeAsync");
-    }
-    fn finish(&self, s: &Arc<CudaStream>) {
-        s.synchronize().expect("cuStreamSynchronize");
     }
 }
 
@@ -188,6 +176,10 @@ fn config(kind: PoolKind, cache: bool) -> PoolConfig {
 }
 
 fn main() {
+    peers::main();
+    if std::env::var("CUMEM_BENCH_PEERS_ONLY").is_ok_and(|v| v == "1") {
+        return;
+    }
     let mut c = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(300))
@@ -224,7 +216,7 @@ fn main() {
                 scaling_pool(&mut c, &table, &hits, &format!("cuda_pinned_pool/{tag}"), &pinned);
             }
             if ctx.has_async_alloc() {
-                scaling(&mut c, &table, "raw_cuMemAllocAsync", &RawAsync(ctx.clone()));
+                scaling(&mut c, &table, "raw_cuMemAllocAsync", &peers::Raw { ctx: ctx.clone(), shared: None });
             }
         }
         DriverStatus::Unavailable(why) => println!("no CUDA driver ({why}): host fallback only"),

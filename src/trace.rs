@@ -117,6 +117,13 @@ pub struct Trace {
     pub peak_live: usize,
     /// Allocations still live at the end.
     pub live_at_end: usize,
+    /// The stream of each of `ops` (same length), as an index into
+    /// `stream_ids`: streams are numbered in order of first appearance. A
+    /// free's stream is the one its line names (where the program freed
+    /// it), which need not be the allocation's.
+    pub op_streams: Vec<u32>,
+    /// The `Stream` values of the trace's operations, by index.
+    pub stream_ids: Vec<u64>,
 }
 
 /// Column positions, from the header.
@@ -193,6 +200,8 @@ fn parse_action(s: &str) -> Option<Action> {
 struct Resolver {
     live: HashMap<u64, (u32, usize)>,
     live_bytes: usize,
+    /// Stream values seen so far → their index.
+    streams: HashMap<u64, u32>,
 }
 
 impl Trace {
@@ -267,6 +276,20 @@ impl Trace {
         Ok(trace)
     }
 
+    fn stream_index(&mut self, stream: u64, r: &mut Resolver) -> u32 {
+        let next = self.stream_ids.len() as u32;
+        let i = *r.streams.entry(stream).or_insert(next);
+        if i == next {
+            self.stream_ids.push(stream);
+        }
+        i
+    }
+
+    /// How many streams the trace's operations use (at least 1).
+    pub fn streams(&self) -> usize {
+        self.stream_ids.len().max(1)
+    }
+
     fn push(&mut self, record: Record, r: &mut Resolver) {
         self.records.push(record);
         match record.action {
@@ -283,11 +306,15 @@ impl Trace {
                 r.live_bytes += record.size;
                 self.peak_live = self.peak_live.max(r.live_bytes);
                 self.ops.push(Op::Allocate { slot, size: record.size });
+                let stream = self.stream_index(record.stream, r);
+                self.op_streams.push(stream);
             }
             Action::Free => match r.live.remove(&record.pointer) {
                 Some((slot, size)) => {
                     r.live_bytes -= size;
                     self.ops.push(Op::Free { slot });
+                    let stream = self.stream_index(record.stream, r);
+                    self.op_streams.push(stream);
                 }
                 None => self.skipped_frees += 1,
             },
@@ -412,5 +439,20 @@ mod tests {
         let t = parse_reader(&bytes[..], "gz").unwrap();
         assert_eq!(t.peak_live, 150);
         assert_eq!(trace_name(Path::new("/a/bert_train.csv.gz")), "bert_train");
+    }
+
+    #[test]
+    fn streams_are_numbered_in_order_of_first_use() {
+        let text = "Thread,Time,Action,Pointer,Size,Stream\n\
+                    0,1,allocate,0x100,10,0x7\n\
+                    0,2,allocate,0x200,10,0x9\n\
+                    0,3,free,0x100,10,0x9\n\
+                    0,4,free,0x999,10,0x5\n\
+                    0,5,free,0x200,10,0x7\n";
+        let t = parse_str(text).unwrap();
+        assert_eq!(t.stream_ids, vec![7, 9]);
+        assert_eq!(t.op_streams, vec![0, 1, 1, 0], "the skipped free takes no stream");
+        assert_eq!(t.streams(), 2);
+        assert_eq!(parse_str("Thread,Time,Action,Pointer,Size,Stream\n").unwrap().streams(), 1);
     }
 }

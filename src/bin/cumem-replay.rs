@@ -40,6 +40,13 @@ struct Args {
     /// the mode and backend.
     #[arg(long, default_value = "")]
     conf: String,
+    /// Replay every operation on one stream, ignoring the trace's `Stream`
+    /// column (how the peers were measured). By default each stream of the
+    /// trace replays on a CUDA stream of its own (`sim_device`: a stream
+    /// tag of its own), and reuses across streams wait as they would in the
+    /// program (counted and timed in the `waits` columns).
+    #[arg(long)]
+    one_stream: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -62,6 +69,7 @@ struct TraceInfo {
     path: String,
     records: usize,
     operations: usize,
+    streams: usize,
     peak_live: usize,
     skipped_frees: usize,
     failures: usize,
@@ -76,6 +84,8 @@ struct Output {
     repeat: usize,
     /// Whether each replay was timed after an untimed warm-up pass.
     warm: bool,
+    /// Whether every operation ran on one stream.
+    one_stream: bool,
     conf: String,
     traces: Vec<TraceInfo>,
     results: Vec<ReplayReport>,
@@ -128,7 +138,7 @@ fn run(args: &Args) -> cumem::Result<()> {
             let mut per_op = Vec::new();
             let mut last = None;
             for _ in 0..args.repeat.max(1) {
-                match replay::replay_with(trace, target, &base, 1, args.warm) {
+                match replay::replay_on(trace, target, &base, 1, args.warm, args.one_stream) {
                     Ok(r) => {
                         per_op.push(r.ns_per_op);
                         last = Some(r);
@@ -160,6 +170,7 @@ fn run(args: &Args) -> cumem::Result<()> {
             backend,
             repeat: args.repeat.max(1),
             warm: args.warm,
+            one_stream: args.one_stream,
             conf: args.conf.clone(),
             traces: infos,
             results,
@@ -197,6 +208,7 @@ fn trace_info(t: &Trace, path: &std::path::Path) -> TraceInfo {
         path: path.display().to_string(),
         records: t.records.len(),
         operations: t.operations(),
+        streams: t.streams(),
         peak_live: t.peak_live,
         skipped_frees: t.skipped_frees,
         failures: t.failures,
@@ -212,18 +224,20 @@ fn mib(bytes: usize) -> String {
 
 fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], args: &Args) {
     println!(
-        "cumem-replay on {backend}; median of {} {} replay(s); conf '{}'",
+        "cumem-replay on {backend}; median of {} {} replay(s), {}; conf '{}'",
         args.repeat.max(1),
         if args.warm { "warm" } else { "cold (fresh allocator, growth timed)" },
+        if args.one_stream { "one stream" } else { "the trace's streams" },
         args.conf
     );
     for i in infos {
         println!(
-            "trace {}: {} records, {} operations, peak live {} MiB ({} B); skipped frees {}, allocate failures {}, \
-             duplicate allocations {}, zero sizes {}, live at end {}",
+            "trace {}: {} records, {} operations on {} stream(s), peak live {} MiB ({} B); skipped frees {}, \
+             allocate failures {}, duplicate allocations {}, zero sizes {}, live at end {}",
             i.name,
             i.records,
             i.operations,
+            i.streams,
             mib(i.peak_live),
             i.peak_live,
             i.skipped_frees,
@@ -235,7 +249,7 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
     }
     println!();
     println!(
-        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13}",
+        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>7} {:>6} {:>9}",
         "trace",
         "target",
         "ops",
@@ -246,11 +260,14 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
         "reserved MiB",
         "ratio",
         "fail",
-        "map/unmap"
+        "map/unmap",
+        "streams",
+        "waits",
+        "wait ns"
     );
     for r in results {
         println!(
-            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13}",
+            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>7} {:>6} {:>9}",
             r.trace,
             r.target,
             r.operations,
@@ -266,7 +283,10 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
             match (r.map_calls, r.unmap_calls) {
                 (Some(m), Some(u)) => format!("{m}/{u}"),
                 _ => "n/a".to_string(),
-            }
+            },
+            r.streams,
+            r.stream_waits,
+            r.stream_wait_ns
         );
     }
     // Ratios against the raw driver calls measured in this run.

@@ -23,7 +23,7 @@ use super::graph::{GraphStats, Graphs};
 use super::native_pool::{self, NativePool, NativePoolAttributes};
 use super::stream::{Stream, StreamRegistry};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{self, LiveBlock, Pool, PoolStats, StreamTag};
+use crate::pool::{self, Arenas, LiveBlock, Pool, PoolStats, StreamTag};
 use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::upstream::Upstream;
 
@@ -126,6 +126,12 @@ pub struct DeviceStats {
     pub default_pool: Option<NativePoolAttributes>,
     /// The graph-private pools (CUDA graphs).
     pub graphs: GraphStats,
+    /// Sync-pool reuses of a block freed on another stream that had to wait
+    /// for that stream's work (`cuEventRecord` + `cuStreamWaitEvent`, or
+    /// the host waiting when no stream was given).
+    pub stream_waits: u64,
+    /// The nanoseconds spent issuing those waits.
+    pub stream_wait_ns: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -146,7 +152,7 @@ struct AsyncBook {
 pub struct DeviceAllocator {
     ordinal: usize,
     ctx: Option<Arc<CudaContext>>,
-    pub(super) pool: Pool<Box<dyn Upstream>>,
+    pub(super) pool: Arenas,
     supports_async: bool,
     requested: AtomicU8,
     effective: AtomicU8,
@@ -184,7 +190,7 @@ impl DeviceAllocator {
     pub(crate) fn new(
         ordinal: usize,
         ctx: Option<Arc<CudaContext>>,
-        pool: Pool<Box<dyn Upstream>>,
+        pool: Arenas,
         mode: DeviceAllocatorMode,
         release_threshold: u64,
         capture_check_always: bool,
@@ -220,8 +226,9 @@ impl DeviceAllocator {
         self.ctx.as_ref()
     }
 
-    /// The sync pool.
-    pub fn pool(&self) -> &Pool<Box<dyn Upstream>> {
+    /// The sync pool (its arenas: one per thread that allocates, see
+    /// [`Arenas`]).
+    pub fn pool(&self) -> &Arenas {
         &self.pool
     }
 
@@ -533,6 +540,8 @@ impl DeviceAllocator {
             native_pool: self.native.get().and_then(|p| p.attributes().ok()),
             default_pool: self.default_pool.get().and_then(|p| p.attributes().ok()),
             graphs: self.graphs_stats(),
+            stream_waits: self.streams.waits().0,
+            stream_wait_ns: self.streams.waits().1,
         }
     }
 

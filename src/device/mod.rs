@@ -9,6 +9,9 @@ mod allocator;
 mod capture;
 mod context;
 mod cuda_upstream;
+mod free_clock;
+#[doc(hidden)]
+pub use free_clock::{FreeClock, PENDING};
 mod graph;
 mod native_pool;
 mod peer;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::driver_err;
+use super::free_clock::FreeClock;
 use crate::error::Result;
 use crate::pool::StreamTag;
 use crate::sync::{lock, AtomicU64, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
@@ -46,11 +47,9 @@ struct StreamInner {
     /// here so that dispatch by stream costs no driver call); `None` for a
     /// host queue.
     device: Option<usize>,
-    /// Sequence number of the last free on this stream.
-    freed: AtomicU64,
-    /// Every free up to this sequence number is known complete (the host
-    /// synchronised the stream after it).
-    synced: AtomicU64,
+    /// The sequence numbers of frees on this stream, and which are known
+    /// complete (the host synchronised the stream after them).
+    frees: FreeClock,
     /// The registry this stream was last registered in (its address), so a
     /// free on the stream usually skips the registry's lock.
     registered_in: AtomicUsize,
@@ -66,8 +65,7 @@ impl StreamInner {
             id: next_stream_id(),
             cuda,
             device,
-            freed: AtomicU64::new(0),
-            synced: AtomicU64::new(0),
+            frees: FreeClock::new(),
             registered_in: AtomicUsize::new(0),
             host_capture: AtomicU64::new(0),
         })
@@ -171,18 +169,17 @@ impl Stream {
 
     /// A fresh tag for a block freed on this stream now.
     pub(crate) fn free_tag(&self) -> StreamTag {
-        let seq = self.inner.freed.fetch_add(1, Ordering::AcqRel) + 1;
-        StreamTag { stream: self.inner.id, seq }
+        StreamTag { stream: self.inner.id, seq: self.inner.frees.tick() }
     }
 
     /// Whether the free tagged `tag` on this stream is known complete.
     fn completed(&self, tag: StreamTag) -> bool {
-        self.inner.synced.load(Ordering::Acquire) >= tag.seq
+        self.inner.frees.completed(tag.seq)
     }
 
     /// Whether every free on this stream so far is known complete.
     fn all_frees_complete(&self) -> bool {
-        self.inner.synced.load(Ordering::Acquire) >= self.inner.freed.load(Ordering::Acquire)
+        self.inner.frees.all_complete()
     }
 
     /// Waits until all work queued on the stream is done
@@ -192,11 +189,11 @@ impl Stream {
     /// A driver error from the stream's work.
     pub fn synchronize(&self) -> Result<()> {
         let Some(s) = &self.inner.cuda else { return Ok(()) };
-        // Every free numbered up to `seen` was queued before this call, so
-        // once the stream is idle they are all complete.
-        let seen = self.inner.freed.load(Ordering::Acquire);
+        // Every free counted in `seen` was queued before this call, so once
+        // the stream is idle they are all complete.
+        let seen = self.inner.frees.seen();
         s.synchronize().map_err(driver_err("cuStreamSynchronize"))?;
-        self.inner.synced.fetch_max(seen, Ordering::AcqRel);
+        self.inner.frees.mark_complete(&seen);
         Ok(())
     }
 
@@ -225,6 +222,10 @@ impl From<Arc<CudaStream>> for Stream {
 #[derive(Default)]
 pub(crate) struct StreamRegistry {
     streams: Mutex<HashMap<u64, Stream>>,
+    /// Reuses that had to wait for another stream's work (an event wait,
+    /// or the host waiting), and the nanoseconds those waits took to issue.
+    waits: AtomicU64,
+    wait_ns: AtomicU64,
 }
 
 impl StreamRegistry {
@@ -282,6 +283,8 @@ impl StreamRegistry {
             // A stream this registry never saw: wait for the whole device.
             return ctx.synchronize().map_err(driver_err("cuCtxSynchronize"));
         }
+        let start = std::time::Instant::now();
+        let mut waited = false;
         for src in sources.iter().filter(|s| user.is_none_or(|u| u.inner.id != s.inner.id)) {
             if captures && super::capture::capture_of(src)?.is_some() {
                 return Err(crate::Error::Capture(
@@ -290,12 +293,23 @@ impl StreamRegistry {
                         .into(),
                 ));
             }
+            waited = true;
             match user {
                 Some(u) if !u.is_host() => u.wait_for(src)?,
                 _ => src.synchronize()?,
             }
         }
+        if waited {
+            self.waits.fetch_add(1, Ordering::Relaxed);
+            self.wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
         Ok(())
+    }
+
+    /// Reuses that waited for another stream's work so far, and the
+    /// nanoseconds issuing those waits took.
+    pub(crate) fn waits(&self) -> (u64, u64) {
+        (self.waits.load(Ordering::Relaxed), self.wait_ns.load(Ordering::Relaxed))
     }
 
     /// The streams registered.

@@ -138,6 +138,12 @@ pub struct Config {
     /// that code for several devices runs and is tested without a GPU.
     /// Ignored on CUDA, where the driver says how many there are.
     pub host_devices: usize,
+    /// How many arenas the pinned pool and each device's sync pool may
+    /// split into (0: twice the processors, at most
+    /// [`MAX_ARENAS`](crate::pool::MAX_ARENAS); 1: one pool). Each thread
+    /// allocates from one arena, with its own lock and (on CUDA) its own
+    /// address range; see [`Arenas`](crate::pool::Arenas).
+    pub arenas: usize,
 }
 
 impl Default for Config {
@@ -161,6 +167,7 @@ impl Default for Config {
             capture_check_always: false,
             peer_access: PeerAccess::None,
             host_devices: 1,
+            arenas: 0,
         }
     }
 }
@@ -290,6 +297,20 @@ impl Config {
         self.thread_cache_bytes = bytes;
         self
     }
+    /// Sets [`Config::arenas`].
+    pub fn arenas(mut self, count: usize) -> Self {
+        self.arenas = count;
+        self
+    }
+
+    /// The arena count in effect ([`Config::arenas`], 0 resolved).
+    pub fn arena_count(&self) -> usize {
+        match self.arenas {
+            0 => crate::pool::default_arena_count(),
+            n => n.min(crate::pool::MAX_ARENAS),
+        }
+    }
+
     /// Sets [`Config::device_thread_cache`].
     pub fn device_thread_cache(mut self, on: bool) -> Self {
         self.device_thread_cache = on;
@@ -405,6 +426,9 @@ impl std::str::FromStr for Config {
                 "pinned_thread_cache" => c.pinned_thread_cache = bool_value(key, value)?,
                 "device_thread_cache" => c.device_thread_cache = bool_value(key, value)?,
                 "thread_cache_bytes" => c.thread_cache_bytes = size_value(key, value)?,
+                "arenas" => {
+                    c.arenas = value.parse().map_err(|_| Error::Config(format!("arenas: '{value}' is not a count")))?
+                }
                 "backend" => {
                     c.backend = match value {
                         "auto" => BackendChoice::Auto,
@@ -437,7 +461,7 @@ impl std::str::FromStr for Config {
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
                          max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          track_allocations, thread_cache, pinned_thread_cache, \
-                         device_thread_cache, thread_cache_bytes, backend, peer_access, host_devices, log, \
+                         device_thread_cache, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
                          capture_check)"
                     )))
                 }

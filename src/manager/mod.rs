@@ -26,9 +26,9 @@ use once_cell::sync::OnceCell;
 use crate::device::{self, DeviceAllocator, DeviceAllocatorMode, DeviceStats, DriverStatus, Stream};
 use crate::error::{Error, PoolKind, Result};
 use crate::log::EventLog;
-use crate::pool::{Pool, PoolStats};
+use crate::pool::{Arenas, Pool, PoolStats};
 use crate::sync::{AtomicBool, Ordering};
-use crate::upstream::{Host, HostExpandable, Upstream};
+use crate::upstream::{Geometric, Host, HostExpandable, Taken, Upstream};
 
 /// Address space the host fallback's expandable device pool reserves (no
 /// memory until used).
@@ -90,7 +90,7 @@ impl std::fmt::Display for Backend {
 pub struct MemoryManager {
     config: Config,
     backend: Backend,
-    pinned: Pool<Box<dyn Upstream>>,
+    pinned: Arenas,
     pinned_ctx: Option<Arc<CudaContext>>,
     /// The managed-memory pool, made on first use (`crate::managed`).
     managed: OnceCell<Pool<Box<dyn Upstream>>>,
@@ -183,14 +183,25 @@ impl MemoryManager {
         if config.device >= device_count {
             return Err(Error::NoSuchDevice { ordinal: config.device, count: device_count });
         }
-        let pinned_upstream: Box<dyn Upstream> = match &ctx {
-            Some(ctx) => Box::new(device::CudaPinnedMemory::new(ctx.clone())),
-            None => Box::new(Host::new()),
-        };
         let pinned_config = config.pinned_pool_config();
+        // Every pinned arena grows geometrically against one shared total,
+        // so the whole pool reaches a large size in few upstream calls.
+        let (taken, limit, pinned_ctx) = (Taken::new(), pinned_config.max_size, ctx.clone());
+        let pinned_upstream = move || -> Result<Box<dyn Upstream>> {
+            let inner: Box<dyn Upstream> = match &pinned_ctx {
+                Some(ctx) => Box::new(device::CudaPinnedMemory::new(ctx.clone())),
+                None => Box::new(Host::new()),
+            };
+            Ok(Box::new(Geometric::new(inner, taken.clone(), limit)))
+        };
         Ok(MemoryManager {
             device_pool_size: crate::sync::Mutex::new(config.device_pool_size),
-            pinned: Pool::new(pinned_upstream, pinned_config),
+            pinned: Arenas::new(
+                pinned_upstream()?,
+                Some(Box::new(pinned_upstream)),
+                pinned_config,
+                config.arena_count(),
+            ),
             pinned_ctx: ctx,
             managed: OnceCell::new(),
             devices: (0..device_count).map(|_| OnceCell::new()).collect(),
@@ -284,7 +295,7 @@ impl MemoryManager {
     }
 
     /// The pinned pool.
-    pub fn pinned_pool(&self) -> &Pool<Box<dyn Upstream>> {
+    pub fn pinned_pool(&self) -> &Arenas {
         &self.pinned
     }
 
@@ -339,10 +350,16 @@ impl MemoryManager {
             Some(d) if ordinal != self.config.device => d.requested_mode(),
             _ => self.config.mode,
         };
+        // Each further arena takes its chunks the same way (on CUDA, a
+        // reservation of its own, registered for peer access like the
+        // first).
+        let (arena_ctx, expandable) = (ctx.clone(), self.config.expandable);
+        let make: crate::pool::UpstreamFactory =
+            Box::new(move || Self::make_device_upstream(arena_ctx.as_ref(), expandable));
         Ok(DeviceAllocator::new(
             ordinal,
             ctx,
-            Pool::new(upstream, pc),
+            Arenas::new(upstream, Some(make), pc, self.config.arena_count()),
             mode,
             self.config.release_threshold,
             self.config.capture_check_always,
@@ -352,11 +369,15 @@ impl MemoryManager {
     /// Where a device pool of the context's device (the host fallback's
     /// without one) takes its chunks.
     fn device_upstream(&self, ctx: Option<&Arc<CudaContext>>) -> Result<Box<dyn Upstream>> {
+        Self::make_device_upstream(ctx, self.config.expandable)
+    }
+
+    fn make_device_upstream(ctx: Option<&Arc<CudaContext>>, expandable: bool) -> Result<Box<dyn Upstream>> {
         Ok(match ctx {
-            Some(ctx) => device::device_upstream(ctx.clone(), self.config.expandable)?,
+            Some(ctx) => device::device_upstream(ctx.clone(), expandable)?,
             // The host twin of expandable segments: address space reserved
             // up front, committed as the pool grows.
-            None if self.config.expandable => Box::new(HostExpandable::new(HOST_DEVICE_RESERVATION)?),
+            None if expandable => Box::new(HostExpandable::new(HOST_DEVICE_RESERVATION)?),
             None => Box::new(Host::new()),
         })
     }

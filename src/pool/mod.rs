@@ -16,6 +16,8 @@
 //! (`cache.rs`, [`PoolConfig::thread_cache`]): most allocations and frees
 //! of blocks up to [`MAX_CACHED_BLOCK`] never take the pool's lock.
 
+mod arena_upstream;
+mod arenas;
 mod best_fit;
 mod cache;
 mod classes;
@@ -27,6 +29,8 @@ mod spin;
 mod stats;
 mod tag;
 
+pub(crate) use arenas::thread_slot;
+pub use arenas::{default_arena_count, set_thread_slot, Arenas, UpstreamFactory, MAX_ARENAS};
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
 pub use pages::RANK_LIMIT;

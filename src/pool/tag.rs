@@ -10,7 +10,9 @@
 pub struct StreamTag {
     /// The stream's id (0: none, `u64::MAX`: several).
     pub stream: u64,
-    /// The free's sequence number on that stream.
+    /// The free's sequence number on that stream. Its top 16 bits name
+    /// the shard (thread) that counted it; `u64::MAX`: some free on the
+    /// stream, never known complete.
     pub seq: u64,
 }
 
@@ -28,7 +30,11 @@ impl StreamTag {
         } else if self == StreamTag::NONE {
             other
         } else if self.stream == other.stream && self != StreamTag::MIXED {
-            StreamTag { stream: self.stream, seq: self.seq.max(other.seq) }
+            // A sequence number's top 16 bits name the shard (thread) that
+            // counted it; numbers of different shards don't compare, so
+            // the merge is "pending on this stream" (u64::MAX).
+            let seq = if self.seq >> 48 == other.seq >> 48 { self.seq.max(other.seq) } else { u64::MAX };
+            StreamTag { stream: self.stream, seq }
         } else {
             StreamTag::MIXED
         }
@@ -52,5 +58,8 @@ mod tests {
         assert_eq!(StreamTag::MIXED.merge(a1), StreamTag::MIXED);
         assert_eq!(a1.merge(StreamTag::MIXED), StreamTag::MIXED);
         assert_eq!(StreamTag::MIXED.merge(StreamTag::MIXED), StreamTag::MIXED);
+        // Numbers counted by different shards don't compare.
+        let other_shard = StreamTag { stream: 1, seq: 1 << 48 | 2 };
+        assert_eq!(a5.merge(other_shard), StreamTag { stream: 1, seq: u64::MAX });
     }
 }

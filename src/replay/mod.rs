@@ -143,6 +143,12 @@ pub struct Measurement {
     pub map_calls: Option<u64>,
     /// Unmap calls during the timed replay, where the target can tell.
     pub unmap_calls: Option<u64>,
+    /// Reuses of a block freed on another of the trace's streams that had
+    /// to wait for that stream's work (in the timed pass).
+    pub stream_waits: u64,
+    /// The nanoseconds issuing those waits took (within `elapsed_ns`; 0
+    /// where nothing is issued, as in `sim_device`).
+    pub stream_wait_ns: u64,
 }
 
 /// A trace replayed several times through one target.
@@ -174,6 +180,13 @@ pub struct ReplayReport {
     pub map_calls: Option<u64>,
     /// Unmap calls in the last replay's timed pass.
     pub unmap_calls: Option<u64>,
+    /// The CUDA streams (or stream tags) the replay used: the trace's
+    /// streams, or 1 with `--one-stream`.
+    pub streams: usize,
+    /// Cross-stream reuses that waited in the last replay.
+    pub stream_waits: u64,
+    /// The nanoseconds issuing those waits took in the last replay.
+    pub stream_wait_ns: u64,
 }
 
 /// The median of `values` (0 when empty).
@@ -209,15 +222,43 @@ pub fn replay_once(trace: &Trace, target: Target, base: &Config) -> Result<Measu
 /// # Errors
 /// As [`replay_once`].
 pub fn replay_once_with(trace: &Trace, target: Target, base: &Config, warm: bool) -> Result<Measurement> {
+    replay_once_on(trace, target, base, warm, false)
+}
+
+/// As [`replay_once_with`]. Each stream of the trace's `Stream` column
+/// replays on a CUDA stream of its own (on `sim_device`, a stream tag of
+/// its own), so frees and reuses cross streams as they did in the program;
+/// with `one_stream` every operation runs on one stream. The raw driver
+/// targets always use one stream (a free on another stream than the
+/// allocation's would need events the trace does not record), and so does
+/// the host fallback, whose streams carry no tags.
+///
+/// # Errors
+/// As [`replay_once`].
+pub fn replay_once_on(
+    trace: &Trace,
+    target: Target,
+    base: &Config,
+    warm: bool,
+    one_stream: bool,
+) -> Result<Measurement> {
     if target.needs_gpu() && device::driver_status().devices() == 0 {
         return Err(Error::NeedsGpu("this replay target"));
     }
     match target {
-        Target::Host => replay_cumem(trace, base.clone().backend(BackendChoice::Host), warm),
-        Target::Mode(m) => replay_cumem(trace, base.clone().backend(BackendChoice::Auto).mode(m), warm),
+        Target::Host => replay_cumem(trace, base.clone().backend(BackendChoice::Host), warm, one_stream),
+        Target::Mode(m) => replay_cumem(trace, base.clone().backend(BackendChoice::Auto).mode(m), warm, one_stream),
         Target::RawCuMemAlloc => raw::replay_cumemalloc(trace, base.device),
         Target::RawCuMemAllocAsync => raw::replay_cumemallocasync(trace, base.device, warm),
-        Target::Simulated => sim::replay_simulated(trace, base, warm),
+        Target::Simulated => sim::replay_simulated(trace, base, warm, one_stream),
+    }
+}
+
+/// The streams a target replays `trace` on.
+fn streams_used(trace: &Trace, target: Target, one_stream: bool) -> usize {
+    match target {
+        Target::Mode(_) | Target::Simulated if !one_stream => trace.streams(),
+        _ => 1,
     }
 }
 
@@ -235,10 +276,26 @@ pub fn replay(trace: &Trace, target: Target, base: &Config, repeat: usize) -> Re
 /// # Errors
 /// The first replay's error.
 pub fn replay_with(trace: &Trace, target: Target, base: &Config, repeat: usize, warm: bool) -> Result<ReplayReport> {
+    replay_on(trace, target, base, repeat, warm, false)
+}
+
+/// As [`replay_with`], on the trace's streams or (`one_stream`) on one
+/// (see [`replay_once_on`]).
+///
+/// # Errors
+/// The first replay's error.
+pub fn replay_on(
+    trace: &Trace,
+    target: Target,
+    base: &Config,
+    repeat: usize,
+    warm: bool,
+    one_stream: bool,
+) -> Result<ReplayReport> {
     let mut per_op = Vec::with_capacity(repeat.max(1));
     let mut last = Measurement::default();
     for _ in 0..repeat.max(1) {
-        last = replay_once_with(trace, target, base, warm)?;
+        last = replay_once_on(trace, target, base, warm, one_stream)?;
         per_op.push(last.elapsed_ns as f64 / trace.operations().max(1) as f64);
     }
     let min = per_op.iter().copied().fold(f64::INFINITY, f64::min);
@@ -258,6 +315,9 @@ pub fn replay_with(trace: &Trace, target: Target, base: &Config, repeat: usize, 
         failures: last.failures,
         map_calls: last.map_calls,
         unmap_calls: last.unmap_calls,
+        streams: streams_used(trace, target, one_stream),
+        stream_waits: last.stream_waits,
+        stream_wait_ns: last.stream_wait_ns,
     })
 }
 
@@ -276,15 +336,21 @@ fn fresh_default_pool(ordinal: usize) -> Result<Option<NativePool>> {
     Ok(Some(pool))
 }
 
-fn replay_cumem(trace: &Trace, config: Config, warm: bool) -> Result<Measurement> {
+fn replay_cumem(trace: &Trace, config: Config, warm: bool, one_stream: bool) -> Result<Measurement> {
     let ordinal = config.device;
     let mm = MemoryManager::new(config)?;
     let dev = mm.default_device()?;
     let mode = dev.effective_mode();
-    let stream = match dev.context() {
-        Some(_) => Some(Stream::new_on(ordinal)?),
-        None => None,
+    let count = if one_stream || dev.context().is_none() { 1 } else { trace.streams() };
+    let streams: Vec<Stream> = match dev.context() {
+        Some(_) => (0..count).map(|_| Stream::new_on(ordinal)).collect::<Result<_>>()?,
+        None => Vec::new(),
     };
+    // The stream of operation `i` (none on the host fallback).
+    let stream_of = |i: usize| streams.get(if count == 1 { 0 } else { trace.op_streams[i] as usize });
+    // Where a leftover block is freed: any stream orders it (the trace
+    // records no work on it).
+    let stream = streams.first();
     match mode {
         DeviceAllocatorMode::CudaAsyncPool => {
             dev.native_pool()?;
@@ -296,10 +362,11 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool) -> Result<Measurement
     }
     let pass = |ptrs: &mut Vec<u64>| {
         let mut failures = 0;
-        for op in &trace.ops {
+        for (i, op) in trace.ops.iter().enumerate() {
+            let stream = stream_of(i);
             match *op {
                 Op::Allocate { slot, size } => {
-                    let r = match &stream {
+                    let r = match stream {
                         Some(s) => mm.allocate_device_on(size, s),
                         None => mm.allocate_device(size),
                     };
@@ -311,7 +378,7 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool) -> Result<Measurement
                 Op::Free { slot } => {
                     let p = std::mem::take(&mut ptrs[slot as usize]);
                     if p != 0 {
-                        let r = match &stream {
+                        let r = match stream {
                             Some(s) => mm.free_device_on(p, s),
                             None => mm.free_device(p),
                         };
@@ -324,7 +391,7 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool) -> Result<Measurement
     };
     let free_all = |ptrs: &mut Vec<u64>| -> Result<()> {
         for p in ptrs.iter_mut().filter(|p| **p != 0) {
-            match &stream {
+            match stream {
                 Some(s) => mm.free_device_on(std::mem::take(p), s)?,
                 None => mm.free_device(std::mem::take(p))?,
             }
@@ -335,17 +402,19 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool) -> Result<Measurement
     if warm {
         pass(&mut ptrs);
         free_all(&mut ptrs)?;
-        if let Some(s) = &stream {
+        for s in &streams {
             s.synchronize()?;
         }
     }
-    let before = dev.stats().pool;
+    let before = dev.stats();
     let start = Instant::now();
     let failures = pass(&mut ptrs);
     let elapsed_ns = start.elapsed().as_nanos() as u64;
     let stats = dev.stats();
     let calls = (mode == DeviceAllocatorMode::SyncPool)
-        .then(|| (stats.pool.map_calls - before.map_calls, stats.pool.unmap_calls - before.unmap_calls));
+        .then(|| (stats.pool.map_calls - before.pool.map_calls, stats.pool.unmap_calls - before.pool.unmap_calls));
+    let stream_waits = stats.stream_waits - before.stream_waits;
+    let stream_wait_ns = stats.stream_wait_ns - before.stream_wait_ns;
     let (peak_live, peak_reserved) = match mode {
         // Physical memory: the mapped pages.
         DeviceAllocatorMode::SyncPool => (stats.pool.peak_requested, Some(stats.pool.peak_mapped)),
@@ -357,7 +426,7 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool) -> Result<Measurement
         }
     };
     free_all(&mut ptrs)?;
-    if let Some(s) = &stream {
+    for s in &streams {
         s.synchronize()?;
     }
     mm.release_cached()?;
@@ -368,6 +437,8 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool) -> Result<Measurement
         failures,
         map_calls: calls.map(|c| c.0),
         unmap_calls: calls.map(|c| c.1),
+        stream_waits,
+        stream_wait_ns,
     })
 }
 

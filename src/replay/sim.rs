@@ -245,26 +245,39 @@ impl Upstream for AddressRange {
 /// Replays `trace` through a fresh [`Pool`] over an [`AddressRange`], with
 /// the device pool settings of `config` (`min_chunk`, `expandable`,
 /// `device_pool_size`, `max_device_pool_size`).
-pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool) -> Result<Measurement> {
+///
+/// Unless `one_stream`, each of the trace's streams frees with a tag of its
+/// own (stream index + 1, with a sequence number per free), and an
+/// allocation handed a block last freed on another stream counts as a
+/// stream wait (what the device pool would order with an event).
+pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_stream: bool) -> Result<Measurement> {
     let pool = Pool::new(AddressRange::new(), config.device_pool_config());
     let mut addrs = vec![0usize; trace.slots];
+    let seq = std::cell::Cell::new(0u64);
+    let stream_of = |i: usize| if one_stream { 1 } else { u64::from(trace.op_streams[i]) + 1 };
     let pass = |addrs: &mut Vec<usize>| {
-        let mut failures = 0;
-        for op in &trace.ops {
+        let (mut failures, mut waits) = (0, 0u64);
+        for (i, op) in trace.ops.iter().enumerate() {
+            let stream = stream_of(i);
             match *op {
-                Op::Allocate { slot, size } => match pool.allocate(size, BLOCK_ALIGN) {
-                    Ok(a) => addrs[slot as usize] = a.addr,
+                Op::Allocate { slot, size } => match pool.allocate_for(size, BLOCK_ALIGN, stream) {
+                    Ok(a) => {
+                        addrs[slot as usize] = a.addr;
+                        waits += u64::from(a.tag != StreamTag::NONE && a.tag.stream != stream);
+                    }
                     Err(_) => failures += 1,
                 },
                 Op::Free { slot } => {
                     let a = std::mem::take(&mut addrs[slot as usize]);
                     if a != 0 {
-                        failures += usize::from(pool.deallocate(a, StreamTag::NONE).is_err());
+                        seq.set(seq.get() + 1);
+                        let tag = StreamTag { stream, seq: seq.get() };
+                        failures += usize::from(pool.deallocate(a, tag).is_err());
                     }
                 }
             }
         }
-        failures
+        (failures, waits)
     };
     if warm {
         // Once untimed, then free what is left: the timed pass finds the
@@ -276,7 +289,7 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool) -> Re
     }
     let before = pool.upstream().calls();
     let start = Instant::now();
-    let failures = pass(&mut addrs);
+    let (failures, stream_waits) = pass(&mut addrs);
     let elapsed_ns = start.elapsed().as_nanos() as u64;
     let after = pool.upstream().calls();
     let stats = pool.stats();
@@ -287,6 +300,8 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool) -> Re
         failures,
         map_calls: Some(after.maps - before.maps),
         unmap_calls: Some(after.unmaps - before.unmaps),
+        stream_waits,
+        stream_wait_ns: 0,
     })
 }
 

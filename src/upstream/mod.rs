@@ -7,11 +7,13 @@
 //! present; the CUDA upstreams live in [`crate::device`].
 
 mod expandable;
+mod geometric;
 mod host;
 mod host_vm;
 pub(crate) mod region;
 
 pub use expandable::{CudaVmm, HostExpandable};
+pub use geometric::{Geometric, Taken};
 pub use host::Host;
 pub use region::{GrowPath, VmBackend};
 

@@ -1,0 +1,308 @@
+//! The peers' random workload (`ANCHORS.md`), exactly: per thread, repeat
+//! N times (N = 200,000 for one thread, 100,000 per thread otherwise): if
+//! fewer than 1,000 blocks are live and (none is live, or a fair coin says
+//! so), allocate a size drawn uniformly from 1 B to 4 MiB, else free a live
+//! block chosen uniformly. Each thread first runs its sequence untimed
+//! and frees everything, in rounds until a round grows no pool (at most
+//! 4), so the pools have grown to their working size; then the same
+//! sequence is timed. The `grew` column counts upstream calls during the
+//! timed passes of the row (0: the pools had grown).
+//!
+//! Rows, each through a `MemoryManager` of its own: the device sync pool
+//! with one stream shared by all threads, with a stream per thread
+//! (`allocate_device_on` / `free_device_on`), and the pinned pool; each
+//! also with `arenas=1` (one shared pool, as before arenas). Beside them
+//! raw `cuMemAllocAsync` / `cuMemFreeAsync` on one shared stream and on a
+//! stream per thread. The raw rows and the one-arena stream-per-thread row
+//! run a tenth of N (they are 50-100x slower; a rate needs no more) and
+//! skip the untimed pass (the driver's pool needs none).
+//!
+//! After the table: growing the pinned pool to 10 GiB in these sizes from
+//! one thread, with the number of upstream calls and their total time.
+//!
+//! `CUMEM_PEERS_SCALE` multiplies N (e.g. 0.1 for a quick look).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{result, CudaContext, CudaStream};
+use cumem::device::{driver_status, DriverStatus, Stream};
+use cumem::{BackendChoice, Config, MemoryManager};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::Target;
+
+const LIVE: usize = 1000;
+const MAX: usize = 4 << 20;
+const THREADS: [usize; 5] = [1, 2, 4, 8, 16];
+
+fn scale() -> f64 {
+    std::env::var("CUMEM_PEERS_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1.0)
+}
+
+fn ops_per_thread(threads: usize, tenth: bool) -> u64 {
+    let n = if threads == 1 { 200_000.0 } else { 100_000.0 };
+    let n = n * scale() / if tenth { 10.0 } else { 1.0 };
+    (n as u64).max(100)
+}
+
+/// The device sync pool through the manager; `per_thread`: a stream per
+/// thread, else one shared stream.
+struct Device {
+    mm: MemoryManager,
+    shared: Stream,
+    per_thread: bool,
+    /// On the host fallback (host queues, no CUDA streams).
+    host: bool,
+}
+
+impl Target for Device {
+    type Local = Stream;
+    fn local(&self) -> Stream {
+        if self.host {
+            Stream::host()
+        } else if self.per_thread {
+            Stream::new().expect("cuStreamCreate")
+        } else {
+            self.shared.clone()
+        }
+    }
+    fn allocate(&self, s: &Stream, size: usize) -> u64 {
+        self.mm.allocate_device_on(size, s).expect("device allocation")
+    }
+    fn free(&self, s: &Stream, ptr: u64) {
+        self.mm.free_device_on(ptr, s).expect("device free");
+    }
+    fn finish(&self, s: &Stream) {
+        s.synchronize().expect("cuStreamSynchronize");
+    }
+    fn growth(&self) -> u64 {
+        self.mm.device_stats(0).map_or(0, |s| s.pool.upstream_allocs)
+    }
+}
+
+/// The pinned pool through the manager.
+struct Pinned(MemoryManager);
+
+impl Target for Pinned {
+    type Local = ();
+    fn local(&self) {}
+    fn allocate(&self, _: &(), size: usize) -> u64 {
+        self.0.allocate_pinned(size).expect("pinned allocation").as_ptr() as u64
+    }
+    fn free(&self, _: &(), ptr: u64) {
+        self.0.free_pinned(ptr as *mut u8).expect("pinned free");
+    }
+    fn growth(&self) -> u64 {
+        self.0.pinned_stats().upstream_allocs
+    }
+}
+
+/// Raw `cuMemAllocAsync` from the device's default pool; `shared`: every
+/// thread on this one stream, else a stream per thread.
+pub(crate) struct Raw {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) shared: Option<Arc<CudaStream>>,
+}
+
+impl Target for Raw {
+    type Local = Arc<CudaStream>;
+    fn local(&self) -> Arc<CudaStream> {
+        self.ctx.bind_to_thread().expect("cuCtxSetCurrent");
+        match &self.shared {
+            Some(s) => s.clone(),
+            None => self.ctx.new_stream().expect("cuStreamCreate"),
+        }
+    }
+    fn allocate(&self, s: &Arc<CudaStream>, size: usize) -> u64 {
+        // SAFETY: the stream belongs to the context bound to this thread.
+        unsafe { result::malloc_async(s.cu_stream(), size) }.expect("cuMemAllocAsync")
+    }
+    fn free(&self, s: &Arc<CudaStream>, ptr: u64) {
+        // SAFETY: `ptr` came from `cuMemAllocAsync` on this context and no
+        // work uses it.
+        unsafe { result::free_async(ptr, s.cu_stream()) }.expect("cuMemFreeAsync");
+    }
+    fn finish(&self, s: &Arc<CudaStream>) {
+        s.synchronize().expect("cuStreamSynchronize");
+    }
+}
+
+/// One thread's sequence of `ops` steps (the anchors' rule).
+fn sequence<T: Target>(t: &T, l: &T::Local, seed: u64, ops: u64, live: &mut Vec<u64>) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    for _ in 0..ops {
+        if live.len() < LIVE && (live.is_empty() || rng.gen_bool(0.5)) {
+            live.push(t.allocate(l, rng.gen_range(1..=MAX)));
+        } else {
+            let i = rng.gen_range(0..live.len());
+            t.free(l, live.swap_remove(i));
+        }
+    }
+}
+
+/// The most untimed rounds before the timed pass.
+const WARM_ROUNDS: usize = 4;
+
+/// Runs the workload on `threads` threads; returns total Mops/s of the
+/// timed pass (from the first thread's start to the last one's end) and
+/// the upstream calls (growth) made during it. With `warm`, every thread
+/// first runs its sequence untimed and frees everything, in rounds, until
+/// a round grows no pool (at most `WARM_ROUNDS`), so the timed pass finds
+/// the pools grown.
+fn run<T: Target>(t: &T, threads: usize, ops: u64, warm: bool) -> (f64, u64) {
+    let round_done = Barrier::new(threads + 1);
+    let decided = Barrier::new(threads + 1);
+    let go = Barrier::new(threads + 1);
+    let again = AtomicBool::new(warm);
+    let (spans, grew) = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|id| {
+                let (round_done, decided, go, again) = (&round_done, &decided, &go, &again);
+                s.spawn(move || {
+                    let l = t.local();
+                    let seed = 0x5eed_0000 + id as u64;
+                    let mut live = Vec::with_capacity(LIVE);
+                    while again.load(Ordering::Acquire) {
+                        sequence(t, &l, seed, ops, &mut live);
+                        for p in live.drain(..) {
+                            t.free(&l, p);
+                        }
+                        t.finish(&l);
+                        round_done.wait();
+                        decided.wait();
+                    }
+                    go.wait();
+                    let start = Instant::now();
+                    sequence(t, &l, seed, ops, &mut live);
+                    let end = Instant::now();
+                    for p in live.drain(..) {
+                        t.free(&l, p);
+                    }
+                    t.finish(&l);
+                    (start, end)
+                })
+            })
+            .collect();
+        let mut grown = t.growth();
+        let mut rounds = 0;
+        while again.load(Ordering::Acquire) {
+            round_done.wait();
+            rounds += 1;
+            let now = t.growth();
+            if (rounds > 1 && now == grown) || rounds >= WARM_ROUNDS {
+                again.store(false, Ordering::Release);
+            }
+            grown = now;
+            decided.wait();
+        }
+        let before = t.growth();
+        go.wait();
+        let spans: Vec<(Instant, Instant)> = handles.into_iter().map(|h| h.join().expect("bench thread")).collect();
+        (spans, t.growth() - before)
+    });
+    let start = spans.iter().map(|s| s.0).min().expect("one thread at least");
+    let end = spans.iter().map(|s| s.1).max().expect("one thread at least");
+    let elapsed: Duration = end - start;
+    ((ops * threads as u64) as f64 / elapsed.as_secs_f64() / 1e6, grew)
+}
+
+fn print_row(name: &str, row: &[(f64, u64)], raw: Option<&[(f64, u64)]>) {
+    print!("{name:<44}");
+    for (r, _) in row {
+        print!("{r:>9.2}");
+    }
+    let (one, eight, sixteen) = (row[0].0, row[3].0, row[4].0);
+    print!("{:>9.1}x{:>9.2}", eight / one, sixteen / eight);
+    match raw {
+        Some(raw) => print!("{:>9.1}x", eight / raw[3].0),
+        None => print!("{:>10}", "-"),
+    }
+    println!("{:>7}", row.iter().map(|r| r.1).sum::<u64>());
+}
+
+/// Grows a fresh pinned pool to 10 GiB in these sizes from one thread.
+fn pinned_growth(mm: MemoryManager) {
+    let mut rng = SmallRng::seed_from_u64(7);
+    let mut live = Vec::new();
+    let t0 = Instant::now();
+    while mm.pinned_stats().reserved < 10 << 30 {
+        match mm.allocate_pinned(rng.gen_range(1..=MAX)) {
+            Ok(p) => live.push(p),
+            Err(e) => {
+                println!("pinned growth stopped at {} MiB: {e}", mm.pinned_stats().reserved >> 20);
+                break;
+            }
+        }
+    }
+    let took = t0.elapsed();
+    let s = mm.pinned_stats();
+    println!(
+        "pinned growth to {} MiB ({} blocks live, {} MiB in use): {} upstream calls, {:.1} ms in all (allocation \
+         loop included)",
+        s.reserved >> 20,
+        live.len(),
+        s.in_use >> 20,
+        s.upstream_allocs,
+        took.as_secs_f64() * 1e3
+    );
+    for p in live {
+        mm.free_pinned(p.as_ptr()).expect("pinned free");
+    }
+}
+
+/// The peers' table. Without a GPU it is skipped, unless
+/// `CUMEM_PEERS_HOST=1` runs the cumem rows on the host fallback (a smoke
+/// test of the bench itself; its figures mean nothing for the GPU).
+pub fn main() {
+    let ctx = match driver_status() {
+        DriverStatus::Available { .. } => Some(CudaContext::new(0).expect("device 0")),
+        DriverStatus::Unavailable(why) if std::env::var("CUMEM_PEERS_HOST").is_ok_and(|v| v == "1") => {
+            println!("peers' workload on the host fallback ({why}): the cumem rows only");
+            None
+        }
+        DriverStatus::Unavailable(why) => {
+            println!("peers' workload: no CUDA driver ({why}), skipped");
+            return;
+        }
+    };
+    let backend = if ctx.is_some() { BackendChoice::Auto } else { BackendChoice::Host };
+    let manager = |arenas: usize| MemoryManager::new(Config::new().backend(backend).arenas(arenas)).expect("a manager");
+    let stream = || if ctx.is_some() { Stream::new().expect("cuStreamCreate") } else { Stream::host() };
+    println!("\nThe peers' workload (uniform 1 B..4 MiB, <= {LIVE} live per thread, fair coin), total Mops/s");
+    print!("{:<44}", "target");
+    for t in THREADS {
+        print!("{:>9}", format!("{t} thr"));
+    }
+    println!("{:>10}{:>9}{:>10}{:>7}", "8 vs 1", "16/8", "8 vs raw", "grew");
+    let rows = |f: &dyn Fn(usize) -> (f64, u64)| THREADS.iter().map(|&t| f(t)).collect::<Vec<_>>();
+    let (mut raw_shared, mut raw_each) = (None, None);
+    if let Some(ctx) = &ctx {
+        let shared = rows(&|t| {
+            let raw = Raw { ctx: ctx.clone(), shared: Some(ctx.new_stream().expect("cuStreamCreate")) };
+            run(&raw, t, ops_per_thread(t, true), false)
+        });
+        print_row("raw cuMemAllocAsync, one shared stream", &shared, None);
+        let each = rows(&|t| run(&Raw { ctx: ctx.clone(), shared: None }, t, ops_per_thread(t, true), false));
+        print_row("raw cuMemAllocAsync, a stream per thread", &each, None);
+        (raw_shared, raw_each) = (Some(shared), Some(each));
+    }
+    for arenas in [0, 1] {
+        let label = if arenas == 0 { "arenas" } else { "1 arena" };
+        let device = |per_thread: bool| {
+            rows(&|t| {
+                let d = Device { mm: manager(arenas), shared: stream(), per_thread, host: ctx.is_none() };
+                // One arena with a stream per thread is the slow case.
+                run(&d, t, ops_per_thread(t, per_thread && arenas == 1), true)
+            })
+        };
+        let (s, e) = (raw_shared.as_deref(), raw_each.as_deref());
+        print_row(&format!("cumem device, one shared stream ({label})"), &device(false), s);
+        print_row(&format!("cumem device, a stream per thread ({label})"), &device(true), e);
+        let pinned = rows(&|t| run(&Pinned(manager(arenas)), t, ops_per_thread(t, false), true));
+        print_row(&format!("cumem pinned ({label})"), &pinned, s);
+    }
+    pinned_growth(manager(0));
+}

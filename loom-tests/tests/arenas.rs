@@ -1,0 +1,121 @@
+//! Loom models of the per-thread arenas (`src/pool/arenas.rs`): lazy
+//! arena creation raced by two threads, and frees routed to the owning
+//! arena from another thread while both allocate.
+
+#![cfg(loom)]
+
+use std::sync::atomic::Ordering;
+
+use cumem::pool::{set_thread_slot, StreamTag};
+use cumem::Error;
+use cumem_loom_tests::{assert_arenas_balanced, fake_arenas, model};
+use loom::sync::Arc;
+use loom::thread;
+
+/// Two threads whose slots map to the same, not yet made, arena allocate
+/// at once: the arena is made once, both get disjoint blocks from it.
+#[test]
+fn arena_creation_is_raced_by_two_threads() {
+    model(|| {
+        let (arenas, made) = fake_arenas(4, false);
+        let arenas = Arc::new(arenas);
+        // This thread uses the set first: arena 0.
+        set_thread_slot(0);
+        let first = arenas.allocate(256, 256).unwrap();
+        assert_eq!(arenas.home(), 0);
+        let a2 = arenas.clone();
+        let t = thread::spawn(move || {
+            set_thread_slot(5);
+            let b = a2.allocate(256, 256).unwrap();
+            (a2.home(), b.addr)
+        });
+        set_thread_slot(1);
+        let mine = arenas.allocate(256, 256).unwrap();
+        let (home, theirs) = t.join().unwrap();
+        assert_eq!((home, arenas.home()), (1, 1), "slots 1 and 5 of 4 arenas share arena 1");
+        assert_ne!(mine.addr, theirs);
+        assert_eq!(made.load(Ordering::Relaxed), 1, "arena 1 was made once");
+        assert_eq!(arenas.made(), 2);
+        for addr in [first.addr, mine.addr, theirs] {
+            arenas.deallocate(addr, StreamTag::NONE).unwrap();
+        }
+        assert_arenas_balanced(&arenas);
+    });
+}
+
+/// Each thread allocates from its own arena and frees the other's block
+/// while allocating again: every free reaches the owner, a second free of
+/// a block is a double free, and nothing is lost.
+fn cross_thread_frees(cache: bool) {
+    model(move || {
+        let (arenas, _) = fake_arenas(2, cache);
+        let arenas = Arc::new(arenas);
+        set_thread_slot(0);
+        let mine = arenas.allocate(256, 256).unwrap();
+        let a2 = arenas.clone();
+        let t = thread::spawn(move || {
+            set_thread_slot(1);
+            let theirs = a2.allocate(512, 256).unwrap();
+            a2.deallocate(mine.addr, StreamTag::NONE).unwrap();
+            let again = a2.allocate(256, 256).unwrap();
+            a2.deallocate(again.addr, StreamTag::NONE).unwrap();
+            cumem::pool::release_thread_caches();
+            theirs
+        });
+        let next = arenas.allocate(256, 256).unwrap();
+        let theirs = t.join().unwrap();
+        assert_ne!(theirs.addr >> 32, next.addr >> 32, "the two threads used different arenas");
+        arenas.deallocate(theirs.addr, StreamTag::NONE).unwrap();
+        arenas.deallocate(next.addr, StreamTag::NONE).unwrap();
+        // `next` may have reused `mine`'s block: either way it is free now.
+        let again = arenas.deallocate(mine.addr, StreamTag::NONE);
+        assert!(matches!(again, Err(Error::DoubleFree { .. })), "{again:?}");
+        assert_arenas_balanced(&arenas);
+    });
+}
+
+/// Cross-thread frees between arenas without thread caches.
+#[test]
+fn cross_thread_frees_reach_the_owning_arena() {
+    cross_thread_frees(false);
+}
+
+/// The same with thread caches in front of each arena.
+#[test]
+fn cross_thread_frees_reach_the_owning_arena_through_caches() {
+    cross_thread_frees(true);
+}
+
+/// The sharded free counters of a stream (`src/device/free_clock.rs`): a
+/// free on one thread (work queued, then its number counted) races a
+/// synchronisation on another (read every count, wait, mark them
+/// complete). Whenever the free later counts as complete, the
+/// synchronisation must have seen the work queued before it; a free on a
+/// third shard counted after the read never counts as complete.
+#[test]
+fn a_free_is_complete_only_after_a_synchronisation_saw_it() {
+    use cumem::device::FreeClock;
+    use loom::sync::atomic::AtomicBool;
+    model(|| {
+        let clock = Arc::new(FreeClock::new());
+        let queued = Arc::new(AtomicBool::new(false));
+        let (c2, q2) = (clock.clone(), queued.clone());
+        let freer = thread::spawn(move || {
+            set_thread_slot(1);
+            // The work the free follows (a kernel queued on the stream).
+            q2.store(true, Ordering::Relaxed);
+            c2.tick()
+        });
+        set_thread_slot(2);
+        let seen = clock.seen();
+        // What a stream synchronisation covers: the work queued so far.
+        let covered = queued.load(Ordering::Relaxed);
+        clock.mark_complete(&seen);
+        let tag = freer.join().unwrap();
+        if clock.completed(tag) {
+            assert!(covered, "a free counted complete though its work was not covered");
+        }
+        let later = clock.tick();
+        assert!(!clock.completed(later));
+    });
+}

@@ -1,0 +1,251 @@
+//! What the arenas of one set share through their upstreams: the chunk
+//! directory (address → arena), the total held against the set's limit,
+//! and the way back to the other arenas when one runs out of memory.
+//!
+//! # Implementation details
+//!
+//! - **Directory.** A sorted array of `(start, end, arena)`, one entry per
+//!   chunk, published through one atomic pointer: a free finds its arena
+//!   with one load and a binary search, and takes no lock. Growth (rare)
+//!   copies the array under a writers' lock, drops entries the new chunk
+//!   overlaps (a range given back and handed out again), inserts, and
+//!   publishes; the old copies stay allocated until the set is dropped, so
+//!   a reader never sees freed memory (growth by new chunks is geometric
+//!   for pinned memory and happens once per arena for expandable ones, so
+//!   few copies are ever made). Growing a chunk in place only raises its
+//!   entry's end (an atomic), with no copy. An entry is written before the
+//!   chunk's blocks can be handed out, and whoever frees a block learned of
+//!   it after that, so the entry is always found.
+//! - **Out of memory.** When an arena's upstream can't deliver (the set's
+//!   limit or the driver), the wrapper gives back the free memory of every
+//!   other arena ([`Pool::release_cached`]) and asks once more. It runs in
+//!   the growing arena's upstream call, outside every pool lock.
+
+use super::Pool;
+use crate::error::{Error, OomState, PoolKind, Result};
+use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering};
+use crate::upstream::{Chunk, Upstream};
+
+/// One chunk of the directory.
+#[derive(Debug)]
+struct Entry {
+    start: usize,
+    /// Raised when the chunk grows in place.
+    end: AtomicUsize,
+    arena: usize,
+}
+
+/// The directory's current array and every array it replaced (each boxed
+/// once more, so the array's own pointer and length sit at an address that
+/// never moves and one atomic can publish both).
+#[derive(Debug, Default)]
+struct Versions {
+    // The inner box's address is what `Directory::current` publishes.
+    #[allow(clippy::vec_box)]
+    all: Vec<Box<Box<[Entry]>>>,
+}
+
+/// Address → arena (see the module docs).
+#[derive(Debug)]
+pub(super) struct Directory {
+    /// The current array: the address of the newest of `versions.all`'s
+    /// inner boxes (0: none yet).
+    current: AtomicUsize,
+    versions: Mutex<Versions>,
+}
+
+impl Directory {
+    fn new() -> Self {
+        Directory { current: AtomicUsize::new(0), versions: Mutex::new(Versions::default()) }
+    }
+
+    /// The arena whose chunk holds `addr`.
+    #[inline]
+    pub(super) fn find(&self, addr: usize) -> Option<usize> {
+        let ptr = self.current.load(Ordering::Acquire) as *const Box<[Entry]>;
+        if ptr.is_null() {
+            return None;
+        }
+        // SAFETY: `ptr` is the address of one of `versions`' inner boxes,
+        // published with Release after its array was filled; those boxes
+        // are never freed, moved or changed (but for the atomic `end`)
+        // while the directory lives, and `&self` keeps it alive.
+        let entries: &[Entry] = unsafe { &*ptr };
+        let i = entries.partition_point(|e| e.start <= addr);
+        let e = entries.get(i.checked_sub(1)?)?;
+        (addr < e.end.load(Ordering::Acquire)).then_some(e.arena)
+    }
+
+    /// Records that `arena` holds `[start, end)`.
+    fn insert(&self, start: usize, end: usize, arena: usize) {
+        let mut v = lock(&self.versions);
+        if let Some(cur) = v.all.last() {
+            // A chunk grown in place keeps its start: raise its end.
+            if let Some(e) = cur.iter().find(|e| e.start == start && e.arena == arena) {
+                e.end.fetch_max(end, Ordering::AcqRel);
+                return;
+            }
+        }
+        let old = v.all.last().map_or(&[][..], |b| &b[..][..]);
+        let mut next: Vec<Entry> = old
+            .iter()
+            .filter(|e| e.end.load(Ordering::Acquire) <= start || end <= e.start)
+            .map(|e| Entry { start: e.start, end: AtomicUsize::new(e.end.load(Ordering::Acquire)), arena: e.arena })
+            .collect();
+        let at = next.partition_point(|e| e.start < start);
+        next.insert(at, Entry { start, end: AtomicUsize::new(end), arena });
+        let next = Box::new(next.into_boxed_slice());
+        let ptr = &*next as *const Box<[Entry]> as usize;
+        v.all.push(next);
+        self.current.store(ptr, Ordering::Release);
+    }
+}
+
+/// The bytes all arenas of a set hold, against the set's limit.
+#[derive(Debug)]
+struct Total {
+    bytes: AtomicUsize,
+    limit: Option<usize>,
+    kind: PoolKind,
+}
+
+impl Total {
+    fn book(&self, size: usize) -> Result<()> {
+        let before = self.bytes.fetch_add(size, Ordering::AcqRel);
+        match self.limit {
+            Some(limit) if before + size > limit => {
+                self.bytes.fetch_sub(size, Ordering::AcqRel);
+                Err(Error::OutOfMemory {
+                    pool: self.kind,
+                    requested: size,
+                    state: Box::new(OomState {
+                        limit: Some(limit),
+                        upstream: Some(format!("the pool's arenas together hold {before} B of the {limit} B limit")),
+                        hint: Some("raise max_pool_size, or free blocks you hold"),
+                        ..Default::default()
+                    }),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn unbook(&self, size: usize) {
+        self.bytes.fetch_sub(size, Ordering::AcqRel);
+    }
+}
+
+/// The arena pools of a set, as the upstream wrappers reach them.
+pub(super) type ArenaPools = [crate::manager::InitCell<Pool<Box<dyn Upstream>>>];
+
+/// What the arenas of one set share.
+pub(super) struct Shared {
+    pub(super) directory: Directory,
+    total: Total,
+    /// The set's pools (a boxed slice that never moves). Set once, before
+    /// any arena is made; read only while an allocation from the set runs.
+    pools: *const ArenaPools,
+}
+
+// SAFETY: `pools` points at the set's boxed slice of pools, which are
+// `Sync`; it is only dereferenced while the set is borrowed (see
+// `Tracked::release_others`), and everything else is atomics and locks.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// The state for a set whose pools are `pools`, with `limit` for all of
+    /// them together.
+    pub(super) fn new(pools: &ArenaPools, limit: Option<usize>, kind: PoolKind) -> Arc<Self> {
+        Arc::new(Shared {
+            directory: Directory::new(),
+            total: Total { bytes: AtomicUsize::new(0), limit, kind },
+            pools: pools as *const ArenaPools,
+        })
+    }
+}
+
+/// Arena `index`'s upstream: records its chunks in the directory, books
+/// them against the limit, and takes the other arenas' free memory when
+/// its own upstream can't deliver.
+pub(super) struct Tracked {
+    pub(super) inner: Box<dyn Upstream>,
+    pub(super) shared: Arc<Shared>,
+    pub(super) index: usize,
+}
+
+impl Tracked {
+    /// Gives back the free memory of every arena but this one; the bytes
+    /// released.
+    fn release_others(&self) -> usize {
+        // SAFETY: an upstream allocates only for an allocation from its
+        // pool, which runs through `&Arenas`; the set owns the boxed slice
+        // `pools` points at, so it is alive and unmoved for that borrow.
+        let pools = unsafe { &*self.shared.pools };
+        let others = pools.iter().enumerate().filter(|(i, _)| *i != self.index);
+        others.filter_map(|(_, cell)| cell.get()).map(|p| p.release_cached().unwrap_or(0)).sum()
+    }
+
+    fn try_allocate(&self, size: usize) -> Result<Chunk> {
+        self.shared.total.book(size)?;
+        let c = self.inner.allocate_chunk(size).inspect_err(|_| self.shared.total.unbook(size))?;
+        // An upstream may hand out more than asked (geometric growth).
+        self.shared.total.bytes.fetch_add(c.size.saturating_sub(size), Ordering::AcqRel);
+        self.shared.directory.insert(c.addr, c.end(), self.index);
+        Ok(c)
+    }
+
+    fn try_extend_once(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        self.shared.total.book(extra)?;
+        let ok = self.inner.try_extend(chunk, extra).inspect_err(|_| self.shared.total.unbook(extra))?;
+        if ok {
+            self.shared.directory.insert(chunk.addr, chunk.end() + extra, self.index);
+        } else {
+            self.shared.total.unbook(extra);
+        }
+        Ok(ok)
+    }
+}
+
+impl Upstream for Tracked {
+    fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
+        match self.try_allocate(size) {
+            Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_allocate(size),
+            r => r,
+        }
+    }
+    fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
+        self.inner.deallocate_chunk(chunk)?;
+        self.shared.total.unbook(chunk.size);
+        Ok(())
+    }
+    fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        match self.try_extend_once(chunk, extra) {
+            Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_extend_once(chunk, extra),
+            r => r,
+        }
+    }
+    fn can_extend(&self) -> bool {
+        self.inner.can_extend()
+    }
+    fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
+        let ok = self.inner.try_shrink(chunk, amount)?;
+        if ok {
+            self.shared.total.unbook(amount);
+        }
+        Ok(ok)
+    }
+    fn granularity(&self) -> usize {
+        self.inner.granularity()
+    }
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn host_accessible(&self) -> bool {
+        self.inner.host_accessible()
+    }
+    fn device_free(&self) -> Option<usize> {
+        self.inner.device_free()
+    }
+}

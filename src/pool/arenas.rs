@@ -1,0 +1,455 @@
+//! Per-thread arenas: several best-fit [`Pool`]s side by side, each with
+//! its own lock and its own upstream, so threads that allocate at the same
+//! time rarely meet on one lock.
+//!
+//! # Implementation details
+//!
+//! - **Which arena serves a request.** Every thread takes a small slot
+//!   number on first use (the lowest one free; a thread's exit frees it, so
+//!   a new thread reuses an exited thread's arena). The first thread to use
+//!   a set gets arena 0 and the others follow by slot number, modulo the
+//!   count. Arena 0 is made with the set; the others
+//!   are made on first use from the upstream factory (on CUDA: a VMM
+//!   reservation of their own, so address space, not memory, is what they
+//!   cost). One thread alone always uses one arena, so a single-threaded
+//!   program sees exactly one pool.
+//! - **Where a free goes.** Each arena's upstream is wrapped
+//!   (`arena_upstream.rs`) so that every chunk it hands out is recorded in
+//!   a directory shared by the set: a sorted array of chunks published
+//!   through one atomic pointer. A free finds the owning arena with one
+//!   load and a binary search, then frees there; no lock is shared by all
+//!   arenas, and a cross-thread free costs the same as a local one.
+//! - **Streams.** Each arena is a whole [`Pool`]: a block freed on stream A
+//!   keeps A's tag, and whoever reuses it orders after A exactly as with one
+//!   pool. Threads that each keep their own stream mostly reuse their own
+//!   arena's blocks, so reuse stays on the freeing stream.
+//! - **Out of memory.** A size limit (`max_size`) holds for all arenas
+//!   together: every arena's upstream books its chunks against one total.
+//!   When an arena's upstream can't deliver, it gives back the free memory
+//!   of every other arena and asks once more, before the arena's own
+//!   out-of-memory path (releasing its own free chunks) runs.
+
+use std::cell::Cell;
+
+use super::arena_upstream::{ArenaPools, Shared, Tracked};
+use super::{Allocation, BestFit, Freed, LiveBlock, Pool, PoolConfig, PoolSnapshot, PoolStats, StreamTag};
+use crate::error::{Error, Result};
+use crate::manager::InitCell;
+use crate::sync::{Arc, AtomicUsize, Ordering, StaticAtomicU64};
+use crate::upstream::Upstream;
+
+/// Makes the upstream of a new arena (called at most once per arena,
+/// outside every pool lock).
+pub type UpstreamFactory = Box<dyn Fn() -> Result<Box<dyn Upstream>> + Send + Sync>;
+
+/// The most arenas a set holds.
+pub const MAX_ARENAS: usize = 64;
+
+/// The default arena count: twice the processors rounded up to a power of
+/// two, at most [`MAX_ARENAS`].
+pub fn default_arena_count() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (2 * cores).clamp(1, MAX_ARENAS).next_power_of_two()
+}
+
+/// Several best-fit pools over upstreams of one kind, chosen by the calling
+/// thread (see the module docs).
+///
+/// # Examples
+/// ```
+/// use cumem::pool::{Arenas, PoolConfig, StreamTag};
+/// use cumem::upstream::{Host, Upstream};
+/// use cumem::PoolKind;
+///
+/// let make = || Ok(Box::new(Host::new()) as Box<dyn Upstream>);
+/// let arenas = Arenas::new(make()?, Some(Box::new(make)), PoolConfig::new(PoolKind::Standalone), 4);
+/// let a = arenas.allocate(1000, 256)?;
+/// // Any thread may free it: the free finds the arena that owns it.
+/// std::thread::scope(|s| s.spawn(|| arenas.deallocate(a.addr, StreamTag::NONE)).join().unwrap())?;
+/// # Ok::<(), cumem::Error>(())
+/// ```
+pub struct Arenas {
+    /// The arenas' pools (a boxed slice: the upstream wrappers point at it,
+    /// so it never moves; see `arena_upstream.rs`).
+    arenas: Box<ArenaPools>,
+    make: Option<UpstreamFactory>,
+    config: PoolConfig,
+    /// The slot of the first thread that used the set (it gets arena 0).
+    base: AtomicUsize,
+    /// The directory and the total against the limit.
+    shared: Arc<Shared>,
+    /// Arenas made so far (raised before a new arena hands out a block).
+    made: AtomicUsize,
+}
+
+impl std::fmt::Debug for Arenas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arenas")
+            .field("count", &self.arenas.len())
+            .field("made", &self.made())
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl Arenas {
+    /// A set of at most `count` arenas (at least 1, at most
+    /// [`MAX_ARENAS`], rounded up to a power of two): arena 0 over `first`,
+    /// the others made on first use with `make` (`None`: one arena only).
+    pub fn new(first: Box<dyn Upstream>, make: Option<UpstreamFactory>, config: PoolConfig, count: usize) -> Self {
+        let count = if make.is_some() { count.clamp(1, MAX_ARENAS).next_power_of_two() } else { 1 };
+        let arenas: Box<ArenaPools> = (0..count).map(|_| InitCell::new()).collect();
+        let shared = Shared::new(&arenas, config.max_size, config.kind);
+        let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
+        // A new cell is empty, so this always sets it.
+        let _ = arenas[0].init(|| Ok::<_, ()>(pool));
+        Arenas { arenas, make, config, base: AtomicUsize::new(NO_SLOT), shared, made: AtomicUsize::new(1) }
+    }
+
+    fn track(inner: Box<dyn Upstream>, shared: &Arc<Shared>, index: usize) -> Box<dyn Upstream> {
+        Box::new(Tracked { inner, shared: shared.clone(), index })
+    }
+
+    /// How many arenas the set may hold.
+    pub fn count(&self) -> usize {
+        self.arenas.len()
+    }
+
+    /// How many arenas were made so far.
+    pub fn made(&self) -> usize {
+        self.made.load(Ordering::Acquire)
+    }
+
+    /// Arena 0, the one a single thread uses.
+    pub fn primary(&self) -> &Pool<Box<dyn Upstream>> {
+        self.arenas[0].get().expect("arena 0 is made with the set")
+    }
+
+    /// The arenas made so far, with their indexes.
+    pub fn pools(&self) -> impl Iterator<Item = (usize, &Pool<Box<dyn Upstream>>)> {
+        self.arenas.iter().enumerate().filter_map(|(i, a)| a.get().map(|p| (i, p)))
+    }
+
+    /// The configuration every arena shares.
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// The index of the arena the calling thread allocates from: the first
+    /// thread to use the set gets arena 0, the others follow by slot.
+    #[inline]
+    pub fn home(&self) -> usize {
+        let n = self.arenas.len();
+        if n == 1 {
+            return 0;
+        }
+        let slot = thread_slot();
+        let mut base = self.base.load(Ordering::Relaxed);
+        if base == NO_SLOT {
+            base = match self.base.compare_exchange(NO_SLOT, slot, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => slot,
+                Err(first) => first,
+            };
+        }
+        // The count is a power of two: a mask, not a division.
+        slot.wrapping_sub(base) & (n - 1)
+    }
+
+    /// The calling thread's arena, made on first use (arena 0 when it
+    /// can't be made).
+    #[inline]
+    fn home_pool(&self) -> &Pool<Box<dyn Upstream>> {
+        let i = self.home();
+        match self.arenas[i].get() {
+            Some(p) => p,
+            None => self.make_arena(i),
+        }
+    }
+
+    /// Makes arena `i` (arena 0 when it can't be made).
+    #[cold]
+    fn make_arena(&self, i: usize) -> &Pool<Box<dyn Upstream>> {
+        let arena = &self.arenas[i];
+        let (Some(make), false) = (&self.make, self.primary().is_shut_down()) else { return self.primary() };
+        let made = arena.get_or_init(|| {
+            let pool = make().map(|u| Pool::new(Self::track(u, &self.shared, i), self.config.clone()));
+            if pool.is_ok() {
+                self.made.fetch_add(1, Ordering::AcqRel);
+            }
+            pool
+        });
+        made.unwrap_or_else(|_| self.primary())
+    }
+
+    /// [`Pool::allocate`] from the calling thread's arena.
+    ///
+    /// # Errors
+    /// As [`Pool::allocate`].
+    pub fn allocate(&self, size: usize, align: usize) -> Result<Allocation> {
+        self.allocate_for(size, align, 0)
+    }
+
+    /// [`Pool::allocate_for`] from the calling thread's arena; when it is
+    /// out of memory, the other arenas' free memory goes back to the
+    /// upstream and the request is tried once more.
+    ///
+    /// # Errors
+    /// As [`Pool::allocate_for`].
+    #[inline]
+    pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
+        // Out of memory, the arena's upstream takes the other arenas' free
+        // memory first (arena_upstream.rs): the result needs no second
+        // look here.
+        self.home_pool().allocate_for(size, align, stream)
+    }
+
+    /// The arena whose chunk holds `addr` (one look-up in the directory).
+    #[inline]
+    fn owner(&self, addr: usize) -> Option<&Pool<Box<dyn Upstream>>> {
+        self.arenas.get(self.shared.directory.find(addr)?)?.get()
+    }
+
+    fn unknown(&self, addr: usize) -> Error {
+        Error::UnknownPointer { pool: self.config.kind, addr }
+    }
+
+    /// [`Pool::deallocate`] in the arena that owns the block, whichever
+    /// thread calls.
+    ///
+    /// # Errors
+    /// As [`Pool::deallocate`].
+    #[inline]
+    pub fn deallocate(&self, addr: usize, tag: StreamTag) -> Result<Freed> {
+        // One arena (a single thread so far): nothing to look up. A block
+        // of a later arena was handed out after the count rose.
+        if self.made.load(Ordering::Acquire) == 1 {
+            return self.primary().deallocate(addr, tag);
+        }
+        match self.owner(addr) {
+            Some(p) => p.deallocate(addr, tag),
+            None => Err(self.unknown(addr)),
+        }
+    }
+
+    /// [`Pool::check_live`] in the arena that owns the block.
+    ///
+    /// # Errors
+    /// As [`Pool::check_live`].
+    pub fn check_live(&self, addr: usize) -> Result<usize> {
+        match self.owner(addr) {
+            Some(p) => p.check_live(addr),
+            None => Err(self.unknown(addr)),
+        }
+    }
+
+    /// The size of the live block at `addr`, if there is one.
+    pub fn block_size(&self, addr: usize) -> Option<usize> {
+        self.owner(addr)?.block_size(addr)
+    }
+
+    /// Whether `addr` lies in one of the arenas' chunks.
+    pub fn contains(&self, addr: usize) -> bool {
+        self.owner(addr).is_some_and(|p| p.contains(addr))
+    }
+
+    /// [`Pool::grow_in_place`] in the arena that owns the block.
+    pub fn grow_in_place(&self, addr: usize, new_size: usize) -> bool {
+        self.owner(addr).is_some_and(|p| p.grow_in_place(addr, new_size))
+    }
+
+    /// [`Pool::shrink_in_place`] in the arena that owns the block.
+    pub fn shrink_in_place(&self, addr: usize, new_size: usize) -> bool {
+        self.owner(addr).is_some_and(|p| p.shrink_in_place(addr, new_size))
+    }
+
+    /// Whether any arena allocated yet.
+    pub fn used(&self) -> bool {
+        self.pools().any(|(_, p)| p.used())
+    }
+
+    /// Sets the bytes the first allocation of arena 0 reserves.
+    ///
+    /// # Errors
+    /// [`Error::ConfigTooLate`] once it has allocated.
+    pub fn set_initial_size(&self, bytes: usize) -> Result<()> {
+        self.primary().set_initial_size(bytes)
+    }
+
+    /// [`Pool::release_cached`] of every arena; returns the bytes released.
+    ///
+    /// # Errors
+    /// The first upstream error (every arena is still tried).
+    pub fn release_cached(&self) -> Result<usize> {
+        let mut released = 0;
+        let mut first_err = None;
+        for (_, p) in self.pools() {
+            match p.release_cached() {
+                Ok(b) => released += b,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(released), Err)
+    }
+
+    /// [`Pool::clear_tags`] of every arena.
+    pub fn clear_tags(&self) {
+        self.pools().for_each(|(_, p)| p.clear_tags());
+    }
+
+    /// A copy of every arena's chunks and blocks together, in address
+    /// order (see [`PoolSnapshot`]); each arena's lock is taken in turn.
+    pub fn snapshot(&self) -> PoolSnapshot {
+        let mut all = PoolSnapshot::default();
+        for (_, p) in self.pools() {
+            let s = p.snapshot();
+            all.chunks.extend(s.chunks);
+            all.blocks.extend(s.blocks);
+        }
+        all.chunks.sort_by_key(|c| c.addr);
+        all.blocks.sort_by_key(|b| b.addr);
+        all
+    }
+
+    /// The arenas' statistics added up (peaks are the sum of each arena's
+    /// peak: an upper bound of the set's peak).
+    pub fn stats(&self) -> PoolStats {
+        let mut total = PoolStats::default();
+        self.pools().for_each(|(_, p)| total.accumulate(&p.stats()));
+        total
+    }
+
+    /// Sets every arena's peaks to their current values.
+    pub fn reset_peaks(&self) {
+        self.pools().for_each(|(_, p)| p.reset_peaks());
+    }
+
+    /// Checks every arena's invariants ([`BestFit::check_invariants`]).
+    ///
+    /// # Errors
+    /// The first broken invariant, naming the arena.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        for (i, p) in self.pools() {
+            p.with_fit(BestFit::check_invariants).map_err(|e| format!("arena {i}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on arena 0's allocator under its lock (tests, summaries).
+    pub fn with_fit<R>(&self, f: impl FnOnce(&BestFit) -> R) -> R {
+        self.primary().with_fit(f)
+    }
+
+    /// The upstream of arena 0.
+    pub fn upstream(&self) -> &dyn Upstream {
+        &**self.primary().upstream()
+    }
+
+    /// [`Pool::shutdown`] of every arena; lists the blocks still live.
+    /// Arenas not made yet stay unmade.
+    ///
+    /// # Errors
+    /// The first upstream error.
+    pub fn shutdown(&self) -> Result<Vec<LiveBlock>> {
+        let mut live = Vec::new();
+        for (_, p) in self.pools() {
+            live.extend(p.shutdown()?);
+        }
+        Ok(live)
+    }
+
+    /// Whether [`shutdown`](Arenas::shutdown) was called.
+    pub fn is_shut_down(&self) -> bool {
+        self.primary().is_shut_down()
+    }
+}
+
+// ---- thread slots ----
+
+/// Slots in use, one bit each. Slot numbers are identities only (they
+/// order no memory), so std atomics in a static are fine here.
+static SLOTS: [StaticAtomicU64; 4] =
+    [StaticAtomicU64::new(0), StaticAtomicU64::new(0), StaticAtomicU64::new(0), StaticAtomicU64::new(0)];
+
+/// Threads beyond the bitmap share slots by a counter.
+static OVERFLOW: StaticAtomicU64 = StaticAtomicU64::new(0);
+
+const NO_SLOT: usize = usize::MAX;
+
+fn take_slot() -> usize {
+    for (w, word) in SLOTS.iter().enumerate() {
+        let mut cur = word.load(std::sync::atomic::Ordering::Relaxed);
+        while cur != u64::MAX {
+            let bit = (!cur).trailing_zeros();
+            match word.compare_exchange_weak(
+                cur,
+                cur | (1 << bit),
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            ) {
+                Ok(_) => return w * 64 + bit as usize,
+                Err(now) => cur = now,
+            }
+        }
+    }
+    SLOTS.len() * 64 + (OVERFLOW.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as usize % (SLOTS.len() * 64))
+}
+
+fn give_slot(slot: usize) {
+    if let Some(word) = SLOTS.get(slot / 64) {
+        word.fetch_and(!(1 << (slot % 64)), std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The calling thread's slot; gives it back when the thread ends.
+struct Slot(Cell<usize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        give_slot(self.0.get());
+    }
+}
+
+#[cfg(not(loom))]
+std::thread_local! {
+    static SLOT: Slot = const { Slot(Cell::new(NO_SLOT)) };
+}
+
+#[cfg(loom)]
+loom::thread_local! {
+    static SLOT: Slot = Slot(Cell::new(NO_SLOT));
+}
+
+/// The calling thread's slot number, taken on first use (0 while
+/// thread-locals are being torn down). Slots are small numbers, reused
+/// after a thread exits.
+#[inline]
+pub(crate) fn thread_slot() -> usize {
+    SLOT.try_with(|s| match s.0.get() {
+        NO_SLOT => first_slot(s),
+        v => v,
+    })
+    .unwrap_or(0)
+}
+
+#[cold]
+fn first_slot(s: &Slot) -> usize {
+    let v = take_slot();
+    s.0.set(v);
+    v
+}
+
+/// Makes the calling thread use slot `slot` from now on (its arena in a
+/// set of `n` arenas is `slot % n`), giving its old slot back. For tests
+/// and models that need threads on chosen arenas; two threads may share a
+/// slot.
+#[doc(hidden)]
+pub fn set_thread_slot(slot: usize) {
+    let _ = SLOT.try_with(|s| {
+        let old = s.0.replace(slot);
+        if old != NO_SLOT {
+            give_slot(old);
+        }
+    });
+}

@@ -1,0 +1,132 @@
+//! Per-thread arenas on the host fallback: threads land on arenas of their
+//! own, frees from any thread reach the owning arena (device and pinned
+//! pools), a size limit holds for all arenas together, and an arena out of
+//! memory takes the free memory of the others before it fails. One thread
+//! alone uses one arena.
+
+use std::sync::Barrier;
+
+use cumem::{BackendChoice, Config, Error, MemoryManager, Stream};
+
+const MIB: usize = 1 << 20;
+
+fn host(config: Config) -> MemoryManager {
+    MemoryManager::new(config.backend(BackendChoice::Host)).unwrap()
+}
+
+#[test]
+fn one_thread_uses_one_arena() {
+    let mm = host(Config::new().arenas(8));
+    let d = mm.default_device().unwrap();
+    let ptrs: Vec<u64> = (1..50).map(|i| mm.allocate_device(i * 1000).unwrap()).collect();
+    let pins: Vec<_> = (1..50).map(|i| mm.allocate_pinned(i * 1000).unwrap()).collect();
+    assert_eq!((d.pool().made(), mm.pinned_pool().made()), (1, 1));
+    for p in ptrs {
+        mm.free_device(p).unwrap();
+    }
+    for p in pins {
+        mm.free_pinned(p.as_ptr()).unwrap();
+    }
+    assert_eq!(d.pool().stats().in_use, 0);
+}
+
+/// Eight threads, each on a stream of its own, allocate device memory and
+/// pass a third of their blocks to the next thread, which frees them on
+/// the stream they were used on. Every free reaches its arena; double
+/// frees are still caught; nothing is left live.
+#[test]
+fn cross_thread_device_frees_reach_the_owning_arena() {
+    const THREADS: usize = 8;
+    let mm = host(Config::new().arenas(THREADS));
+    let (tx, rx): (Vec<_>, Vec<_>) = (0..THREADS).map(|_| crossbeam::channel::unbounded::<u64>()).unzip();
+    let done = Barrier::new(THREADS);
+    std::thread::scope(|s| {
+        for (id, inbox) in rx.into_iter().enumerate() {
+            let (mm, tx, done) = (&mm, &tx, &done);
+            s.spawn(move || {
+                let stream = Stream::host();
+                let mut live = Vec::new();
+                for i in 0..2000usize {
+                    live.push(mm.allocate_device_on(1 + (i * 7919 + id * 104_729) % (4 * MIB), &stream).unwrap());
+                    if live.len() > 20 {
+                        let p = live.swap_remove(i % live.len());
+                        if i % 3 == 0 {
+                            tx[(id + 1) % THREADS].send(p).unwrap();
+                        } else {
+                            mm.free_device_on(p, &stream).unwrap();
+                        }
+                    }
+                    while let Ok(p) = inbox.try_recv() {
+                        mm.free_device_on(p, &stream).unwrap();
+                    }
+                }
+                for p in live {
+                    mm.free_device(p).unwrap();
+                }
+                done.wait();
+                while let Ok(p) = inbox.try_recv() {
+                    mm.free_device(p).unwrap();
+                    // Freed already (it may have coalesced with a free
+                    // neighbour since): refused, whichever thread asks.
+                    let again = mm.free_device(p).unwrap_err();
+                    assert!(matches!(again, Error::DoubleFree { .. } | Error::InteriorPointer { .. }), "{again}");
+                }
+            });
+        }
+    });
+    let d = mm.default_device().unwrap();
+    assert!(d.pool().made() > 1, "threads used arenas of their own");
+    d.pool().check_invariants().unwrap();
+    let s = d.pool().stats();
+    assert_eq!((s.in_use, s.live_blocks), (0, 0), "{s:?}");
+    assert_eq!(s.allocations, s.frees, "{s:?}");
+    mm.release_cached().unwrap();
+}
+
+/// The pinned pool's limit holds for all arenas together, and an arena that
+/// can't grow takes the other arenas' free memory first.
+#[test]
+fn an_arena_out_of_memory_takes_the_others_free_memory() {
+    let mm = host(Config::new().arenas(4).max_pinned_pool_size(8 * MIB).pinned_thread_cache(false));
+    // This thread uses the pool first (arena 0) and leaves 6 MiB free in it.
+    let p = mm.allocate_pinned(6 * MIB).unwrap();
+    mm.free_pinned(p.as_ptr()).unwrap();
+    assert_eq!(mm.pinned_stats().reserved, 6 * MIB);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Another arena: its 6 MiB would take the total past 8 MiB
+            // unless arena 0's free chunk goes back first.
+            let q = mm.allocate_pinned(6 * MIB).unwrap();
+            assert_eq!(mm.pinned_pool().made(), 2);
+            let s = mm.pinned_stats();
+            assert!(s.reserved <= 8 * MIB, "{s:?}");
+            // Both arenas together may not pass the limit.
+            let e = mm.allocate_pinned(4 * MIB).unwrap_err();
+            assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
+            mm.free_pinned(q.as_ptr()).unwrap();
+        });
+    });
+    mm.pinned_pool().check_invariants().unwrap();
+}
+
+/// Pinned growth is geometric: 1 GiB in the peers' sizes (uniform up to
+/// 4 MiB) takes few upstream calls, where 2-4 MiB chunks took hundreds.
+#[test]
+fn pinned_growth_takes_few_upstream_calls() {
+    let mm = host(Config::new().pinned_thread_cache(false));
+    let mut live = Vec::new();
+    let mut x: usize = 12345;
+    while mm.pinned_stats().reserved < 1 << 30 {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        live.push(mm.allocate_pinned(1 + (x >> 16) % (4 * MIB)).unwrap());
+    }
+    let s = mm.pinned_stats();
+    // From 4 MiB to 1 GiB at a quarter per step: about 25 calls.
+    assert!(s.upstream_allocs <= 32, "{} upstream calls to reach {} MiB", s.upstream_allocs, s.reserved / MIB);
+    // The memory held beyond what is live stays within a quarter (plus
+    // the last request).
+    assert!(s.reserved <= s.in_use + s.in_use / 4 + 8 * MIB, "{s:?}");
+    for p in live {
+        mm.free_pinned(p.as_ptr()).unwrap();
+    }
+}

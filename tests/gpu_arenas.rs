@@ -1,0 +1,136 @@
+//! GPU test of the per-thread arenas: threads with a stream each allocate
+//! device memory (each from its own arena), run a kernel on every block,
+//! and pass some blocks to another thread, which uses them on its own
+//! stream (after waiting for the sender's) and frees them there. The block
+//! goes back to the owner's arena tagged with the receiver's stream, so the
+//! owner's next reuse must wait for the receiver's kernel. Every kernel
+//! writes its own value, spins, and counts elements that changed under it:
+//! a reuse that was not ordered shows up as a mismatch. Skips without a
+//! GPU; fails instead under `CUMEM_REQUIRE_GPU=1`.
+
+use std::sync::{Arc, Barrier};
+
+use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
+use cumem::device::gpu_for_test;
+use cumem::{Config, MemoryManager, Stream};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+const CHECK: &str = r#"
+extern "C" __global__ void fill_spin_check(unsigned int* p, unsigned int v, unsigned long long n,
+                                           long long cycles, unsigned long long* errors) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < n) p[i] = v;
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    if (i < n && p[i] != v) atomicAdd(errors, 1ULL);
+}
+"#;
+
+const THREADS: usize = 4;
+const ROUNDS: u32 = 200;
+
+/// A block handed to another thread: its address, its length in `u32`s,
+/// and the stream its last kernel ran on.
+type Handoff = (u64, usize, Stream);
+
+struct Check {
+    f: CudaFunction,
+    errors: u64,
+}
+
+impl Check {
+    /// Launches the check kernel on `s` over `n` u32 at `p`, writing `v`.
+    fn launch(&self, s: &Stream, p: u64, n: usize, v: u32, cycles: i64) {
+        let cs = s.cudarc().expect("a CUDA stream");
+        let nn = n as u64;
+        let mut launch = cs.launch_builder(&self.f);
+        launch.arg(&p).arg(&v).arg(&nn).arg(&cycles).arg(&self.errors);
+        // SAFETY: the arguments match the kernel; `p` holds `n` u32 and is
+        // freed only in stream order after this launch.
+        unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.expect("launch");
+    }
+}
+
+fn worker(
+    ctx: &Arc<CudaContext>,
+    mm: &MemoryManager,
+    check: &Check,
+    id: usize,
+    inbox: crossbeam::channel::Receiver<Handoff>,
+    next: &crossbeam::channel::Sender<Handoff>,
+    done: &Barrier,
+) {
+    ctx.bind_to_thread().expect("cuCtxSetCurrent");
+    let stream = Stream::new().expect("cuStreamCreate");
+    let mut rng = SmallRng::seed_from_u64(11 + id as u64);
+    let mut live: Vec<(u64, usize)> = Vec::new();
+    let value = |round: u32, k: u32| (id as u32) << 24 | round << 4 | k;
+    let receive = |(p, n, from): Handoff, round: u32| {
+        // Use it here after the sender's work, then free it on this stream.
+        stream.wait_for(&from).expect("cuStreamWaitEvent");
+        check.launch(&stream, p, n, value(round, 1), rng_cycles(round));
+        mm.free_device_on(p, &stream).expect("free");
+    };
+    for round in 1..=ROUNDS {
+        while let Ok(h) = inbox.try_recv() {
+            receive(h, round);
+        }
+        if live.len() > 6 || (!live.is_empty() && rng.gen_bool(0.5)) {
+            let (p, n) = live.swap_remove(rng.gen_range(0..live.len()));
+            if rng.gen_bool(0.3) {
+                next.send((p, n, stream.clone())).expect("peer alive");
+            } else {
+                mm.free_device_on(p, &stream).expect("free");
+            }
+        }
+        let n = [1usize << 12, 1 << 14, 1 << 16][rng.gen_range(0..3)];
+        let p = mm.allocate_device_on(n * 4, &stream).expect("allocation");
+        check.launch(&stream, p, n, value(round, 0), rng.gen_range(100_000i64..1_000_000));
+        live.push((p, n));
+    }
+    for (p, _) in live {
+        mm.free_device_on(p, &stream).expect("free");
+    }
+    done.wait();
+    while let Ok(h) = inbox.try_recv() {
+        receive(h, ROUNDS + 1);
+    }
+    stream.synchronize().expect("cuStreamSynchronize");
+}
+
+fn rng_cycles(round: u32) -> i64 {
+    200_000 + (round as i64 * 7919) % 800_000
+}
+
+#[test]
+fn threads_with_a_stream_each_reuse_across_arenas_in_order() {
+    let Some(ctx) = gpu_for_test("threads_with_a_stream_each_reuse_across_arenas_in_order") else { return };
+    let device = Config::from_env().map_or(0, |c| c.device);
+    let mm = MemoryManager::new(Config::new().device(device).arenas(THREADS)).unwrap();
+    let ptx = cudarc::nvrtc::compile_ptx(CHECK).expect("NVRTC compiles the check kernel");
+    let f = ctx.load_module(ptx).expect("module loads").load_function("fill_spin_check").expect("kernel");
+    let errors = mm.allocate_device(8).unwrap();
+    // SAFETY: `errors` is an 8-byte device allocation.
+    unsafe { cudarc::driver::sys::cuMemsetD8_v2(errors, 0, 8) }.result().unwrap();
+    ctx.synchronize().unwrap();
+    let check = Check { f, errors };
+    let (tx, rx): (Vec<_>, Vec<_>) = (0..THREADS).map(|_| crossbeam::channel::unbounded::<Handoff>()).unzip();
+    let done = Barrier::new(THREADS);
+    std::thread::scope(|s| {
+        for (id, inbox) in rx.into_iter().enumerate() {
+            let (ctx, mm, check, tx, done) = (&ctx, &mm, &check, &tx, &done);
+            s.spawn(move || worker(ctx, mm, check, id, inbox, &tx[(id + 1) % THREADS], done));
+        }
+    });
+    ctx.synchronize().unwrap();
+    let mut count = 0u64;
+    // SAFETY: `count` is 8 writable bytes; the device is idle.
+    unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2((&mut count as *mut u64).cast(), errors, 8) }.result().unwrap();
+    mm.free_device(errors).unwrap();
+    let pool = mm.default_device().unwrap().pool();
+    assert!(pool.made() > 1, "the threads allocated from arenas of their own");
+    pool.check_invariants().unwrap();
+    assert_eq!(pool.stats().in_use, 0);
+    assert_eq!(count, 0, "{count} elements were overwritten by a premature reuse");
+}
