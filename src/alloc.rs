@@ -71,12 +71,9 @@ fn refused(why: impl std::fmt::Display) -> AllocError {
     AllocError
 }
 
-fn manager() -> Result<&'static MemoryManager, AllocError> {
-    MemoryManager::global().map_err(refused)
-}
-
 impl PinnedAlloc {
-    /// Why this thread's most recent refused request was refused (the
+    /// Why this thread's most recent refused request (of `PinnedAlloc` or
+    /// [`ManagedAlloc`](crate::ManagedAlloc)) was refused (the
     /// [`Error`](crate::Error)'s message), or `None` if none was. An
     /// [`AllocError`] carries no reason; this does.
     ///
@@ -92,11 +89,140 @@ impl PinnedAlloc {
     }
 }
 
+/// The pool side of an [`Allocator`] over host-accessible blocks (pinned
+/// or managed memory): [`PinnedAlloc`] and
+/// [`ManagedAlloc`](crate::ManagedAlloc) share the allocator logic below
+/// and differ only in the pool they name.
+pub(crate) trait HostBlocks {
+    /// Allocates a block of at least `size` bytes aligned to `align`.
+    fn allocate_block(&self, size: usize, align: usize) -> crate::Result<crate::pool::Allocation>;
+    /// Frees the block at `addr`.
+    fn free_block(&self, addr: usize) -> crate::Result<()>;
+    /// Grows the live block at `addr` to `size` bytes in place; its new size.
+    fn grow_in_place(&self, addr: usize, size: usize) -> crate::Result<Option<usize>>;
+    /// Shrinks the live block at `addr` to `size` bytes in place; its new size.
+    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::Result<Option<usize>>;
+    /// The allocator's name, for messages.
+    fn name(&self) -> &'static str;
+}
+
+impl HostBlocks for PinnedAlloc {
+    fn allocate_block(&self, size: usize, align: usize) -> crate::Result<crate::pool::Allocation> {
+        MemoryManager::global()?.allocate_pinned_block(size, align)
+    }
+
+    fn free_block(&self, addr: usize) -> crate::Result<()> {
+        MemoryManager::global()?.free_pinned(addr as *mut u8)
+    }
+
+    fn grow_in_place(&self, addr: usize, size: usize) -> crate::Result<Option<usize>> {
+        let pool = MemoryManager::global()?.pinned_pool();
+        Ok(pool.grow_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    }
+
+    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::Result<Option<usize>> {
+        let pool = MemoryManager::global()?.pinned_pool();
+        Ok(pool.shrink_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    }
+
+    fn name(&self) -> &'static str {
+        "PinnedAlloc"
+    }
+}
+
 fn dangling(layout: Layout) -> NonNull<[u8]> {
     // A zero-size allocation needs a non-null, aligned pointer and nothing
     // behind it: the alignment itself is such an address.
     let ptr = NonNull::new(layout.align() as *mut u8).expect("alignments are non-zero");
     NonNull::slice_from_raw_parts(ptr, 0)
+}
+
+/// [`Allocator::allocate`] over `blocks`.
+pub(crate) fn allocate(blocks: &impl HostBlocks, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+    if layout.size() == 0 {
+        return Ok(dangling(layout));
+    }
+    if layout.align() > MAX_ALIGN {
+        return Err(refused(crate::Error::InvalidAlignment { align: layout.align(), max: MAX_ALIGN }));
+    }
+    let a = blocks.allocate_block(layout.size(), layout.align()).map_err(refused)?;
+    let ptr = NonNull::new(a.addr as *mut u8).ok_or_else(|| refused("the pool returned address 0"))?;
+    Ok(NonNull::slice_from_raw_parts(ptr, a.size))
+}
+
+/// [`Allocator::deallocate`] over `blocks`.
+pub(crate) fn deallocate(blocks: &impl HostBlocks, ptr: NonNull<u8>, layout: Layout) {
+    if layout.size() == 0 {
+        return;
+    }
+    if let Err(e) = blocks.free_block(ptr.as_ptr() as usize) {
+        // A deallocate can't fail; a bad pointer here is a bug in the
+        // caller. Say so, and keep the pool intact.
+        eprintln!("cumem: {}::deallocate: {e}", blocks.name());
+    }
+}
+
+/// [`Allocator::shrink`] over `blocks`.
+///
+/// # Safety
+/// `ptr` is a live allocation of `blocks` with layout `old`, and
+/// `new.size() <= old.size()`.
+pub(crate) unsafe fn shrink(
+    blocks: &impl HostBlocks,
+    ptr: NonNull<u8>,
+    old: Layout,
+    new: Layout,
+) -> Result<NonNull<[u8]>, AllocError> {
+    debug_assert!(new.size() <= old.size());
+    if new.size() == 0 {
+        deallocate(blocks, ptr, old);
+        return Ok(dangling(new));
+    }
+    if old.size() != 0 && new.align() <= old.align().max(crate::pool::BLOCK_ALIGN) {
+        if let Some(size) = blocks.shrink_in_place(ptr.as_ptr() as usize, new.size()).map_err(refused)? {
+            return Ok(NonNull::slice_from_raw_parts(ptr, size));
+        }
+    }
+    // SAFETY: the caller's contract is what `resize` needs.
+    unsafe { resize(blocks, ptr, old, new, false) }
+}
+
+/// Resizes in place when possible, else allocates `new`, copies the
+/// common prefix and frees the old block (`grow`, `grow_zeroed` and the
+/// slow path of `shrink`).
+///
+/// # Safety
+/// `ptr` is a live allocation of `blocks` with layout `old`.
+pub(crate) unsafe fn resize(
+    blocks: &impl HostBlocks,
+    ptr: NonNull<u8>,
+    old: Layout,
+    new: Layout,
+    zero_tail: bool,
+) -> Result<NonNull<[u8]>, AllocError> {
+    let addr = ptr.as_ptr() as usize;
+    if old.size() != 0 && addr % new.align() == 0 {
+        if let Some(size) = blocks.grow_in_place(addr, new.size()).map_err(refused)? {
+            if zero_tail && new.size() > old.size() {
+                // SAFETY: the block now spans at least `new.size()` bytes
+                // from `ptr`, all owned by this allocation.
+                unsafe { ptr.as_ptr().add(old.size()).write_bytes(0, new.size() - old.size()) };
+            }
+            return Ok(NonNull::slice_from_raw_parts(ptr, size));
+        }
+    }
+    let fresh = allocate(blocks, new)?;
+    if zero_tail {
+        // SAFETY: `fresh` is a live block of at least `new.size()` bytes.
+        unsafe { fresh.as_ptr().cast::<u8>().write_bytes(0, new.size()) };
+    }
+    let keep = old.size().min(new.size());
+    // SAFETY: `ptr` holds `old.size()` bytes owned by the caller, `fresh` at
+    // least `new.size()`; they are distinct live blocks, so they don't
+    // overlap.
+    unsafe { std::ptr::copy_nonoverlapping(ptr.as_ptr(), fresh.as_ptr().cast::<u8>(), keep) };
+    deallocate(blocks, ptr, old);
+    Ok(fresh)
 }
 
 // SAFETY: blocks come from the pinned pool, which hands out each address
@@ -107,99 +233,26 @@ fn dangling(layout: Layout) -> NonNull<[u8]> {
 // memory from one may be freed through another.
 unsafe impl Allocator for PinnedAlloc {
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        if layout.size() == 0 {
-            return Ok(dangling(layout));
-        }
-        if layout.align() > MAX_ALIGN {
-            return Err(refused(crate::Error::InvalidAlignment { align: layout.align(), max: MAX_ALIGN }));
-        }
-        let mm = manager()?;
-        let a = mm.allocate_pinned_block(layout.size(), layout.align()).map_err(refused)?;
-        let ptr = NonNull::new(a.addr as *mut u8).ok_or_else(|| refused("the pinned pool returned address 0"))?;
-        Ok(NonNull::slice_from_raw_parts(ptr, a.size))
+        allocate(self, layout)
     }
 
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-        if layout.size() == 0 {
-            return;
-        }
-        if let Ok(mm) = manager() {
-            if let Err(e) = mm.free_pinned(ptr.as_ptr()) {
-                // A deallocate can't fail; a bad pointer here is a bug in the
-                // caller. Say so, and keep the pool intact.
-                eprintln!("cumem: PinnedAlloc::deallocate: {e}");
-            }
-        }
+        deallocate(self, ptr, layout)
     }
 
     unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        debug_assert!(new.size() >= old.size());
-        // SAFETY: the caller's contract for `grow` is exactly what
-        // `resize` needs.
-        unsafe { self.resize(ptr, old, new, false) }
+        // SAFETY: the caller's contract for `grow` is what `resize` needs.
+        unsafe { resize(self, ptr, old, new, false) }
     }
 
     unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
         // SAFETY: as in `grow`.
-        unsafe { self.resize(ptr, old, new, true) }
+        unsafe { resize(self, ptr, old, new, true) }
     }
 
     unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        debug_assert!(new.size() <= old.size());
-        if new.size() == 0 {
-            // SAFETY: `ptr` is a live allocation of `old` (the caller's
-            // contract); it is freed once, here.
-            unsafe { self.deallocate(ptr, old) };
-            return Ok(dangling(new));
-        }
-        if old.size() != 0 && new.align() <= old.align().max(crate::pool::BLOCK_ALIGN) {
-            let mm = manager()?;
-            if mm.pinned_pool().shrink_in_place(ptr.as_ptr() as usize, new.size()) {
-                let size = mm.pinned_pool().block_size(ptr.as_ptr() as usize).unwrap_or(new.size());
-                return Ok(NonNull::slice_from_raw_parts(ptr, size));
-            }
-        }
-        // SAFETY: as in `grow`.
-        unsafe { self.resize(ptr, old, new, false) }
-    }
-}
-
-impl PinnedAlloc {
-    /// Resizes in place when possible, else allocates `new`, copies the
-    /// common prefix and frees the old block.
-    ///
-    /// # Safety
-    /// `ptr` is a live allocation of this allocator with layout `old`.
-    unsafe fn resize(
-        &self,
-        ptr: NonNull<u8>,
-        old: Layout,
-        new: Layout,
-        zero_tail: bool,
-    ) -> Result<NonNull<[u8]>, AllocError> {
-        let in_place_ok = old.size() != 0 && ptr.as_ptr() as usize % new.align() == 0;
-        if in_place_ok {
-            let mm = manager()?;
-            let addr = ptr.as_ptr() as usize;
-            if mm.pinned_pool().grow_in_place(addr, new.size()) {
-                let size = mm.pinned_pool().block_size(addr).unwrap_or(new.size());
-                if zero_tail && new.size() > old.size() {
-                    // SAFETY: the block now spans at least `new.size()` bytes
-                    // from `ptr`, all owned by this allocation.
-                    unsafe { ptr.as_ptr().add(old.size()).write_bytes(0, new.size() - old.size()) };
-                }
-                return Ok(NonNull::slice_from_raw_parts(ptr, size));
-            }
-        }
-        let fresh = if zero_tail { self.allocate_zeroed(new)? } else { self.allocate(new)? };
-        let keep = old.size().min(new.size());
-        // SAFETY: `ptr` holds `old.size()` initialised-or-not bytes owned by
-        // the caller, `fresh` at least `new.size()`; they are distinct live
-        // blocks, so they don't overlap.
-        unsafe { std::ptr::copy_nonoverlapping(ptr.as_ptr(), fresh.as_ptr().cast::<u8>(), keep) };
-        // SAFETY: the old block is live (caller's contract) and freed once.
-        unsafe { self.deallocate(ptr, old) };
-        Ok(fresh)
+        // SAFETY: the caller's contract for `shrink` is what `shrink` needs.
+        unsafe { shrink(self, ptr, old, new) }
     }
 }
 

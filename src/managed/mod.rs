@@ -23,10 +23,11 @@ use std::ptr::NonNull;
 use allocator_api2::alloc::{AllocError, Allocator};
 use cudarc::driver::sys;
 
+use crate::alloc::{self as host, HostBlocks};
 use crate::device::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
 use crate::manager::MemoryManager;
-use crate::pool::{Pool, PoolConfig, PoolStats, StreamTag, BLOCK_ALIGN, MAX_ALIGN};
+use crate::pool::{Pool, PoolConfig, PoolStats, StreamTag, BLOCK_ALIGN};
 use crate::upstream::{Host, Upstream};
 
 /// A `Vec` in managed memory (see [`ManagedAlloc`]).
@@ -136,14 +137,28 @@ impl MemoryManager {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ManagedAlloc;
 
-fn managed_pool() -> std::result::Result<&'static Pool<Box<dyn Upstream>>, AllocError> {
-    MemoryManager::global().and_then(|mm| mm.managed_pool()).map_err(|_| AllocError)
-}
+impl HostBlocks for ManagedAlloc {
+    fn allocate_block(&self, size: usize, align: usize) -> Result<crate::pool::Allocation> {
+        MemoryManager::global()?.allocate_managed_block(size, align)
+    }
 
-fn dangling(layout: Layout) -> NonNull<[u8]> {
-    // A zero-size allocation needs only an aligned, non-null address.
-    let ptr = NonNull::new(layout.align() as *mut u8).expect("alignments are non-zero");
-    NonNull::slice_from_raw_parts(ptr, 0)
+    fn free_block(&self, addr: usize) -> Result<()> {
+        MemoryManager::global()?.free_managed(addr as *mut u8)
+    }
+
+    fn grow_in_place(&self, addr: usize, size: usize) -> Result<Option<usize>> {
+        let pool = MemoryManager::global()?.managed_pool()?;
+        Ok(pool.grow_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    }
+
+    fn shrink_in_place(&self, addr: usize, size: usize) -> Result<Option<usize>> {
+        let pool = MemoryManager::global()?.managed_pool()?;
+        Ok(pool.shrink_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    }
+
+    fn name(&self) -> &'static str {
+        "ManagedAlloc"
+    }
 }
 
 // SAFETY: blocks come from the managed pool, which hands each address
@@ -154,29 +169,11 @@ fn dangling(layout: Layout) -> NonNull<[u8]> {
 // the same pool, so any of them may free what another allocated.
 unsafe impl Allocator for ManagedAlloc {
     fn allocate(&self, layout: Layout) -> std::result::Result<NonNull<[u8]>, AllocError> {
-        if layout.size() == 0 {
-            return Ok(dangling(layout));
-        }
-        if layout.align() > MAX_ALIGN {
-            return Err(AllocError);
-        }
-        let mm = MemoryManager::global().map_err(|_| AllocError)?;
-        let a = mm.allocate_managed_block(layout.size(), layout.align()).map_err(|_| AllocError)?;
-        let ptr = NonNull::new(a.addr as *mut u8).ok_or(AllocError)?;
-        Ok(NonNull::slice_from_raw_parts(ptr, a.size))
+        host::allocate(self, layout)
     }
 
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-        if layout.size() == 0 {
-            return;
-        }
-        if let Ok(pool) = managed_pool() {
-            if let Err(e) = pool.deallocate(ptr.as_ptr() as usize, StreamTag::NONE) {
-                // `deallocate` can't fail; a bad pointer is the caller's
-                // bug. Say so and leave the pool intact.
-                eprintln!("cumem: ManagedAlloc::deallocate: {e}");
-            }
-        }
+        host::deallocate(self, ptr, layout)
     }
 
     unsafe fn grow(
@@ -186,7 +183,7 @@ unsafe impl Allocator for ManagedAlloc {
         new: Layout,
     ) -> std::result::Result<NonNull<[u8]>, AllocError> {
         // SAFETY: the caller's contract for `grow` is what `resize` needs.
-        unsafe { self.resize(ptr, old, new, false) }
+        unsafe { host::resize(self, ptr, old, new, false) }
     }
 
     unsafe fn grow_zeroed(
@@ -196,7 +193,7 @@ unsafe impl Allocator for ManagedAlloc {
         new: Layout,
     ) -> std::result::Result<NonNull<[u8]>, AllocError> {
         // SAFETY: as in `grow`.
-        unsafe { self.resize(ptr, old, new, true) }
+        unsafe { host::resize(self, ptr, old, new, true) }
     }
 
     unsafe fn shrink(
@@ -205,56 +202,8 @@ unsafe impl Allocator for ManagedAlloc {
         old: Layout,
         new: Layout,
     ) -> std::result::Result<NonNull<[u8]>, AllocError> {
-        if new.size() == 0 {
-            // SAFETY: `ptr` is a live allocation of `old`, freed once here.
-            unsafe { self.deallocate(ptr, old) };
-            return Ok(dangling(new));
-        }
-        if old.size() != 0 && new.align() <= old.align().max(BLOCK_ALIGN) {
-            let pool = managed_pool()?;
-            let addr = ptr.as_ptr() as usize;
-            if pool.shrink_in_place(addr, new.size()) {
-                let size = pool.block_size(addr).unwrap_or(new.size());
-                return Ok(NonNull::slice_from_raw_parts(ptr, size));
-            }
-        }
-        // SAFETY: as in `grow`.
-        unsafe { self.resize(ptr, old, new, false) }
-    }
-}
-
-impl ManagedAlloc {
-    /// Resizes in place when the pool can, else allocates `new`, copies
-    /// the common prefix and frees the old block.
-    ///
-    /// # Safety
-    /// `ptr` is a live allocation of this allocator with layout `old`.
-    unsafe fn resize(
-        &self,
-        ptr: NonNull<u8>,
-        old: Layout,
-        new: Layout,
-        zero_tail: bool,
-    ) -> std::result::Result<NonNull<[u8]>, AllocError> {
-        let addr = ptr.as_ptr() as usize;
-        if old.size() != 0 && addr % new.align() == 0 {
-            let pool = managed_pool()?;
-            if pool.grow_in_place(addr, new.size()) {
-                let size = pool.block_size(addr).unwrap_or(new.size());
-                if zero_tail && new.size() > old.size() {
-                    // SAFETY: the block now spans at least `new.size()`
-                    // bytes from `ptr`, all owned by this allocation.
-                    unsafe { ptr.as_ptr().add(old.size()).write_bytes(0, new.size() - old.size()) };
-                }
-                return Ok(NonNull::slice_from_raw_parts(ptr, size));
-            }
-        }
-        let fresh = if zero_tail { self.allocate_zeroed(new)? } else { self.allocate(new)? };
-        // SAFETY: both are live, distinct blocks of at least `keep` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(ptr.as_ptr(), fresh.as_ptr().cast::<u8>(), old.size().min(new.size())) };
-        // SAFETY: the old block is live (the caller's contract), freed once.
-        unsafe { self.deallocate(ptr, old) };
-        Ok(fresh)
+        // SAFETY: the caller's contract for `shrink` is what `shrink` needs.
+        unsafe { host::shrink(self, ptr, old, new) }
     }
 }
 
