@@ -33,16 +33,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mm = MemoryManager::global()?;
     println!("snapshot of {} on {}", trace.name, mm.backend());
     // The operation after which the trace's live bytes peak.
-    let (mut live, mut peak, mut peak_at) = (0usize, 0usize, 0usize);
-    let mut sizes = vec![0usize; trace.slots];
-    for (i, op) in trace.ops.iter().enumerate() {
-        match *op {
-            Op::Allocate { slot, size } => {
-                sizes[slot as usize] = size;
-                live += size;
-            }
-            Op::Free { slot } => live -= std::mem::take(&mut sizes[slot as usize]),
-        }
+    let (mut peak, mut peak_at) = (0usize, 0usize);
+    for (i, live) in trace.live_bytes().enumerate() {
         if live > peak {
             (peak, peak_at) = (live, i);
         }

@@ -325,6 +325,23 @@ impl Trace {
     pub fn operations(&self) -> usize {
         self.ops.len()
     }
+
+    /// The live bytes (sum of requested sizes) after each operation, in
+    /// order: the curve the trace's peak live is the maximum of.
+    pub fn live_bytes(&self) -> impl Iterator<Item = usize> + '_ {
+        let mut sizes = vec![0usize; self.slots];
+        let mut live = 0usize;
+        self.ops.iter().map(move |op| {
+            match *op {
+                Op::Allocate { slot, size } => {
+                    sizes[slot as usize] = size;
+                    live += size;
+                }
+                Op::Free { slot } => live -= std::mem::take(&mut sizes[slot as usize]),
+            }
+            live
+        })
+    }
 }
 
 fn parse_record(fields: &[&str], c: &Columns) -> std::result::Result<Record, String> {
@@ -396,6 +413,8 @@ mod tests {
         assert_eq!(t.skipped_frees, 1);
         assert_eq!(t.failures, 1);
         assert_eq!(t.peak_live, 150);
+        assert_eq!(t.live_bytes().max(), Some(t.peak_live), "the live curve peaks at peak_live");
+        assert_eq!(t.live_bytes().count(), t.operations());
         assert_eq!(t.live_at_end, 1);
         assert_eq!(
             t.ops,

@@ -52,20 +52,7 @@ fn sample_points(ops: usize, samples: usize) -> impl Fn(usize) -> bool {
 /// The trace's live bytes after each sampled operation.
 fn live_series(trace: &Trace, samples: usize) -> Series {
     let take = sample_points(trace.ops.len(), samples);
-    let mut sizes = vec![0usize; trace.slots];
-    let (mut live, mut points) = (0usize, Vec::new());
-    for (i, op) in trace.ops.iter().enumerate() {
-        match *op {
-            Op::Allocate { slot, size } => {
-                sizes[slot as usize] = size;
-                live += size;
-            }
-            Op::Free { slot } => live -= std::mem::take(&mut sizes[slot as usize]),
-        }
-        if take(i) {
-            points.push((i, live));
-        }
-    }
+    let points = trace.live_bytes().enumerate().filter(|&(i, _)| take(i)).collect();
     Series { name: "live (trace)".into(), points }
 }
 
