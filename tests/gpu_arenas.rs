@@ -8,6 +8,8 @@
 //! a reuse that was not ordered shows up as a mismatch. Skips without a
 //! GPU; fails instead under `CUMEM_REQUIRE_GPU=1`.
 
+mod common;
+
 use std::sync::{Arc, Barrier};
 
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
@@ -16,16 +18,7 @@ use cumem::{Config, MemoryManager, Stream};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-const CHECK: &str = r#"
-extern "C" __global__ void fill_spin_check(unsigned int* p, unsigned int v, unsigned long long n,
-                                           long long cycles, unsigned long long* errors) {
-    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    if (i < n) p[i] = v;
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-    if (i < n && p[i] != v) atomicAdd(errors, 1ULL);
-}
-"#;
+use common::CHECK;
 
 const THREADS: usize = 4;
 const ROUNDS: u32 = 200;
