@@ -11,6 +11,7 @@
 
 mod pipeline;
 mod staged;
+mod streaming;
 mod workers;
 
 use crate::device::Stream;
