@@ -130,3 +130,24 @@ fn pinned_growth_takes_few_upstream_calls() {
         mm.free_pinned(p.as_ptr()).unwrap();
     }
 }
+
+/// The arenas' upstream passes page remapping through (pool/pages.rs): an
+/// arena of the device pool moves a wholly free block's memory to where a
+/// larger allocation lands instead of growing physical memory.
+#[test]
+fn device_arenas_remap_pages() {
+    let mm = host(Config::new());
+    let d = mm.device(0).unwrap();
+    let x = mm.allocate_device(8 * MIB).unwrap();
+    let y = mm.allocate_device(2 * MIB).unwrap();
+    assert!(d.pool().primary().remaps(), "the arena's pool remaps pages");
+    mm.free_device(x).unwrap();
+    // 10 MiB does not fit the 8 MiB hole: new address space, but the
+    // hole's memory moves there rather than physical memory growing.
+    let z = mm.allocate_device(10 * MIB).unwrap();
+    let s = d.stats().pool;
+    assert!(s.unmap_calls > 0, "free pages were unmapped: {s:?}");
+    assert!(s.peak_mapped <= 12 * MIB, "physical peak {} MiB, live 12 MiB", s.peak_mapped / MIB);
+    mm.free_device(y).unwrap();
+    mm.free_device(z).unwrap();
+}

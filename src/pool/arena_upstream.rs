@@ -187,18 +187,27 @@ impl Tracked {
         others.filter_map(|(_, cell)| cell.get()).map(|p| p.release_cached().unwrap_or(0)).sum()
     }
 
-    fn try_allocate(&self, size: usize) -> Result<Chunk> {
+    /// Books `size` bytes against the limit, obtains a chunk with `get`
+    /// (allocated, or reserved for remapping) and records it.
+    fn try_allocate(&self, size: usize, get: impl Fn(&dyn Upstream, usize) -> Result<Chunk>) -> Result<Chunk> {
         self.shared.total.book(size)?;
-        let c = self.inner.allocate_chunk(size).inspect_err(|_| self.shared.total.unbook(size))?;
+        let c = get(&*self.inner, size).inspect_err(|_| self.shared.total.unbook(size))?;
         // An upstream may hand out more than asked (geometric growth).
         self.shared.total.bytes.fetch_add(c.size.saturating_sub(size), Ordering::AcqRel);
         self.shared.directory.insert(c.addr, c.end(), self.index);
         Ok(c)
     }
 
-    fn try_extend_once(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+    /// Books `extra` bytes, extends `chunk` in place with `extend` (mapped,
+    /// or address space for remapping) and records the longer chunk.
+    fn try_extend_once(
+        &self,
+        chunk: Chunk,
+        extra: usize,
+        extend: impl Fn(&dyn Upstream, Chunk, usize) -> Result<bool>,
+    ) -> Result<bool> {
         self.shared.total.book(extra)?;
-        let ok = self.inner.try_extend(chunk, extra).inspect_err(|_| self.shared.total.unbook(extra))?;
+        let ok = extend(&*self.inner, chunk, extra).inspect_err(|_| self.shared.total.unbook(extra))?;
         if ok {
             self.shared.directory.insert(chunk.addr, chunk.end() + extra, self.index);
         } else {
@@ -210,8 +219,9 @@ impl Tracked {
 
 impl Upstream for Tracked {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
-        match self.try_allocate(size) {
-            Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_allocate(size),
+        let get = |u: &dyn Upstream, n| u.allocate_chunk(n);
+        match self.try_allocate(size, get) {
+            Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_allocate(size, get),
             r => r,
         }
     }
@@ -221,8 +231,9 @@ impl Upstream for Tracked {
         Ok(())
     }
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
-        match self.try_extend_once(chunk, extra) {
-            Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_extend_once(chunk, extra),
+        let extend = |u: &dyn Upstream, c, n| u.try_extend(c, n);
+        match self.try_extend_once(chunk, extra, extend) {
+            Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_extend_once(chunk, extra, extend),
             r => r,
         }
     }
@@ -247,5 +258,30 @@ impl Upstream for Tracked {
     }
     fn device_free(&self) -> Option<usize> {
         self.inner.device_free()
+    }
+    // Page remapping (pool/pages.rs): address space is booked and recorded
+    // like allocated chunks; mapping inside it goes straight through.
+    fn can_remap(&self) -> bool {
+        self.inner.can_remap()
+    }
+    fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
+        self.try_allocate(size, |u, n| u.reserve_chunk(n))
+    }
+    fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        self.try_extend_once(chunk, extra, |u, c, n| u.try_extend_reserved(c, n))
+    }
+    fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
+        // A failed map leaves nothing mapped, so it may be tried again once
+        // the other arenas gave their free memory back.
+        match self.inner.map_runs(runs) {
+            Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.inner.map_runs(runs),
+            r => r,
+        }
+    }
+    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
+        self.inner.unmap_within(spans, want, pending, keep)
+    }
+    fn release_kept(&self) {
+        self.inner.release_kept()
     }
 }

@@ -209,6 +209,12 @@ impl<U: Upstream> Pool<U> {
         Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock: Mutex::new(()) }
     }
 
+    /// Whether the pool remaps pages (`pages.rs`): expandable, over an
+    /// upstream that can remap, and not `keep_chunks`.
+    pub fn remaps(&self) -> bool {
+        self.remap
+    }
+
     /// The upstream.
     pub fn upstream(&self) -> &U {
         &self.upstream
