@@ -19,7 +19,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
-use super::graph::{GraphStats, Graphs};
+use super::graph::{GraphPoolFactory, GraphStats, Graphs};
 use super::native_pool::{self, NativePool, NativePoolAttributes};
 use super::stream::{Stream, StreamRegistry};
 use crate::error::{Error, PoolKind, Result};
@@ -184,16 +184,19 @@ impl std::fmt::Debug for DeviceAllocator {
 
 impl DeviceAllocator {
     /// An allocator for device `ordinal` (`ctx` is `None` on the host
-    /// fallback) whose sync pool draws on `pool`. With `capture_check_always`
-    /// every call on a stream asks whether the stream captures a graph, not
-    /// only while a capture registered with cumem is under way.
+    /// fallback) whose sync pool draws on `pool`. Every call on a stream
+    /// asks whether the stream captures a graph, and a capture cumem was not
+    /// told of gets a private pool made by `make_graph_pool`, unless
+    /// `promise_registered_captures` is set (then only registered captures
+    /// are routed).
     pub(crate) fn new(
         ordinal: usize,
         ctx: Option<Arc<CudaContext>>,
         pool: Arenas,
         mode: DeviceAllocatorMode,
         release_threshold: u64,
-        capture_check_always: bool,
+        promise_registered_captures: bool,
+        make_graph_pool: Option<GraphPoolFactory>,
     ) -> Self {
         let supports_async = ctx.as_ref().is_some_and(|c| c.has_async_alloc());
         let a = DeviceAllocator {
@@ -210,7 +213,7 @@ impl DeviceAllocator {
             async_book: Mutex::new(AsyncBook::default()),
             async_live: AtomicUsize::new(0),
             streams: StreamRegistry::default(),
-            graphs: Graphs::new(capture_check_always),
+            graphs: Graphs::new(!promise_registered_captures, make_graph_pool),
         };
         a.set_mode(mode);
         a
@@ -310,13 +313,14 @@ impl DeviceAllocator {
     /// Invalid sizes, [`Error::OutOfMemory`], driver errors.
     pub fn allocate(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         if let Some(s) = stream.filter(|_| self.graphs.watching()) {
-            if let Some((capture, p)) = self.graphs.capture_for(s)? {
+            if let Some((capture, p)) = self.capture_for(s)? {
                 return match self.effective_mode() {
                     DeviceAllocatorMode::SyncPool => self.allocate_private(&p.pool, &p.streams, size, s),
                     mode => self.allocate_stream_ordered(size, stream, mode, capture),
                 };
             }
         }
+        self.settle_graph_releases();
         match self.effective_mode() {
             DeviceAllocatorMode::SyncPool => self.allocate_sync_pool(size, stream),
             mode => self.allocate_stream_ordered(size, stream, mode, 0),
@@ -336,7 +340,7 @@ impl DeviceAllocator {
         if let Some(ctx) = &self.ctx {
             // Only streams of this capture freed into the pool since it
             // began: an event edge between them is legal inside the capture.
-            if let Err(e) = streams.order_reuse(a.tag, Some(s), ctx, false) {
+            if let Err(e) = streams.order_reuse(a.tag, Some(s), ctx, false, false) {
                 let _ = pool.deallocate(a.addr, a.tag);
                 return Err(e);
             }
@@ -348,7 +352,7 @@ impl DeviceAllocator {
         let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
         let a = match self.pool.allocate_for(size, pool::BLOCK_ALIGN, want) {
             Err(Error::OutOfMemory { .. })
-                if self.ctx.is_some() && self.graphs.active() == 0 && self.holds_cached_memory() =>
+                if self.ctx.is_some() && !self.capture_under_way()? && self.holds_cached_memory() =>
             {
                 // The pool already released its own free chunks; memory may
                 // also sit in the native pools, or in chunks whose blocks
@@ -360,7 +364,9 @@ impl DeviceAllocator {
             other => other?,
         };
         if let Some(ctx) = &self.ctx {
-            if let Err(e) = self.streams.order_reuse(a.tag, stream, ctx, self.graphs.active() > 0) {
+            if let Err(e) =
+                self.streams.order_reuse(a.tag, stream, ctx, self.graphs.active() > 0, self.graphs.watching())
+            {
                 // Could not order the reuse: keep the block out of reach of
                 // this caller and give it back with its tag intact.
                 let _ = self.pool.deallocate(a.addr, a.tag);
@@ -391,7 +397,7 @@ impl DeviceAllocator {
         };
         let ptr = match attempt() {
             Ok(p) => p,
-            Err(Error::OutOfMemory { .. }) if self.graphs.active() == 0 => {
+            Err(Error::OutOfMemory { .. }) if !self.capture_under_way()? => {
                 // Release what is cached everywhere on this device, then
                 // try once more.
                 lock(&self.async_book).stats.oom_retries += 1;
@@ -430,7 +436,7 @@ impl DeviceAllocator {
             // Freed during a capture that did not make it: the graph keeps it.
             match self.hold_stream_ordered(addr, block.size, block.mode, block.capture, stream) {
                 Ok(true) => return Ok(block.size),
-                Ok(false) => {}
+                Ok(false) => self.settle_graph_releases(),
                 Err(e) => {
                     lock(&self.async_book).live.insert(addr, block);
                     return Err(e);
@@ -455,6 +461,7 @@ impl DeviceAllocator {
                 return Ok(size);
             }
         }
+        self.settle_graph_releases();
         let tag = match stream {
             Some(s) if !s.is_host() => {
                 self.streams.register(s);
@@ -510,13 +517,14 @@ impl DeviceAllocator {
     /// # Errors
     /// The first driver error.
     pub fn release_cached(&self) -> Result<usize> {
-        if self.graphs.active() > 0 {
+        if self.capture_under_way()? {
             return Err(Error::Capture(
                 "cached memory can't be released while a graph capture is under way (it would synchronize \
                  capturing streams)"
                     .into(),
             ));
         }
+        self.settle_graph_releases();
         self.release_retired()?;
         if self.ctx.is_some() {
             // Work queued on streams may still use free blocks.
@@ -534,6 +542,7 @@ impl DeviceAllocator {
 
     /// Statistics of every mode.
     pub fn stats(&self) -> DeviceStats {
+        self.settle_graph_releases();
         DeviceStats {
             pool: self.pool.stats(),
             stream_ordered: lock(&self.async_book).stats.clone(),
@@ -559,9 +568,10 @@ impl DeviceAllocator {
     /// Releases what is free and lists what is live (sync pool blocks and
     /// stream-ordered allocations).
     pub(crate) fn shutdown(&self) -> Result<Vec<LiveBlock>> {
-        if self.graphs.active() > 0 {
+        if self.capture_under_way()? {
             return Err(Error::Capture("shutdown() while a graph capture is under way".into()));
         }
+        self.settle_graph_releases();
         self.release_retired()?;
         if self.ctx.is_some() {
             self.streams.synchronize_all()?;

@@ -25,6 +25,7 @@
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
 
+use super::graph_object::CaptureGraph;
 use super::stream::Stream;
 use crate::error::{Error, Result};
 
@@ -49,20 +50,38 @@ fn has_capture_info() -> bool {
 /// [`Error::Capture`] when the capture was invalidated (something illegal
 /// happened on it); a driver error.
 pub(crate) fn capture_of(stream: &Stream) -> Result<Option<u64>> {
-    let Some(cuda) = stream.cudarc() else { return Ok(stream.host_capture()) };
-    cuda.context().bind_to_thread().map_err(super::driver_err("cuCtxSetCurrent"))?;
+    Ok(capture_info(stream)?.map(|(id, _)| id))
+}
+
+/// The id of the capture `stream` takes part in and the graph it records
+/// into, or `None` when it does not capture. One driver call
+/// (`cuStreamGetCaptureInfo`); the context is made current first only for
+/// a context's null stream, which needs it.
+///
+/// # Errors
+/// As [`capture_of`].
+pub(super) fn capture_info(stream: &Stream) -> Result<Option<(u64, CaptureGraph)>> {
+    let Some(cuda) = stream.cudarc() else {
+        return Ok(stream
+            .host_capture()
+            .map(|id| (id, stream.host_graph().map_or(CaptureGraph::Unknown, CaptureGraph::Host))));
+    };
+    if cuda.cu_stream().is_null() {
+        cuda.context().bind_to_thread().map_err(super::driver_err("cuCtxSetCurrent"))?;
+    }
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let mut id: u64 = 0;
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
     if has_capture_info() {
         // SAFETY: the stream is alive (held by `stream`); the out-pointers
-        // are valid locals; the optional outputs are null, which the call
-        // allows.
+        // are valid locals; the other optional outputs are null, which the
+        // call allows.
         unsafe {
             sys::cuStreamGetCaptureInfo_v3(
                 cuda.cu_stream(),
                 &mut status,
                 &mut id,
-                std::ptr::null_mut(),
+                &mut graph,
                 std::ptr::null_mut(),
                 std::ptr::null_mut(),
                 std::ptr::null_mut(),
@@ -79,7 +98,10 @@ pub(crate) fn capture_of(stream: &Stream) -> Result<Option<u64>> {
     }
     match status {
         sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => Ok(None),
-        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => Ok(Some(id)),
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE if graph.is_null() => {
+            Ok(Some((id, CaptureGraph::Unknown)))
+        }
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => Ok(Some((id, CaptureGraph::Cuda(graph)))),
         _ => Err(Error::Capture("the stream's capture was invalidated by an illegal call".into())),
     }
 }

@@ -36,16 +36,30 @@
 //! (a graph output freed on a stream) carry their stream's tag until the
 //! next capture into the pool begins, which first waits for those streams.
 //!
-//! Routing costs nothing while no capture is registered: the allocator
-//! checks one counter. While captures are under way, allocations and frees
-//! on a stream ask the driver which capture the stream belongs to
-//! (`cuStreamGetCaptureInfo`).
+//! **Captures cumem is not told of** (begun with cudarc's
+//! `CudaStream::begin_capture`, or any other way) are found by asking the
+//! driver, on every allocation and free on a stream, which capture the
+//! stream belongs to (`cuStreamGetCaptureInfo`, one call). The first cumem
+//! call in such a capture starts an *implicit* private pool for it (and
+//! for the streams that join it), routed exactly like a registered one,
+//! and ties the pool's life to the capture's graph with a CUDA user object
+//! (graph_object.rs): when the graph and all its executables are
+//! destroyed, the driver's destructor posts the pool, and the next cumem
+//! call on the device releases it (held blocks back to their owners, free
+//! chunks back to the driver). The driver runs that destructor only after
+//! the executables' launches have completed, so no device-wide wait is
+//! needed, and none is made (it could break someone else's capture).
+//!
+//! Only a program that sets `promise_registered_captures` skips the
+//! question outside registered captures: the allocator then checks one
+//! counter, and a capture it is not told of shares memory with eager work.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::allocator::{DeviceAllocator, DeviceAllocatorMode};
 use super::capture::{self, RelaxedCaptureMode};
+use super::graph_object::{self, ReleaseQueue};
 use super::stream::{Stream, StreamRegistry};
 use crate::error::{Error, PoolKind, Result};
 use crate::pool::{Pool, PoolStats, StreamTag};
@@ -75,9 +89,17 @@ impl Held {
     }
 }
 
+/// Makes the pool of a new private pool (its own upstream; no thread
+/// caches, `keep_chunks` set), for the implicit pools of captures cumem
+/// is not told of.
+pub(crate) type GraphPoolFactory = Box<dyn Fn() -> Result<Pool<Box<dyn Upstream>>> + Send + Sync>;
+
 /// A private pool and what belongs to it.
 pub(super) struct PrivatePool {
     id: u64,
+    /// Started for a capture cumem was not told of: its one handle is the
+    /// user object on the capture's graph.
+    implicit: bool,
     pub(super) pool: Pool<Box<dyn Upstream>>,
     /// Streams that freed blocks into `pool` whose tags are still set.
     pub(super) streams: StreamRegistry,
@@ -117,10 +139,21 @@ impl GraphStats {
     }
 }
 
+/// A capture routed into a private pool.
+struct Capture {
+    /// The driver's capture id (a host queue's own id on the fallback).
+    id: u64,
+    pool: Arc<PrivatePool>,
+    /// For an implicit capture, the stream cumem first saw it on (to ask
+    /// whether it is still under way); `None` for a registered one.
+    origin: Option<Stream>,
+}
+
 #[derive(Default)]
 struct State {
-    /// Captures under way: capture id and the pool it is routed into.
-    captures: Vec<(u64, Arc<PrivatePool>)>,
+    /// Captures routed: registered ones until they are unregistered,
+    /// implicit ones until their graph is gone.
+    captures: Vec<Capture>,
     /// Every private pool alive.
     pools: Vec<Arc<PrivatePool>>,
     /// Pools whose handles are gone, waiting for the device to be idle.
@@ -141,11 +174,23 @@ pub(crate) fn captures_under_way() -> bool {
 
 /// One device's private pools and the captures routed into them.
 pub(super) struct Graphs {
-    /// Captures under way (routing is off while 0).
+    /// Registered captures under way.
     active: AtomicUsize,
-    /// Ask the driver about every stream-ordered call, not only while a
-    /// registered capture is under way (`capture_check=always`).
-    check_always: bool,
+    /// Ask the driver about every call on a stream, not only while a
+    /// registered capture is under way (unless the program promised to
+    /// register its captures).
+    detect: bool,
+    /// Makes the pools of implicit captures (`None`: such captures get an
+    /// error).
+    make_pool: Option<GraphPoolFactory>,
+    /// Implicit captures whose graphs are alive.
+    implicit: AtomicUsize,
+    /// Implicit pools whose graphs are gone, posted by the user objects'
+    /// destructors (driver threads) for the next call to release.
+    releases: crate::sync::Arc<ReleaseQueue>,
+    /// Retired registered pools wait for a capture to end (the next call
+    /// retries).
+    deferred: AtomicBool,
     /// Private pools alive: frees of pointers the device pool does not
     /// know look there while > 0.
     pools: AtomicUsize,
@@ -155,10 +200,14 @@ pub(super) struct Graphs {
 }
 
 impl Graphs {
-    pub(super) fn new(check_always: bool) -> Self {
+    pub(super) fn new(detect: bool, make_pool: Option<GraphPoolFactory>) -> Self {
         Graphs {
             active: AtomicUsize::new(0),
-            check_always,
+            detect,
+            make_pool,
+            implicit: AtomicUsize::new(0),
+            releases: crate::sync::Arc::new(ReleaseQueue::new()),
+            deferred: AtomicBool::new(false),
             pools: AtomicUsize::new(0),
             held: AtomicUsize::new(0),
             state: Mutex::default(),
@@ -173,7 +222,13 @@ impl Graphs {
     /// Whether calls on a stream must ask which capture it belongs to.
     #[inline]
     pub(super) fn watching(&self) -> bool {
-        self.check_always || self.active() > 0
+        self.detect || self.active() > 0
+    }
+
+    /// Whether pools wait to be released (one or two atomic loads).
+    #[inline]
+    pub(super) fn releases_pending(&self) -> bool {
+        self.releases.is_pending() || self.deferred.load(Ordering::Acquire)
     }
 
     /// Whether frees must be checked against held blocks or routed into a
@@ -190,23 +245,9 @@ impl Graphs {
         self.pools.load(Ordering::Acquire) > 0
     }
 
-    /// The capture `stream` takes part in and its private pool, or `None`
-    /// when it does not capture.
-    ///
-    /// # Errors
-    /// [`Error::Capture`] when the stream captures a graph nobody
-    /// registered with cumem, or its capture was invalidated.
-    pub(super) fn capture_for(&self, stream: &Stream) -> Result<Option<(u64, Arc<PrivatePool>)>> {
-        let Some(id) = capture::capture_of(stream)? else { return Ok(None) };
-        let state = lock(&self.state);
-        match state.captures.iter().find(|(c, _)| *c == id) {
-            Some((_, p)) => Ok(Some((id, p.clone()))),
-            None => Err(Error::Capture(format!(
-                "the stream captures a graph (capture {id}) that cumem was not told about; begin it with \
-                 MemoryManager::begin_capture, or register it with MemoryManager::capture_into, so its memory \
-                 belongs to the graph"
-            ))),
-        }
+    /// The private pool capture `id` is routed into.
+    fn routed(&self, id: u64) -> Option<Arc<PrivatePool>> {
+        lock(&self.state).captures.iter().find(|c| c.id == id).map(|c| c.pool.clone())
     }
 
     /// The private pool whose chunks hold `addr`.
@@ -340,14 +381,138 @@ impl<'a> GraphPool<'a> {
     }
 }
 
+/// A private pool's number (unique in the process).
+fn next_pool_id() -> u64 {
+    static NEXT: StaticAtomicU64 = StaticAtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 impl DeviceAllocator {
+    /// The capture `stream` takes part in and its private pool, or `None`
+    /// when it does not capture. A capture cumem does not know yet gets an
+    /// implicit private pool here, tied to its graph.
+    ///
+    /// # Errors
+    /// [`Error::Capture`] when the stream's capture was invalidated, or it
+    /// is unknown and the program promised to register its captures, or
+    /// its pool can't be tied to its graph; a driver error.
+    pub(super) fn capture_for(&self, stream: &Stream) -> Result<Option<(u64, Arc<PrivatePool>)>> {
+        let Some((id, graph)) = capture::capture_info(stream)? else { return Ok(None) };
+        if let Some(p) = self.graphs.routed(id) {
+            return Ok(Some((id, p)));
+        }
+        let Some(make) = self.graphs.make_pool.as_ref().filter(|_| self.graphs.detect) else {
+            return Err(Error::Capture(format!(
+                "the stream captures a graph (capture {id}) that cumem was not told about, and the program \
+                 promised to register its captures (promise_registered_captures); begin it with \
+                 MemoryManager::begin_capture, or register it with MemoryManager::capture_into"
+            )));
+        };
+        let pool = {
+            // Legal even while this thread captures in the global mode.
+            let _relaxed = RelaxedCaptureMode::enter();
+            make()?
+        };
+        debug_assert!(pool.config().keep_chunks && !pool.config().thread_cache);
+        let inner = Arc::new(PrivatePool {
+            id: next_pool_id(),
+            implicit: true,
+            pool,
+            streams: StreamRegistry::default(),
+            handles: AtomicUsize::new(1),
+            capturing: AtomicBool::new(true),
+            tagged_outside: AtomicBool::new(false),
+            held: Mutex::new(Vec::new()),
+        });
+        {
+            let mut state = lock(&self.graphs.state);
+            if let Some(c) = state.captures.iter().find(|c| c.id == id) {
+                // Another stream of the capture got there first.
+                return Ok(Some((id, c.pool.clone())));
+            }
+            state.captures.push(Capture { id, pool: inner.clone(), origin: Some(stream.clone()) });
+            state.pools.push(inner.clone());
+            self.graphs.pools.fetch_add(1, Ordering::AcqRel);
+            self.graphs.implicit.fetch_add(1, Ordering::AcqRel);
+        }
+        // Outside the lock: driver calls. If the pool can't be tied to the
+        // graph it stays routed and is never released (another stream of
+        // the capture may use it already): a leak, never a reuse too
+        // early.
+        graph_object::tie_to_graph(&graph, &self.graphs.releases, inner.id)?;
+        Ok(Some((id, inner)))
+    }
+
+    /// Releases the implicit pools whose graphs are gone, and retries
+    /// registered pools whose release waited for a capture to end. Call
+    /// from calls not on a capturing stream; costs one or two atomic loads
+    /// when nothing waits.
+    #[inline]
+    pub(super) fn settle_graph_releases(&self) {
+        if self.graphs.releases_pending() {
+            self.settle_graph_releases_slow();
+        }
+    }
+
+    #[cold]
+    fn settle_graph_releases_slow(&self) {
+        for id in self.graphs.releases.take() {
+            let p = {
+                let mut state = lock(&self.graphs.state);
+                if let Some(i) = state.captures.iter().position(|c| c.pool.id == id) {
+                    state.captures.swap_remove(i);
+                    self.graphs.implicit.fetch_sub(1, Ordering::AcqRel);
+                }
+                state.pools.iter().find(|p| p.id == id).cloned()
+            };
+            if let Some(p) = p {
+                p.capturing.store(false, Ordering::Release);
+                if p.handles.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    self.retire_graph_pool(p);
+                }
+            }
+        }
+        if self.graphs.deferred.swap(false, Ordering::AcqRel) {
+            self.release_retired_or_log();
+        }
+    }
+
+    /// Whether a capture cumem routes is under way: a registered one, or
+    /// an implicit one (asks the driver about the stream each was first
+    /// seen on). Nothing may synchronise streams or the device meanwhile.
+    pub(super) fn capture_under_way(&self) -> Result<bool> {
+        Ok(self.graphs.active() > 0 || self.implicit_capture_under_way()?)
+    }
+
+    /// Whether a capture cumem routes implicitly is still under way.
+    fn implicit_capture_under_way(&self) -> Result<bool> {
+        if self.graphs.implicit.load(Ordering::Acquire) == 0 {
+            return Ok(false);
+        }
+        let origins: Vec<(u64, Stream)> = lock(&self.graphs.state)
+            .captures
+            .iter()
+            .filter_map(|c| c.origin.as_ref().map(|s| (c.id, s.clone())))
+            .collect();
+        for (id, s) in origins {
+            match capture::capture_of(&s) {
+                Ok(Some(now)) if now == id => return Ok(true),
+                Ok(_) => {}
+                // An invalidated capture is still under way until it ends.
+                Err(Error::Capture(_)) => return Ok(true),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(false)
+    }
+
     /// A new private pool over `pool` (its own upstream; no thread caches,
     /// `keep_chunks` set).
     pub(crate) fn new_graph_pool(&self, pool: Pool<Box<dyn Upstream>>) -> GraphPool<'_> {
-        static NEXT: StaticAtomicU64 = StaticAtomicU64::new(1);
         debug_assert!(pool.config().keep_chunks && !pool.config().thread_cache);
         let inner = Arc::new(PrivatePool {
-            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            id: next_pool_id(),
+            implicit: false,
             pool,
             streams: StreamRegistry::default(),
             handles: AtomicUsize::new(1),
@@ -378,7 +543,7 @@ impl DeviceAllocator {
             p.capturing.store(false, Ordering::Release);
             return Err(e);
         }
-        lock(&self.graphs.state).captures.push((id, p.clone()));
+        lock(&self.graphs.state).captures.push(Capture { id, pool: p.clone(), origin: None });
         self.graphs.active.fetch_add(1, Ordering::AcqRel);
         CAPTURES_UNDER_WAY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(id)
@@ -414,8 +579,8 @@ impl DeviceAllocator {
     pub(crate) fn unregister_capture(&self, id: u64) {
         let p = {
             let mut state = lock(&self.graphs.state);
-            let Some(i) = state.captures.iter().position(|(c, _)| *c == id) else { return };
-            state.captures.swap_remove(i).1
+            let Some(i) = state.captures.iter().position(|c| c.id == id && c.origin.is_none()) else { return };
+            state.captures.swap_remove(i).pool
         };
         p.streams.clear();
         p.pool.clear_tags();
@@ -432,7 +597,7 @@ impl DeviceAllocator {
             return Err(Error::DoubleFree { pool: PoolKind::Device, addr });
         }
         let capture = match stream {
-            Some(s) if self.graphs.watching() => self.graphs.capture_for(s)?,
+            Some(s) if self.graphs.watching() => self.capture_for(s)?,
             _ => None,
         };
         let Some((_, p)) = capture else { return Ok(None) };
@@ -471,7 +636,7 @@ impl DeviceAllocator {
         stream: Option<&Stream>,
     ) -> Result<bool> {
         let capture = match stream {
-            Some(s) if self.graphs.watching() => self.graphs.capture_for(s)?,
+            Some(s) if self.graphs.watching() => self.capture_for(s)?,
             _ => None,
         };
         match capture {
@@ -506,20 +671,38 @@ impl DeviceAllocator {
     /// a pool whose blocks are all free is dropped. Does nothing while a
     /// routed capture is under way (the last one to end comes back here).
     pub(super) fn release_retired(&self) -> Result<()> {
-        if self.graphs.active() > 0 {
-            return Ok(());
+        // Implicit pools: the driver ran their graphs' destructors after
+        // the graphs' work, so they go back at once. Registered pools wait
+        // for the device, which must not be synchronised while a capture
+        // is under way.
+        let (implicit, registered): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut lock(&self.graphs.state).retired).into_iter().partition(|p| p.implicit);
+        let mut retired = implicit;
+        if !registered.is_empty() {
+            let wait = self.graphs.active() > 0 || self.implicit_capture_under_way()?;
+            if wait {
+                lock(&self.graphs.state).retired.extend(registered);
+                if self.graphs.active() == 0 {
+                    // No registered capture will come back here when it
+                    // ends: the next call retries.
+                    self.graphs.deferred.store(true, Ordering::Release);
+                }
+            } else {
+                if let Some(ctx) = self.context() {
+                    let _relaxed = RelaxedCaptureMode::enter();
+                    if let Err(e) = ctx.synchronize() {
+                        lock(&self.graphs.state).retired.extend(registered);
+                        lock(&self.graphs.state).retired.extend(retired);
+                        return Err(super::driver_err("cuCtxSynchronize")(e));
+                    }
+                }
+                retired.extend(registered);
+            }
         }
-        let retired = std::mem::take(&mut lock(&self.graphs.state).retired);
         if retired.is_empty() {
             return Ok(());
         }
-        if let Some(ctx) = self.context() {
-            let _relaxed = RelaxedCaptureMode::enter();
-            if let Err(e) = ctx.synchronize() {
-                lock(&self.graphs.state).retired.extend(retired);
-                return Err(super::driver_err("cuCtxSynchronize")(e));
-            }
-        }
+        let _relaxed = RelaxedCaptureMode::enter();
         let mut first_err = None;
         for p in retired {
             let held = std::mem::take(&mut *lock(&p.held));
@@ -533,6 +716,13 @@ impl DeviceAllocator {
                 if let Err(e) = r {
                     first_err.get_or_insert(e);
                 }
+            }
+            if p.implicit && !self.settle_pool_streams(&p, &mut first_err) {
+                // A stream that freed into the pool captures now: the next
+                // call retries.
+                lock(&self.graphs.state).retired.push(p);
+                self.graphs.deferred.store(true, Ordering::Release);
+                continue;
             }
             p.streams.clear();
             p.pool.clear_tags();
@@ -548,6 +738,23 @@ impl DeviceAllocator {
             }
         }
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// Waits for the streams that freed blocks into implicit pool `p`
+    /// outside its capture (eager users of the graph's outputs); `false`
+    /// when one of them captures now (it can't be waited for).
+    fn settle_pool_streams(&self, p: &PrivatePool, first_err: &mut Option<Error>) -> bool {
+        for s in p.streams.streams() {
+            match capture::capture_of(&s) {
+                Ok(None) => {
+                    if let Err(e) = s.synchronize() {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                _ => return false,
+            }
+        }
+        true
     }
 
     /// Figures of the device's private pools.

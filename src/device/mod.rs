@@ -13,6 +13,7 @@ mod free_clock;
 #[doc(hidden)]
 pub use free_clock::{FreeClock, PENDING};
 mod graph;
+mod graph_object;
 mod native_pool;
 mod peer;
 mod stream;
@@ -27,8 +28,11 @@ pub use stream::Stream;
 
 pub(crate) use capture::RelaxedCaptureMode;
 pub(crate) use context::driver_err;
-pub(crate) use graph::captures_under_way;
+pub(crate) use graph::{captures_under_way, GraphPoolFactory};
 pub use graph::{GraphPool, GraphStats};
+pub(crate) use graph_object::next_host_capture_id;
+#[doc(hidden)]
+pub use graph_object::{release_payload, run_release, HostGraph, HostGraphExec, ReleaseQueue};
 pub(crate) use peer::{register_mapped, PeerMapped};
 
 use std::sync::Arc;

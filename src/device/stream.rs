@@ -56,6 +56,9 @@ struct StreamInner {
     /// A host queue's capture under way (0: none): host queues model graph
     /// capture so its rules hold, and are tested, without a GPU.
     host_capture: AtomicU64,
+    /// The "graph" of a host queue's capture begun without telling cumem
+    /// (graph_object.rs): what ties its memory's life to the graph.
+    host_graph: Mutex<Option<crate::sync::Arc<super::graph_object::HostGraphRefs>>>,
 }
 
 impl StreamInner {
@@ -68,6 +71,7 @@ impl StreamInner {
             frees: FreeClock::new(),
             registered_in: AtomicUsize::new(0),
             host_capture: AtomicU64::new(0),
+            host_graph: Mutex::new(None),
         })
     }
 }
@@ -161,6 +165,20 @@ impl Stream {
         self.inner.host_capture.store(id.unwrap_or(0), Ordering::Release);
     }
 
+    /// The "graph" of the host capture under way, when it was begun
+    /// without telling cumem.
+    pub(crate) fn host_graph(&self) -> Option<crate::sync::Arc<super::graph_object::HostGraphRefs>> {
+        lock(&self.inner.host_graph).clone()
+    }
+
+    /// Replaces the host capture's "graph"; returns the one before.
+    pub(crate) fn set_host_graph(
+        &self,
+        refs: Option<crate::sync::Arc<super::graph_object::HostGraphRefs>>,
+    ) -> Option<crate::sync::Arc<super::graph_object::HostGraphRefs>> {
+        std::mem::replace(&mut *lock(&self.inner.host_graph), refs)
+    }
+
     /// Whether `self` and `other` are the same stream (clones of one
     /// `Stream`).
     pub fn same_as(&self, other: &Stream) -> bool {
@@ -251,13 +269,16 @@ impl StreamRegistry {
     /// With `captures` set (a graph capture is under way on the device), a
     /// source stream that captures is never synchronised or waited on from
     /// outside its capture: that would break the capture, so the reuse is
-    /// refused with [`Error::Capture`](crate::Error::Capture) instead.
+    /// refused with [`Error::Capture`](crate::Error::Capture) instead. With
+    /// `ask` set (captures cumem was not told of may be under way) each
+    /// source stream is asked whether it captures all the same.
     pub(crate) fn order_reuse(
         &self,
         tag: StreamTag,
         user: Option<&Stream>,
         ctx: &CudaContext,
         captures: bool,
+        ask: bool,
     ) -> Result<()> {
         if tag == StreamTag::NONE || user.is_some_and(|u| u.inner.id == tag.stream) {
             return Ok(());
@@ -286,7 +307,7 @@ impl StreamRegistry {
         let start = std::time::Instant::now();
         let mut waited = false;
         for src in sources.iter().filter(|s| user.is_none_or(|u| u.inner.id != s.inner.id)) {
-            if captures && super::capture::capture_of(src)?.is_some() {
+            if (captures || ask) && super::capture::capture_of(src)?.is_some() {
                 return Err(crate::Error::Capture(
                     "the block's last use is queued on a stream that now captures a graph; synchronize streams \
                      before beginning a capture"

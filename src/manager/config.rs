@@ -125,13 +125,18 @@ pub struct Config {
     /// Where to write an event log of every allocation and free, in RMM's
     /// CSV format (see [`EventLog`](crate::log::EventLog)); `None`: no log.
     pub log_path: Option<PathBuf>,
-    /// Ask the driver on every device allocation and free on a stream
-    /// whether the stream captures a CUDA graph (`capture_check=always`),
-    /// so a capture begun without telling cumem gets an error instead of
-    /// memory shared with work outside the graph. Off by default
-    /// (`capture_check=registered`): the question is asked only while a
-    /// capture registered with cumem is under way.
-    pub capture_check_always: bool,
+    /// The program promises to register every CUDA graph capture it makes
+    /// with cumem ([`MemoryManager::begin_capture`](crate::MemoryManager::begin_capture)
+    /// or [`capture_into`](crate::MemoryManager::capture_into))
+    /// (`promise_registered_captures=true`). Off by default: then every
+    /// device allocation and free on a stream asks the driver whether the
+    /// stream captures (`cuStreamGetCaptureInfo`), and a capture cumem was
+    /// not told of gets a graph-private pool of its own whose memory stays
+    /// the graph's until the graph and its executables are destroyed. With
+    /// the promise, the question is asked only while a registered capture
+    /// is under way, and a capture begun without telling cumem shares its
+    /// memory with work outside the graph (replays overwrite it).
+    pub promise_registered_captures: bool,
     /// Peer access applied as each device's allocator is created.
     pub peer_access: PeerAccess,
     /// How many stand-in devices the host fallback offers (at least 1), so
@@ -164,7 +169,7 @@ impl Default for Config {
             device_thread_cache: false,
             thread_cache_bytes: 256 << 20,
             log_path: None,
-            capture_check_always: false,
+            promise_registered_captures: false,
             peer_access: PeerAccess::None,
             host_devices: 1,
             arenas: 0,
@@ -229,9 +234,9 @@ impl Config {
         pc
     }
 
-    /// Sets [`Config::capture_check_always`].
-    pub fn capture_check_always(mut self, on: bool) -> Self {
-        self.capture_check_always = on;
+    /// Sets [`Config::promise_registered_captures`].
+    pub fn promise_registered_captures(mut self, promise: bool) -> Self {
+        self.promise_registered_captures = promise;
         self
     }
 
@@ -436,16 +441,15 @@ impl std::str::FromStr for Config {
                         _ => return Err(Error::Config(format!("backend: '{value}' is not auto or host"))),
                     }
                 }
+                "promise_registered_captures" => c.promise_registered_captures = bool_value(key, value)?,
+                // The former key: captures are now always checked unless the
+                // program makes the promise above.
+                "capture_check" if value == "always" => c.promise_registered_captures = false,
                 "capture_check" => {
-                    c.capture_check_always = match value {
-                        "always" => true,
-                        "registered" => false,
-                        _ => {
-                            return Err(Error::Config(format!(
-                                "capture_check: '{value}' is not 'registered' or 'always'"
-                            )))
-                        }
-                    }
+                    return Err(Error::Config(format!(
+                        "capture_check: '{value}' is no longer supported: captures are checked by default; set \
+                         promise_registered_captures=true if the program registers every capture with cumem"
+                    )))
                 }
                 "peer_access" => c.peer_access = value.parse()?,
                 "host_devices" => {
@@ -462,7 +466,7 @@ impl std::str::FromStr for Config {
                          max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          track_allocations, thread_cache, pinned_thread_cache, \
                          device_thread_cache, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
-                         capture_check)"
+                         promise_registered_captures)"
                     )))
                 }
             }

@@ -6,17 +6,9 @@
 use cudarc::driver::{sys, CudaGraph};
 
 use super::MemoryManager;
-use crate::device::{driver_err, DeviceAllocator, GraphPool, RelaxedCaptureMode, Stream};
+use crate::device::{driver_err, next_host_capture_id, DeviceAllocator, GraphPool, RelaxedCaptureMode, Stream};
 use crate::error::{Error, Result};
 use crate::pool::Pool;
-use crate::sync::{Ordering, StaticAtomicU64};
-
-/// Capture ids of host queues have the top bit set, so they never meet
-/// the driver's.
-fn next_host_capture_id() -> u64 {
-    static NEXT: StaticAtomicU64 = StaticAtomicU64::new(1);
-    (1 << 63) | NEXT.fetch_add(1, Ordering::Relaxed)
-}
 
 impl MemoryManager {
     /// A new graph-private pool on the default device. See [`GraphPool`].

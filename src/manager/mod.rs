@@ -356,13 +356,20 @@ impl MemoryManager {
         let (arena_ctx, expandable) = (ctx.clone(), self.config.expandable);
         let make: crate::pool::UpstreamFactory =
             Box::new(move || Self::make_device_upstream(arena_ctx.as_ref(), expandable));
+        // The private pools of captures cumem is not told of, made like
+        // `graph_pool_on`'s.
+        let (graph_ctx, graph_pc) = (ctx.clone(), self.config.graph_pool_config());
+        let graph_pools: crate::device::GraphPoolFactory = Box::new(move || {
+            Ok(crate::pool::Pool::new(Self::make_device_upstream(graph_ctx.as_ref(), expandable)?, graph_pc.clone()))
+        });
         Ok(DeviceAllocator::new(
             ordinal,
             ctx,
             Arenas::new(upstream, Some(make), pc, self.config.arena_count()),
             mode,
             self.config.release_threshold,
-            self.config.capture_check_always,
+            self.config.promise_registered_captures,
+            Some(graph_pools),
         ))
     }
 
