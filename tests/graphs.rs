@@ -256,3 +256,213 @@ fn stream_ordered_modes_route_captures_too() {
         assert_eq!(graph_stats(&mm).held, 0, "{mode}");
     }
 }
+
+// Captures cumem is not told of (begun on a host queue with
+// `begin_host_capture`, the model of cudarc's `CudaStream::begin_capture`):
+// the first call in the capture starts a private pool tied to the "graph".
+
+use cumem::device::HostGraph;
+
+fn host_capture(s: &Stream) {
+    s.begin_host_capture().expect("a host queue begins a capture");
+}
+
+fn end_host_capture(s: &Stream) -> HostGraph {
+    s.end_host_capture(false).unwrap().expect("a graph")
+}
+
+/// Whether the manager runs on the host fallback (the models below need
+/// host queues; on a GPU, tests/gpu_graphs.rs checks the same rules).
+fn on_host(_mm: &MemoryManager) -> bool {
+    let host = Stream::new().unwrap().is_host();
+    if !host {
+        eprintln!("skipped: the host-queue model of captures needs the host fallback (gpu_graphs.rs covers CUDA)");
+    }
+    host
+}
+
+#[test]
+fn an_unregistered_capture_keeps_its_memory_until_the_graph_and_its_executables_are_gone() {
+    let _serial = serial();
+    for mode in cumem::DeviceAllocatorMode::ALL {
+        let mm = MemoryManager::new(config().mode(mode)).unwrap();
+        if !on_host(&mm) {
+            return;
+        }
+        let (s, t) = (Stream::new().unwrap(), Stream::new().unwrap());
+        let before = mm.allocate_device_on(8 * MIB, &s).unwrap();
+        host_capture(&s);
+        let tmp = mm.allocate_device_on(4 * MIB, &s).unwrap();
+        mm.free_device_on(tmp, &s).unwrap();
+        mm.free_device_on(before, &s).unwrap(); // made outside: the graph keeps it
+        assert!(matches!(mm.free_device_on(before, &s), Err(Error::DoubleFree { .. })), "{mode}");
+        let graph = end_host_capture(&s);
+        let exec = graph.instantiate();
+        let check = |what: &str| {
+            for stream in [&t, &s] {
+                for (size, theirs) in [(4 * MIB, tmp), (8 * MIB, before)] {
+                    let other = mm.allocate_device_on(size, stream).unwrap();
+                    assert!(!overlaps((other, size), (theirs, size)), "{mode} {what}: {other:#x} overlaps {theirs:#x}");
+                    mm.free_device_on(other, stream).unwrap();
+                }
+            }
+        };
+        check("graph and exec alive");
+        let st = graph_stats(&mm);
+        assert_eq!((st.pools, st.reserved, st.held), (1, 4 * MIB, 8 * MIB), "{mode}: {st:?}");
+        drop(graph);
+        check("exec alive");
+        assert_eq!(graph_stats(&mm).pools, 1, "{mode}: the executable keeps the memory");
+        drop(exec);
+        let st = graph_stats(&mm);
+        assert_eq!((st.pools, st.reserved, st.held), (0, 0, 0), "{mode}: everything went back: {st:?}");
+        // The held block is the device pool's again: best fit finds it.
+        let again = mm.allocate_device_on(8 * MIB, &t).unwrap();
+        assert_eq!(again, before, "{mode}: the held block came back and is reused");
+        mm.free_device_on(again, &t).unwrap();
+    }
+}
+
+#[test]
+fn control_with_the_promise_an_unregistered_capture_shares_its_memory() {
+    let _serial = serial();
+    // What detection prevents: with `promise_registered_captures` cumem
+    // does not ask, and the captured scratch is the next caller's block.
+    let mm = MemoryManager::new(config().promise_registered_captures(true)).unwrap();
+    if !on_host(&mm) {
+        return;
+    }
+    let (s, t) = (Stream::new().unwrap(), Stream::new().unwrap());
+    host_capture(&s);
+    let tmp = mm.allocate_device_on(4 * MIB, &s).unwrap();
+    mm.free_device_on(tmp, &s).unwrap();
+    let graph = end_host_capture(&s);
+    let other = mm.allocate_device_on(4 * MIB, &t).unwrap();
+    assert_eq!(other, tmp, "control: without detection the graph's scratch is handed out");
+    mm.free_device_on(other, &t).unwrap();
+    drop(graph);
+    // The same program without the promise keeps it apart.
+    let mm = manager();
+    host_capture(&s);
+    let tmp = mm.allocate_device_on(4 * MIB, &s).unwrap();
+    mm.free_device_on(tmp, &s).unwrap();
+    let graph = end_host_capture(&s);
+    let other = mm.allocate_device_on(4 * MIB, &t).unwrap();
+    assert!(!overlaps((other, 4 * MIB), (tmp, 4 * MIB)));
+    mm.free_device_on(other, &t).unwrap();
+    drop(graph);
+}
+
+#[test]
+fn an_abandoned_capture_releases_its_pool() {
+    let _serial = serial();
+    let mm = manager();
+    if !on_host(&mm) {
+        return;
+    }
+    let s = Stream::new().unwrap();
+    let before = mm.allocate_device_on(2 * MIB, &s).unwrap();
+    host_capture(&s);
+    let tmp = mm.allocate_device_on(4 * MIB, &s).unwrap();
+    mm.free_device_on(tmp, &s).unwrap();
+    mm.free_device_on(before, &s).unwrap();
+    assert_eq!(graph_stats(&mm).pools, 1);
+    assert!(s.end_host_capture(true).unwrap().is_none(), "the capture failed: no graph");
+    let st = graph_stats(&mm);
+    assert_eq!((st.pools, st.reserved, st.held), (0, 0, 0), "{st:?}");
+    let again = mm.allocate_device_on(2 * MIB, &s).unwrap();
+    assert_eq!(again, before);
+    mm.free_device_on(again, &s).unwrap();
+}
+
+#[test]
+fn a_graph_dropped_on_another_thread_is_released_by_the_next_call() {
+    let _serial = serial();
+    let mm = manager();
+    if !on_host(&mm) {
+        return;
+    }
+    let s = Stream::new().unwrap();
+    host_capture(&s);
+    let tmp = mm.allocate_device_on(4 * MIB, &s).unwrap();
+    mm.free_device_on(tmp, &s).unwrap();
+    let graph = end_host_capture(&s);
+    let exec = graph.instantiate();
+    // The destructor runs where the last reference goes: another thread.
+    std::thread::spawn(move || drop((graph, exec))).join().unwrap();
+    let t = Stream::new().unwrap();
+    let p = mm.allocate_device_on(MIB, &t).unwrap(); // any call settles it
+    assert_eq!(graph_stats(&mm).pools, 0);
+    mm.free_device_on(p, &t).unwrap();
+}
+
+#[test]
+fn graph_outputs_of_an_unregistered_capture_stay_the_graphs_after_they_are_freed() {
+    let _serial = serial();
+    let mm = manager();
+    if !on_host(&mm) {
+        return;
+    }
+    let (s, t) = (Stream::new().unwrap(), Stream::new().unwrap());
+    host_capture(&s);
+    let out = mm.allocate_device_on(2 * MIB, &s).unwrap();
+    let graph = end_host_capture(&s);
+    mm.free_device_on(out, &t).unwrap(); // an eager user frees the output
+    let other = mm.allocate_device_on(2 * MIB, &t).unwrap();
+    assert!(!overlaps((other, 2 * MIB), (out, 2 * MIB)), "the graph still writes its output");
+    mm.free_device_on(other, &t).unwrap();
+    assert_eq!(graph_stats(&mm).pools, 1);
+    drop(graph);
+    assert_eq!(graph_stats(&mm).pools, 0);
+}
+
+#[test]
+fn two_unregistered_captures_on_two_threads_get_two_pools() {
+    let _serial = serial();
+    let mm = Arc::new(manager());
+    if !on_host(&mm) {
+        return;
+    }
+    let start = Arc::new(Barrier::new(2));
+    let workers: Vec<_> = (0..2)
+        .map(|i| {
+            let (mm, start) = (mm.clone(), start.clone());
+            std::thread::spawn(move || {
+                let s = Stream::new().unwrap();
+                host_capture(&s);
+                start.wait();
+                let mut blocks = Vec::new();
+                for round in 0..50 {
+                    let size = ((i * 5 + round) % 8 + 1) * 256 * 1024;
+                    let p = mm.allocate_device_on(size, &s).unwrap();
+                    blocks.push((p, size));
+                    mm.free_device_on(p, &s).unwrap();
+                }
+                (end_host_capture(&s), blocks)
+            })
+        })
+        .collect();
+    let results: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    assert_eq!(graph_stats(&mm).pools, 2);
+    for a in &results[0].1 {
+        for b in &results[1].1 {
+            assert!(!overlaps(*a, *b), "the two graphs share {:#x}", a.0);
+        }
+    }
+    let t = Stream::new().unwrap();
+    for (p, size) in results.iter().flat_map(|r| r.1.iter()).copied() {
+        let other = mm.allocate_device_on(size, &t).unwrap();
+        assert!(!overlaps((other, size), (p, size)));
+        mm.free_device_on(other, &t).unwrap();
+    }
+    drop(results);
+    assert_eq!(graph_stats(&mm).pools, 0);
+}
+
+#[test]
+fn the_promise_and_the_former_key_parse() {
+    let c = "promise_registered_captures=true".parse::<Config>().unwrap();
+    assert!(c.promise_registered_captures);
+    assert!(!Config::new().promise_registered_captures, "detection is the default");
+    assert!(matches!("capture_check=registered".parse::<Config>(), Err(Error::Config(_))));
+}
