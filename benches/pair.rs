@@ -88,10 +88,19 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
             println!("pair: {mode} runs as {effective} on this device; skipped");
             continue;
         }
+        // The same without capture detection: the program promises to
+        // register its captures, so no call asks the driver whether the
+        // stream captures (the default asks on every call on a stream).
+        let promised = MemoryManager::new(Config::new().mode(mode).promise_registered_captures(true)).expect("manager");
+        let no_detection = format!("{}_no_detection", mode.name());
         for size in DEVICE_SIZES {
             bench_pair(c, "device", mode.name(), size, || {
                 let p = mm.allocate_device_on(size, &stream).expect("allocate");
                 mm.free_device_on(std::hint::black_box(p), &stream).expect("free");
+            });
+            bench_pair(c, "device", &no_detection, size, || {
+                let p = promised.allocate_device_on(size, &stream).expect("allocate");
+                promised.free_device_on(std::hint::black_box(p), &stream).expect("free");
             });
             if mode == DeviceAllocatorMode::SyncPool {
                 bench_pair(c, "device", "sync_pool_no_stream", size, || {
@@ -101,20 +110,26 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
             }
         }
         stream.synchronize().expect("sync");
-        drop(mm);
+        drop((mm, promised));
     }
     // The sync pool with per-thread caches (opt-in for device pools): a
     // block freed on a stream is reused by the same stream without the
     // pool's lock.
     let mm = MemoryManager::new(Config::new().device_thread_cache(true)).expect("manager");
+    let promised =
+        MemoryManager::new(Config::new().device_thread_cache(true).promise_registered_captures(true)).expect("manager");
     for size in DEVICE_SIZES {
         bench_pair(c, "device", "sync_pool_thread_cache", size, || {
             let p = mm.allocate_device_on(size, &stream).expect("allocate");
             mm.free_device_on(std::hint::black_box(p), &stream).expect("free");
         });
+        bench_pair(c, "device", "sync_pool_thread_cache_no_detection", size, || {
+            let p = promised.allocate_device_on(size, &stream).expect("allocate");
+            promised.free_device_on(std::hint::black_box(p), &stream).expect("free");
+        });
     }
     stream.synchronize().expect("sync");
-    drop(mm);
+    drop((mm, promised));
     ctx.bind_to_thread().expect("bind");
     let cu = stream.cu_stream();
     for size in DEVICE_SIZES {
@@ -188,6 +203,24 @@ fn print_summary() {
                 ratio(sync_raw),
                 ratio(other_raw)
             );
+        }
+    }
+    println!();
+    println!("capture detection (default) against none (promise_registered_captures): ratio of ns/pair");
+    for ((group, size), rows) in &medians {
+        for (target, ns) in rows {
+            let Some(base) = target.strip_suffix("_no_detection") else { continue };
+            if let Some((_, with)) = rows.iter().find(|(t, _)| t == base) {
+                println!(
+                    "{:<8} {:>8}  {:<32} {:>10.1} vs {:>10.1}  {:.3}x",
+                    group,
+                    size_name(*size),
+                    base,
+                    with,
+                    ns,
+                    with / ns
+                );
+            }
         }
     }
 }

@@ -96,7 +96,7 @@ enum How {
 /// output right).
 fn scenario(ctx: &Arc<CudaContext>, mode: DeviceAllocatorMode, how: How) -> (bool, bool) {
     let k = kernels(ctx);
-    let mm = MemoryManager::new(config().mode(mode)).unwrap();
+    let mm = MemoryManager::new(config().mode(mode).promise_registered_captures(how == How::Unregistered)).unwrap();
     let s = Stream::from_cudarc(ctx.new_stream().unwrap());
     let t = Stream::from_cudarc(ctx.new_stream().unwrap());
     let out = mm.allocate_device(N * 4).unwrap();
@@ -168,10 +168,11 @@ fn captured_step_never_overwrites_another_callers_memory_in_any_mode() {
 
 #[test]
 fn control_an_unregistered_capture_in_the_sync_pool_does_corrupt() {
-    // Without telling cumem, the sync pool hands the captured temporary to
-    // the next caller and every replay overwrites it: the check above can
-    // fail. (The stream-ordered modes are safe even then: the driver makes
-    // graph memory nodes.)
+    // Without telling cumem, and with the promise that switches detection
+    // off, the sync pool hands the captured temporary to the next caller and
+    // every replay overwrites it: the check above can fail. (The
+    // stream-ordered modes are safe even then: the driver makes graph
+    // memory nodes.)
     let Some(ctx) = gpu_for_test("control_an_unregistered_capture_in_the_sync_pool_does_corrupt") else { return };
     let _serial = serial();
     let (intact, _) = scenario(&ctx, DeviceAllocatorMode::SyncPool, How::Unregistered);
@@ -183,22 +184,28 @@ fn control_an_unregistered_capture_in_the_sync_pool_does_corrupt() {
 }
 
 #[test]
-fn capture_check_always_refuses_an_unregistered_capture_and_keeps_it_intact() {
-    let Some(ctx) = gpu_for_test("capture_check_always_refuses_an_unregistered_capture_and_keeps_it_intact") else {
+fn the_promise_refuses_an_unregistered_capture_and_keeps_it_intact() {
+    let Some(ctx) = gpu_for_test("the_promise_refuses_an_unregistered_capture_and_keeps_it_intact") else {
         return;
     };
     let _serial = serial();
     let k = kernels(&ctx);
-    let mm = MemoryManager::new(config().capture_check_always(true)).unwrap();
+    // With the promise, routing is off outside registered captures; while
+    // one is under way, an unregistered capture is refused.
+    let mm = MemoryManager::new(config().promise_registered_captures(true)).unwrap();
     let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let r = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let pool = mm.graph_pool().unwrap();
+    let registered = mm.begin_capture(&r, &pool).unwrap();
     let out = mm.allocate_device(N * 4).unwrap();
     let cs = s.cudarc().unwrap().clone();
-    cs.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+    cs.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
     let e = mm.allocate_device_on(N * 4, &s).unwrap_err();
     assert!(matches!(e, Error::Capture(_)), "{e}");
     // The capture is still valid: record a kernel and replay it.
     fill(&k, &s, out, 7, N);
     let g = cs.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+    drop(registered.end().unwrap());
     g.launch().unwrap();
     s.synchronize().unwrap();
     assert!(read(out, N).iter().all(|&v| v == 7));
@@ -336,4 +343,242 @@ fn threads_allocating_on_their_streams_during_a_capture_keep_their_data() {
     }
     drop((g, pool));
     mm.free_device(out).unwrap();
+}
+
+// Captures made with cudarc's API only: cumem is told nothing.
+
+fn graph_stats(mm: &MemoryManager) -> cumem::GraphStats {
+    mm.device_stats(mm.config().device).unwrap().graphs
+}
+
+/// Waits (up to 10 s) until the device's private pools are gone: the
+/// driver runs the user objects' destructors on a thread of its own, a
+/// moment after the last graph or executable is destroyed.
+fn wait_released(mm: &MemoryManager) -> cumem::GraphStats {
+    let start = std::time::Instant::now();
+    loop {
+        let st = graph_stats(mm);
+        if st.pools == 0 || start.elapsed() > std::time::Duration::from_secs(10) {
+            return st;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+fn overlaps(a: (u64, usize), b: (u64, usize)) -> bool {
+    a.0 < b.0 + b.1 as u64 && b.0 < a.0 + a.1 as u64
+}
+
+/// One capture with cudarc's API on `s` (global capture mode): scratch
+/// `tmp` filled and copied (plus one) into `out`, then freed; `before`
+/// (made outside) freed in the capture too. Then 100 rounds of: replay,
+/// an eager allocation of the same size on `t` filled there, replay again,
+/// check. Returns (eager blocks never overlapped the graph's and kept their
+/// values, outputs right, the scratch address, `before`).
+fn cudarc_scenario(ctx: &Arc<CudaContext>, k: &Kernels, mm: &MemoryManager) -> (bool, bool, u64, u64) {
+    let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let t = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let out = mm.allocate_device(N * 4).unwrap();
+    let before = mm.allocate_device_on(N * 4, &s).unwrap();
+    s.synchronize().unwrap();
+    let cs = s.cudarc().unwrap().clone();
+    cs.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+    let tmp = mm.allocate_device_on(N * 4, &s).unwrap();
+    fill(k, &s, tmp, 0x600D, N);
+    fill(k, &s, before, 5, N);
+    add_copy(k, &s, out, tmp, 1, N);
+    mm.free_device_on(tmp, &s).unwrap();
+    mm.free_device_on(before, &s).unwrap();
+    let g = cs.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+    let (mut apart, mut right) = (true, true);
+    for round in 0..100u32 {
+        g.launch().unwrap();
+        let other = mm.allocate_device_on(N * 4, &t).unwrap();
+        apart &= !overlaps((other, N * 4), (tmp, N * 4)) && !overlaps((other, N * 4), (before, N * 4));
+        fill(k, &t, other, 0x0BAD + round, N);
+        t.synchronize().unwrap();
+        g.launch().unwrap();
+        s.synchronize().unwrap();
+        apart &= read(other, N).iter().all(|&v| v == 0x0BAD + round);
+        right &= read(out, N).iter().all(|&v| v == 0x600E);
+        mm.free_device_on(other, &t).unwrap();
+    }
+    t.synchronize().unwrap();
+    drop(g);
+    mm.free_device(out).unwrap();
+    (apart, right, tmp, before)
+}
+
+#[test]
+fn a_cudarc_capture_keeps_its_memory_in_every_mode_until_the_graph_is_gone() {
+    let Some(ctx) = gpu_for_test("a_cudarc_capture_keeps_its_memory_in_every_mode_until_the_graph_is_gone") else {
+        return;
+    };
+    let _serial = serial();
+    let k = kernels(&ctx);
+    for mode in DeviceAllocatorMode::ALL {
+        let mm = MemoryManager::new(config().mode(mode)).unwrap();
+        let (apart, right, _, before) = cudarc_scenario(&ctx, &k, &mm);
+        assert!(apart, "{mode}: an eager allocation got the graph's memory");
+        assert!(right, "{mode}: the graph's output is wrong");
+        let st = wait_released(&mm);
+        assert_eq!((st.pools, st.reserved, st.held), (0, 0, 0), "{mode}: the graph's memory came back: {st:?}");
+        if mode == DeviceAllocatorMode::SyncPool {
+            let t = Stream::from_cudarc(ctx.new_stream().unwrap());
+            let again = mm.allocate_device_on(N * 4, &t).unwrap();
+            assert_eq!(again, before, "the block the graph held is reused once it is gone");
+            fill(&k, &t, again, 9, N);
+            t.synchronize().unwrap();
+            assert!(read(again, N).iter().all(|&v| v == 9));
+            mm.free_device_on(again, &t).unwrap();
+            t.synchronize().unwrap();
+        }
+    }
+}
+
+#[test]
+fn control_without_detection_a_cudarc_capture_shares_its_scratch() {
+    let Some(ctx) = gpu_for_test("control_without_detection_a_cudarc_capture_shares_its_scratch") else { return };
+    let _serial = serial();
+    let k = kernels(&ctx);
+    let mm = MemoryManager::new(config().promise_registered_captures(true)).unwrap();
+    let (apart, _, _, _) = cudarc_scenario(&ctx, &k, &mm);
+    assert!(!apart, "control: with detection off the eager caller should have got the graph's scratch");
+}
+
+#[test]
+fn the_executable_keeps_the_memory_after_the_graph_is_destroyed() {
+    let Some(ctx) = gpu_for_test("the_executable_keeps_the_memory_after_the_graph_is_destroyed") else { return };
+    let _serial = serial();
+    let k = kernels(&ctx);
+    let mm = MemoryManager::new(config()).unwrap();
+    let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let t = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let out = mm.allocate_device(N * 4).unwrap();
+    let cs = s.cudarc().unwrap().clone();
+    cs.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    let tmp = mm.allocate_device_on(N * 4, &s).unwrap();
+    fill(&k, &s, tmp, 41, N);
+    add_copy(&k, &s, out, tmp, 1, N);
+    mm.free_device_on(tmp, &s).unwrap();
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: `s` captures (begun above); `graph` is a valid out-location.
+    unsafe { sys::cuStreamEndCapture(cs.cu_stream(), &mut graph) }.result().unwrap();
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: `graph` is the live graph just captured.
+    unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }.result().unwrap();
+    // SAFETY: the graph is destroyed once; the executable stays valid.
+    unsafe { sys::cuGraphDestroy(graph) }.result().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(graph_stats(&mm).pools, 1, "the executable keeps the graph's pool");
+    for round in 0..10u32 {
+        // SAFETY: `exec` is alive and belongs to this context.
+        unsafe { sys::cuGraphLaunch(exec, cs.cu_stream()) }.result().unwrap();
+        let other = mm.allocate_device_on(N * 4, &t).unwrap();
+        assert!(!overlaps((other, N * 4), (tmp, N * 4)), "round {round}: the executable's scratch was handed out");
+        mm.free_device_on(other, &t).unwrap();
+    }
+    s.synchronize().unwrap();
+    assert!(read(out, N).iter().all(|&v| v == 42));
+    assert_eq!(graph_stats(&mm).pools, 1);
+    // SAFETY: destroyed once; its launches were synchronised.
+    unsafe { sys::cuGraphExecDestroy(exec) }.result().unwrap();
+    let st = wait_released(&mm);
+    assert_eq!((st.pools, st.reserved), (0, 0), "{st:?}");
+    t.synchronize().unwrap();
+    mm.free_device(out).unwrap();
+}
+
+/// A graph made on one thread and replayed on another.
+struct SendGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: the driver's graph and executable handles may be used from any
+// thread; the wrapper is moved once, after the capture ended, and used by
+// one thread at a time.
+unsafe impl Send for SendGraph {}
+
+#[test]
+fn two_cudarc_captures_at_once_on_two_threads() {
+    let Some(ctx) = gpu_for_test("two_cudarc_captures_at_once_on_two_threads") else { return };
+    let _serial = serial();
+    let k = Arc::new(kernels(&ctx));
+    let mm = Arc::new(MemoryManager::new(config()).unwrap());
+    let go = Arc::new(Barrier::new(2));
+    let workers: Vec<_> = (0..2u32)
+        .map(|i| {
+            let (mm, k, go, ctx) = (mm.clone(), k.clone(), go.clone(), ctx.clone());
+            std::thread::spawn(move || {
+                let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+                let out = mm.allocate_device(N * 4).unwrap();
+                let cs = s.cudarc().unwrap().clone();
+                cs.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+                go.wait();
+                let mut scratch = Vec::new();
+                for round in 0..8u32 {
+                    let tmp = mm.allocate_device_on(N * 4, &s).unwrap();
+                    fill(&k, &s, tmp, 1000 * (i + 1) + round, N);
+                    add_copy(&k, &s, out, tmp, 1, N);
+                    mm.free_device_on(tmp, &s).unwrap();
+                    scratch.push(tmp);
+                }
+                let g = cs.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+                (s, SendGraph(g), out, scratch)
+            })
+        })
+        .collect();
+    let results: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    assert_eq!(graph_stats(&mm).pools, 2, "one private pool per capture");
+    for a in &results[0].3 {
+        for b in &results[1].3 {
+            assert!(!overlaps((*a, N * 4), (*b, N * 4)), "the two graphs share {a:#x}");
+        }
+    }
+    let t = Stream::from_cudarc(ctx.new_stream().unwrap());
+    for _ in 0..REPLAYS {
+        for (_, g, _, scratch) in &results {
+            g.0.launch().unwrap();
+            let other = mm.allocate_device_on(N * 4, &t).unwrap();
+            assert!(scratch.iter().all(|&p| !overlaps((other, N * 4), (p, N * 4))));
+            mm.free_device_on(other, &t).unwrap();
+        }
+    }
+    for (i, (s, _, out, _)) in results.iter().enumerate() {
+        s.synchronize().unwrap();
+        assert!(read(*out, N).iter().all(|&v| v == 1000 * (i as u32 + 1) + 7 + 1));
+    }
+    t.synchronize().unwrap();
+    let outs: Vec<u64> = results.iter().map(|r| r.2).collect();
+    drop(results);
+    let st = wait_released(&mm);
+    assert_eq!(st.pools, 0, "{st:?}");
+    for o in outs {
+        mm.free_device(o).unwrap();
+    }
+}
+
+#[test]
+fn a_failed_cudarc_capture_releases_its_pool() {
+    let Some(ctx) = gpu_for_test("a_failed_cudarc_capture_releases_its_pool") else { return };
+    let _serial = serial();
+    let k = kernels(&ctx);
+    let mm = MemoryManager::new(config()).unwrap();
+    let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let cs = s.cudarc().unwrap().clone();
+    cs.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    let tmp = mm.allocate_device_on(N * 4, &s).unwrap();
+    fill(&k, &s, tmp, 1, N);
+    mm.free_device_on(tmp, &s).unwrap();
+    assert_eq!(graph_stats(&mm).pools, 1);
+    // Something illegal during the capture invalidates it.
+    // SAFETY: the stream is alive; synchronising a capturing stream is
+    // refused by the driver (and invalidates the capture), nothing else.
+    let illegal = unsafe { sys::cuStreamSynchronize(cs.cu_stream()) };
+    assert_ne!(illegal, sys::CUresult::CUDA_SUCCESS);
+    assert!(matches!(mm.allocate_device_on(N * 4, &s), Err(Error::Capture(_))), "an invalidated capture");
+    assert!(cs.end_capture(sys::CUgraphInstantiate_flags(0)).is_err(), "ending an invalidated capture fails");
+    let st = wait_released(&mm);
+    assert_eq!((st.pools, st.reserved), (0, 0), "the failed capture's pool is released: {st:?}");
+    let p = mm.allocate_device_on(N * 4, &s).unwrap();
+    mm.free_device_on(p, &s).unwrap();
+    s.synchronize().unwrap();
 }

@@ -162,9 +162,10 @@ struct State {
     held: HashSet<usize>,
 }
 
-/// Registered captures under way in the process, on any device (a count,
-/// ordering no other memory): while it is non-zero, page remapping waits
-/// for no device (that would synchronise capturing streams).
+/// Registered captures under way in the process, on any device, and
+/// implicit captures whose graphs are alive (a count, ordering no other
+/// memory): while it is non-zero, page remapping waits for no device (that
+/// would synchronise capturing streams).
 static CAPTURES_UNDER_WAY: StaticAtomicU64 = StaticAtomicU64::new(0);
 
 /// Whether a capture registered with cumem is under way on any device.
@@ -434,6 +435,9 @@ impl DeviceAllocator {
             state.pools.push(inner.clone());
             self.graphs.pools.fetch_add(1, Ordering::AcqRel);
             self.graphs.implicit.fetch_add(1, Ordering::AcqRel);
+            // Whether its capture still runs is not known without asking:
+            // page remapping waits for no device while its graph lives.
+            CAPTURES_UNDER_WAY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         // Outside the lock: driver calls. If the pool can't be tied to the
         // graph it stays routed and is never released (another stream of
@@ -462,6 +466,7 @@ impl DeviceAllocator {
                 if let Some(i) = state.captures.iter().position(|c| c.pool.id == id) {
                     state.captures.swap_remove(i);
                     self.graphs.implicit.fetch_sub(1, Ordering::AcqRel);
+                    CAPTURES_UNDER_WAY.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 state.pools.iter().find(|p| p.id == id).cloned()
             };
