@@ -21,7 +21,7 @@
 //! calls happen.
 //!
 //! The queue's protocol: `post` pushes under the queue's lock, then raises
-//! `pending` (release); `take` lowers `pending` (acquire) and, if it was
+//! `pending` (release); `take` lowers `pending` (compare-exchange, acquire) and, if it was
 //! raised, empties the list under the lock. An id posted is therefore
 //! either in the list with `pending` raised, or taken: none is lost and
 //! none is taken twice, and a call that finds `pending` lowered costs one
@@ -79,7 +79,7 @@ impl ReleaseQueue {
 
     /// Takes every id posted so far.
     pub fn take(&self) -> Vec<u64> {
-        if !self.pending.swap(false, Ordering::AcqRel) {
+        if self.pending.compare_exchange(true, false, Ordering::AcqRel, Ordering::Acquire).is_err() {
             return Vec::new();
         }
         std::mem::take(&mut *lock(&self.items))
