@@ -19,7 +19,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
-use super::graph::{GraphPoolFactory, GraphStats, Graphs};
+use super::graph::{GraphPoolFactory, GraphStats, Graphs, StreamOrderedFree};
 use super::native_pool::{self, NativePool, NativePoolAttributes};
 use super::stream::{Stream, StreamRegistry};
 use crate::error::{Error, PoolKind, Result};
@@ -435,8 +435,9 @@ impl DeviceAllocator {
         if let Some(block) = async_block {
             // Freed during a capture that did not make it: the graph keeps it.
             match self.hold_stream_ordered(addr, block.size, block.mode, block.capture, stream) {
-                Ok(true) => return Ok(block.size),
-                Ok(false) => self.settle_graph_releases(),
+                Ok(StreamOrderedFree::Held) => return Ok(block.size),
+                Ok(StreamOrderedFree::InCapture) => {}
+                Ok(StreamOrderedFree::Eager) => self.settle_graph_releases(),
                 Err(e) => {
                     lock(&self.async_book).live.insert(addr, block);
                     return Err(e);

@@ -382,6 +382,17 @@ impl<'a> GraphPool<'a> {
     }
 }
 
+/// What a free of a stream-ordered allocation is, as far as graphs go.
+pub(super) enum StreamOrderedFree {
+    /// Made outside the capture that frees it: the graph keeps it.
+    Held,
+    /// Made and freed in one capture: a graph free node (`cuMemFreeAsync`
+    /// on the capturing stream).
+    InCapture,
+    /// No capture: an ordinary `cuMemFreeAsync`.
+    Eager,
+}
+
 /// A private pool's number (unique in the process).
 fn next_pool_id() -> u64 {
     static NEXT: StaticAtomicU64 = StaticAtomicU64::new(1);
@@ -629,9 +640,8 @@ impl DeviceAllocator {
         Ok(Some(size))
     }
 
-    /// Keeps a stream-ordered allocation freed during capture `capture`
-    /// (made outside it) for the capture's pool. `Ok(false)` when the free
-    /// is not in such a capture.
+    /// Keeps a stream-ordered allocation freed during a capture that did
+    /// not make it for the capture's pool, and says what the free is.
     pub(super) fn hold_stream_ordered(
         &self,
         addr: usize,
@@ -639,7 +649,7 @@ impl DeviceAllocator {
         mode: DeviceAllocatorMode,
         made_in: u64,
         stream: Option<&Stream>,
-    ) -> Result<bool> {
+    ) -> Result<StreamOrderedFree> {
         let capture = match stream {
             Some(s) if self.graphs.watching() => self.capture_for(s)?,
             _ => None,
@@ -647,9 +657,10 @@ impl DeviceAllocator {
         match capture {
             Some((id, p)) if id != made_in => {
                 self.graphs.hold(&p, Held::StreamOrdered { addr, size, mode })?;
-                Ok(true)
+                Ok(StreamOrderedFree::Held)
             }
-            _ => Ok(false),
+            Some(_) => Ok(StreamOrderedFree::InCapture),
+            None => Ok(StreamOrderedFree::Eager),
         }
     }
 
@@ -680,11 +691,12 @@ impl DeviceAllocator {
         // the graphs' work, so they go back at once. Registered pools wait
         // for the device, which must not be synchronised while a capture
         // is under way.
+        // (A driver error asking about a capture counts as "under way".)
+        let wait = self.graphs.active() > 0 || self.implicit_capture_under_way().unwrap_or(true);
         let (implicit, registered): (Vec<_>, Vec<_>) =
             std::mem::take(&mut lock(&self.graphs.state).retired).into_iter().partition(|p| p.implicit);
         let mut retired = implicit;
         if !registered.is_empty() {
-            let wait = self.graphs.active() > 0 || self.implicit_capture_under_way()?;
             if wait {
                 lock(&self.graphs.state).retired.extend(registered);
                 if self.graphs.active() == 0 {
