@@ -5,7 +5,9 @@
 pub mod alloc;
 pub mod arena;
 pub mod buffer;
+mod conf;
 mod copy;
+pub mod cuda;
 pub mod device;
 mod error;
 pub mod log;
@@ -15,13 +17,15 @@ pub mod pool;
 pub mod replay;
 pub mod snapshot;
 pub(crate) mod sync;
+mod tag;
 pub mod trace;
 pub mod upstream;
 
 pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};
 pub use arena::{ArenaPlan, DeviceHandle, HostHandle, PlanReport};
 pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, TrackedPinnedVec, VmBackend};
-pub use device::{DeviceAllocatorMode, GraphPool, GraphStats, Stream};
+pub use cuda::Stream;
+pub use device::{DeviceAllocatorMode, GraphPool, GraphStats};
 pub use error::{Error, OomState, PoolKind, Result};
 pub use managed::{ManagedAlloc, ManagedBox, ManagedVec};
 pub use manager::{

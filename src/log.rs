@@ -200,24 +200,6 @@ impl Drop for EventLog {
     }
 }
 
-impl crate::MemoryManager {
-    /// The event log, when the configuration names one
-    /// ([`Config::log_path`](crate::Config::log_path)).
-    pub fn event_log(&self) -> Option<&EventLog> {
-        self.log.as_ref()
-    }
-
-    /// Waits until every event logged so far is in the log file (nothing
-    /// to do without a log). Dropping the manager, or
-    /// [`shutdown`](crate::MemoryManager::shutdown), flushes it too.
-    ///
-    /// # Errors
-    /// The log's first write error.
-    pub fn flush_event_log(&self) -> Result<()> {
-        self.log.as_ref().map_or(Ok(()), EventLog::flush)
-    }
-}
-
 fn write_events(rx: Receiver<Message>, mut out: BufWriter<File>, error: WriteError) {
     let mut failed = false;
     let fail = |e: std::io::Error, failed: &mut bool| {

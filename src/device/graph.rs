@@ -44,12 +44,12 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::allocator::{DeviceAllocator, DeviceAllocatorMode};
-use super::capture::{self, RelaxedCaptureMode};
-use super::stream::{Stream, StreamRegistry};
+use super::mode::DeviceAllocatorMode;
+use super::reuse::StreamRegistry;
+use crate::cuda::{capture_of, Stream};
 use crate::error::{Error, PoolKind, Result};
 use crate::pool::{Pool, PoolStats, StreamTag};
-use crate::sync::{lock, AtomicBool, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
+use crate::sync::{lock, AtomicBool, AtomicUsize, Mutex, Ordering};
 use crate::upstream::Upstream;
 
 /// A block of other memory that captured work freed: the graph keeps it.
@@ -62,7 +62,7 @@ pub(super) enum Held {
 }
 
 impl Held {
-    fn addr(&self) -> usize {
+    pub(super) fn addr(&self) -> usize {
         match *self {
             Held::Pool { addr, .. } | Held::StreamOrdered { addr, .. } => addr,
         }
@@ -77,18 +77,18 @@ impl Held {
 
 /// A private pool and what belongs to it.
 pub(super) struct PrivatePool {
-    id: u64,
+    pub(super) id: u64,
     pub(super) pool: Pool<Box<dyn Upstream>>,
     /// Streams that freed blocks into `pool` whose tags are still set.
     pub(super) streams: StreamRegistry,
     /// Handles alive ([`GraphPool`] clones, captured graphs); 0: retired.
-    handles: AtomicUsize,
+    pub(super) handles: AtomicUsize,
     /// A capture is routed into the pool now.
-    capturing: AtomicBool,
+    pub(super) capturing: AtomicBool,
     /// Blocks were freed into the pool on a stream outside a capture since
     /// the last capture began.
-    tagged_outside: AtomicBool,
-    held: Mutex<Vec<Held>>,
+    pub(super) tagged_outside: AtomicBool,
+    pub(super) held: Mutex<Vec<Held>>,
 }
 
 /// A private pool's figures.
@@ -108,7 +108,7 @@ pub struct GraphStats {
 }
 
 impl GraphStats {
-    fn add(&mut self, pool: &PoolStats, held: usize) {
+    pub(super) fn add(&mut self, pool: &PoolStats, held: usize) {
         self.pools += 1;
         self.reserved += pool.reserved;
         self.in_use += pool.in_use;
@@ -118,40 +118,30 @@ impl GraphStats {
 }
 
 #[derive(Default)]
-struct State {
+pub(super) struct State {
     /// Captures under way: capture id and the pool it is routed into.
-    captures: Vec<(u64, Arc<PrivatePool>)>,
+    pub(super) captures: Vec<(u64, Arc<PrivatePool>)>,
     /// Every private pool alive.
-    pools: Vec<Arc<PrivatePool>>,
+    pub(super) pools: Vec<Arc<PrivatePool>>,
     /// Pools whose handles are gone, waiting for the device to be idle.
-    retired: Vec<Arc<PrivatePool>>,
+    pub(super) retired: Vec<Arc<PrivatePool>>,
     /// Addresses of held blocks (a second free of one is a double free).
-    held: HashSet<usize>,
-}
-
-/// Registered captures under way in the process, on any device (a count,
-/// ordering no other memory): while it is non-zero, page remapping waits
-/// for no device (that would synchronise capturing streams).
-static CAPTURES_UNDER_WAY: StaticAtomicU64 = StaticAtomicU64::new(0);
-
-/// Whether a capture registered with cumem is under way on any device.
-pub(crate) fn captures_under_way() -> bool {
-    CAPTURES_UNDER_WAY.load(std::sync::atomic::Ordering::Relaxed) > 0
+    pub(super) held: HashSet<usize>,
 }
 
 /// One device's private pools and the captures routed into them.
 pub(super) struct Graphs {
     /// Captures under way (routing is off while 0).
-    active: AtomicUsize,
+    pub(super) active: AtomicUsize,
     /// Ask the driver about every stream-ordered call, not only while a
     /// registered capture is under way (`capture_check=always`).
-    check_always: bool,
+    pub(super) check_always: bool,
     /// Private pools alive: frees of pointers the device pool does not
     /// know look there while > 0.
-    pools: AtomicUsize,
+    pub(super) pools: AtomicUsize,
     /// Held blocks: frees check them while > 0.
-    held: AtomicUsize,
-    state: Mutex<State>,
+    pub(super) held: AtomicUsize,
+    pub(super) state: Mutex<State>,
 }
 
 impl Graphs {
@@ -197,7 +187,7 @@ impl Graphs {
     /// [`Error::Capture`] when the stream captures a graph nobody
     /// registered with cumem, or its capture was invalidated.
     pub(super) fn capture_for(&self, stream: &Stream) -> Result<Option<(u64, Arc<PrivatePool>)>> {
-        let Some(id) = capture::capture_of(stream)? else { return Ok(None) };
+        let Some(id) = capture_of(stream)? else { return Ok(None) };
         let state = lock(&self.state);
         match state.captures.iter().find(|(c, _)| *c == id) {
             Some((_, p)) => Ok(Some((id, p.clone()))),
@@ -215,7 +205,7 @@ impl Graphs {
     }
 
     /// Whether `addr` is a held block.
-    fn is_held(&self, addr: usize) -> bool {
+    pub(super) fn is_held(&self, addr: usize) -> bool {
         self.held.load(Ordering::Acquire) > 0 && lock(&self.state).held.contains(&addr)
     }
 
@@ -245,7 +235,7 @@ impl Graphs {
 }
 
 impl PrivatePool {
-    fn held_bytes(&self) -> usize {
+    pub(super) fn held_bytes(&self) -> usize {
         lock(&self.held).iter().map(Held::size).sum()
     }
 
@@ -267,291 +257,5 @@ impl PrivatePool {
     /// Whether the last handle is gone and no block is live.
     pub(super) fn finished(&self) -> bool {
         self.handles.load(Ordering::Acquire) == 0 && self.pool.stats().in_use == 0
-    }
-}
-
-/// A graph-private pool of one device: captures routed into it take their
-/// memory from it, and everything they allocate or free stays out of
-/// everyone else's reach until the pool and every graph captured into it
-/// are dropped. Clones are the same pool.
-///
-/// Create one with [`MemoryManager::graph_pool`](crate::MemoryManager::graph_pool);
-/// capture with [`MemoryManager::begin_capture`](crate::MemoryManager::begin_capture).
-///
-/// # Examples
-/// ```
-/// use cumem::{Config, MemoryManager, Stream};
-/// let mm = MemoryManager::new(Config::new())?;
-/// let pool = mm.graph_pool()?;
-/// assert_eq!(pool.stats().in_use, 0);
-/// # Ok::<(), cumem::Error>(())
-/// ```
-pub struct GraphPool<'a> {
-    device: &'a DeviceAllocator,
-    inner: Arc<PrivatePool>,
-}
-
-impl std::fmt::Debug for GraphPool<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GraphPool").field("id", &self.inner.id).field("device", &self.device.ordinal()).finish()
-    }
-}
-
-impl Clone for GraphPool<'_> {
-    fn clone(&self) -> Self {
-        self.inner.handles.fetch_add(1, Ordering::AcqRel);
-        GraphPool { device: self.device, inner: self.inner.clone() }
-    }
-}
-
-impl Drop for GraphPool<'_> {
-    fn drop(&mut self) {
-        if self.inner.handles.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.device.retire_graph_pool(self.inner.clone());
-        }
-    }
-}
-
-impl<'a> GraphPool<'a> {
-    /// This pool's number (unique in the process).
-    pub fn id(&self) -> u64 {
-        self.inner.id
-    }
-
-    /// Whether a capture is routed into the pool now.
-    pub fn is_capturing(&self) -> bool {
-        self.inner.capturing.load(Ordering::Acquire)
-    }
-
-    /// The device ordinal it belongs to.
-    pub fn device(&self) -> usize {
-        self.device.ordinal()
-    }
-
-    /// Its figures (`pools` is 1).
-    pub fn stats(&self) -> GraphStats {
-        let mut s = GraphStats::default();
-        s.add(&self.inner.pool.stats(), self.inner.held_bytes());
-        s
-    }
-
-    pub(crate) fn allocator(&self) -> &'a DeviceAllocator {
-        self.device
-    }
-}
-
-impl DeviceAllocator {
-    /// A new private pool over `pool` (its own upstream; no thread caches,
-    /// `keep_chunks` set).
-    pub(crate) fn new_graph_pool(&self, pool: Pool<Box<dyn Upstream>>) -> GraphPool<'_> {
-        static NEXT: StaticAtomicU64 = StaticAtomicU64::new(1);
-        debug_assert!(pool.config().keep_chunks && !pool.config().thread_cache);
-        let inner = Arc::new(PrivatePool {
-            id: NEXT.fetch_add(1, Ordering::Relaxed),
-            pool,
-            streams: StreamRegistry::default(),
-            handles: AtomicUsize::new(1),
-            capturing: AtomicBool::new(false),
-            tagged_outside: AtomicBool::new(false),
-            held: Mutex::new(Vec::new()),
-        });
-        lock(&self.graphs.state).pools.push(inner.clone());
-        self.graphs.pools.fetch_add(1, Ordering::AcqRel);
-        GraphPool { device: self, inner }
-    }
-
-    /// Routes the capture `stream` takes part in into `pool` from now on.
-    /// Blocks freed into the pool on other streams since its last capture
-    /// are first waited for (those streams must not capture).
-    ///
-    /// # Errors
-    /// [`Error::Capture`] when the stream does not capture, the pool already
-    /// has a capture, or blocks of the pool wait on a capturing stream; a
-    /// driver error.
-    pub(crate) fn register_capture(&self, stream: &Stream, pool: &GraphPool<'_>) -> Result<u64> {
-        let p = &pool.inner;
-        let id = capture::capture_of(stream)?.ok_or_else(|| Error::Capture("the stream does not capture".into()))?;
-        if p.capturing.swap(true, Ordering::AcqRel) {
-            return Err(Error::Capture(format!("graph pool {} already has a capture under way", p.id)));
-        }
-        if let Err(e) = self.settle_outside_frees(p) {
-            p.capturing.store(false, Ordering::Release);
-            return Err(e);
-        }
-        lock(&self.graphs.state).captures.push((id, p.clone()));
-        self.graphs.active.fetch_add(1, Ordering::AcqRel);
-        CAPTURES_UNDER_WAY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(id)
-    }
-
-    /// Waits for the streams that freed blocks into `p` outside a capture,
-    /// then clears the blocks' tags.
-    fn settle_outside_frees(&self, p: &PrivatePool) -> Result<()> {
-        if !p.tagged_outside.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        for s in p.streams.streams() {
-            if capture::capture_of(&s)?.is_some() {
-                return Err(Error::Capture(
-                    "blocks of the graph pool were freed on a stream that now captures; synchronize it before the \
-                     capture begins"
-                        .into(),
-                ));
-            }
-            let _relaxed = RelaxedCaptureMode::enter();
-            s.synchronize()?;
-        }
-        p.streams.clear();
-        p.pool.clear_tags();
-        p.tagged_outside.store(false, Ordering::Release);
-        Ok(())
-    }
-
-    /// Ends the routing of capture `id`: the pool's blocks freed during the
-    /// capture lose their tags (later users of the pool replay after this
-    /// graph), and pools retired meanwhile are released once no capture is
-    /// left.
-    pub(crate) fn unregister_capture(&self, id: u64) {
-        let p = {
-            let mut state = lock(&self.graphs.state);
-            let Some(i) = state.captures.iter().position(|(c, _)| *c == id) else { return };
-            state.captures.swap_remove(i).1
-        };
-        p.streams.clear();
-        p.pool.clear_tags();
-        p.capturing.store(false, Ordering::Release);
-        self.graphs.active.fetch_sub(1, Ordering::AcqRel);
-        CAPTURES_UNDER_WAY.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-        self.release_retired_or_log();
-    }
-
-    /// Frees `addr` when a capture routes the free (`Ok(None)`: it is the
-    /// device pool's business). Call while [`Graphs::routes_frees`].
-    pub(super) fn free_routed(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
-        if self.graphs.is_held(addr) {
-            return Err(Error::DoubleFree { pool: PoolKind::Device, addr });
-        }
-        let capture = match stream {
-            Some(s) if self.graphs.watching() => self.graphs.capture_for(s)?,
-            _ => None,
-        };
-        let Some((_, p)) = capture else { return Ok(None) };
-        if p.pool.contains(addr) {
-            let tag = p.free_tag(stream, true);
-            return Ok(Some(p.pool.deallocate(addr, tag)?.size));
-        }
-        // A block of the device pool that captured work used: the graph
-        // keeps it.
-        let size = self.pool.check_live(addr)?;
-        self.graphs.hold(&p, Held::Pool { addr, size })?;
-        Ok(Some(size))
-    }
-
-    /// Frees `addr` into the private pool that holds it, outside a capture
-    /// (`Ok(None)`: no private pool holds it).
-    pub(super) fn free_into_private(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
-        let Some(p) = self.graphs.pool_containing(addr) else { return Ok(None) };
-        let tag = p.free_tag(stream, false);
-        let size = p.pool.deallocate(addr, tag)?.size;
-        if p.finished() {
-            self.retire_graph_pool(p);
-        }
-        Ok(Some(size))
-    }
-
-    /// Keeps a stream-ordered allocation freed during capture `capture`
-    /// (made outside it) for the capture's pool. `Ok(false)` when the free
-    /// is not in such a capture.
-    pub(super) fn hold_stream_ordered(
-        &self,
-        addr: usize,
-        size: usize,
-        mode: DeviceAllocatorMode,
-        made_in: u64,
-        stream: Option<&Stream>,
-    ) -> Result<bool> {
-        let capture = match stream {
-            Some(s) if self.graphs.watching() => self.graphs.capture_for(s)?,
-            _ => None,
-        };
-        match capture {
-            Some((id, p)) if id != made_in => {
-                self.graphs.hold(&p, Held::StreamOrdered { addr, size, mode })?;
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
-    }
-
-    /// Queues `p` for release (its handles are gone, or its last block was
-    /// freed after that) and releases what can be released now.
-    pub(super) fn retire_graph_pool(&self, p: Arc<PrivatePool>) {
-        {
-            let mut state = lock(&self.graphs.state);
-            if !state.retired.iter().any(|r| Arc::ptr_eq(r, &p)) {
-                state.retired.push(p);
-            }
-        }
-        self.release_retired_or_log();
-    }
-
-    fn release_retired_or_log(&self) {
-        if let Err(e) = self.release_retired() {
-            eprintln!("cumem: releasing a graph pool's memory on device {} failed: {e}", self.ordinal());
-        }
-    }
-
-    /// Releases retired pools: waits for the device (their graphs' work may
-    /// still run), frees their held blocks, gives their free chunks back;
-    /// a pool whose blocks are all free is dropped. Does nothing while a
-    /// routed capture is under way (the last one to end comes back here).
-    pub(super) fn release_retired(&self) -> Result<()> {
-        if self.graphs.active() > 0 {
-            return Ok(());
-        }
-        let retired = std::mem::take(&mut lock(&self.graphs.state).retired);
-        if retired.is_empty() {
-            return Ok(());
-        }
-        if let Some(ctx) = self.context() {
-            let _relaxed = RelaxedCaptureMode::enter();
-            if let Err(e) = ctx.synchronize() {
-                lock(&self.graphs.state).retired.extend(retired);
-                return Err(super::driver_err("cuCtxSynchronize")(e));
-            }
-        }
-        let mut first_err = None;
-        for p in retired {
-            let held = std::mem::take(&mut *lock(&p.held));
-            for block in held {
-                lock(&self.graphs.state).held.remove(&block.addr());
-                self.graphs.held.fetch_sub(1, Ordering::AcqRel);
-                let r = match block {
-                    Held::Pool { addr, .. } => self.pool.deallocate(addr, StreamTag::NONE).map(|_| ()),
-                    Held::StreamOrdered { addr, size, mode } => self.free_stream_ordered_now(addr, size, mode),
-                };
-                if let Err(e) = r {
-                    first_err.get_or_insert(e);
-                }
-            }
-            p.streams.clear();
-            p.pool.clear_tags();
-            if let Err(e) = p.pool.release_cached() {
-                first_err.get_or_insert(e);
-            }
-            if p.finished() {
-                let mut state = lock(&self.graphs.state);
-                if let Some(i) = state.pools.iter().position(|q| Arc::ptr_eq(q, &p)) {
-                    state.pools.swap_remove(i);
-                    self.graphs.pools.fetch_sub(1, Ordering::AcqRel);
-                }
-            }
-        }
-        first_err.map_or(Ok(()), Err)
-    }
-
-    /// Figures of the device's private pools.
-    pub(super) fn graphs_stats(&self) -> GraphStats {
-        self.graphs.stats()
     }
 }

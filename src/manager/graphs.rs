@@ -6,7 +6,8 @@
 use cudarc::driver::{sys, CudaGraph};
 
 use super::MemoryManager;
-use crate::device::{driver_err, DeviceAllocator, GraphPool, RelaxedCaptureMode, Stream};
+use crate::cuda::{driver_err, RelaxedCaptureMode, Stream};
+use crate::device::{DeviceAllocator, GraphPool};
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::sync::{Ordering, StaticAtomicU64};

@@ -136,7 +136,7 @@ impl Total {
 }
 
 /// The arena pools of a set, as the upstream wrappers reach them.
-pub(super) type ArenaPools = [crate::manager::InitCell<Pool<Box<dyn Upstream>>>];
+pub(super) type ArenaPools = [crate::sync::InitCell<Pool<Box<dyn Upstream>>>];
 
 /// What the arenas of one set share.
 pub(super) struct Shared {

@@ -328,8 +328,8 @@ fn fresh_default_pool(ordinal: usize) -> Result<Option<NativePool>> {
     let Some(ctx) = device::device_context(ordinal)? else {
         return Ok(None);
     };
-    ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
-    ctx.synchronize().map_err(device::driver_err("cuCtxSynchronize"))?;
+    ctx.bind_to_thread().map_err(crate::cuda::driver_err("cuCtxSetCurrent"))?;
+    ctx.synchronize().map_err(crate::cuda::driver_err("cuCtxSynchronize"))?;
     let pool = NativePool::device_default(ctx, u64::MAX)?;
     pool.trim_to(0)?;
     pool.reset_high_watermarks()?;

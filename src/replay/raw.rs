@@ -5,7 +5,8 @@ use std::time::Instant;
 use cudarc::driver::{result, sys};
 
 use super::{fresh_default_pool, Measurement};
-use crate::device::{self, driver_err};
+use crate::cuda::driver_err;
+use crate::device;
 use crate::error::{Error, Result};
 use crate::trace::{Op, Trace};
 

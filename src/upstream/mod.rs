@@ -4,20 +4,29 @@
 //! blocks. The pool never reads or writes them (device memory can't be
 //! touched from the host), so an upstream deals in addresses, not
 //! references. [`Host`] is the fallback when no CUDA driver or device is
-//! present; the CUDA upstreams live in [`crate::device`].
+//! present; the CUDA ones ([`CudaDeviceMemory`], [`CudaPinnedMemory`],
+//! [`CudaVmm`]) build on [`crate::cuda`].
 
+mod cuda;
 mod expandable;
 mod geometric;
 mod host;
 mod host_vm;
 pub(crate) mod region;
 
+pub(crate) use cuda::device_upstream;
+pub use cuda::{CudaDeviceMemory, CudaPinnedMemory};
 pub use expandable::{CudaVmm, HostExpandable};
 pub use geometric::{Geometric, Taken};
 pub use host::Host;
 pub use region::{GrowPath, VmBackend};
 
 use crate::error::Result;
+
+/// Every chunk's and block's address and size are multiples of this
+/// (CUDA's own allocation alignment, which code that uses the memory
+/// relies on). Upstreams guarantee it for chunks; pools keep it for blocks.
+pub const BLOCK_ALIGN: usize = 256;
 
 /// An address range an upstream handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -54,7 +63,7 @@ pub trait Upstream: Send + Sync {
     /// to at least 256 bytes. `size` is a multiple of [`granularity`].
     ///
     /// # Errors
-    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) or a driver/OS error
+    /// [`Error::OutOfMemory`](crate::error::Error::OutOfMemory) or a driver/OS error
     /// when the memory can't be had.
     ///
     /// [`granularity`]: Upstream::granularity
@@ -96,7 +105,7 @@ pub trait Upstream: Send + Sync {
 
     /// The unit chunk sizes are rounded to (a power of two, at least 256).
     fn granularity(&self) -> usize {
-        crate::pool::BLOCK_ALIGN
+        BLOCK_ALIGN
     }
 
     /// A short name for summaries ("host", "cuMemAlloc", ...).
@@ -124,11 +133,11 @@ pub trait Upstream: Send + Sync {
     /// address space with no memory mapped in it.
     ///
     /// # Errors
-    /// [`Error::InvalidState`](crate::Error::InvalidState) when the
+    /// [`Error::InvalidState`](crate::error::Error::InvalidState) when the
     /// upstream can't remap; out of address space.
     fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
         let _ = size;
-        Err(crate::Error::InvalidState(format!("{} can't reserve address space alone", self.name())))
+        Err(crate::error::Error::InvalidState(format!("{} can't reserve address space alone", self.name())))
     }
 
     /// Extends `chunk`'s address space in place by `extra` bytes, mapping
@@ -147,10 +156,10 @@ pub trait Upstream: Send + Sync {
     /// number of map calls made. On failure no run stays mapped.
     ///
     /// # Errors
-    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) or a driver error.
+    /// [`Error::OutOfMemory`](crate::error::Error::OutOfMemory) or a driver error.
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         let _ = runs;
-        Err(crate::Error::InvalidState(format!("{} can't map pages", self.name())))
+        Err(crate::error::Error::InvalidState(format!("{} can't map pages", self.name())))
     }
 
     /// Unmaps whole mapped pieces lying inside `spans` (in the order

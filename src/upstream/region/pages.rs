@@ -13,7 +13,7 @@
 //! of the region.
 
 use super::{Backing, Piece, Region, Reservation};
-use crate::device::vmm::PhysicalChunk;
+use crate::cuda::vmm::PhysicalChunk;
 use crate::error::{Error, Result};
 
 impl Region {
