@@ -230,6 +230,12 @@ impl Upstream for Tracked {
         self.shared.total.unbook(chunk.size);
         Ok(())
     }
+    // Page remapping (pool/pages.rs): address space is booked and recorded
+    // like allocated chunks; mapping inside it goes straight through, as
+    // does everything not overridden here.
+    fn inner(&self) -> Option<&dyn Upstream> {
+        Some(&*self.inner)
+    }
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
         let extend = |u: &dyn Upstream, c, n| u.try_extend(c, n);
         match self.try_extend_once(chunk, extra, extend) {
@@ -237,32 +243,12 @@ impl Upstream for Tracked {
             r => r,
         }
     }
-    fn can_extend(&self) -> bool {
-        self.inner.can_extend()
-    }
     fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
         let ok = self.inner.try_shrink(chunk, amount)?;
         if ok {
             self.shared.total.unbook(amount);
         }
         Ok(ok)
-    }
-    fn granularity(&self) -> usize {
-        self.inner.granularity()
-    }
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn host_accessible(&self) -> bool {
-        self.inner.host_accessible()
-    }
-    fn device_free(&self) -> Option<usize> {
-        self.inner.device_free()
-    }
-    // Page remapping (pool/pages.rs): address space is booked and recorded
-    // like allocated chunks; mapping inside it goes straight through.
-    fn can_remap(&self) -> bool {
-        self.inner.can_remap()
     }
     fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
         self.try_allocate(size, |u, n| u.reserve_chunk(n))
@@ -278,10 +264,19 @@ impl Upstream for Tracked {
             r => r,
         }
     }
-    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
-        self.inner.unmap_within(spans, want, pending, keep)
-    }
-    fn release_kept(&self) {
-        self.inner.release_kept()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Shared, Tracked};
+    use crate::error::PoolKind;
+    use crate::upstream::forwarding::methods_not_forwarded;
+
+    #[test]
+    fn the_arena_wrapper_forwards_every_method() {
+        let pools: Box<super::ArenaPools> = Box::new([]);
+        let shared = Shared::new(&pools, None, PoolKind::Device);
+        let missed = methods_not_forwarded(|inner| Box::new(Tracked { inner, shared, index: 0 }));
+        assert_eq!(missed, Vec::<&str>::new());
     }
 }
