@@ -14,11 +14,9 @@ pub mod log;
 pub mod managed;
 pub mod manager;
 pub mod pool;
-pub mod replay;
 pub mod snapshot;
 pub(crate) mod sync;
 mod tag;
-pub mod trace;
 pub mod upstream;
 
 pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};

@@ -102,7 +102,7 @@ pub fn device_context(ordinal: usize) -> Result<Option<Arc<CudaContext>>> {
 }
 
 /// Converts a cudarc driver error into [`Error::Driver`] naming `call`.
-pub(crate) fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+pub fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::Driver { call, message: e.to_string(), device: None }
 }
 

@@ -16,10 +16,12 @@ pub mod vmm;
 #[doc(hidden)]
 pub use free_clock::{FreeClock, PENDING};
 
-pub use context::{default_ordinal, device_context, driver_status, gpu_for_test, gpus_for_test, DriverStatus};
+pub use context::{
+    default_ordinal, device_context, driver_err, driver_status, gpu_for_test, gpus_for_test, DriverStatus,
+};
 pub use peer::{can_access_peer, enable_peer_access, peers_of};
 pub use stream::Stream;
 
 pub(crate) use capture::{capture_of, captures_under_way, count_capture, RelaxedCaptureMode};
-pub(crate) use context::{driver_err, set_default_ordinal};
+pub(crate) use context::set_default_ordinal;
 pub(crate) use peer::{register_mapped, register_pool, unregister_pool, PeerMapped};

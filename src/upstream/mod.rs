@@ -21,6 +21,8 @@ pub use cuda::{CudaDeviceMemory, CudaPinnedMemory};
 pub use expandable::{CudaVmm, HostExpandable};
 pub use geometric::{Geometric, Taken};
 pub use host::Host;
+#[doc(hidden)]
+pub use region::choose_pieces;
 pub use region::{GrowPath, VmBackend};
 
 use crate::error::Result;

@@ -37,7 +37,7 @@ use crate::sync::{lock, Mutex};
 
 mod pages;
 
-pub(crate) use pages::choose_pieces;
+pub use pages::choose_pieces;
 
 /// Where a virtual region's memory lives.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,9 +7,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use cumem::device::{driver_status, DriverStatus};
-use cumem::replay::{self, ReplayReport, Target};
-use cumem::trace::Trace;
 use cumem::Config;
+use cumem_replay::replay::{self, ReplayReport, Target};
+use cumem_replay::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
