@@ -1,6 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod alloc;
 pub mod arena;
@@ -31,3 +31,9 @@ pub use manager::{
     ShutdownReport,
 };
 pub use snapshot::{MemorySnapshot, PoolPicture};
+
+/// The Rust examples of `docs/guide.md`, compiled and run by `cargo test`
+/// as doctests (the README's run as the crate docs' own).
+#[doc = include_str!("../docs/guide.md")]
+#[cfg(doctest)]
+pub struct GuideDoctests;
