@@ -16,6 +16,7 @@
 //! (`cache.rs`, [`PoolConfig::thread_cache`]): most allocations and frees
 //! of blocks up to [`MAX_CACHED_BLOCK`] never take the pool's lock.
 
+mod arena_registry;
 mod arena_upstream;
 mod arenas;
 mod best_fit;
@@ -29,6 +30,7 @@ mod spin;
 mod stats;
 mod tag;
 
+pub use arena_registry::release_thread_arenas;
 pub(crate) use arenas::thread_slot;
 pub use arenas::{default_arena_count, set_thread_slot, Arenas, UpstreamFactory, MAX_ARENAS};
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
