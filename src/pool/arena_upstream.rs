@@ -16,6 +16,16 @@
 //!   entry's end (an atomic), with no copy. An entry is written before the
 //!   chunk's blocks can be handed out, and whoever frees a block learned of
 //!   it after that, so the entry is always found.
+//! - **Chunks change hands.** Before an arena's upstream is asked for a
+//!   new chunk, the other arenas are asked for a wholly free, untagged
+//!   chunk that is large enough ([`Pool`]'s `give_free_chunk`, under the
+//!   giver's lock alone): it leaves the giver's pool, the directory records
+//!   the taker as its owner, and only then does the taker hand out its
+//!   blocks. A free in flight for a block of that chunk can't exist (the
+//!   chunk had no live block); a stale free (a double free) finds either
+//!   arena and is refused by both. Only upstreams whose chunks are whole
+//!   allocations (not expandable reservations) trade chunks, so any
+//!   arena's upstream can give a taken chunk back.
 //! - **Out of memory.** When an arena's upstream can't deliver (the set's
 //!   limit or the driver), the wrapper gives back the free memory of every
 //!   other arena ([`Pool::release_cached`]) and asks once more. It runs in
@@ -23,7 +33,7 @@
 
 use super::Pool;
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering};
+use crate::sync::{lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
 use crate::upstream::{Chunk, Upstream};
 
 /// One chunk of the directory.
@@ -142,6 +152,10 @@ pub(super) type ArenaPools = [crate::sync::InitCell<Pool<Box<dyn Upstream>>>];
 pub(super) struct Shared {
     pub(super) directory: Directory,
     total: Total,
+    /// Chunks one arena took from another.
+    moved: AtomicU64,
+    /// Calls that reached the arenas' own upstreams (and succeeded).
+    calls: AtomicU64,
     /// The set's pools (a boxed slice that never moves). Set once, before
     /// any arena is made; read only while an allocation from the set runs.
     pools: *const ArenaPools,
@@ -161,8 +175,22 @@ impl Shared {
         Arc::new(Shared {
             directory: Directory::new(),
             total: Total { bytes: AtomicUsize::new(0), limit, kind },
+            moved: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
             pools: pools as *const ArenaPools,
         })
+    }
+
+    pub(super) fn moved(&self) -> u64 {
+        self.moved.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn upstream_calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    fn count_call(&self) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -187,11 +215,30 @@ impl Tracked {
         others.filter_map(|(_, cell)| cell.get()).map(|p| p.release_cached().unwrap_or(0)).sum()
     }
 
+    /// Takes a wholly free chunk of at least `size` bytes from another
+    /// arena (see the module docs), recorded as this arena's.
+    fn take_from_others(&self, size: usize) -> Option<Chunk> {
+        if self.inner.can_extend() {
+            return None;
+        }
+        // SAFETY: as in `release_others`: this runs inside an allocation
+        // from the set, which borrows the set that owns the pools.
+        let pools = unsafe { &*self.shared.pools };
+        let others = pools.iter().enumerate().filter(|(i, _)| *i != self.index);
+        let c = others.filter_map(|(_, cell)| cell.get()).find_map(|p| p.give_free_chunk(size))?;
+        // Recorded before the taker's pool holds it, so every block it
+        // hands out is found here.
+        self.shared.directory.insert(c.addr, c.end(), self.index);
+        self.shared.moved.fetch_add(1, Ordering::Relaxed);
+        Some(c)
+    }
+
     /// Books `size` bytes against the limit, obtains a chunk with `get`
     /// (allocated, or reserved for remapping) and records it.
     fn try_allocate(&self, size: usize, get: impl Fn(&dyn Upstream, usize) -> Result<Chunk>) -> Result<Chunk> {
         self.shared.total.book(size)?;
         let c = get(&*self.inner, size).inspect_err(|_| self.shared.total.unbook(size))?;
+        self.shared.count_call();
         // An upstream may hand out more than asked (geometric growth).
         self.shared.total.bytes.fetch_add(c.size.saturating_sub(size), Ordering::AcqRel);
         self.shared.directory.insert(c.addr, c.end(), self.index);
@@ -209,6 +256,7 @@ impl Tracked {
         self.shared.total.book(extra)?;
         let ok = extend(&*self.inner, chunk, extra).inspect_err(|_| self.shared.total.unbook(extra))?;
         if ok {
+            self.shared.count_call();
             self.shared.directory.insert(chunk.addr, chunk.end() + extra, self.index);
         } else {
             self.shared.total.unbook(extra);
@@ -219,6 +267,9 @@ impl Tracked {
 
 impl Upstream for Tracked {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
+        if let Some(c) = self.take_from_others(size) {
+            return Ok(c);
+        }
         let get = |u: &dyn Upstream, n| u.allocate_chunk(n);
         match self.try_allocate(size, get) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_allocate(size, get),
@@ -259,10 +310,14 @@ impl Upstream for Tracked {
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         // A failed map leaves nothing mapped, so it may be tried again once
         // the other arenas gave their free memory back.
-        match self.inner.map_runs(runs) {
+        let r = match self.inner.map_runs(runs) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.inner.map_runs(runs),
             r => r,
+        };
+        if let Ok(n) = r {
+            self.shared.calls.fetch_add(n, Ordering::Relaxed);
         }
+        r
     }
 }
 

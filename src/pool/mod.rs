@@ -16,6 +16,7 @@
 //! (`cache.rs`, [`PoolConfig::thread_cache`]): most allocations and frees
 //! of blocks up to [`MAX_CACHED_BLOCK`] never take the pool's lock.
 
+mod arena_registry;
 mod arena_upstream;
 mod arenas;
 mod best_fit;
@@ -31,6 +32,7 @@ mod stats;
 pub use crate::sync::set_thread_slot;
 pub use crate::tag::StreamTag;
 pub use crate::upstream::BLOCK_ALIGN;
+pub use arena_registry::release_thread_arenas;
 pub use arenas::{default_arena_count, Arenas, UpstreamFactory, MAX_ARENAS};
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};

@@ -53,11 +53,22 @@ impl Drop for Slot {
 #[cfg(not(loom))]
 std::thread_local! {
     static SLOT: Slot = const { Slot(Cell::new(NO_SLOT)) };
+    /// Set by [`set_thread_slot`]: the thread's arenas follow its slot.
+    static PINNED: Cell<bool> = const { Cell::new(false) };
 }
 
 #[cfg(loom)]
 loom::thread_local! {
     static SLOT: Slot = Slot(Cell::new(NO_SLOT));
+    static PINNED: Cell<bool> = Cell::new(false);
+}
+
+/// Whether the calling thread was pinned to a slot with
+/// [`set_thread_slot`] (its arenas then follow the slot instead of being
+/// claimed).
+#[inline]
+pub(crate) fn thread_pinned() -> bool {
+    PINNED.try_with(Cell::get).unwrap_or(false)
 }
 
 /// The calling thread's slot number, taken on first use (0 while
@@ -80,11 +91,13 @@ fn first_slot(s: &Slot) -> usize {
 }
 
 /// Makes the calling thread use slot `slot` from now on (its arena in a
-/// set of `n` arenas is `slot % n`), giving its old slot back. For tests
+/// set of `n` arenas is `slot % n`, counted from the first slot to use the
+/// set) instead of claiming arenas, giving its old slot back. For tests
 /// and models that need threads on chosen arenas; two threads may share a
 /// slot.
 #[doc(hidden)]
 pub fn set_thread_slot(slot: usize) {
+    let _ = PINNED.try_with(|p| p.set(true));
     let _ = SLOT.try_with(|s| {
         let old = s.0.replace(slot);
         if old != NO_SLOT {

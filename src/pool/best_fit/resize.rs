@@ -90,6 +90,23 @@ impl BestFit {
         (whole && addr < info.chunk.end()).then(|| self.remove_chunk(id))
     }
 
+    /// Removes the smallest wholly free chunk of at least `min` bytes whose
+    /// one block carries no stream tag (its memory is idle), if there is
+    /// one (for another arena to take).
+    pub fn take_free_chunk_fitting(&mut self, min: usize) -> Option<Chunk> {
+        let id = self
+            .chunks_by_addr
+            .values()
+            .copied()
+            .filter(|&id| {
+                let info = self.chunk_info(id);
+                let b = &self.blocks[info.first as usize];
+                info.first == info.last && b.free && b.tag == StreamTag::NONE && info.chunk.size >= min
+            })
+            .min_by_key(|&id| self.chunk_info(id).chunk.size)?;
+        Some(self.remove_chunk(id).0)
+    }
+
     fn remove_chunk(&mut self, id: u32) -> (Chunk, StreamTag) {
         let info = self.chunks[id as usize].take().expect("live chunk");
         let slot = info.first;
