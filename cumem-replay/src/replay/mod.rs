@@ -13,9 +13,12 @@
 //! The trace's own peak live ([`Trace::peak_live`]) is reported beside it:
 //! the two agree when every allocation succeeded.
 
+mod floor;
 pub mod plot;
 mod raw;
 mod sim;
+
+pub use floor::{page_floor, PageFloor};
 
 pub use sim::AddressRange;
 
