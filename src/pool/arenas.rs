@@ -15,7 +15,7 @@
 //!   address space, not memory, is what they cost). One thread alone
 //!   always uses one arena, so a single-threaded program sees exactly one
 //!   pool. (Tests and models may pin a thread to an arena by slot with
-//!   [`set_thread_slot`].)
+//!   [`set_thread_slot`](crate::pool::set_thread_slot).)
 //! - **Memory moves between arenas.** An arena that must grow first takes
 //!   a wholly free chunk of another arena (pools whose chunks are whole
 //!   upstream allocations: pinned memory, `cuMemAlloc` chunks), with no
@@ -150,7 +150,7 @@ impl Arenas {
 
     /// The index of the arena the calling thread allocates from: the one it
     /// claimed (see the module docs), or by slot for a thread pinned with
-    /// [`set_thread_slot`].
+    /// [`set_thread_slot`](crate::pool::set_thread_slot).
     #[inline]
     pub fn home(&self) -> usize {
         let n = self.arenas.len();
