@@ -19,6 +19,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=gpu-bin
+# Where cargo puts what it builds (CARGO_TARGET_DIR when set).
+TARGET=${CARGO_TARGET_DIR:-target}
 
 build() {
     set -e
@@ -37,15 +39,15 @@ for line in sys.stdin:
             cp "$exe" "$BIN/tests/$kind-$name"
         done
     cargo build --release --examples --bins
-    for ex in examples/*.rs examples/*/main.rs; do
+    for ex in examples/*.rs examples/*/main.rs cumem-replay/examples/*.rs; do
         [ -e "$ex" ] || continue
         case "$ex" in
         */main.rs) name=$(basename "$(dirname "$ex")") ;;
         *) name=$(basename "$ex" .rs) ;;
         esac
-        cp "target/release/examples/$name" "$BIN/examples/$name"
+        cp "$TARGET/release/examples/$name" "$BIN/examples/$name"
     done
-    for b in target/release/cumem-*; do
+    for b in "$TARGET"/release/cumem-*; do
         [ -x "$b" ] && [ -f "$b" ] && cp "$b" "$BIN/tools/"
     done
     cargo bench --no-run --message-format=json 2>/dev/null |

@@ -95,32 +95,32 @@ impl PinnedAlloc {
 /// and differ only in the pool they name.
 pub(crate) trait HostBlocks {
     /// Allocates a block of at least `size` bytes aligned to `align`.
-    fn allocate_block(&self, size: usize, align: usize) -> crate::Result<crate::pool::Allocation>;
+    fn allocate_block(&self, size: usize, align: usize) -> crate::error::Result<crate::pool::Allocation>;
     /// Frees the block at `addr`.
-    fn free_block(&self, addr: usize) -> crate::Result<()>;
+    fn free_block(&self, addr: usize) -> crate::error::Result<()>;
     /// Grows the live block at `addr` to `size` bytes in place; its new size.
-    fn grow_in_place(&self, addr: usize, size: usize) -> crate::Result<Option<usize>>;
+    fn grow_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>>;
     /// Shrinks the live block at `addr` to `size` bytes in place; its new size.
-    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::Result<Option<usize>>;
+    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>>;
     /// The allocator's name, for messages.
     fn name(&self) -> &'static str;
 }
 
 impl HostBlocks for PinnedAlloc {
-    fn allocate_block(&self, size: usize, align: usize) -> crate::Result<crate::pool::Allocation> {
+    fn allocate_block(&self, size: usize, align: usize) -> crate::error::Result<crate::pool::Allocation> {
         MemoryManager::global()?.allocate_pinned_block(size, align)
     }
 
-    fn free_block(&self, addr: usize) -> crate::Result<()> {
+    fn free_block(&self, addr: usize) -> crate::error::Result<()> {
         MemoryManager::global()?.free_pinned(addr as *mut u8)
     }
 
-    fn grow_in_place(&self, addr: usize, size: usize) -> crate::Result<Option<usize>> {
+    fn grow_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>> {
         let pool = MemoryManager::global()?.pinned_pool();
         Ok(pool.grow_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
     }
 
-    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::Result<Option<usize>> {
+    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>> {
         let pool = MemoryManager::global()?.pinned_pool();
         Ok(pool.shrink_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
     }
@@ -143,7 +143,7 @@ pub(crate) fn allocate(blocks: &impl HostBlocks, layout: Layout) -> Result<NonNu
         return Ok(dangling(layout));
     }
     if layout.align() > MAX_ALIGN {
-        return Err(refused(crate::Error::InvalidAlignment { align: layout.align(), max: MAX_ALIGN }));
+        return Err(refused(crate::error::Error::InvalidAlignment { align: layout.align(), max: MAX_ALIGN }));
     }
     let a = blocks.allocate_block(layout.size(), layout.align()).map_err(refused)?;
     let ptr = NonNull::new(a.addr as *mut u8).ok_or_else(|| refused("the pool returned address 0"))?;

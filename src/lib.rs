@@ -1,27 +1,29 @@
 #![doc = include_str!("../README.md")]
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod alloc;
 pub mod arena;
 pub mod buffer;
+mod conf;
 mod copy;
+pub mod cuda;
 pub mod device;
 mod error;
 pub mod log;
 pub mod managed;
 pub mod manager;
 pub mod pool;
-pub mod replay;
 pub mod snapshot;
 pub(crate) mod sync;
-pub mod trace;
+mod tag;
 pub mod upstream;
 
 pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};
 pub use arena::{ArenaPlan, DeviceHandle, HostHandle, PlanReport};
 pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, TrackedPinnedVec, VmBackend};
-pub use device::{DeviceAllocatorMode, GraphPool, GraphStats, Stream};
+pub use cuda::Stream;
+pub use device::{DeviceAllocatorMode, GraphPool, GraphStats};
 pub use error::{Error, OomState, PoolKind, Result};
 pub use managed::{ManagedAlloc, ManagedBox, ManagedVec};
 pub use manager::{
@@ -29,3 +31,9 @@ pub use manager::{
     ShutdownReport,
 };
 pub use snapshot::{MemorySnapshot, PoolPicture};
+
+/// The Rust examples of `docs/guide.md`, compiled and run by `cargo test`
+/// as doctests (the README's run as the crate docs' own).
+#[doc = include_str!("../docs/guide.md")]
+#[cfg(doctest)]
+pub struct GuideDoctests;

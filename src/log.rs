@@ -12,8 +12,8 @@
 //! enough to replay. [`EventLog::flush`] waits until everything recorded so
 //! far is in the file; dropping the log flushes and stops the writer.
 //!
-//! The file [`Trace::read`](crate::trace::Trace::read) reads back is the same
-//! format, so a program's own log can be replayed with `cumem-replay`.
+//! The `cumem-replay` crate reads the same format back, so a program's own
+//! log can be replayed with the `cumem-replay` tool.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -25,10 +25,31 @@ use crossbeam::channel::{self, Receiver, Sender};
 
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, Mutex};
-use crate::trace::Action;
 
 /// Events the channel holds before a recording call waits for the writer.
 const CAPACITY: usize = 1 << 16;
+
+/// What an event did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// An allocation that succeeded.
+    Allocate,
+    /// An allocation that failed.
+    AllocateFailure,
+    /// A free.
+    Free,
+}
+
+impl Action {
+    /// The word in the log's `Action` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Allocate => "allocate",
+            Action::AllocateFailure => "allocate failure",
+            Action::Free => "free",
+        }
+    }
+}
 
 /// One recorded call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,24 +221,6 @@ impl Drop for EventLog {
     }
 }
 
-impl crate::MemoryManager {
-    /// The event log, when the configuration names one
-    /// ([`Config::log_path`](crate::Config::log_path)).
-    pub fn event_log(&self) -> Option<&EventLog> {
-        self.log.as_ref()
-    }
-
-    /// Waits until every event logged so far is in the log file (nothing
-    /// to do without a log). Dropping the manager, or
-    /// [`shutdown`](crate::MemoryManager::shutdown), flushes it too.
-    ///
-    /// # Errors
-    /// The log's first write error.
-    pub fn flush_event_log(&self) -> Result<()> {
-        self.log.as_ref().map_or(Ok(()), EventLog::flush)
-    }
-}
-
 fn write_events(rx: Receiver<Message>, mut out: BufWriter<File>, error: WriteError) {
     let mut failed = false;
     let fail = |e: std::io::Error, failed: &mut bool| {
@@ -277,28 +280,6 @@ fn thread_id() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lines_read_back_as_a_trace() {
-        let path = std::env::temp_dir().join(format!("cumem-log-unit-{}.csv", std::process::id()));
-        let log = EventLog::create(&path).unwrap();
-        for i in 0..1000u64 {
-            log.allocated(0x1000 + i * 256, 256, 0);
-        }
-        log.failed(1 << 40, 0x55);
-        for i in 0..1000u64 {
-            log.freed(0x1000 + i * 256, 256, 0);
-        }
-        log.flush().unwrap();
-        let t = crate::trace::Trace::read(&path).unwrap();
-        assert_eq!(t.records.len(), 2001);
-        assert_eq!(t.failures, 1);
-        assert_eq!(t.records[1000].stream, 0x55);
-        assert_eq!(t.peak_live, 1000 * 256);
-        assert_eq!(t.live_at_end, 0);
-        drop(log);
-        std::fs::remove_file(&path).unwrap();
-    }
 
     #[test]
     fn bad_path_is_an_error() {

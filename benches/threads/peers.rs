@@ -17,6 +17,17 @@
 //! run a tenth of N (they are 50-100x slower; a rate needs no more) and
 //! skip the untimed pass (the driver's pool needs none).
 //!
+//! Then the same workload the way the peers' harness runs it (`fresh`):
+//! one manager with the default configuration per row, warmed first by a
+//! separate round of 16 threads with their own seeds; then every column
+//! runs on **new threads** spawned for it, with seeds of their own, timed
+//! from a barrier to the last join; and a churn column: 64 short-lived
+//! threads in waves of 8, 10,000 operations each, timed from the first
+//! wave's start to the last join. `calls` counts the upstream calls
+//! (chunks, growth, mappings) made during the timed passes, `moved` the
+//! chunks that changed arenas; after the run, each pool's reserved (device:
+//! mapped) bytes over its peak in use.
+//!
 //! After the table: growing the pinned pool to 10 GiB in these sizes from
 //! one thread, with the number of upstream calls and their total time.
 //!
@@ -223,6 +234,107 @@ fn print_row(name: &str, row: &[(f64, u64)], raw: Option<&[(f64, u64)]>) {
     println!("{:>7}", row.iter().map(|r| r.1).sum::<u64>());
 }
 
+/// Runs `ops` steps on each of `threads` new threads with seeds from
+/// `seed`, timed from a barrier to the last join (final frees included).
+fn fresh_pass<T: Target>(t: &T, threads: usize, ops: u64, seed: u64) -> Duration {
+    let go = Barrier::new(threads + 1);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|id| {
+                let go = &go;
+                s.spawn(move || {
+                    let l = t.local();
+                    let mut live = Vec::with_capacity(LIVE);
+                    go.wait();
+                    sequence(t, &l, seed + id as u64, ops, &mut live);
+                    for p in live.drain(..) {
+                        t.free(&l, p);
+                    }
+                    t.finish(&l);
+                })
+            })
+            .collect();
+        go.wait();
+        let t0 = Instant::now();
+        for h in handles {
+            h.join().expect("bench thread");
+        }
+        t0.elapsed()
+    })
+}
+
+/// One row of the fresh-thread table: Mops/s per thread count, the churn
+/// rate, upstream calls and chunks moved during the timed passes.
+struct FreshRow {
+    rates: Vec<f64>,
+    churn: f64,
+    calls: u64,
+    moved: u64,
+}
+
+/// Warm-up by 16 threads, then every column on new threads (see the
+/// module docs). `counts` reads (upstream calls, chunks moved).
+fn fresh_row<T: Target>(t: &T, counts: &dyn Fn() -> (u64, u64)) -> FreshRow {
+    fresh_pass(t, 16, ops_per_thread(16, false), 0x0a11_0000);
+    let (calls0, moved0) = counts();
+    let rates = THREADS
+        .iter()
+        .map(|&n| {
+            let ops = ops_per_thread(n, false);
+            let d = fresh_pass(t, n, ops, 0x5eed_0000 + (n as u64) * 1000);
+            (ops * n as u64) as f64 / d.as_secs_f64() / 1e6
+        })
+        .collect();
+    let churn_ops = ((10_000.0 * scale()) as u64).max(100);
+    let t0 = Instant::now();
+    for wave in 0..8u64 {
+        fresh_pass(t, 8, churn_ops, 0xc4a0_0000 + wave * 100);
+    }
+    let churn = (64 * churn_ops) as f64 / t0.elapsed().as_secs_f64() / 1e6;
+    let (calls, moved) = counts();
+    FreshRow { rates, churn, calls: calls - calls0, moved: moved - moved0 }
+}
+
+fn print_fresh(name: &str, r: &FreshRow, after: &str) {
+    print!("{name:<44}");
+    for x in &r.rates {
+        print!("{x:>9.2}");
+    }
+    println!("{:>9.2}{:>9.2}{:>7}{:>7}  {after}", r.churn, r.churn / r.rates[3], r.calls, r.moved);
+}
+
+fn ratio(reserved: usize, peak: usize) -> String {
+    format!("{} / {} MiB = {:.3}", reserved >> 20, peak >> 20, reserved as f64 / peak.max(1) as f64)
+}
+
+/// The fresh-thread table (the peers' harness).
+fn fresh_table(backend: BackendChoice, gpu: bool) {
+    println!("\nFresh threads per column after a 16-thread warm-up (peers' harness), total Mops/s");
+    print!("{:<44}", "target");
+    for t in THREADS {
+        print!("{:>9}", format!("{t} thr"));
+    }
+    println!("{:>9}{:>9}{:>7}{:>7}  after: reserved / peak in use", "churn", "ch/8", "calls", "moved");
+    let stream = || if gpu { Stream::new().expect("cuStreamCreate") } else { Stream::host() };
+    for per_thread in [false, true] {
+        let mm = MemoryManager::new(Config::new().backend(backend)).expect("a manager");
+        let d = Device { mm, shared: stream(), per_thread, host: !gpu };
+        let counts = || {
+            let a = d.mm.default_device().expect("device").pool();
+            (a.upstream_calls(), a.chunks_moved())
+        };
+        let row = fresh_row(&d, &counts);
+        let s = d.mm.device_stats(0).expect("device stats").pool;
+        let name = if per_thread { "device, a stream per thread" } else { "device, one shared stream" };
+        print_fresh(name, &row, &ratio(s.mapped, s.peak_in_use));
+    }
+    let p = Pinned(MemoryManager::new(Config::new().backend(backend)).expect("a manager"));
+    let counts = || (p.0.pinned_pool().upstream_calls(), p.0.pinned_pool().chunks_moved());
+    let row = fresh_row(&p, &counts);
+    let s = p.0.pinned_stats();
+    print_fresh("pinned", &row, &ratio(s.reserved, s.peak_in_use));
+}
+
 /// Grows a fresh pinned pool to 10 GiB in these sizes from one thread.
 fn pinned_growth(mm: MemoryManager) {
     let mut rng = SmallRng::seed_from_u64(7);
@@ -269,6 +381,10 @@ pub fn main() {
         }
     };
     let backend = if ctx.is_some() { BackendChoice::Auto } else { BackendChoice::Host };
+    fresh_table(backend, ctx.is_some());
+    if std::env::var("CUMEM_PEERS_FRESH_ONLY").is_ok_and(|v| v == "1") {
+        return;
+    }
     let manager = |arenas: usize| MemoryManager::new(Config::new().backend(backend).arenas(arenas)).expect("a manager");
     let stream = || if ctx.is_some() { Stream::new().expect("cuStreamCreate") } else { Stream::host() };
     println!("\nThe peers' workload (uniform 1 B..4 MiB, <= {LIVE} live per thread, fair coin), total Mops/s");

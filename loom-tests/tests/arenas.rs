@@ -119,3 +119,87 @@ fn a_free_is_complete_only_after_a_synchronisation_saw_it() {
         assert!(!clock.completed(later));
     });
 }
+
+/// A thread hands its arena back at its end while another thread frees a
+/// block of that arena: the free reaches the arena, and the next thread
+/// claims the handed-back arena (with its memory) rather than a new one.
+#[test]
+fn arena_handed_back_while_another_thread_frees_into_it() {
+    model(|| {
+        let (arenas, made) = fake_arenas(4, false);
+        let arenas = Arc::new(arenas);
+        // This thread claims arena 0 and keeps it.
+        let first = arenas.allocate(256, 256).unwrap();
+        let sent = Arc::new(loom::sync::atomic::AtomicUsize::new(0));
+        let (a2, s2) = (arenas.clone(), sent.clone());
+        let t = thread::spawn(move || {
+            let b = a2.allocate(256, 256).unwrap();
+            let home = a2.home();
+            s2.store(b.addr, Ordering::Release);
+            // The thread's end: its arena goes back while the block is
+            // freed elsewhere.
+            cumem::pool::release_thread_arenas();
+            cumem::pool::release_thread_caches();
+            home
+        });
+        let addr = loop {
+            match sent.load(Ordering::Acquire) {
+                0 => thread::yield_now(),
+                a => break a,
+            }
+        };
+        arenas.deallocate(addr, StreamTag::NONE).unwrap();
+        let home = t.join().unwrap();
+        assert_eq!(home, 1, "the new thread claimed an arena of its own");
+        assert_eq!(arenas.threads_on(1), 0, "handed back");
+        let a3 = arenas.clone();
+        let again = thread::spawn(move || {
+            let c = a3.allocate(256, 256).unwrap();
+            let home = a3.home();
+            a3.deallocate(c.addr, StreamTag::NONE).unwrap();
+            cumem::pool::release_thread_arenas();
+            cumem::pool::release_thread_caches();
+            home
+        })
+        .join()
+        .unwrap();
+        assert_eq!(again, 1, "the handed-back arena is reused");
+        assert_eq!(made.load(Ordering::Relaxed), 1, "no further arena was made");
+        arenas.deallocate(first.addr, StreamTag::NONE).unwrap();
+        assert_arenas_balanced(&arenas);
+        cumem::pool::release_thread_arenas();
+    });
+}
+
+/// Arena 0's only block is freed while another arena grows: the grower
+/// takes arena 0's chunk only once the free has made it wholly free (or
+/// asks its upstream), a block of the taken chunk freed from the first
+/// thread reaches the taker, and nothing is lost.
+#[test]
+fn chunk_taken_by_another_arena_while_a_free_for_it_is_in_flight() {
+    model(|| {
+        let (arenas, _) = fake_arenas(2, false);
+        let arenas = Arc::new(arenas);
+        let mine = arenas.allocate(256, 256).unwrap();
+        let a2 = arenas.clone();
+        let t = thread::spawn(move || {
+            let b = a2.allocate(256, 256).unwrap();
+            let home = a2.home();
+            cumem::pool::release_thread_arenas();
+            cumem::pool::release_thread_caches();
+            (home, b.addr)
+        });
+        arenas.deallocate(mine.addr, StreamTag::NONE).unwrap();
+        let (home, theirs) = t.join().unwrap();
+        assert_eq!(home, 1);
+        if arenas.chunks_moved() == 1 {
+            assert_eq!(theirs, mine.addr, "the taken chunk's first block");
+        }
+        // The free of the taker's block, from this thread, reaches arena 1.
+        arenas.deallocate(theirs, StreamTag::NONE).unwrap();
+        let again = arenas.deallocate(theirs, StreamTag::NONE).unwrap_err();
+        assert!(matches!(again, Error::DoubleFree { .. } | Error::UnknownPointer { .. }), "{again}");
+        assert_arenas_balanced(&arenas);
+        cumem::pool::release_thread_arenas();
+    });
+}

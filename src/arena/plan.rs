@@ -10,7 +10,7 @@ use cudarc::driver::{sys, CudaContext};
 
 use super::handle::{DeviceHandle, HostHandle, Key};
 use super::planner::{Lifetime, Memory, Placement, PlanReport, Planner};
-use crate::device::driver_err;
+use crate::cuda::driver_err;
 use crate::error::{Error, Result};
 use crate::manager::{Backend, MemoryManager};
 use crate::pool::BLOCK_ALIGN;

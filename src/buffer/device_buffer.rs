@@ -7,7 +7,7 @@ use std::mem::size_of;
 use cudarc::driver::{sys, DeviceRepr};
 
 use super::interop::CudaShadow;
-use crate::device::{driver_err, Stream};
+use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, Result};
 use crate::manager::MemoryManager;
 

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 
 use super::interop::CudaShadow;
-use crate::device::{driver_err, vmm, Stream};
+use crate::cuda::{driver_err, vmm, Stream};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, MutexGuard};
 use crate::upstream::region::{GrowPath, Region, SharedRegion, VmBackend};

@@ -34,7 +34,7 @@ use cudarc::driver::{
 use once_cell::sync::OnceCell;
 
 use super::{DeviceBuffer, GrowableBuffer};
-use crate::device::driver_err;
+use crate::cuda::driver_err;
 use crate::error::{Error, Result};
 
 /// A buffer's cudarc shadow: a `CudaSlice` over the buffer's memory that

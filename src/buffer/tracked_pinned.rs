@@ -7,7 +7,7 @@ use cudarc::driver::{CudaEvent, CudaStream, HostSlice, SyncOnDrop};
 use once_cell::sync::OnceCell;
 
 use crate::alloc::PinnedVec;
-use crate::device::driver_err;
+use crate::cuda::driver_err;
 use crate::error::Result;
 
 /// A [`PinnedVec`] with an event that follows cudarc's copies into and out
@@ -101,7 +101,7 @@ impl<T> TrackedPinnedVec<T> {
     pub fn into_inner(mut self) -> Result<PinnedVec<T>> {
         self.wait()?;
         self.event.take();
-        let empty = PinnedVec::new_in(crate::PinnedAlloc);
+        let empty = PinnedVec::new_in(crate::alloc::PinnedAlloc);
         Ok(std::mem::replace(&mut self.vec, empty))
     }
 

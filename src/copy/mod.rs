@@ -14,9 +14,10 @@ mod staged;
 mod streaming;
 mod workers;
 
+use crate::buffer::DeviceBuffer;
 use crate::device::Stream;
 use crate::error::{Error, Result};
-use crate::{DeviceBuffer, MemoryManager};
+use crate::manager::MemoryManager;
 
 fn check_len(what: &str, n: usize, len: usize) -> Result<()> {
     if n == len {

@@ -22,7 +22,7 @@ use once_cell::sync::Lazy;
 
 use super::pipeline::{Direction, Engine, Job, Plan, MIN_CHUNK};
 use super::workers::run_with_helpers;
-use crate::device::{driver_err, Stream};
+use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, Result};
 use crate::manager::{parse_size, MemoryManager};
 use crate::sync::{lock, Mutex, Ordering, StaticAtomicU64};

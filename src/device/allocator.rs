@@ -20,81 +20,14 @@ use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
 use super::graph::{GraphPoolFactory, GraphStats, Graphs, StreamOrderedFree};
+use super::mode::DeviceAllocatorMode;
 use super::native_pool::{self, NativePool, NativePoolAttributes};
-use super::stream::{Stream, StreamRegistry};
+use super::reuse::StreamRegistry;
+use crate::cuda::{driver_err, RelaxedCaptureMode, Stream};
 use crate::error::{Error, PoolKind, Result};
 use crate::pool::{self, Arenas, LiveBlock, Pool, PoolStats, StreamTag};
 use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::upstream::Upstream;
-
-/// How device memory is allocated.
-///
-/// # Examples
-/// ```
-/// use cumem::{DeviceAllocatorMode, MemoryManager};
-/// let mm = MemoryManager::global()?;
-/// let effective = mm.set_device_allocator_mode(DeviceAllocatorMode::AsyncStreamOrdered)?;
-/// // Without memory-pool support (or a GPU) the sync pool stands in.
-/// assert!(effective == DeviceAllocatorMode::AsyncStreamOrdered || effective == DeviceAllocatorMode::SyncPool);
-/// mm.set_device_allocator_mode(DeviceAllocatorMode::SyncPool)?;
-/// # Ok::<(), cumem::Error>(())
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum DeviceAllocatorMode {
-    /// cumem's own best-fit pool over driver memory, with stream-ordered
-    /// reuse.
-    #[default]
-    SyncPool,
-    /// `cuMemAllocAsync` / `cuMemFreeAsync` from the device's default pool,
-    /// its release threshold raised so memory stays cached.
-    AsyncStreamOrdered,
-    /// A dedicated native pool (`cuMemPoolCreate`) with
-    /// `cuMemAllocFromPoolAsync`, its release threshold from the config.
-    CudaAsyncPool,
-}
-
-impl DeviceAllocatorMode {
-    /// The name used in `CUMEM_CONF` (`sync_pool`, `async_stream_ordered`,
-    /// `cuda_async_pool`).
-    pub fn name(self) -> &'static str {
-        match self {
-            DeviceAllocatorMode::SyncPool => "sync_pool",
-            DeviceAllocatorMode::AsyncStreamOrdered => "async_stream_ordered",
-            DeviceAllocatorMode::CudaAsyncPool => "cuda_async_pool",
-        }
-    }
-
-    /// All modes.
-    pub const ALL: [DeviceAllocatorMode; 3] =
-        [DeviceAllocatorMode::SyncPool, DeviceAllocatorMode::AsyncStreamOrdered, DeviceAllocatorMode::CudaAsyncPool];
-
-    fn to_u8(self) -> u8 {
-        self as u8
-    }
-
-    fn from_u8(v: u8) -> Self {
-        match v {
-            1 => DeviceAllocatorMode::AsyncStreamOrdered,
-            2 => DeviceAllocatorMode::CudaAsyncPool,
-            _ => DeviceAllocatorMode::SyncPool,
-        }
-    }
-}
-
-impl std::fmt::Display for DeviceAllocatorMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for DeviceAllocatorMode {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        DeviceAllocatorMode::ALL.into_iter().find(|m| m.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
-            Error::Config(format!("mode: '{s}' is not one of sync_pool, async_stream_ordered, cuda_async_pool"))
-        })
-    }
-}
 
 /// Figures of the stream-ordered modes (counted by cumem).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -272,7 +205,7 @@ impl DeviceAllocator {
     fn internal_stream(&self) -> Result<&Stream> {
         let ctx = self.require_ctx()?;
         self.internal_stream
-            .get_or_try_init(|| ctx.new_stream().map(Stream::from_cudarc).map_err(super::driver_err("cuStreamCreate")))
+            .get_or_try_init(|| ctx.new_stream().map(Stream::from_cudarc).map_err(driver_err("cuStreamCreate")))
     }
 
     /// The stream a stream-ordered call runs on: `stream` when it is a
@@ -288,7 +221,7 @@ impl DeviceAllocator {
     fn default_pool(&self) -> Result<&NativePool> {
         let ctx = self.require_ctx()?;
         self.default_pool.get_or_try_init(|| {
-            let _relaxed = super::RelaxedCaptureMode::enter();
+            let _relaxed = RelaxedCaptureMode::enter();
             NativePool::device_default(ctx.clone(), self.release_threshold)
         })
     }
@@ -301,7 +234,7 @@ impl DeviceAllocator {
         let ctx = self.require_ctx()?;
         self.native.get_or_try_init(|| {
             // Legal even while this thread captures a graph.
-            let _relaxed = super::RelaxedCaptureMode::enter();
+            let _relaxed = RelaxedCaptureMode::enter();
             NativePool::create(ctx.clone(), self.release_threshold)
         })
     }

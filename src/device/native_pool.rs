@@ -7,8 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
-use super::driver_err;
-use super::stream::Stream;
+use crate::cuda::{driver_err, register_pool, unregister_pool, Stream};
 use crate::error::{Error, OomState, PoolKind, Result};
 
 /// The attributes of a native pool (seed "Memory Pool"): reserved and used
@@ -63,7 +62,7 @@ impl NativePool {
         pool.set_release_threshold(release_threshold)?;
         // Devices granted peer access to this one reach the new pool too
         // (`cuMemPoolSetAccess`), as do later grants.
-        super::peer::register_pool(&pool.ctx, pool.pool)?;
+        register_pool(&pool.ctx, pool.pool)?;
         Ok(pool)
     }
 
@@ -188,7 +187,7 @@ impl Drop for NativePool {
         if !self.owned {
             return;
         }
-        super::peer::unregister_pool(self.pool);
+        unregister_pool(self.pool);
         let r = self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent")).and_then(|()| {
             // SAFETY: cumem created this pool and drops its handle once; the
             // manager drops it only when no allocation from it is live.

@@ -24,7 +24,7 @@ use allocator_api2::alloc::{AllocError, Allocator};
 use cudarc::driver::sys;
 
 use crate::alloc::{self as host, HostBlocks};
-use crate::device::{driver_err, Stream};
+use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
 use crate::manager::MemoryManager;
 use crate::pool::{Pool, PoolConfig, PoolStats, StreamTag, BLOCK_ALIGN};

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
-use crate::device::driver_err;
+use crate::cuda::driver_err;
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::upstream::{Chunk, Upstream};
 

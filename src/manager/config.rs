@@ -397,11 +397,8 @@ impl std::str::FromStr for Config {
 
     fn from_str(s: &str) -> Result<Self> {
         let mut c = Config::default();
-        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            let (key, value) = item
-                .split_once('=')
-                .map(|(k, v)| (k.trim(), v.trim()))
-                .ok_or_else(|| Error::Config(format!("'{item}' is not key=value")))?;
+        for entry in crate::conf::entries(s) {
+            let (key, value) = entry?;
             match key {
                 "pinned_pool_size" => c.pinned_pool_size = size_value(key, value)?,
                 "device_pool_size" => c.device_pool_size = size_value(key, value)?,

@@ -4,7 +4,7 @@
 use cudarc::driver::sys;
 
 use super::MemoryManager;
-use crate::device::{self, Stream};
+use crate::device::Stream;
 use crate::error::{Error, Result};
 
 impl MemoryManager {
@@ -26,12 +26,12 @@ impl MemoryManager {
         }
         match stream.context() {
             Some(ctx) => {
-                ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
+                ctx.bind_to_thread().map_err(crate::cuda::driver_err("cuCtxSetCurrent"))?;
                 // SAFETY: the caller guarantees both ranges for `size` bytes
                 // until the stream's copy is done.
                 unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), size, stream.cu_stream()) }
                     .result()
-                    .map_err(device::driver_err("cuMemcpyHtoDAsync"))
+                    .map_err(crate::cuda::driver_err("cuMemcpyHtoDAsync"))
             }
             None => {
                 self.host_copy_check()?;
@@ -60,12 +60,12 @@ impl MemoryManager {
         }
         match stream.context() {
             Some(ctx) => {
-                ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
+                ctx.bind_to_thread().map_err(crate::cuda::driver_err("cuCtxSetCurrent"))?;
                 // SAFETY: the caller guarantees both ranges until the copy is
                 // done.
                 unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, size, stream.cu_stream()) }
                     .result()
-                    .map_err(device::driver_err("cuMemcpyDtoHAsync"))
+                    .map_err(crate::cuda::driver_err("cuMemcpyDtoHAsync"))
             }
             None => {
                 self.host_copy_check()?;
@@ -114,7 +114,7 @@ impl MemoryManager {
         }
         match (dst_ctx, src_ctx, stream.context()) {
             (Some(d), Some(s), Some(own)) => {
-                own.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
+                own.bind_to_thread().map_err(crate::cuda::driver_err("cuCtxSetCurrent"))?;
                 let rc = if dst_device == src_device {
                     // SAFETY: the caller guarantees both ranges until the
                     // stream's copy is done.
@@ -125,7 +125,7 @@ impl MemoryManager {
                     unsafe { sys::cuMemcpyPeerAsync(dst, d.cu_ctx(), src, s.cu_ctx(), size, stream.cu_stream()) }
                 };
                 let call = if dst_device == src_device { "cuMemcpyDtoDAsync" } else { "cuMemcpyPeerAsync" };
-                rc.result().map_err(device::driver_err(call)).map_err(|e| e.on_device(dst_device))
+                rc.result().map_err(crate::cuda::driver_err(call)).map_err(|e| e.on_device(dst_device))
             }
             (None, None, None) => {
                 // SAFETY: on the host fallback device memory is host memory;

@@ -18,17 +18,6 @@ use super::{Backend, MemoryManager};
 use crate::device::{self, DeviceStats, Stream};
 use crate::error::{Error, PoolKind, Result};
 
-/// The default device's ordinal: the global manager's
-/// [`Config::device`](crate::Config::device) once it exists, else
-/// `CUMEM_CONF`'s `device` (0 when unset or unreadable).
-pub(crate) fn default_ordinal() -> usize {
-    #[cfg(not(loom))]
-    if let Some(mm) = super::MANAGER.get() {
-        return mm.config.device;
-    }
-    crate::Config::from_env().map_or(0, |c| c.device)
-}
-
 impl MemoryManager {
     /// Allocates `size` bytes of device memory on device `ordinal`, usable
     /// at once by the host (copies) and by any stream of that device (as

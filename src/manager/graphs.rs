@@ -6,7 +6,8 @@
 use cudarc::driver::{sys, CudaGraph};
 
 use super::MemoryManager;
-use crate::device::{driver_err, next_host_capture_id, DeviceAllocator, GraphPool, RelaxedCaptureMode, Stream};
+use crate::cuda::{driver_err, next_host_capture_id, RelaxedCaptureMode, Stream};
+use crate::device::{DeviceAllocator, GraphPool};
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 

@@ -30,7 +30,6 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext};
 
 use super::{Backend, MemoryManager};
-use crate::device;
 use crate::error::{Error, Result};
 
 const WHAT: &str = "the device malloc heap size";
@@ -62,7 +61,7 @@ impl MemoryManager {
     /// ```
     pub fn device_malloc_heap_size(&self) -> Result<usize> {
         let ctx = self.heap_ctx()?;
-        ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
+        ctx.bind_to_thread().map_err(crate::cuda::driver_err("cuCtxSetCurrent"))?;
         heap_limit()
     }
 
@@ -81,14 +80,14 @@ impl MemoryManager {
     /// keeps the old size); other driver errors.
     pub fn set_device_malloc_heap_size(&self, bytes: usize) -> Result<usize> {
         let ctx = self.heap_ctx()?;
-        ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
+        ctx.bind_to_thread().map_err(crate::cuda::driver_err("cuCtxSetCurrent"))?;
         let before = heap_limit()?;
         match result::ctx::set_limit(sys::CUlimit::CU_LIMIT_MALLOC_HEAP_SIZE, bytes) {
             Ok(()) => {}
             Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE => {
                 return Err(Error::ConfigTooLate { what: WHAT, why: TOO_LATE })
             }
-            Err(e) => return Err(device::driver_err("cuCtxSetLimit")(e)),
+            Err(e) => return Err(crate::cuda::driver_err("cuCtxSetLimit")(e)),
         }
         let now = heap_limit()?;
         // Rounding only ever raises the size to at least `bytes`; a size
@@ -114,5 +113,5 @@ impl MemoryManager {
 
 /// The current context's heap limit. The caller binds the context.
 fn heap_limit() -> Result<usize> {
-    result::ctx::get_limit(sys::CUlimit::CU_LIMIT_MALLOC_HEAP_SIZE).map_err(device::driver_err("cuCtxGetLimit"))
+    result::ctx::get_limit(sys::CUlimit::CU_LIMIT_MALLOC_HEAP_SIZE).map_err(crate::cuda::driver_err("cuCtxGetLimit"))
 }

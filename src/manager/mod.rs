@@ -6,15 +6,14 @@ mod copies;
 mod devices;
 mod graphs;
 mod heap;
-mod init;
+mod logging;
 mod summary;
 mod tracking;
 
-pub use config::{parse_size, BackendChoice, Config, PeerAccess};
-pub(crate) use devices::default_ordinal;
-pub use graphs::{CaptureScope, CapturedGraph, GraphCapture};
 #[doc(hidden)]
-pub use init::{InitCell, InitError};
+pub use crate::sync::{InitCell, InitError};
+pub use config::{parse_size, BackendChoice, Config, PeerAccess};
+pub use graphs::{CaptureScope, CapturedGraph, GraphCapture};
 pub use summary::{human_bytes, LiveAllocation, ShutdownReport};
 
 use std::ptr::NonNull;
@@ -122,10 +121,12 @@ impl MemoryManager {
     /// or something used [`global`](MemoryManager::global) first); errors of
     /// [`MemoryManager::new`].
     pub fn init(config: Config) -> Result<&'static MemoryManager> {
-        MANAGER.init(|| MemoryManager::new(config)).map_err(|e| match e {
-            InitError::AlreadySet => Error::AlreadyInitialized,
-            InitError::Failed(e) => e,
-        })
+        MANAGER
+            .init(|| MemoryManager::new(config).inspect(|mm| crate::cuda::set_default_ordinal(mm.config.device)))
+            .map_err(|e| match e {
+                InitError::AlreadySet => Error::AlreadyInitialized,
+                InitError::Failed(e) => e,
+            })
     }
 
     /// The process-wide manager, configured from `CUMEM_CONF` on first use.
@@ -135,7 +136,11 @@ impl MemoryManager {
     /// an error of [`MemoryManager::new`]. Nothing is created then, and a
     /// later call tries again.
     pub fn global() -> Result<&'static MemoryManager> {
-        MANAGER.get_or_init(|| MemoryManager::new(Config::from_env()?))
+        MANAGER.get_or_init(|| {
+            let mm = MemoryManager::new(Config::from_env()?)?;
+            crate::cuda::set_default_ordinal(mm.config.device);
+            Ok(mm)
+        })
     }
 }
 
@@ -381,7 +386,7 @@ impl MemoryManager {
 
     fn make_device_upstream(ctx: Option<&Arc<CudaContext>>, expandable: bool) -> Result<Box<dyn Upstream>> {
         Ok(match ctx {
-            Some(ctx) => device::device_upstream(ctx.clone(), expandable)?,
+            Some(ctx) => crate::upstream::device_upstream(ctx.clone(), expandable)?,
             // The host twin of expandable segments: address space reserved
             // up front, committed as the pool grows.
             None if expandable => Box::new(HostExpandable::new(HOST_DEVICE_RESERVATION)?),

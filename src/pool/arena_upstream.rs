@@ -16,6 +16,16 @@
 //!   entry's end (an atomic), with no copy. An entry is written before the
 //!   chunk's blocks can be handed out, and whoever frees a block learned of
 //!   it after that, so the entry is always found.
+//! - **Chunks change hands.** Before an arena's upstream is asked for a
+//!   new chunk, the other arenas are asked for a wholly free, untagged
+//!   chunk that is large enough ([`Pool`]'s `give_free_chunk`, under the
+//!   giver's lock alone): it leaves the giver's pool, the directory records
+//!   the taker as its owner, and only then does the taker hand out its
+//!   blocks. A free in flight for a block of that chunk can't exist (the
+//!   chunk had no live block); a stale free (a double free) finds either
+//!   arena and is refused by both. Only upstreams whose chunks are whole
+//!   allocations (not expandable reservations) trade chunks, so any
+//!   arena's upstream can give a taken chunk back.
 //! - **Out of memory.** When an arena's upstream can't deliver (the set's
 //!   limit or the driver), the wrapper gives back the free memory of every
 //!   other arena ([`Pool::release_cached`]) and asks once more. It runs in
@@ -23,7 +33,7 @@
 
 use super::Pool;
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering};
+use crate::sync::{lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
 use crate::upstream::{Chunk, Upstream};
 
 /// One chunk of the directory.
@@ -136,12 +146,16 @@ impl Total {
 }
 
 /// The arena pools of a set, as the upstream wrappers reach them.
-pub(super) type ArenaPools = [crate::manager::InitCell<Pool<Box<dyn Upstream>>>];
+pub(super) type ArenaPools = [crate::sync::InitCell<Pool<Box<dyn Upstream>>>];
 
 /// What the arenas of one set share.
 pub(super) struct Shared {
     pub(super) directory: Directory,
     total: Total,
+    /// Chunks one arena took from another.
+    moved: AtomicU64,
+    /// Calls that reached the arenas' own upstreams (and succeeded).
+    calls: AtomicU64,
     /// The set's pools (a boxed slice that never moves). Set once, before
     /// any arena is made; read only while an allocation from the set runs.
     pools: *const ArenaPools,
@@ -161,8 +175,22 @@ impl Shared {
         Arc::new(Shared {
             directory: Directory::new(),
             total: Total { bytes: AtomicUsize::new(0), limit, kind },
+            moved: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
             pools: pools as *const ArenaPools,
         })
+    }
+
+    pub(super) fn moved(&self) -> u64 {
+        self.moved.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn upstream_calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    fn count_call(&self) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -187,11 +215,30 @@ impl Tracked {
         others.filter_map(|(_, cell)| cell.get()).map(|p| p.release_cached().unwrap_or(0)).sum()
     }
 
+    /// Takes a wholly free chunk of at least `size` bytes from another
+    /// arena (see the module docs), recorded as this arena's.
+    fn take_from_others(&self, size: usize) -> Option<Chunk> {
+        if self.inner.can_extend() {
+            return None;
+        }
+        // SAFETY: as in `release_others`: this runs inside an allocation
+        // from the set, which borrows the set that owns the pools.
+        let pools = unsafe { &*self.shared.pools };
+        let others = pools.iter().enumerate().filter(|(i, _)| *i != self.index);
+        let c = others.filter_map(|(_, cell)| cell.get()).find_map(|p| p.give_free_chunk(size))?;
+        // Recorded before the taker's pool holds it, so every block it
+        // hands out is found here.
+        self.shared.directory.insert(c.addr, c.end(), self.index);
+        self.shared.moved.fetch_add(1, Ordering::Relaxed);
+        Some(c)
+    }
+
     /// Books `size` bytes against the limit, obtains a chunk with `get`
     /// (allocated, or reserved for remapping) and records it.
     fn try_allocate(&self, size: usize, get: impl Fn(&dyn Upstream, usize) -> Result<Chunk>) -> Result<Chunk> {
         self.shared.total.book(size)?;
         let c = get(&*self.inner, size).inspect_err(|_| self.shared.total.unbook(size))?;
+        self.shared.count_call();
         // An upstream may hand out more than asked (geometric growth).
         self.shared.total.bytes.fetch_add(c.size.saturating_sub(size), Ordering::AcqRel);
         self.shared.directory.insert(c.addr, c.end(), self.index);
@@ -209,6 +256,7 @@ impl Tracked {
         self.shared.total.book(extra)?;
         let ok = extend(&*self.inner, chunk, extra).inspect_err(|_| self.shared.total.unbook(extra))?;
         if ok {
+            self.shared.count_call();
             self.shared.directory.insert(chunk.addr, chunk.end() + extra, self.index);
         } else {
             self.shared.total.unbook(extra);
@@ -219,6 +267,9 @@ impl Tracked {
 
 impl Upstream for Tracked {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
+        if let Some(c) = self.take_from_others(size) {
+            return Ok(c);
+        }
         let get = |u: &dyn Upstream, n| u.allocate_chunk(n);
         match self.try_allocate(size, get) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_allocate(size, get),
@@ -230,6 +281,12 @@ impl Upstream for Tracked {
         self.shared.total.unbook(chunk.size);
         Ok(())
     }
+    // Page remapping (pool/pages.rs): address space is booked and recorded
+    // like allocated chunks; mapping inside it goes straight through, as
+    // does everything not overridden here.
+    fn inner(&self) -> Option<&dyn Upstream> {
+        Some(&*self.inner)
+    }
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
         let extend = |u: &dyn Upstream, c, n| u.try_extend(c, n);
         match self.try_extend_once(chunk, extra, extend) {
@@ -237,32 +294,12 @@ impl Upstream for Tracked {
             r => r,
         }
     }
-    fn can_extend(&self) -> bool {
-        self.inner.can_extend()
-    }
     fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
         let ok = self.inner.try_shrink(chunk, amount)?;
         if ok {
             self.shared.total.unbook(amount);
         }
         Ok(ok)
-    }
-    fn granularity(&self) -> usize {
-        self.inner.granularity()
-    }
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn host_accessible(&self) -> bool {
-        self.inner.host_accessible()
-    }
-    fn device_free(&self) -> Option<usize> {
-        self.inner.device_free()
-    }
-    // Page remapping (pool/pages.rs): address space is booked and recorded
-    // like allocated chunks; mapping inside it goes straight through.
-    fn can_remap(&self) -> bool {
-        self.inner.can_remap()
     }
     fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
         self.try_allocate(size, |u, n| u.reserve_chunk(n))
@@ -273,15 +310,28 @@ impl Upstream for Tracked {
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         // A failed map leaves nothing mapped, so it may be tried again once
         // the other arenas gave their free memory back.
-        match self.inner.map_runs(runs) {
+        let r = match self.inner.map_runs(runs) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.inner.map_runs(runs),
             r => r,
+        };
+        if let Ok(n) = r {
+            self.shared.calls.fetch_add(n, Ordering::Relaxed);
         }
+        r
     }
-    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
-        self.inner.unmap_within(spans, want, pending, keep)
-    }
-    fn release_kept(&self) {
-        self.inner.release_kept()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Shared, Tracked};
+    use crate::error::PoolKind;
+    use crate::upstream::forwarding::methods_not_forwarded;
+
+    #[test]
+    fn the_arena_wrapper_forwards_every_method() {
+        let pools: Box<super::ArenaPools> = Box::new([]);
+        let shared = Shared::new(&pools, None, PoolKind::Device);
+        let missed = methods_not_forwarded(|inner| Box::new(Tracked { inner, shared, index: 0 }));
+        assert_eq!(missed, Vec::<&str>::new());
     }
 }

@@ -4,15 +4,23 @@
 //!
 //! # Implementation details
 //!
-//! - **Which arena serves a request.** Every thread takes a small slot
-//!   number on first use (the lowest one free; a thread's exit frees it, so
-//!   a new thread reuses an exited thread's arena). The first thread to use
-//!   a set gets arena 0 and the others follow by slot number, modulo the
-//!   count. Arena 0 is made with the set; the others
-//!   are made on first use from the upstream factory (on CUDA: a VMM
-//!   reservation of their own, so address space, not memory, is what they
-//!   cost). One thread alone always uses one arena, so a single-threaded
-//!   program sees exactly one pool.
+//! - **Which arena serves a request.** A thread's first allocation from
+//!   a set claims an arena (`arena_registry.rs`): one that is made and has
+//!   no thread (so its memory is reused), else a new one, else the one with
+//!   the fewest threads. A thread's exit hands its arena back with the
+//!   memory it caches, so the number of arenas is bounded by the set's
+//!   count (by default the processors), never by the threads ever made.
+//!   Arena 0 is made with the set; the others are made on first claim from
+//!   the upstream factory (on CUDA: a VMM reservation of their own, so
+//!   address space, not memory, is what they cost). One thread alone
+//!   always uses one arena, so a single-threaded program sees exactly one
+//!   pool. (Tests and models may pin a thread to an arena by slot with
+//!   [`set_thread_slot`](crate::pool::set_thread_slot).)
+//! - **Memory moves between arenas.** An arena that must grow first takes
+//!   a wholly free chunk of another arena (pools whose chunks are whole
+//!   upstream allocations: pinned memory, `cuMemAlloc` chunks), with no
+//!   upstream call; the chunk directory records the new owner before the
+//!   chunk's blocks are handed out (`arena_upstream.rs`).
 //! - **Where a free goes.** Each arena's upstream is wrapped
 //!   (`arena_upstream.rs`) so that every chunk it hands out is recorded in
 //!   a directory shared by the set: a sorted array of chunks published
@@ -29,14 +37,15 @@
 //!   of every other arena and asks once more, before the arena's own
 //!   out-of-memory path (releasing its own free chunks) runs.
 
-use std::cell::Cell;
-
+use super::arena_registry::Registry;
 use super::arena_upstream::{ArenaPools, Shared, Tracked};
 use super::{Allocation, BestFit, Freed, LiveBlock, Pool, PoolConfig, PoolSnapshot, PoolStats, StreamTag};
 use crate::error::{Error, Result};
-use crate::manager::InitCell;
-use crate::sync::{Arc, AtomicUsize, Ordering, StaticAtomicU64};
+use crate::sync::{thread_slot, Arc, AtomicUsize, InitCell, Ordering};
 use crate::upstream::Upstream;
+
+/// `Arenas::base` before the first thread took arena 0.
+const NO_BASE: usize = usize::MAX;
 
 /// Makes the upstream of a new arena (called at most once per arena,
 /// outside every pool lock).
@@ -45,11 +54,12 @@ pub type UpstreamFactory = Box<dyn Fn() -> Result<Box<dyn Upstream>> + Send + Sy
 /// The most arenas a set holds.
 pub const MAX_ARENAS: usize = 64;
 
-/// The default arena count: twice the processors rounded up to a power of
-/// two, at most [`MAX_ARENAS`].
+/// The default arena count: the processors (what can run at once; more
+/// threads share arenas) rounded up to a power of two, at most
+/// [`MAX_ARENAS`].
 pub fn default_arena_count() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (2 * cores).clamp(1, MAX_ARENAS).next_power_of_two()
+    cores.clamp(1, MAX_ARENAS).next_power_of_two()
 }
 
 /// Several best-fit pools over upstreams of one kind, chosen by the calling
@@ -80,6 +90,8 @@ pub struct Arenas {
     shared: Arc<Shared>,
     /// Arenas made so far (raised before a new arena hands out a block).
     made: AtomicUsize,
+    /// Which threads use which arena.
+    registry: Arc<Registry>,
 }
 
 impl std::fmt::Debug for Arenas {
@@ -103,7 +115,8 @@ impl Arenas {
         let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
         // A new cell is empty, so this always sets it.
         let _ = arenas[0].init(|| Ok::<_, ()>(pool));
-        Arenas { arenas, make, config, base: AtomicUsize::new(NO_SLOT), shared, made: AtomicUsize::new(1) }
+        let registry = Registry::new(count);
+        Arenas { arenas, make, config, base: AtomicUsize::new(NO_BASE), shared, made: AtomicUsize::new(1), registry }
     }
 
     fn track(inner: Box<dyn Upstream>, shared: &Arc<Shared>, index: usize) -> Box<dyn Upstream> {
@@ -135,18 +148,45 @@ impl Arenas {
         &self.config
     }
 
-    /// The index of the arena the calling thread allocates from: the first
-    /// thread to use the set gets arena 0, the others follow by slot.
+    /// The index of the arena the calling thread allocates from: the one it
+    /// claimed (see the module docs), or by slot for a thread pinned with
+    /// [`set_thread_slot`](crate::pool::set_thread_slot).
     #[inline]
     pub fn home(&self) -> usize {
         let n = self.arenas.len();
         if n == 1 {
             return 0;
         }
+        if crate::sync::thread_pinned() {
+            return self.home_by_slot(n);
+        }
+        Registry::home(&self.registry, |i| self.arenas[i].get().is_some())
+    }
+
+    /// Threads using arena `i` now (claims; pinned threads are not
+    /// counted).
+    pub fn threads_on(&self, i: usize) -> usize {
+        self.registry.users(i)
+    }
+
+    /// Chunks taken by one arena from another (no upstream call) so far.
+    pub fn chunks_moved(&self) -> u64 {
+        self.shared.moved()
+    }
+
+    /// Calls that reached the upstreams themselves (allocations, growth in
+    /// place, mappings) so far; chunks moved between arenas are not counted.
+    pub fn upstream_calls(&self) -> u64 {
+        self.shared.upstream_calls()
+    }
+
+    /// The arena of a thread pinned by slot: the first slot to use the set
+    /// gets arena 0, the others follow by slot.
+    fn home_by_slot(&self, n: usize) -> usize {
         let slot = thread_slot();
         let mut base = self.base.load(Ordering::Relaxed);
-        if base == NO_SLOT {
-            base = match self.base.compare_exchange(NO_SLOT, slot, Ordering::Relaxed, Ordering::Relaxed) {
+        if base == NO_BASE {
+            base = match self.base.compare_exchange(NO_BASE, slot, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => slot,
                 Err(first) => first,
             };
@@ -363,93 +403,4 @@ impl Arenas {
     pub fn is_shut_down(&self) -> bool {
         self.primary().is_shut_down()
     }
-}
-
-// ---- thread slots ----
-
-/// Slots in use, one bit each. Slot numbers are identities only (they
-/// order no memory), so std atomics in a static are fine here.
-static SLOTS: [StaticAtomicU64; 4] =
-    [StaticAtomicU64::new(0), StaticAtomicU64::new(0), StaticAtomicU64::new(0), StaticAtomicU64::new(0)];
-
-/// Threads beyond the bitmap share slots by a counter.
-static OVERFLOW: StaticAtomicU64 = StaticAtomicU64::new(0);
-
-const NO_SLOT: usize = usize::MAX;
-
-fn take_slot() -> usize {
-    for (w, word) in SLOTS.iter().enumerate() {
-        let mut cur = word.load(std::sync::atomic::Ordering::Relaxed);
-        while cur != u64::MAX {
-            let bit = (!cur).trailing_zeros();
-            match word.compare_exchange_weak(
-                cur,
-                cur | (1 << bit),
-                std::sync::atomic::Ordering::Relaxed,
-                std::sync::atomic::Ordering::Relaxed,
-            ) {
-                Ok(_) => return w * 64 + bit as usize,
-                Err(now) => cur = now,
-            }
-        }
-    }
-    SLOTS.len() * 64 + (OVERFLOW.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as usize % (SLOTS.len() * 64))
-}
-
-fn give_slot(slot: usize) {
-    if let Some(word) = SLOTS.get(slot / 64) {
-        word.fetch_and(!(1 << (slot % 64)), std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// The calling thread's slot; gives it back when the thread ends.
-struct Slot(Cell<usize>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        give_slot(self.0.get());
-    }
-}
-
-#[cfg(not(loom))]
-std::thread_local! {
-    static SLOT: Slot = const { Slot(Cell::new(NO_SLOT)) };
-}
-
-#[cfg(loom)]
-loom::thread_local! {
-    static SLOT: Slot = Slot(Cell::new(NO_SLOT));
-}
-
-/// The calling thread's slot number, taken on first use (0 while
-/// thread-locals are being torn down). Slots are small numbers, reused
-/// after a thread exits.
-#[inline]
-pub(crate) fn thread_slot() -> usize {
-    SLOT.try_with(|s| match s.0.get() {
-        NO_SLOT => first_slot(s),
-        v => v,
-    })
-    .unwrap_or(0)
-}
-
-#[cold]
-fn first_slot(s: &Slot) -> usize {
-    let v = take_slot();
-    s.0.set(v);
-    v
-}
-
-/// Makes the calling thread use slot `slot` from now on (its arena in a
-/// set of `n` arenas is `slot % n`), giving its old slot back. For tests
-/// and models that need threads on chosen arenas; two threads may share a
-/// slot.
-#[doc(hidden)]
-pub fn set_thread_slot(slot: usize) {
-    let _ = SLOT.try_with(|s| {
-        let old = s.0.replace(slot);
-        if old != NO_SLOT {
-            give_slot(old);
-        }
-    });
 }

@@ -63,7 +63,6 @@
 //! allocation that would fail drains every cache and retries first).
 
 use std::cell::RefCell;
-use std::num::NonZeroU32;
 use std::ptr::NonNull;
 
 use crossbeam::utils::CachePadded;
@@ -71,7 +70,10 @@ use crossbeam::utils::CachePadded;
 pub use super::classes::MAX_CACHED_BLOCK;
 use super::classes::{class_of, AddrMap, CLASSES, EXACT_LIMIT};
 use super::spin::SpinLock;
-use super::{Allocation, Freed, Inner, PoolStats, StreamTag, BLOCK_ALIGN};
+use super::{Allocation, Freed, Inner, PoolStats, StreamTag};
+use bins::{CachedBlock, Delta, LiveEntry, Local};
+
+mod bins;
 use crate::sync::{lock, Arc, Mutex};
 
 /// Blocks one bin holds before its older half is flushed.
@@ -84,163 +86,6 @@ const NO_BIN: u32 = u32::MAX;
 
 /// One shard of the map from lent block to owner cache.
 type LentShard = CachePadded<Mutex<AddrMap<Arc<ThreadCache>>>>;
-
-/// A lent block held by a user. Lent blocks are at most
-/// [`MAX_CACHED_BLOCK`] bytes, so every figure fits 32 bits, and the entry
-/// (16 bytes, `Option` included) travels in registers.
-#[derive(Debug, Clone, Copy)]
-struct LiveEntry {
-    size: NonZeroU32,
-    /// The bin it goes to when freed; [`NO_BIN`] when it can't be cached.
-    bin: u32,
-    /// What the user asked for this time.
-    requested: u32,
-    /// What the shared pool recorded when it lent the block.
-    pool_requested: u32,
-}
-
-const _: () = assert!(MAX_CACHED_BLOCK <= u32::MAX as usize);
-
-impl LiveEntry {
-    /// An entry for a lent block (`size`, `requested` and `pool_requested`
-    /// at most [`MAX_CACHED_BLOCK`], `size` non-zero: pool blocks are).
-    fn new(size: usize, bin: u32, requested: usize, pool_requested: usize) -> LiveEntry {
-        debug_assert!(size <= MAX_CACHED_BLOCK && requested <= size && pool_requested <= size);
-        LiveEntry {
-            size: NonZeroU32::new(size as u32).expect("pool blocks are never empty"),
-            bin,
-            requested: requested as u32,
-            pool_requested: pool_requested as u32,
-        }
-    }
-
-    fn size(&self) -> usize {
-        self.size.get() as usize
-    }
-}
-
-/// A lent block parked in a bin.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct CachedBlock {
-    addr: usize,
-    size: usize,
-    /// Its own bin (a hit may come from a neighbouring one).
-    bin: u32,
-    pool_requested: usize,
-    /// The stream whose queued work may still use it (as the pool's tags).
-    tag: StreamTag,
-}
-
-impl CachedBlock {
-    /// Whether a request on stream `want` (0: no stream) may take this
-    /// block without waiting: nothing is pending on it, or only work of
-    /// `want` itself, which is ordered before the requester's.
-    #[inline]
-    fn usable_by(&self, want: u64) -> bool {
-        self.tag == StreamTag::NONE || (want != 0 && self.tag.stream == want)
-    }
-}
-
-/// Blocks of a bin a hit looks at, from the newest, for one the request
-/// can use (exact size, usable stream).
-const SCAN: usize = 8;
-
-/// The difference between what the shared pool counts (every lent block as
-/// live, with the request it was lent for) and what users hold.
-#[derive(Debug, Default, Clone, Copy)]
-struct Delta {
-    in_use: isize,
-    requested: isize,
-    live: isize,
-    allocations: i64,
-    frees: i64,
-}
-
-impl Delta {
-    fn add(&mut self, o: Delta) {
-        self.in_use += o.in_use;
-        self.requested += o.requested;
-        self.live += o.live;
-        self.allocations += o.allocations;
-        self.frees += o.frees;
-    }
-}
-
-#[derive(Default)]
-struct Local {
-    live: AddrMap<LiveEntry>,
-    bins: Vec<Vec<CachedBlock>>,
-    cached_bytes: usize,
-    delta: Delta,
-    /// The pool shut down or was dropped: cache nothing any more.
-    closed: bool,
-    /// The owning thread exited: cache nothing any more.
-    dead: bool,
-}
-
-impl Local {
-    /// Takes whole bins out, in the order of `classes`, until at most
-    /// `keep_bytes` stay cached; corrects the statistics as if the blocks
-    /// were already back in the pool.
-    fn take(&mut self, classes: impl Iterator<Item = usize>, keep_bytes: usize, out: &mut Vec<CachedBlock>) {
-        for c in classes {
-            if self.cached_bytes <= keep_bytes {
-                break;
-            }
-            let n = self.bins[c].len();
-            self.take_oldest(c, n, out);
-        }
-    }
-
-    /// Takes a block of bin `class` that a request of `size` bytes on
-    /// stream `want` can use: of exactly `size` bytes when `exact`, of the
-    /// class's size otherwise (every block of a class bin has it then).
-    #[inline]
-    fn pop(&mut self, class: usize, size: usize, want: u64, exact: bool) -> Option<CachedBlock> {
-        let bin = &mut self.bins[class];
-        let last = bin.last()?;
-        if last.usable_by(want) && (!exact || last.size == size) {
-            return bin.pop();
-        }
-        let i = bin.iter().rev().take(SCAN).position(|b| b.usable_by(want) && (!exact || b.size == size))?;
-        let i = bin.len() - 1 - i;
-        Some(bin.remove(i))
-    }
-
-    /// On a miss in bin `class`: a block of the next [`NEIGHBOURS`] larger
-    /// classes (at most 12.5 % larger), where classes are 1/16 of a
-    /// doubling apart.
-    #[cold]
-    fn pop_larger(&mut self, class: usize, want: u64) -> Option<CachedBlock> {
-        if class < EXACT_LIMIT / BLOCK_ALIGN {
-            return None;
-        }
-        (class + 1..(class + 1 + NEIGHBOURS).min(CLASSES)).find_map(|c| self.pop(c, 0, want, false))
-    }
-
-    /// Takes the oldest `n` blocks of bin `class` out (as [`Local::take`]).
-    fn take_oldest(&mut self, class: usize, n: usize, out: &mut Vec<CachedBlock>) {
-        for i in 0..n {
-            let b = self.bins[class][i];
-            self.unpark(b, out);
-        }
-        self.bins[class].drain(..n);
-    }
-
-    /// A block leaves its bin for the pool: the statistics count it as the
-    /// pool does (lent, live) until the pool frees it.
-    fn unpark(&mut self, b: CachedBlock, out: &mut Vec<CachedBlock>) {
-        self.cached_bytes -= b.size;
-        self.delta.add(Delta {
-            in_use: b.size as isize,
-            requested: b.pool_requested as isize,
-            live: 1,
-            allocations: 0,
-            frees: -1,
-        });
-        out.push(b);
-    }
-}
 
 /// One thread's cache for one pool.
 pub(super) struct ThreadCache {

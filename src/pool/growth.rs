@@ -66,6 +66,21 @@ impl<U: Upstream> Pool<U> {
         }
     }
 
+    /// Takes the smallest wholly free, untagged chunk of at least `min`
+    /// bytes out of the pool for another arena (no upstream call); `None`
+    /// for pools whose chunks can't change hands (page remapping, kept
+    /// chunks) or when none fits.
+    pub(super) fn give_free_chunk(&self, min: usize) -> Option<Chunk> {
+        if self.remap || self.config.keep_chunks {
+            return None;
+        }
+        let mut inner = self.inner.lock();
+        if inner.shut_down {
+            return None;
+        }
+        inner.fit.take_free_chunk_fitting(min)
+    }
+
     /// Decides how to grow for a request of `rounded` bytes; books the
     /// growth against the limit. `Err(true)` when the limit forbids it.
     pub(super) fn plan_growth(&self, inner: &mut Inner, rounded: usize, align: usize) -> Result<Growth, bool> {

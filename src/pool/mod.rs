@@ -16,6 +16,7 @@
 //! (`cache.rs`, [`PoolConfig::thread_cache`]): most allocations and frees
 //! of blocks up to [`MAX_CACHED_BLOCK`] never take the pool's lock.
 
+mod arena_registry;
 mod arena_upstream;
 mod arenas;
 mod best_fit;
@@ -27,26 +28,23 @@ mod pages;
 mod snapshot;
 mod spin;
 mod stats;
-mod tag;
 
-pub(crate) use arenas::thread_slot;
-pub use arenas::{default_arena_count, set_thread_slot, Arenas, UpstreamFactory, MAX_ARENAS};
+pub use crate::sync::set_thread_slot;
+pub use crate::tag::StreamTag;
+pub use crate::upstream::BLOCK_ALIGN;
+pub use arena_registry::release_thread_arenas;
+pub use arenas::{default_arena_count, Arenas, UpstreamFactory, MAX_ARENAS};
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
 pub use pages::RANK_LIMIT;
 pub use snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use stats::PoolStats;
-pub use tag::StreamTag;
 
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{Arc, Mutex};
 use crate::upstream::{Chunk, Upstream};
 use cache::{CacheFree, ThreadCaches};
 use spin::SpinLock;
-
-/// Every block's address and size are multiples of this (CUDA's own
-/// allocation alignment, which code that uses the memory relies on).
-pub const BLOCK_ALIGN: usize = 256;
 
 /// Why a pool setting is refused once the pool has allocated
 /// ([`Error::ConfigTooLate`]).

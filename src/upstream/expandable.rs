@@ -9,7 +9,7 @@
 
 use super::region::{Region, SharedRegion, VmBackend};
 use super::{Chunk, Upstream};
-use crate::device::{captures_under_way, device_context, vmm, RelaxedCaptureMode};
+use crate::cuda::{captures_under_way, device_context, driver_err, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, Mutex};
 
@@ -245,7 +245,7 @@ impl CudaVmm {
         let ctx = device_context(ordinal)?.ok_or(Error::NeedsGpu("CudaVmm"))?;
         // SAFETY: the device handle comes from a live context.
         let total = unsafe { cudarc::driver::result::device::total_mem(ctx.cu_device()) }
-            .map_err(crate::device::driver_err("cuDeviceTotalMem"))?;
+            .map_err(driver_err("cuDeviceTotalMem"))?;
         Self::with_reservation(ordinal, total)
     }
 

@@ -107,16 +107,33 @@ impl Upstream for Geometric {
         self.taken.bytes.fetch_sub(chunk.size, Ordering::Relaxed);
         Ok(())
     }
-    fn granularity(&self) -> usize {
-        self.inner.granularity()
+    fn inner(&self) -> Option<&dyn Upstream> {
+        Some(&*self.inner)
     }
-    fn name(&self) -> &'static str {
-        self.inner.name()
+    // Whatever adds or removes memory is counted, so that the next chunk
+    // is sized from, and the limit holds for, all the memory held.
+    fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
+        let grown = self.inner.try_extend(chunk, extra)?;
+        if grown {
+            self.taken.bytes.fetch_add(extra, Ordering::Relaxed);
+        }
+        Ok(grown)
     }
-    fn host_accessible(&self) -> bool {
-        self.inner.host_accessible()
+    fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
+        let shrunk = self.inner.try_shrink(chunk, amount)?;
+        if shrunk {
+            self.taken.bytes.fetch_sub(amount, Ordering::Relaxed);
+        }
+        Ok(shrunk)
     }
-    fn device_free(&self) -> Option<usize> {
-        self.inner.device_free()
+    fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
+        let calls = self.inner.map_runs(runs)?;
+        self.taken.bytes.fetch_add(runs.iter().map(|r| r.size).sum(), Ordering::Relaxed);
+        Ok(calls)
+    }
+    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
+        let unmapped = self.inner.unmap_within(spans, want, pending, keep)?;
+        self.taken.bytes.fetch_sub(unmapped.iter().map(|c| c.size).sum(), Ordering::Relaxed);
+        Ok(unmapped)
     }
 }

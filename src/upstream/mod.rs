@@ -4,20 +4,33 @@
 //! blocks. The pool never reads or writes them (device memory can't be
 //! touched from the host), so an upstream deals in addresses, not
 //! references. [`Host`] is the fallback when no CUDA driver or device is
-//! present; the CUDA upstreams live in [`crate::device`].
+//! present; the CUDA ones ([`CudaDeviceMemory`], [`CudaPinnedMemory`],
+//! [`CudaVmm`]) build on [`crate::cuda`].
 
+mod cuda;
 mod expandable;
+#[cfg(test)]
+pub(crate) mod forwarding;
 mod geometric;
 mod host;
 mod host_vm;
 pub(crate) mod region;
 
+pub(crate) use cuda::device_upstream;
+pub use cuda::{CudaDeviceMemory, CudaPinnedMemory};
 pub use expandable::{CudaVmm, HostExpandable};
 pub use geometric::{Geometric, Taken};
 pub use host::Host;
+#[doc(hidden)]
+pub use region::choose_pieces;
 pub use region::{GrowPath, VmBackend};
 
 use crate::error::Result;
+
+/// Every chunk's and block's address and size are multiples of this
+/// (CUDA's own allocation alignment, which code that uses the memory
+/// relies on). Upstreams guarantee it for chunks; pools keep it for blocks.
+pub const BLOCK_ALIGN: usize = 256;
 
 /// An address range an upstream handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -40,6 +53,14 @@ impl Chunk {
 /// Implementations are called outside the pool's lock and may be called
 /// from several threads at once.
 ///
+/// # Wrappers
+/// An upstream that wraps another (to count, book or route its chunks)
+/// returns it from [`inner`](Upstream::inner) and overrides only what it
+/// changes: every provided method forwards to the inner upstream when
+/// there is one, and gives the leaf answer ("can't") when there is none.
+/// A method added to this trait later is therefore forwarded by every
+/// wrapper at once; none can drop it by forgetting to re-list it.
+///
 /// # Examples
 /// ```
 /// use cumem::upstream::{Host, Upstream};
@@ -54,7 +75,7 @@ pub trait Upstream: Send + Sync {
     /// to at least 256 bytes. `size` is a multiple of [`granularity`].
     ///
     /// # Errors
-    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) or a driver/OS error
+    /// [`Error::OutOfMemory`](crate::error::Error::OutOfMemory) or a driver/OS error
     /// when the memory can't be had.
     ///
     /// [`granularity`]: Upstream::granularity
@@ -67,6 +88,12 @@ pub trait Upstream: Send + Sync {
     /// A driver or OS error; the chunk is then leaked, never reused.
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()>;
 
+    /// The upstream this one wraps, which the provided methods forward to;
+    /// `None` (the default) for an upstream that owns its memory itself.
+    fn inner(&self) -> Option<&dyn Upstream> {
+        None
+    }
+
     /// Tries to grow `chunk` in place by `extra` bytes (a multiple of
     /// [`granularity`](Upstream::granularity)), so the new memory continues
     /// the old range. Returns `Ok(false)` when this upstream can't.
@@ -74,13 +101,12 @@ pub trait Upstream: Send + Sync {
     /// # Errors
     /// A driver or OS error while growing.
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
-        let _ = (chunk, extra);
-        Ok(false)
+        self.inner().map_or(Ok(false), |u| u.try_extend(chunk, extra))
     }
 
     /// Whether [`try_extend`](Upstream::try_extend) can ever succeed.
     fn can_extend(&self) -> bool {
-        false
+        self.inner().is_some_and(|u| u.can_extend())
     }
 
     /// Gives back the last `amount` bytes of `chunk`, which was grown with
@@ -90,25 +116,29 @@ pub trait Upstream: Send + Sync {
     /// # Errors
     /// A driver or OS error while shrinking.
     fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
-        let _ = (chunk, amount);
-        Ok(false)
+        self.inner().map_or(Ok(false), |u| u.try_shrink(chunk, amount))
     }
 
     /// The unit chunk sizes are rounded to (a power of two, at least 256).
     fn granularity(&self) -> usize {
-        crate::pool::BLOCK_ALIGN
+        self.inner().map_or(BLOCK_ALIGN, |u| u.granularity())
     }
 
     /// A short name for summaries ("host", "cuMemAlloc", ...).
-    fn name(&self) -> &'static str;
+    fn name(&self) -> &'static str {
+        self.inner().map_or("upstream", |u| u.name())
+    }
 
-    /// Whether the host may read and write the memory.
-    fn host_accessible(&self) -> bool;
+    /// Whether the host may read and write the memory (`false` unless an
+    /// upstream says so).
+    fn host_accessible(&self) -> bool {
+        self.inner().is_some_and(|u| u.host_accessible())
+    }
 
     /// The device's free memory, where the upstream can ask (for error
     /// messages).
     fn device_free(&self) -> Option<usize> {
-        None
+        self.inner().and_then(|u| u.device_free())
     }
 
     /// Whether this upstream can hand out chunks as address space alone
@@ -117,18 +147,20 @@ pub trait Upstream: Send + Sync {
     /// [`unmap_within`](Upstream::unmap_within)): page remapping, with
     /// pages of [`granularity`](Upstream::granularity) bytes.
     fn can_remap(&self) -> bool {
-        false
+        self.inner().is_some_and(|u| u.can_remap())
     }
 
     /// Reserves a chunk of `size` bytes (a multiple of the granularity) of
     /// address space with no memory mapped in it.
     ///
     /// # Errors
-    /// [`Error::InvalidState`](crate::Error::InvalidState) when the
+    /// [`Error::InvalidState`](crate::error::Error::InvalidState) when the
     /// upstream can't remap; out of address space.
     fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
-        let _ = size;
-        Err(crate::Error::InvalidState(format!("{} can't reserve address space alone", self.name())))
+        if let Some(u) = self.inner() {
+            return u.reserve_chunk(size);
+        }
+        Err(crate::error::Error::InvalidState(format!("{} can't reserve address space alone", self.name())))
     }
 
     /// Extends `chunk`'s address space in place by `extra` bytes, mapping
@@ -137,8 +169,7 @@ pub trait Upstream: Send + Sync {
     /// # Errors
     /// An upstream error.
     fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> Result<bool> {
-        let _ = (chunk, extra);
-        Ok(false)
+        self.inner().map_or(Ok(false), |u| u.try_extend_reserved(chunk, extra))
     }
 
     /// Maps memory over each run (page-aligned, unmapped, inside chunks of
@@ -147,10 +178,12 @@ pub trait Upstream: Send + Sync {
     /// number of map calls made. On failure no run stays mapped.
     ///
     /// # Errors
-    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) or a driver error.
+    /// [`Error::OutOfMemory`](crate::error::Error::OutOfMemory) or a driver error.
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
-        let _ = runs;
-        Err(crate::Error::InvalidState(format!("{} can't map pages", self.name())))
+        if let Some(u) = self.inner() {
+            return u.map_runs(runs);
+        }
+        Err(crate::error::Error::InvalidState(format!("{} can't map pages", self.name())))
     }
 
     /// Unmaps whole mapped pieces lying inside `spans` (in the order
@@ -163,59 +196,27 @@ pub trait Upstream: Send + Sync {
     /// # Errors
     /// A driver error.
     fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
-        let _ = (spans, want, pending, keep);
-        Ok(Vec::new())
+        self.inner().map_or(Ok(Vec::new()), |u| u.unmap_within(spans, want, pending, keep))
     }
 
     /// Releases memory an [`unmap_within`](Upstream::unmap_within) kept
     /// and no [`map_runs`](Upstream::map_runs) reused.
-    fn release_kept(&self) {}
+    fn release_kept(&self) {
+        if let Some(u) = self.inner() {
+            u.release_kept()
+        }
+    }
 }
 
-impl<U: Upstream + ?Sized> Upstream for Box<U> {
+/// A boxed upstream is the upstream itself: everything forwards.
+impl Upstream for Box<dyn Upstream> {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
         (**self).allocate_chunk(size)
     }
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
         (**self).deallocate_chunk(chunk)
     }
-    fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
-        (**self).try_extend(chunk, extra)
-    }
-    fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
-        (**self).try_shrink(chunk, amount)
-    }
-    fn can_extend(&self) -> bool {
-        (**self).can_extend()
-    }
-    fn granularity(&self) -> usize {
-        (**self).granularity()
-    }
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-    fn host_accessible(&self) -> bool {
-        (**self).host_accessible()
-    }
-    fn device_free(&self) -> Option<usize> {
-        (**self).device_free()
-    }
-    fn can_remap(&self) -> bool {
-        (**self).can_remap()
-    }
-    fn reserve_chunk(&self, size: usize) -> Result<Chunk> {
-        (**self).reserve_chunk(size)
-    }
-    fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> Result<bool> {
-        (**self).try_extend_reserved(chunk, extra)
-    }
-    fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
-        (**self).map_runs(runs)
-    }
-    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
-        (**self).unmap_within(spans, want, pending, keep)
-    }
-    fn release_kept(&self) {
-        (**self).release_kept()
+    fn inner(&self) -> Option<&dyn Upstream> {
+        Some(&**self)
     }
 }

@@ -30,14 +30,14 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 
 use super::host_vm::{page_size, HostRange};
-use crate::device::vmm::{self, AddressRange, PhysicalChunk};
-use crate::device::{device_context, driver_status, register_mapped, DriverStatus, PeerMapped};
+use crate::cuda::vmm::{self, AddressRange, PhysicalChunk};
+use crate::cuda::{device_context, driver_status, register_mapped, DriverStatus, PeerMapped};
 use crate::error::{Error, Result};
 use crate::sync::{lock, Mutex};
 
 mod pages;
 
-pub(crate) use pages::choose_pieces;
+pub use pages::choose_pieces;
 
 /// Where a virtual region's memory lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,13 +55,13 @@ impl VmBackend {
     /// `CUMEM_FORCE_HOST=1` is set).
     pub fn auto() -> Self {
         match driver_status() {
-            DriverStatus::Available { .. } => VmBackend::Cuda(crate::manager::default_ordinal()),
+            DriverStatus::Available { .. } => VmBackend::Cuda(crate::cuda::default_ordinal()),
             DriverStatus::Unavailable(_) => VmBackend::Host,
         }
     }
 
     /// The device of `stream` (a host queue: [`auto`](Self::auto)).
-    pub fn of_stream(stream: &crate::Stream) -> Self {
+    pub fn of_stream(stream: &crate::cuda::Stream) -> Self {
         stream.device().map_or_else(VmBackend::auto, VmBackend::Cuda)
     }
 

@@ -13,7 +13,7 @@
 //! of the region.
 
 use super::{Backing, Piece, Region, Reservation};
-use crate::device::vmm::PhysicalChunk;
+use crate::cuda::vmm::PhysicalChunk;
 use crate::error::{Error, Result};
 
 impl Region {
@@ -170,7 +170,7 @@ impl Region {
 /// least `want` bytes; within a span the pieces no larger than what is
 /// still wanted go first (largest first), then the smallest of the rest.
 /// Returns indices into `pieces`.
-pub(crate) fn choose_pieces(pieces: &[(usize, usize)], spans: &[(usize, usize)], want: usize) -> Vec<usize> {
+pub fn choose_pieces(pieces: &[(usize, usize)], spans: &[(usize, usize)], want: usize) -> Vec<usize> {
     let mut chosen = Vec::new();
     let mut got = 0usize;
     for &(start, len) in spans {

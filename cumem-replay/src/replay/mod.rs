@@ -13,9 +13,12 @@
 //! The trace's own peak live ([`Trace::peak_live`]) is reported beside it:
 //! the two agree when every allocation succeeded.
 
+mod floor;
 pub mod plot;
 mod raw;
 mod sim;
+
+pub use floor::{page_floor, PageFloor};
 
 pub use sim::AddressRange;
 
@@ -23,18 +26,20 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::device::{self, DeviceAllocatorMode, NativePool, Stream};
-use crate::error::{Error, Result};
-use crate::manager::{BackendChoice, Config, MemoryManager};
 use crate::trace::{Op, Trace};
+use cumem::cuda::driver_err;
+use cumem::device::{self, DeviceAllocatorMode, NativePool};
+use cumem::Stream;
+use cumem::{BackendChoice, Config, MemoryManager};
+use cumem::{Error, Result};
 
 /// What a trace is replayed through.
 ///
 /// # Examples
 /// ```
-/// use cumem::replay::{replay, Target};
+/// use cumem_replay::replay::{replay, Target};
 /// let csv = "Thread,Time,Action,Pointer,Size,Stream\n0,1,allocate,0x1000,5000,0x0\n0,2,free,0x1000,5000,0x0\n";
-/// let trace = cumem::trace::parse_str(csv)?;
+/// let trace = cumem_replay::trace::parse_str(csv)?;
 /// let report = replay(&trace, Target::Simulated, &cumem::Config::new(), 1)?;
 /// assert_eq!(report.trace_peak_live, 5000);
 /// # Ok::<(), cumem::Error>(())
@@ -328,8 +333,8 @@ fn fresh_default_pool(ordinal: usize) -> Result<Option<NativePool>> {
     let Some(ctx) = device::device_context(ordinal)? else {
         return Ok(None);
     };
-    ctx.bind_to_thread().map_err(device::driver_err("cuCtxSetCurrent"))?;
-    ctx.synchronize().map_err(device::driver_err("cuCtxSynchronize"))?;
+    ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+    ctx.synchronize().map_err(driver_err("cuCtxSynchronize"))?;
     let pool = NativePool::device_default(ctx, u64::MAX)?;
     pool.trim_to(0)?;
     pool.reset_high_watermarks()?;

@@ -7,9 +7,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use cumem::device::{driver_status, DriverStatus};
-use cumem::replay::{self, ReplayReport, Target};
-use cumem::trace::Trace;
 use cumem::Config;
+use cumem_replay::replay::{self, ReplayReport, Target};
+use cumem_replay::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
@@ -76,6 +76,9 @@ struct TraceInfo {
     duplicate_allocations: usize,
     zero_sizes: usize,
     live_at_end: usize,
+    /// Exact best fit over one growing range, 2 MiB pages: the memory of
+    /// never unmapping, and the floor of unmapping free pages.
+    page_floor: Option<replay::PageFloor>,
 }
 
 #[derive(Serialize)]
@@ -215,6 +218,7 @@ fn trace_info(t: &Trace, path: &std::path::Path) -> TraceInfo {
         duplicate_allocations: t.duplicate_allocations,
         zero_sizes: t.zero_sizes,
         live_at_end: t.live_at_end,
+        page_floor: replay::page_floor(t, 2 << 20),
     }
 }
 
@@ -246,6 +250,17 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
             i.zero_sizes,
             i.live_at_end
         );
+        if let Some(f) = i.page_floor.filter(|_| i.peak_live > 0) {
+            let ratio = |b: usize| b as f64 / i.peak_live as f64;
+            println!(
+                "  page floor of {} (exact best fit over one growing range, {} MiB pages): never unmapped {:.3}, \
+                 touched pages {:.3} (peak reserved / peak live)",
+                i.name,
+                f.page >> 20,
+                ratio(f.top),
+                ratio(f.touched)
+            );
+        }
     }
     println!();
     println!(

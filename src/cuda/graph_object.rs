@@ -4,7 +4,7 @@
 //! # Implementation details
 //!
 //! A capture cumem was not told of gets a private pool on the first cumem
-//! call on one of its streams (graph.rs). cumem then creates a CUDA *user
+//! call on one of its streams (`device/graph.rs`). cumem then creates a CUDA *user
 //! object* (`cuUserObjectCreate`) and moves its one reference to the
 //! capture's graph (`cuGraphRetainUserObject` with
 //! `CU_GRAPH_USER_OBJECT_MOVE`). The driver gives every executable graph
@@ -17,7 +17,7 @@
 //! The destructor runs on a thread of the driver, at any time, and may
 //! make no CUDA call; it only posts the pool's id to a [`ReleaseQueue`].
 //! The next cumem call on the device that is not itself captured takes the
-//! posted ids and releases the pools (graph.rs): that is where the driver
+//! posted ids and releases the pools (`device/graph_pool.rs`): that is where the driver
 //! calls happen.
 //!
 //! The queue's protocol: `post` pushes under the queue's lock, then raises
@@ -38,6 +38,7 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 
 use super::capture::RelaxedCaptureMode;
+use super::context::driver_err;
 use super::stream::Stream;
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
@@ -120,7 +121,7 @@ pub unsafe extern "C" fn run_release(payload: *mut c_void) {
 
 /// The graph a capture records into, to tie a pool's life to.
 #[derive(Clone)]
-pub(super) enum CaptureGraph {
+pub(crate) enum CaptureGraph {
     /// A CUDA graph under capture (`cuStreamGetCaptureInfo`).
     Cuda(sys::CUgraph),
     /// A host queue's capture cumem was not told of.
@@ -136,7 +137,7 @@ pub(super) enum CaptureGraph {
 /// # Errors
 /// [`Error::Capture`] when the driver gives no graph to tie to; a driver
 /// error. After an error nothing is posted for `pool`.
-pub(super) fn tie_to_graph(graph: &CaptureGraph, queue: &Arc<ReleaseQueue>, pool: u64) -> Result<()> {
+pub(crate) fn tie_to_graph(graph: &CaptureGraph, queue: &Arc<ReleaseQueue>, pool: u64) -> Result<()> {
     match graph {
         CaptureGraph::Cuda(g) => {
             // Legal even while this thread captures in the global mode.
@@ -161,7 +162,7 @@ pub(super) fn tie_to_graph(graph: &CaptureGraph, queue: &Arc<ReleaseQueue>, pool
                 // SAFETY: the driver did not take the payload; it is ours
                 // to drop, once.
                 drop(unsafe { Box::from_raw(payload.cast::<Release>()) });
-                return Err(super::driver_err("cuUserObjectCreate")(e));
+                return Err(driver_err("cuUserObjectCreate")(e));
             }
             // SAFETY: `g` is the graph of a capture under way (the driver
             // just named it), `object` a live user object whose one
@@ -178,7 +179,7 @@ pub(super) fn tie_to_graph(graph: &CaptureGraph, queue: &Arc<ReleaseQueue>, pool
             // On failure the reference stays ours and is never released:
             // the pool's memory may already be in the graph, so it must
             // never come back (a leak, never a release too early).
-            retained.map_err(super::driver_err("cuGraphRetainUserObject"))
+            retained.map_err(driver_err("cuGraphRetainUserObject"))
         }
         CaptureGraph::Host(refs) => {
             lock(&refs.payloads).push(release_payload(queue.clone(), pool) as usize);

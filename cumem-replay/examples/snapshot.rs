@@ -2,7 +2,7 @@
 //! device pool, then draws every pool as a segment map (SVG).
 //!
 //! ```text
-//! cargo run --release --example snapshot -- TRACE.csv.gz OUT.svg
+//! cargo run --release -p cumem-replay --example snapshot -- TRACE.csv.gz OUT.svg
 //! ```
 //!
 //! Without arguments it looks for `bert_train.csv.gz` in `gpu-bin/traces/`
@@ -12,8 +12,8 @@
 //! On the host fallback the device pool holds host address space; on a GPU
 //! it is real device memory (the sync pool).
 
-use cumem::trace::{Op, Trace};
 use cumem::{MemoryManager, Stream};
+use cumem_replay::trace::{Op, Trace};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -48,7 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let snap = mm.memory_snapshot();
-    std::fs::write(&out, snap.to_svg()?)?;
+    std::fs::write(&out, cumem_replay::snapshot_svg(&snap)?)?;
     for p in &snap.pools {
         println!(
             "{}: {} chunk(s), {} blocks, reserved {} B, in use {} B",

@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion};
 use cumem::device::{driver_status, DriverStatus};
-use cumem::replay::{self, Target};
-use cumem::trace::Trace;
 use cumem::Config;
+use cumem_replay::replay::{self, Target};
+use cumem_replay::trace::Trace;
 
 fn trace_paths() -> Vec<PathBuf> {
     let spec =
@@ -24,7 +24,7 @@ fn trace_paths() -> Vec<PathBuf> {
             let candidates = [
                 "gpu-bin/traces".to_string(),
                 "../shared/traces".to_string(),
-                format!("{}/../shared/traces", env!("CARGO_MANIFEST_DIR")),
+                format!("{}/../../shared/traces", env!("CARGO_MANIFEST_DIR")),
             ];
             candidates.into_iter().find(|d| std::path::Path::new(d).is_dir()).unwrap_or_default()
         });

@@ -5,10 +5,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 
-use super::capture::RelaxedCaptureMode;
-use super::driver_err;
+use super::{Chunk, Upstream};
+use crate::cuda::{driver_err, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::upstream::{Chunk, Upstream};
 
 /// Chunks are rounded to 2 MiB, the size of the large pages the driver
 /// maps device memory with.
@@ -121,4 +120,14 @@ impl Upstream for CudaPinnedMemory {
     fn host_accessible(&self) -> bool {
         true
     }
+}
+
+/// The upstream of a device's sync pool: expandable segments on CUDA
+/// virtual memory (one reserved range that grows by mapping) when asked for
+/// and supported, else plain `cuMemAlloc` chunks.
+pub(crate) fn device_upstream(ctx: Arc<CudaContext>, expandable: bool) -> Result<Box<dyn Upstream>> {
+    if expandable && vmm::vmm_supported(&ctx)? {
+        return Ok(Box::new(super::CudaVmm::new(ctx.ordinal())?));
+    }
+    Ok(Box::new(CudaDeviceMemory::new(ctx)))
 }

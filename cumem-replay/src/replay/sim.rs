@@ -10,12 +10,12 @@
 use std::time::Instant;
 
 use super::Measurement;
-use crate::error::Result;
-use crate::manager::Config;
-use crate::pool::{Pool, StreamTag, BLOCK_ALIGN};
-use crate::sync::{lock, Mutex};
 use crate::trace::{Op, Trace};
-use crate::upstream::{Chunk, Upstream};
+use cumem::pool::{Pool, StreamTag, BLOCK_ALIGN};
+use cumem::upstream::{Chunk, Upstream};
+use cumem::Config;
+use cumem::Result;
+use std::sync::{Mutex, MutexGuard};
 
 /// The granularity of device memory (large pages).
 const GRANULARITY: usize = 2 << 20;
@@ -206,7 +206,7 @@ impl Upstream for AddressRange {
         let mut vm = lock(&self.vm);
         let pieces: Vec<(usize, usize)> = vm.pieces.iter().map(|(&a, &s)| (a, s)).collect();
         let spans: Vec<(usize, usize)> = spans.iter().map(|c| (c.addr, c.size)).collect();
-        let chosen = crate::upstream::region::choose_pieces(&pieces, &spans, want);
+        let chosen = cumem::upstream::choose_pieces(&pieces, &spans, want);
         if pending && !chosen.is_empty() {
             vm.calls.syncs += 1;
         }
@@ -303,6 +303,12 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_s
         stream_waits,
         stream_wait_ns: 0,
     })
+}
+
+/// Locks `m`; a panicking replay leaves nothing half-changed that a later
+/// reader could trip on, so a poisoned lock's data is used as it is.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

@@ -1,7 +1,6 @@
 //! Streams: cumem's handle on a CUDA stream (or a no-op queue on the host
-//! fallback), and the registry that orders cross-stream reuse.
+//! fallback), and the counters of the frees queued on it.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
@@ -9,8 +8,8 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 use super::driver_err;
 use super::free_clock::FreeClock;
 use crate::error::Result;
-use crate::pool::StreamTag;
 use crate::sync::{lock, AtomicU64, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
+use crate::tag::StreamTag;
 
 fn next_stream_id() -> u64 {
     // 0 is `StreamTag::NONE` and u64::MAX `StreamTag::MIXED`.
@@ -106,7 +105,7 @@ impl Stream {
     /// # Errors
     /// As [`Stream::new_on`].
     pub fn new() -> Result<Stream> {
-        Stream::new_on(crate::manager::default_ordinal())
+        Stream::new_on(super::default_ordinal())
     }
 
     /// A host queue: work "queued" on it has already happened.
@@ -151,6 +150,13 @@ impl Stream {
         self.inner.id
     }
 
+    /// The stream registry this stream was last registered in (its
+    /// address; 0: none), so a free on the stream usually skips the
+    /// registry's lock.
+    pub(crate) fn registration(&self) -> &AtomicUsize {
+        &self.inner.registered_in
+    }
+
     /// The capture a host queue takes part in (always `None` for CUDA
     /// streams: ask the driver, `capture::capture_of`).
     pub(crate) fn host_capture(&self) -> Option<u64> {
@@ -191,12 +197,12 @@ impl Stream {
     }
 
     /// Whether the free tagged `tag` on this stream is known complete.
-    fn completed(&self, tag: StreamTag) -> bool {
+    pub(crate) fn completed(&self, tag: StreamTag) -> bool {
         self.inner.frees.completed(tag.seq)
     }
 
     /// Whether every free on this stream so far is known complete.
-    fn all_frees_complete(&self) -> bool {
+    pub(crate) fn all_frees_complete(&self) -> bool {
         self.inner.frees.all_complete()
     }
 
@@ -231,130 +237,5 @@ impl Stream {
 impl From<Arc<CudaStream>> for Stream {
     fn from(s: Arc<CudaStream>) -> Self {
         Stream::from_cudarc(s)
-    }
-}
-
-/// The streams blocks were freed on, by id, so that a block freed on one
-/// stream and reused on another can be ordered after the first stream's
-/// work. Holding the stream keeps it alive while blocks may refer to it.
-#[derive(Default)]
-pub(crate) struct StreamRegistry {
-    streams: Mutex<HashMap<u64, Stream>>,
-    /// Reuses that had to wait for another stream's work (an event wait,
-    /// or the host waiting), and the nanoseconds those waits took to issue.
-    waits: AtomicU64,
-    wait_ns: AtomicU64,
-}
-
-impl StreamRegistry {
-    /// Remembers `stream` (before a block is freed on it).
-    pub(crate) fn register(&self, stream: &Stream) {
-        if stream.is_host() {
-            return;
-        }
-        let me = self as *const StreamRegistry as usize;
-        if stream.inner.registered_in.load(Ordering::Acquire) == me {
-            return;
-        }
-        lock(&self.streams).entry(stream.inner.id).or_insert_with(|| stream.clone());
-        stream.inner.registered_in.store(me, Ordering::Release);
-    }
-
-    /// Makes a block last freed under `tag` safe for work on `user` (or, with
-    /// `None`, for the host and any stream): nothing to do when the free's
-    /// work is known complete or `user` is the freeing stream; otherwise
-    /// `user` waits for the freeing stream's work (an event), or the host
-    /// waits when there is no `user`.
-    ///
-    /// With `captures` set (a graph capture is under way on the device), a
-    /// source stream that captures is never synchronised or waited on from
-    /// outside its capture: that would break the capture, so the reuse is
-    /// refused with [`Error::Capture`](crate::Error::Capture) instead. With
-    /// `ask` set (captures cumem was not told of may be under way) each
-    /// source stream is asked whether it captures all the same.
-    pub(crate) fn order_reuse(
-        &self,
-        tag: StreamTag,
-        user: Option<&Stream>,
-        ctx: &CudaContext,
-        captures: bool,
-        ask: bool,
-    ) -> Result<()> {
-        if tag == StreamTag::NONE || user.is_some_and(|u| u.inner.id == tag.stream) {
-            return Ok(());
-        }
-        let sources: Vec<Stream> = {
-            let map = lock(&self.streams);
-            if tag == StreamTag::MIXED {
-                map.values().filter(|s| !s.all_frees_complete()).cloned().collect()
-            } else {
-                match map.get(&tag.stream) {
-                    Some(s) if s.completed(tag) => return Ok(()),
-                    Some(s) => vec![s.clone()],
-                    None => Vec::new(),
-                }
-            }
-        };
-        if sources.is_empty() && tag != StreamTag::MIXED {
-            if captures {
-                return Err(crate::Error::Capture(
-                    "a block freed on a stream cumem never saw can't be reused while a capture is under way".into(),
-                ));
-            }
-            // A stream this registry never saw: wait for the whole device.
-            return ctx.synchronize().map_err(driver_err("cuCtxSynchronize"));
-        }
-        let start = std::time::Instant::now();
-        let mut waited = false;
-        for src in sources.iter().filter(|s| user.is_none_or(|u| u.inner.id != s.inner.id)) {
-            if (captures || ask) && super::capture::capture_of(src)?.is_some() {
-                return Err(crate::Error::Capture(
-                    "the block's last use is queued on a stream that now captures a graph; synchronize streams \
-                     before beginning a capture"
-                        .into(),
-                ));
-            }
-            waited = true;
-            match user {
-                Some(u) if !u.is_host() => u.wait_for(src)?,
-                _ => src.synchronize()?,
-            }
-        }
-        if waited {
-            self.waits.fetch_add(1, Ordering::Relaxed);
-            self.wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        }
-        Ok(())
-    }
-
-    /// Reuses that waited for another stream's work so far, and the
-    /// nanoseconds issuing those waits took.
-    pub(crate) fn waits(&self) -> (u64, u64) {
-        (self.waits.load(Ordering::Relaxed), self.wait_ns.load(Ordering::Relaxed))
-    }
-
-    /// The streams registered.
-    pub(crate) fn streams(&self) -> Vec<Stream> {
-        lock(&self.streams).values().cloned().collect()
-    }
-
-    /// Forgets every stream (their blocks' tags are cleared or settled).
-    pub(crate) fn clear(&self) {
-        let me = self as *const StreamRegistry as usize;
-        let streams = std::mem::take(&mut *lock(&self.streams));
-        for s in streams.values() {
-            // The next free on the stream registers it here again.
-            let _ = s.inner.registered_in.compare_exchange(me, 0, Ordering::AcqRel, Ordering::Acquire);
-        }
-    }
-
-    /// Waits for every registered stream (before memory goes back to the
-    /// driver).
-    pub(crate) fn synchronize_all(&self) -> Result<()> {
-        let streams: Vec<Stream> = lock(&self.streams).values().cloned().collect();
-        for s in streams {
-            s.synchronize()?;
-        }
-        Ok(())
     }
 }

@@ -3,9 +3,9 @@
 //! show.
 
 use cumem::pool::{BlockState, Pool, PoolConfig, PoolSnapshot, PoolStats, StreamTag};
-use cumem::replay::{plot, Target};
 use cumem::upstream::Host;
 use cumem::{Config, MemoryManager, PoolKind};
+use cumem_replay::replay::{plot, Target};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -97,7 +97,7 @@ fn the_manager_snapshot_draws_every_pool() {
     for pool in &snap.pools {
         check_adds_up(&pool.snapshot, &pool.stats);
     }
-    let svg = snap.to_svg().unwrap();
+    let svg = cumem_replay::snapshot_svg(&snap).unwrap();
     let (root, texts) = element_names_and_text(&svg);
     assert_eq!(root, "svg");
     for name in names {
@@ -125,7 +125,7 @@ fn the_replay_plot_names_every_target() {
             csv += &format!("0,{i},free,{p:#x},0,0x0\n");
         }
     }
-    let trace = cumem::trace::parse_str(&csv).unwrap();
+    let trace = cumem_replay::trace::parse_str(&csv).unwrap();
     let targets = [Target::Host, Target::Simulated, Target::RawCuMemAlloc];
     let (panel, skipped) = plot::panel(&trace, &targets, &Config::new(), 100);
     // The raw target has no reserved figure (and needs a GPU); it is named

@@ -6,6 +6,13 @@
 
 #![allow(unused_imports)]
 
+mod init;
+mod slot;
+
+pub use init::{InitCell, InitError};
+pub use slot::set_thread_slot;
+pub(crate) use slot::{thread_pinned, thread_slot};
+
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 #[cfg(loom)]

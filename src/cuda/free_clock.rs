@@ -60,7 +60,7 @@ impl FreeClock {
     /// The sequence number of a free on the calling thread now (never 0).
     #[inline]
     pub fn tick(&self) -> u64 {
-        let shard = crate::pool::thread_slot() % SHARDS;
+        let shard = crate::sync::thread_slot() % SHARDS;
         let count = self.freed[shard].fetch_add(1, Ordering::AcqRel) + 1;
         (shard as u64) << COUNT_BITS | (count & COUNT_MASK)
     }

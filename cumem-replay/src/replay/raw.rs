@@ -5,9 +5,10 @@ use std::time::Instant;
 use cudarc::driver::{result, sys};
 
 use super::{fresh_default_pool, Measurement};
-use crate::device::{self, driver_err};
-use crate::error::{Error, Result};
 use crate::trace::{Op, Trace};
+use cumem::cuda::driver_err;
+use cumem::device;
+use cumem::{Error, Result};
 
 fn context(ordinal: usize) -> Result<std::sync::Arc<cudarc::driver::CudaContext>> {
     let ctx = device::device_context(ordinal)?.ok_or(Error::NeedsGpu("a raw driver replay"))?;

@@ -7,6 +7,27 @@ use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
 use crate::error::{Error, Result};
+use crate::sync::{Ordering, StaticAtomicU64};
+
+/// The default device once the process-wide manager set it; `u64::MAX`
+/// before. An identity, ordering no memory.
+static DEFAULT_ORDINAL: StaticAtomicU64 = StaticAtomicU64::new(u64::MAX);
+
+/// The default device's ordinal: the one the process-wide manager was
+/// configured with (`Config::device`) once it exists, else `CUMEM_CONF`'s
+/// `device` (0 when unset or unreadable).
+pub fn default_ordinal() -> usize {
+    match DEFAULT_ORDINAL.load(Ordering::Relaxed) {
+        u64::MAX => crate::conf::env_value("device").and_then(|v| v.parse().ok()).unwrap_or(0),
+        n => n as usize,
+    }
+}
+
+/// Makes `ordinal` the default device (the process-wide manager calls it
+/// once, when it is created).
+pub(crate) fn set_default_ordinal(ordinal: usize) {
+    DEFAULT_ORDINAL.store(ordinal as u64, Ordering::Relaxed);
+}
 
 /// Whether CUDA can be used here, and why not when it can't.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,7 +102,7 @@ pub fn device_context(ordinal: usize) -> Result<Option<Arc<CudaContext>>> {
 }
 
 /// Converts a cudarc driver error into [`Error::Driver`] naming `call`.
-pub(crate) fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+pub fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::Driver { call, message: e.to_string(), device: None }
 }
 
@@ -96,7 +117,7 @@ pub(crate) fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverEr
 #[doc(hidden)]
 pub fn gpu_for_test(test: &str) -> Option<Arc<CudaContext>> {
     let required = std::env::var_os("CUMEM_REQUIRE_GPU").is_some_and(|v| v == "1");
-    let reason = match device_context(crate::manager::default_ordinal()) {
+    let reason = match device_context(default_ordinal()) {
         Ok(Some(ctx)) => return Some(ctx),
         Ok(None) => match driver_status() {
             DriverStatus::Unavailable(why) => why.clone(),

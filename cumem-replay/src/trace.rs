@@ -1,7 +1,7 @@
 //! Allocation traces in RMM's log format, read for replay.
 //!
 //! The format is the CSV that RMM's `logging_resource_adaptor` writes and
-//! that [`EventLog`](crate::log::EventLog) writes too:
+//! that [`EventLog`](cumem::log::EventLog) writes too:
 //!
 //! ```text
 //! Thread,Time,Action,Pointer,Size,Stream
@@ -27,29 +27,8 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
-use crate::error::{Error, Result};
-
-/// What an event did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Action {
-    /// An allocation that succeeded.
-    Allocate,
-    /// An allocation that failed.
-    AllocateFailure,
-    /// A free.
-    Free,
-}
-
-impl Action {
-    /// The word in the log's `Action` column.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Action::Allocate => "allocate",
-            Action::AllocateFailure => "allocate failure",
-            Action::Free => "free",
-        }
-    }
-}
+pub use cumem::log::Action;
+use cumem::{Error, Result};
 
 /// One line of a trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,7 +70,7 @@ pub enum Op {
 /// # Examples
 /// ```
 /// let csv = "Thread,Time,Action,Pointer,Size,Stream\n0,1,allocate,0x1000,512,0x0\n0,2,free,0x1000,512,0x0\n";
-/// let trace = cumem::trace::parse_str(csv)?;
+/// let trace = cumem_replay::trace::parse_str(csv)?;
 /// assert_eq!((trace.operations(), trace.peak_live), (2, 512));
 /// # Ok::<(), cumem::Error>(())
 /// ```

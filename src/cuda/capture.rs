@@ -28,6 +28,26 @@ use once_cell::sync::OnceCell;
 use super::graph_object::CaptureGraph;
 use super::stream::Stream;
 use crate::error::{Error, Result};
+use crate::sync::{Ordering, StaticAtomicU64};
+
+/// Registered captures under way in the process, on any device (a count,
+/// ordering no other memory): while it is non-zero, page remapping waits
+/// for no device (that would synchronise capturing streams).
+static CAPTURES_UNDER_WAY: StaticAtomicU64 = StaticAtomicU64::new(0);
+
+/// Whether a capture registered with cumem is under way on any device.
+pub(crate) fn captures_under_way() -> bool {
+    CAPTURES_UNDER_WAY.load(Ordering::Relaxed) > 0
+}
+
+/// Counts a registered capture that begins (`true`) or ends (`false`).
+pub(crate) fn count_capture(begins: bool) {
+    if begins {
+        CAPTURES_UNDER_WAY.fetch_add(1, Ordering::Relaxed);
+    } else {
+        CAPTURES_UNDER_WAY.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// Whether `cuStreamGetCaptureInfo_v3` exists in the loaded driver
 /// (CUDA 12.3 and later).
@@ -60,7 +80,7 @@ pub(crate) fn capture_of(stream: &Stream) -> Result<Option<u64>> {
 ///
 /// # Errors
 /// As [`capture_of`].
-pub(super) fn capture_info(stream: &Stream) -> Result<Option<(u64, CaptureGraph)>> {
+pub(crate) fn capture_info(stream: &Stream) -> Result<Option<(u64, CaptureGraph)>> {
     let Some(cuda) = stream.cudarc() else {
         return Ok(stream
             .host_capture()

@@ -12,11 +12,12 @@
 use plotters::prelude::*;
 
 use super::{fresh_default_pool, AddressRange, Target};
-use crate::device::{self, DeviceAllocatorMode, Stream};
-use crate::error::{Error, Result};
-use crate::manager::{BackendChoice, Config, MemoryManager};
-use crate::pool::{Pool, StreamTag, BLOCK_ALIGN};
 use crate::trace::{Op, Trace};
+use cumem::device::{self, DeviceAllocatorMode};
+use cumem::pool::{Pool, StreamTag, BLOCK_ALIGN};
+use cumem::Stream;
+use cumem::{BackendChoice, Config, MemoryManager};
+use cumem::{Error, Result};
 
 /// One line of a panel: `(operation index, bytes)` points.
 ///
@@ -200,7 +201,7 @@ fn plot_err<E: std::fmt::Display>(e: E) -> Error {
 ///
 /// # Examples
 /// ```
-/// use cumem::replay::plot::{render_svg, Panel, Series};
+/// use cumem_replay::replay::plot::{render_svg, Panel, Series};
 /// let p = Panel { trace: "t".into(), series: vec![Series { name: "live (trace)".into(), points: vec![(0, 1 << 20), (1, 0)] }] };
 /// let svg = render_svg(&[p])?;
 /// assert!(svg.starts_with("<svg") && svg.contains("live (trace)"));

@@ -1,0 +1,31 @@
+//! CUDA driver primitives: finding the driver and devices, contexts,
+//! streams, graph captures, virtual memory management, peer access.
+//!
+//! This layer knows nothing of pools: the upstreams build on it, and the
+//! device allocator on those. Everything here goes through `cudarc`'s
+//! driver API, loaded dynamically: building needs no CUDA toolkit, running
+//! needs only the NVIDIA driver.
+
+mod capture;
+mod context;
+mod free_clock;
+mod graph_object;
+mod peer;
+mod stream;
+pub mod vmm;
+
+#[doc(hidden)]
+pub use free_clock::{FreeClock, PENDING};
+
+pub use context::{
+    default_ordinal, device_context, driver_err, driver_status, gpu_for_test, gpus_for_test, DriverStatus,
+};
+pub use peer::{can_access_peer, enable_peer_access, peers_of};
+pub use stream::Stream;
+
+pub(crate) use capture::{capture_info, capture_of, captures_under_way, count_capture, RelaxedCaptureMode};
+pub(crate) use context::set_default_ordinal;
+pub(crate) use graph_object::{next_host_capture_id, tie_to_graph};
+#[doc(hidden)]
+pub use graph_object::{release_payload, run_release, HostGraph, HostGraphExec, ReleaseQueue};
+pub(crate) use peer::{register_mapped, register_pool, unregister_pool, PeerMapped};

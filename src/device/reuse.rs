@@ -1,0 +1,136 @@
+//! Cross-stream reuse: the streams blocks were freed on, and the waits
+//! that order a block's reuse on another stream after its last use.
+
+use std::collections::HashMap;
+
+use cudarc::driver::CudaContext;
+
+use crate::cuda::{capture_of, driver_err, Stream};
+use crate::error::Result;
+use crate::pool::StreamTag;
+use crate::sync::{lock, AtomicU64, Mutex, Ordering};
+
+/// The streams blocks were freed on, by id, so that a block freed on one
+/// stream and reused on another can be ordered after the first stream's
+/// work. Holding the stream keeps it alive while blocks may refer to it.
+#[derive(Default)]
+pub(crate) struct StreamRegistry {
+    streams: Mutex<HashMap<u64, Stream>>,
+    /// Reuses that had to wait for another stream's work (an event wait,
+    /// or the host waiting), and the nanoseconds those waits took to issue.
+    waits: AtomicU64,
+    wait_ns: AtomicU64,
+}
+
+impl StreamRegistry {
+    /// Remembers `stream` (before a block is freed on it).
+    pub(crate) fn register(&self, stream: &Stream) {
+        if stream.is_host() {
+            return;
+        }
+        let me = self as *const StreamRegistry as usize;
+        if stream.registration().load(Ordering::Acquire) == me {
+            return;
+        }
+        lock(&self.streams).entry(stream.id()).or_insert_with(|| stream.clone());
+        stream.registration().store(me, Ordering::Release);
+    }
+
+    /// Makes a block last freed under `tag` safe for work on `user` (or, with
+    /// `None`, for the host and any stream): nothing to do when the free's
+    /// work is known complete or `user` is the freeing stream; otherwise
+    /// `user` waits for the freeing stream's work (an event), or the host
+    /// waits when there is no `user`.
+    ///
+    /// With `captures` set (a graph capture is under way on the device), a
+    /// source stream that captures is never synchronised or waited on from
+    /// outside its capture: that would break the capture, so the reuse is
+    /// refused with [`Error::Capture`](crate::error::Error::Capture) instead.
+    /// With `ask` set (captures cumem was not told of may be under way)
+    /// each source stream is asked whether it captures all the same.
+    pub(crate) fn order_reuse(
+        &self,
+        tag: StreamTag,
+        user: Option<&Stream>,
+        ctx: &CudaContext,
+        captures: bool,
+        ask: bool,
+    ) -> Result<()> {
+        if tag == StreamTag::NONE || user.is_some_and(|u| u.id() == tag.stream) {
+            return Ok(());
+        }
+        let sources: Vec<Stream> = {
+            let map = lock(&self.streams);
+            if tag == StreamTag::MIXED {
+                map.values().filter(|s| !s.all_frees_complete()).cloned().collect()
+            } else {
+                match map.get(&tag.stream) {
+                    Some(s) if s.completed(tag) => return Ok(()),
+                    Some(s) => vec![s.clone()],
+                    None => Vec::new(),
+                }
+            }
+        };
+        if sources.is_empty() && tag != StreamTag::MIXED {
+            if captures {
+                return Err(crate::error::Error::Capture(
+                    "a block freed on a stream cumem never saw can't be reused while a capture is under way".into(),
+                ));
+            }
+            // A stream this registry never saw: wait for the whole device.
+            return ctx.synchronize().map_err(driver_err("cuCtxSynchronize"));
+        }
+        let start = std::time::Instant::now();
+        let mut waited = false;
+        for src in sources.iter().filter(|s| user.is_none_or(|u| u.id() != s.id())) {
+            if (captures || ask) && capture_of(src)?.is_some() {
+                return Err(crate::error::Error::Capture(
+                    "the block's last use is queued on a stream that now captures a graph; synchronize streams \
+                     before beginning a capture"
+                        .into(),
+                ));
+            }
+            waited = true;
+            match user {
+                Some(u) if !u.is_host() => u.wait_for(src)?,
+                _ => src.synchronize()?,
+            }
+        }
+        if waited {
+            self.waits.fetch_add(1, Ordering::Relaxed);
+            self.wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Reuses that waited for another stream's work so far, and the
+    /// nanoseconds issuing those waits took.
+    pub(crate) fn waits(&self) -> (u64, u64) {
+        (self.waits.load(Ordering::Relaxed), self.wait_ns.load(Ordering::Relaxed))
+    }
+
+    /// The streams registered.
+    pub(crate) fn streams(&self) -> Vec<Stream> {
+        lock(&self.streams).values().cloned().collect()
+    }
+
+    /// Forgets every stream (their blocks' tags are cleared or settled).
+    pub(crate) fn clear(&self) {
+        let me = self as *const StreamRegistry as usize;
+        let streams = std::mem::take(&mut *lock(&self.streams));
+        for s in streams.values() {
+            // The next free on the stream registers it here again.
+            let _ = s.registration().compare_exchange(me, 0, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
+    /// Waits for every registered stream (before memory goes back to the
+    /// driver).
+    pub(crate) fn synchronize_all(&self) -> Result<()> {
+        let streams: Vec<Stream> = lock(&self.streams).values().cloned().collect();
+        for s in streams {
+            s.synchronize()?;
+        }
+        Ok(())
+    }
+}

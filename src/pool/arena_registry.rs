@@ -1,0 +1,148 @@
+//! Which thread uses which arena of a set: arenas are claimed by threads
+//! and handed back when the threads exit, so arenas (and the memory they
+//! cache) outlive the threads that grew them.
+//!
+//! # Implementation details
+//!
+//! - **Claim.** A thread's first allocation from a set claims an arena
+//!   (cold path, under the registry's lock): the lowest-numbered arena that
+//!   is made and has no thread (its memory is reused), else the lowest one
+//!   not made yet, else the one with the fewest threads (more threads than
+//!   arenas share). The claim is remembered in a thread-local list keyed by
+//!   the set's id (ids are never reused, so a dropped set's entry can't be
+//!   mistaken for a new one); the hot path reads one cached `(id, arena)`
+//!   pair.
+//! - **Hand-back.** The thread-local list's destructor (or
+//!   [`release_thread_arenas`]) lowers each claimed arena's thread count;
+//!   the next thread to claim finds it free. Nothing else changes hands:
+//!   the arena's pool, its blocks and its chunks stay where they are, and a
+//!   free from any thread still finds the arena through the chunk
+//!   directory, so a free racing with the hand-back needs no care (the
+//!   loom model `arena_handed_back_while_another_thread_frees_into_it`
+//!   checks it).
+//! - **Bound.** A set holds at most its count of arenas (by default the
+//!   processors), however many threads were ever made.
+
+use std::cell::{Cell, RefCell};
+
+use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
+
+/// Set ids (identities only).
+static NEXT_ID: StaticAtomicU64 = StaticAtomicU64::new(1);
+
+/// The threads on each arena of one set.
+#[derive(Debug)]
+pub(super) struct Registry {
+    id: u64,
+    users: Box<[AtomicUsize]>,
+    claims: Mutex<()>,
+}
+
+impl Registry {
+    pub(super) fn new(count: usize) -> Arc<Self> {
+        Arc::new(Registry {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            users: (0..count).map(|_| AtomicUsize::new(0)).collect(),
+            claims: Mutex::new(()),
+        })
+    }
+
+    /// Threads on arena `i` now.
+    pub(super) fn users(&self, i: usize) -> usize {
+        self.users[i].load(Ordering::Acquire)
+    }
+
+    /// The calling thread's arena, claimed on first use; `made(i)` says
+    /// whether arena `i` exists yet.
+    #[inline]
+    pub(super) fn home(this: &Arc<Self>, made: impl Fn(usize) -> bool) -> usize {
+        let hit = HOMES.try_with(|h| (h.last_id.get() == this.id).then(|| h.last_arena.get()));
+        match hit {
+            Ok(Some(i)) => i,
+            Ok(None) => Self::home_slow(this, made),
+            // Thread-locals torn down: share arena 0 without a claim.
+            Err(_) => 0,
+        }
+    }
+
+    #[cold]
+    fn home_slow(this: &Arc<Self>, made: impl Fn(usize) -> bool) -> usize {
+        HOMES
+            .try_with(|h| {
+                let known = h.list.borrow().iter().find(|(r, _)| r.id == this.id).map(|(_, i)| *i);
+                let i = match known {
+                    Some(i) => i,
+                    None => {
+                        let i = this.claim(made);
+                        h.list.borrow_mut().push((this.clone(), i));
+                        i
+                    }
+                };
+                h.last_id.set(this.id);
+                h.last_arena.set(i);
+                i
+            })
+            .unwrap_or(0)
+    }
+
+    /// Claims an arena for a new thread (see the module docs).
+    fn claim(&self, made: impl Fn(usize) -> bool) -> usize {
+        let _g = lock(&self.claims);
+        let free = |i: &usize| self.users[*i].load(Ordering::Acquire) == 0;
+        let n = self.users.len();
+        let i = (0..n)
+            .filter(|i| made(*i))
+            .find(free)
+            .or_else(|| (0..n).find(|i| !made(*i) && free(i)))
+            .unwrap_or_else(|| (0..n).min_by_key(|i| self.users[*i].load(Ordering::Acquire)).unwrap_or(0));
+        self.users[i].fetch_add(1, Ordering::AcqRel);
+        i
+    }
+
+    fn hand_back(&self, i: usize) {
+        self.users[i].fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The arenas the calling thread claimed, one per set.
+struct Homes {
+    last_id: Cell<u64>,
+    last_arena: Cell<usize>,
+    list: RefCell<Vec<(Arc<Registry>, usize)>>,
+}
+
+impl Homes {
+    fn release(&self) {
+        self.last_id.set(0);
+        let list = self.list.try_borrow_mut().map(|mut l| std::mem::take(&mut *l)).unwrap_or_default();
+        for (r, i) in list {
+            r.hand_back(i);
+        }
+    }
+}
+
+impl Drop for Homes {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+#[cfg(not(loom))]
+std::thread_local! {
+    static HOMES: Homes = const { Homes { last_id: Cell::new(0), last_arena: Cell::new(0), list: RefCell::new(Vec::new()) } };
+}
+
+#[cfg(loom)]
+loom::thread_local! {
+    static HOMES: Homes = Homes { last_id: Cell::new(0), last_arena: Cell::new(0), list: RefCell::new(Vec::new()) };
+}
+
+/// Hands the calling thread's arenas (of every set) back, as the thread's
+/// exit does; a later allocation on this thread claims anew.
+///
+/// Threads that stay alive but stop allocating may call it so that new
+/// threads reuse their arenas. (Under loom, where thread-local destructors
+/// can't use loom objects, models call it before a thread ends.)
+pub fn release_thread_arenas() {
+    let _ = HOMES.try_with(Homes::release);
+}

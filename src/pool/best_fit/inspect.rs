@@ -1,0 +1,172 @@
+//! Looking without changing: chunks, statistics, snapshots, and the
+//! invariant check the tests run after every operation.
+
+use super::{BestFit, Chunk, PoolStats, BLOCK_ALIGN, NIL};
+
+impl BestFit {
+    /// Every chunk, in address order.
+    pub fn chunks(&self) -> Vec<Chunk> {
+        self.chunks_by_addr.values().map(|&id| self.chunk_info(id).chunk).collect()
+    }
+
+    /// The largest free block's size (0 if none).
+    pub fn largest_free(&self) -> usize {
+        self.free_index.last().map_or(0, |&(size, _, _)| size)
+    }
+
+    /// The number of free blocks.
+    pub fn free_blocks(&self) -> usize {
+        self.free_index.len()
+    }
+
+    /// The statistics, with the derived fields filled in.
+    pub fn stats(&self) -> PoolStats {
+        let mut s = self.stats.clone();
+        s.largest_free = self.largest_free();
+        s.free_blocks = self.free_index.len();
+        s
+    }
+
+    /// Mutable access to the counters the pool layer keeps (upstream calls,
+    /// retries, peaks).
+    pub fn stats_mut(&mut self) -> &mut PoolStats {
+        &mut self.stats
+    }
+
+    /// The number of chunks.
+    pub fn chunk_count(&self) -> usize {
+        self.chunks_by_addr.len()
+    }
+
+    /// The number of blocks, live and free.
+    pub fn block_count(&self) -> usize {
+        self.live.len() + self.free_index.len()
+    }
+
+    /// Copies every chunk and block, in address order, into `chunks` and
+    /// `blocks` (cleared first) without allocating. Returns `false`, with
+    /// both left empty, when their capacity is too small (see
+    /// [`chunk_count`](Self::chunk_count) and
+    /// [`block_count`](Self::block_count)).
+    pub fn snapshot_into(
+        &self,
+        chunks: &mut Vec<Chunk>,
+        blocks: &mut Vec<crate::pool::snapshot::SnapshotBlock>,
+    ) -> bool {
+        use crate::pool::snapshot::{stream_of, BlockState, SnapshotBlock};
+        chunks.clear();
+        blocks.clear();
+        if chunks.capacity() < self.chunk_count() || blocks.capacity() < self.block_count() {
+            return false;
+        }
+        for (i, &id) in self.chunks_by_addr.values().enumerate() {
+            let info = self.chunk_info(id);
+            chunks.push(info.chunk);
+            let mut slot = info.first;
+            while slot != NIL {
+                let b = &self.blocks[slot as usize];
+                let (state, stream, requested) = match b.free {
+                    true => (BlockState::Free, stream_of(b.tag), 0),
+                    false => (BlockState::Live, 0, b.requested),
+                };
+                blocks.push(SnapshotBlock { addr: b.addr, size: b.size, requested, state, stream, chunk: i });
+                slot = b.next;
+            }
+        }
+        true
+    }
+
+    /// Every live block as `(addr, size, requested)`, in address order.
+    pub fn live_blocks(&self) -> Vec<(usize, usize, usize)> {
+        let mut v: Vec<_> = self
+            .live
+            .values()
+            .map(|&slot| {
+                let b = &self.blocks[slot as usize];
+                (b.addr, b.size, b.requested)
+            })
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Every free block as `(addr, size)`, in address order.
+    pub fn free_list(&self) -> Vec<(usize, usize)> {
+        let mut v: Vec<_> = self.free_index.iter().map(|&(size, addr, _)| (addr, size)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Checks every invariant of the module docs; returns the first broken
+    /// one. Linear in the number of blocks: for tests.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut free_seen = 0usize;
+        let mut live_seen = 0usize;
+        let mut in_use = 0usize;
+        let mut requested = 0usize;
+        let mut reserved = 0usize;
+        for (&addr, &id) in &self.chunks_by_addr {
+            let info = self.chunk_info(id);
+            if info.chunk.addr != addr {
+                return Err(format!("chunk {id} indexed at {addr:#x} starts at {:#x}", info.chunk.addr));
+            }
+            reserved += info.chunk.size;
+            let mut at = info.chunk.addr;
+            let mut slot = info.first;
+            let mut prev = NIL;
+            let mut prev_free = false;
+            while slot != NIL {
+                let b = &self.blocks[slot as usize];
+                if b.addr != at {
+                    return Err(format!("block at {:#x} should start at {at:#x}", b.addr));
+                }
+                if b.prev != prev || b.chunk != id {
+                    return Err(format!("block at {:#x} has broken links", b.addr));
+                }
+                if b.addr % BLOCK_ALIGN != 0 || b.size % BLOCK_ALIGN != 0 || b.size == 0 {
+                    return Err(format!("block at {:#x} ({} B) is misaligned", b.addr, b.size));
+                }
+                if b.free {
+                    if prev_free {
+                        return Err(format!("free block at {:#x} follows a free block", b.addr));
+                    }
+                    if !self.free_index.contains(&(b.size, b.addr, slot)) {
+                        return Err(format!("free block at {:#x} is not indexed", b.addr));
+                    }
+                    free_seen += 1;
+                } else {
+                    if self.live.get(&b.addr) != Some(&slot) {
+                        return Err(format!("used block at {:#x} is not in the live map", b.addr));
+                    }
+                    live_seen += 1;
+                    in_use += b.size;
+                    requested += b.requested;
+                }
+                prev_free = b.free;
+                at += b.size;
+                prev = slot;
+                slot = b.next;
+            }
+            if prev != info.last {
+                return Err(format!("chunk at {addr:#x}: last block link is wrong"));
+            }
+            if at != info.chunk.end() {
+                return Err(format!("chunk at {addr:#x}: blocks end at {at:#x}, chunk at {:#x}", info.chunk.end()));
+            }
+        }
+        if free_seen != self.free_index.len() {
+            return Err(format!("{} indexed free blocks, {free_seen} in chunks", self.free_index.len()));
+        }
+        if live_seen != self.live.len() {
+            return Err(format!("{} live entries, {live_seen} used blocks", self.live.len()));
+        }
+        let s = &self.stats;
+        if s.in_use != in_use || s.requested != requested || s.reserved != reserved || s.live_blocks != live_seen {
+            return Err(format!(
+                "statistics drifted: in_use {} vs {in_use}, requested {} vs {requested}, reserved {} vs {reserved}, live {} vs {live_seen}",
+                s.in_use, s.requested, s.reserved, s.live_blocks
+            ));
+        }
+        Ok(())
+    }
+}
