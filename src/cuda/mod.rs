@@ -25,7 +25,7 @@ pub use stream::Stream;
 
 pub(crate) use capture::{capture_info, capture_of, captures_under_way, count_capture, RelaxedCaptureMode};
 pub(crate) use context::set_default_ordinal;
-pub(crate) use graph_object::{next_host_capture_id, tie_to_graph};
+pub(crate) use graph_object::{next_host_capture_id, tie_to_graph, CaptureGraph};
 #[doc(hidden)]
 pub use graph_object::{release_payload, run_release, HostGraph, HostGraphExec, ReleaseQueue};
 pub(crate) use peer::{register_mapped, register_pool, unregister_pool, PeerMapped};

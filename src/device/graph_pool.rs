@@ -111,6 +111,11 @@ impl DeviceAllocator {
                  MemoryManager::begin_capture, or register it with MemoryManager::capture_into"
             )));
         };
+        if matches!(graph, cuda::CaptureGraph::Unknown) {
+            // Nothing to tie a pool's life to: refuse before any memory
+            // goes into the capture.
+            return cuda::tie_to_graph(&graph, &self.graphs.releases, 0).map(|()| None);
+        }
         let pool = {
             // Legal even while this thread captures in the global mode.
             let _relaxed = RelaxedCaptureMode::enter();
