@@ -589,3 +589,41 @@ fn a_failed_cudarc_capture_releases_its_pool() {
     mm.free_device_on(p, &s).unwrap();
     s.synchronize().unwrap();
 }
+
+#[test]
+fn an_eager_caller_never_gets_a_block_whose_last_use_waits_on_a_capturing_stream() {
+    let Some(ctx) = gpu_for_test("an_eager_caller_never_gets_a_block_whose_last_use_waits_on_a_capturing_stream")
+    else {
+        return;
+    };
+    let _serial = serial();
+    let k = kernels(&ctx);
+    let mm = MemoryManager::new(config()).unwrap();
+    let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let t = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let out = mm.allocate_device(N * 4).unwrap();
+    // Freed on `s` with its work still queued (not synchronised)...
+    let x = mm.allocate_device_on(N * 4, &s).unwrap();
+    fill(&k, &s, x, 1, N);
+    mm.free_device_on(x, &s).unwrap();
+    // ...then `s` begins a capture cumem is not told of.
+    let cs = s.cudarc().unwrap().clone();
+    cs.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    // An eager caller of the same size can't be ordered after `s` (that
+    // would join the capture): it gets another block, and the capture
+    // stays valid.
+    let y = mm.allocate_device_on(N * 4, &t).unwrap();
+    assert_ne!(y, x);
+    fill(&k, &s, out, 2, N);
+    let g = cs.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+    fill(&k, &t, y, 3, N);
+    g.launch().unwrap();
+    s.synchronize().unwrap();
+    t.synchronize().unwrap();
+    assert!(read(y, N).iter().all(|&v| v == 3));
+    assert!(read(out, N).iter().all(|&v| v == 2));
+    mm.free_device_on(y, &t).unwrap();
+    t.synchronize().unwrap();
+    drop(g);
+    mm.free_device(out).unwrap();
+}

@@ -81,6 +81,10 @@ struct AsyncBook {
     stats: AsyncStats,
 }
 
+/// How many blocks an allocation sets aside because their last use is
+/// queued on a capturing stream before it gives up (`Error::Capture`).
+const PARKED_MAX: usize = 8;
+
 /// The allocator of one device (or of the host fallback's stand-in device).
 pub struct DeviceAllocator {
     ordinal: usize,
@@ -296,17 +300,34 @@ impl DeviceAllocator {
             }
             other => other?,
         };
-        if let Some(ctx) = &self.ctx {
-            if let Err(e) =
-                self.streams.order_reuse(a.tag, stream, ctx, self.graphs.active() > 0, self.graphs.watching())
-            {
-                // Could not order the reuse: keep the block out of reach of
-                // this caller and give it back with its tag intact.
-                let _ = self.pool.deallocate(a.addr, a.tag);
-                return Err(e);
+        let Some(ctx) = &self.ctx else { return Ok(a.addr as u64) };
+        // A block whose last use is queued on a stream that captures now
+        // can't be waited for: park it (keep it allocated) and take
+        // another, a few times, then give the parked ones back.
+        let mut a = a;
+        let mut parked = Vec::new();
+        let result = loop {
+            match self.streams.order_reuse(a.tag, stream, ctx, self.graphs.active() > 0, self.graphs.watching()) {
+                Ok(()) => break Ok(a.addr as u64),
+                Err(Error::Capture(_)) if parked.len() < PARKED_MAX => {
+                    parked.push(a);
+                    match self.pool.allocate_for(size, pool::BLOCK_ALIGN, want) {
+                        Ok(next) => a = next,
+                        Err(e) => break Err(e),
+                    }
+                }
+                Err(e) => {
+                    // Could not order the reuse: keep the block out of reach
+                    // of this caller and give it back with its tag intact.
+                    let _ = self.pool.deallocate(a.addr, a.tag);
+                    break Err(e);
+                }
             }
+        };
+        for p in parked {
+            let _ = self.pool.deallocate(p.addr, p.tag);
         }
-        Ok(a.addr as u64)
+        result
     }
 
     /// Allocates with `cuMemAllocAsync` (`capture`: the capture the stream
