@@ -86,9 +86,11 @@ run() {
             for t in "$BIN"/tests/test-multi_gpu "$BIN"/tests/test-gpu_graphs "$BIN"/tests/test-cudarc_interop "$BIN"/tests/test-managed_alloc "$BIN"/tests/test-gpu_remap "$BIN"/tests/test-gpu_arenas "$BIN"/tests/test-staged_copy; do
                 [ -e "$t" ] || continue
                 echo "== compute-sanitizer memcheck $t"
-                # The control that faults on purpose is left out.
+                # The control that faults on purpose is left out, and the
+                # test that breaks a capture on purpose (API errors).
                 if ! timeout 600 compute-sanitizer --tool memcheck --error-exitcode 3 "$t" --test-threads=1 \
-                    --skip gpu_without_peer_access >"$out/memcheck-$(basename "$t").log" 2>&1; then
+                    --skip gpu_without_peer_access --skip a_failed_cudarc_capture_releases_its_pool \
+                    >"$out/memcheck-$(basename "$t").log" 2>&1; then
                     echo "FAILED: memcheck $t"; failed=1
                 fi
                 grep -E "ERROR SUMMARY|test result" "$out/memcheck-$(basename "$t").log" | tail -3
