@@ -125,5 +125,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     drop((graph, pool));
     let after = mm.device_stats(mm.config().device)?.graphs;
     println!("after dropping the graph: {} private pools, {} reserved", after.pools, after.reserved);
+
+    // The same step captured with cudarc's own API: cumem is told nothing,
+    // notices the capture and keeps its memory until the graph is gone.
+    cs.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
+    step.run(&stream, &x, &y)?;
+    let graph = cs.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))?.ok_or("an empty capture")?;
+    for _ in 0..RUNS {
+        graph.launch()?;
+    }
+    stream.synchronize()?;
+    let held = mm.device_stats(mm.config().device)?.graphs;
+    println!(
+        "captured with cudarc: {} private pool(s), {} reserved while the graph lives",
+        held.pools,
+        cumem::manager::human_bytes(held.reserved)
+    );
+    drop(graph);
+    // The driver runs the graph's user-object destructor on a thread of its
+    // own; the next cumem call releases the pool.
+    let start = Instant::now();
+    let mut after = mm.device_stats(mm.config().device)?.graphs;
+    while after.pools > 0 && start.elapsed().as_secs() < 5 {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        after = mm.device_stats(mm.config().device)?.graphs;
+    }
+    println!("after dropping it: {} private pools, {} reserved", after.pools, after.reserved);
     Ok(())
 }
