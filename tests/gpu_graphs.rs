@@ -627,3 +627,41 @@ fn an_eager_caller_never_gets_a_block_whose_last_use_waits_on_a_capturing_stream
     drop(g);
     mm.free_device(out).unwrap();
 }
+
+#[test]
+fn a_stream_that_joins_a_cudarc_capture_uses_its_pool() {
+    let Some(ctx) = gpu_for_test("a_stream_that_joins_a_cudarc_capture_uses_its_pool") else { return };
+    let _serial = serial();
+    let k = kernels(&ctx);
+    let mm = MemoryManager::new(config()).unwrap();
+    let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let t = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let u = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let out = mm.allocate_device(N * 4).unwrap();
+    let (cs, ct) = (s.cudarc().unwrap().clone(), t.cudarc().unwrap().clone());
+    cs.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    let a = mm.allocate_device_on(N * 4, &s).unwrap();
+    fill(&k, &s, a, 5, N);
+    ct.join(&cs).unwrap(); // `t` joins the capture
+    let b = mm.allocate_device_on(N * 4, &t).unwrap();
+    add_copy(&k, &t, b, a, 1, N);
+    add_copy(&k, &t, out, b, 1, N);
+    mm.free_device_on(b, &t).unwrap();
+    mm.free_device_on(a, &t).unwrap();
+    cs.join(&ct).unwrap(); // and rejoins `s`
+    assert_eq!(graph_stats(&mm).pools, 1, "one capture, one private pool, whichever stream asks");
+    let g = cs.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+    for _ in 0..REPLAYS {
+        g.launch().unwrap();
+        let other = mm.allocate_device_on(N * 4, &u).unwrap();
+        assert!(!overlaps((other, N * 4), (a, N * 4)) && !overlaps((other, N * 4), (b, N * 4)));
+        mm.free_device_on(other, &u).unwrap();
+    }
+    s.synchronize().unwrap();
+    assert!(read(out, N).iter().all(|&v| v == 7));
+    drop(g);
+    let st = wait_released(&mm);
+    assert_eq!((st.pools, st.reserved), (0, 0), "{st:?}");
+    u.synchronize().unwrap();
+    mm.free_device(out).unwrap();
+}
