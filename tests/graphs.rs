@@ -466,3 +466,22 @@ fn the_promise_and_the_former_key_parse() {
     assert!(!Config::new().promise_registered_captures, "detection is the default");
     assert!(matches!("capture_check=registered".parse::<Config>(), Err(Error::Config(_))));
 }
+
+#[test]
+fn registering_a_capture_that_already_has_its_own_pool_is_refused() {
+    let _serial = serial();
+    let mm = manager();
+    if !on_host(&mm) {
+        return;
+    }
+    let s = Stream::new().unwrap();
+    host_capture(&s);
+    let tmp = mm.allocate_device_on(MIB, &s).unwrap(); // the implicit pool starts here
+    let pool = mm.graph_pool().unwrap();
+    assert!(matches!(mm.capture_into(&s, &pool), Err(Error::Capture(_))));
+    mm.free_device_on(tmp, &s).unwrap();
+    drop(end_host_capture(&s));
+    assert_eq!(graph_stats(&mm).pools, 1, "only the shared pool is left");
+    drop(pool);
+    assert_eq!(graph_stats(&mm).pools, 0);
+}

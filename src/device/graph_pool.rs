@@ -248,6 +248,13 @@ impl DeviceAllocator {
     pub(crate) fn register_capture(&self, stream: &Stream, pool: &GraphPool<'_>) -> Result<u64> {
         let p = &pool.inner;
         let id = cuda::capture_of(stream)?.ok_or_else(|| Error::Capture("the stream does not capture".into()))?;
+        if self.graphs.routed(id).is_some() {
+            return Err(Error::Capture(
+                "the capture already has a private pool of its own (a cumem call on it came before capture_into); \
+                 register it right after beginning it"
+                    .into(),
+            ));
+        }
         if p.capturing.swap(true, Ordering::AcqRel) {
             return Err(Error::Capture(format!("graph pool {} already has a capture under way", p.id)));
         }
