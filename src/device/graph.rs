@@ -285,6 +285,20 @@ impl Graphs {
     }
 }
 
+impl Drop for Graphs {
+    fn drop(&mut self) {
+        // The manager goes while graphs it gave implicit pools to may still
+        // exist (their destructors have not run): those pools' memory must
+        // never go back, so they are leaked on purpose.
+        let state = std::mem::take(&mut *lock(&self.state));
+        for p in state.pools {
+            if p.implicit && p.handles.load(Ordering::Acquire) > 0 {
+                std::mem::forget(p);
+            }
+        }
+    }
+}
+
 impl PrivatePool {
     pub(super) fn held_bytes(&self) -> usize {
         lock(&self.held).iter().map(Held::size).sum()
