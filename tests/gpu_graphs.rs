@@ -204,8 +204,10 @@ fn the_promise_refuses_an_unregistered_capture_and_keeps_it_intact() {
     assert!(matches!(e, Error::Capture(_)), "{e}");
     // The capture is still valid: record a kernel and replay it.
     fill(&k, &s, out, 7, N);
-    let g = cs.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+    // cumem ends its capture first: cudarc instantiates in this thread's
+    // own capture mode, which the registered capture would forbid.
     drop(registered.end().unwrap());
+    let g = cs.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
     g.launch().unwrap();
     s.synchronize().unwrap();
     assert!(read(out, N).iter().all(|&v| v == 7));
@@ -231,7 +233,10 @@ fn a_dropped_graphs_memory_is_reused_and_stays_with_its_new_owner() {
     for _ in 0..REPLAYS {
         g.launch(&s).unwrap();
     }
-    drop((g, pool)); // waits for the device, gives `before` back
+    // The driver destroys the graph after its replays; the next cumem
+    // call then gives `before` back.
+    drop((g, pool));
+    assert_eq!(wait_released(&mm).pools, 0, "the pool is released once the graph is gone");
     let again = mm.allocate_device_on(N * 4, &t).unwrap();
     assert_eq!(again, before, "best fit hands the returned block out again");
     fill(&k, &t, again, 0xABC, N);
@@ -663,5 +668,46 @@ fn a_stream_that_joins_a_cudarc_capture_uses_its_pool() {
     let st = wait_released(&mm);
     assert_eq!((st.pools, st.reserved), (0, 0), "{st:?}");
     u.synchronize().unwrap();
+    mm.free_device(out).unwrap();
+}
+
+#[test]
+fn releasing_a_shared_pool_never_breaks_a_capture_cumem_is_not_told_of() {
+    let Some(ctx) = gpu_for_test("releasing_a_shared_pool_never_breaks_a_capture_cumem_is_not_told_of") else {
+        return;
+    };
+    let _serial = serial();
+    let k = kernels(&ctx);
+    let mm = MemoryManager::new(config()).unwrap();
+    let s = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let x = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let out = mm.allocate_device(N * 4).unwrap();
+    let pool = mm.graph_pool().unwrap();
+    let cap = mm.begin_capture(&s, &pool).unwrap();
+    let tmp = mm.allocate_device_on(N * 4, &s).unwrap();
+    fill(&k, &s, tmp, 1, N);
+    mm.free_device_on(tmp, &s).unwrap();
+    let g = cap.end().unwrap();
+    g.launch(&s).unwrap();
+    s.synchronize().unwrap();
+    // Another part of the program captures on `x` and never calls cumem in
+    // the capture...
+    let cx = x.cudarc().unwrap().clone();
+    cx.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+    fill(&k, &x, out, 9, N);
+    // ...while the shared pool and its graph go, and cumem is called
+    // eagerly. A device-wide wait here would invalidate the capture.
+    drop((g, pool));
+    for _ in 0..3 {
+        let p = mm.allocate_device_on(N * 4, &s).unwrap();
+        mm.free_device_on(p, &s).unwrap();
+    }
+    let gx = cx.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("the capture is intact");
+    gx.launch().unwrap();
+    x.synchronize().unwrap();
+    assert!(read(out, N).iter().all(|&v| v == 9));
+    s.synchronize().unwrap();
+    assert_eq!(wait_released(&mm).pools, 0, "the pool goes once its graph is gone");
+    drop(gx);
     mm.free_device(out).unwrap();
 }

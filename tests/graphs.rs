@@ -507,3 +507,33 @@ fn a_manager_dropped_before_the_graph_leaves_the_graphs_memory_alone() {
     unsafe { std::ptr::write_bytes(tmp as *mut u8, 0xAB, MIB) };
     drop(graph); // its destructor posts to a queue nobody reads: harmless
 }
+
+#[test]
+fn a_shared_pool_outlives_its_handles_until_the_graphs_captured_into_it_are_gone() {
+    let _serial = serial();
+    let mm = manager();
+    if !on_host(&mm) {
+        return;
+    }
+    let (s, t) = (Stream::new().unwrap(), Stream::new().unwrap());
+    let pool = mm.graph_pool().unwrap();
+    host_capture(&s);
+    let scope = mm.capture_into(&s, &pool).unwrap();
+    let tmp = mm.allocate_device_on(4 * MIB, &s).unwrap();
+    mm.free_device_on(tmp, &s).unwrap();
+    let graph = end_host_capture(&s);
+    drop(scope);
+    let exec = graph.instantiate();
+    // Every handle of the pool is gone; the graph and its executable are
+    // not: the pool's memory stays theirs.
+    drop((pool, graph));
+    for _ in 0..3 {
+        let other = mm.allocate_device_on(4 * MIB, &t).unwrap();
+        assert!(!overlaps((other, 4 * MIB), (tmp, 4 * MIB)), "the executable still writes its scratch");
+        mm.free_device_on(other, &t).unwrap();
+    }
+    assert_eq!(graph_stats(&mm).pools, 1);
+    // The executable's destructor (on another thread) hands it back.
+    std::thread::spawn(move || drop(exec)).join().unwrap();
+    assert_eq!(graph_stats(&mm).pools, 0);
+}

@@ -20,13 +20,20 @@
 //! - **Held blocks.** A block of the device's own pool (or a stream-ordered
 //!   allocation) freed during a capture is used by the captured work, so it
 //!   is not freed: the private pool holds it until it is retired.
-//! - **Retirement.** When the last handle of a private pool goes (the
-//!   [`GraphPool`] and every graph captured into it), the device finishes
-//!   its queued work (`cuCtxSynchronize`, outside any lock, never while a
-//!   capture cumem routes is under way: then it waits for the last one to
-//!   end), frees the held blocks, and gives the private pool's free chunks
-//!   back. Blocks still live in it (a graph's outputs) stay valid; when the
-//!   last of them is freed, the pool retires for good.
+//! - **Retirement.** Every capture routed into a private pool ties the
+//!   pool to the capture's graph with a CUDA user object (graph_object.rs),
+//!   which holds one of the pool's handles. When the last handle goes (the
+//!   [`GraphPool`], every [`CapturedGraph`](crate::CapturedGraph), and the
+//!   driver's destructor of every graph and executable captured into it,
+//!   which runs only after their launches completed), the pool frees its
+//!   held blocks and gives its free chunks back, after waiting for the
+//!   streams that freed its blocks outside a capture. No device-wide wait
+//!   is made: `cuCtxSynchronize` would invalidate any capture under way on
+//!   the device, cumem's or not. Only a capture the driver does not name
+//!   the graph of (drivers before CUDA 12.3) leaves its pool waiting for
+//!   the device instead, never while a capture cumem routes is under way.
+//!   Blocks still live in a retired pool (a graph's outputs) stay valid;
+//!   when the last of them is freed, the pool retires for good.
 //!
 //! Stream order inside a private pool: a block freed during a capture on
 //! stream S and reused on stream T of the same capture gets an event edge
@@ -113,8 +120,12 @@ pub(super) struct PrivatePool {
     pub(super) pool: Pool<Box<dyn Upstream>>,
     /// Streams that freed blocks into `pool` whose tags are still set.
     pub(super) streams: StreamRegistry,
-    /// Handles alive ([`GraphPool`] clones, captured graphs); 0: retired.
+    /// Handles alive ([`GraphPool`] clones, captured graphs, and one per
+    /// graph the driver holds a user object of); 0: retired.
     pub(super) handles: AtomicUsize,
+    /// A capture into the pool could not be tied to its graph (a driver
+    /// that does not name it): its release waits for the whole device.
+    pub(super) untied: AtomicBool,
     /// A capture is routed into the pool now.
     pub(super) capturing: AtomicBool,
     /// Blocks were freed into the pool on a stream outside a capture since
@@ -292,7 +303,7 @@ impl Drop for Graphs {
         // never go back, so they are leaked on purpose.
         let state = std::mem::take(&mut *lock(&self.state));
         for p in state.pools {
-            if p.implicit && p.handles.load(Ordering::Acquire) > 0 {
+            if p.handles.load(Ordering::Acquire) > 0 {
                 std::mem::forget(p);
             }
         }

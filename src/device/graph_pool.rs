@@ -128,6 +128,7 @@ impl DeviceAllocator {
             pool,
             streams: StreamRegistry::default(),
             handles: AtomicUsize::new(1),
+            untied: AtomicBool::new(false),
             capturing: AtomicBool::new(true),
             tagged_outside: AtomicBool::new(false),
             held: Mutex::new(Vec::new()),
@@ -170,7 +171,9 @@ impl DeviceAllocator {
         for id in self.graphs.releases.take() {
             let p = {
                 let mut state = lock(&self.graphs.state);
-                if let Some(i) = state.captures.iter().position(|c| c.pool.id == id) {
+                // An implicit capture ends with its graph; a registered one
+                // (no origin) ended when its scope went.
+                if let Some(i) = state.captures.iter().position(|c| c.pool.id == id && c.origin.is_some()) {
                     state.captures.swap_remove(i);
                     self.graphs.implicit.fetch_sub(1, Ordering::AcqRel);
                     cuda::count_capture(false);
@@ -178,7 +181,9 @@ impl DeviceAllocator {
                 state.pools.iter().find(|p| p.id == id).cloned()
             };
             if let Some(p) = p {
-                p.capturing.store(false, Ordering::Release);
+                if p.implicit {
+                    p.capturing.store(false, Ordering::Release);
+                }
                 if p.handles.fetch_sub(1, Ordering::AcqRel) == 1 {
                     self.retire_graph_pool(p);
                 }
@@ -228,6 +233,7 @@ impl DeviceAllocator {
             pool,
             streams: StreamRegistry::default(),
             handles: AtomicUsize::new(1),
+            untied: AtomicBool::new(false),
             capturing: AtomicBool::new(false),
             tagged_outside: AtomicBool::new(false),
             held: Mutex::new(Vec::new()),
@@ -247,7 +253,8 @@ impl DeviceAllocator {
     /// driver error.
     pub(crate) fn register_capture(&self, stream: &Stream, pool: &GraphPool<'_>) -> Result<u64> {
         let p = &pool.inner;
-        let id = cuda::capture_of(stream)?.ok_or_else(|| Error::Capture("the stream does not capture".into()))?;
+        let (id, graph) =
+            cuda::capture_info(stream)?.ok_or_else(|| Error::Capture("the stream does not capture".into()))?;
         if self.graphs.routed(id).is_some() {
             return Err(Error::Capture(
                 "the capture already has a private pool of its own (a cumem call on it came before capture_into); \
@@ -261,6 +268,16 @@ impl DeviceAllocator {
         if let Err(e) = self.settle_outside_frees(p) {
             p.capturing.store(false, Ordering::Release);
             return Err(e);
+        }
+        // The graph holds a handle of the pool until the driver destroys it
+        // and every executable of it, after their launches.
+        p.handles.fetch_add(1, Ordering::AcqRel);
+        let tied = !matches!(graph, cuda::CaptureGraph::Unknown)
+            && cuda::tie_to_graph(&graph, &self.graphs.releases, p.id).is_ok();
+        if !tied {
+            // Nothing will post the pool: its release waits for the device.
+            p.handles.fetch_sub(1, Ordering::AcqRel);
+            p.untied.store(true, Ordering::Release);
         }
         lock(&self.graphs.state).captures.push(Capture { id, pool: p.clone(), origin: None });
         self.graphs.active.fetch_add(1, Ordering::AcqRel);
@@ -390,33 +407,31 @@ impl DeviceAllocator {
     /// a pool whose blocks are all free is dropped. Does nothing while a
     /// routed capture is under way (the last one to end comes back here).
     pub(super) fn release_retired(&self) -> Result<()> {
-        // Implicit pools: the driver ran their graphs' destructors after
-        // the graphs' work, so they go back at once. Registered pools wait
-        // for the device, which must not be synchronised while a capture
-        // is under way.
-        // (A driver error asking about a capture counts as "under way".)
-        let wait = self.graphs.active() > 0 || self.implicit_capture_under_way().unwrap_or(true);
-        let (implicit, registered): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut lock(&self.graphs.state).retired).into_iter().partition(|p| p.implicit);
-        let mut retired = implicit;
-        if !registered.is_empty() {
-            if wait {
-                lock(&self.graphs.state).retired.extend(registered);
+        // Pools tied to their graphs: the driver ran the graphs' destructors
+        // after the graphs' work, so they go back at once. A pool with a
+        // capture that could not be tied waits for the device, which must
+        // not be synchronised while a capture is under way.
+        let (tied, untied): (Vec<_>, Vec<_>) = std::mem::take(&mut lock(&self.graphs.state).retired)
+            .into_iter()
+            .partition(|p| !p.untied.load(Ordering::Acquire));
+        let mut retired = tied;
+        if !untied.is_empty() {
+            // (A driver error asking about a capture counts as "under way".)
+            let wait = self.graphs.active() > 0 || self.implicit_capture_under_way().unwrap_or(true);
+            let synced = !wait
+                && self.context().is_none_or(|ctx| {
+                    let _relaxed = RelaxedCaptureMode::enter();
+                    ctx.synchronize().is_ok()
+                });
+            if synced {
+                retired.extend(untied);
+            } else {
+                lock(&self.graphs.state).retired.extend(untied);
                 if self.graphs.active() == 0 {
                     // No registered capture will come back here when it
                     // ends: the next call retries.
                     self.graphs.deferred.store(true, Ordering::Release);
                 }
-            } else {
-                if let Some(ctx) = self.context() {
-                    let _relaxed = RelaxedCaptureMode::enter();
-                    if let Err(e) = ctx.synchronize() {
-                        lock(&self.graphs.state).retired.extend(registered);
-                        lock(&self.graphs.state).retired.extend(retired);
-                        return Err(cuda::driver_err("cuCtxSynchronize")(e));
-                    }
-                }
-                retired.extend(registered);
             }
         }
         if retired.is_empty() {
@@ -437,7 +452,7 @@ impl DeviceAllocator {
                     first_err.get_or_insert(e);
                 }
             }
-            if p.implicit && !self.settle_pool_streams(&p, &mut first_err) {
+            if !p.untied.load(Ordering::Acquire) && !self.settle_pool_streams(&p, &mut first_err) {
                 // A stream that freed into the pool captures now: the next
                 // call retries.
                 lock(&self.graphs.state).retired.push(p);

@@ -28,7 +28,7 @@ impl MemoryManager {
     pub fn graph_pool_on(&self, ordinal: usize) -> Result<GraphPool<'_>> {
         self.check_running("a graph pool")?;
         let device = self.device(ordinal)?;
-        let upstream = self.device_upstream(device.context())?;
+        let upstream = Self::make_graph_upstream(device.context(), self.config.expandable)?;
         Ok(device.new_graph_pool(Pool::new(upstream, self.config.graph_pool_config())))
     }
 
@@ -127,7 +127,12 @@ fn check_device(stream: &Stream, pool: &GraphPool<'_>) -> Result<()> {
 /// host fallback, or for an empty capture).
 fn end_capture(stream: &Stream) -> Result<Option<CudaGraph>> {
     match stream.cudarc() {
-        Some(s) => s.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(driver_err("cuStreamEndCapture")),
+        Some(s) => {
+            // Instantiating is legal even while this thread captures
+            // another stream.
+            let _relaxed = RelaxedCaptureMode::enter();
+            s.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(driver_err("cuStreamEndCapture"))
+        }
         None => {
             stream.set_host_capture(None);
             Ok(None)
@@ -207,11 +212,22 @@ impl Drop for GraphCapture<'_> {
 /// A CUDA graph captured with [`MemoryManager::begin_capture`], with the
 /// memory its work uses: the memory stays the graph's (its
 /// [`GraphPool`]'s) until this and every other handle of the pool are
-/// dropped; then the device finishes its queued work and the memory goes
-/// back.
+/// dropped and the driver has destroyed every graph captured into it,
+/// after their launches; the next cumem call on the device then gives the
+/// memory back.
 pub struct CapturedGraph<'a> {
     graph: Option<CudaGraph>,
     pool: GraphPool<'a>,
+}
+
+impl Drop for CapturedGraph<'_> {
+    fn drop(&mut self) {
+        // Destroying the executable is legal even while this thread
+        // captures another stream. Its pool goes when the driver has
+        // destroyed it, after its launches.
+        let _relaxed = RelaxedCaptureMode::enter();
+        drop(self.graph.take());
+    }
 }
 
 impl std::fmt::Debug for CapturedGraph<'_> {

@@ -365,7 +365,7 @@ impl MemoryManager {
         // `graph_pool_on`'s.
         let (graph_ctx, graph_pc) = (ctx.clone(), self.config.graph_pool_config());
         let graph_pools: crate::device::GraphPoolFactory = Box::new(move || {
-            Ok(crate::pool::Pool::new(Self::make_device_upstream(graph_ctx.as_ref(), expandable)?, graph_pc.clone()))
+            Ok(crate::pool::Pool::new(Self::make_graph_upstream(graph_ctx.as_ref(), expandable)?, graph_pc.clone()))
         });
         Ok(DeviceAllocator::new(
             ordinal,
@@ -382,6 +382,16 @@ impl MemoryManager {
     /// without one) takes its chunks.
     fn device_upstream(&self, ctx: Option<&Arc<CudaContext>>) -> Result<Box<dyn Upstream>> {
         Self::make_device_upstream(ctx, self.config.expandable)
+    }
+
+    /// Where a graph-private pool takes its chunks: as a device pool's,
+    /// but giving them back waits for no device (the pool waits for its
+    /// graphs' destructors and its streams first).
+    pub(crate) fn make_graph_upstream(ctx: Option<&Arc<CudaContext>>, expandable: bool) -> Result<Box<dyn Upstream>> {
+        match ctx {
+            Some(ctx) => crate::upstream::graph_upstream(ctx.clone(), expandable),
+            None => Self::make_device_upstream(None, expandable),
+        }
     }
 
     fn make_device_upstream(ctx: Option<&Arc<CudaContext>>, expandable: bool) -> Result<Box<dyn Upstream>> {

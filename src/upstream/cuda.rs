@@ -122,6 +122,16 @@ impl Upstream for CudaPinnedMemory {
     }
 }
 
+/// The upstream of a graph-private pool: as [`device_upstream`], but
+/// giving a chunk back waits for no device (the pool's owner has waited
+/// for the work that used it).
+pub(crate) fn graph_upstream(ctx: Arc<CudaContext>, expandable: bool) -> Result<Box<dyn Upstream>> {
+    if expandable && vmm::vmm_supported(&ctx)? {
+        return Ok(Box::new(super::CudaVmm::new(ctx.ordinal())?.owner_settles()));
+    }
+    Ok(Box::new(CudaDeviceMemory::new(ctx)))
+}
+
 /// The upstream of a device's sync pool: expandable segments on CUDA
 /// virtual memory (one reserved range that grows by mapping) when asked for
 /// and supported, else plain `cuMemAlloc` chunks.

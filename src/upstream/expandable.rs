@@ -260,6 +260,15 @@ impl CudaVmm {
         Ok(CudaVmm { inner: Expandable::new(&VmBackend::Cuda(ordinal), bytes)?, ctx })
     }
 
+    /// The same upstream for a pool whose owner waits for the work that
+    /// used a chunk before giving it back (graph-private pools, released
+    /// after the driver destroyed their graphs): giving chunks back then
+    /// waits for no device, which would invalidate captures under way.
+    pub(crate) fn owner_settles(self) -> Self {
+        lock(&self.inner.region).set_owner_settles();
+        self
+    }
+
     /// The first address of the reserved range.
     pub fn base(&self) -> u64 {
         self.inner.base as u64

@@ -16,7 +16,7 @@ mod host;
 mod host_vm;
 pub(crate) mod region;
 
-pub(crate) use cuda::device_upstream;
+pub(crate) use cuda::{device_upstream, graph_upstream};
 pub use cuda::{CudaDeviceMemory, CudaPinnedMemory};
 pub use expandable::{CudaVmm, HostExpandable};
 pub use geometric::{Geometric, Taken};

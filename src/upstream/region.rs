@@ -163,6 +163,9 @@ pub(crate) struct Region {
     /// that nobody else takes the addresses growth in place needs. Given
     /// back just before the reservation is extended into it.
     guard: Option<Reservation>,
+    /// The owner waits for the work that used a piece before it gives the
+    /// piece back (graph-private pools): no device-wide wait here.
+    owner_settles: bool,
     /// Memory unmapped by page remapping and kept for the next map
     /// (`pages.rs`): `(size, backing)`.
     spare: Vec<(usize, Backing)>,
@@ -198,6 +201,7 @@ impl Region {
             segments: Vec::new(),
             pieces: Vec::new(),
             peers: Vec::new(),
+            owner_settles: false,
             headroom,
             guard: None,
             spare: Vec::new(),
@@ -395,6 +399,9 @@ impl Region {
     }
 
     fn synchronize(&self) -> Result<()> {
+        if self.owner_settles {
+            return Ok(());
+        }
         match &self.space {
             Space::Cuda { ctx, .. } => vmm::synchronize(ctx),
             Space::Host { .. } => Ok(()),
@@ -450,6 +457,12 @@ impl Region {
     }
 
     /// The devices given access besides the owner.
+    /// From now on the owner waits for the work that used a piece before
+    /// giving it back, and unmapping waits for no device.
+    pub(crate) fn set_owner_settles(&mut self) {
+        self.owner_settles = true;
+    }
+
     pub(crate) fn peers(&self) -> &[usize] {
         &self.peers
     }
