@@ -84,6 +84,21 @@ impl FreeClock {
         self.freed.iter().map(|f| f.load(Ordering::Acquire)).collect()
     }
 
+    /// Whether the free numbered `seq` was counted in `seen` (a
+    /// [`seen`](Self::seen) read, or the largest of several).
+    pub fn counted_in(seen: &[u64], seq: u64) -> bool {
+        if seq == PENDING {
+            return false;
+        }
+        let shard = (seq >> COUNT_BITS) as usize;
+        seen.get(shard).is_some_and(|&n| n >= seq & COUNT_MASK)
+    }
+
+    /// Whether every free counted so far was counted in `seen`.
+    pub fn all_counted_in(&self, seen: &[u64]) -> bool {
+        self.freed.iter().zip(seen).all(|(f, &n)| f.load(Ordering::Acquire) <= n)
+    }
+
     /// Records the counts of [`seen`](Self::seen) as complete (after the
     /// host waited for the stream).
     pub fn mark_complete(&self, seen: &[u64]) {

@@ -58,6 +58,10 @@ struct StreamInner {
     /// The "graph" of a host queue's capture begun without telling cumem
     /// (graph_object.rs): what ties its memory's life to the graph.
     host_graph: Mutex<Option<crate::sync::Arc<super::graph_object::HostGraphRefs>>>,
+    /// Per stream this one waited for ([`Stream::wait_for_frees`]): the
+    /// other stream's free counts read before its event was recorded. Work
+    /// queued here since is ordered after every free counted there.
+    waited: Mutex<Vec<(u64, Box<[u64]>)>>,
 }
 
 impl StreamInner {
@@ -71,6 +75,7 @@ impl StreamInner {
             registered_in: AtomicUsize::new(0),
             host_capture: AtomicU64::new(0),
             host_graph: Mutex::new(None),
+            waited: Mutex::new(Vec::new()),
         })
     }
 }
@@ -234,8 +239,70 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// [`wait_for`](Self::wait_for), remembering which of `other`'s frees
+    /// the wait covers: they were counted before the event was recorded,
+    /// so work queued here afterwards runs after them.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub(crate) fn wait_for_frees(&self, other: &Stream) -> Result<()> {
+        let seen = other.inner.frees.seen();
+        self.wait_for(other)?;
+        let mut waited = lock(&self.inner.waited);
+        match waited.iter_mut().find(|(id, _)| *id == other.id()) {
+            Some((_, counts)) => {
+                for (c, n) in counts.iter_mut().zip(&seen) {
+                    *c = (*c).max(*n);
+                }
+            }
+            None => waited.push((other.id(), seen.into_boxed_slice())),
+        }
+        Ok(())
+    }
+
+    /// Whether this stream already waited for `other` after the free
+    /// tagged `tag` (a tag of `other`, or [`StreamTag::MIXED`]: every free
+    /// on `other` so far): work queued here needs no new wait for it.
+    pub(crate) fn waited_for(&self, other: &Stream, tag: StreamTag) -> bool {
+        let waited = lock(&self.inner.waited);
+        let Some((_, counts)) = waited.iter().find(|(id, _)| *id == other.id()) else { return false };
+        if tag.stream == other.id() {
+            FreeClock::counted_in(counts, tag.seq)
+        } else {
+            other.inner.frees.all_counted_in(counts)
+        }
+    }
+}
+
 impl From<Arc<CudaStream>> for Stream {
     fn from(s: Arc<CudaStream>) -> Self {
         Stream::from_cudarc(s)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod wait_tests {
+    use super::Stream;
+    use crate::tag::StreamTag;
+
+    #[test]
+    fn a_wait_covers_the_frees_counted_before_it_and_no_later_one() {
+        let (src, user, other) = (Stream::host(), Stream::host(), Stream::host());
+        let early = src.free_tag();
+        assert!(!user.waited_for(&src, early), "no wait yet");
+        user.wait_for_frees(&src).unwrap();
+        assert!(user.waited_for(&src, early));
+        assert!(user.waited_for(&src, StreamTag::MIXED), "every free so far is covered");
+        assert!(!other.waited_for(&src, early), "another stream did not wait");
+        let late = src.free_tag();
+        assert!(!user.waited_for(&src, late), "freed after the wait");
+        assert!(!user.waited_for(&src, StreamTag::MIXED));
+        // A free on another thread counts on its own shard.
+        let src2 = src.clone();
+        let remote = std::thread::spawn(move || src2.free_tag()).join().unwrap();
+        user.wait_for_frees(&src).unwrap();
+        assert!(user.waited_for(&src, late) && user.waited_for(&src, remote));
+        assert!(!user.waited_for(&src, StreamTag { stream: src.id(), seq: crate::cuda::PENDING }));
     }
 }

@@ -65,6 +65,9 @@ pub struct DeviceStats {
     pub stream_waits: u64,
     /// The nanoseconds spent issuing those waits.
     pub stream_wait_ns: u64,
+    /// Cross-stream reuses that needed no wait because the using stream had
+    /// already waited for a later point of the freeing stream.
+    pub stream_waits_elided: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -506,6 +509,7 @@ impl DeviceAllocator {
             graphs: self.graphs_stats(),
             stream_waits: self.streams.waits().0,
             stream_wait_ns: self.streams.waits().1,
+            stream_waits_elided: self.streams.waits_elided(),
         }
     }
 

@@ -20,6 +20,9 @@ pub(crate) struct StreamRegistry {
     /// or the host waiting), and the nanoseconds those waits took to issue.
     waits: AtomicU64,
     wait_ns: AtomicU64,
+    /// Waits left out: the using stream had already waited for a later
+    /// point of the freeing stream.
+    elided: AtomicU64,
 }
 
 impl StreamRegistry {
@@ -83,6 +86,12 @@ impl StreamRegistry {
         let start = std::time::Instant::now();
         let mut waited = false;
         for src in sources.iter().filter(|s| user.is_none_or(|u| u.id() != s.id())) {
+            // A stream that already waited for a later point of the source
+            // needs no second wait.
+            if user.is_some_and(|u| !u.is_host() && u.waited_for(src, tag)) {
+                self.elided.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             if (captures || ask) && capture_of(src)?.is_some() {
                 return Err(crate::error::Error::Capture(
                     "the block's last use is queued on a stream that now captures a graph; synchronize streams \
@@ -92,7 +101,7 @@ impl StreamRegistry {
             }
             waited = true;
             match user {
-                Some(u) if !u.is_host() => u.wait_for(src)?,
+                Some(u) if !u.is_host() => u.wait_for_frees(src)?,
                 _ => src.synchronize()?,
             }
         }
@@ -107,6 +116,12 @@ impl StreamRegistry {
     /// nanoseconds issuing those waits took.
     pub(crate) fn waits(&self) -> (u64, u64) {
         (self.waits.load(Ordering::Relaxed), self.wait_ns.load(Ordering::Relaxed))
+    }
+
+    /// Waits left out because the using stream had already waited for a
+    /// later point of the freeing stream.
+    pub(crate) fn waits_elided(&self) -> u64 {
+        self.elided.load(Ordering::Relaxed)
     }
 
     /// The streams registered.

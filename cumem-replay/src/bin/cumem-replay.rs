@@ -264,7 +264,7 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
     }
     println!();
     println!(
-        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>7} {:>6} {:>9}",
+        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>7} {:>6} {:>9} {:>7}",
         "trace",
         "target",
         "ops",
@@ -278,11 +278,12 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
         "map/unmap",
         "streams",
         "waits",
-        "wait ns"
+        "wait ns",
+        "elided"
     );
     for r in results {
         println!(
-            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>7} {:>6} {:>9}",
+            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>7} {:>6} {:>9} {:>7}",
             r.trace,
             r.target,
             r.operations,
@@ -301,7 +302,8 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
             },
             r.streams,
             r.stream_waits,
-            r.stream_wait_ns
+            r.stream_wait_ns,
+            r.stream_waits_elided
         );
     }
     // Ratios against the raw driver calls measured in this run.

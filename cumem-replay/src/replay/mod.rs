@@ -154,6 +154,9 @@ pub struct Measurement {
     /// The nanoseconds issuing those waits took (within `elapsed_ns`; 0
     /// where nothing is issued, as in `sim_device`).
     pub stream_wait_ns: u64,
+    /// Cross-stream reuses that needed no wait: the using stream had
+    /// already waited for a later point of the freeing stream.
+    pub stream_waits_elided: u64,
 }
 
 /// A trace replayed several times through one target.
@@ -192,6 +195,8 @@ pub struct ReplayReport {
     pub stream_waits: u64,
     /// The nanoseconds issuing those waits took in the last replay.
     pub stream_wait_ns: u64,
+    /// Cross-stream reuses in the last replay that needed no wait.
+    pub stream_waits_elided: u64,
 }
 
 /// The median of `values` (0 when empty).
@@ -323,6 +328,7 @@ pub fn replay_on(
         streams: streams_used(trace, target, one_stream),
         stream_waits: last.stream_waits,
         stream_wait_ns: last.stream_wait_ns,
+        stream_waits_elided: last.stream_waits_elided,
     })
 }
 
@@ -420,6 +426,7 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool, one_stream: bool) -> 
         .then(|| (stats.pool.map_calls - before.pool.map_calls, stats.pool.unmap_calls - before.pool.unmap_calls));
     let stream_waits = stats.stream_waits - before.stream_waits;
     let stream_wait_ns = stats.stream_wait_ns - before.stream_wait_ns;
+    let stream_waits_elided = stats.stream_waits_elided - before.stream_waits_elided;
     let (peak_live, peak_reserved) = match mode {
         // Physical memory: the mapped pages.
         DeviceAllocatorMode::SyncPool => (stats.pool.peak_requested, Some(stats.pool.peak_mapped)),
@@ -444,6 +451,7 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool, one_stream: bool) -> 
         unmap_calls: calls.map(|c| c.1),
         stream_waits,
         stream_wait_ns,
+        stream_waits_elided,
     })
 }
 

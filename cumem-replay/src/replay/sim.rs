@@ -302,6 +302,7 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_s
         unmap_calls: Some(after.unmaps - before.unmaps),
         stream_waits,
         stream_wait_ns: 0,
+        stream_waits_elided: 0,
     })
 }
 
