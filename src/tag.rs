@@ -41,6 +41,28 @@ impl StreamTag {
     }
 }
 
+/// Whether the queued work a tag names is known complete (a host
+/// synchronisation saw it). A pool asks it when it merges free blocks freed
+/// on different streams: a finished stream's tag is dropped from the merge
+/// instead of making the block [`StreamTag::MIXED`]. It must make no driver
+/// call and not block for long: it runs under the pool's lock.
+pub type TagOracle = std::sync::Arc<dyn Fn(StreamTag) -> bool + Send + Sync>;
+
+/// [`StreamTag::merge`], asking `done` first when the merge would lose
+/// order (two streams, or one stream's numbers from different threads):
+/// a tag whose work is known complete counts as [`StreamTag::NONE`].
+pub fn merge_settled(a: StreamTag, b: StreamTag, done: Option<&TagOracle>) -> StreamTag {
+    let m = a.merge(b);
+    match done {
+        Some(done) if m == StreamTag::MIXED || (m.seq == u64::MAX && m != a && m != b) => {
+            let a = if done(a) { StreamTag::NONE } else { a };
+            let b = if done(b) { StreamTag::NONE } else { b };
+            a.merge(b)
+        }
+        _ => m,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::StreamTag;
@@ -61,5 +83,26 @@ mod tests {
         // Numbers counted by different shards don't compare.
         let other_shard = StreamTag { stream: 1, seq: 1 << 48 | 2 };
         assert_eq!(a5.merge(other_shard), StreamTag { stream: 1, seq: u64::MAX });
+    }
+
+    #[test]
+    fn a_finished_streams_tag_leaves_the_merge() {
+        use super::{merge_settled, TagOracle};
+        let a1 = StreamTag { stream: 1, seq: 1 };
+        let b2 = StreamTag { stream: 2, seq: 2 };
+        let b_done: TagOracle = std::sync::Arc::new(|t: StreamTag| t.stream == 2);
+        let none_done: TagOracle = std::sync::Arc::new(|_| false);
+        assert_eq!(merge_settled(a1, b2, Some(&b_done)), a1);
+        assert_eq!(merge_settled(b2, a1, Some(&b_done)), a1);
+        assert_eq!(merge_settled(a1, b2, Some(&none_done)), StreamTag::MIXED);
+        assert_eq!(merge_settled(a1, b2, None), StreamTag::MIXED);
+        // Same stream, different threads' numbers: the finished one leaves.
+        let other_shard = StreamTag { stream: 1, seq: 1 << 48 | 2 };
+        let low_done: TagOracle = std::sync::Arc::new(|t: StreamTag| t.seq == 1);
+        assert_eq!(merge_settled(a1, other_shard, Some(&low_done)), other_shard);
+        // A merge that keeps order never asks.
+        let panics: TagOracle = std::sync::Arc::new(|_| panic!("asked"));
+        assert_eq!(merge_settled(a1, StreamTag { stream: 1, seq: 5 }, Some(&panics)).seq, 5);
+        assert_eq!(merge_settled(a1, StreamTag::NONE, Some(&panics)), a1);
     }
 }

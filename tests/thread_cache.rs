@@ -334,3 +334,30 @@ fn a_miss_may_take_a_slightly_larger_block_which_returns_to_its_own_bin() {
     p.deallocate(d.addr, StreamTag::NONE).unwrap();
     assert_eq!(p.allocate(256, 256).unwrap().size, 256);
 }
+
+#[test]
+fn a_finished_streams_tag_leaves_a_merge_when_the_pool_can_ask() {
+    // Two neighbours freed on different streams, the first stream's work
+    // known complete: the merged block carries only the second's tag.
+    let old = StreamTag { stream: 7, seq: 3 };
+    let new = StreamTag { stream: 9, seq: 1 };
+    for oracle in [false, true] {
+        let p = pool(false);
+        if oracle {
+            p.set_tag_oracle(Arc::new(move |t: StreamTag| t.stream == old.stream));
+        }
+        let a = p.allocate(1 << 20, 256).unwrap();
+        let b = p.allocate(1 << 20, 256).unwrap();
+        let keep = p.allocate(1 << 20, 256).unwrap();
+        assert_eq!(b.addr, a.addr + a.size, "neighbours");
+        p.deallocate(a.addr, old).unwrap();
+        p.deallocate(b.addr, new).unwrap();
+        let m = p.allocate(2 << 20, 256).unwrap();
+        assert_eq!(m.addr, a.addr, "the merged block");
+        let want = if oracle { new } else { StreamTag::MIXED };
+        assert_eq!(m.tag, want, "oracle {oracle}");
+        p.deallocate(m.addr, StreamTag::NONE).unwrap();
+        p.deallocate(keep.addr, StreamTag::NONE).unwrap();
+        check(&p);
+    }
+}

@@ -324,9 +324,18 @@ fn fresh_table(backend: BackendChoice, gpu: bool) {
             (a.upstream_calls(), a.chunks_moved())
         };
         let row = fresh_row(&d, &counts);
-        let s = d.mm.device_stats(0).expect("device stats").pool;
+        let ds = d.mm.device_stats(0).expect("device stats");
+        let s = ds.pool;
         let name = if per_thread { "device, a stream per thread" } else { "device, one shared stream" };
-        print_fresh(name, &row, &ratio(s.mapped, s.peak_in_use));
+        let after = format!(
+            "{}; stream waits {} ({:.1} ms), elided {}; maps {}",
+            ratio(s.mapped, s.peak_in_use),
+            ds.stream_waits,
+            ds.stream_wait_ns as f64 / 1e6,
+            ds.stream_waits_elided,
+            s.map_calls
+        );
+        print_fresh(name, &row, &after);
     }
     let p = Pinned(MemoryManager::new(Config::new().backend(backend)).expect("a manager"));
     let counts = || (p.0.pinned_pool().upstream_calls(), p.0.pinned_pool().chunks_moved());

@@ -196,6 +196,11 @@ impl Stream {
         self.inner.id == other.inner.id
     }
 
+    /// How many handles (clones) of this stream exist.
+    pub(crate) fn handles(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
     /// A fresh tag for a block freed on this stream now.
     pub(crate) fn free_tag(&self) -> StreamTag {
         StreamTag { stream: self.inner.id, seq: self.inner.frees.tick() }
@@ -239,6 +244,9 @@ impl Stream {
     }
 }
 
+/// Waits a stream remembers (per other stream) for leaving out later ones.
+const WAITED_KEPT: usize = 16;
+
 impl Stream {
     /// [`wait_for`](Self::wait_for), remembering which of `other`'s frees
     /// the wait covers: they were counted before the event was recorded,
@@ -256,7 +264,14 @@ impl Stream {
                     *c = (*c).max(*n);
                 }
             }
-            None => waited.push((other.id(), seen.into_boxed_slice())),
+            None => {
+                // Forgetting a wait only costs a later wait: keep the
+                // newest few (threads that come and go leave streams).
+                if waited.len() >= WAITED_KEPT {
+                    waited.remove(0);
+                }
+                waited.push((other.id(), seen.into_boxed_slice()))
+            }
         }
         Ok(())
     }

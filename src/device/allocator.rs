@@ -106,7 +106,7 @@ pub struct DeviceAllocator {
     /// How many stream-ordered allocations are live: frees skip the book's
     /// lock while it is 0 (the sync pool's frees, most of the time).
     async_live: AtomicUsize,
-    streams: StreamRegistry,
+    streams: Arc<StreamRegistry>,
     /// Graph-private pools and the captures routed into them (graph.rs).
     pub(super) graphs: Graphs,
 }
@@ -152,9 +152,15 @@ impl DeviceAllocator {
             internal_stream: OnceCell::new(),
             async_book: Mutex::new(AsyncBook::default()),
             async_live: AtomicUsize::new(0),
-            streams: StreamRegistry::default(),
+            streams: Arc::new(StreamRegistry::default()),
             graphs: Graphs::new(!promise_registered_captures, make_graph_pool),
         };
+        // A block merged from blocks freed on a stream whose work is known
+        // complete and one freed on another stream keeps only the latter's
+        // tag (a thread that takes over an arena otherwise makes MIXED
+        // blocks that wait for every stream).
+        let streams = a.streams.clone();
+        a.pool.set_tag_oracle(Arc::new(move |t| streams.completed(t)));
         a.set_mode(mode);
         a
     }

@@ -1,7 +1,7 @@
 //! Cross-stream reuse: the streams blocks were freed on, and the waits
 //! that order a block's reuse on another stream after its last use.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use cudarc::driver::CudaContext;
 
@@ -15,7 +15,7 @@ use crate::sync::{lock, AtomicU64, Mutex, Ordering};
 /// work. Holding the stream keeps it alive while blocks may refer to it.
 #[derive(Default)]
 pub(crate) struct StreamRegistry {
-    streams: Mutex<HashMap<u64, Stream>>,
+    streams: Mutex<Known>,
     /// Reuses that had to wait for another stream's work (an event wait,
     /// or the host waiting), and the nanoseconds those waits took to issue.
     waits: AtomicU64,
@@ -25,8 +25,40 @@ pub(crate) struct StreamRegistry {
     elided: AtomicU64,
 }
 
+/// The streams a registry knows.
+#[derive(Default)]
+struct Known {
+    live: HashMap<u64, Stream>,
+    /// Streams let go: nothing but the registry held them and every free
+    /// on them was known complete, so a block tagged with one needs no
+    /// wait (and no stream to wait on).
+    retired: HashSet<u64>,
+    /// Look for streams to let go when `live` reaches this many.
+    prune_at: usize,
+}
+
+/// Streams kept before the first look for ones to let go.
+const PRUNE_FIRST: usize = 32;
+
+impl Known {
+    /// Moves the streams nobody else holds and whose frees are all
+    /// complete to `retired`; returns them, to be dropped (a driver call)
+    /// after the lock.
+    fn prune(&mut self) -> Vec<Stream> {
+        let done: Vec<u64> =
+            self.live.iter().filter(|(_, s)| s.handles() == 1 && s.all_frees_complete()).map(|(&id, _)| id).collect();
+        let gone = done.iter().filter_map(|id| self.live.remove(id)).collect();
+        self.retired.extend(done);
+        self.prune_at = (self.live.len() * 2).max(PRUNE_FIRST);
+        gone
+    }
+}
+
 impl StreamRegistry {
-    /// Remembers `stream` (before a block is freed on it).
+    /// Remembers `stream` (before a block is freed on it). Streams that
+    /// threads made and dropped are let go here once their frees are known
+    /// complete, so a program whose threads come and go with streams of
+    /// their own keeps neither the streams nor the cost of scanning them.
     pub(crate) fn register(&self, stream: &Stream) {
         if stream.is_host() {
             return;
@@ -35,8 +67,31 @@ impl StreamRegistry {
         if stream.registration().load(Ordering::Acquire) == me {
             return;
         }
-        lock(&self.streams).entry(stream.id()).or_insert_with(|| stream.clone());
+        let gone = {
+            let mut known = lock(&self.streams);
+            known.live.entry(stream.id()).or_insert_with(|| stream.clone());
+            if known.live.len() >= known.prune_at.max(PRUNE_FIRST) {
+                known.prune()
+            } else {
+                Vec::new()
+            }
+        };
         stream.registration().store(me, Ordering::Release);
+        drop(gone);
+    }
+
+    /// Whether the work of the free tagged `tag` is known complete (for
+    /// [`TagOracle`](crate::tag::TagOracle): one look-up under the
+    /// registry's lock, no driver call).
+    pub(crate) fn completed(&self, tag: StreamTag) -> bool {
+        if tag == StreamTag::NONE {
+            return true;
+        }
+        if tag == StreamTag::MIXED {
+            return false;
+        }
+        let known = lock(&self.streams);
+        known.retired.contains(&tag.stream) || known.live.get(&tag.stream).is_some_and(|s| s.completed(tag))
     }
 
     /// Makes a block last freed under `tag` safe for work on `user` (or, with
@@ -63,11 +118,13 @@ impl StreamRegistry {
             return Ok(());
         }
         let sources: Vec<Stream> = {
-            let map = lock(&self.streams);
+            let known = lock(&self.streams);
             if tag == StreamTag::MIXED {
-                map.values().filter(|s| !s.all_frees_complete()).cloned().collect()
+                known.live.values().filter(|s| !s.all_frees_complete()).cloned().collect()
+            } else if known.retired.contains(&tag.stream) {
+                return Ok(());
             } else {
-                match map.get(&tag.stream) {
+                match known.live.get(&tag.stream) {
                     Some(s) if s.completed(tag) => return Ok(()),
                     Some(s) => vec![s.clone()],
                     None => Vec::new(),
@@ -126,13 +183,13 @@ impl StreamRegistry {
 
     /// The streams registered.
     pub(crate) fn streams(&self) -> Vec<Stream> {
-        lock(&self.streams).values().cloned().collect()
+        lock(&self.streams).live.values().cloned().collect()
     }
 
     /// Forgets every stream (their blocks' tags are cleared or settled).
     pub(crate) fn clear(&self) {
         let me = self as *const StreamRegistry as usize;
-        let streams = std::mem::take(&mut *lock(&self.streams));
+        let streams = std::mem::take(&mut lock(&self.streams).live);
         for s in streams.values() {
             // The next free on the stream registers it here again.
             let _ = s.registration().compare_exchange(me, 0, Ordering::AcqRel, Ordering::Acquire);
@@ -142,7 +199,7 @@ impl StreamRegistry {
     /// Waits for every registered stream (before memory goes back to the
     /// driver).
     pub(crate) fn synchronize_all(&self) -> Result<()> {
-        let streams: Vec<Stream> = lock(&self.streams).values().cloned().collect();
+        let streams: Vec<Stream> = lock(&self.streams).live.values().cloned().collect();
         for s in streams {
             s.synchronize()?;
         }

@@ -92,6 +92,9 @@ pub struct Arenas {
     made: AtomicUsize,
     /// Which threads use which arena.
     registry: Arc<Registry>,
+    /// What merges of blocks freed on different streams ask, in every
+    /// arena (see [`Pool::set_tag_oracle`]).
+    oracle: once_cell::sync::OnceCell<crate::tag::TagOracle>,
 }
 
 impl std::fmt::Debug for Arenas {
@@ -116,11 +119,30 @@ impl Arenas {
         // A new cell is empty, so this always sets it.
         let _ = arenas[0].init(|| Ok::<_, ()>(pool));
         let registry = Registry::new(count);
-        Arenas { arenas, make, config, base: AtomicUsize::new(NO_BASE), shared, made: AtomicUsize::new(1), registry }
+        Arenas {
+            arenas,
+            make,
+            config,
+            base: AtomicUsize::new(NO_BASE),
+            shared,
+            made: AtomicUsize::new(1),
+            registry,
+            oracle: once_cell::sync::OnceCell::new(),
+        }
     }
 
     fn track(inner: Box<dyn Upstream>, shared: &Arc<Shared>, index: usize) -> Box<dyn Upstream> {
         Box::new(Tracked { inner, shared: shared.clone(), index })
+    }
+
+    /// Sets what every arena (made now or later) asks when blocks freed on
+    /// different streams merge ([`Pool::set_tag_oracle`]). Only the first
+    /// call has an effect.
+    pub fn set_tag_oracle(&self, oracle: crate::tag::TagOracle) {
+        if self.oracle.set(oracle).is_ok() {
+            let o = self.oracle.get().expect("just set");
+            self.pools().for_each(|(_, p)| p.set_tag_oracle(o.clone()));
+        }
     }
 
     /// How many arenas the set may hold.
@@ -213,6 +235,9 @@ impl Arenas {
         let (Some(make), false) = (&self.make, self.primary().is_shut_down()) else { return self.primary() };
         let made = arena.get_or_init(|| {
             let pool = make().map(|u| Pool::new(Self::track(u, &self.shared, i), self.config.clone()));
+            if let (Ok(p), Some(o)) = (&pool, self.oracle.get()) {
+                p.set_tag_oracle(o.clone());
+            }
             if pool.is_ok() {
                 self.made.fetch_add(1, Ordering::AcqRel);
             }

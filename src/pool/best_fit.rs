@@ -45,6 +45,7 @@ use super::free_index::FreeIndex;
 
 use super::stats::PoolStats;
 use super::{StreamTag, BLOCK_ALIGN};
+use crate::tag::{merge_settled, TagOracle};
 use crate::upstream::Chunk;
 
 const NIL: u32 = u32::MAX;
@@ -119,6 +120,18 @@ pub struct BestFit {
     free_index: FreeIndex,
     live: hashbrown::HashMap<usize, u32>,
     stats: PoolStats,
+    /// Asked when blocks freed on different streams merge.
+    oracle: Oracle,
+}
+
+/// [`TagOracle`], printable.
+#[derive(Default, Clone)]
+struct Oracle(Option<TagOracle>);
+
+impl std::fmt::Debug for Oracle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Oracle(set)" } else { "Oracle(none)" })
+    }
 }
 
 /// Rounds `size` up to a multiple of [`BLOCK_ALIGN`], or `None` on overflow.
@@ -306,6 +319,12 @@ impl BestFit {
         tail
     }
 
+    /// Sets what merges of blocks freed on different streams ask (see
+    /// [`TagOracle`]).
+    pub fn set_tag_oracle(&mut self, oracle: TagOracle) {
+        self.oracle = Oracle(Some(oracle));
+    }
+
     /// Forgets which streams' queued work may still use the free blocks:
     /// every free block gets [`StreamTag::NONE`]. For a caller that knows
     /// that work is complete or otherwise ordered (a graph-private pool at
@@ -363,10 +382,11 @@ impl BestFit {
     fn absorb_next(&mut self, slot: u32) {
         let next = self.blocks[slot as usize].next;
         let n = self.blocks[next as usize].clone();
+        let tag = merge_settled(self.blocks[slot as usize].tag, n.tag, self.oracle.0.as_ref());
         let b = &mut self.blocks[slot as usize];
         b.size += n.size;
         b.next = n.next;
-        b.tag = b.tag.merge(n.tag);
+        b.tag = tag;
         if n.next != NIL {
             self.blocks[n.next as usize].prev = slot;
         } else {

@@ -207,6 +207,14 @@ impl<U: Upstream> Pool<U> {
         Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock: Mutex::new(()) }
     }
 
+    /// Sets what the pool asks when blocks freed on different streams
+    /// merge (see [`TagOracle`](crate::tag::TagOracle)): without it such a
+    /// block is [`StreamTag::MIXED`] and its reuse on a stream waits for
+    /// every stream with work pending.
+    pub fn set_tag_oracle(&self, oracle: crate::tag::TagOracle) {
+        self.inner.lock().fit.set_tag_oracle(oracle);
+    }
+
     /// Whether the pool remaps pages (`pages.rs`): expandable, over an
     /// upstream that can remap, and not `keep_chunks`.
     pub fn remaps(&self) -> bool {
