@@ -112,6 +112,36 @@ fn an_arena_out_of_memory_takes_the_others_free_memory() {
     mm.pinned_pool().check_invariants().unwrap();
 }
 
+/// An arena with no free memory borrows a block from another arena's free
+/// memory when no arena has a wholly free chunk to give: no upstream call.
+/// The block stays the lender's: its free goes back there.
+#[test]
+fn an_arena_borrows_a_busy_arenas_free_memory_instead_of_growing() {
+    let mm = host(Config::new().arenas(4).pinned_thread_cache(false));
+    // Arena 0 (this thread): one chunk with a live block and free room.
+    let room = mm.allocate_pinned(16 * MIB).unwrap();
+    mm.free_pinned(room.as_ptr()).unwrap();
+    let keep = mm.allocate_pinned(MIB).unwrap();
+    assert_eq!(mm.pinned_pool().primary().stats().chunks, 1);
+    let calls = mm.pinned_pool().upstream_calls();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // A new arena (this thread still holds arena 0): empty, and no
+            // arena has a wholly free chunk.
+            let b = mm.allocate_pinned(4 * MIB).unwrap();
+            assert_eq!(mm.pinned_pool().made(), 2);
+            assert_eq!(mm.pinned_pool().chunks_moved(), 0);
+            assert_eq!(mm.pinned_pool().blocks_lent(), 1);
+            assert_eq!(mm.pinned_pool().upstream_calls(), calls, "no upstream call");
+            mm.free_pinned(b.as_ptr()).unwrap();
+        });
+    });
+    let s = mm.pinned_pool().primary().stats();
+    assert_eq!((s.in_use, s.live_blocks), (MIB, 1), "the borrowed block went back to arena 0");
+    mm.free_pinned(keep.as_ptr()).unwrap();
+    mm.pinned_pool().check_invariants().unwrap();
+}
+
 /// Pinned growth is geometric: 1 GiB in the peers' sizes (uniform up to
 /// 4 MiB) takes few upstream calls, where 2-4 MiB chunks took hundreds.
 #[test]

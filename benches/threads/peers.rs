@@ -341,7 +341,9 @@ fn fresh_table(backend: BackendChoice, gpu: bool) {
     let counts = || (p.0.pinned_pool().upstream_calls(), p.0.pinned_pool().chunks_moved());
     let row = fresh_row(&p, &counts);
     let s = p.0.pinned_stats();
-    print_fresh("pinned", &row, &ratio(s.reserved, s.peak_in_use));
+    let after =
+        format!("{}; blocks lent between arenas {}", ratio(s.reserved, s.peak_in_use), p.0.pinned_pool().blocks_lent());
+    print_fresh("pinned", &row, &after);
 }
 
 /// Grows a fresh pinned pool to 10 GiB in these sizes from one thread.

@@ -156,6 +156,8 @@ pub(super) struct Shared {
     moved: AtomicU64,
     /// Calls that reached the arenas' own upstreams (and succeeded).
     calls: AtomicU64,
+    /// Blocks an arena lent from its free memory to another arena's thread.
+    lent: AtomicU64,
     /// The set's pools (a boxed slice that never moves). Set once, before
     /// any arena is made; read only while an allocation from the set runs.
     pools: *const ArenaPools,
@@ -177,6 +179,7 @@ impl Shared {
             total: Total { bytes: AtomicUsize::new(0), limit, kind },
             moved: AtomicU64::new(0),
             calls: AtomicU64::new(0),
+            lent: AtomicU64::new(0),
             pools: pools as *const ArenaPools,
         })
     }
@@ -191,6 +194,35 @@ impl Shared {
 
     fn count_call(&self) {
         self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Blocks one arena lent another out of its own free memory.
+    pub(super) fn lent(&self) -> u64 {
+        self.lent.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn count_lent(&self) {
+        self.lent.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Takes a wholly free chunk of at least `size` bytes from an arena
+    /// other than `taker`, recorded in the directory as `taker`'s (see the
+    /// module docs).
+    ///
+    /// # Safety
+    /// The set that owns the pools must be alive: call it only while an
+    /// allocation from the set runs (it borrows the set).
+    pub(super) unsafe fn take_free_chunk(&self, taker: usize, size: usize) -> Option<Chunk> {
+        // SAFETY: the caller borrows the set, which owns the boxed slice
+        // `pools` points at.
+        let pools = unsafe { &*self.pools };
+        let others = pools.iter().enumerate().filter(|(i, _)| *i != taker);
+        let c = others.filter_map(|(_, cell)| cell.get()).find_map(|p| p.give_free_chunk(size))?;
+        // Recorded before the taker's pool holds it, so every block it
+        // hands out is found here.
+        self.directory.insert(c.addr, c.end(), taker);
+        self.moved.fetch_add(1, Ordering::Relaxed);
+        Some(c)
     }
 }
 
@@ -223,14 +255,7 @@ impl Tracked {
         }
         // SAFETY: as in `release_others`: this runs inside an allocation
         // from the set, which borrows the set that owns the pools.
-        let pools = unsafe { &*self.shared.pools };
-        let others = pools.iter().enumerate().filter(|(i, _)| *i != self.index);
-        let c = others.filter_map(|(_, cell)| cell.get()).find_map(|p| p.give_free_chunk(size))?;
-        // Recorded before the taker's pool holds it, so every block it
-        // hands out is found here.
-        self.shared.directory.insert(c.addr, c.end(), self.index);
-        self.shared.moved.fetch_add(1, Ordering::Relaxed);
-        Some(c)
+        unsafe { self.shared.take_free_chunk(self.index, size) }
     }
 
     /// Books `size` bytes against the limit, obtains a chunk with `get`

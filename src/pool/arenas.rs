@@ -191,6 +191,12 @@ impl Arenas {
         self.registry.users(i)
     }
 
+    /// Blocks an arena lent out of its free memory to another arena's
+    /// thread (no upstream call) so far.
+    pub fn blocks_lent(&self) -> u64 {
+        self.shared.lent()
+    }
+
     /// Chunks taken by one arena from another (no upstream call) so far.
     pub fn chunks_moved(&self) -> u64 {
         self.shared.moved()
@@ -217,22 +223,22 @@ impl Arenas {
         slot.wrapping_sub(base) & (n - 1)
     }
 
-    /// The calling thread's arena, made on first use (arena 0 when it
-    /// can't be made).
+    /// The calling thread's arena and its index, made on first use (arena
+    /// 0 when it can't be made).
     #[inline]
-    fn home_pool(&self) -> &Pool<Box<dyn Upstream>> {
+    fn home_arena(&self) -> (usize, &Pool<Box<dyn Upstream>>) {
         let i = self.home();
         match self.arenas[i].get() {
-            Some(p) => p,
+            Some(p) => (i, p),
             None => self.make_arena(i),
         }
     }
 
     /// Makes arena `i` (arena 0 when it can't be made).
     #[cold]
-    fn make_arena(&self, i: usize) -> &Pool<Box<dyn Upstream>> {
+    fn make_arena(&self, i: usize) -> (usize, &Pool<Box<dyn Upstream>>) {
         let arena = &self.arenas[i];
-        let (Some(make), false) = (&self.make, self.primary().is_shut_down()) else { return self.primary() };
+        let (Some(make), false) = (&self.make, self.primary().is_shut_down()) else { return (0, self.primary()) };
         let made = arena.get_or_init(|| {
             let pool = make().map(|u| Pool::new(Self::track(u, &self.shared, i), self.config.clone()));
             if let (Ok(p), Some(o)) = (&pool, self.oracle.get()) {
@@ -243,7 +249,10 @@ impl Arenas {
             }
             pool
         });
-        made.unwrap_or_else(|_| self.primary())
+        match made {
+            Ok(p) => (i, p),
+            Err(_) => (0, self.primary()),
+        }
     }
 
     /// [`Pool::allocate`] from the calling thread's arena.
@@ -262,10 +271,60 @@ impl Arenas {
     /// As [`Pool::allocate_for`].
     #[inline]
     pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
-        // Out of memory, the arena's upstream takes the other arenas' free
-        // memory first (arena_upstream.rs): the result needs no second
-        // look here.
-        self.home_pool().allocate_for(size, align, stream)
+        let (i, home) = self.home_arena();
+        // Memory moves between arenas only where chunks are whole
+        // allocations (not page remapping, not kept for graphs, not one
+        // growing reservation).
+        if self.made.load(Ordering::Acquire) == 1 || home.remaps() || self.config.keep_chunks {
+            // Out of memory, the arena's upstream takes the other arenas'
+            // free memory first (arena_upstream.rs): the result needs no
+            // second look here.
+            return home.allocate_for(size, align, stream);
+        }
+        match home.allocate_within(size, align, stream)? {
+            Some(a) => Ok(a),
+            None => self.allocate_elsewhere(i, home, size, align, stream),
+        }
+    }
+
+    /// The calling thread's arena `i` (`home`) has no free block for the
+    /// request. Before any upstream call: a wholly free chunk of another
+    /// arena moves to `home`; failing that, another arena lends a block of
+    /// its free memory (it stays that arena's, and its free goes back
+    /// there past every thread cache). Only then does `home` grow.
+    #[cold]
+    fn allocate_elsewhere(
+        &self,
+        i: usize,
+        home: &Pool<Box<dyn Upstream>>,
+        size: usize,
+        align: usize,
+        stream: u64,
+    ) -> Result<Allocation> {
+        if !home.upstream().can_extend() {
+            let need = super::validate(size, align)? + align.saturating_sub(super::BLOCK_ALIGN);
+            // SAFETY: `&self` borrows the set that owns the pools.
+            if let Some(c) = unsafe { self.shared.take_free_chunk(i, need) } {
+                match home.adopt_chunk(c) {
+                    Ok(()) => {
+                        if let Some(a) = home.allocate_within(size, align, stream)? {
+                            return Ok(a);
+                        }
+                    }
+                    // Any arena's upstream can give a whole chunk back.
+                    Err(_) => home.upstream().deallocate_chunk(c)?,
+                }
+            }
+        }
+        let n = self.arenas.len();
+        let others = (1..n).map(|k| (i + k) % n).filter_map(|j| self.arenas[j].get());
+        for p in others {
+            if let Ok(Some(a)) = p.allocate_uncached_within(size, align) {
+                self.shared.count_lent();
+                return Ok(a);
+            }
+        }
+        home.allocate_for(size, align, stream)
     }
 
     /// The arena whose chunk holds `addr` (one look-up in the directory).

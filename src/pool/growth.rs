@@ -81,6 +81,23 @@ impl<U: Upstream> Pool<U> {
         inner.fit.take_free_chunk_fitting(min)
     }
 
+    /// Adds a chunk another arena gave ([`give_free_chunk`](Self::give_free_chunk)).
+    ///
+    /// # Errors
+    /// [`Error::InvalidState`] when the chunk overlaps the pool's (the
+    /// chunk is then the caller's to give back).
+    pub(super) fn adopt_chunk(&self, chunk: Chunk) -> Result<()> {
+        let mut inner = self.inner.lock();
+        if inner.fit.add_chunk(chunk) {
+            inner.fit.stats_mut().upstream_allocs += 1;
+            return Ok(());
+        }
+        Err(Error::InvalidState(format!(
+            "a chunk {:#x}+{} given by another arena overlaps this one's",
+            chunk.addr, chunk.size
+        )))
+    }
+
     /// Decides how to grow for a request of `rounded` bytes; books the
     /// growth against the limit. `Err(true)` when the limit forbids it.
     pub(super) fn plan_growth(&self, inner: &mut Inner, rounded: usize, align: usize) -> Result<Growth, bool> {

@@ -195,6 +195,10 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
     round_size(size).ok_or(Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
 }
 
+/// What [`Pool::allocate_for`] says if an allocation allowed to grow came
+/// back empty (it can't).
+const NO_GROWTH_MISS: &str = "an allocation allowed to grow came back without a block";
+
 impl<U: Upstream> Pool<U> {
     /// A pool that takes its chunks from `upstream`.
     pub fn new(upstream: U, config: PoolConfig) -> Self {
@@ -270,9 +274,39 @@ impl<U: Upstream> Pool<U> {
     /// As [`allocate`](Pool::allocate).
     #[inline]
     pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
+        self.allocate_growing(size, align, stream, true)?.ok_or(Error::InvalidState(NO_GROWTH_MISS.into()))
+    }
+
+    /// [`allocate_for`](Pool::allocate_for) from the memory the pool holds:
+    /// `Ok(None)` where the pool would grow. Not for a pool that
+    /// [`remaps`](Pool::remaps) (mapping pages is its growth).
+    ///
+    /// # Errors
+    /// As [`allocate`](Pool::allocate), but never out of memory.
+    #[inline]
+    pub(crate) fn allocate_within(&self, size: usize, align: usize, stream: u64) -> Result<Option<Allocation>> {
+        debug_assert!(!self.remap, "a remapping pool grows by mapping pages");
+        self.allocate_growing(size, align, stream, false)
+    }
+
+    /// [`allocate_within`](Pool::allocate_within) past the thread caches,
+    /// for a block lent to another arena's thread: its free goes straight
+    /// back to this pool.
+    ///
+    /// # Errors
+    /// As [`allocate_within`](Pool::allocate_within).
+    pub(crate) fn allocate_uncached_within(&self, size: usize, align: usize) -> Result<Option<Allocation>> {
+        let rounded = validate(size, align)?;
+        self.allocate_exact(rounded, align, size, false)
+    }
+
+    /// [`allocate_for`](Pool::allocate_for); with `grow` unset, `Ok(None)`
+    /// instead of growing.
+    #[inline]
+    fn allocate_growing(&self, size: usize, align: usize, stream: u64, grow: bool) -> Result<Option<Allocation>> {
         let rounded = validate(size, align)?;
         let Some(cache) = &self.cache else {
-            return self.allocate_exact(rounded, align, size);
+            return self.allocate_exact(rounded, align, size, grow);
         };
         // The thread cache (cache.rs): a hit takes no pool lock; a miss
         // allocates the class size (or the exact size) here and lends the
@@ -282,31 +316,34 @@ impl<U: Upstream> Pool<U> {
         let class = class.map(|(c, class_size)| (c, if cache.exact() { rounded } else { class_size }));
         if let Some((class, block_size)) = class {
             if let Some(a) = ThreadCaches::allocate(cache, class, block_size, size, stream) {
-                return Ok(a);
+                return Ok(Some(a));
             }
         }
         let exact = class.map_or(rounded, |(_, block_size)| block_size);
-        let a = match self.allocate_exact(exact, align, size) {
+        let a = match self.allocate_exact(exact, align, size, grow) {
             // Memory parked in thread caches counts as used: flush it all
             // and try once more.
-            Err(Error::OutOfMemory { .. }) if cache.drain_all(false) > 0 => self.allocate_exact(exact, align, size)?,
+            Err(Error::OutOfMemory { .. }) if cache.drain_all(false) > 0 => {
+                self.allocate_exact(exact, align, size, grow)?
+            }
             r => r?,
         };
-        if class.is_some() {
-            ThreadCaches::lend(cache, &a, size);
+        if let (Some(a), Some(_)) = (&a, class) {
+            ThreadCaches::lend(cache, a, size);
         }
         Ok(a)
     }
 
     /// [`allocate`](Pool::allocate) from the shared pool, `rounded` being
-    /// the validated size.
-    fn allocate_exact(&self, rounded: usize, align: usize, size: usize) -> Result<Allocation> {
+    /// the validated size; with `grow` unset, `Ok(None)` where the pool
+    /// would grow.
+    fn allocate_exact(&self, rounded: usize, align: usize, size: usize, grow: bool) -> Result<Option<Allocation>> {
         let mut released_once = false;
         let mut drained = false;
         loop {
             if self.remap {
                 match self.allocate_remapping(rounded, align, size) {
-                    Ok(Some(a)) => return Ok(a),
+                    Ok(Some(a)) => return Ok(Some(a)),
                     Ok(None) => {}
                     Err(Error::OutOfMemory { .. }) if !released_once => {
                         // Unmapping free pages is the first step.
@@ -333,7 +370,7 @@ impl<U: Upstream> Pool<U> {
                 inner.used = true;
                 if !self.remap {
                     if let Some(a) = inner.fit.allocate(rounded, align, size) {
-                        return Ok(a);
+                        return Ok(Some(a));
                     }
                 } else if inner.fit.largest_free() >= rounded + align.saturating_sub(BLOCK_ALIGN) {
                     // Memory was freed since the placement failed.
@@ -349,6 +386,9 @@ impl<U: Upstream> Pool<U> {
                     drained = true;
                     ThreadCaches::drain_local(cache);
                     continue;
+                }
+                if !grow {
+                    return Ok(None);
                 }
                 match self.plan_growth(&mut inner, rounded, align) {
                     Ok(plan) => plan,
