@@ -142,31 +142,6 @@ fn an_arena_borrows_a_busy_arenas_free_memory_instead_of_growing() {
     mm.pinned_pool().check_invariants().unwrap();
 }
 
-/// The same for device arenas, whose pools remap pages: an empty arena
-/// borrows a block on another arena's mapped pages instead of mapping.
-#[test]
-fn a_device_arena_borrows_mapped_memory_instead_of_mapping() {
-    let mm = host(Config::new().arenas(4));
-    let d = mm.device(0).unwrap();
-    let room = mm.allocate_device(16 * MIB).unwrap();
-    mm.free_device(room).unwrap();
-    let keep = mm.allocate_device(MIB).unwrap();
-    let (maps, calls) = (d.stats().pool.map_calls, d.pool().upstream_calls());
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let b = mm.allocate_device(4 * MIB).unwrap();
-            assert_eq!(d.pool().made(), 2);
-            assert_eq!(d.pool().blocks_lent(), 1);
-            assert_eq!((d.stats().pool.map_calls, d.pool().upstream_calls()), (maps, calls), "nothing mapped");
-            mm.free_device(b).unwrap();
-        });
-    });
-    let s = d.pool().primary().stats();
-    assert_eq!(s.live_blocks, 1, "the borrowed block went back to arena 0");
-    mm.free_device(keep).unwrap();
-    d.pool().check_invariants().unwrap();
-}
-
 /// Pinned growth is geometric: 1 GiB in the peers' sizes (uniform up to
 /// 4 MiB) takes few upstream calls, where 2-4 MiB chunks took hundreds.
 #[test]

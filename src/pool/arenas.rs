@@ -272,9 +272,10 @@ impl Arenas {
     #[inline]
     pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
         let (i, home) = self.home_arena();
-        // Memory moves between arenas only while several exist, and never
-        // in pools kept for graphs.
-        if self.made.load(Ordering::Acquire) == 1 || self.config.keep_chunks {
+        // Memory moves between arenas only where chunks are whole
+        // allocations (not page remapping, not kept for graphs, not one
+        // growing reservation).
+        if self.made.load(Ordering::Acquire) == 1 || home.remaps() || self.config.keep_chunks {
             // Out of memory, the arena's upstream takes the other arenas'
             // free memory first (arena_upstream.rs): the result needs no
             // second look here.
@@ -287,12 +288,10 @@ impl Arenas {
     }
 
     /// The calling thread's arena `i` (`home`) has no free block for the
-    /// request (with page remapping: none on mapped pages). Before any
-    /// upstream call: a wholly free chunk of another arena moves to `home`;
-    /// failing that, another arena lends a block of its free memory (with
-    /// page remapping: on its mapped pages; the block stays that arena's,
-    /// and its free goes back there past every thread cache). Only then
-    /// does `home` grow (or map pages).
+    /// request. Before any upstream call: a wholly free chunk of another
+    /// arena moves to `home`; failing that, another arena lends a block of
+    /// its free memory (it stays that arena's, and its free goes back
+    /// there past every thread cache). Only then does `home` grow.
     #[cold]
     fn allocate_elsewhere(
         &self,
@@ -302,10 +301,7 @@ impl Arenas {
         align: usize,
         stream: u64,
     ) -> Result<Allocation> {
-        // Whole chunks change hands only where they are whole allocations
-        // (not one growing reservation, not address space with pages
-        // mapped into it).
-        if !home.upstream().can_extend() && !home.remaps() {
+        if !home.upstream().can_extend() {
             let need = super::validate(size, align)? + align.saturating_sub(super::BLOCK_ALIGN);
             // SAFETY: `&self` borrows the set that owns the pools.
             if let Some(c) = unsafe { self.shared.take_free_chunk(i, need) } {

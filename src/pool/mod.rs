@@ -278,13 +278,14 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// [`allocate_for`](Pool::allocate_for) from the memory the pool holds:
-    /// `Ok(None)` where the pool would grow (a pool that
-    /// [`remaps`](Pool::remaps): where it would map pages).
+    /// `Ok(None)` where the pool would grow. Not for a pool that
+    /// [`remaps`](Pool::remaps) (mapping pages is its growth).
     ///
     /// # Errors
     /// As [`allocate`](Pool::allocate), but never out of memory.
     #[inline]
     pub(crate) fn allocate_within(&self, size: usize, align: usize, stream: u64) -> Result<Option<Allocation>> {
+        debug_assert!(!self.remap, "a remapping pool grows by mapping pages");
         self.allocate_growing(size, align, stream, false)
     }
 
@@ -341,10 +342,6 @@ impl<U: Upstream> Pool<U> {
         let mut drained = false;
         loop {
             if self.remap {
-                if !grow {
-                    // Mapping pages is this pool's growth.
-                    return self.allocate_mapped(rounded, align, size);
-                }
                 match self.allocate_remapping(rounded, align, size) {
                     Ok(Some(a)) => return Ok(Some(a)),
                     Ok(None) => {}

@@ -278,25 +278,6 @@ impl<U: Upstream> Pool<U> {
         self.map_for(rounded, align, size)
     }
 
-    /// [`allocate_remapping`](Self::allocate_remapping) without mapping:
-    /// a placement that touches mapped pages only, or `None`.
-    pub(super) fn allocate_mapped(&self, rounded: usize, align: usize, size: usize) -> Result<Option<Allocation>> {
-        let mut inner = self.inner.lock();
-        if inner.shut_down {
-            return Err(Error::ShutDown("allocation"));
-        }
-        inner.used = true;
-        let Inner { fit, pages, .. } = &mut *inner;
-        match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
-            Some((a, true)) => Ok(Some(a)),
-            Some((a, false)) => {
-                fit.undo_allocate(&a);
-                Ok(None)
-            }
-            None => Ok(None),
-        }
-    }
-
     /// The slow path of [`allocate_remapping`](Self::allocate_remapping):
     /// under the remap lock, place again and map the holes the placement
     /// touches.
