@@ -328,12 +328,13 @@ fn fresh_table(backend: BackendChoice, gpu: bool) {
         let s = ds.pool;
         let name = if per_thread { "device, a stream per thread" } else { "device, one shared stream" };
         let after = format!(
-            "{}; stream waits {} ({:.1} ms), elided {}; maps {}",
+            "{}; stream waits {} ({:.1} ms), elided {}; maps {}; blocks lent {}",
             ratio(s.mapped, s.peak_in_use),
             ds.stream_waits,
             ds.stream_wait_ns as f64 / 1e6,
             ds.stream_waits_elided,
-            s.map_calls
+            s.map_calls,
+            d.mm.default_device().expect("device").pool().blocks_lent()
         );
         print_fresh(name, &row, &after);
     }

@@ -16,11 +16,21 @@
 //!   always uses one arena, so a single-threaded program sees exactly one
 //!   pool. (Tests and models may pin a thread to an arena by slot with
 //!   [`set_thread_slot`](crate::pool::set_thread_slot).)
-//! - **Memory moves between arenas.** An arena that must grow first takes
-//!   a wholly free chunk of another arena (pools whose chunks are whole
-//!   upstream allocations: pinned memory, `cuMemAlloc` chunks), with no
-//!   upstream call; the chunk directory records the new owner before the
-//!   chunk's blocks are handed out (`arena_upstream.rs`).
+//! - **Memory moves between arenas.** An arena with no free block for a
+//!   request first takes a wholly free chunk of another arena (pools whose
+//!   chunks are whole upstream allocations: pinned memory, `cuMemAlloc`
+//!   chunks), with no upstream call; the chunk directory records the new
+//!   owner before the chunk's blocks are handed out (`arena_upstream.rs`).
+//!   When every chunk holds live blocks (all threads busy), another arena
+//!   *lends* a block of its free memory: the block stays the lender's
+//!   (the directory sends its free there) and skips every thread cache,
+//!   so it goes back where it came from. Only blocks with no stream work
+//!   pending are lent: on the device, reusing another thread's stream's
+//!   blocks made every lent block wait for that stream. Only then does the
+//!   arena grow. Device pools that remap pages don't lend: their arenas
+//!   each map pages in address space of their own, and blocks lent from
+//!   mapped pages were measured slower than mapping (every lent block took
+//!   another arena's lock and missed the thread caches).
 //! - **Where a free goes.** Each arena's upstream is wrapped
 //!   (`arena_upstream.rs`) so that every chunk it hands out is recorded in
 //!   a directory shared by the set: a sorted array of chunks published
@@ -290,8 +300,9 @@ impl Arenas {
     /// The calling thread's arena `i` (`home`) has no free block for the
     /// request. Before any upstream call: a wholly free chunk of another
     /// arena moves to `home`; failing that, another arena lends a block of
-    /// its free memory (it stays that arena's, and its free goes back
-    /// there past every thread cache). Only then does `home` grow.
+    /// its free memory with no stream work pending on it (it stays that
+    /// arena's, and its free goes back there past every thread cache).
+    /// Only then does `home` grow.
     #[cold]
     fn allocate_elsewhere(
         &self,
@@ -319,9 +330,19 @@ impl Arenas {
         let n = self.arenas.len();
         let others = (1..n).map(|k| (i + k) % n).filter_map(|j| self.arenas[j].get());
         for p in others {
-            if let Ok(Some(a)) = p.allocate_uncached_within(size, align) {
-                self.shared.count_lent();
-                return Ok(a);
+            match p.allocate_uncached_within(size, align) {
+                Ok(Some(a)) if a.tag == StreamTag::NONE => {
+                    self.shared.count_lent();
+                    return Ok(a);
+                }
+                // A block with work pending on another arena's stream: its
+                // reuse here would wait for that stream (measured on the
+                // device: waits on every lent block, slower than growing).
+                // It goes back as it was.
+                Ok(Some(a)) => {
+                    let _ = p.deallocate(a.addr, a.tag);
+                }
+                _ => {}
             }
         }
         home.allocate_for(size, align, stream)
