@@ -30,7 +30,7 @@ mod spin;
 mod stats;
 
 pub use crate::sync::set_thread_slot;
-pub use crate::tag::StreamTag;
+pub use crate::tag::{StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
 pub use arena_registry::release_thread_arenas;
 pub use arenas::{default_arena_count, Arenas, UpstreamFactory, MAX_ARENAS};
@@ -212,7 +212,7 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// Sets what the pool asks when blocks freed on different streams
-    /// merge (see [`TagOracle`](crate::tag::TagOracle)): without it such a
+    /// merge (see [`TagOracle`]): without it such a
     /// block is [`StreamTag::MIXED`] and its reuse on a stream waits for
     /// every stream with work pending.
     pub fn set_tag_oracle(&self, oracle: crate::tag::TagOracle) {
