@@ -274,7 +274,7 @@ impl<U: Upstream> Pool<U> {
     /// As [`allocate`](Pool::allocate).
     #[inline]
     pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
-        self.allocate_growing(size, align, stream, true)?.ok_or(Error::InvalidState(NO_GROWTH_MISS.into()))
+        self.allocate_growing(size, align, stream, true)?.ok_or_else(|| Error::InvalidState(NO_GROWTH_MISS.into()))
     }
 
     /// [`allocate_for`](Pool::allocate_for) from the memory the pool holds:
