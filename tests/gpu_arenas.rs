@@ -127,3 +127,53 @@ fn threads_with_a_stream_each_reuse_across_arenas_in_order() {
     assert_eq!(pool.stats().in_use, 0);
     assert_eq!(count, 0, "{count} elements were overwritten by a premature reuse");
 }
+
+/// Threads that come and go, each with a stream of its own (a thread per
+/// request, a resized thread pool): a new thread takes over an arena whose
+/// free blocks carry the stream of a thread that has exited (and synced).
+/// Its frees merge with those blocks; the merged blocks must keep the live
+/// stream's tag, not become "freed on several streams", or every reuse of
+/// them waits for every other thread's stream.
+#[test]
+fn threads_that_come_and_go_with_streams_of_their_own_never_wait_for_each_other() {
+    let name = "threads_that_come_and_go_with_streams_of_their_own_never_wait_for_each_other";
+    let Some(ctx) = gpu_for_test(name) else { return };
+    let device = Config::from_env().map_or(0, |c| c.device);
+    let mm = MemoryManager::new(Config::new().device(device).arenas(8)).unwrap();
+    let wave = |seed: u64| {
+        std::thread::scope(|s| {
+            for id in 0..4u64 {
+                let (ctx, mm) = (&ctx, &mm);
+                s.spawn(move || {
+                    ctx.bind_to_thread().expect("cuCtxSetCurrent");
+                    let stream = Stream::new().expect("cuStreamCreate");
+                    let mut rng = SmallRng::seed_from_u64(seed * 100 + id);
+                    let mut live = Vec::new();
+                    for _ in 0..3000 {
+                        if live.len() < 200 && (live.is_empty() || rng.gen_bool(0.5)) {
+                            live.push(mm.allocate_device_on(rng.gen_range(1..=4 << 20), &stream).unwrap());
+                        } else {
+                            let p = live.swap_remove(rng.gen_range(0..live.len()));
+                            mm.free_device_on(p, &stream).unwrap();
+                        }
+                    }
+                    for p in live {
+                        mm.free_device_on(p, &stream).unwrap();
+                    }
+                    stream.synchronize().unwrap();
+                });
+            }
+        });
+    };
+    wave(0);
+    wave(1);
+    let before = mm.device_stats(device).unwrap().stream_waits;
+    for seed in 2..8 {
+        wave(seed);
+    }
+    let waits = mm.device_stats(device).unwrap().stream_waits - before;
+    assert_eq!(waits, 0, "reuses waited for other threads' streams {waits} times");
+    let pool = mm.default_device().unwrap().pool();
+    pool.check_invariants().unwrap();
+    assert_eq!(pool.stats().in_use, 0);
+}
