@@ -13,9 +13,10 @@
 //!   a reader never sees freed memory (growth by new chunks is geometric
 //!   for pinned memory and happens once per arena for expandable ones, so
 //!   few copies are ever made). Growing a chunk in place only raises its
-//!   entry's end (an atomic), with no copy. An entry is written before the
-//!   chunk's blocks can be handed out, and whoever frees a block learned of
-//!   it after that, so the entry is always found.
+//!   entry's end (an atomic), and a chunk moving whole to another arena
+//!   only changes its entry's owner (an atomic), with no copy. An entry is
+//!   written before the chunk's blocks can be handed out, and whoever
+//!   frees a block learned of it after that, so the entry is always found.
 //! - **Chunks change hands.** Before an arena's upstream is asked for a
 //!   new chunk, the other arenas are asked for a wholly free, untagged
 //!   chunk that is large enough ([`Pool`]'s `give_free_chunk`, under the
@@ -42,7 +43,8 @@ struct Entry {
     start: usize,
     /// Raised when the chunk grows in place.
     end: AtomicUsize,
-    arena: usize,
+    /// Changed when the chunk moves to another arena.
+    arena: AtomicUsize,
 }
 
 /// The directory's current array and every array it replaced (each boxed
@@ -83,27 +85,43 @@ impl Directory {
         let entries: &[Entry] = unsafe { &*ptr };
         let i = entries.partition_point(|e| e.start <= addr);
         let e = entries.get(i.checked_sub(1)?)?;
-        (addr < e.end.load(Ordering::Acquire)).then_some(e.arena)
+        (addr < e.end.load(Ordering::Acquire)).then(|| e.arena.load(Ordering::Acquire))
     }
 
     /// Records that `arena` holds `[start, end)`.
     fn insert(&self, start: usize, end: usize, arena: usize) {
         let mut v = lock(&self.versions);
         if let Some(cur) = v.all.last() {
-            // A chunk grown in place keeps its start: raise its end.
-            if let Some(e) = cur.iter().find(|e| e.start == start && e.arena == arena) {
-                e.end.fetch_max(end, Ordering::AcqRel);
-                return;
+            let i = cur.partition_point(|e| e.start < start);
+            if let Some(e) = cur.get(i).filter(|e| e.start == start) {
+                let (old_end, owner) = (e.end.load(Ordering::Acquire), e.arena.load(Ordering::Acquire));
+                // A chunk grown in place keeps its start: raise its end.
+                if owner == arena && end >= old_end {
+                    e.end.fetch_max(end, Ordering::AcqRel);
+                    return;
+                }
+                // A chunk moving to another arena whole: change its owner
+                // in place (no new array: chunks move often while threads
+                // come and go, and replaced arrays are kept until the set
+                // is dropped).
+                if end == old_end {
+                    e.arena.store(arena, Ordering::Release);
+                    return;
+                }
             }
         }
         let old = v.all.last().map_or(&[][..], |b| &b[..][..]);
         let mut next: Vec<Entry> = old
             .iter()
             .filter(|e| e.end.load(Ordering::Acquire) <= start || end <= e.start)
-            .map(|e| Entry { start: e.start, end: AtomicUsize::new(e.end.load(Ordering::Acquire)), arena: e.arena })
+            .map(|e| Entry {
+                start: e.start,
+                end: AtomicUsize::new(e.end.load(Ordering::Acquire)),
+                arena: AtomicUsize::new(e.arena.load(Ordering::Acquire)),
+            })
             .collect();
         let at = next.partition_point(|e| e.start < start);
-        next.insert(at, Entry { start, end: AtomicUsize::new(end), arena });
+        next.insert(at, Entry { start, end: AtomicUsize::new(end), arena: AtomicUsize::new(arena) });
         let next = Box::new(next.into_boxed_slice());
         let ptr = &*next as *const Box<[Entry]> as usize;
         v.all.push(next);
@@ -351,6 +369,25 @@ mod tests {
     use super::{Shared, Tracked};
     use crate::error::PoolKind;
     use crate::upstream::forwarding::methods_not_forwarded;
+
+    #[test]
+    fn a_chunk_that_moves_or_grows_changes_its_entry_in_place() {
+        let d = super::Directory::new();
+        let versions = || super::lock(&d.versions).all.len();
+        d.insert(0x10000, 0x20000, 1);
+        assert_eq!((d.find(0x18000), versions()), (Some(1), 1));
+        d.insert(0x10000, 0x20000, 3);
+        assert_eq!((d.find(0x18000), versions()), (Some(3), 1), "moved: owner changed, no copy");
+        d.insert(0x10000, 0x30000, 3);
+        assert_eq!((d.find(0x28000), versions()), (Some(3), 1), "grown in place: no copy");
+        d.insert(0x50000, 0x60000, 2);
+        assert_eq!((d.find(0x58000), d.find(0x18000), versions()), (Some(2), Some(3), 2));
+        // A different range at the same start (given back, handed out
+        // again) replaces the entry.
+        d.insert(0x10000, 0x18000, 1);
+        assert_eq!((d.find(0x14000), d.find(0x28000)), (Some(1), None));
+        assert_eq!(d.find(0x5000), None);
+    }
 
     #[test]
     fn the_arena_wrapper_forwards_every_method() {
