@@ -33,10 +33,11 @@
 //!
 //! `CUMEM_PEERS_SCALE` multiplies N (e.g. 0.1 for a quick look).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use crossbeam::utils::CachePadded;
 use cudarc::driver::{result, CudaContext, CudaStream};
 use cumem::device::{driver_status, DriverStatus, Stream};
 use cumem::{BackendChoice, Config, MemoryManager};
@@ -143,13 +144,36 @@ impl Target for Raw {
 
 /// One thread's sequence of `ops` steps (the anchors' rule).
 fn sequence<T: Target>(t: &T, l: &T::Local, seed: u64, ops: u64, live: &mut Vec<u64>) {
+    sequence_counted(t, l, seed, ops, live, None);
+}
+
+/// [`sequence`], storing the bytes the thread holds (as asked) in `held`
+/// after every step: a cache line of the thread's own, read by the
+/// sampler of [`fresh_pass`].
+fn sequence_counted<T: Target>(
+    t: &T,
+    l: &T::Local,
+    seed: u64,
+    ops: u64,
+    live: &mut Vec<u64>,
+    held: Option<&AtomicUsize>,
+) {
     let mut rng = SmallRng::seed_from_u64(seed);
+    let mut sizes: Vec<usize> = Vec::with_capacity(LIVE);
+    let mut bytes = 0;
     for _ in 0..ops {
         if live.len() < LIVE && (live.is_empty() || rng.gen_bool(0.5)) {
-            live.push(t.allocate(l, rng.gen_range(1..=MAX)));
+            let size = rng.gen_range(1..=MAX);
+            live.push(t.allocate(l, size));
+            sizes.push(size);
+            bytes += size;
         } else {
             let i = rng.gen_range(0..live.len());
             t.free(l, live.swap_remove(i));
+            bytes -= sizes.swap_remove(i);
+        }
+        if let Some(h) = held {
+            h.store(bytes, Ordering::Relaxed);
         }
     }
 }
@@ -236,30 +260,46 @@ fn print_row(name: &str, row: &[(f64, u64)], raw: Option<&[(f64, u64)]>) {
 
 /// Runs `ops` steps on each of `threads` new threads with seeds from
 /// `seed`, timed from a barrier to the last join (final frees included).
-fn fresh_pass<T: Target>(t: &T, threads: usize, ops: u64, seed: u64) -> Duration {
+/// Also returns the most bytes the threads held at once (as asked), from
+/// a sampler thread that sums the threads' own counters every 100 µs.
+fn fresh_pass<T: Target>(t: &T, threads: usize, ops: u64, seed: u64) -> (Duration, usize) {
     let go = Barrier::new(threads + 1);
+    let held: Vec<CachePadded<AtomicUsize>> = (0..threads).map(|_| CachePadded::new(AtomicUsize::new(0))).collect();
+    let done = AtomicBool::new(false);
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|id| {
-                let go = &go;
+                let (go, held) = (&go, &held[id]);
                 s.spawn(move || {
                     let l = t.local();
                     let mut live = Vec::with_capacity(LIVE);
                     go.wait();
-                    sequence(t, &l, seed + id as u64, ops, &mut live);
+                    sequence_counted(t, &l, seed + id as u64, ops, &mut live, Some(held));
                     for p in live.drain(..) {
                         t.free(&l, p);
                     }
+                    held.store(0, Ordering::Relaxed);
                     t.finish(&l);
                 })
             })
             .collect();
+        let (held, done) = (&held, &done);
+        let sampler = s.spawn(move || {
+            let mut peak = 0;
+            while !done.load(Ordering::Relaxed) {
+                peak = peak.max(held.iter().map(|h| h.load(Ordering::Relaxed)).sum::<usize>());
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            peak
+        });
         go.wait();
         let t0 = Instant::now();
         for h in handles {
             h.join().expect("bench thread");
         }
-        t0.elapsed()
+        let took = t0.elapsed();
+        done.store(true, Ordering::Relaxed);
+        (took, sampler.join().expect("sampler"))
     })
 }
 
@@ -270,29 +310,32 @@ struct FreshRow {
     churn: f64,
     calls: u64,
     moved: u64,
+    /// The most bytes held at once by the threads of any pass (sampled).
+    held: usize,
 }
 
 /// Warm-up by 16 threads, then every column on new threads (see the
 /// module docs). `counts` reads (upstream calls, chunks moved).
 fn fresh_row<T: Target>(t: &T, counts: &dyn Fn() -> (u64, u64)) -> FreshRow {
-    fresh_pass(t, 16, ops_per_thread(16, false), 0x0a11_0000);
+    let (_, mut held) = fresh_pass(t, 16, ops_per_thread(16, false), 0x0a11_0000);
     let (calls0, moved0) = counts();
     let rates = THREADS
         .iter()
         .map(|&n| {
             let ops = ops_per_thread(n, false);
-            let d = fresh_pass(t, n, ops, 0x5eed_0000 + (n as u64) * 1000);
+            let (d, h) = fresh_pass(t, n, ops, 0x5eed_0000 + (n as u64) * 1000);
+            held = held.max(h);
             (ops * n as u64) as f64 / d.as_secs_f64() / 1e6
         })
         .collect();
     let churn_ops = ((10_000.0 * scale()) as u64).max(100);
     let t0 = Instant::now();
     for wave in 0..8u64 {
-        fresh_pass(t, 8, churn_ops, 0xc4a0_0000 + wave * 100);
+        held = held.max(fresh_pass(t, 8, churn_ops, 0xc4a0_0000 + wave * 100).1);
     }
     let churn = (64 * churn_ops) as f64 / t0.elapsed().as_secs_f64() / 1e6;
     let (calls, moved) = counts();
-    FreshRow { rates, churn, calls: calls - calls0, moved: moved - moved0 }
+    FreshRow { rates, churn, calls: calls - calls0, moved: moved - moved0, held }
 }
 
 fn print_fresh(name: &str, r: &FreshRow, after: &str) {
@@ -303,8 +346,18 @@ fn print_fresh(name: &str, r: &FreshRow, after: &str) {
     println!("{:>9.2}{:>9.2}{:>7}{:>7}  {after}", r.churn, r.churn / r.rates[3], r.calls, r.moved);
 }
 
-fn ratio(reserved: usize, peak: usize) -> String {
-    format!("{} / {} MiB = {:.3}", reserved >> 20, peak >> 20, reserved as f64 / peak.max(1) as f64)
+/// Reserved (device: mapped) after the run over the most bytes the
+/// threads held at once (sampled; as asked, so rounding counts against
+/// the pool), and over the pool's own peak in use (the sum of the arenas'
+/// own peaks, which overstates a simultaneous peak).
+fn ratio(reserved: usize, held: usize, arenas_peak: usize) -> String {
+    format!(
+        "{} / {} MiB = {:.3} (sum of arena peaks {} MiB)",
+        reserved >> 20,
+        held >> 20,
+        reserved as f64 / held.max(1) as f64,
+        arenas_peak >> 20
+    )
 }
 
 /// The fresh-thread table (the peers' harness).
@@ -314,7 +367,7 @@ fn fresh_table(backend: BackendChoice, gpu: bool) {
     for t in THREADS {
         print!("{:>9}", format!("{t} thr"));
     }
-    println!("{:>9}{:>9}{:>7}{:>7}  after: reserved / peak in use", "churn", "ch/8", "calls", "moved");
+    println!("{:>9}{:>9}{:>7}{:>7}  after: reserved / most held at once", "churn", "ch/8", "calls", "moved");
     let stream = || if gpu { Stream::new().expect("cuStreamCreate") } else { Stream::host() };
     for per_thread in [false, true] {
         let mm = MemoryManager::new(Config::new().backend(backend)).expect("a manager");
@@ -329,7 +382,7 @@ fn fresh_table(backend: BackendChoice, gpu: bool) {
         let name = if per_thread { "device, a stream per thread" } else { "device, one shared stream" };
         let after = format!(
             "{}; stream waits {} ({:.1} ms), elided {}; maps {}; blocks lent {}",
-            ratio(s.mapped, s.peak_in_use),
+            ratio(s.mapped, row.held, s.peak_in_use),
             ds.stream_waits,
             ds.stream_wait_ns as f64 / 1e6,
             ds.stream_waits_elided,
@@ -342,8 +395,11 @@ fn fresh_table(backend: BackendChoice, gpu: bool) {
     let counts = || (p.0.pinned_pool().upstream_calls(), p.0.pinned_pool().chunks_moved());
     let row = fresh_row(&p, &counts);
     let s = p.0.pinned_stats();
-    let after =
-        format!("{}; blocks lent between arenas {}", ratio(s.reserved, s.peak_in_use), p.0.pinned_pool().blocks_lent());
+    let after = format!(
+        "{}; blocks lent between arenas {}",
+        ratio(s.reserved, row.held, s.peak_in_use),
+        p.0.pinned_pool().blocks_lent()
+    );
     print_fresh("pinned", &row, &after);
 }
 

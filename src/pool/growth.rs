@@ -170,8 +170,14 @@ impl<U: Upstream> Pool<U> {
                     inner.fit.stats_mut().upstream_allocs += 1;
                     return Ok(());
                 }
-                // The upstream can't extend: take a new chunk instead.
-                let bytes = round_up(need.max(self.config.min_chunk), self.upstream.granularity());
+                // The upstream can't extend (another thread of this pool
+                // extended the chunk first, or the reservation is full):
+                // take a new chunk instead, in whole pages when the pool
+                // remaps, so that no page straddles two chunks (a chunk
+                // given back would cut a piece mapped across the boundary,
+                // and the upstream would refuse it).
+                let gran = if self.remap { self.remap_page } else { self.upstream.granularity() };
+                let bytes = round_up(need.max(self.config.min_chunk), gran);
                 {
                     let mut inner = self.inner.lock();
                     let total = inner.fit.stats().reserved + inner.pending_growth - extra + bytes;
@@ -271,5 +277,49 @@ impl Growth {
             Growth::Extend { extra, .. } => extra,
             Growth::New { bytes } => bytes,
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::super::{Pool, PoolConfig, StreamTag};
+    use super::Growth;
+    use crate::error::PoolKind;
+    use crate::upstream::{HostExpandable, Upstream};
+
+    /// Two threads of one pool plan to extend its last chunk at once; the
+    /// first extends it, so the second can't and takes a new chunk. With
+    /// page remapping that chunk must be whole pages: a chunk of 4 KiB
+    /// granules put a 2 MiB page across two chunks, and giving one of them
+    /// back failed ("not mapped by this upstream"), leaking it.
+    #[test]
+    fn a_remapping_pool_that_loses_an_extension_race_takes_whole_pages() {
+        let pool = Pool::new(HostExpandable::new(1 << 30).unwrap(), PoolConfig::new(PoolKind::Standalone));
+        assert!(pool.remaps());
+        let page = pool.remap_page;
+        let a = pool.allocate(3 << 20, 256).unwrap();
+        let (chunk, _) = pool.inner.lock().fit.last_chunk().unwrap();
+        // The other thread's extension: the upstream's end moves on.
+        assert!(pool.upstream().try_extend_reserved(chunk, page).unwrap());
+        {
+            let mut inner = pool.inner.lock();
+            assert!(inner.fit.extend_chunk(chunk, page));
+            inner.pages.add_unmapped(chunk.end(), page);
+        }
+        // This thread's plan, made before: extending fails, a new chunk.
+        let need = (3 << 20) + 4096;
+        pool.inner.lock().pending_growth += 2 * page;
+        pool.grow(Growth::Extend { chunk, extra: 2 * page, need }).unwrap();
+        let chunks = pool.with_fit(|f| f.chunks());
+        assert_eq!(chunks.len(), 2, "{chunks:?}");
+        for c in &chunks {
+            assert_eq!((c.addr % page, c.size % page), (0, 0), "a chunk of whole pages: {c:?}");
+        }
+        // Fill the new chunk's pages, then give everything back.
+        let b = pool.allocate(need, 256).unwrap();
+        pool.deallocate(a.addr, StreamTag::NONE).unwrap();
+        pool.deallocate(b.addr, StreamTag::NONE).unwrap();
+        pool.release_cached().unwrap();
+        assert_eq!(pool.stats().reserved, 0);
     }
 }
