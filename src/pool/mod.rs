@@ -289,6 +289,12 @@ impl<U: Upstream> Pool<U> {
         self.allocate_growing(size, align, stream, false)
     }
 
+    /// Flushes every thread's cache of this pool back into it (their blocks
+    /// coalesce with the pool's free memory); the bytes flushed.
+    pub(crate) fn drain_thread_caches(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.drain_all(false))
+    }
+
     /// [`allocate_within`](Pool::allocate_within) past the thread caches,
     /// for a block lent to another arena's thread: its free goes straight
     /// back to this pool.
