@@ -371,12 +371,14 @@ pub unsafe extern "C" fn cumem_set_device_allocator_mode(mode: c_int, effective:
             0 => DeviceAllocatorMode::SyncPool,
             1 => DeviceAllocatorMode::AsyncStreamOrdered,
             2 => DeviceAllocatorMode::CudaAsyncPool,
-            other => return Err(Failure::new(
-                CumemStatus::InvalidArgument,
-                format!(
+            other => {
+                return Err(Failure::new(
+                    CumemStatus::InvalidArgument,
+                    format!(
                     "{other} is not a device allocator mode (0 sync pool, 1 async stream-ordered, 2 CUDA async pool)"
                 ),
-            )),
+                ))
+            }
         };
         let now = CumemMode::of(manager()?.set_device_allocator_mode(mode)?);
         if !effective.is_null() {

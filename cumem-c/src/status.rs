@@ -204,3 +204,40 @@ pub extern "C" fn cumem_status_name(status: i32) -> *const c_char {
     ];
     all.iter().find(|s| **s as i32 == status).map_or(c"CUMEM_STATUS_UNKNOWN".as_ptr(), |s| s.name().as_ptr())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last_error() -> String {
+        // SAFETY: cumem_last_error returns a NUL-terminated string that
+        // stays valid until this thread's next failing call.
+        unsafe { std::ffi::CStr::from_ptr(cumem_last_error()) }.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn a_panic_becomes_a_status_and_a_message() {
+        let s = guard(|| panic!("boom {}", 7));
+        assert_eq!(s, CumemStatus::Panic);
+        assert!(last_error().contains("boom 7"), "{}", last_error());
+        assert_eq!(guard(|| std::panic::panic_any(3_u8)), CumemStatus::Panic);
+        assert!(last_error().contains("without a message"));
+    }
+
+    #[test]
+    fn success_keeps_the_last_error_and_failure_sets_it() {
+        assert_eq!(guard(|| Err(Failure::new(CumemStatus::Other, "first\0hidden"))), CumemStatus::Other);
+        assert_eq!(last_error(), "first");
+        assert_eq!(guard(|| Ok(())), CumemStatus::Ok);
+        assert_eq!(last_error(), "first");
+    }
+
+    #[test]
+    fn every_status_has_its_header_name() {
+        for v in 0..=16 {
+            // SAFETY: cumem_status_name returns a static NUL-terminated string.
+            let name = unsafe { std::ffi::CStr::from_ptr(cumem_status_name(v)) }.to_str().unwrap();
+            assert!(name.starts_with("CUMEM_STATUS_") && name != "CUMEM_STATUS_UNKNOWN", "{v}: {name}");
+        }
+    }
+}

@@ -92,7 +92,10 @@ fn shared_stream(key: Key) -> Outcome<Stream> {
     if let Some(e) = table().lock().unwrap_or_else(PoisonError::into_inner).get(&key) {
         return Ok(e.stream.clone());
     }
-    // The context may be created here (a driver call): outside the lock.
+    // A device the manager does not have fails here (once per stream:
+    // known streams are found above). The allocator and the context may be
+    // created here (driver calls): outside the lock.
+    crate::manager()?.device(key.0)?;
     let wrapped = match cumem::device::device_context(key.0)? {
         Some(ctx) => {
             // SAFETY: the C caller promises (see the header) that the raw
