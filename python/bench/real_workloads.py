@@ -28,7 +28,10 @@ import subprocess
 import sys
 import time
 
+# "pytorch_repeat" is PyTorch's allocator again: whether a workload repeats
+# itself bit for bit at all.
 ALLOCATORS = ["pytorch", "cuda_malloc_async", "cumem"]
+EXTRA_ALLOCATORS = ["pytorch_repeat"]
 WORKLOADS = ["gpt2_varlen", "resnet50", "llama_generate"]
 
 # Sizes per scale: "tiny" checks that everything runs; "full" is the
@@ -39,12 +42,18 @@ SCALES = {
         "resnet50": dict(warmup=5, steps=60, batch=64, image=224),
         "llama_generate": dict(warmup=8, rounds=3, new_tokens=100, batch=16, min_prompt=128, max_prompt=640,
                                hidden=1024, layers=16, heads=16, kv_heads=16, intermediate=2816),
+        # The same with eager attention (matmul + softmax) instead of SDPA.
+        "llama_generate_eager": dict(warmup=8, rounds=3, new_tokens=100, batch=16, min_prompt=128,
+                                     max_prompt=640, hidden=1024, layers=16, heads=16, kv_heads=16,
+                                     intermediate=2816, attn="eager"),
     },
     "tiny": {
         "gpt2_varlen": dict(warmup=1, steps=3, batch=2, min_len=16, max_len=128),
         "resnet50": dict(warmup=1, steps=3, batch=4, image=64),
         "llama_generate": dict(warmup=2, rounds=2, new_tokens=4, batch=2, min_prompt=8, max_prompt=32,
                                hidden=256, layers=2, heads=4, kv_heads=4, intermediate=512),
+        "llama_generate_eager": dict(warmup=2, rounds=2, new_tokens=4, batch=2, min_prompt=8, max_prompt=32,
+                                     hidden=256, layers=2, heads=4, kv_heads=4, intermediate=512, attn="eager"),
     },
 }
 
@@ -74,7 +83,8 @@ def child(workload, allocator, scale, out_path):
         f, t = torch.cuda.mem_get_info()
         samples.append(t - f - baseline)
 
-    run = {"gpt2_varlen": gpt2_varlen, "resnet50": resnet50, "llama_generate": llama_generate}[workload]
+    run = {"gpt2_varlen": gpt2_varlen, "resnet50": resnet50, "llama_generate": llama_generate,
+           "llama_generate_eager": llama_generate}[workload]
     run(torch, params, sample, times, values)
 
     if allocator == "cumem":
@@ -175,7 +185,7 @@ def llama_generate(torch, p, sample, times, values):
 
     cfg = LlamaConfig(hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
                       num_key_value_heads=p["kv_heads"], intermediate_size=p["intermediate"], vocab_size=32000,
-                      max_position_embeddings=4096)
+                      max_position_embeddings=4096, attn_implementation=p.get("attn", "sdpa"))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
@@ -210,6 +220,8 @@ def env_for(allocator):
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     env["TOKENIZERS_PARALLELISM"] = "false"
     env["TRANSFORMERS_VERBOSITY"] = "error"
+    if allocator not in ALLOCATORS + EXTRA_ALLOCATORS:
+        raise SystemExit(f"unknown allocator {allocator}")
     if allocator == "cuda_malloc_async":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
     return env
@@ -225,6 +237,7 @@ def main():
     ap.add_argument("--allocators", default=",".join(ALLOCATORS))
     ap.add_argument("--scale", default="full", choices=sorted(SCALES))
     ap.add_argument("--json", default="real_workloads.json")
+    ap.add_argument("--child-timeout", type=float, default=150.0, help="seconds one process may take")
     ap.add_argument("--child", nargs=3, metavar=("WORKLOAD", "ALLOCATOR", "OUT"))
     a = ap.parse_args()
     if a.child:
@@ -238,8 +251,11 @@ def main():
             if os.path.exists(out):
                 os.remove(out)
             t0 = time.time()
-            r = subprocess.run([sys.executable, __file__, "--scale", a.scale, "--child", w, al, out],
-                               env=env_for(al), capture_output=True, text=True)
+            try:
+                r = subprocess.run([sys.executable, __file__, "--scale", a.scale, "--child", w, al, out],
+                                   env=env_for(al), capture_output=True, text=True, timeout=a.child_timeout)
+            except subprocess.TimeoutExpired as e:
+                r = subprocess.CompletedProcess(e.cmd, -9, "", f"timed out after {a.child_timeout} s\n{e.stderr or ''}")
             took = time.time() - t0
             if r.returncode != 0 or not os.path.exists(out):
                 failures.append((w, al))

@@ -83,8 +83,15 @@ def is_installed():
 def MemPool(**kwargs):
     """A `torch.cuda.MemPool` whose memory comes from cumem: PyTorch's
     allocator caches blocks inside the segments cumem hands it. Use with
-    `torch.cuda.use_mem_pool(pool)`; keyword arguments go to MemPool."""
+    `torch.cuda.use_mem_pool(pool)`; keyword arguments go to MemPool. For
+    programs that keep PyTorch's allocator (no `install()`): PyTorch's
+    pluggable allocator can't hold pools, so with cumem installed this
+    raises RuntimeError."""
     import torch
+    if _installed:
+        raise RuntimeError(
+            "cumem_torch.MemPool() needs PyTorch's own allocator as the current one: PyTorch's pluggable "
+            "allocator can't hold memory pools (with cumem installed, all memory comes from cumem already)")
     return torch.cuda.MemPool(allocator=_allocator().allocator(), **kwargs)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """cumem as PyTorch's allocator on a GPU: tensors, a side stream with
 cumem_torch.record_stream, a CUDA graph captured and replayed (cumem gives
-the capture a private pool by itself), a MemPool region, statistics.
+the capture a private pool by itself), a MemPool refused while installed, statistics.
 Exits non-zero on the first wrong result. Needs PyTorch and a GPU (it
 says so and exits 0 where there is none, unless CUMEM_REQUIRE_GPU=1)."""
 
@@ -64,16 +64,17 @@ for i in range(3):
     eager = torch.relu(static_in @ w) + 1  # eager work must not disturb the graph's memory
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(static_out, eager), f"replay {i} differs"
+    assert torch.allclose(static_out, eager, rtol=1e-4, atol=1e-4), f"replay {i} differs"
 del g, static_out
 print("graph: ok, private pool", graph_stats["graph_reserved"], "B")
 
-# A MemPool region: PyTorch's allocator caches blocks in cumem's segments.
-pool = cumem_torch.MemPool()
-with torch.cuda.use_mem_pool(pool):
-    z = torch.ones(1 << 20, device="cuda")
-assert z.sum().item() == float(1 << 20)
-del z
+# cumem_torch.MemPool() needs PyTorch's own allocator as the current one:
+# with cumem installed it refuses with a clear error.
+try:
+    cumem_torch.MemPool()
+    raise AssertionError("MemPool with cumem installed should be refused")
+except RuntimeError as e:
+    print("MemPool refused as expected:", str(e)[:80])
 
 counters = cumem_torch.torch_counters()
 assert counters["alloc_failures"] == 0 and counters["free_failures"] == 0, counters
