@@ -1,0 +1,436 @@
+/* cumem's C ABI. Generated from cumem-c/src by cbindgen; do not edit (CUMEM_BLESS=1 cargo test -p cumem-c --test header rewrites it). */
+
+#ifndef CUMEM_H
+#define CUMEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+// What a cumem call returned. `CUMEM_STATUS_OK` is 0; every other value
+// is a failure whose message [`cumem_last_error`] gives, and which left
+// the pools as they were.
+typedef enum {
+  // Success.
+  CUMEM_STATUS_OK = 0,
+  // A null pointer where one is required, a zero or absurd size, a bad
+  // alignment, a mode or device number out of range.
+  CUMEM_STATUS_INVALID_ARGUMENT = 1,
+  // The pool could not serve the request, even after releasing cached
+  // memory.
+  CUMEM_STATUS_OUT_OF_MEMORY = 2,
+  // A pointer cumem never handed out (or a pinned pointer given to a
+  // device call, and the reverse).
+  CUMEM_STATUS_UNKNOWN_POINTER = 3,
+  // A pointer inside a block rather than at its start.
+  CUMEM_STATUS_INTERIOR_POINTER = 4,
+  // A block freed a second time.
+  CUMEM_STATUS_DOUBLE_FREE = 5,
+  // `cumem_init` after the manager was created (by `cumem_init` or by
+  // any other call, which configures it from `CUMEM_CONF`).
+  CUMEM_STATUS_ALREADY_INITIALIZED = 6,
+  // A setting changed after its moment passed (pool sizes after the
+  // first allocation).
+  CUMEM_STATUS_CONFIG_TOO_LATE = 7,
+  // A bad configuration string (`cumem_init`'s or `CUMEM_CONF`).
+  CUMEM_STATUS_CONFIG = 8,
+  // A call after `cumem_shutdown`.
+  CUMEM_STATUS_SHUT_DOWN = 9,
+  // A CUDA driver call failed.
+  CUMEM_STATUS_DRIVER = 10,
+  // No device with that number.
+  CUMEM_STATUS_NO_SUCH_DEVICE = 11,
+  // A request that graph capture rules forbid now.
+  CUMEM_STATUS_CAPTURE = 12,
+  // The caller's buffer is too small (the size needed is reported).
+  CUMEM_STATUS_BUFFER_TOO_SMALL = 13,
+  // A call that needs a GPU on the host fallback.
+  CUMEM_STATUS_NEEDS_GPU = 14,
+  // cumem panicked inside the call (a bug in cumem): the call did
+  // nothing that can be relied on, and the message says where.
+  CUMEM_STATUS_PANIC = 15,
+  // Any other failure; the message says what.
+  CUMEM_STATUS_OTHER = 16,
+} CumemStatus;
+
+// A device allocator mode (`cumem_set_device_allocator_mode` takes its
+// value as an `int`).
+typedef enum {
+  // cumem's own pool, stream-ordered reuse through events.
+  CUMEM_MODE_SYNC_POOL = 0,
+  // `cuMemAllocAsync` on the device's default memory pool.
+  CUMEM_MODE_ASYNC_STREAM_ORDERED = 1,
+  // A dedicated native CUDA memory pool (`cuMemPoolCreate`).
+  CUMEM_MODE_CUDA_ASYNC_POOL = 2,
+} CumemMode;
+
+// A raw CUDA stream (`cudaStream_t`, `CUstream`); NULL is the device's
+// legacy default stream. On the host fallback any value names a host
+// queue.
+typedef void *CumemStream;
+
+// One pool's figures, in bytes or counts.
+typedef struct {
+  // Bytes in live blocks.
+  size_t in_use;
+  // The largest `in_use` since the last peak reset.
+  size_t peak_in_use;
+  // Bytes the live allocations asked for.
+  size_t requested;
+  // The largest `requested` since the last peak reset.
+  size_t peak_requested;
+  // Bytes the pool holds from the driver (physical: mapped pages).
+  size_t reserved;
+  // The largest `reserved` since the last peak reset.
+  size_t peak_reserved;
+  // Bytes in blocks parked in per-thread caches.
+  size_t cached;
+  // Live blocks.
+  size_t live_blocks;
+  // Free blocks.
+  size_t free_blocks;
+  // Chunks taken from the driver.
+  size_t chunks;
+  // The largest free block.
+  size_t largest_free;
+} CumemPoolStats;
+
+// One device's figures across its modes.
+typedef struct {
+  // The sync pool.
+  CumemPoolStats pool;
+  // Bytes in live stream-ordered allocations (the two async modes).
+  size_t stream_ordered_in_use;
+  // The largest `stream_ordered_in_use` since the last peak reset.
+  size_t stream_ordered_peak_in_use;
+  // Live stream-ordered allocations.
+  size_t stream_ordered_live;
+  // Bytes the driver's pools (the device's default pool and the
+  // dedicated one) reserve now (0 before they are used).
+  uint64_t native_reserved;
+  // The largest reservation of those pools (the driver's high-water
+  // attribute).
+  uint64_t native_peak_reserved;
+  // Bytes the graph-private pools hold from the driver.
+  size_t graph_reserved;
+  // The largest `graph_reserved`.
+  size_t graph_peak_reserved;
+  // Sync-pool reuses of a block freed on another stream that waited for
+  // that stream's work.
+  uint64_t stream_waits;
+  // Cross-stream reuses that needed no new wait.
+  uint64_t stream_waits_elided;
+} CumemDeviceStats;
+
+// What `cumem_shutdown` found.
+typedef struct {
+  // Allocations still live (they stay valid).
+  size_t live_count;
+  // Their bytes.
+  size_t live_bytes;
+  // Bytes returned to the driver.
+  size_t released_bytes;
+} CumemShutdownReport;
+
+// Counters of the PyTorch entry points, which can't return a status.
+typedef struct {
+  // `cumem_torch_alloc` calls that returned NULL for a non-zero size.
+  uint64_t alloc_failures;
+  // `cumem_torch_free` calls that failed (the block stayed as it was).
+  uint64_t free_failures;
+  // Frees that first ordered their stream after streams noted with
+  // `cumem_record_stream`.
+  uint64_t recorded_stream_waits;
+} CumemTorchCounters;
+
+#ifdef __cplusplus
+extern "C" {
+#endif // __cplusplus
+
+// Creates the process-wide manager from a configuration string in
+// `CUMEM_CONF`'s syntax (`"device_pool_size=1GiB,mode=sync_pool"`), or
+// from `CUMEM_CONF` itself when `conf` is NULL. Optional: any other call
+// creates the manager from `CUMEM_CONF` on first use.
+//
+// # Errors
+// `CUMEM_STATUS_CONFIG` (a bad key or value, named in the message),
+// `CUMEM_STATUS_ALREADY_INITIALIZED`, `CUMEM_STATUS_NO_SUCH_DEVICE`,
+// `CUMEM_STATUS_DRIVER`.
+//
+// # Safety
+// `conf` must be NULL or a NUL-terminated string.
+CumemStatus cumem_init(const char *conf);
+
+// Writes a description of what the manager runs on ("CUDA (1 device(s))"
+// or "host fallback, no GPU in use (why)") into `buf`; see
+// `cumem_memory_summary` for `len` and `needed`.
+//
+// # Safety
+// As `cumem_memory_summary`.
+CumemStatus cumem_backend(char *buf, size_t len, size_t *needed);
+
+// Stores 1 in `*out` on the host fallback (no GPU: ordinary host memory
+// stands in for device memory), 0 on CUDA.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_is_host_fallback(int *out);
+
+// Allocates `size` bytes of pinned (page-locked) host memory, 256-byte
+// aligned, and stores the pointer in `*out` (left unchanged on failure).
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (size 0 or absurd, `out` NULL),
+// `CUMEM_STATUS_OUT_OF_MEMORY`, `CUMEM_STATUS_SHUT_DOWN`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_allocate_pinned(size_t size, void **out);
+
+// Returns pinned memory to the pool. It must no longer be used (by the
+// host or by queued copies).
+//
+// # Errors
+// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
+// `CUMEM_STATUS_UNKNOWN_POINTER` (NULL, a device pointer, anything cumem's
+// pinned pool did not hand out); the pool is unchanged then.
+CumemStatus cumem_free_pinned(void *ptr);
+
+// Allocates `size` bytes of device memory on the default device, usable
+// at once by the host and by any stream; stores the device pointer in
+// `*out` (never to be dereferenced on the host).
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,
+// `CUMEM_STATUS_SHUT_DOWN`, `CUMEM_STATUS_DRIVER`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_allocate_device(size_t size, void **out);
+
+// Allocates device memory for work on `stream` (a stream of the default
+// device): safe to use by work queued on `stream` from now on.
+//
+// # Errors
+// As `cumem_allocate_device`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write; `stream` must be a
+// stream of the default device's primary context that lives until the
+// memory is freed and the frees queued on it have run.
+CumemStatus cumem_allocate_device_on(size_t size, CumemStream stream, void **out);
+
+// Frees device memory at once: no queued work on any stream may still use
+// it (synchronise first, or use `cumem_free_device_on`).
+//
+// # Errors
+// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
+// `CUMEM_STATUS_UNKNOWN_POINTER` (also NULL and pinned pointers); nothing
+// changes then.
+CumemStatus cumem_free_device(void *ptr);
+
+// Frees device memory in stream order: work queued on `stream` before
+// this call may still use it; other streams reuse it only after that work.
+//
+// # Errors
+// As `cumem_free_device`.
+//
+// # Safety
+// `stream` as in `cumem_allocate_device_on`.
+CumemStatus cumem_free_device_on(void *ptr, CumemStream stream);
+
+// Queues a copy of `size` bytes from host memory `src` to device memory
+// `dst` on `stream` (`cuMemcpyHtoDAsync`; asynchronous from pinned
+// memory). On the host fallback it happens at once.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL pointers), `CUMEM_STATUS_DRIVER`.
+//
+// # Safety
+// As `cudaMemcpyAsync`: `src` readable and `dst` a device allocation
+// writable for `size` bytes until the copy is done (synchronise
+// `stream`), neither written meanwhile; `stream` as in
+// `cumem_allocate_device_on`.
+CumemStatus cumem_copy_to_device_async(void *dst, const void *src, size_t size, CumemStream stream);
+
+// Queues a copy of `size` bytes from device memory `src` to host memory
+// `dst` on `stream` (`cuMemcpyDtoHAsync`).
+//
+// # Errors
+// As `cumem_copy_to_device_async`.
+//
+// # Safety
+// As `cumem_copy_to_device_async`, with the roles swapped: `dst` must
+// not be read or written until the copy is done.
+CumemStatus cumem_copy_to_host_async(void *dst, const void *src, size_t size, CumemStream stream);
+
+// Sets the bytes the first pinned allocation reserves.
+//
+// # Errors
+// `CUMEM_STATUS_CONFIG_TOO_LATE` after the first pinned allocation.
+CumemStatus cumem_set_pinned_pool_size(size_t size);
+
+// Sets the bytes the first device allocation of the sync pool reserves.
+//
+// # Errors
+// `CUMEM_STATUS_CONFIG_TOO_LATE` after the first device allocation.
+CumemStatus cumem_set_device_pool_size(size_t size);
+
+// Requests device allocator mode `mode` (a `CumemMode` value) for every
+// device; stores the mode in effect on the default device in
+// `*effective` when it is not NULL (`CUMEM_MODE_SYNC_POOL` where the
+// device can't allocate stream-ordered). Live allocations stay valid.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` for a value that is not a mode.
+//
+// # Safety
+// `effective` must be NULL or valid for a write.
+CumemStatus cumem_set_device_allocator_mode(int mode, CumemMode *effective);
+
+// Stores the requested device allocator mode in `*out`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_requested_device_allocator_mode(CumemMode *out);
+
+// Stores the device allocator mode in effect on the default device in
+// `*out`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_effective_device_allocator_mode(CumemMode *out);
+
+// Stores 1 in `*out` when the default device supports stream-ordered
+// allocation (`CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`), else 0.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_supports_async_device_allocator(int *out);
+
+// Stores the pinned pool's figures in `*out`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_pinned_stats(CumemPoolStats *out);
+
+// Stores device `device`'s figures in `*out` (creating its allocator if
+// no call used the device yet).
+//
+// # Errors
+// `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_INVALID_ARGUMENT`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_device_stats(int device, CumemDeviceStats *out);
+
+// Sets every peak figure to its current value.
+CumemStatus cumem_reset_peak_stats(void);
+
+// Returns all cached free memory (pinned and device) to the driver;
+// stores the bytes released in `*released` when it is not NULL.
+//
+// # Errors
+// `CUMEM_STATUS_CAPTURE` while a graph capture cumem routes is under way;
+// `CUMEM_STATUS_DRIVER`.
+//
+// # Safety
+// `released` must be NULL or valid for a write.
+CumemStatus cumem_release_cached(size_t *released);
+
+// Writes a readable table of every pool's state into `buf` (`len`
+// bytes), NUL-terminated. `*needed` (when not NULL) gets the bytes the
+// whole table needs, its NUL included: call with `buf` NULL and `len` 0
+// to learn it. A buffer too small gets as much as fits and
+// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
+// valid for a write.
+CumemStatus cumem_memory_summary(char *buf, size_t len, size_t *needed);
+
+// Stops serving allocations, returns all free memory to the driver, and
+// stores what is still live in `*report` when it is not NULL. Live memory
+// stays valid (and can still be freed). Calling it twice is harmless.
+//
+// # Errors
+// `CUMEM_STATUS_DRIVER` (what could be released, was);
+// `CUMEM_STATUS_CAPTURE` while a graph capture cumem routes is under way.
+//
+// # Safety
+// `report` must be NULL or valid for a write.
+CumemStatus cumem_shutdown(CumemShutdownReport *report);
+
+// The message of the last failing cumem call on the calling thread ("" if
+// none failed yet). Successful calls leave it as it is. The text stays
+// valid until the next failing cumem call on this thread; copy it to keep
+// it.
+const char *cumem_last_error(void);
+
+// The name of a status code as a static string ("CUMEM_STATUS_OK", ...);
+// "CUMEM_STATUS_UNKNOWN" for a value that is not one.
+const char *cumem_status_name(int32_t status);
+
+// Creates a stream on the default device (`cuStreamCreate`,
+// non-blocking), or a host queue on the host fallback, and stores its raw
+// handle in `*out`. Destroy it with `cumem_stream_destroy`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write of one `CumemStream`.
+CumemStatus cumem_stream_create(CumemStream *out);
+
+// Destroys a stream made by `cumem_stream_create` once cumem no longer
+// orders work on it (`cuStreamDestroy`; work already queued still runs).
+// Synchronize it first if memory was freed on it.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` for a stream `cumem_stream_create` did
+// not make (or one already destroyed).
+CumemStatus cumem_stream_destroy(CumemStream stream);
+
+// Waits until all work queued on `stream` (of the default device) is
+// done (`cuStreamSynchronize`); returns at once on the host fallback.
+CumemStatus cumem_stream_synchronize(CumemStream stream);
+
+// PyTorch's allocation entry point: `size` bytes of device memory on
+// `device` for work on `stream`. Returns NULL for size 0, and NULL on
+// failure (the message is the thread's last error, and the first few are
+// printed to stderr: PyTorch's pluggable allocator does not check).
+//
+// # Safety
+// `stream` must be a stream of `device`'s primary context (PyTorch's
+// streams are) that outlives the frees queued on it.
+void *cumem_torch_alloc(size_t size, int device, CumemStream stream);
+
+// PyTorch's free entry point: frees `ptr` in the order of `stream` (the
+// allocation's stream). NULL is ignored; a failure (a pointer cumem did
+// not hand out, a double free) changes nothing, becomes the thread's last
+// error and is counted (`cumem_torch_counters`).
+//
+// # Safety
+// As `cumem_torch_alloc`.
+void cumem_torch_free(void *ptr, size_t size, int device, CumemStream stream);
+
+// Notes that device memory `ptr` (a live allocation start) is used by
+// work on `stream` of `device` besides its own stream: when it is freed
+// (`cumem_torch_free`, `cumem_free_device_on`), the freeing stream first
+// waits for the work queued on `stream` up to then. What
+// `Tensor.record_stream` does for PyTorch's own allocator.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL, a negative device).
+//
+// # Safety
+// `stream` as in `cumem_torch_alloc`.
+CumemStatus cumem_record_stream(void *ptr, int device, CumemStream stream);
+
+// Stores the PyTorch entry points' counters in `*out`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_torch_counters(CumemTorchCounters *out);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif  // __cplusplus
+
+#endif  /* CUMEM_H */

@@ -1,0 +1,131 @@
+// cumem for C++: the seed's MemoryManager API over cumem's C ABI
+// (cumem.h). Header-only; link libcumem_c (shared or static). Failures
+// throw cumem::Error, which carries the status and cumem's message.
+#ifndef CUMEM_HPP
+#define CUMEM_HPP
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cumem.h"
+
+namespace cumem {
+
+// A failed cumem call: its status and message.
+class Error : public std::runtime_error {
+ public:
+  Error(CumemStatus status, const std::string& what)
+      : std::runtime_error(std::string(cumem_status_name(status)) + ": " + what), status_(status) {}
+  CumemStatus status() const { return status_; }
+
+ private:
+  CumemStatus status_;
+};
+
+inline void check(CumemStatus s) {
+  if (s != CUMEM_STATUS_OK) throw Error(s, cumem_last_error());
+}
+
+enum class DeviceAllocatorMode {
+  SYNC_POOL = CUMEM_MODE_SYNC_POOL,
+  ASYNC_STREAM_ORDERED = CUMEM_MODE_ASYNC_STREAM_ORDERED,
+  CUDA_ASYNC_POOL = CUMEM_MODE_CUDA_ASYNC_POOL,
+};
+
+// The process-wide manager (configured from CUMEM_CONF on first use, or
+// by cumem_init before). Every method may be called from any thread.
+class MemoryManager {
+ public:
+  static MemoryManager& getInstance() {
+    static MemoryManager instance;
+    return instance;
+  }
+  MemoryManager(const MemoryManager&) = delete;
+  MemoryManager& operator=(const MemoryManager&) = delete;
+
+  // Pinned host memory.
+  void* allocatePinned(size_t size) {
+    void* p = nullptr;
+    check(cumem_allocate_pinned(size, &p));
+    return p;
+  }
+  void freePinned(void* ptr) { check(cumem_free_pinned(ptr)); }
+
+  // Device memory: usable at once by any stream, or (with a stream)
+  // stream-ordered.
+  void* allocateDevice(size_t size) {
+    void* p = nullptr;
+    check(cumem_allocate_device(size, &p));
+    return p;
+  }
+  void* allocateDevice(size_t size, CumemStream stream) {
+    void* p = nullptr;
+    check(cumem_allocate_device_on(size, stream, &p));
+    return p;
+  }
+  void freeDevice(void* ptr) { check(cumem_free_device(ptr)); }
+  void freeDevice(void* ptr, CumemStream stream) { check(cumem_free_device_on(ptr, stream)); }
+
+  // Asynchronous transfers (the seed returns cudaError_t; these return
+  // cumem's status, with the message in cumem_last_error()).
+  CumemStatus copyToDeviceAsync(void* dst, const void* src, size_t size, CumemStream stream) {
+    return cumem_copy_to_device_async(dst, src, size, stream);
+  }
+  CumemStatus copyToHostAsync(void* dst, const void* src, size_t size, CumemStream stream) {
+    return cumem_copy_to_host_async(dst, src, size, stream);
+  }
+
+  // Pool management (before first use).
+  void setPinnedPoolSize(size_t size) { check(cumem_set_pinned_pool_size(size)); }
+  void setDevicePoolSize(size_t size) { check(cumem_set_device_pool_size(size)); }
+
+  // Allocator mode.
+  void setDeviceAllocatorMode(DeviceAllocatorMode mode) {
+    check(cumem_set_device_allocator_mode(static_cast<int>(mode), nullptr));
+  }
+  DeviceAllocatorMode getRequestedDeviceAllocatorMode() const {
+    CumemMode m = CUMEM_MODE_SYNC_POOL;
+    check(cumem_requested_device_allocator_mode(&m));
+    return static_cast<DeviceAllocatorMode>(m);
+  }
+  DeviceAllocatorMode getEffectiveDeviceAllocatorMode() const {
+    CumemMode m = CUMEM_MODE_SYNC_POOL;
+    check(cumem_effective_device_allocator_mode(&m));
+    return static_cast<DeviceAllocatorMode>(m);
+  }
+  bool supportsAsyncDeviceAllocator() const {
+    int yes = 0;
+    check(cumem_supports_async_device_allocator(&yes));
+    return yes != 0;
+  }
+
+  // What the manager runs on, and every pool's state.
+  std::string backend() const { return text(cumem_backend); }
+  std::string memorySummary() const { return text(cumem_memory_summary); }
+
+  // Cleanup: releases what is free; live memory stays valid.
+  CumemShutdownReport shutdown() {
+    CumemShutdownReport r{};
+    check(cumem_shutdown(&r));
+    return r;
+  }
+
+ private:
+  MemoryManager() = default;
+
+  template <typename F>
+  static std::string text(F f) {
+    size_t needed = 0;
+    CumemStatus s = f(nullptr, 0, &needed);
+    if (s != CUMEM_STATUS_BUFFER_TOO_SMALL) check(s);
+    std::vector<char> buf(needed);
+    check(f(buf.data(), buf.size(), nullptr));
+    return std::string(buf.data());
+  }
+};
+
+}  // namespace cumem
+
+#endif  // CUMEM_HPP

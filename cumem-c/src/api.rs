@@ -1,0 +1,431 @@
+//! The seed's `MemoryManager` API in C form: initialisation, pinned and
+//! device memory (with stream-ordered forms), copies, pool sizes, modes,
+//! the summary and shutdown.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+use cumem::{Config, DeviceAllocatorMode, MemoryManager};
+
+use crate::status::{guard, Failure, Outcome};
+use crate::streams::{stream_for, CumemStream};
+use crate::CumemStatus;
+
+/// A device allocator mode (`cumem_set_device_allocator_mode` takes its
+/// value as an `int`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CumemMode {
+    /// cumem's own pool, stream-ordered reuse through events.
+    SyncPool = 0,
+    /// `cuMemAllocAsync` on the device's default memory pool.
+    AsyncStreamOrdered = 1,
+    /// A dedicated native CUDA memory pool (`cuMemPoolCreate`).
+    CudaAsyncPool = 2,
+}
+
+impl CumemMode {
+    pub(crate) fn of(mode: DeviceAllocatorMode) -> CumemMode {
+        match mode {
+            DeviceAllocatorMode::SyncPool => CumemMode::SyncPool,
+            DeviceAllocatorMode::AsyncStreamOrdered => CumemMode::AsyncStreamOrdered,
+            DeviceAllocatorMode::CudaAsyncPool => CumemMode::CudaAsyncPool,
+        }
+    }
+}
+
+/// The process-wide manager (configured from `CUMEM_CONF` on first use).
+pub(crate) fn manager() -> Outcome<&'static MemoryManager> {
+    Ok(MemoryManager::global()?)
+}
+
+/// Writes `value` through `out`, refusing NULL.
+///
+/// # Safety
+/// `out` must be NULL or valid for a write of one `T`.
+pub(crate) unsafe fn put<T>(out: *mut T, name: &str, value: T) -> Outcome {
+    if out.is_null() {
+        return Err(Failure::null(name));
+    }
+    // SAFETY: non-null, and the caller promises it is valid for a write.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// Copies `text` NUL-terminated into `buf` (`len` bytes); `*needed` (when
+/// not NULL) gets the bytes the whole text needs, its NUL included. A
+/// buffer too small gets as much as fits, NUL-terminated, and
+/// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+///
+/// # Safety
+/// `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
+/// valid for a write.
+pub(crate) unsafe fn copy_text(text: &str, buf: *mut c_char, len: usize, needed: *mut usize) -> Outcome {
+    let need = text.len() + 1;
+    if !needed.is_null() {
+        // SAFETY: non-null, and the caller promises it is valid.
+        unsafe { needed.write(need) };
+    }
+    if buf.is_null() {
+        return if len == 0 { Err(too_small(need, 0)) } else { Err(Failure::null("buf")) };
+    }
+    if len == 0 {
+        return Err(too_small(need, 0));
+    }
+    let n = text.len().min(len - 1);
+    // SAFETY: `buf` is valid for `len` bytes (the caller's promise) and
+    // `n + 1 <= len`; the source is a distinct Rust string.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
+        buf.add(n).write(0);
+    }
+    if n < text.len() {
+        Err(too_small(need, len))
+    } else {
+        Ok(())
+    }
+}
+
+fn too_small(need: usize, len: usize) -> Failure {
+    Failure::new(CumemStatus::BufferTooSmall, format!("the text needs {need} B with its NUL; the buffer holds {len} B"))
+}
+
+/// Creates the process-wide manager from a configuration string in
+/// `CUMEM_CONF`'s syntax (`"device_pool_size=1GiB,mode=sync_pool"`), or
+/// from `CUMEM_CONF` itself when `conf` is NULL. Optional: any other call
+/// creates the manager from `CUMEM_CONF` on first use.
+///
+/// # Errors
+/// `CUMEM_STATUS_CONFIG` (a bad key or value, named in the message),
+/// `CUMEM_STATUS_ALREADY_INITIALIZED`, `CUMEM_STATUS_NO_SUCH_DEVICE`,
+/// `CUMEM_STATUS_DRIVER`.
+///
+/// # Safety
+/// `conf` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_init(conf: *const c_char) -> CumemStatus {
+    guard(|| {
+        let config = if conf.is_null() {
+            Config::from_env()?
+        } else {
+            // SAFETY: non-null, and the caller promises a NUL-terminated
+            // string.
+            let text = unsafe { CStr::from_ptr(conf) };
+            let text = text
+                .to_str()
+                .map_err(|_| Failure::new(CumemStatus::Config, "the configuration string is not UTF-8"))?;
+            text.parse::<Config>()?
+        };
+        MemoryManager::init(config)?;
+        Ok(())
+    })
+}
+
+/// Writes a description of what the manager runs on ("CUDA (1 device(s))"
+/// or "host fallback, no GPU in use (why)") into `buf`; see
+/// `cumem_memory_summary` for `len` and `needed`.
+///
+/// # Safety
+/// As `cumem_memory_summary`.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_backend(buf: *mut c_char, len: usize, needed: *mut usize) -> CumemStatus {
+    guard(|| {
+        let text = manager()?.backend().to_string();
+        // SAFETY: the caller's promises are copy_text's.
+        unsafe { copy_text(&text, buf, len, needed) }
+    })
+}
+
+/// Stores 1 in `*out` on the host fallback (no GPU: ordinary host memory
+/// stands in for device memory), 0 on CUDA.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_is_host_fallback(out: *mut c_int) -> CumemStatus {
+    guard(|| {
+        let host = manager()?.backend().is_host();
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put(out, "out", c_int::from(host)) }
+    })
+}
+
+// ---- pinned host memory ----
+
+/// Allocates `size` bytes of pinned (page-locked) host memory, 256-byte
+/// aligned, and stores the pointer in `*out` (left unchanged on failure).
+///
+/// # Errors
+/// `CUMEM_STATUS_INVALID_ARGUMENT` (size 0 or absurd, `out` NULL),
+/// `CUMEM_STATUS_OUT_OF_MEMORY`, `CUMEM_STATUS_SHUT_DOWN`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_allocate_pinned(size: usize, out: *mut *mut c_void) -> CumemStatus {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let p = manager()?.allocate_pinned(size)?;
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put(out, "out", p.as_ptr().cast::<c_void>()) }
+    })
+}
+
+/// Returns pinned memory to the pool. It must no longer be used (by the
+/// host or by queued copies).
+///
+/// # Errors
+/// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
+/// `CUMEM_STATUS_UNKNOWN_POINTER` (NULL, a device pointer, anything cumem's
+/// pinned pool did not hand out); the pool is unchanged then.
+#[no_mangle]
+pub extern "C" fn cumem_free_pinned(ptr: *mut c_void) -> CumemStatus {
+    guard(|| Ok(manager()?.free_pinned(ptr.cast())?))
+}
+
+// ---- device memory ----
+
+/// Allocates `size` bytes of device memory on the default device, usable
+/// at once by the host and by any stream; stores the device pointer in
+/// `*out` (never to be dereferenced on the host).
+///
+/// # Errors
+/// `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,
+/// `CUMEM_STATUS_SHUT_DOWN`, `CUMEM_STATUS_DRIVER`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_allocate_device(size: usize, out: *mut *mut c_void) -> CumemStatus {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let d = manager()?.allocate_device(size)?;
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put(out, "out", d as usize as *mut c_void) }
+    })
+}
+
+/// Allocates device memory for work on `stream` (a stream of the default
+/// device): safe to use by work queued on `stream` from now on.
+///
+/// # Errors
+/// As `cumem_allocate_device`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write; `stream` must be a
+/// stream of the default device's primary context that lives until the
+/// memory is freed and the frees queued on it have run.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_allocate_device_on(
+    size: usize,
+    stream: CumemStream,
+    out: *mut *mut c_void,
+) -> CumemStatus {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let mm = manager()?;
+        let s = stream_for(mm.config().device, stream)?;
+        let d = mm.allocate_device_on(size, &s)?;
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put(out, "out", d as usize as *mut c_void) }
+    })
+}
+
+/// Frees device memory at once: no queued work on any stream may still use
+/// it (synchronise first, or use `cumem_free_device_on`).
+///
+/// # Errors
+/// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
+/// `CUMEM_STATUS_UNKNOWN_POINTER` (also NULL and pinned pointers); nothing
+/// changes then.
+#[no_mangle]
+pub extern "C" fn cumem_free_device(ptr: *mut c_void) -> CumemStatus {
+    guard(|| {
+        manager()?.free_device(ptr as usize as u64)?;
+        // No queued work uses the block (the caller's promise): streams
+        // noted for it need no wait.
+        crate::torch::forget_recorded(ptr as usize);
+        Ok(())
+    })
+}
+
+/// Frees device memory in stream order: work queued on `stream` before
+/// this call may still use it; other streams reuse it only after that work.
+///
+/// # Errors
+/// As `cumem_free_device`.
+///
+/// # Safety
+/// `stream` as in `cumem_allocate_device_on`.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_free_device_on(ptr: *mut c_void, stream: CumemStream) -> CumemStatus {
+    guard(|| crate::torch::free_on(ptr as usize, manager()?.config().device, stream))
+}
+
+// ---- copies ----
+
+fn check_copy(dst: *const c_void, src: *const c_void, size: usize) -> Outcome {
+    if size > 0 && dst.is_null() {
+        return Err(Failure::null("dst"));
+    }
+    if size > 0 && src.is_null() {
+        return Err(Failure::null("src"));
+    }
+    Ok(())
+}
+
+/// Queues a copy of `size` bytes from host memory `src` to device memory
+/// `dst` on `stream` (`cuMemcpyHtoDAsync`; asynchronous from pinned
+/// memory). On the host fallback it happens at once.
+///
+/// # Errors
+/// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL pointers), `CUMEM_STATUS_DRIVER`.
+///
+/// # Safety
+/// As `cudaMemcpyAsync`: `src` readable and `dst` a device allocation
+/// writable for `size` bytes until the copy is done (synchronise
+/// `stream`), neither written meanwhile; `stream` as in
+/// `cumem_allocate_device_on`.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_copy_to_device_async(
+    dst: *mut c_void,
+    src: *const c_void,
+    size: usize,
+    stream: CumemStream,
+) -> CumemStatus {
+    guard(|| {
+        check_copy(dst, src, size)?;
+        let mm = manager()?;
+        let s = stream_for(mm.config().device, stream)?;
+        // SAFETY: the caller's promises are copy_to_device_async's.
+        unsafe { mm.copy_to_device_async(dst as usize as u64, src.cast(), size, &s)? };
+        Ok(())
+    })
+}
+
+/// Queues a copy of `size` bytes from device memory `src` to host memory
+/// `dst` on `stream` (`cuMemcpyDtoHAsync`).
+///
+/// # Errors
+/// As `cumem_copy_to_device_async`.
+///
+/// # Safety
+/// As `cumem_copy_to_device_async`, with the roles swapped: `dst` must
+/// not be read or written until the copy is done.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_copy_to_host_async(
+    dst: *mut c_void,
+    src: *const c_void,
+    size: usize,
+    stream: CumemStream,
+) -> CumemStatus {
+    guard(|| {
+        check_copy(dst, src, size)?;
+        let mm = manager()?;
+        let s = stream_for(mm.config().device, stream)?;
+        // SAFETY: the caller's promises are copy_to_host_async's.
+        unsafe { mm.copy_to_host_async(dst.cast(), src as usize as u64, size, &s)? };
+        Ok(())
+    })
+}
+
+// ---- pool sizes and modes ----
+
+/// Sets the bytes the first pinned allocation reserves.
+///
+/// # Errors
+/// `CUMEM_STATUS_CONFIG_TOO_LATE` after the first pinned allocation.
+#[no_mangle]
+pub extern "C" fn cumem_set_pinned_pool_size(size: usize) -> CumemStatus {
+    guard(|| Ok(manager()?.set_pinned_pool_size(size)?))
+}
+
+/// Sets the bytes the first device allocation of the sync pool reserves.
+///
+/// # Errors
+/// `CUMEM_STATUS_CONFIG_TOO_LATE` after the first device allocation.
+#[no_mangle]
+pub extern "C" fn cumem_set_device_pool_size(size: usize) -> CumemStatus {
+    guard(|| Ok(manager()?.set_device_pool_size(size)?))
+}
+
+/// Requests device allocator mode `mode` (a `CumemMode` value) for every
+/// device; stores the mode in effect on the default device in
+/// `*effective` when it is not NULL (`CUMEM_MODE_SYNC_POOL` where the
+/// device can't allocate stream-ordered). Live allocations stay valid.
+///
+/// # Errors
+/// `CUMEM_STATUS_INVALID_ARGUMENT` for a value that is not a mode.
+///
+/// # Safety
+/// `effective` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_set_device_allocator_mode(mode: c_int, effective: *mut CumemMode) -> CumemStatus {
+    guard(|| {
+        let mode = match mode {
+            0 => DeviceAllocatorMode::SyncPool,
+            1 => DeviceAllocatorMode::AsyncStreamOrdered,
+            2 => DeviceAllocatorMode::CudaAsyncPool,
+            other => {
+                return Err(Failure::new(
+                    CumemStatus::InvalidArgument,
+                    format!(
+                    "{other} is not a device allocator mode (0 sync pool, 1 async stream-ordered, 2 CUDA async pool)"
+                ),
+                ))
+            }
+        };
+        let now = CumemMode::of(manager()?.set_device_allocator_mode(mode)?);
+        if !effective.is_null() {
+            // SAFETY: the caller's promise about `effective`.
+            unsafe { effective.write(now) };
+        }
+        Ok(())
+    })
+}
+
+/// Stores the requested device allocator mode in `*out`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_requested_device_allocator_mode(out: *mut CumemMode) -> CumemStatus {
+    guard(|| {
+        let m = CumemMode::of(manager()?.requested_device_allocator_mode());
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put(out, "out", m) }
+    })
+}
+
+/// Stores the device allocator mode in effect on the default device in
+/// `*out`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_effective_device_allocator_mode(out: *mut CumemMode) -> CumemStatus {
+    guard(|| {
+        let m = CumemMode::of(manager()?.effective_device_allocator_mode());
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put(out, "out", m) }
+    })
+}
+
+/// Stores 1 in `*out` when the default device supports stream-ordered
+/// allocation (`CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`), else 0.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_supports_async_device_allocator(out: *mut c_int) -> CumemStatus {
+    guard(|| {
+        let yes = manager()?.supports_async_device_allocator();
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put(out, "out", c_int::from(yes)) }
+    })
+}

@@ -1,0 +1,32 @@
+//! cumem's C ABI: the seed's `MemoryManager` API in C form, PyTorch's
+//! pluggable-allocator entry points, statistics, and a thread-local last
+//! error. Built as `libcumem_c.so` and `libcumem_c.a`; the header is
+//! `include/cumem.h` (generated from this crate by cbindgen, checked by
+//! `tests/header.rs`), with a C++ wrapper in `include/cumem.hpp`.
+//!
+//! Every entry point returns a [`CumemStatus`] (the PyTorch ones, whose
+//! signatures PyTorch fixes, return NULL or count failures instead) and
+//! never unwinds into C: a panic inside cumem becomes
+//! `CUMEM_STATUS_PANIC`. Bad pointers, double frees and out of memory are
+//! status codes that leave the pools as they were; the message of the last
+//! failing call on a thread is [`cumem_last_error`].
+//!
+//! The first call creates the process-wide manager from `CUMEM_CONF`
+//! (or call [`cumem_init`] first with a configuration string). Without a
+//! GPU everything runs on cumem's host fallback.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod api;
+mod stats;
+mod status;
+mod streams;
+mod torch;
+
+pub use api::*;
+pub use stats::*;
+pub use status::{cumem_last_error, cumem_status_name, CumemStatus};
+pub use streams::*;
+pub use torch::*;
+
+pub(crate) use api::manager;

@@ -1,0 +1,218 @@
+//! Statistics, the summary table, cached-memory release and shutdown.
+
+use std::ffi::{c_char, c_int};
+
+use cumem::pool::PoolStats;
+
+use crate::api::{copy_text, manager, put};
+use crate::status::{guard, Failure};
+use crate::CumemStatus;
+
+/// One pool's figures, in bytes or counts.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CumemPoolStats {
+    /// Bytes in live blocks.
+    pub in_use: usize,
+    /// The largest `in_use` since the last peak reset.
+    pub peak_in_use: usize,
+    /// Bytes the live allocations asked for.
+    pub requested: usize,
+    /// The largest `requested` since the last peak reset.
+    pub peak_requested: usize,
+    /// Bytes the pool holds from the driver (physical: mapped pages).
+    pub reserved: usize,
+    /// The largest `reserved` since the last peak reset.
+    pub peak_reserved: usize,
+    /// Bytes in blocks parked in per-thread caches.
+    pub cached: usize,
+    /// Live blocks.
+    pub live_blocks: usize,
+    /// Free blocks.
+    pub free_blocks: usize,
+    /// Chunks taken from the driver.
+    pub chunks: usize,
+    /// The largest free block.
+    pub largest_free: usize,
+}
+
+impl From<PoolStats> for CumemPoolStats {
+    fn from(s: PoolStats) -> Self {
+        CumemPoolStats {
+            in_use: s.in_use,
+            peak_in_use: s.peak_in_use,
+            requested: s.requested,
+            peak_requested: s.peak_requested,
+            reserved: s.reserved,
+            peak_reserved: s.peak_reserved,
+            cached: s.cached,
+            live_blocks: s.live_blocks,
+            free_blocks: s.free_blocks,
+            chunks: s.chunks,
+            largest_free: s.largest_free,
+        }
+    }
+}
+
+/// One device's figures across its modes.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CumemDeviceStats {
+    /// The sync pool.
+    pub pool: CumemPoolStats,
+    /// Bytes in live stream-ordered allocations (the two async modes).
+    pub stream_ordered_in_use: usize,
+    /// The largest `stream_ordered_in_use` since the last peak reset.
+    pub stream_ordered_peak_in_use: usize,
+    /// Live stream-ordered allocations.
+    pub stream_ordered_live: usize,
+    /// Bytes the driver's pools (the device's default pool and the
+    /// dedicated one) reserve now (0 before they are used).
+    pub native_reserved: u64,
+    /// The largest reservation of those pools (the driver's high-water
+    /// attribute).
+    pub native_peak_reserved: u64,
+    /// Bytes the graph-private pools hold from the driver.
+    pub graph_reserved: usize,
+    /// The largest `graph_reserved`.
+    pub graph_peak_reserved: usize,
+    /// Sync-pool reuses of a block freed on another stream that waited for
+    /// that stream's work.
+    pub stream_waits: u64,
+    /// Cross-stream reuses that needed no new wait.
+    pub stream_waits_elided: u64,
+}
+
+/// What `cumem_shutdown` found.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CumemShutdownReport {
+    /// Allocations still live (they stay valid).
+    pub live_count: usize,
+    /// Their bytes.
+    pub live_bytes: usize,
+    /// Bytes returned to the driver.
+    pub released_bytes: usize,
+}
+
+/// Stores the pinned pool's figures in `*out`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_pinned_stats(out: *mut CumemPoolStats) -> CumemStatus {
+    guard(|| {
+        let s = CumemPoolStats::from(manager()?.pinned_stats());
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put(out, "out", s) }
+    })
+}
+
+/// Stores device `device`'s figures in `*out` (creating its allocator if
+/// no call used the device yet).
+///
+/// # Errors
+/// `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDeviceStats) -> CumemStatus {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let ordinal = crate::torch::ordinal(device)?;
+        let d = manager()?.device_stats(ordinal)?;
+        let natives = [d.native_pool.as_ref(), d.default_pool.as_ref()];
+        let s = CumemDeviceStats {
+            pool: d.pool.into(),
+            stream_ordered_in_use: d.stream_ordered.in_use,
+            stream_ordered_peak_in_use: d.stream_ordered.peak_in_use,
+            stream_ordered_live: d.stream_ordered.live,
+            native_reserved: natives.iter().flatten().map(|a| a.reserved_current).sum(),
+            native_peak_reserved: natives.iter().flatten().map(|a| a.reserved_high).sum(),
+            graph_reserved: d.graphs.reserved,
+            graph_peak_reserved: d.graphs.peak_reserved,
+            stream_waits: d.stream_waits,
+            stream_waits_elided: d.stream_waits_elided,
+        };
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put(out, "out", s) }
+    })
+}
+
+/// Sets every peak figure to its current value.
+#[no_mangle]
+pub extern "C" fn cumem_reset_peak_stats() -> CumemStatus {
+    guard(|| {
+        manager()?.reset_peak_stats();
+        Ok(())
+    })
+}
+
+/// Returns all cached free memory (pinned and device) to the driver;
+/// stores the bytes released in `*released` when it is not NULL.
+///
+/// # Errors
+/// `CUMEM_STATUS_CAPTURE` while a graph capture cumem routes is under way;
+/// `CUMEM_STATUS_DRIVER`.
+///
+/// # Safety
+/// `released` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_release_cached(released: *mut usize) -> CumemStatus {
+    guard(|| {
+        let n = manager()?.release_cached()?;
+        if !released.is_null() {
+            // SAFETY: the caller's promise about `released`.
+            unsafe { released.write(n) };
+        }
+        Ok(())
+    })
+}
+
+/// Writes a readable table of every pool's state into `buf` (`len`
+/// bytes), NUL-terminated. `*needed` (when not NULL) gets the bytes the
+/// whole table needs, its NUL included: call with `buf` NULL and `len` 0
+/// to learn it. A buffer too small gets as much as fits and
+/// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+///
+/// # Safety
+/// `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
+/// valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_memory_summary(buf: *mut c_char, len: usize, needed: *mut usize) -> CumemStatus {
+    guard(|| {
+        let text = manager()?.memory_summary();
+        // SAFETY: the caller's promises are copy_text's.
+        unsafe { copy_text(&text, buf, len, needed) }
+    })
+}
+
+/// Stops serving allocations, returns all free memory to the driver, and
+/// stores what is still live in `*report` when it is not NULL. Live memory
+/// stays valid (and can still be freed). Calling it twice is harmless.
+///
+/// # Errors
+/// `CUMEM_STATUS_DRIVER` (what could be released, was);
+/// `CUMEM_STATUS_CAPTURE` while a graph capture cumem routes is under way.
+///
+/// # Safety
+/// `report` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_shutdown(report: *mut CumemShutdownReport) -> CumemStatus {
+    guard(|| {
+        let r = manager()?.shutdown()?;
+        if !report.is_null() {
+            let c = CumemShutdownReport {
+                live_count: r.live_count,
+                live_bytes: r.live_bytes,
+                released_bytes: r.released_bytes,
+            };
+            // SAFETY: the caller's promise about `report`.
+            unsafe { report.write(c) };
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,243 @@
+//! Status codes, the thread-local last error, and the guard every entry
+//! point runs its body in (a panic becomes [`CumemStatus::Panic`]; nothing
+//! unwinds into C).
+
+use std::cell::RefCell;
+use std::ffi::{c_char, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use cumem::Error;
+
+/// What a cumem call returned. `CUMEM_STATUS_OK` is 0; every other value
+/// is a failure whose message [`cumem_last_error`] gives, and which left
+/// the pools as they were.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CumemStatus {
+    /// Success.
+    Ok = 0,
+    /// A null pointer where one is required, a zero or absurd size, a bad
+    /// alignment, a mode or device number out of range.
+    InvalidArgument = 1,
+    /// The pool could not serve the request, even after releasing cached
+    /// memory.
+    OutOfMemory = 2,
+    /// A pointer cumem never handed out (or a pinned pointer given to a
+    /// device call, and the reverse).
+    UnknownPointer = 3,
+    /// A pointer inside a block rather than at its start.
+    InteriorPointer = 4,
+    /// A block freed a second time.
+    DoubleFree = 5,
+    /// `cumem_init` after the manager was created (by `cumem_init` or by
+    /// any other call, which configures it from `CUMEM_CONF`).
+    AlreadyInitialized = 6,
+    /// A setting changed after its moment passed (pool sizes after the
+    /// first allocation).
+    ConfigTooLate = 7,
+    /// A bad configuration string (`cumem_init`'s or `CUMEM_CONF`).
+    Config = 8,
+    /// A call after `cumem_shutdown`.
+    ShutDown = 9,
+    /// A CUDA driver call failed.
+    Driver = 10,
+    /// No device with that number.
+    NoSuchDevice = 11,
+    /// A request that graph capture rules forbid now.
+    Capture = 12,
+    /// The caller's buffer is too small (the size needed is reported).
+    BufferTooSmall = 13,
+    /// A call that needs a GPU on the host fallback.
+    NeedsGpu = 14,
+    /// cumem panicked inside the call (a bug in cumem): the call did
+    /// nothing that can be relied on, and the message says where.
+    Panic = 15,
+    /// Any other failure; the message says what.
+    Other = 16,
+}
+
+impl CumemStatus {
+    /// The status a cumem error maps to.
+    pub fn of(e: &Error) -> CumemStatus {
+        match e {
+            Error::OutOfMemory { .. } => CumemStatus::OutOfMemory,
+            Error::InvalidSize { .. } | Error::InvalidAlignment { .. } => CumemStatus::InvalidArgument,
+            Error::UnknownPointer { .. } => CumemStatus::UnknownPointer,
+            Error::InteriorPointer { .. } => CumemStatus::InteriorPointer,
+            Error::DoubleFree { .. } => CumemStatus::DoubleFree,
+            Error::AlreadyInitialized => CumemStatus::AlreadyInitialized,
+            Error::ConfigTooLate { .. } => CumemStatus::ConfigTooLate,
+            Error::Config(_) => CumemStatus::Config,
+            Error::ShutDown(_) => CumemStatus::ShutDown,
+            Error::Driver { .. } => CumemStatus::Driver,
+            Error::NoSuchDevice { .. } => CumemStatus::NoSuchDevice,
+            Error::Capture(_) => CumemStatus::Capture,
+            Error::NeedsGpu(_) => CumemStatus::NeedsGpu,
+            _ => CumemStatus::Other,
+        }
+    }
+
+    /// The status's name as it appears in the header.
+    pub fn name(self) -> &'static std::ffi::CStr {
+        match self {
+            CumemStatus::Ok => c"CUMEM_STATUS_OK",
+            CumemStatus::InvalidArgument => c"CUMEM_STATUS_INVALID_ARGUMENT",
+            CumemStatus::OutOfMemory => c"CUMEM_STATUS_OUT_OF_MEMORY",
+            CumemStatus::UnknownPointer => c"CUMEM_STATUS_UNKNOWN_POINTER",
+            CumemStatus::InteriorPointer => c"CUMEM_STATUS_INTERIOR_POINTER",
+            CumemStatus::DoubleFree => c"CUMEM_STATUS_DOUBLE_FREE",
+            CumemStatus::AlreadyInitialized => c"CUMEM_STATUS_ALREADY_INITIALIZED",
+            CumemStatus::ConfigTooLate => c"CUMEM_STATUS_CONFIG_TOO_LATE",
+            CumemStatus::Config => c"CUMEM_STATUS_CONFIG",
+            CumemStatus::ShutDown => c"CUMEM_STATUS_SHUT_DOWN",
+            CumemStatus::Driver => c"CUMEM_STATUS_DRIVER",
+            CumemStatus::NoSuchDevice => c"CUMEM_STATUS_NO_SUCH_DEVICE",
+            CumemStatus::Capture => c"CUMEM_STATUS_CAPTURE",
+            CumemStatus::BufferTooSmall => c"CUMEM_STATUS_BUFFER_TOO_SMALL",
+            CumemStatus::NeedsGpu => c"CUMEM_STATUS_NEEDS_GPU",
+            CumemStatus::Panic => c"CUMEM_STATUS_PANIC",
+            CumemStatus::Other => c"CUMEM_STATUS_OTHER",
+        }
+    }
+}
+
+/// A failure on its way to C: the status and the message.
+#[derive(Debug)]
+pub struct Failure {
+    pub(crate) status: CumemStatus,
+    pub(crate) message: String,
+}
+
+impl Failure {
+    /// A failure with this status and message.
+    pub fn new(status: CumemStatus, message: impl Into<String>) -> Failure {
+        Failure { status, message: message.into() }
+    }
+
+    /// A null pointer where the argument `what` must point somewhere.
+    pub fn null(what: &str) -> Failure {
+        Failure::new(CumemStatus::InvalidArgument, format!("{what} is a null pointer"))
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        Failure { status: CumemStatus::of(&e), message: e.to_string() }
+    }
+}
+
+/// What an entry point's body returns.
+pub type Outcome<T = ()> = std::result::Result<T, Failure>;
+
+thread_local! {
+    /// The message of the last failing call on this thread.
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Records `message` as this thread's last error.
+pub(crate) fn set_last_error(message: &str) {
+    // A message with an interior NUL (never made by cumem) is cut there.
+    let end = message.find('\0').unwrap_or(message.len());
+    let text = CString::new(&message[..end]).unwrap_or_default();
+    // `try_with`: during thread teardown the slot may be gone; the status
+    // code still reports the failure.
+    let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = text);
+}
+
+/// Runs an entry point's body: its failure (or panic) becomes a status
+/// and this thread's last error; success is [`CumemStatus::Ok`].
+pub(crate) fn guard(body: impl FnOnce() -> Outcome) -> CumemStatus {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => CumemStatus::Ok,
+        Ok(Err(f)) => {
+            set_last_error(&f.message);
+            f.status
+        }
+        Err(payload) => {
+            set_last_error(&panic_message(payload.as_ref()));
+            CumemStatus::Panic
+        }
+    }
+}
+
+/// The text of a caught panic.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    let what = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into());
+    format!("cumem panicked inside the call (a bug in cumem; please report it): {what}")
+}
+
+/// The message of the last failing cumem call on the calling thread ("" if
+/// none failed yet). Successful calls leave it as it is. The text stays
+/// valid until the next failing cumem call on this thread; copy it to keep
+/// it.
+#[no_mangle]
+pub extern "C" fn cumem_last_error() -> *const c_char {
+    catch_unwind(|| LAST_ERROR.try_with(|slot| slot.borrow().as_ptr()).unwrap_or(c"".as_ptr())).unwrap_or(c"".as_ptr())
+}
+
+/// The name of a status code as a static string ("CUMEM_STATUS_OK", ...);
+/// "CUMEM_STATUS_UNKNOWN" for a value that is not one.
+#[no_mangle]
+pub extern "C" fn cumem_status_name(status: i32) -> *const c_char {
+    let all = [
+        CumemStatus::Ok,
+        CumemStatus::InvalidArgument,
+        CumemStatus::OutOfMemory,
+        CumemStatus::UnknownPointer,
+        CumemStatus::InteriorPointer,
+        CumemStatus::DoubleFree,
+        CumemStatus::AlreadyInitialized,
+        CumemStatus::ConfigTooLate,
+        CumemStatus::Config,
+        CumemStatus::ShutDown,
+        CumemStatus::Driver,
+        CumemStatus::NoSuchDevice,
+        CumemStatus::Capture,
+        CumemStatus::BufferTooSmall,
+        CumemStatus::NeedsGpu,
+        CumemStatus::Panic,
+        CumemStatus::Other,
+    ];
+    all.iter().find(|s| **s as i32 == status).map_or(c"CUMEM_STATUS_UNKNOWN".as_ptr(), |s| s.name().as_ptr())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last_error() -> String {
+        // SAFETY: cumem_last_error returns a NUL-terminated string that
+        // stays valid until this thread's next failing call.
+        unsafe { std::ffi::CStr::from_ptr(cumem_last_error()) }.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn a_panic_becomes_a_status_and_a_message() {
+        let s = guard(|| panic!("boom {}", 7));
+        assert_eq!(s, CumemStatus::Panic);
+        assert!(last_error().contains("boom 7"), "{}", last_error());
+        assert_eq!(guard(|| std::panic::panic_any(3_u8)), CumemStatus::Panic);
+        assert!(last_error().contains("without a message"));
+    }
+
+    #[test]
+    fn success_keeps_the_last_error_and_failure_sets_it() {
+        assert_eq!(guard(|| Err(Failure::new(CumemStatus::Other, "first\0hidden"))), CumemStatus::Other);
+        assert_eq!(last_error(), "first");
+        assert_eq!(guard(|| Ok(())), CumemStatus::Ok);
+        assert_eq!(last_error(), "first");
+    }
+
+    #[test]
+    fn every_status_has_its_header_name() {
+        for v in 0..=16 {
+            // SAFETY: cumem_status_name returns a static NUL-terminated string.
+            let name = unsafe { std::ffi::CStr::from_ptr(cumem_status_name(v)) }.to_str().unwrap();
+            assert!(name.starts_with("CUMEM_STATUS_") && name != "CUMEM_STATUS_UNKNOWN", "{v}: {name}");
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! Raw CUDA streams from C (a `cudaStream_t` / `CUstream`) as cumem
+//! [`Stream`]s.
+//!
+//! cumem orders reuse by stream identity, so one raw stream must always be
+//! the same `Stream`: the first time a raw stream of a device is seen, it
+//! is wrapped (cudarc's `wrap_borrowed_stream`: the wrapper never destroys
+//! it) and kept in a process-wide table; each thread keeps a small copy of
+//! the table's entries it used, so a call on a known stream takes no
+//! shared lock. Streams made by [`cumem_stream_create`] are in the same
+//! table, owned: [`cumem_stream_destroy`] drops them.
+//!
+//! On the host fallback every raw value stands for a host queue of its own
+//! (work "queued" on it has already happened).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use cumem::Stream;
+
+use crate::status::{Failure, Outcome};
+use crate::CumemStatus;
+
+/// A raw CUDA stream (`cudaStream_t`, `CUstream`); NULL is the device's
+/// legacy default stream. On the host fallback any value names a host
+/// queue.
+pub type CumemStream = *mut c_void;
+
+/// (device, raw stream value).
+type Key = (usize, usize);
+
+struct Entry {
+    stream: Stream,
+    /// Made by `cumem_stream_create` (destroyed by `cumem_stream_destroy`).
+    owned: bool,
+}
+
+fn table() -> &'static Mutex<HashMap<Key, Entry>> {
+    static TABLE: OnceLock<Mutex<HashMap<Key, Entry>>> = OnceLock::new();
+    TABLE.get_or_init(Mutex::default)
+}
+
+/// Bumped whenever an entry leaves the table: threads then drop their
+/// copies.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// This thread's copies of table entries, valid for one generation.
+    static LOCAL: RefCell<(u64, Vec<(Key, Stream)>)> = const { RefCell::new((0, Vec::new())) };
+}
+
+/// How many streams a thread keeps copies of (a linear scan: programs use
+/// a handful of streams).
+const LOCAL_MAX: usize = 16;
+
+/// The cumem stream for raw stream `raw` of device `device`.
+///
+/// The caller of the C entry point promises that `raw` is a stream of
+/// `device`'s primary context (the one the CUDA runtime uses) and that it
+/// outlives the frees queued on it.
+pub(crate) fn stream_for(device: usize, raw: CumemStream) -> Outcome<Stream> {
+    let key = (device, raw as usize);
+    let generation = GENERATION.load(Ordering::Acquire);
+    let hit = LOCAL.with(|l| {
+        let l = l.borrow();
+        if l.0 != generation {
+            return None;
+        }
+        l.1.iter().find(|(k, _)| *k == key).map(|(_, s)| s.clone())
+    });
+    if let Some(s) = hit {
+        return Ok(s);
+    }
+    let stream = shared_stream(key)?;
+    LOCAL.with(|l| {
+        let mut l = l.borrow_mut();
+        if l.0 != generation {
+            *l = (generation, Vec::new());
+        }
+        if l.1.len() == LOCAL_MAX {
+            l.1.remove(0);
+        }
+        l.1.push((key, stream.clone()));
+    });
+    Ok(stream)
+}
+
+/// The table's stream for `key`, wrapped and entered on first sight.
+fn shared_stream(key: Key) -> Outcome<Stream> {
+    if let Some(e) = table().lock().unwrap_or_else(PoisonError::into_inner).get(&key) {
+        return Ok(e.stream.clone());
+    }
+    // A device the manager does not have fails here (once per stream:
+    // known streams are found above). The allocator and the context may be
+    // created here (driver calls): outside the lock.
+    crate::manager()?.device(key.0)?;
+    let wrapped = match cumem::device::device_context(key.0)? {
+        Some(ctx) => {
+            // SAFETY: the C caller promises (see the header) that the raw
+            // stream belongs to this device's primary context and outlives
+            // the work cumem orders on it; the wrapper is borrowed, so
+            // dropping it never destroys the stream.
+            let cuda = unsafe { ctx.wrap_borrowed_stream(key.1 as cudarc::driver::sys::CUstream) };
+            Stream::from_cudarc(cuda)
+        }
+        None => Stream::host(),
+    };
+    let mut t = table().lock().unwrap_or_else(PoisonError::into_inner);
+    // Another thread may have entered it meanwhile: theirs wins, so the
+    // raw stream keeps one identity.
+    Ok(t.entry(key).or_insert(Entry { stream: wrapped, owned: false }).stream.clone())
+}
+
+/// The raw value standing for host queue `s` (never NULL, never a value a
+/// real stream has: the host fallback has none).
+fn host_token(s: &Stream) -> usize {
+    0x1000 + (s.id() as usize) * 16
+}
+
+/// Creates a stream on the default device (`cuStreamCreate`,
+/// non-blocking), or a host queue on the host fallback, and stores its raw
+/// handle in `*out`. Destroy it with `cumem_stream_destroy`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write of one `CumemStream`.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_stream_create(out: *mut CumemStream) -> CumemStatus {
+    crate::status::guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let mm = crate::manager()?;
+        let device = mm.config().device;
+        let stream = Stream::new_on(device)?;
+        let raw = if stream.is_host() { host_token(&stream) } else { stream.cu_stream() as usize };
+        table().lock().unwrap_or_else(PoisonError::into_inner).insert((device, raw), Entry { stream, owned: true });
+        // SAFETY: `out` is non-null and the caller promises it is valid
+        // for a write.
+        unsafe { out.write(raw as CumemStream) };
+        Ok(())
+    })
+}
+
+/// Destroys a stream made by `cumem_stream_create` once cumem no longer
+/// orders work on it (`cuStreamDestroy`; work already queued still runs).
+/// Synchronize it first if memory was freed on it.
+///
+/// # Errors
+/// `CUMEM_STATUS_INVALID_ARGUMENT` for a stream `cumem_stream_create` did
+/// not make (or one already destroyed).
+#[no_mangle]
+pub extern "C" fn cumem_stream_destroy(stream: CumemStream) -> CumemStatus {
+    crate::status::guard(|| {
+        let device = crate::manager()?.config().device;
+        let key = (device, stream as usize);
+        let mut t = table().lock().unwrap_or_else(PoisonError::into_inner);
+        match t.get(&key) {
+            Some(e) if e.owned => {
+                let entry = t.remove(&key);
+                GENERATION.fetch_add(1, Ordering::AcqRel);
+                drop(t);
+                // The wrapper goes (and with its last clone the stream)
+                // outside the lock.
+                drop(entry);
+                Ok(())
+            }
+            _ => Err(Failure::new(
+                CumemStatus::InvalidArgument,
+                format!("stream {stream:p} was not made by cumem_stream_create (or is already destroyed)"),
+            )),
+        }
+    })
+}
+
+/// Waits until all work queued on `stream` (of the default device) is
+/// done (`cuStreamSynchronize`); returns at once on the host fallback.
+#[no_mangle]
+pub extern "C" fn cumem_stream_synchronize(stream: CumemStream) -> CumemStatus {
+    crate::status::guard(|| {
+        let device = crate::manager()?.config().device;
+        stream_for(device, stream)?.synchronize()?;
+        Ok(())
+    })
+}

@@ -1,0 +1,222 @@
+//! PyTorch's pluggable-allocator entry points, and what PyTorch does not
+//! tell a pluggable allocator: the streams a tensor was used on besides
+//! its own (`record_stream`).
+//!
+//! PyTorch (`torch.cuda.memory.CUDAPluggableAllocator(path, "cumem_torch_alloc",
+//! "cumem_torch_free")`) calls `alloc(size, device, stream)` with the
+//! current stream and, when the tensor dies, `free(ptr, size, device,
+//! stream)` with the stream of the allocation. cumem frees in that
+//! stream's order: work PyTorch queued on the stream before the free may
+//! still use the block; another stream reuses it only after that work.
+//!
+//! `Tensor.record_stream(s)` never reaches a pluggable allocator from
+//! Python (PyTorch's Python binding sets no record-stream hook), so the
+//! block would be reused while `s` may still read it. The C entry
+//! [`cumem_record_stream`] (Python: `cumem_torch.record_stream(tensor,
+//! stream)`) notes such streams; the free then orders the allocation's
+//! stream after each of them (`cuEventRecord` + `cuStreamWaitEvent`)
+//! before freeing on it.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use crate::api::manager;
+use crate::status::{guard, panic_message, set_last_error, Failure, Outcome};
+use crate::streams::{stream_for, CumemStream};
+use crate::CumemStatus;
+
+/// A device number from C as an ordinal.
+pub(crate) fn ordinal(device: c_int) -> Outcome<usize> {
+    usize::try_from(device)
+        .map_err(|_| Failure::new(CumemStatus::InvalidArgument, format!("device {device} is negative")))
+}
+
+/// Counters of the PyTorch entry points, which can't return a status.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CumemTorchCounters {
+    /// `cumem_torch_alloc` calls that returned NULL for a non-zero size.
+    pub alloc_failures: u64,
+    /// `cumem_torch_free` calls that failed (the block stayed as it was).
+    pub free_failures: u64,
+    /// Frees that first ordered their stream after streams noted with
+    /// `cumem_record_stream`.
+    pub recorded_stream_waits: u64,
+}
+
+static ALLOC_FAILURES: AtomicU64 = AtomicU64::new(0);
+static FREE_FAILURES: AtomicU64 = AtomicU64::new(0);
+static RECORDED_WAITS: AtomicU64 = AtomicU64::new(0);
+
+/// How many failures are also printed to stderr (PyTorch drops the
+/// status; the first few say why a program then fails).
+const PRINTED_FAILURES: u64 = 8;
+
+fn report(counter: &AtomicU64, what: &str, message: &str) {
+    set_last_error(message);
+    if counter.fetch_add(1, Ordering::Relaxed) < PRINTED_FAILURES {
+        eprintln!("cumem: {what} failed: {message}");
+    }
+}
+
+/// Extra streams per device pointer (`cumem_record_stream`), and how many
+/// pointers have any (frees skip the lock while it is 0).
+fn recorded() -> &'static Mutex<HashMap<usize, Vec<CumemStreamKey>>> {
+    static RECORDED: OnceLock<Mutex<HashMap<usize, Vec<CumemStreamKey>>>> = OnceLock::new();
+    RECORDED.get_or_init(Mutex::default)
+}
+static RECORDED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// A raw stream kept as an integer (raw pointers are not `Send`).
+type CumemStreamKey = usize;
+
+/// The streams noted for `ptr`, removed.
+fn take_recorded(ptr: usize) -> Vec<CumemStreamKey> {
+    if RECORDED_COUNT.load(Ordering::Acquire) == 0 {
+        return Vec::new();
+    }
+    let mut t = recorded().lock().unwrap_or_else(PoisonError::into_inner);
+    match t.remove(&ptr) {
+        Some(v) => {
+            RECORDED_COUNT.fetch_sub(1, Ordering::AcqRel);
+            v
+        }
+        None => Vec::new(),
+    }
+}
+
+/// Drops the streams noted for `ptr` (freed with no stream).
+pub(crate) fn forget_recorded(ptr: usize) {
+    drop(take_recorded(ptr));
+}
+
+/// Frees `ptr` on `stream` of `device`, first ordering `stream` after the
+/// streams recorded for it.
+pub(crate) fn free_on(ptr: usize, device: usize, stream: CumemStream) -> Outcome {
+    let mm = manager()?;
+    let s = stream_for(device, stream)?;
+    let others = take_recorded(ptr);
+    for raw in &others {
+        let other = stream_for(device, *raw as CumemStream)?;
+        if !other.same_as(&s) {
+            s.wait_for(&other)?;
+            RECORDED_WAITS.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    match mm.free_device_on(ptr as u64, &s) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            // The block was not freed: its notes stay with it.
+            if !others.is_empty() {
+                let mut t = recorded().lock().unwrap_or_else(PoisonError::into_inner);
+                if t.insert(ptr, others).is_none() {
+                    RECORDED_COUNT.fetch_add(1, Ordering::AcqRel);
+                }
+            }
+            Err(e.into())
+        }
+    }
+}
+
+/// PyTorch's allocation entry point: `size` bytes of device memory on
+/// `device` for work on `stream`. Returns NULL for size 0, and NULL on
+/// failure (the message is the thread's last error, and the first few are
+/// printed to stderr: PyTorch's pluggable allocator does not check).
+///
+/// # Safety
+/// `stream` must be a stream of `device`'s primary context (PyTorch's
+/// streams are) that outlives the frees queued on it.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_torch_alloc(size: usize, device: c_int, stream: CumemStream) -> *mut c_void {
+    if size == 0 {
+        return std::ptr::null_mut();
+    }
+    let body = || -> Outcome<u64> {
+        let mm = manager()?;
+        let s = stream_for(ordinal(device)?, stream)?;
+        Ok(mm.allocate_device_on(size, &s)?)
+    };
+    match std::panic::catch_unwind(body) {
+        Ok(Ok(p)) => p as usize as *mut c_void,
+        Ok(Err(f)) => {
+            report(&ALLOC_FAILURES, "cumem_torch_alloc", &f.message);
+            std::ptr::null_mut()
+        }
+        Err(payload) => {
+            report(&ALLOC_FAILURES, "cumem_torch_alloc", &panic_message(payload.as_ref()));
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// PyTorch's free entry point: frees `ptr` in the order of `stream` (the
+/// allocation's stream). NULL is ignored; a failure (a pointer cumem did
+/// not hand out, a double free) changes nothing, becomes the thread's last
+/// error and is counted (`cumem_torch_counters`).
+///
+/// # Safety
+/// As `cumem_torch_alloc`.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_torch_free(ptr: *mut c_void, size: usize, device: c_int, stream: CumemStream) {
+    let _ = size;
+    if ptr.is_null() {
+        return;
+    }
+    let body = || -> Outcome { free_on(ptr as usize, ordinal(device)?, stream) };
+    match std::panic::catch_unwind(body) {
+        Ok(Ok(())) => {}
+        Ok(Err(f)) => report(&FREE_FAILURES, "cumem_torch_free", &f.message),
+        Err(payload) => report(&FREE_FAILURES, "cumem_torch_free", &panic_message(payload.as_ref())),
+    }
+}
+
+/// Notes that device memory `ptr` (a live allocation start) is used by
+/// work on `stream` of `device` besides its own stream: when it is freed
+/// (`cumem_torch_free`, `cumem_free_device_on`), the freeing stream first
+/// waits for the work queued on `stream` up to then. What
+/// `Tensor.record_stream` does for PyTorch's own allocator.
+///
+/// # Errors
+/// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL, a negative device).
+///
+/// # Safety
+/// `stream` as in `cumem_torch_alloc`.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_record_stream(ptr: *mut c_void, device: c_int, stream: CumemStream) -> CumemStatus {
+    guard(|| {
+        if ptr.is_null() {
+            return Err(Failure::null("ptr"));
+        }
+        // Wrap the stream now, so a bad device fails here and not at the
+        // free.
+        stream_for(ordinal(device)?, stream)?;
+        let mut t = recorded().lock().unwrap_or_else(PoisonError::into_inner);
+        let streams = t.entry(ptr as usize).or_insert_with(|| {
+            RECORDED_COUNT.fetch_add(1, Ordering::AcqRel);
+            Vec::new()
+        });
+        if !streams.contains(&(stream as usize)) {
+            streams.push(stream as usize);
+        }
+        Ok(())
+    })
+}
+
+/// Stores the PyTorch entry points' counters in `*out`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_torch_counters(out: *mut CumemTorchCounters) -> CumemStatus {
+    guard(|| {
+        let c = CumemTorchCounters {
+            alloc_failures: ALLOC_FAILURES.load(Ordering::Relaxed),
+            free_failures: FREE_FAILURES.load(Ordering::Relaxed),
+            recorded_stream_waits: RECORDED_WAITS.load(Ordering::Relaxed),
+        };
+        // SAFETY: the caller's promise about `out`.
+        unsafe { crate::api::put(out, "out", c) }
+    })
+}

@@ -1,0 +1,121 @@
+"""ctypes bindings of cumem's C ABI (cumem-c/include/cumem.h)."""
+
+import ctypes
+import os
+import threading
+
+_lock = threading.Lock()
+_lib = None
+
+# CumemStatus values (cumem.h).
+OK = 0
+BUFFER_TOO_SMALL = 13
+
+
+def library_path():
+    """The shared library this package uses: `CUMEM_TORCH_LIB` when set,
+    else the `libcumem_c.so` installed with the package."""
+    env = os.environ.get("CUMEM_TORCH_LIB")
+    if env:
+        return os.path.abspath(env)
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "libcumem_c.so")
+
+
+class PoolStats(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "in_use", "peak_in_use", "requested", "peak_requested", "reserved", "peak_reserved",
+        "cached", "live_blocks", "free_blocks", "chunks", "largest_free")]
+
+
+class DeviceStats(ctypes.Structure):
+    _fields_ = [
+        ("pool", PoolStats),
+        ("stream_ordered_in_use", ctypes.c_size_t),
+        ("stream_ordered_peak_in_use", ctypes.c_size_t),
+        ("stream_ordered_live", ctypes.c_size_t),
+        ("native_reserved", ctypes.c_uint64),
+        ("native_peak_reserved", ctypes.c_uint64),
+        ("graph_reserved", ctypes.c_size_t),
+        ("graph_peak_reserved", ctypes.c_size_t),
+        ("stream_waits", ctypes.c_uint64),
+        ("stream_waits_elided", ctypes.c_uint64),
+    ]
+
+
+class TorchCounters(ctypes.Structure):
+    _fields_ = [("alloc_failures", ctypes.c_uint64), ("free_failures", ctypes.c_uint64),
+                ("recorded_stream_waits", ctypes.c_uint64)]
+
+
+class ShutdownReport(ctypes.Structure):
+    _fields_ = [("live_count", ctypes.c_size_t), ("live_bytes", ctypes.c_size_t),
+                ("released_bytes", ctypes.c_size_t)]
+
+
+def _declare(lib):
+    c_int, c_size, vp, cp = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
+    P = ctypes.POINTER
+    sigs = {
+        "cumem_init": [cp],
+        "cumem_backend": [cp, c_size, P(c_size)],
+        "cumem_memory_summary": [cp, c_size, P(c_size)],
+        "cumem_pinned_stats": [P(PoolStats)],
+        "cumem_device_stats": [c_int, P(DeviceStats)],
+        "cumem_reset_peak_stats": [],
+        "cumem_release_cached": [P(c_size)],
+        "cumem_shutdown": [P(ShutdownReport)],
+        "cumem_record_stream": [vp, c_int, vp],
+        "cumem_torch_counters": [P(TorchCounters)],
+    }
+    for name, args in sigs.items():
+        f = getattr(lib, name)
+        f.argtypes = args
+        f.restype = c_int
+    lib.cumem_last_error.argtypes = []
+    lib.cumem_last_error.restype = cp
+    lib.cumem_status_name.argtypes = [ctypes.c_int32]
+    lib.cumem_status_name.restype = cp
+    return lib
+
+
+def lib():
+    """The loaded library (loaded once; PyTorch's allocator hook loads the
+    same file, so both see one cumem manager)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            _lib = _declare(ctypes.CDLL(library_path()))
+        return _lib
+
+
+class CumemError(RuntimeError):
+    """A failed cumem call: `status` is the CumemStatus name."""
+
+    def __init__(self, status, message):
+        self.status = status
+        super().__init__(f"{status}: {message}")
+
+
+def check(status):
+    if status != OK:
+        l = lib()
+        raise CumemError(l.cumem_status_name(status).decode(), l.cumem_last_error().decode(errors="replace"))
+
+
+def text(fn):
+    """A string from an entry point that fills a caller's buffer."""
+    needed = ctypes.c_size_t(0)
+    s = fn(None, 0, ctypes.byref(needed))
+    if s != BUFFER_TOO_SMALL:
+        check(s)
+    buf = ctypes.create_string_buffer(needed.value)
+    check(fn(buf, needed.value, None))
+    return buf.value.decode(errors="replace")
+
+
+def as_dict(s):
+    out = {}
+    for name, _ in s._fields_:
+        v = getattr(s, name)
+        out[name] = as_dict(v) if isinstance(v, ctypes.Structure) else int(v)
+    return out

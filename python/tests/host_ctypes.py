@@ -1,0 +1,42 @@
+#!/usr/bin/env python3
+"""cumem_torch's ctypes side without PyTorch or a GPU (CI runs it on the
+host fallback): statistics, the summary, errors as CumemError, shutdown.
+The library is CUMEM_TORCH_LIB's, else the installed package's."""
+
+import ctypes
+
+import cumem_torch
+from cumem_torch import _lib
+
+lib = _lib.lib()
+print("cumem backend:", cumem_torch.backend())
+try:
+    cumem_torch.init("no_such_key=1")
+    raise AssertionError("a bad configuration was accepted")
+except cumem_torch.CumemError as e:
+    assert e.status == "CUMEM_STATUS_CONFIG" and "no_such_key" in str(e), e
+
+# Allocate through PyTorch's entry points, as PyTorch would.
+alloc = lib.cumem_torch_alloc
+alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+alloc.restype = ctypes.c_void_p
+free = lib.cumem_torch_free
+free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+free.restype = None
+p = alloc(1 << 20, 0, None)
+assert p and p % 256 == 0, p
+s = cumem_torch.stats()
+assert s["pool"]["in_use"] >= 1 << 20 and s["pool"]["live_blocks"] == 1, s
+free(p, 1 << 20, 0, None)
+free(p, 1 << 20, 0, None)  # a double free: counted, nothing else
+c = cumem_torch.torch_counters()
+assert c["free_failures"] == 1 and c["alloc_failures"] == 0, c
+assert cumem_torch.stats()["pool"]["in_use"] == 0
+assert cumem_torch.peak_reserved() >= 1 << 20
+cumem_torch.reset_peak_stats()
+assert "device 0" in cumem_torch.memory_summary()
+assert cumem_torch.pinned_stats()["in_use"] == 0
+cumem_torch.empty_cache()
+r = cumem_torch.shutdown()
+assert r["live_count"] == 0, r
+print("host ctypes test: ok")
