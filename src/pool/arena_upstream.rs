@@ -17,10 +17,10 @@
 //!   only changes its entry's owner (an atomic), with no copy. An entry is
 //!   written before the chunk's blocks can be handed out, and whoever
 //!   frees a block learned of it after that, so the entry is always found.
-//! - **Chunks change hands.** Before an arena's upstream is asked for a
-//!   new chunk, the other arenas are asked for a wholly free, untagged
-//!   chunk that is large enough ([`Pool`]'s `give_free_chunk`, under the
-//!   giver's lock alone): it leaves the giver's pool, the directory records
+//! - **Chunks change hands.** Before an arena grows, the other arenas are
+//!   asked for a wholly free, untagged chunk that is large enough
+//!   (`Shared::take_free_chunk`, called by `Arenas::allocate_elsewhere`;
+//!   [`Pool`]'s `give_free_chunk`, under the giver's lock alone): it leaves the giver's pool, the directory records
 //!   the taker as its owner, and only then does the taker hand out its
 //!   blocks. A free in flight for a block of that chunk can't exist (the
 //!   chunk had no live block); a stale free (a double free) finds either
@@ -265,17 +265,6 @@ impl Tracked {
         others.filter_map(|(_, cell)| cell.get()).map(|p| p.release_cached().unwrap_or(0)).sum()
     }
 
-    /// Takes a wholly free chunk of at least `size` bytes from another
-    /// arena (see the module docs), recorded as this arena's.
-    fn take_from_others(&self, size: usize) -> Option<Chunk> {
-        if self.inner.can_extend() {
-            return None;
-        }
-        // SAFETY: as in `release_others`: this runs inside an allocation
-        // from the set, which borrows the set that owns the pools.
-        unsafe { self.shared.take_free_chunk(self.index, size) }
-    }
-
     /// Books `size` bytes against the limit, obtains a chunk with `get`
     /// (allocated, or reserved for remapping) and records it.
     fn try_allocate(&self, size: usize, get: impl Fn(&dyn Upstream, usize) -> Result<Chunk>) -> Result<Chunk> {
@@ -310,9 +299,8 @@ impl Tracked {
 
 impl Upstream for Tracked {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
-        if let Some(c) = self.take_from_others(size) {
-            return Ok(c);
-        }
+        // Chunks of other arenas were offered before the pool grew
+        // (`Arenas::allocate_elsewhere`).
         let get = |u: &dyn Upstream, n| u.allocate_chunk(n);
         match self.try_allocate(size, get) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_allocate(size, get),

@@ -302,6 +302,7 @@ impl<U: Upstream> Pool<U> {
     /// # Errors
     /// As [`allocate_within`](Pool::allocate_within).
     pub(crate) fn allocate_uncached_within(&self, size: usize, align: usize) -> Result<Option<Allocation>> {
+        debug_assert!(!self.remap, "a remapping pool grows by mapping pages");
         let rounded = validate(size, align)?;
         self.allocate_exact(rounded, align, size, false)
     }
