@@ -199,6 +199,10 @@ pub enum Error {
     /// A request that is well-formed but not valid now (arena, buffers).
     #[error("{0}")]
     InvalidState(String),
+    /// Sharing memory with another process failed: memory that can't be
+    /// exported, a malformed or foreign handle, a closed connection.
+    #[error("inter-process sharing: {0}")]
+    Ipc(String),
     /// An arena plan's block can't hold what the plan needs. The plan is
     /// unchanged: a failed `satisfy` assigns nothing and leaves its requests
     /// pending; a request larger than the whole block is not taken.

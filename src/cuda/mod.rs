@@ -10,6 +10,7 @@ mod capture;
 mod context;
 mod free_clock;
 mod graph_object;
+pub(crate) mod ipc;
 mod peer;
 mod stream;
 pub mod vmm;

@@ -80,11 +80,17 @@ fn device_location(device: sys::CUdevice) -> sys::CUmemLocation {
 }
 
 /// The properties of pinned device memory on `device`, as `cuMemCreate` and
-/// `cuMemGetAllocationGranularity` take them.
-fn pinned_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+/// `cuMemGetAllocationGranularity` take them; `exportable` asks for memory
+/// that can be shared with other processes as a POSIX file descriptor.
+fn pinned_prop(device: sys::CUdevice, exportable: bool) -> sys::CUmemAllocationProp {
+    let handles = if exportable {
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    } else {
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+    };
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        requestedHandleTypes: handles,
         location: device_location(device),
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -104,7 +110,7 @@ fn pinned_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
 pub fn granularity(ctx: &CudaContext) -> Result<Granularity> {
     require_vmm(ctx)?;
     bind(ctx)?;
-    let prop = pinned_prop(ctx.cu_device());
+    let prop = pinned_prop(ctx.cu_device(), false);
     let mut minimum = 0usize;
     let mut recommended = 0usize;
     let min_flag = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
@@ -279,15 +285,35 @@ impl PhysicalChunk {
     /// Allocates `size` bytes (a multiple of the minimum
     /// [`granularity`]) of pinned memory on `ctx`'s device (`cuMemCreate`).
     ///
+    /// The memory is made exportable to other processes as a POSIX file
+    /// descriptor ([`crate::ipc`]) where the device supports it
+    /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`);
+    /// if the driver refuses such memory for any reason but lack of memory,
+    /// this and every later chunk of the process is made without.
+    ///
     /// # Errors
     /// [`Error::InvalidSize`] for an empty size; a driver error, for
     /// example `CUDA_ERROR_OUT_OF_MEMORY` (see [`is_out_of_memory`]).
     pub fn create(ctx: &Arc<CudaContext>, size: usize) -> Result<Self> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        /// Set once the driver refused exportable memory.
+        static EXPORT_REFUSED: AtomicBool = AtomicBool::new(false);
         if size == 0 {
             return Err(Error::InvalidSize { size, reason: "a physical chunk can't be empty" });
         }
         bind(ctx)?;
-        let prop = pinned_prop(ctx.cu_device());
+        let exportable = !EXPORT_REFUSED.load(Ordering::Relaxed) && posix_fd_supported(ctx);
+        match Self::create_with(ctx, size, exportable) {
+            Err(e) if exportable && !is_out_of_memory(&e) => {
+                EXPORT_REFUSED.store(true, Ordering::Relaxed);
+                Self::create_with(ctx, size, false)
+            }
+            r => r,
+        }
+    }
+
+    fn create_with(ctx: &Arc<CudaContext>, size: usize, exportable: bool) -> Result<Self> {
+        let prop = pinned_prop(ctx.cu_device(), exportable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` is a valid out-pointer and `prop` a fully
         // initialised property struct that lives across the call.
@@ -295,10 +321,72 @@ impl PhysicalChunk {
         Ok(PhysicalChunk { ctx: ctx.clone(), handle, size })
     }
 
+    /// The physical memory another process exported as the POSIX file
+    /// descriptor `fd` (`cuMemImportFromShareableHandle`), `size` bytes
+    /// long, for mapping in `ctx`. The descriptor stays open (the caller
+    /// closes it); the memory lives until this chunk and every mapping of
+    /// it are gone, in every process.
+    ///
+    /// # Errors
+    /// A driver error (not a descriptor of exported device memory).
+    pub fn import(ctx: &Arc<CudaContext>, fd: std::os::fd::BorrowedFd<'_>, size: usize) -> Result<Self> {
+        use std::os::fd::AsRawFd;
+        bind(ctx)?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        // SAFETY: `handle` is a valid out-pointer; for POSIX descriptors the
+        // driver takes the descriptor's number in place of a pointer and
+        // only reads through it (it does not close it).
+        let rc = unsafe { sys::cuMemImportFromShareableHandle(&mut handle, fd.as_raw_fd() as usize as *mut _, kind) };
+        check("cuMemImportFromShareableHandle", rc)?;
+        Ok(PhysicalChunk { ctx: ctx.clone(), handle, size })
+    }
+
     /// The length in bytes.
     pub fn size(&self) -> usize {
         self.size
     }
+}
+
+/// Whether `ctx`'s device can share memory as POSIX file descriptors
+/// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`).
+pub fn posix_fd_supported(ctx: &CudaContext) -> bool {
+    let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED;
+    cfg!(unix) && ctx.attribute(attr).is_ok_and(|v| v != 0)
+}
+
+/// Exports the physical memory mapped at `addr` (any address inside one
+/// mapping made with `cuMemMap`) as a POSIX file descriptor another
+/// process can import ([`PhysicalChunk::import`]):
+/// `cuMemRetainAllocationHandle`, `cuMemExportToShareableHandle`,
+/// `cuMemRelease` of the retained handle.
+///
+/// # Errors
+/// A driver error: nothing mapped there, or memory made without an
+/// exportable handle type.
+pub fn export_mapping(ctx: &CudaContext, addr: u64) -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    bind(ctx)?;
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: `handle` is a valid out-pointer; the driver only looks the
+    // address up (device memory is never dereferenced on the host).
+    check("cuMemRetainAllocationHandle", unsafe { sys::cuMemRetainAllocationHandle(&mut handle, addr as *mut _) })?;
+    let mut fd: std::ffi::c_int = -1;
+    let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    // SAFETY: for POSIX descriptors the driver writes one `int` through the
+    // pointer, which points at `fd`; `handle` is live (retained above).
+    let exported =
+        unsafe { sys::cuMemExportToShareableHandle(&mut fd as *mut std::ffi::c_int as *mut _, handle, kind, 0) };
+    // SAFETY: the retain above took one reference, given back once here.
+    let released = unsafe { sys::cuMemRelease(handle) };
+    check("cuMemExportToShareableHandle", exported)?;
+    check("cuMemRelease", released)?;
+    if fd < 0 {
+        return Err(Error::InvalidState(format!("cuMemExportToShareableHandle returned descriptor {fd}")));
+    }
+    // SAFETY: the driver created this descriptor for the caller, who owns
+    // it from now on; nothing else closes it.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
 
 impl Drop for PhysicalChunk {

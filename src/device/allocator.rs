@@ -19,6 +19,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
+use super::exports::Exports;
 use super::graph::{GraphPoolFactory, GraphStats, Graphs, StreamOrderedFree};
 use super::mode::DeviceAllocatorMode;
 use super::native_pool::{self, NativePool, NativePoolAttributes};
@@ -109,6 +110,8 @@ pub struct DeviceAllocator {
     streams: Arc<StreamRegistry>,
     /// Graph-private pools and the captures routed into them (graph.rs).
     pub(super) graphs: Graphs,
+    /// Blocks exported to other processes, pinned (exports.rs).
+    pub(super) exports: Exports,
 }
 
 impl std::fmt::Debug for DeviceAllocator {
@@ -154,6 +157,7 @@ impl DeviceAllocator {
             async_live: AtomicUsize::new(0),
             streams: Arc::new(StreamRegistry::default()),
             graphs: Graphs::new(!promise_registered_captures, make_graph_pool),
+            exports: Exports::default(),
         };
         // A block merged from blocks freed on a stream whose work is known
         // complete and one freed on another stream keeps only the latter's
@@ -393,6 +397,10 @@ impl DeviceAllocator {
     /// [`Error::UnknownPointer`] and change nothing.
     pub fn free(&self, ptr: u64, stream: Option<&Stream>) -> Result<usize> {
         let addr = ptr as usize;
+        // An exported block stays allocated until its exports are released.
+        if let Some(size) = self.defer_exported_free(addr, stream)? {
+            return Ok(size);
+        }
         let async_block =
             if self.async_live.load(Ordering::Acquire) > 0 { lock(&self.async_book).live.remove(&addr) } else { None };
         if let Some(block) = async_block {
@@ -440,6 +448,15 @@ impl DeviceAllocator {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// The size, mode and capture of the live stream-ordered allocation at
+    /// `addr`, if there is one.
+    pub(super) fn stream_ordered_block(&self, addr: usize) -> Option<(usize, DeviceAllocatorMode, u64)> {
+        if self.async_live.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        lock(&self.async_book).live.get(&addr).map(|b| (b.size, b.mode, b.capture))
     }
 
     /// `cuMemFreeAsync` of a stream-ordered allocation on `on`.

@@ -6,6 +6,7 @@
 //! The CUDA names most programs need are re-exported here too.
 
 mod allocator;
+mod exports;
 mod graph;
 mod graph_pool;
 mod mode;

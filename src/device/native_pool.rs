@@ -33,6 +33,9 @@ pub struct NativePool {
     ctx: Arc<CudaContext>,
     pool: sys::CUmemoryPool,
     owned: bool,
+    /// Made with POSIX file descriptors as a handle type: its memory can be
+    /// shared with other processes ([`crate::ipc`]).
+    exportable: bool,
 }
 
 // SAFETY: a CUmemoryPool handle may be used from any thread; every call
@@ -43,22 +46,37 @@ unsafe impl Sync for NativePool {}
 
 impl NativePool {
     /// Creates a dedicated pool of device memory on the context's device
-    /// (`cuMemPoolCreate`) and sets its release threshold.
+    /// (`cuMemPoolCreate`) and sets its release threshold. Where the device
+    /// supports it the pool is exportable (POSIX file descriptors), so its
+    /// allocations can be shared with other processes; a driver that
+    /// refuses that gets a pool without.
     ///
     /// # Errors
     /// A driver error (for instance on a device without memory pools).
     pub fn create(ctx: Arc<CudaContext>, release_threshold: u64) -> Result<NativePool> {
         ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-        // SAFETY: CUmemPoolProps is plain data; all-zero is a valid start
-        // (no handle types, no Windows attributes, no size limit).
-        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
-        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
-        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        props.location.id = ctx.ordinal() as i32;
-        // SAFETY: `props` is a valid, initialised CUmemPoolProps.
-        let pool = unsafe { result::mem_pool::create(&props) }.map_err(driver_err("cuMemPoolCreate"))?;
-        let pool = NativePool { ctx, pool, owned: true };
+        let make = |exportable: bool| {
+            // SAFETY: CUmemPoolProps is plain data; all-zero is a valid start
+            // (no handle types, no Windows attributes, no size limit).
+            let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+            props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            props.handleTypes = if exportable {
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            } else {
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+            };
+            props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            props.location.id = ctx.ordinal() as i32;
+            // SAFETY: `props` is a valid, initialised CUmemPoolProps.
+            unsafe { result::mem_pool::create(&props) }.map_err(driver_err("cuMemPoolCreate"))
+        };
+        let wanted = crate::cuda::vmm::posix_fd_supported(&ctx);
+        let (pool, exportable) = match make(wanted) {
+            Ok(p) => (p, wanted),
+            Err(_) if wanted => (make(false)?, false),
+            Err(e) => return Err(e),
+        };
+        let pool = NativePool { ctx, pool, owned: true, exportable };
         pool.set_release_threshold(release_threshold)?;
         // Devices granted peer access to this one reach the new pool too
         // (`cuMemPoolSetAccess`), as do later grants.
@@ -76,7 +94,7 @@ impl NativePool {
         // SAFETY: the device handle comes from a live context.
         let pool = unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }
             .map_err(driver_err("cuDeviceGetDefaultMemPool"))?;
-        let pool = NativePool { ctx, pool, owned: false };
+        let pool = NativePool { ctx, pool, owned: false, exportable: false };
         pool.set_release_threshold(release_threshold)?;
         Ok(pool)
     }
@@ -95,6 +113,53 @@ impl NativePool {
         unsafe { result::mem_pool::get_attribute(self.pool, attr, &mut value as *mut u64 as *mut c_void) }
             .map_err(driver_err("cuMemPoolGetAttribute"))?;
         Ok(value)
+    }
+
+    /// Whether the pool's memory can be shared with other processes.
+    pub fn exportable(&self) -> bool {
+        self.exportable
+    }
+
+    /// Exports the pool as a POSIX file descriptor
+    /// (`cuMemPoolExportToShareableHandle`) and `ptr`, one of its live
+    /// allocations, as the 64 bytes another process imports it by
+    /// (`cuMemPoolExportPointer`).
+    ///
+    /// # Errors
+    /// [`Error::Ipc`] for a pool made without an exportable handle type;
+    /// a driver error.
+    pub fn export(&self, ptr: u64) -> Result<(std::os::fd::OwnedFd, [u8; 64])> {
+        use std::os::fd::FromRawFd;
+        if !self.exportable {
+            return Err(Error::Ipc(format!(
+                "the native pool of device {} was made without an exportable handle type \
+                 (the device or driver does not share memory as POSIX file descriptors)",
+                self.ctx.ordinal()
+            )));
+        }
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut fd: std::ffi::c_int = -1;
+        let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        // SAFETY: for POSIX descriptors the driver writes one `int` through
+        // the pointer, which points at `fd`; the pool is live.
+        let rc = unsafe {
+            sys::cuMemPoolExportToShareableHandle(&mut fd as *mut std::ffi::c_int as *mut c_void, self.pool, kind, 0)
+        };
+        rc.result().map_err(driver_err("cuMemPoolExportToShareableHandle"))?;
+        if fd < 0 {
+            return Err(Error::Ipc(format!("cuMemPoolExportToShareableHandle returned descriptor {fd}")));
+        }
+        // SAFETY: the driver made this descriptor for the caller, who owns
+        // it from now on.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        // SAFETY: CUmemPoolPtrExportData is 64 plain bytes.
+        let mut data: sys::CUmemPoolPtrExportData = unsafe { std::mem::zeroed() };
+        // SAFETY: `data` is a valid out-pointer; the driver checks that
+        // `ptr` is a live allocation of an exportable pool.
+        unsafe { sys::cuMemPoolExportPointer(&mut data, ptr) }
+            .result()
+            .map_err(driver_err("cuMemPoolExportPointer"))?;
+        Ok((fd, data.reserved))
     }
 
     /// Sets `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`: the free bytes the pool

@@ -43,6 +43,30 @@ impl MemoryManager {
         r
     }
 
+    /// Exports the device block at `ptr` (a live block's start, on any
+    /// device) to other processes and pins it until the returned
+    /// [`Export`](crate::ipc::Export) is released: see [`crate::ipc`] for
+    /// the protocol, the kinds of memory that can be shared and how.
+    ///
+    /// # Errors
+    /// [`Error::NeedsGpu`] on the host fallback; [`Error::UnknownPointer`]
+    /// (and the other bad-pointer errors) for a pointer that is not a live
+    /// block's start; [`Error::Ipc`] for memory that can't be exported;
+    /// driver errors. Nothing changes on an error.
+    pub fn export_device(&self, ptr: u64) -> Result<crate::ipc::Export<'_>> {
+        self.check_running("exporting device memory")?;
+        let first = self.device(self.config.device)?;
+        let others = self.initialised_devices().filter(|d| d.ordinal() != first.ordinal());
+        let mut unknown = None;
+        for d in std::iter::once(first).chain(others) {
+            match d.export(ptr) {
+                Err(e @ Error::UnknownPointer { .. }) => unknown = unknown.or(Some(e)),
+                r => return r.map(|h| crate::ipc::Export::new(d, ptr, h)).map_err(|e| e.on_device(d.ordinal())),
+            }
+        }
+        Err(unknown.unwrap_or(Error::UnknownPointer { pool: PoolKind::Device, addr: ptr as usize }))
+    }
+
     /// The device a stream's calls work on: its own, or the default device
     /// for a host queue.
     #[inline]

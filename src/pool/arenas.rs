@@ -413,6 +413,13 @@ impl Arenas {
         self.owner(addr)?.block_size(addr)
     }
 
+    /// The pieces of memory mapped over the live block at `addr` (`size`
+    /// bytes), as the owning arena's upstream maps them
+    /// ([`Upstream::mapped_pieces`]).
+    pub fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<crate::upstream::Chunk>> {
+        self.owner(addr)?.upstream().mapped_pieces(addr, size)
+    }
+
     /// Whether `addr` lies in one of the arenas' chunks.
     pub fn contains(&self, addr: usize) -> bool {
         self.owner(addr).is_some_and(|p| p.contains(addr))

@@ -218,6 +218,29 @@ impl Expandable {
     fn mapped(&self) -> usize {
         lock(&self.region).piece_bounds().map(|(_, len)| len).sum()
     }
+
+    fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
+        let offset = self.offset_of(Chunk { addr, size })?;
+        let end = offset + size;
+        let region = lock(&self.region);
+        let mut pieces = Vec::new();
+        let mut covered = offset;
+        for (start, len) in region.piece_bounds() {
+            if start + len <= offset {
+                continue;
+            }
+            if start >= end {
+                break;
+            }
+            // A gap before this piece: part of the span is not mapped.
+            if start > covered {
+                return None;
+            }
+            pieces.push(Chunk { addr: self.base + start, size: len });
+            covered = start + len;
+        }
+        (size > 0 && covered >= end).then_some(pieces)
+    }
 }
 
 /// An expandable-segments upstream over CUDA virtual memory management.
@@ -343,6 +366,9 @@ impl Upstream for CudaVmm {
     fn device_free(&self) -> Option<usize> {
         vmm::memory_info(&self.ctx).ok().map(|(free, _)| free)
     }
+    fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
+        self.inner.mapped_pieces(addr, size)
+    }
 }
 
 /// An expandable-segments upstream over host address space: the fallback
@@ -428,5 +454,8 @@ impl Upstream for HostExpandable {
     }
     fn host_accessible(&self) -> bool {
         true
+    }
+    fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
+        self.inner.mapped_pieces(addr, size)
     }
 }

@@ -206,6 +206,16 @@ pub trait Upstream: Send + Sync {
             u.release_kept()
         }
     }
+
+    /// The pieces of memory mapped over `[addr, addr + size)`, each whole
+    /// as it was mapped, in address order and with no gap between them,
+    /// for an upstream that maps memory piece by piece (CUDA VMM: what
+    /// sharing the span with another process exports). `None` for an
+    /// upstream whose chunks are whole allocations, or a span not wholly
+    /// mapped.
+    fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
+        self.inner().and_then(|u| u.mapped_pieces(addr, size))
+    }
 }
 
 /// A boxed upstream is the upstream itself: everything forwards.

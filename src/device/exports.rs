@@ -1,0 +1,225 @@
+//! Blocks exported to other processes ([`crate::ipc`]): the exporter keeps
+//! each one pinned (allocated, where it is) until its exports are released.
+//!
+//! # Implementation details
+//! A book (address → record) under its own lock, and a count of records
+//! that lets every free skip the lock while nothing is exported. A free of
+//! a pinned block is recorded (with its stream) instead of made, and made
+//! when the last export of the block is released. The block stays live in
+//! its pool meanwhile, so nothing the pools do touches it: best fit never
+//! hands it out, arenas lend and move only free memory, page remapping
+//! unmaps only pages that lie wholly in free space. Driver calls (the
+//! export itself, the deferred free) happen outside the lock.
+
+use std::os::fd::OwnedFd;
+
+use super::allocator::DeviceAllocator;
+use super::DeviceAllocatorMode;
+use crate::cuda::{ipc, vmm, Stream};
+use crate::error::{Error, PoolKind, Result};
+use crate::ipc::{HandleKind, IpcHandle};
+use crate::sync::{lock, AtomicU64, AtomicUsize, Mutex, Ordering};
+
+#[derive(Debug)]
+struct Pinned {
+    size: usize,
+    /// Exports not yet released.
+    open: u32,
+    /// The free made while pinned, with its stream (`Some(None)`: a free
+    /// with no stream).
+    freed: Option<Option<Stream>>,
+}
+
+/// The exported blocks of one device.
+#[derive(Debug, Default)]
+pub(crate) struct Exports {
+    book: Mutex<hashbrown::HashMap<usize, Pinned>>,
+    /// `book.len()`, read without the lock.
+    pinned: AtomicUsize,
+}
+
+/// Export ids, unique in the process.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Exports {
+    /// Pins `addr` (`size` bytes) once more.
+    fn pin(&self, addr: usize, size: usize) -> Result<()> {
+        let mut book = lock(&self.book);
+        let p = book.entry(addr).or_insert(Pinned { size, open: 0, freed: None });
+        if p.freed.is_some() {
+            // Freed while pinned: the owner gave it up; it can't be shared.
+            return Err(Error::DoubleFree { pool: PoolKind::Device, addr });
+        }
+        p.open += 1;
+        self.pinned.store(book.len(), Ordering::Release);
+        Ok(())
+    }
+
+    /// Drops one pin of `addr`; returns the free to make now, if the block
+    /// was freed meanwhile and this was its last pin.
+    fn unpin(&self, addr: usize) -> Result<Option<Option<Stream>>> {
+        let mut book = lock(&self.book);
+        let Some(p) = book.get_mut(&addr) else {
+            return Err(Error::Ipc(format!("device block {addr:#x} is not exported")));
+        };
+        p.open -= 1;
+        if p.open > 0 {
+            return Ok(None);
+        }
+        let p = book.remove(&addr).expect("found above");
+        self.pinned.store(book.len(), Ordering::Release);
+        Ok(p.freed)
+    }
+
+    /// Records a free of `addr` if it is pinned; returns its size then.
+    fn defer_free(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
+        if self.pinned.load(Ordering::Acquire) == 0 {
+            return Ok(None);
+        }
+        let mut book = lock(&self.book);
+        match book.get_mut(&addr) {
+            Some(p) if p.freed.is_some() => Err(Error::DoubleFree { pool: PoolKind::Device, addr }),
+            Some(p) => {
+                p.freed = Some(stream.cloned());
+                Ok(Some(p.size))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// How many blocks are pinned.
+    pub(crate) fn count(&self) -> usize {
+        self.pinned.load(Ordering::Acquire)
+    }
+}
+
+impl DeviceAllocator {
+    /// Exports the live block at `ptr` to other processes and pins it (see
+    /// [`crate::ipc`]); each export is released once with
+    /// [`release_export`](Self::release_export).
+    ///
+    /// # Errors
+    /// [`Error::NeedsGpu`] on the host fallback; [`Error::UnknownPointer`],
+    /// [`Error::InteriorPointer`], [`Error::DoubleFree`] for a pointer that
+    /// is not a live block's start; [`Error::Ipc`] for memory that can't be
+    /// exported (the default pool of `async_stream_ordered`, graph memory,
+    /// memory made without an exportable handle type); driver errors.
+    pub fn export(&self, ptr: u64) -> Result<IpcHandle> {
+        let ctx = self.context().ok_or(Error::NeedsGpu("exporting device memory"))?.clone();
+        let addr = ptr as usize;
+        let (size, native) = match self.stream_ordered_block(addr) {
+            Some((size, DeviceAllocatorMode::CudaAsyncPool, 0)) => (size, true),
+            Some((_, mode, capture)) => {
+                let why = if capture != 0 {
+                    "it belongs to a CUDA graph".to_string()
+                } else {
+                    format!("it comes from the device's default pool ({mode} mode), which can't be exported; use the cuda_async_pool mode")
+                };
+                return Err(Error::Ipc(format!("device block {ptr:#x} can't be exported: {why}")));
+            }
+            None => (self.pool.check_live(addr)?, false),
+        };
+        self.exports.pin(addr, size)?;
+        let made = (|| {
+            let (kind, offset, fds) = if native {
+                let (fd, data) = self.native_pool()?.export(ptr)?;
+                (HandleKind::NativePool { data }, 0, vec![fd])
+            } else if let Some(pieces) = self.pool.mapped_pieces(addr, size) {
+                let fds = pieces
+                    .iter()
+                    .map(|p| vmm::export_mapping(&ctx, p.addr as u64))
+                    .collect::<Result<Vec<OwnedFd>>>()?;
+                let sizes = pieces.iter().map(|p| p.size as u64).collect();
+                (HandleKind::Mapped { pieces: sizes }, (addr - pieces[0].addr) as u64, fds)
+            } else {
+                let (base, _) = ipc::allocation_range(&ctx, ptr)?;
+                (HandleKind::Allocation { handle: ipc::ipc_handle(&ctx, base)? }, ptr - base, Vec::new())
+            };
+            Ok(IpcHandle {
+                kind,
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                pid: std::process::id(),
+                uuid: ipc::device_uuid(&ctx)?,
+                size: size as u64,
+                offset,
+                fds,
+            })
+        })();
+        if made.is_err() {
+            self.release_export(ptr)?;
+        }
+        made
+    }
+
+    /// Releases one export of `ptr`: once all of its exports are released,
+    /// a free made meanwhile takes effect.
+    ///
+    /// # Errors
+    /// [`Error::Ipc`] when `ptr` is not exported; the deferred free's error.
+    pub fn release_export(&self, ptr: u64) -> Result<()> {
+        match self.exports.unpin(ptr as usize)? {
+            Some(stream) => self.free(ptr, stream.as_ref()).map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
+    /// How many blocks are exported (pinned) now.
+    pub fn exported_blocks(&self) -> usize {
+        self.exports.count()
+    }
+
+    /// A free of a pinned block, recorded for its release: `Some(size)`.
+    pub(super) fn defer_exported_free(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
+        self.exports.defer_free(addr, stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{BackendChoice, Config, Error, MemoryManager, Stream};
+
+    /// The pinning alone (exporting needs a GPU): a pinned block that its
+    /// owner frees is never handed out again until the release, and is
+    /// handed out at once after it.
+    #[test]
+    fn a_pinned_block_is_not_handed_out_again_until_its_release() {
+        let mm = MemoryManager::new(Config::new().backend(BackendChoice::Host)).unwrap();
+        let d = mm.device(0).unwrap();
+        let size = 64 << 10;
+        let p = mm.allocate_device(size).unwrap();
+        d.exports.pin(p as usize, size).unwrap();
+        d.exports.pin(p as usize, size).unwrap(); // a second export of it
+        assert_eq!(d.exported_blocks(), 1);
+        mm.free_device_on(p, &Stream::host()).unwrap();
+        // A second free is a double free, as without the pin.
+        assert!(matches!(mm.free_device(p), Err(Error::DoubleFree { .. })));
+        assert!(matches!(d.exports.pin(p as usize, size), Err(Error::DoubleFree { .. })));
+        let mut held = Vec::new();
+        for _ in 0..16 {
+            let q = mm.allocate_device(size).unwrap();
+            assert_ne!(q, p, "a pinned block was handed out again");
+            held.push(q);
+        }
+        assert_eq!(d.stats().pool.live_blocks, 17);
+        for q in held {
+            mm.free_device(q).unwrap();
+        }
+        d.release_export(p).unwrap();
+        assert_eq!(d.stats().pool.live_blocks, 1, "one export is still open");
+        d.release_export(p).unwrap();
+        assert_eq!((d.stats().pool.live_blocks, d.exported_blocks()), (0, 0));
+        assert!(matches!(d.release_export(p), Err(Error::Ipc(_))));
+        // Best fit hands the same block out now: the test above would see a
+        // pinned block handed out.
+        assert_eq!(mm.allocate_device(size).unwrap(), p);
+    }
+
+    #[test]
+    fn exporting_needs_a_gpu_and_says_so() {
+        let mm = MemoryManager::new(Config::new().backend(BackendChoice::Host)).unwrap();
+        let p = mm.allocate_device(4096).unwrap();
+        assert!(matches!(mm.export_device(p), Err(Error::NeedsGpu(_))));
+        assert_eq!(mm.device(0).unwrap().exported_blocks(), 0);
+        mm.free_device(p).unwrap();
+    }
+}
