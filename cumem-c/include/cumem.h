@@ -50,6 +50,9 @@ typedef enum {
   CUMEM_STATUS_PANIC = 15,
   // Any other failure; the message says what.
   CUMEM_STATUS_OTHER = 16,
+  // Sharing memory with another process failed: memory that can't be
+  // exported, a malformed handle, an unknown export, a closed socket.
+  CUMEM_STATUS_IPC = 17,
 } CumemStatus;
 
 // A device allocator mode (`cumem_set_device_allocator_mode` takes its
@@ -306,6 +309,66 @@ CumemStatus cumem_effective_device_allocator_mode(CumemMode *out);
 // # Safety
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_supports_async_device_allocator(int *out);
+
+// Exports the live device block at `ptr` (its start) over the connected
+// Unix stream socket `socket` and stores the export's id in `*export_id`.
+// The block stays allocated, where it is, until the export is released
+// (`cumem_ipc_wait_closed` or `cumem_ipc_release`), even if it is freed
+// meanwhile: the free then takes effect at the release.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `export_id`, a negative socket),
+// `CUMEM_STATUS_UNKNOWN_POINTER` / `INTERIOR_POINTER` / `DOUBLE_FREE`,
+// `CUMEM_STATUS_NEEDS_GPU` on the host fallback, `CUMEM_STATUS_IPC`
+// (memory that can't be exported, the socket failed), `CUMEM_STATUS_DRIVER`.
+// Nothing is pinned after a failure.
+//
+// # Safety
+// `export_id` must be NULL or valid for a write; `socket` an open Unix
+// stream socket.
+CumemStatus cumem_ipc_export(void *ptr, int socket, uint64_t *export_id);
+
+// Waits on `socket` for the importer's "closed" message for export
+// `export_id`, then releases it.
+//
+// # Errors
+// `CUMEM_STATUS_IPC` for an unknown export, a message about another
+// export, or a socket that failed (the block then stays pinned: the
+// importer's state is unknown).
+CumemStatus cumem_ipc_wait_closed(int socket, uint64_t export_id);
+
+// Releases export `export_id` without a message, for programs that learn
+// of the importer's close their own way.
+//
+// # Errors
+// `CUMEM_STATUS_IPC` for an unknown export; the deferred free's error.
+CumemStatus cumem_ipc_release(uint64_t export_id);
+
+// Receives a handle on `socket` and opens the block for device `device`
+// (-1: the device the memory lives on); stores its address here in
+// `*ptr` (device memory: never dereferenced on the host), its size in
+// `*size` and the export's id in `*export_id` (each may be NULL).
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `ptr`, a negative socket, a device
+// below -1), `CUMEM_STATUS_IPC` (malformed message, socket failed),
+// `CUMEM_STATUS_NEEDS_GPU`, `CUMEM_STATUS_DRIVER`.
+//
+// # Safety
+// `ptr` must be valid for a write; `size` and `export_id` NULL or valid
+// for a write; `socket` an open Unix stream socket.
+CumemStatus cumem_ipc_import(int socket, int device, void **ptr, size_t *size, uint64_t *export_id);
+
+// Closes imported memory (after the device's work on it is done) and,
+// when `socket` is not -1, tells the exporter on it.
+//
+// # Errors
+// `CUMEM_STATUS_UNKNOWN_POINTER` for an address that is not open imported
+// memory; `CUMEM_STATUS_DRIVER` (nothing is sent then); `CUMEM_STATUS_IPC`
+// when the message could not be sent (the memory is closed);
+// `CUMEM_STATUS_INVALID_ARGUMENT` for a socket below -1 (the memory is
+// closed, nothing is sent).
+CumemStatus cumem_ipc_close(void *ptr, int socket);
 
 // Stores the pinned pool's figures in `*out`.
 //

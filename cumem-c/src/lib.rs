@@ -18,12 +18,14 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod api;
+mod ipc;
 mod stats;
 mod status;
 mod streams;
 mod torch;
 
 pub use api::*;
+pub use ipc::*;
 pub use stats::*;
 pub use status::{cumem_last_error, cumem_status_name, CumemStatus};
 pub use streams::*;

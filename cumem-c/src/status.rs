@@ -54,6 +54,9 @@ pub enum CumemStatus {
     Panic = 15,
     /// Any other failure; the message says what.
     Other = 16,
+    /// Sharing memory with another process failed: memory that can't be
+    /// exported, a malformed handle, an unknown export, a closed socket.
+    Ipc = 17,
 }
 
 impl CumemStatus {
@@ -73,6 +76,7 @@ impl CumemStatus {
             Error::NoSuchDevice { .. } => CumemStatus::NoSuchDevice,
             Error::Capture(_) => CumemStatus::Capture,
             Error::NeedsGpu(_) => CumemStatus::NeedsGpu,
+            Error::Ipc(_) => CumemStatus::Ipc,
             _ => CumemStatus::Other,
         }
     }
@@ -97,6 +101,7 @@ impl CumemStatus {
             CumemStatus::NeedsGpu => c"CUMEM_STATUS_NEEDS_GPU",
             CumemStatus::Panic => c"CUMEM_STATUS_PANIC",
             CumemStatus::Other => c"CUMEM_STATUS_OTHER",
+            CumemStatus::Ipc => c"CUMEM_STATUS_IPC",
         }
     }
 }
@@ -201,6 +206,7 @@ pub extern "C" fn cumem_status_name(status: i32) -> *const c_char {
         CumemStatus::NeedsGpu,
         CumemStatus::Panic,
         CumemStatus::Other,
+        CumemStatus::Ipc,
     ];
     all.iter().find(|s| **s as i32 == status).map_or(c"CUMEM_STATUS_UNKNOWN".as_ptr(), |s| s.name().as_ptr())
 }

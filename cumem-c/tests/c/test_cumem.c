@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 static int checks = 0;
 
@@ -123,6 +125,41 @@ static void device(void) {
   EXPECT(cumem_reset_peak_stats(), CUMEM_STATUS_OK);
   EXPECT(cumem_device_stats(0, &s), CUMEM_STATUS_OK);
   CHECK(s.pool.peak_in_use == 0);
+}
+
+/* Sharing with other processes: bad input everywhere; the host fallback
+ * refuses to export (the two-process GPU test is tests/gpu_ipc.rs). */
+static void ipc(void) {
+  int host = 0, sv[2];
+  void *d = NULL, *p = NULL;
+  uint64_t id = 0;
+  size_t n = 0;
+  EXPECT(cumem_is_host_fallback(&host), CUMEM_STATUS_OK);
+  CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+  EXPECT(cumem_allocate_device(4096, &d), CUMEM_STATUS_OK);
+  EXPECT(cumem_ipc_export(d, sv[0], NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_ipc_export(d, -1, &id), CUMEM_STATUS_INVALID_ARGUMENT);
+  if (host) {
+    EXPECT(cumem_ipc_export(d, sv[0], &id), CUMEM_STATUS_NEEDS_GPU);
+  } else {
+    EXPECT(cumem_ipc_export((char *)d + 256, sv[0], &id), CUMEM_STATUS_INTERIOR_POINTER);
+  }
+  EXPECT(cumem_ipc_release(12345), CUMEM_STATUS_IPC);
+  EXPECT(cumem_ipc_wait_closed(sv[0], 12345), CUMEM_STATUS_IPC);
+  EXPECT(cumem_ipc_close(d, -1), CUMEM_STATUS_UNKNOWN_POINTER);
+  EXPECT(cumem_ipc_import(sv[1], -1, NULL, &n, &id), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_ipc_import(sv[1], -2, &p, &n, &id), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_ipc_import(-1, -1, &p, &n, &id), CUMEM_STATUS_INVALID_ARGUMENT);
+  /* A message that is not a handle is refused, and nothing is opened. */
+  CHECK(write(sv[0], "\x08\0\0\0junkjunk", 12) == 12);
+  EXPECT(cumem_ipc_import(sv[1], -1, &p, &n, &id), CUMEM_STATUS_IPC);
+  CHECK(strstr(cumem_last_error(), "magic") != NULL);
+  /* The peer hung up. */
+  close(sv[0]);
+  EXPECT(cumem_ipc_import(sv[1], -1, &p, &n, &id), CUMEM_STATUS_IPC);
+  close(sv[1]);
+  CHECK(strcmp(cumem_status_name(CUMEM_STATUS_IPC), "CUMEM_STATUS_IPC") == 0);
+  EXPECT(cumem_free_device(d), CUMEM_STATUS_OK);
 }
 
 static void streams_and_copies(void) {
@@ -242,7 +279,7 @@ static void summary_and_release(void) {
   EXPECT(cumem_release_cached(&released), CUMEM_STATUS_OK);
 }
 
-static void shutdown(void) {
+static void shut_down(void) {
   void *live = NULL, *d = NULL;
   CumemShutdownReport r;
   CumemStatus s;
@@ -267,11 +304,12 @@ int main(void) {
   pool_sizes_before_use();
   pinned();
   device();
+  ipc();
   streams_and_copies();
   modes();
   torch_entry_points();
   summary_and_release();
-  shutdown();
+  shut_down();
   printf("cumem C test: all %d checks passed\n", checks);
   return 0;
 }
