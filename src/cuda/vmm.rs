@@ -298,10 +298,6 @@ impl PhysicalChunk {
         use std::sync::atomic::{AtomicBool, Ordering};
         /// Set once the driver refused exportable memory.
         static EXPORT_REFUSED: AtomicBool = AtomicBool::new(false);
-        if size == 0 {
-            return Err(Error::InvalidSize { size, reason: "a physical chunk can't be empty" });
-        }
-        bind(ctx)?;
         let exportable = !EXPORT_REFUSED.load(Ordering::Relaxed) && posix_fd_supported(ctx);
         match Self::create_with(ctx, size, exportable) {
             Err(e) if exportable && !is_out_of_memory(&e) => {
@@ -312,7 +308,17 @@ impl PhysicalChunk {
         }
     }
 
-    fn create_with(ctx: &Arc<CudaContext>, size: usize, exportable: bool) -> Result<Self> {
+    /// [`create`](Self::create) with the handle type chosen by the caller:
+    /// `exportable` asks for memory shareable as a POSIX file descriptor
+    /// (and fails where the driver can't make it).
+    ///
+    /// # Errors
+    /// As [`create`](Self::create).
+    pub fn create_with(ctx: &Arc<CudaContext>, size: usize, exportable: bool) -> Result<Self> {
+        if size == 0 {
+            return Err(Error::InvalidSize { size, reason: "a physical chunk can't be empty" });
+        }
+        bind(ctx)?;
         let prop = pinned_prop(ctx.cu_device(), exportable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` is a valid out-pointer and `prop` a fully
