@@ -23,6 +23,10 @@ fn good_strings() {
     assert_eq!(c.min_chunk, 20 << 20);
     assert_eq!(c.max_pinned_pool_size, Some(4096));
 
+    assert!(!Config::default().exportable_native_pool);
+    let c: Config = "exportable_native_pool=true".parse().unwrap();
+    assert!(c.exportable_native_pool);
+
     let c: Config = "mode=async_stream_ordered,release_threshold=max".parse().unwrap();
     assert_eq!(c.mode, DeviceAllocatorMode::AsyncStreamOrdered);
     assert_eq!(c.release_threshold, u64::MAX);

@@ -235,7 +235,8 @@ fn a_block_of_cumemalloc_chunks_is_shared_through_an_ipc_handle() {
 fn a_native_pool_block_is_shared_through_the_pools_export() {
     let Some(ctx) = gpu_for_test("a_native_pool_block_is_shared_through_the_pools_export") else { return };
     let _serial = serial();
-    let mm = MemoryManager::new(config().mode(DeviceAllocatorMode::CudaAsyncPool)).unwrap();
+    let mm =
+        MemoryManager::new(config().mode(DeviceAllocatorMode::CudaAsyncPool).exportable_native_pool(true)).unwrap();
     assert_eq!(mm.effective_device_allocator_mode(), DeviceAllocatorMode::CudaAsyncPool);
     share(&mm, &ctx, "native pool", None);
 }
@@ -249,6 +250,12 @@ fn the_default_pool_and_bad_pointers_are_refused_clearly() {
     let e = mm.export_device(p).unwrap_err();
     assert!(matches!(e, Error::Ipc(_)), "{e}");
     assert!(e.to_string().contains("cuda_async_pool"), "{e}");
+    mm.free_device(p).unwrap();
+    // The dedicated native pool is exportable only when asked.
+    let mm = MemoryManager::new(config().mode(DeviceAllocatorMode::CudaAsyncPool)).unwrap();
+    let p = mm.allocate_device(BLOCK).unwrap();
+    let e = mm.export_device(p).unwrap_err();
+    assert!(matches!(e, Error::Ipc(_)) && e.to_string().contains("exportable_native_pool"), "{e}");
     mm.free_device(p).unwrap();
     let mm = MemoryManager::new(config()).unwrap();
     let p = mm.allocate_device(BLOCK).unwrap();
@@ -266,7 +273,7 @@ fn a_block_of_one_gpu_is_shared_with_a_process_on_the_other() {
     for (config, mechanism) in [
         (config(), "vmm"),
         (config().expandable(false), "cuIpcMemHandle"),
-        (config().mode(DeviceAllocatorMode::CudaAsyncPool), "native pool"),
+        (config().mode(DeviceAllocatorMode::CudaAsyncPool).exportable_native_pool(true), "native pool"),
     ] {
         let mm = MemoryManager::new(config).unwrap();
         share(&mm, &ctxs[0], mechanism, Some(1));

@@ -22,7 +22,7 @@ use once_cell::sync::OnceCell;
 use super::exports::Exports;
 use super::graph::{GraphPoolFactory, GraphStats, Graphs, StreamOrderedFree};
 use super::mode::DeviceAllocatorMode;
-use super::native_pool::{self, NativePool, NativePoolAttributes};
+use super::native_pool::{self, NativePool, NativePoolAttributes, NativePoolOptions};
 use super::reuse::StreamRegistry;
 use crate::cuda::{driver_err, RelaxedCaptureMode, Stream};
 use crate::error::{Error, PoolKind, Result};
@@ -97,7 +97,7 @@ pub struct DeviceAllocator {
     supports_async: bool,
     requested: AtomicU8,
     effective: AtomicU8,
-    release_threshold: u64,
+    native_options: NativePoolOptions,
     default_pool: OnceCell<NativePool>,
     native: OnceCell<NativePool>,
     internal_stream: OnceCell<Stream>,
@@ -137,7 +137,7 @@ impl DeviceAllocator {
         ctx: Option<Arc<CudaContext>>,
         pool: Arenas,
         mode: DeviceAllocatorMode,
-        release_threshold: u64,
+        native_options: NativePoolOptions,
         promise_registered_captures: bool,
         make_graph_pool: Option<GraphPoolFactory>,
     ) -> Self {
@@ -149,7 +149,7 @@ impl DeviceAllocator {
             supports_async,
             requested: AtomicU8::new(0),
             effective: AtomicU8::new(0),
-            release_threshold,
+            native_options,
             default_pool: OnceCell::new(),
             native: OnceCell::new(),
             internal_stream: OnceCell::new(),
@@ -239,7 +239,7 @@ impl DeviceAllocator {
         let ctx = self.require_ctx()?;
         self.default_pool.get_or_try_init(|| {
             let _relaxed = RelaxedCaptureMode::enter();
-            NativePool::device_default(ctx.clone(), self.release_threshold)
+            NativePool::device_default(ctx.clone(), self.native_options.release_threshold)
         })
     }
 
@@ -252,7 +252,7 @@ impl DeviceAllocator {
         self.native.get_or_try_init(|| {
             // Legal even while this thread captures a graph.
             let _relaxed = RelaxedCaptureMode::enter();
-            NativePool::create(ctx.clone(), self.release_threshold)
+            NativePool::create(ctx.clone(), self.native_options)
         })
     }
 

@@ -18,7 +18,7 @@ pub(crate) use graph::GraphPoolFactory;
 pub use graph::GraphStats;
 pub use graph_pool::GraphPool;
 pub use mode::DeviceAllocatorMode;
-pub use native_pool::{NativePool, NativePoolAttributes};
+pub use native_pool::{NativePool, NativePoolAttributes, NativePoolOptions};
 
 pub use crate::cuda::{
     can_access_peer, device_context, driver_status, enable_peer_access, gpu_for_test, gpus_for_test, peers_of, vmm,

@@ -27,6 +27,17 @@ pub struct NativePoolAttributes {
     pub release_threshold: u64,
 }
 
+/// How the dedicated native pool is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NativePoolOptions {
+    /// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD` (`u64::MAX`: keep everything).
+    pub release_threshold: u64,
+    /// POSIX file descriptors as a handle type, so allocations can be
+    /// shared with other processes ([`crate::ipc`]). The driver refuses
+    /// allocations from such a pool inside a graph capture.
+    pub exportable: bool,
+}
+
 /// A handle on a native memory pool: either one cumem created
 /// (`cuMemPoolCreate`, destroyed on drop) or the device's default pool.
 pub struct NativePool {
@@ -46,14 +57,15 @@ unsafe impl Sync for NativePool {}
 
 impl NativePool {
     /// Creates a dedicated pool of device memory on the context's device
-    /// (`cuMemPoolCreate`) and sets its release threshold. Where the device
-    /// supports it the pool is exportable (POSIX file descriptors), so its
-    /// allocations can be shared with other processes; a driver that
-    /// refuses that gets a pool without.
+    /// (`cuMemPoolCreate`) and sets its release threshold. With
+    /// `options.exportable`, and where the device supports it, the pool is
+    /// exportable (POSIX file descriptors), so its allocations can be
+    /// shared with other processes; a driver that refuses that gets a pool
+    /// without.
     ///
     /// # Errors
     /// A driver error (for instance on a device without memory pools).
-    pub fn create(ctx: Arc<CudaContext>, release_threshold: u64) -> Result<NativePool> {
+    pub fn create(ctx: Arc<CudaContext>, options: NativePoolOptions) -> Result<NativePool> {
         ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         let make = |exportable: bool| {
             // SAFETY: CUmemPoolProps is plain data; all-zero is a valid start
@@ -70,14 +82,14 @@ impl NativePool {
             // SAFETY: `props` is a valid, initialised CUmemPoolProps.
             unsafe { result::mem_pool::create(&props) }.map_err(driver_err("cuMemPoolCreate"))
         };
-        let wanted = crate::cuda::vmm::posix_fd_supported(&ctx);
+        let wanted = options.exportable && crate::cuda::vmm::posix_fd_supported(&ctx);
         let (pool, exportable) = match make(wanted) {
             Ok(p) => (p, wanted),
             Err(_) if wanted => (make(false)?, false),
             Err(e) => return Err(e),
         };
         let pool = NativePool { ctx, pool, owned: true, exportable };
-        pool.set_release_threshold(release_threshold)?;
+        pool.set_release_threshold(options.release_threshold)?;
         // Devices granted peer access to this one reach the new pool too
         // (`cuMemPoolSetAccess`), as do later grants.
         register_pool(&pool.ctx, pool.pool)?;
@@ -132,8 +144,9 @@ impl NativePool {
         use std::os::fd::FromRawFd;
         if !self.exportable {
             return Err(Error::Ipc(format!(
-                "the native pool of device {} was made without an exportable handle type \
-                 (the device or driver does not share memory as POSIX file descriptors)",
+                "the native pool of device {} is not exportable: set exportable_native_pool=true \
+                 (Config::exportable_native_pool) before its first use, on a device and driver that share \
+                 memory as POSIX file descriptors",
                 self.ctx.ordinal()
             )));
         }

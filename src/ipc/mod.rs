@@ -14,7 +14,7 @@
 //! | --- | --- | --- |
 //! | sync pool over CUDA VMM (the default) | `cuMemRetainAllocationHandle` + `cuMemExportToShareableHandle` of each mapped piece under the block | `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess` |
 //! | sync pool over `cuMemAlloc` chunks (`expandable=0`) | `cuIpcGetMemHandle` of the chunk | `cuIpcOpenMemHandle` |
-//! | `cuda_async_pool` mode (the native pool is made exportable) | `cuMemPoolExportToShareableHandle` + `cuMemPoolExportPointer` | `cuMemPoolImportFromShareableHandle`, `cuMemPoolSetAccess`, `cuMemPoolImportPointer` |
+//! | `cuda_async_pool` mode with `exportable_native_pool` set | `cuMemPoolExportToShareableHandle` + `cuMemPoolExportPointer` | `cuMemPoolImportFromShareableHandle`, `cuMemPoolSetAccess`, `cuMemPoolImportPointer` |
 //!
 //! The `async_stream_ordered` mode's memory (the device's default pool)
 //! can't be exported, nor memory of a graph-private pool.

@@ -102,6 +102,11 @@ pub struct Config {
     /// Grow the device pool by mapping more memory after its end (CUDA
     /// virtual memory) so it stays one coalescable range.
     pub expandable: bool,
+    /// Make the dedicated native pool (`cuda_async_pool` mode) exportable to
+    /// other processes ([`crate::ipc`]; POSIX file descriptors). Off by
+    /// default: the driver refuses allocations from an exportable pool
+    /// inside a CUDA graph capture (`CUDA_ERROR_NOT_SUPPORTED`).
+    pub exportable_native_pool: bool,
     /// CUDA or the host fallback.
     pub backend: BackendChoice,
     /// Per-thread caches of freed blocks in front of the pinned pool: fast,
@@ -163,6 +168,7 @@ impl Default for Config {
             max_device_pool_size: None,
             release_threshold: u64::MAX,
             expandable: true,
+            exportable_native_pool: false,
             backend: BackendChoice::Auto,
             track_allocations: false,
             pinned_thread_cache: true,
@@ -278,6 +284,11 @@ impl Config {
     /// Sets [`Config::release_threshold`].
     pub fn release_threshold(mut self, bytes: u64) -> Self {
         self.release_threshold = bytes;
+        self
+    }
+    /// Sets [`Config::exportable_native_pool`].
+    pub fn exportable_native_pool(mut self, on: bool) -> Self {
+        self.exportable_native_pool = on;
         self
     }
     /// Sets [`Config::expandable`].
@@ -420,6 +431,7 @@ impl std::str::FromStr for Config {
                         .map_err(|_| Error::Config(format!("device: '{value}' is not a device ordinal")))?
                 }
                 "expandable" => c.expandable = bool_value(key, value)?,
+                "exportable_native_pool" => c.exportable_native_pool = bool_value(key, value)?,
                 "track_allocations" => c.track_allocations = bool_value(key, value)?,
                 "thread_cache" => {
                     c.pinned_thread_cache = bool_value(key, value)?;
@@ -461,7 +473,7 @@ impl std::str::FromStr for Config {
                     return Err(Error::Config(format!(
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
                          max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
-                         track_allocations, thread_cache, pinned_thread_cache, \
+                         exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
                          device_thread_cache, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
                          promise_registered_captures)"
                     )))

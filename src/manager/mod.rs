@@ -372,7 +372,10 @@ impl MemoryManager {
             ctx,
             Arenas::new(upstream, Some(make), pc, self.config.arena_count()),
             mode,
-            self.config.release_threshold,
+            crate::device::NativePoolOptions {
+                release_threshold: self.config.release_threshold,
+                exportable: self.config.exportable_native_pool,
+            },
             self.config.promise_registered_captures,
             Some(graph_pools),
         ))
