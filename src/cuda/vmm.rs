@@ -295,13 +295,13 @@ impl PhysicalChunk {
     /// [`Error::InvalidSize`] for an empty size; a driver error, for
     /// example `CUDA_ERROR_OUT_OF_MEMORY` (see [`is_out_of_memory`]).
     pub fn create(ctx: &Arc<CudaContext>, size: usize) -> Result<Self> {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        /// Set once the driver refused exportable memory.
-        static EXPORT_REFUSED: AtomicBool = AtomicBool::new(false);
-        let exportable = !EXPORT_REFUSED.load(Ordering::Relaxed) && posix_fd_supported(ctx);
+        use crate::sync::{Ordering, StaticAtomicU64};
+        /// 1 once the driver refused exportable memory.
+        static EXPORT_REFUSED: StaticAtomicU64 = StaticAtomicU64::new(0);
+        let exportable = EXPORT_REFUSED.load(Ordering::Relaxed) == 0 && posix_fd_supported(ctx);
         match Self::create_with(ctx, size, exportable) {
             Err(e) if exportable && !is_out_of_memory(&e) => {
-                EXPORT_REFUSED.store(true, Ordering::Relaxed);
+                EXPORT_REFUSED.store(1, Ordering::Relaxed);
                 Self::create_with(ctx, size, false)
             }
             r => r,

@@ -18,7 +18,7 @@ use super::DeviceAllocatorMode;
 use crate::cuda::{ipc, vmm, Stream};
 use crate::error::{Error, PoolKind, Result};
 use crate::ipc::{HandleKind, IpcHandle};
-use crate::sync::{lock, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::sync::{lock, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
 
 #[derive(Debug)]
 struct Pinned {
@@ -39,7 +39,7 @@ pub(crate) struct Exports {
 }
 
 /// Export ids, unique in the process.
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+static NEXT_ID: StaticAtomicU64 = StaticAtomicU64::new(1);
 
 impl Exports {
     /// Pins `addr` (`size` bytes) once more.
