@@ -75,10 +75,11 @@ run() {
         echo "one GPU: --nproc_per_node=1 (DDP's all-reduce over one rank is a local copy: this compares the allocators, not communication)"
     fi
 
-    local runs=() failed=0 i a tag rc
+    local runs=() failed=0 i a tag rc k=0
     for i in $(seq 1 "${DDP_PAIRS:-2}"); do
         for a in ${DDP_ALLOCATORS:-torch cumem}; do
-            tag="$a-$i"
+            k=$((k + 1))
+            tag="$k-$a"
             echo "== torchrun --standalone --nproc_per_node=$gpus python/bench/ddp.py --allocator $a ${DDP_ARGS:-}"
             # shellcheck disable=SC2086  # DDP_ARGS is a list of options
             timeout "${DDP_TIMEOUT:-240}" "$py" -m torch.distributed.run --standalone --nproc_per_node="$gpus" \

@@ -2,7 +2,8 @@
 # The GPU suite: build here, run on a machine with a GPU.
 #
 #   scripts/gpu-suite.sh build          # here: build test, example, bench and tool
-#                                       # binaries, copy them (stripped) into gpu-bin/
+#                                       # binaries, copy them (stripped) into gpu-bin/,
+#                                       # and the cumem_torch wheel into .whl/
 #   scripts/gpu-suite.sh run [what...]  # there: run them with CUMEM_REQUIRE_GPU=1;
 #                                       # what = tests examples nccl benches replay (default: all),
 #                                       # nccl (examples/nccl.rs, built with --features nccl,
@@ -18,7 +19,7 @@
 # (CUMEM_GPUS=2 makes the two-GPU tests fail instead of skipping when a GPU
 # is missing). One GPU: scripts/gpu-suite.sh run tests examples
 #
-# gpu-bin/ is git-ignored; carry it to the GPU machine. Logs go to $OUT (or
+# gpu-bin/ and .whl/ are git-ignored; carry them to the GPU machine. Logs go to $OUT (or
 # gpu-logs/) as one archive, gpu-logs.tar.gz.
 #
 # NCCL: cudarc 0.19 dlopen()s libnccl.so (and .so.13, .12, ...), never
@@ -77,6 +78,8 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" "$BIN/benches/$name"; done
     cp ../shared/traces/*.csv.gz "$BIN/traces/" 2>/dev/null || true
+    # The cumem_torch wheel for the ddp part, in .whl/ (carry it too).
+    bash scripts/ddp.sh build
     strip --strip-all "$BIN"/tests/* "$BIN"/examples/* "$BIN"/benches/* "$BIN"/tools/* 2>/dev/null || true
     du -sh "$BIN"
     ls -R "$BIN" | head -60
