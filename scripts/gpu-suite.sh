@@ -2,9 +2,14 @@
 # The GPU suite: build here, run on a machine with a GPU.
 #
 #   scripts/gpu-suite.sh build          # here: build test, example, bench and tool
-#                                       # binaries, copy them (stripped) into gpu-bin/
+#                                       # binaries, copy them (stripped) into gpu-bin/,
+#                                       # and the cumem_torch wheel into .whl/
 #   scripts/gpu-suite.sh run [what...]  # there: run them with CUMEM_REQUIRE_GPU=1;
-#                                       # what = tests examples benches replay (default: all),
+#                                       # what = tests examples nccl benches replay (default: all),
+#                                       # nccl (examples/nccl.rs, built with --features nccl,
+#                                       # with NCCL found as below and CUMEM_REQUIRE_NCCL=1),
+#                                       # ddp (scripts/ddp.sh: torchrun with PyTorch's allocator
+#                                       # and cumem_torch, alternated; needs the wheel in .whl/),
 #                                       # tests-device1 (the test binaries again with
 #                                       # CUMEM_CONF=device=1: needs two GPUs),
 #                                       # memcheck (compute-sanitizer over tests/multi_gpu.rs and gpu_graphs.rs),
@@ -14,8 +19,14 @@
 # (CUMEM_GPUS=2 makes the two-GPU tests fail instead of skipping when a GPU
 # is missing). One GPU: scripts/gpu-suite.sh run tests examples
 #
-# gpu-bin/ is git-ignored; carry it to the GPU machine. Logs go to $OUT (or
+# gpu-bin/ and .whl/ are git-ignored; carry them to the GPU machine. Logs go to $OUT (or
 # gpu-logs/) as one archive, gpu-logs.tar.gz.
+#
+# NCCL: cudarc 0.19 dlopen()s libnccl.so (and .so.13, .12, ...), never
+# libnccl.so.2, NCCL's soname and often its only name on disk. The nccl
+# part links libnccl.so to the first of $CUMEM_NCCL,
+# /usr/lib/x86_64-linux-gnu/libnccl.so.2 and PyTorch's nvidia/nccl/lib in a
+# folder of its own and puts that folder first on LD_LIBRARY_PATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=gpu-bin
@@ -44,6 +55,9 @@ for line in sys.stdin:
             cp "$exe" "$BIN/tests/$kind-$name"
         done
     cargo build --release --examples --bins
+    # The NCCL example needs the `nccl` feature (cudarc's NCCL bindings;
+    # NCCL itself is loaded at run time).
+    cargo build --release -p cumem --example nccl --features nccl
     for ex in examples/*.rs examples/*/main.rs cumem-replay/examples/*.rs; do
         [ -e "$ex" ] || continue
         case "$ex" in
@@ -64,6 +78,8 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" "$BIN/benches/$name"; done
     cp ../shared/traces/*.csv.gz "$BIN/traces/" 2>/dev/null || true
+    # The cumem_torch wheel for the ddp part, in .whl/ (carry it too).
+    bash scripts/ddp.sh build
     strip --strip-all "$BIN"/tests/* "$BIN"/examples/* "$BIN"/benches/* "$BIN"/tools/* 2>/dev/null || true
     du -sh "$BIN"
     ls -R "$BIN" | head -60
@@ -78,7 +94,7 @@ run() {
     mkdir -p "$dest"
     export CUMEM_REQUIRE_GPU=1
     local what=("$@")
-    [ ${#what[@]} -eq 0 ] && what=(tests examples benches replay)
+    [ ${#what[@]} -eq 0 ] && what=(tests examples nccl benches replay)
     local failed=0
     nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1 | tee "$out/gpu.txt"
     echo "CUMEM_GPUS=${CUMEM_GPUS:-unset} CUMEM_CONF=${CUMEM_CONF:-unset}" | tee -a "$out/gpu.txt"
@@ -103,6 +119,8 @@ run() {
             ;;
         examples)
             for e in "$BIN"/examples/*; do
+                # The NCCL example runs in the nccl part, with NCCL found.
+                [ "$(basename "$e")" = nccl ] && continue
                 echo "== $e"
                 if ! timeout 300 "$e" >"$out/example-$(basename "$e").log" 2>&1; then
                     echo "FAILED: $e"; failed=1
@@ -116,6 +134,29 @@ run() {
                 timeout 400 "$b" --bench >"$out/bench-$(basename "$b").log" 2>&1 || { echo "FAILED: $b"; failed=1; }
                 grep -vE "^(Benchmarking|Found|  [0-9]+ \(|Warning|\s*$)" "$out/bench-$(basename "$b").log" | tail -60
             done
+            ;;
+        nccl)
+            local e="$BIN/examples/nccl" log="$out/example-nccl.log"
+            echo "== $e"
+            if [ ! -x "$e" ]; then
+                echo "FAILED: $e is missing (scripts/gpu-suite.sh build makes it)"; failed=1
+            elif ! nccl_library_path >"$out/nccl-lib.txt" 2>&1; then
+                cat "$out/nccl-lib.txt"; echo "FAILED: no NCCL to run $e with"; failed=1
+            else
+                local libdir
+                libdir=$(tail -1 "$out/nccl-lib.txt")
+                echo "NCCL: $(head -1 "$out/nccl-lib.txt"), LD_LIBRARY_PATH starts with $libdir"
+                if ! LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUMEM_REQUIRE_NCCL=1 \
+                    NCCL_DEBUG=${NCCL_DEBUG:-WARN} CUMEM_NCCL_TIMEOUT_S=240 timeout 300 "$e" >"$log" 2>&1; then
+                    echo "FAILED: $e"; failed=1
+                fi
+                tail -40 "$log"
+            fi
+            ;;
+        ddp)
+            if ! OUT="$out/ddp" bash scripts/ddp.sh run; then
+                echo "FAILED: scripts/ddp.sh"; failed=1
+            fi
             ;;
         bench:*)
             b="$BIN/benches/${w#bench:}"
@@ -143,6 +184,26 @@ run() {
     return $failed
 }
 
+# Finds NCCL for cudarc: prints the library used, then a fresh folder
+# holding a libnccl.so link to it (for LD_LIBRARY_PATH). Fails when there
+# is none.
+nccl_library_path() {
+    local so dir
+    for so in ${CUMEM_NCCL:-} /usr/lib/x86_64-linux-gnu/libnccl.so.2 \
+        /opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2 \
+        /usr/local/cuda/lib64/libnccl.so.2; do
+        if [ -e "$so" ]; then
+            dir=$(mktemp -d /tmp/cumem-nccl.XXXXXX)
+            ln -s "$(readlink -f "$so")" "$dir/libnccl.so"
+            echo "$so"
+            echo "$dir"
+            return 0
+        fi
+    done
+    echo "no libnccl.so.2 in any of: ${CUMEM_NCCL:-} /usr/lib/x86_64-linux-gnu /opt/torch/.venv/.../nvidia/nccl/lib /usr/local/cuda/lib64 (CUMEM_NCCL=path names another)"
+    return 1
+}
+
 # Runs every test binary; logs are named after the binary plus $2.
 run_tests() {
     local out=$1 suffix=$2 failed=0
@@ -161,5 +222,5 @@ run_tests() {
 case "${1:-}" in
 build) build ;;
 run) shift; run "$@" ;;
-*) echo "usage: $0 build | run [tests|tests-device1|memcheck|examples|benches|bench:NAME|replay]..." >&2; exit 2 ;;
+*) echo "usage: $0 build | run [tests|tests-device1|memcheck|examples|nccl|ddp|benches|bench:NAME|replay]..." >&2; exit 2 ;;
 esac
