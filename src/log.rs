@@ -274,7 +274,10 @@ fn thread_id() -> u64 {
         // SAFETY: gettid has no preconditions and can't fail.
         static TID: u64 = unsafe { libc::gettid() } as u64;
     }
-    TID.with(|t| *t)
+    // During the thread's teardown (a free from another thread-local's
+    // destructor) the cached id may be gone already: ask again.
+    // SAFETY: as above.
+    TID.try_with(|t| *t).unwrap_or_else(|_| unsafe { libc::gettid() } as u64)
 }
 
 #[cfg(test)]

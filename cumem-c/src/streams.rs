@@ -63,18 +63,24 @@ const LOCAL_MAX: usize = 16;
 pub(crate) fn stream_for(device: usize, raw: CumemStream) -> Outcome<Stream> {
     let key = (device, raw as usize);
     let generation = GENERATION.load(Ordering::Acquire);
-    let hit = LOCAL.with(|l| {
-        let l = l.borrow();
-        if l.0 != generation {
-            return None;
-        }
-        l.1.iter().find(|(k, _)| *k == key).map(|(_, s)| s.clone())
-    });
+    // `try_with`: a call from another thread-local's destructor (PyTorch
+    // freeing tensors as a thread exits) may come after this thread's
+    // copies are gone; the shared table serves it then.
+    let hit = LOCAL
+        .try_with(|l| {
+            let l = l.borrow();
+            if l.0 != generation {
+                return None;
+            }
+            l.1.iter().find(|(k, _)| *k == key).map(|(_, s)| s.clone())
+        })
+        .ok()
+        .flatten();
     if let Some(s) = hit {
         return Ok(s);
     }
     let stream = shared_stream(key)?;
-    LOCAL.with(|l| {
+    let _ = LOCAL.try_with(|l| {
         let mut l = l.borrow_mut();
         if l.0 != generation {
             *l = (generation, Vec::new());
