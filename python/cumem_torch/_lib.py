@@ -66,6 +66,11 @@ def _declare(lib):
         "cumem_shutdown": [P(ShutdownReport)],
         "cumem_record_stream": [vp, c_int, vp],
         "cumem_torch_counters": [P(TorchCounters)],
+        "cumem_ipc_export": [vp, c_int, P(ctypes.c_uint64)],
+        "cumem_ipc_wait_closed": [c_int, ctypes.c_uint64],
+        "cumem_ipc_release": [ctypes.c_uint64],
+        "cumem_ipc_import": [c_int, c_int, P(vp), P(c_size), P(ctypes.c_uint64)],
+        "cumem_ipc_close": [vp, c_int],
     }
     for name, args in sigs.items():
         f = getattr(lib, name)
