@@ -93,6 +93,10 @@ fn ipc_consumer() {
         let first = seen[0];
         let wrong = (0..n).filter(|&i| seen[i] != first.wrapping_add(3 * i as u32)).count();
         assert_eq!(wrong, 0, "consumer: {wrong} of {n} values differ from the producer's ramp from {first:#x}");
+        if std::env::var_os("CUMEM_IPC_DIE").is_some() {
+            // Dies holding the memory: no close, no message.
+            std::process::exit(0);
+        }
         memset(&ctx, memory.ptr(), CONSUMER_MARK, n);
         memory.close_and_notify(&socket).unwrap();
     }
@@ -107,6 +111,11 @@ struct Consumer {
 
 impl Consumer {
     fn start(device: Option<usize>) -> Consumer {
+        Self::start_with(device, false)
+    }
+
+    /// `dies`: the consumer exits right after opening the first block.
+    fn start_with(device: Option<usize>, dies: bool) -> Consumer {
         static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let path = std::env::temp_dir().join(format!("cumem-ipc-{}-{n}.sock", std::process::id()));
@@ -117,6 +126,9 @@ impl Consumer {
         cmd.args(["ipc_consumer", "--exact", "--nocapture", "--test-threads=1"]).env("CUMEM_IPC_SOCKET", &path);
         if let Some(d) = device {
             cmd.env("CUMEM_IPC_DEVICE", d.to_string());
+        }
+        if dies {
+            cmd.env("CUMEM_IPC_DIE", "1");
         }
         let mut child = cmd.spawn().unwrap();
         let start = Instant::now();
@@ -172,7 +184,7 @@ fn share(mm: &MemoryManager, ctx: &Arc<CudaContext>, mechanism: &str, consumer_d
     // Round 1: shared, not copied.
     let p = mm.allocate_device_on(BLOCK, &stream).unwrap();
     ramp(&f, &stream, p, 0x1000, n);
-    let export = mm.export_device(p).unwrap();
+    let mut export = mm.export_device(p).unwrap();
     assert_eq!(export.handle().mechanism(), mechanism);
     assert_eq!(export.handle().size(), BLOCK);
     assert_eq!(mm.device(0).unwrap().exported_blocks(), 1);
@@ -186,7 +198,7 @@ fn share(mm: &MemoryManager, ctx: &Arc<CudaContext>, mechanism: &str, consumer_d
     // Round 2: pinned until released.
     let p = mm.allocate_device_on(BLOCK, &stream).unwrap();
     ramp(&f, &stream, p, 0x7000_0000, n);
-    let export = mm.export_device(p).unwrap();
+    let mut export = mm.export_device(p).unwrap();
     export.send(&consumer.socket).unwrap();
     mm.free_device_on(p, &stream).unwrap(); // deferred: the consumer may be reading
     assert!(matches!(mm.free_device_on(p, &stream), Err(Error::DoubleFree { .. })));
@@ -239,6 +251,41 @@ fn a_native_pool_block_is_shared_through_the_pools_export() {
         MemoryManager::new(config().mode(DeviceAllocatorMode::CudaAsyncPool).exportable_native_pool(true)).unwrap();
     assert_eq!(mm.effective_device_allocator_mode(), DeviceAllocatorMode::CudaAsyncPool);
     share(&mm, &ctx, "native pool", None);
+}
+
+#[test]
+fn an_importer_that_dies_leaves_the_block_pinned_until_released() {
+    let Some(ctx) = gpu_for_test("an_importer_that_dies_leaves_the_block_pinned_until_released") else { return };
+    let _serial = serial();
+    let mm = MemoryManager::new(config()).unwrap();
+    let ptx = cudarc::nvrtc::compile_ptx(KERNEL).expect("NVRTC compiles the kernel");
+    let f = ctx.load_module(ptx).unwrap().load_function("ramp").unwrap();
+    let stream = Stream::new().unwrap();
+    let n = BLOCK / 4;
+    let mut consumer = Consumer::start_with(None, true);
+    let before = mm.allocate_device_on(4096, &stream).unwrap();
+    let p = mm.allocate_device_on(BLOCK, &stream).unwrap();
+    ramp(&f, &stream, p, 0x42, n);
+    let mut export = mm.export_device(p).unwrap();
+    export.send(&consumer.socket).unwrap();
+    mm.free_device_on(p, &stream).unwrap();
+    // The consumer exits without a word: waiting fails, the export stays open.
+    assert!(matches!(export.wait_closed(&consumer.socket), Err(Error::Os { .. })));
+    assert!(!export.is_released());
+    assert_eq!(mm.device(0).unwrap().exported_blocks(), 1);
+    let q = mm.allocate_device_on(BLOCK, &stream).unwrap();
+    assert_ne!(q, p, "the block of a dead importer's export was handed out before its release");
+    mm.free_device_on(q, &stream).unwrap();
+    // Its process is gone (the driver dropped its mappings): release.
+    assert!(consumer.child.wait().unwrap().success());
+    export.release().unwrap();
+    assert_eq!(mm.device(0).unwrap().exported_blocks(), 0);
+    let again = mm.allocate_device_on(BLOCK, &stream).unwrap();
+    assert_eq!(again, p, "after the release best fit hands the block out again");
+    mm.free_device_on(again, &stream).unwrap();
+    mm.free_device_on(before, &stream).unwrap();
+    stream.synchronize().unwrap();
+    consumer.finish();
 }
 
 #[test]

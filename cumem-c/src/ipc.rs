@@ -98,14 +98,21 @@ pub unsafe extern "C" fn cumem_ipc_export(ptr: *mut c_void, socket: c_int, expor
 ///
 /// # Errors
 /// `CUMEM_STATUS_IPC` for an unknown export, a message about another
-/// export, or a socket that failed (the block then stays pinned: the
-/// importer's state is unknown).
+/// export, or a socket that failed. The export then stays open and the
+/// block pinned: `cumem_ipc_release` frees it once the importer is known
+/// to be gone (its process exited).
 #[no_mangle]
 pub extern "C" fn cumem_ipc_wait_closed(socket: c_int, export_id: u64) -> CumemStatus {
     guard(|| {
         let export = lock(&EXPORTS).as_mut().and_then(|m| m.remove(&export_id));
-        let export = export.ok_or_else(|| Failure::new(CumemStatus::Ipc, format!("no open export {export_id}")))?;
-        with_socket(socket, |s| export.wait_closed(s))
+        let mut export = export.ok_or_else(|| Failure::new(CumemStatus::Ipc, format!("no open export {export_id}")))?;
+        let r = with_socket(socket, |s| export.wait_closed(s));
+        if !export.is_released() {
+            // Still open: `cumem_ipc_release` can free it once the importer
+            // is known to be gone.
+            lock(&EXPORTS).get_or_insert_with(HashMap::new).insert(export_id, export);
+        }
+        r
     })
 }
 

@@ -55,8 +55,10 @@ class Export:
         """Waits on `sock` for the importer's "closed" message, then lets
         cumem free and reuse the memory (once the tensor is gone too)."""
         if self._open:
-            self._open = False
+            # On an error the export stays open: `release()` once the
+            # importer is known to be gone (its process exited).
             _lib.check(_lib.lib().cumem_ipc_wait_closed(sock.fileno(), self.export_id))
+            self._open = False
 
     def release(self):
         """Releases the memory without a message: the caller knows no

@@ -27,9 +27,11 @@
 //! block any more; the protocol that makes it true is
 //! [`ImportedMemory::close_and_notify`] in the importer (after its work on
 //! the memory is done) and [`Export::wait_closed`] in the exporter, over
-//! the same socket the handle went through. An `Export` dropped without a
-//! release leaves the block pinned until the process exits: an importer
-//! may still be using it.
+//! the same socket the handle went through. When the importer dies instead,
+//! `wait_closed` fails and the export stays open: once the importer's
+//! process has exited (the driver unmapped its imports), [`Export::release`]
+//! frees the block. An `Export` dropped without a release leaves the block
+//! pinned until the process exits: an importer may still be using it.
 //!
 //! # Examples
 //! ```no_run
@@ -48,6 +50,7 @@
 //! let _device_ptr = memory.ptr(); // for kernels and copies on this GPU
 //! memory.close_and_notify(&consumer)?;
 //! // Producer again: the block can be freed and reused after this.
+//! let mut export = export;
 //! export.wait_closed(&producer)?;
 //! mm.free_device(ptr)?;
 //! # Ok(())
@@ -240,37 +243,52 @@ impl<'a> Export<'a> {
         self.handle.send(socket)
     }
 
-    /// Releases the block: no importer uses it any more. A free of the
-    /// block made meanwhile takes effect now; until then it stays
-    /// allocated.
+    /// Whether the export was released.
+    pub fn is_released(&self) -> bool {
+        self.released
+    }
+
+    /// Releases the block: no importer uses it any more (it closed the
+    /// memory, or its process has exited: the driver then unmapped what it
+    /// imported). A free of the block made meanwhile takes effect now;
+    /// until then it stays allocated.
     ///
     /// # Errors
-    /// The deferred free's error (the block then stays pinned).
+    /// The deferred free's error (the block then stays allocated).
     pub fn release(mut self) -> Result<()> {
+        self.release_now()
+    }
+
+    fn release_now(&mut self) -> Result<()> {
+        if self.released {
+            return Ok(());
+        }
         self.released = true;
         self.device.release_export(self.ptr)
     }
 
     /// Waits on `socket` for the importer's "closed" message for this
     /// export ([`ImportedMemory::close_and_notify`]), then releases the
-    /// block. On an error the block stays pinned.
+    /// block. On an error the export stays open and the block pinned: the
+    /// caller may [`release`](Self::release) it once it knows the importer
+    /// is gone (for example after its process exited), or drop it, which
+    /// keeps the block pinned. Waiting again after a release returns at
+    /// once.
     ///
     /// # Errors
-    /// [`Error::Os`] when the socket fails (the peer died: the block stays
-    /// pinned, as the peer's driver state is unknown); [`Error::Ipc`] for a
-    /// message about another export.
-    pub fn wait_closed(mut self, socket: &UnixStream) -> Result<()> {
-        let id = recv_closed(socket);
-        match id {
-            Ok(id) if id == self.handle.id => self.release(),
-            Ok(other) => {
-                self.released = true; // pinned for good: never released
-                Err(Error::Ipc(format!("\"export {other} closed\" arrived while waiting for export {}", self.id())))
-            }
-            Err(e) => {
-                self.released = true;
-                Err(e)
-            }
+    /// [`Error::Os`] when the socket fails (the peer hung up or timed out);
+    /// [`Error::Ipc`] for a message about another export (use
+    /// [`recv_closed`] to wait for several on one socket).
+    pub fn wait_closed(&mut self, socket: &UnixStream) -> Result<()> {
+        if self.released {
+            return Ok(());
+        }
+        match recv_closed(socket)? {
+            id if id == self.handle.id => self.release_now(),
+            other => Err(Error::Ipc(format!(
+                "\"export {other} closed\" arrived while waiting for export {}; this export stays open",
+                self.id()
+            ))),
         }
     }
 }
