@@ -333,8 +333,9 @@ CumemStatus cumem_ipc_export(void *ptr, int socket, uint64_t *export_id);
 //
 // # Errors
 // `CUMEM_STATUS_IPC` for an unknown export, a message about another
-// export, or a socket that failed (the block then stays pinned: the
-// importer's state is unknown).
+// export, or a socket that failed. The export then stays open and the
+// block pinned: `cumem_ipc_release` frees it once the importer is known
+// to be gone (its process exited).
 CumemStatus cumem_ipc_wait_closed(int socket, uint64_t export_id);
 
 // Releases export `export_id` without a message, for programs that learn
