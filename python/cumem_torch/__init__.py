@@ -7,7 +7,9 @@ caching allocator.
     print(cumem_torch.stats())     # cumem's own figures
 
 Configuration is `CUMEM_CONF` (as for Rust programs), or `install(conf=...)`
-with the same syntax. `MemPool()` gives a `torch.cuda.MemPool` whose
+with the same syntax. Under torchrun (`LOCAL_RANK` set) with several GPUs
+and no `device=` in `CUMEM_CONF`, cumem's default device is the rank's GPU,
+so no rank opens a context on GPU 0 that it does not use. `MemPool()` gives a `torch.cuda.MemPool` whose
 segments come from cumem, for one region of a program
 (`with torch.cuda.use_mem_pool(pool): ...`) while PyTorch's allocator
 serves the rest.
@@ -24,6 +26,7 @@ What PyTorch does not tell a pluggable allocator, and what cumem does:
 """
 
 import ctypes
+import os
 
 from . import _lib
 from ._lib import CumemError, library_path
@@ -59,6 +62,20 @@ def _allocator():
     return _pluggable
 
 
+def rank_conf(env_conf, local_rank, device_count):
+    """The configuration `install()` uses under torchrun: `env_conf` (as
+    CUMEM_CONF) with `device=<local_rank>` added when it names no device,
+    `local_rank` is a number below `device_count`, and there are several
+    devices; else None (CUMEM_CONF as it is)."""
+    keys = [kv.split("=", 1)[0].strip() for kv in (env_conf or "").split(",") if kv.strip()]
+    if "device" in keys or local_rank is None or not str(local_rank).isdigit():
+        return None
+    rank = int(local_rank)
+    if device_count <= 1 or rank >= device_count:
+        return None
+    return ",".join(x for x in ((env_conf or "").strip(), f"device={rank}") if x)
+
+
 def install(conf=None):
     """Makes cumem PyTorch's CUDA allocator. Must run before the first CUDA
     allocation (PyTorch refuses to swap an allocator it has used). `conf`
@@ -67,6 +84,8 @@ def install(conf=None):
     import torch
     if _installed:
         return _allocator()
+    if conf is None and os.environ.get("LOCAL_RANK") is not None:
+        conf = rank_conf(os.environ.get("CUMEM_CONF"), os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
     if conf is not None:
         init(conf)
     alloc = _allocator()

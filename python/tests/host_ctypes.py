@@ -8,6 +8,15 @@ import ctypes
 import cumem_torch
 from cumem_torch import _lib
 
+# torchrun's rank picks cumem's default device, unless CUMEM_CONF names one.
+rc = cumem_torch.rank_conf
+assert rc("", "1", 2) == "device=1", rc("", "1", 2)
+assert rc("mode=sync_pool", "3", 8) == "mode=sync_pool,device=3"
+assert rc("device=0,mode=sync_pool", "1", 2) is None
+assert rc(" device = 1 ", "0", 2) is None
+assert rc("", "1", 1) is None  # one visible GPU per rank: it is device 0
+assert rc("", "2", 2) is None and rc("", "x", 2) is None and rc(None, None, 4) is None
+
 lib = _lib.lib()
 print("cumem backend:", cumem_torch.backend())
 try:
