@@ -84,10 +84,17 @@ def install(conf=None):
     import torch
     if _installed:
         return _allocator()
-    if conf is None and os.environ.get("LOCAL_RANK") is not None:
-        conf = rank_conf(os.environ.get("CUMEM_CONF"), os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
     if conf is not None:
         init(conf)
+    elif os.environ.get("LOCAL_RANK") is not None:
+        auto = rank_conf(os.environ.get("CUMEM_CONF"), os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
+        if auto is not None:
+            try:
+                init(auto)
+            except CumemError as e:
+                # cumem was already in use: its configuration stands.
+                if e.status != "CUMEM_STATUS_ALREADY_INITIALIZED":
+                    raise
     alloc = _allocator()
     torch.cuda.memory.change_current_allocator(alloc)
     _installed = True
