@@ -218,13 +218,20 @@ fn share(mm: &MemoryManager, ctx: &Arc<CudaContext>, mechanism: &str, consumer_d
     mm.release_cached().unwrap();
     export.wait_closed(&consumer.socket).unwrap();
     if mm.effective_device_allocator_mode() == DeviceAllocatorMode::SyncPool {
-        let again = mm.allocate_device_on(BLOCK, &stream).unwrap();
-        assert_eq!(again, p, "after the release best fit hands the block out again");
-        mm.free_device_on(again, &stream).unwrap();
+        handed_out_again(mm, &stream, p);
     }
     mm.free_device_on(before, &stream).unwrap();
     stream.synchronize().unwrap();
     consumer.finish();
+}
+
+/// The control of the pinning checks: once released, the block is the
+/// next allocation of its size (best fit), so a block handed out before
+/// its release would have been seen.
+fn handed_out_again(mm: &MemoryManager, stream: &Stream, p: u64) {
+    let again = mm.allocate_device_on(BLOCK, stream).unwrap();
+    assert_eq!(again, p, "after the release best fit hands the block out again");
+    mm.free_device_on(again, stream).unwrap();
 }
 
 #[test]
@@ -280,9 +287,7 @@ fn an_importer_that_dies_leaves_the_block_pinned_until_released() {
     assert!(consumer.child.wait().unwrap().success());
     export.release().unwrap();
     assert_eq!(mm.device(0).unwrap().exported_blocks(), 0);
-    let again = mm.allocate_device_on(BLOCK, &stream).unwrap();
-    assert_eq!(again, p, "after the release best fit hands the block out again");
-    mm.free_device_on(again, &stream).unwrap();
+    handed_out_again(&mm, &stream, p);
     mm.free_device_on(before, &stream).unwrap();
     stream.synchronize().unwrap();
     consumer.finish();

@@ -76,7 +76,11 @@ def main():
         others = [torch.full((N,), 7.0, device="cuda") for _ in range(8)]
         assert all(o.untyped_storage().data_ptr() != shared_ptr for o in others), "pinned memory handed out"
         export.wait_closed(mine)
-        del others
+        # The control: released, the memory is the next of its size again,
+        # so memory handed out before the release would have been seen.
+        z = torch.empty(N, device="cuda")
+        assert z.untyped_storage().data_ptr() == shared_ptr, "the released memory is reused"
+        del z, others
     finally:
         mine.close()
         rc = proc.wait(timeout=120)

@@ -81,9 +81,8 @@ impl ImportedMemory {
         let offset = handle.offset;
         let (ptr, opened) = match &handle.kind {
             HandleKind::Mapped { pieces } => {
-                let opened = map_pieces(&ctx, pieces, &handle)?;
-                let Opened::Mapped { range, .. } = &opened else { return Err(Error::Ipc("mapping failed".into())) };
-                (range.ptr() + offset, opened)
+                let (base, opened) = map_pieces(&ctx, pieces, &handle)?;
+                (base + offset, opened)
             }
             HandleKind::Allocation { handle: h } => {
                 let base = ipc::open_ipc_handle(&ctx, h)?;
@@ -187,8 +186,9 @@ impl ImportedMemory {
 }
 
 /// Imports each piece of a mapped handle and maps them, in order, into one
-/// new range of `ctx` with read-write access for its device.
-fn map_pieces(ctx: &Arc<CudaContext>, pieces: &[u64], handle: &IpcHandle) -> Result<Opened> {
+/// new range of `ctx` with read-write access for its device; returns the
+/// range's first address.
+fn map_pieces(ctx: &Arc<CudaContext>, pieces: &[u64], handle: &IpcHandle) -> Result<(u64, Opened)> {
     let total: u64 = pieces.iter().sum();
     let range = AddressRange::reserve(ctx, total as usize, 0)?;
     let mut held = Vec::with_capacity(pieces.len());
@@ -203,8 +203,9 @@ fn map_pieces(ctx: &Arc<CudaContext>, pieces: &[u64], handle: &IpcHandle) -> Res
         range.set_access(0, total as usize, &[])
     })();
     // On an error, dropping `Opened` unmaps what was mapped.
+    let base = range.ptr();
     let opened = Opened::Mapped { range, _pieces: held, mapped };
-    result.map(|()| opened)
+    result.map(|()| (base, opened))
 }
 
 impl Drop for Opened {

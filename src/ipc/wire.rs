@@ -177,10 +177,10 @@ fn read_message(socket: &UnixStream) -> Result<Vec<u8>> {
     Ok(body)
 }
 
-/// Sends `fds` with one byte (`sendmsg` with `SCM_RIGHTS`).
-fn send_fds(socket: &UnixStream, fds: &[OwnedFd]) -> Result<()> {
-    let raw: Vec<libc::c_int> = fds.iter().map(|f| f.as_raw_fd()).collect();
-    let payload = std::mem::size_of_val(raw.as_slice());
+/// Runs `f` with a message of one byte whose control buffer has room for
+/// `payload` bytes of `SCM_RIGHTS` data (what `sendmsg` and `recvmsg`
+/// both take); every buffer the message points at lives across `f`.
+fn with_one_byte_msg<R>(payload: usize, f: impl FnOnce(&mut libc::msghdr) -> R) -> R {
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
@@ -192,79 +192,80 @@ fn send_fds(socket: &UnixStream, fds: &[OwnedFd]) -> Result<()> {
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = space as _;
-    // SAFETY: `msg` points at a control buffer of CMSG_SPACE(payload) bytes
-    // (8-aligned), so the first header exists and its data holds `payload`
-    // bytes; `raw` has exactly `payload` bytes.
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(payload as u32) as _;
-        std::ptr::copy_nonoverlapping(raw.as_ptr().cast::<u8>(), libc::CMSG_DATA(cmsg), payload);
-    }
+    f(&mut msg)
+}
+
+/// Retries `call` while it is interrupted by a signal.
+fn retry(mut call: impl FnMut() -> isize) -> isize {
     loop {
-        // SAFETY: `msg` and everything it points at live across the call.
-        let n = unsafe { libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-        match n {
-            1 => return Ok(()),
-            -1 if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => continue,
-            -1 => return Err(os("sendmsg")(std::io::Error::last_os_error())),
-            _ => return Err(bad("sendmsg sent nothing")),
+        let n = call();
+        if n != -1 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return n;
         }
+    }
+}
+
+/// Sends `fds` with one byte (`sendmsg` with `SCM_RIGHTS`).
+fn send_fds(socket: &UnixStream, fds: &[OwnedFd]) -> Result<()> {
+    let raw: Vec<libc::c_int> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let payload = std::mem::size_of_val(raw.as_slice());
+    let n = with_one_byte_msg(payload, |msg| {
+        // SAFETY: `msg` has a control buffer of CMSG_SPACE(payload) bytes
+        // (8-aligned), so the first header exists and its data holds
+        // `payload` bytes; `raw` has exactly `payload` bytes.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(payload as u32) as _;
+            std::ptr::copy_nonoverlapping(raw.as_ptr().cast::<u8>(), libc::CMSG_DATA(cmsg), payload);
+        }
+        // SAFETY: `msg` and everything it points at live across the call.
+        retry(|| unsafe { libc::sendmsg(socket.as_raw_fd(), &*msg, libc::MSG_NOSIGNAL) })
+    });
+    match n {
+        1 => Ok(()),
+        -1 => Err(os("sendmsg")(std::io::Error::last_os_error())),
+        _ => Err(bad("sendmsg sent nothing")),
     }
 }
 
 /// Receives one batch of at most `want` descriptors (`recvmsg`).
 fn recv_fds(socket: &UnixStream, want: usize) -> Result<Vec<OwnedFd>> {
     let payload = want * std::mem::size_of::<libc::c_int>();
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    let mut byte = [0u8; 1];
-    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
-    // SAFETY: msghdr is plain data; zero is a valid start.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    let n = loop {
+    with_one_byte_msg(payload, |msg| {
         // SAFETY: `msg` and everything it points at live across the call;
         // descriptors arrive close-on-exec.
-        let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-            continue;
+        let n = retry(|| unsafe { libc::recvmsg(socket.as_raw_fd(), &mut *msg, libc::MSG_CMSG_CLOEXEC) });
+        if n == -1 {
+            return Err(os("recvmsg")(std::io::Error::last_os_error()));
         }
-        break n;
-    };
-    if n == -1 {
-        return Err(os("recvmsg")(std::io::Error::last_os_error()));
-    }
-    let mut fds = Vec::new();
-    // SAFETY: the kernel filled `msg_controllen` bytes of the control
-    // buffer with well-formed headers; each SCM_RIGHTS header's data holds
-    // `(cmsg_len - CMSG_LEN(0)) / sizeof(int)` descriptors now owned by
-    // this process, each taken into an `OwnedFd` once.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let len = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
-                for i in 0..len / std::mem::size_of::<libc::c_int>() {
-                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+        let mut fds = Vec::new();
+        // SAFETY: the kernel filled `msg_controllen` bytes of the control
+        // buffer with well-formed headers; each SCM_RIGHTS header's data
+        // holds `(cmsg_len - CMSG_LEN(0)) / sizeof(int)` descriptors now
+        // owned by this process, each taken into an `OwnedFd` once.
+        unsafe {
+            let mut cmsg = libc::CMSG_FIRSTHDR(msg);
+            while !cmsg.is_null() {
+                if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                    let len = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
+                    for i in 0..len / std::mem::size_of::<libc::c_int>() {
+                        fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                    }
                 }
+                cmsg = libc::CMSG_NXTHDR(msg, cmsg);
             }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
         }
-    }
-    if n == 0 {
-        return Err(bad("the peer closed the connection"));
-    }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Err(bad("descriptors were cut off (more than announced)"));
-    }
-    Ok(fds)
+        if n == 0 {
+            return Err(bad("the peer closed the connection"));
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(bad("descriptors were cut off (more than announced)"));
+        }
+        Ok(fds)
+    })
 }
 
 /// Sends `handle` and its descriptors.
