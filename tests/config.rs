@@ -31,6 +31,12 @@ fn good_strings() {
     assert_eq!(c.mode, DeviceAllocatorMode::AsyncStreamOrdered);
     assert_eq!(c.release_threshold, u64::MAX);
     assert_eq!("".parse::<Config>().unwrap(), Config::default());
+
+    assert_eq!(Config::default().remap_slack_ppm, 10_000);
+    for (text, ppm) in [("remap_slack=0.05", 50_000), ("remap_slack=2.5%", 25_000), ("remap_slack=0", 0)] {
+        assert_eq!(text.parse::<Config>().unwrap().remap_slack_ppm, ppm, "{text}");
+        assert_eq!(text.parse::<Config>().unwrap().device_pool_config().remap_slack_ppm, ppm, "{text}");
+    }
 }
 
 fn config_error(s: &str) -> String {
@@ -51,6 +57,9 @@ fn bad_strings_name_the_problem() {
     assert!(config_error("backend=tpu").contains("backend: 'tpu'"));
     assert!(config_error("device_pool_size=99999999999TiB").contains("device_pool_size"));
     assert!(config_error("min_chunk=0").contains("min_chunk"));
+    for bad in ["remap_slack=-1%", "remap_slack=lots", "remap_slack=11", "remap_slack=NaN"] {
+        assert!(config_error(bad).contains("remap_slack: '"), "{bad}");
+    }
 }
 
 #[test]

@@ -154,9 +154,25 @@ impl Reference {
     }
 }
 
+/// The 4 KiB pages that blocks sorted by address touch, each page counted
+/// once though two blocks share it.
+fn touched_pages(live: &[(usize, usize)]) -> usize {
+    let mut count = 0;
+    let mut next = 0; // the first page not counted yet
+    for &(addr, size) in live {
+        let (first, end) = ((addr / 4096).max(next), (addr + size).div_ceil(4096));
+        count += end.saturating_sub(first);
+        next = next.max(end);
+    }
+    count
+}
+
 fn run(seed: u64, ops: usize) {
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut fit = BestFit::new();
+    // Chunks are whole 4 KiB pages: count the pages live blocks touch.
+    fit.count_pages(4096);
+    let mut peak_touched = 0;
     let mut reference = Reference::default();
     let mut live: Vec<usize> = Vec::new();
     // Chunks are placed at increasing addresses with gaps, so that a chunk
@@ -257,6 +273,10 @@ fn run(seed: u64, ops: usize) {
         assert_eq!(s.in_use, reference.live().iter().map(|l| l.1).sum::<usize>(), "in_use ({})", ctx());
         assert_eq!(s.reserved, reference.reserved(), "reserved ({})", ctx());
         assert_eq!(s.largest_free, reference.free_list().iter().map(|f| f.1).max().unwrap_or(0));
+        let touched = touched_pages(&reference.live());
+        peak_touched = peak_touched.max(touched);
+        assert_eq!(fit.touched_pages(), (touched, peak_touched), "touched pages ({})", ctx());
+        assert_eq!((s.touched, s.peak_touched), (touched * 4096, peak_touched * 4096), "stats ({})", ctx());
     }
 }
 

@@ -92,6 +92,11 @@ pub struct Config {
     pub device: usize,
     /// The smallest chunk a pool asks its upstream for.
     pub min_chunk: usize,
+    /// How far a remapping device pool's physical memory may rise above
+    /// the page floor of its placement before it moves memory rather than
+    /// map more, in millionths (`remap_slack=1%`, the default, is 10 000).
+    /// See [`PoolConfig::remap_slack_ppm`].
+    pub remap_slack_ppm: u32,
     /// The most pinned memory the pool may reserve.
     pub max_pinned_pool_size: Option<usize>,
     /// The most device memory the sync pool may reserve.
@@ -164,6 +169,7 @@ impl Default for Config {
             mode: DeviceAllocatorMode::SyncPool,
             device: 0,
             min_chunk: 2 << 20,
+            remap_slack_ppm: crate::pool::DEFAULT_REMAP_SLACK_PPM,
             max_pinned_pool_size: None,
             max_device_pool_size: None,
             release_threshold: u64::MAX,
@@ -221,6 +227,7 @@ impl Config {
         let mut pc = PoolConfig::new(PoolKind::Device);
         pc.initial_size = self.device_pool_size;
         pc.min_chunk = self.min_chunk;
+        pc.remap_slack_ppm = self.remap_slack_ppm;
         pc.max_size = self.max_device_pool_size;
         pc.expandable = self.expandable;
         pc.thread_cache = self.device_thread_cache;
@@ -269,6 +276,11 @@ impl Config {
     /// Sets [`Config::min_chunk`].
     pub fn min_chunk(mut self, bytes: usize) -> Self {
         self.min_chunk = bytes;
+        self
+    }
+    /// Sets [`Config::remap_slack_ppm`].
+    pub fn remap_slack_ppm(mut self, ppm: u32) -> Self {
+        self.remap_slack_ppm = ppm;
         self
     }
     /// Sets [`Config::max_pinned_pool_size`].
@@ -395,6 +407,20 @@ fn size_value(key: &str, value: &str) -> Result<usize> {
         .ok_or_else(|| Error::Config(format!("{key}: '{value}' is not a size (examples: 4096, 64KiB, 256MiB, 1.5GiB)")))
 }
 
+/// A fraction written as `0.01` or `1%`, in millionths (at most 1000 %).
+fn fraction_ppm(key: &str, value: &str) -> Result<u32> {
+    let (num, scale) = match value.trim().strip_suffix('%') {
+        Some(n) => (n.trim(), 10_000.0),
+        None => (value.trim(), 1_000_000.0),
+    };
+    num.parse::<f64>()
+        .ok()
+        .map(|f| f * scale)
+        .filter(|v| v.is_finite() && (0.0..=10_000_000.0).contains(v))
+        .map(|v| v.round() as u32)
+        .ok_or_else(|| Error::Config(format!("{key}: '{value}' is not a fraction from 0 to 10 (examples: 0.01, 1%)")))
+}
+
 fn bool_value(key: &str, value: &str) -> Result<bool> {
     match value.to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
@@ -414,6 +440,7 @@ impl std::str::FromStr for Config {
                 "pinned_pool_size" => c.pinned_pool_size = size_value(key, value)?,
                 "device_pool_size" => c.device_pool_size = size_value(key, value)?,
                 "min_chunk" => c.min_chunk = size_value(key, value)?,
+                "remap_slack" => c.remap_slack_ppm = fraction_ppm(key, value)?,
                 "max_pinned_pool_size" => c.max_pinned_pool_size = Some(size_value(key, value)?),
                 "max_device_pool_size" => c.max_device_pool_size = Some(size_value(key, value)?),
                 "release_threshold" => {
@@ -472,7 +499,7 @@ impl std::str::FromStr for Config {
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
-                         max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
+                         remap_slack, max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
                          device_thread_cache, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
                          promise_registered_captures)"

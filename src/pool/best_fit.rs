@@ -122,6 +122,36 @@ pub struct BestFit {
     stats: PoolStats,
     /// Asked when blocks freed on different streams merge.
     oracle: Oracle,
+    /// Touched-page accounting (page remapping): see [`PageCount`].
+    pages: PageCount,
+}
+
+/// Which pages live blocks touch, counted as the whole pages lying inside
+/// free blocks: a page that no live block touches lies wholly inside one
+/// free block, because free neighbours coalesce. Kept only where chunks
+/// are whole pages (`shift` non-zero); the touched pages are then the
+/// chunks' pages less `free_pages`.
+#[derive(Debug, Default, Clone, Copy)]
+struct PageCount {
+    /// log2 of the page size; 0 while not counting.
+    shift: u32,
+    /// Whole pages inside free blocks.
+    free_pages: usize,
+    /// The most pages live blocks touched at once (since the last reset).
+    peak_touched: usize,
+}
+
+impl PageCount {
+    /// Whole pages inside `[addr, addr + size)`.
+    #[inline]
+    fn whole(&self, addr: usize, size: usize) -> usize {
+        if self.shift == 0 {
+            return 0;
+        }
+        let first = addr.div_ceil(1 << self.shift);
+        let end = (addr + size) >> self.shift;
+        end.saturating_sub(first)
+    }
 }
 
 /// [`TagOracle`], printable.
@@ -161,13 +191,52 @@ impl BestFit {
 
     fn index_free(&mut self, slot: u32) {
         let b = &self.blocks[slot as usize];
+        self.pages.free_pages += self.pages.whole(b.addr, b.size);
         self.free_index.insert((b.size, b.addr, slot));
     }
 
     fn unindex_free(&mut self, slot: u32) {
         let b = &self.blocks[slot as usize];
+        self.pages.free_pages -= self.pages.whole(b.addr, b.size);
         let removed = self.free_index.remove(&(b.size, b.addr, slot));
         debug_assert!(removed, "free block missing from the index");
+    }
+
+    /// Counts the pages of `page` bytes (a power of two) that live blocks
+    /// touch, for [`touched_pages`](Self::touched_pages). Every chunk must
+    /// then start and end on a page boundary (a remapping pool's do).
+    pub fn count_pages(&mut self, page: usize) {
+        debug_assert!(page.is_power_of_two() && page >= BLOCK_ALIGN);
+        self.pages.shift = page.trailing_zeros();
+        let pages = self.pages;
+        self.pages.free_pages = self.free_index.iter().map(|&(size, addr, _)| pages.whole(addr, size)).sum();
+        self.note_touched();
+    }
+
+    /// The pages live blocks touch now, and the most they touched at once
+    /// (0 unless [`count_pages`](Self::count_pages) was called).
+    pub fn touched_pages(&self) -> (usize, usize) {
+        if self.pages.shift == 0 {
+            return (0, 0);
+        }
+        ((self.stats.reserved >> self.pages.shift) - self.pages.free_pages, self.pages.peak_touched)
+    }
+
+    /// Sets the touched-page peak to the count now.
+    pub fn reset_touched_peak(&mut self) {
+        self.pages.peak_touched = 0;
+        self.note_touched();
+    }
+
+    /// Raises the touched-page peak to the count now (after an operation
+    /// that may touch new pages; never inside one, whose steps may leave a
+    /// block briefly out of the index).
+    #[inline]
+    fn note_touched(&mut self) {
+        if self.pages.shift != 0 {
+            let now = (self.stats.reserved >> self.pages.shift) - self.pages.free_pages;
+            self.pages.peak_touched = self.pages.peak_touched.max(now);
+        }
     }
 
     /// Adds a chunk from the upstream as one free block.
@@ -290,6 +359,7 @@ impl BestFit {
         s.peak_requested = s.peak_requested.max(s.requested);
         s.allocations += 1;
         s.live_blocks += 1;
+        self.note_touched();
         Allocation { addr: start, size, tag }
     }
 

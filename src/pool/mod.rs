@@ -54,6 +54,9 @@ pub(crate) const FIRST_ALLOCATION: &str =
 /// The largest alignment a pool honours.
 pub const MAX_ALIGN: usize = 1 << 21;
 
+/// The default of [`PoolConfig::remap_slack_ppm`]: 1 %.
+pub const DEFAULT_REMAP_SLACK_PPM: u32 = 10_000;
+
 /// How a pool grows and how large it may get.
 ///
 /// # Examples
@@ -88,6 +91,11 @@ pub struct PoolConfig {
     /// [`Pool::shutdown`] does. For memory that work recorded earlier (a
     /// CUDA graph) may still use while its blocks look free.
     pub keep_chunks: bool,
+    /// With page remapping, how far physical memory may rise above the
+    /// page floor of the pool's own placement before memory moves instead
+    /// of new memory being mapped, in millionths (10 000: 1 %). See
+    /// `pages.rs`: less slack means less memory and more remapping.
+    pub remap_slack_ppm: u32,
 }
 
 impl PoolConfig {
@@ -105,6 +113,7 @@ impl PoolConfig {
             thread_cache_bytes: 256 << 20,
             cache_exact: false,
             keep_chunks: false,
+            remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
         }
     }
 }
@@ -205,7 +214,11 @@ impl<U: Upstream> Pool<U> {
         let remap = config.expandable && !config.keep_chunks && upstream.can_remap();
         let gran = upstream.granularity().max(BLOCK_ALIGN);
         let page = if config.min_chunk.is_power_of_two() { gran.max(config.min_chunk) } else { gran };
-        let inner = Arc::new(SpinLock::new(Inner { pages: pages::Pages::new(page), ..Inner::default() }));
+        let mut fit = BestFit::new();
+        if remap {
+            fit.count_pages(page);
+        }
+        let inner = Arc::new(SpinLock::new(Inner { fit, pages: pages::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
         Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock: Mutex::new(()) }
@@ -595,6 +608,7 @@ impl<U: Upstream> Pool<U> {
     pub fn reset_peaks(&self) {
         let mut inner = self.inner.lock();
         inner.fit.stats_mut().reset_peaks();
+        inner.fit.reset_touched_peak();
         inner.pages.peak = inner.pages.mapped;
     }
 

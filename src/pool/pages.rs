@@ -16,15 +16,23 @@
 //!   lock: the allocation is undone, the remap lock taken, the placement
 //!   made again, the touched holes mapped (one map call per piece of
 //!   memory, one access call per run), and the allocation kept.
-//! - **Reclaim**: only when mapping would take physical memory above its
-//!   peak, pieces of memory lying wholly in free blocks are unmapped first
-//!   and their memory mapped where it is needed, as many as the excess.
-//!   The largest free blocks give first: best fit takes small blocks
-//!   first, so the largest are the last to be needed again.
-//! - **No ping-pong**: a page whose memory was moved away is filled again
-//!   by new memory, never by another move. A pattern that wants memory in
-//!   two places at different times of an iteration thus settles on
-//!   holding both, and later iterations move nothing.
+//! - **Budget**: a remapping pool keeps its physical memory within
+//!   `(1 + slack)` times the most pages its live blocks have touched at
+//!   once ([`BestFit::touched_pages`](super::BestFit::touched_pages)),
+//!   the page floor of its own placement (slack:
+//!   [`PoolConfig::remap_slack_ppm`](super::PoolConfig::remap_slack_ppm),
+//!   1 % by default). Mapping that would take it above the budget first
+//!   unmaps pieces of memory lying wholly in free blocks and maps their
+//!   memory where it is needed, as many as the excess. Below the budget it
+//!   maps new memory and moves nothing, so a workload whose layout shifts
+//!   a little from iteration to iteration moves memory only when the
+//!   shift would cost more than the slack.
+//! - **Which memory moves**: the free blocks at the highest addresses give
+//!   first. Best fit breaks ties toward low addresses, so the top of the
+//!   range is what placement comes back to last.
+//! - **Pieces**: new memory is mapped in pieces of at most
+//!   [`REMAP_PIECE`](crate::upstream::REMAP_PIECE) (a piece is unmapped
+//!   whole), so a large block's pages can move a few at a time.
 //! - **Stream order**: the pages to reclaim are marked holes before the
 //!   pool lock is dropped, so no allocation lands on them while they move;
 //!   when a free block that gives pages carries a stream tag, the upstream
@@ -51,8 +59,6 @@ pub(super) struct Pages {
     /// One bit per page: set for a hole (nothing mapped, or memory moving).
     holes: Vec<u64>,
     hole_count: usize,
-    /// One bit per page: a hole made by moving the page's memory away.
-    moved_out: Vec<u64>,
     /// Pages mapped, and their peak.
     pub(super) mapped: usize,
     pub(super) peak: usize,
@@ -83,13 +89,11 @@ impl Pages {
         } else if addr < self.base {
             let words = (self.base - addr).div_ceil(word_span);
             self.holes.splice(0..0, std::iter::repeat_n(0, words));
-            self.moved_out.splice(0..0, std::iter::repeat_n(0, words));
             self.base -= words * word_span;
         }
         let need = (end - self.base).div_ceil(word_span);
         if self.holes.len() < need {
             self.holes.resize(need, 0);
-            self.moved_out.resize(need, 0);
         }
     }
 
@@ -204,32 +208,6 @@ impl Pages {
         }
     }
 
-    /// Marks the pages of `run` as moved away (or not); returns how many of
-    /// them were marked so before.
-    pub(super) fn mark_moved(&mut self, run: Chunk, moved: bool) -> usize {
-        self.cover(run.addr, run.end());
-        let first = self.index(run.addr);
-        let mut was = 0;
-        for p in first..first + (run.size >> self.shift) {
-            let (w, bit) = (p / 64, 1u64 << (p % 64));
-            was += usize::from(self.moved_out[w] & bit != 0);
-            if moved {
-                self.moved_out[w] |= bit;
-            } else {
-                self.moved_out[w] &= !bit;
-            }
-        }
-        was
-    }
-
-    /// How many pages of `run` are holes made by moving memory away.
-    fn moved_in(&self, run: Chunk) -> usize {
-        let first = self.index(run.addr);
-        (first..first + (run.size >> self.shift))
-            .filter(|&p| self.moved_out.get(p / 64).is_some_and(|w| w & (1 << (p % 64)) != 0))
-            .count()
-    }
-
     /// Adds a chunk's new address space (nothing mapped).
     pub(super) fn add_unmapped(&mut self, addr: usize, size: usize) {
         self.mark(Chunk { addr, size }, true);
@@ -239,7 +217,6 @@ impl Pages {
     /// upstream); returns how many of them were mapped.
     pub(super) fn forget(&mut self, addr: usize, size: usize) -> usize {
         let pages = size >> self.shift;
-        self.mark_moved(Chunk { addr, size }, false);
         let was_holes = self.mark(Chunk { addr, size }, false);
         let mapped = pages - was_holes;
         self.mapped -= mapped;
@@ -297,19 +274,16 @@ impl<U: Upstream> Pool<U> {
             };
             let runs = pages.holes_in(a.addr, a.size);
             let needed: usize = runs.iter().map(|r| r.size >> pages.shift).sum();
-            let mut want = (pages.mapped + needed).saturating_sub(pages.peak);
-            if runs.iter().any(|r| pages.moved_in(*r) > 0) {
-                // The memory of these pages was moved away before: moving
-                // memory back would ping-pong every iteration. Grow.
-                want = 0;
-            }
+            let (_, floor) = fit.touched_pages();
+            let budget = floor + (floor as u128 * u128::from(self.config.remap_slack_ppm)).div_ceil(1_000_000) as usize;
+            let want = (pages.mapped + needed).saturating_sub(budget);
             let mut spans = Vec::new();
             let mut pending = false;
             if want > 0 {
                 // Offer twice the excess: only whole pieces inside the
                 // spans can move.
                 let mut offered = 0;
-                for (addr, bsize, tag) in fit.free_blocks_largest_first(pages.page()) {
+                for (addr, bsize, tag) in fit.free_blocks_highest_first(pages.page()) {
                     if offered >= 2 * want {
                         break;
                     }
@@ -355,7 +329,6 @@ impl<U: Upstream> Pool<U> {
         }
         for piece in &unmapped {
             pages.mark(*piece, true);
-            pages.mark_moved(*piece, true);
             pages.mapped -= piece.size >> pages.shift;
         }
         pages.unmap_calls += unmapped.len() as u64;
@@ -363,7 +336,6 @@ impl<U: Upstream> Pool<U> {
             Ok(calls) => {
                 for run in &plan.runs {
                     pages.mapped += pages.mark(*run, false);
-                    pages.mark_moved(*run, false);
                 }
                 pages.map_calls += calls;
                 pages.peak = pages.peak.max(pages.mapped);
@@ -384,7 +356,7 @@ impl<U: Upstream> Pool<U> {
             let Inner { fit, pages, .. } = &mut *inner;
             let mut spans = Vec::new();
             let mut pending = false;
-            for (addr, bsize, tag) in fit.free_blocks_largest_first(pages.page()) {
+            for (addr, bsize, tag) in fit.free_blocks_highest_first(pages.page()) {
                 for span in pages.mapped_inside(addr, bsize) {
                     pending |= tag != StreamTag::NONE;
                     spans.push(span);

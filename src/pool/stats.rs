@@ -34,6 +34,14 @@ pub struct PoolStats {
     /// The largest `mapped` since creation or the last peak reset: the
     /// figure fragmentation is measured by.
     pub peak_mapped: usize,
+    /// Bytes of the pages (of the remapping page size) that live blocks
+    /// touch: the least physical memory the pool's placement allows, what
+    /// `mapped` would be if every page lying wholly in free space were
+    /// unmapped. 0 for a pool that doesn't remap.
+    pub touched: usize,
+    /// The largest `touched` since creation or the last peak reset: the
+    /// page floor `peak_mapped` is measured against.
+    pub peak_touched: usize,
     /// Map calls (one per piece of memory mapped; without remapping, the
     /// upstream allocations).
     pub map_calls: u64,
@@ -91,6 +99,7 @@ impl PoolStats {
         self.peak_requested = self.requested;
         self.peak_reserved = self.reserved;
         self.peak_mapped = self.mapped;
+        self.peak_touched = self.touched;
     }
 
     /// Adds another pool's figures to these (for per-device totals).
@@ -103,6 +112,8 @@ impl PoolStats {
         self.peak_reserved += o.peak_reserved;
         self.mapped += o.mapped;
         self.peak_mapped += o.peak_mapped;
+        self.touched += o.touched;
+        self.peak_touched += o.peak_touched;
         self.map_calls += o.map_calls;
         self.unmap_calls += o.unmap_calls;
         self.cached += o.cached;

@@ -32,6 +32,12 @@ use crate::error::Result;
 /// relies on). Upstreams guarantee it for chunks; pools keep it for blocks.
 pub const BLOCK_ALIGN: usize = 256;
 
+/// The largest piece of new memory (one `cuMemCreate` handle, one
+/// `cuMemMap`) a remapping pool maps; a piece is unmapped whole, so this is
+/// how finely a large block's memory can move once it is free (rounded up
+/// to the upstream's granularity).
+pub const REMAP_PIECE: usize = 8 << 20;
+
 /// An address range an upstream handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Chunk {

@@ -188,7 +188,7 @@ impl Upstream for AddressRange {
                     Some(i) => vm.spare.swap_remove(i),
                     None => {
                         vm.calls.creates += 1;
-                        rem
+                        rem.min(cumem::upstream::REMAP_PIECE.next_multiple_of(GRANULARITY))
                     }
                 };
                 vm.pieces.insert(at, len);

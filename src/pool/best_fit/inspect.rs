@@ -24,6 +24,9 @@ impl BestFit {
         let mut s = self.stats.clone();
         s.largest_free = self.largest_free();
         s.free_blocks = self.free_index.len();
+        let (touched, peak) = self.touched_pages();
+        s.touched = touched << self.pages.shift;
+        s.peak_touched = peak << self.pages.shift;
         s
     }
 
@@ -166,6 +169,11 @@ impl BestFit {
                 "statistics drifted: in_use {} vs {in_use}, requested {} vs {requested}, reserved {} vs {reserved}, live {} vs {live_seen}",
                 s.in_use, s.requested, s.reserved, s.live_blocks
             ));
+        }
+        let pages = self.pages;
+        let free_pages: usize = self.free_index.iter().map(|&(size, addr, _)| pages.whole(addr, size)).sum();
+        if free_pages != pages.free_pages {
+            return Err(format!("{} free whole pages counted, {free_pages} in free blocks", pages.free_pages));
         }
         Ok(())
     }

@@ -73,15 +73,15 @@ impl BestFit {
         }
     }
 
-    /// Every free block as `(addr, size, tag)`, largest first (ties: lowest
-    /// address), of at least `min` bytes.
-    pub fn free_blocks_largest_first(&self, min: usize) -> Vec<(usize, usize, StreamTag)> {
+    /// Every free block of at least `min` bytes as `(addr, size, tag)`,
+    /// highest address first.
+    pub fn free_blocks_highest_first(&self, min: usize) -> Vec<(usize, usize, StreamTag)> {
         let mut v: Vec<(usize, usize, StreamTag)> = self
             .free_index
             .at_least(min)
             .map(|&(size, addr, slot)| (addr, size, self.blocks[slot as usize].tag))
             .collect();
-        v.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        v.sort_unstable_by(|a, b| b.0.cmp(&a.0));
         v
     }
 }

@@ -34,6 +34,7 @@ impl BestFit {
         let s = &mut self.stats;
         s.in_use += need;
         s.peak_in_use = s.peak_in_use.max(s.in_use);
+        self.note_touched();
         true
     }
 

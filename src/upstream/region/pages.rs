@@ -7,7 +7,9 @@
 //! part of a mapping). Its memory (on CUDA, the `cuMemCreate` handle) goes
 //! to `spare` when the caller moves it, and the next [`Region::map_run`]
 //! maps spares of at most the run's remaining size (largest first) before
-//! it allocates new memory for the rest. Each piece is one `cuMemMap`; the
+//! it allocates new memory for the rest, in pieces of at most
+//! [`REMAP_PIECE`](crate::upstream::REMAP_PIECE), so that a few pages of a
+//! large run can move later without the rest. Each piece is one `cuMemMap`; the
 //! whole run gets one `cuMemSetAccess` for the owner and every granted
 //! peer, so remapped memory is reachable from the same devices as the rest
 //! of the region.
@@ -40,6 +42,7 @@ impl Region {
         if overlaps_prev || self.pieces.get(at).is_some_and(|p| p.offset < end) {
             return Err(Error::InvalidState(format!("offset {offset} (+{size} B) is already mapped")));
         }
+        let piece_cap = crate::upstream::REMAP_PIECE.next_multiple_of(gran);
         let mut new: Vec<Piece> = Vec::new();
         let mut cursor = offset;
         let mut failure = None;
@@ -48,8 +51,8 @@ impl Region {
             let pick = (0..self.spare.len()).filter(|&i| self.spare[i].0 <= rem).max_by_key(|&i| self.spare[i].0);
             let (len, backing) = match pick {
                 Some(i) => self.spare.swap_remove(i),
-                None => match self.new_backing(rem) {
-                    Ok(b) => (rem, b),
+                None => match self.new_backing(rem.min(piece_cap)) {
+                    Ok(b) => (rem.min(piece_cap), b),
                     Err(e) => {
                         failure = Some(e);
                         break;
