@@ -248,7 +248,12 @@ const SIZE_STEP: usize = 512;
 
 impl Recorder {
     fn new(seed: u64) -> Recorder {
-        Recorder { rng: SplitMix64(seed), records: Vec::new(), next_pointer: 0x7f00_0000_0000, time: 1_700_000_000_000_000 }
+        Recorder {
+            rng: SplitMix64(seed),
+            records: Vec::new(),
+            next_pointer: 0x7f00_0000_0000,
+            time: 1_700_000_000_000_000,
+        }
     }
 
     fn record(&mut self, issuer: Issuer, action: Action, pointer: u64, size: usize) {

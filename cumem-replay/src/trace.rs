@@ -492,6 +492,25 @@ mod tests {
     }
 
     #[test]
+    fn written_traces_read_back_equal() {
+        let t = parse_str(SMALL).unwrap();
+        let mut text = Vec::new();
+        t.write_csv(&mut text).unwrap();
+        let mut back = parse_reader(&text[..], "back").unwrap();
+        back.name = t.name.clone();
+        assert_eq!(back, t, "failures and unmatched frees included");
+        let built = Trace::from_records("<string>", t.records.iter().copied());
+        assert_eq!(built, t);
+        let path = std::env::temp_dir().join(format!("cumem-trace-write-{}.csv.gz", std::process::id()));
+        t.write(&path).unwrap();
+        let mut file = Trace::read(&path).unwrap();
+        assert_eq!(file.name, format!("cumem-trace-write-{}", std::process::id()));
+        file.name = t.name.clone();
+        assert_eq!(file, t);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
     fn streams_are_numbered_in_order_of_first_use() {
         let text = "Thread,Time,Action,Pointer,Size,Stream\n\
                     0,1,allocate,0x100,10,0x7\n\
