@@ -24,7 +24,7 @@
 //! is counted, and the older allocation stays live to the end.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::path::Path;
 
 pub use cumem::log::Action;
@@ -74,7 +74,7 @@ pub enum Op {
 /// assert_eq!((trace.operations(), trace.peak_live), (2, 512));
 /// # Ok::<(), cumem::Error>(())
 /// ```
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Trace {
     /// A name for reports (the file name without `.csv.gz`).
     pub name: String,
@@ -253,6 +253,58 @@ impl Trace {
         }
         trace.live_at_end = resolver.live.len() + trace.duplicate_allocations;
         Ok(trace)
+    }
+
+    /// Resolves `records` (in order) into a trace named `name`, as
+    /// [`Trace::parse`] resolves the lines of a file: a generated trace and
+    /// its file read back are equal but for the name.
+    pub fn from_records(name: &str, records: impl IntoIterator<Item = Record>) -> Trace {
+        let mut trace = Trace { name: name.to_string(), ..Trace::default() };
+        let mut resolver = Resolver::default();
+        for record in records {
+            trace.push(record, &mut resolver);
+        }
+        trace.live_at_end = resolver.live.len() + trace.duplicate_allocations;
+        trace
+    }
+
+    /// Writes the trace's records in RMM's log format, header first:
+    /// `Time` in decimal microseconds, `Pointer` in `0x` hex, `Stream` in
+    /// decimal. [`Trace::parse`] reads it back to an equal trace.
+    ///
+    /// # Errors
+    /// The writer's.
+    pub fn write_csv(&self, writer: impl Write) -> std::io::Result<()> {
+        let mut w = BufWriter::new(writer);
+        writeln!(w, "Thread,Time,Action,Pointer,Size,Stream")?;
+        for r in &self.records {
+            let action = match r.action {
+                Action::Allocate => "allocate",
+                Action::Free => "free",
+                Action::AllocateFailure => "allocate failure",
+            };
+            writeln!(w, "{},{},{},{:#x},{},{}", r.thread, r.time, action, r.pointer, r.size, r.stream)?;
+        }
+        w.flush()
+    }
+
+    /// Writes the trace to `path` as [`write_csv`](Self::write_csv) does,
+    /// gzip-compressed when the name ends in `.gz`.
+    ///
+    /// # Errors
+    /// [`Error::Os`] when the file can't be created or written.
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let os = |call| move |source| Error::Os { call, source };
+        let file = std::fs::File::create(path).map_err(os("create (trace file)"))?;
+        if path.extension().is_some_and(|e| e == "gz") {
+            let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::default());
+            self.write_csv(&mut gz).map_err(os("write (trace file)"))?;
+            gz.finish().map_err(os("write (trace file)"))?;
+        } else {
+            self.write_csv(file).map_err(os("write (trace file)"))?;
+        }
+        Ok(())
     }
 
     fn stream_index(&mut self, stream: u64, r: &mut Resolver) -> u32 {
@@ -437,6 +489,25 @@ mod tests {
         let t = parse_reader(&bytes[..], "gz").unwrap();
         assert_eq!(t.peak_live, 150);
         assert_eq!(trace_name(Path::new("/a/bert_train.csv.gz")), "bert_train");
+    }
+
+    #[test]
+    fn written_traces_read_back_equal() {
+        let t = parse_str(SMALL).unwrap();
+        let mut text = Vec::new();
+        t.write_csv(&mut text).unwrap();
+        let mut back = parse_reader(&text[..], "back").unwrap();
+        back.name = t.name.clone();
+        assert_eq!(back, t, "failures and unmatched frees included");
+        let built = Trace::from_records("<string>", t.records.iter().copied());
+        assert_eq!(built, t);
+        let path = std::env::temp_dir().join(format!("cumem-trace-write-{}.csv.gz", std::process::id()));
+        t.write(&path).unwrap();
+        let mut file = Trace::read(&path).unwrap();
+        assert_eq!(file.name, format!("cumem-trace-write-{}", std::process::id()));
+        file.name = t.name.clone();
+        assert_eq!(file, t);
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

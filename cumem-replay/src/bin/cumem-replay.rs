@@ -9,6 +9,7 @@ use clap::Parser;
 use cumem::device::{driver_status, DriverStatus};
 use cumem::Config;
 use cumem_replay::replay::{self, ReplayReport, Target};
+use cumem_replay::synth::Spec;
 use cumem_replay::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -19,7 +20,8 @@ use serde::Serialize;
 #[command(name = "cumem-replay", version, about)]
 struct Args {
     /// Trace files (RMM log CSV: Thread,Time,Action,Pointer,Size,Stream),
-    /// gzip-compressed or plain.
+    /// gzip-compressed or plain, or synthetic traces `synth:NAME[:SEED]`
+    /// (NAME: pinned_top, kv_cache, moe, two_streams; SEED defaults to 1).
     #[arg(required = true)]
     traces: Vec<PathBuf>,
     /// Targets, comma-separated (`all` names every one but sim_device): sync_pool, async_stream_ordered,
@@ -126,7 +128,7 @@ fn run(args: &Args) -> cumem::Result<()> {
     let traces = args
         .traces
         .iter()
-        .map(|p| Trace::read(p).map_err(|e| cumem::Error::InvalidState(format!("{}: {e}", p.display()))))
+        .map(|p| read_trace(p).map_err(|e| cumem::Error::InvalidState(format!("{}: {e}", p.display()))))
         .collect::<cumem::Result<Vec<_>>>()?;
     let total = (traces.len() * targets.len() * args.repeat.max(1)) as u64;
     let bar = if args.no_progress || args.json { ProgressBar::hidden() } else { ProgressBar::new(total) };
@@ -185,6 +187,15 @@ fn run(args: &Args) -> cumem::Result<()> {
         print_table(&backend, &infos, &results, args);
     }
     Ok(())
+}
+
+/// Reads the trace file at `path`, or generates the synthetic trace it
+/// names (`synth:NAME[:SEED]`).
+fn read_trace(path: &std::path::Path) -> cumem::Result<Trace> {
+    match path.to_str().and_then(Spec::from_arg) {
+        Some(spec) => Ok(spec?.trace()),
+        None => Trace::read(path),
+    }
 }
 
 /// Writes the `--plot` picture.
