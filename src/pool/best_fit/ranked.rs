@@ -81,7 +81,7 @@ impl BestFit {
             .at_least(min)
             .map(|&(size, addr, slot)| (addr, size, self.blocks[slot as usize].tag))
             .collect();
-        v.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        v.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
         v
     }
 }
