@@ -395,6 +395,12 @@ impl BestFit {
         self.oracle = Oracle(Some(oracle));
     }
 
+    /// Whether the work of a free tagged `tag` is known complete: no tag,
+    /// or the tag oracle says so. No driver call.
+    pub fn tag_settled(&self, tag: StreamTag) -> bool {
+        tag == StreamTag::NONE || (tag != StreamTag::MIXED && self.oracle.0.as_ref().is_some_and(|done| done(tag)))
+    }
+
     /// Forgets which streams' queued work may still use the free blocks:
     /// every free block gets [`StreamTag::NONE`]. For a caller that knows
     /// that work is complete or otherwise ordered (a graph-private pool at

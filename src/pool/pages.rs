@@ -43,7 +43,7 @@
 //! - Pools with [`PoolConfig::keep_chunks`](super::PoolConfig::keep_chunks)
 //!   never remap (their graphs replay later into free-looking blocks).
 
-use super::{Allocation, Chunk, Error, Inner, Pool, Result, StreamTag, Upstream};
+use super::{Allocation, Chunk, Error, Inner, Pool, Result, Upstream};
 use crate::sync::lock;
 
 /// How many best-fit candidates placement looks at for one that touches
@@ -228,9 +228,11 @@ impl Pages {
 struct Plan {
     alloc: Allocation,
     runs: Vec<Chunk>,
-    spans: Vec<Chunk>,
+    /// Free spans that may give their memory: first those whose work is
+    /// known complete (`settled`), then those with work that may be queued.
+    settled: Vec<Chunk>,
+    pending: Vec<Chunk>,
     want: usize,
-    pending: bool,
 }
 
 impl<U: Upstream> Pool<U> {
@@ -277,28 +279,37 @@ impl<U: Upstream> Pool<U> {
             let (_, floor) = fit.touched_pages();
             let budget = floor + (floor as u128 * u128::from(self.config.remap_slack_ppm)).div_ceil(1_000_000) as usize;
             let want = (pages.mapped + needed).saturating_sub(budget);
-            let mut spans = Vec::new();
-            let mut pending = false;
+            let (mut settled, mut pending) = (Vec::new(), Vec::new());
             if want > 0 {
-                // Offer twice the excess: only whole pieces inside the
-                // spans can move.
+                // Offer twice the excess (only whole pieces inside the
+                // spans can move), memory no queued work may use first:
+                // moving it needs no wait for the device.
                 let mut offered = 0;
-                for (addr, bsize, tag) in fit.free_blocks_highest_first(pages.page()) {
-                    if offered >= 2 * want {
-                        break;
-                    }
-                    for span in pages.mapped_inside(addr, bsize) {
-                        offered += span.size >> pages.shift;
-                        pending |= tag != StreamTag::NONE;
-                        spans.push(span);
+                let free = fit.free_blocks_highest_first(pages.page());
+                for waits in [false, true] {
+                    for &(addr, bsize, tag) in &free {
+                        if offered >= 2 * want {
+                            break;
+                        }
+                        if fit.tag_settled(tag) == waits {
+                            continue;
+                        }
+                        for span in pages.mapped_inside(addr, bsize) {
+                            offered += span.size >> pages.shift;
+                            if waits {
+                                pending.push(span)
+                            } else {
+                                settled.push(span)
+                            }
+                        }
                     }
                 }
-                for span in &spans {
+                for span in settled.iter().chain(&pending) {
                     // Holes while they may move: no allocation lands there.
                     pages.mark(*span, true);
                 }
             }
-            Plan { alloc: a, runs, spans, want: want << pages.shift, pending }
+            Plan { alloc: a, runs, settled, pending, want: want << pages.shift }
         };
         self.carry_out(plan).map(Some)
     }
@@ -306,15 +317,7 @@ impl<U: Upstream> Pool<U> {
     /// Unmaps what `plan` reclaims and maps its runs (no pool lock held),
     /// then records the result.
     fn carry_out(&self, plan: Plan) -> Result<Allocation> {
-        let unmapped = if plan.spans.is_empty() {
-            Ok(Vec::new())
-        } else {
-            self.upstream.unmap_within(&plan.spans, plan.want, plan.pending, true)
-        };
-        let (unmapped, unmap_err) = match unmapped {
-            Ok(v) => (v, None),
-            Err(e) => (Vec::new(), Some(e)),
-        };
+        let (unmapped, unmap_err) = self.unmap_settled_first(&plan.settled, &plan.pending, plan.want);
         let mapped = match unmap_err {
             Some(e) => Err(e),
             None => self.upstream.map_runs(&plan.runs),
@@ -324,7 +327,7 @@ impl<U: Upstream> Pool<U> {
         }
         let mut inner = self.inner.lock();
         let Inner { fit, pages, .. } = &mut *inner;
-        for span in &plan.spans {
+        for span in plan.settled.iter().chain(&plan.pending) {
             pages.mark(*span, false);
         }
         for piece in &unmapped {
@@ -348,6 +351,26 @@ impl<U: Upstream> Pool<U> {
         }
     }
 
+    /// Unmaps up to `want` bytes of whole pieces inside the spans, keeping
+    /// their memory for the next map: `settled` spans first, and only if
+    /// they give too little, `pending` ones (after the upstream waits for
+    /// the device), so a move waits for queued work only when it must.
+    fn unmap_settled_first(&self, settled: &[Chunk], pending: &[Chunk], want: usize) -> (Vec<Chunk>, Option<Error>) {
+        let mut out = Vec::new();
+        for (spans, waits) in [(settled, false), (pending, true)] {
+            let got: usize = out.iter().map(|c: &Chunk| c.size).sum();
+            if got >= want || spans.is_empty() {
+                continue;
+            }
+            match self.upstream.unmap_within(spans, want - got, waits, true) {
+                Ok(v) => out.extend(v),
+                // What the first call unmapped stays recorded.
+                Err(e) => return (out, Some(e)),
+            }
+        }
+        (out, None)
+    }
+
     /// Unmaps every wholly free piece of memory (release and out-of-memory
     /// paths; the caller holds the remap lock); returns the bytes unmapped.
     pub(super) fn unmap_free_pages(&self) -> Result<usize> {
@@ -358,7 +381,7 @@ impl<U: Upstream> Pool<U> {
             let mut pending = false;
             for (addr, bsize, tag) in fit.free_blocks_highest_first(pages.page()) {
                 for span in pages.mapped_inside(addr, bsize) {
-                    pending |= tag != StreamTag::NONE;
+                    pending |= !fit.tag_settled(tag);
                     spans.push(span);
                 }
             }
