@@ -81,7 +81,9 @@ typedef struct {
   size_t requested;
   // The largest `requested` since the last peak reset.
   size_t peak_requested;
-  // Bytes the pool holds from the driver (physical: mapped pages).
+  // Bytes of physical memory the pool holds from the driver: its mapped
+  // pages where it remaps pages (its address space can be larger),
+  // else its chunks.
   size_t reserved;
   // The largest `reserved` since the last peak reset.
   size_t peak_reserved;

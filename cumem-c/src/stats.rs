@@ -20,7 +20,9 @@ pub struct CumemPoolStats {
     pub requested: usize,
     /// The largest `requested` since the last peak reset.
     pub peak_requested: usize,
-    /// Bytes the pool holds from the driver (physical: mapped pages).
+    /// Bytes of physical memory the pool holds from the driver: its mapped
+    /// pages where it remaps pages (its address space can be larger),
+    /// else its chunks.
     pub reserved: usize,
     /// The largest `reserved` since the last peak reset.
     pub peak_reserved: usize,
@@ -43,8 +45,10 @@ impl From<PoolStats> for CumemPoolStats {
             peak_in_use: s.peak_in_use,
             requested: s.requested,
             peak_requested: s.peak_requested,
-            reserved: s.reserved,
-            peak_reserved: s.peak_reserved,
+            // Physical memory: a remapping pool's address space holds
+            // unmapped holes (for other pools `mapped` is `reserved`).
+            reserved: s.mapped,
+            peak_reserved: s.peak_mapped,
             cached: s.cached,
             live_blocks: s.live_blocks,
             free_blocks: s.free_blocks,
@@ -215,4 +219,23 @@ pub unsafe extern "C" fn cumem_shutdown(report: *mut CumemShutdownReport) -> Cum
         }
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CumemPoolStats;
+    use cumem::pool::PoolStats;
+
+    #[test]
+    fn reserved_is_physical_memory_where_a_pool_remaps_pages() {
+        let s = PoolStats {
+            reserved: 8 << 30,
+            peak_reserved: 9 << 30,
+            mapped: 5 << 30,
+            peak_mapped: 6 << 30,
+            ..Default::default()
+        };
+        let c = CumemPoolStats::from(s);
+        assert_eq!((c.reserved, c.peak_reserved), (5 << 30, 6 << 30));
+    }
 }
