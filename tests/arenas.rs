@@ -287,3 +287,61 @@ fn thread_churn_reuses_arenas_and_their_memory() {
     assert_eq!(d.pool().stats().in_use, 0);
     mm.release_cached().unwrap();
 }
+
+/// An upstream whose chunks take a while (as pinning does: about a third
+/// of a second per GiB) and that counts them.
+struct Slow {
+    inner: cumem::upstream::Host,
+    chunks: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl cumem::upstream::Upstream for Slow {
+    fn allocate_chunk(&self, size: usize) -> cumem::Result<cumem::upstream::Chunk> {
+        self.chunks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        self.inner.allocate_chunk(size)
+    }
+    fn deallocate_chunk(&self, chunk: cumem::upstream::Chunk) -> cumem::Result<()> {
+        self.inner.deallocate_chunk(chunk)
+    }
+    fn inner(&self) -> Option<&dyn cumem::upstream::Upstream> {
+        Some(&self.inner)
+    }
+}
+
+/// Threads on arenas of their own that all need memory at once make one
+/// upstream call, not one each: one arena grows while the others wait,
+/// then they borrow from its new chunk.
+#[test]
+fn arenas_that_need_memory_together_grow_once() {
+    use cumem::pool::{Arenas, PoolConfig};
+    use cumem::upstream::Upstream;
+    use cumem::PoolKind;
+    const THREADS: usize = 8;
+    let chunks = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let slow = {
+        let chunks = chunks.clone();
+        move || Slow { inner: cumem::upstream::Host::new(), chunks: chunks.clone() }
+    };
+    let mut config = PoolConfig::new(PoolKind::Pinned);
+    config.thread_cache = false;
+    config.min_chunk = 64 * MIB;
+    let first = slow();
+    let make = move || -> cumem::Result<Box<dyn Upstream>> { Ok(Box::new(slow())) };
+    let arenas = Arenas::new(Box::new(first), Some(Box::new(make)), config, THREADS);
+    let (start, done) = (Barrier::new(THREADS), Barrier::new(THREADS));
+    std::thread::scope(|s| {
+        for _ in 0..THREADS {
+            s.spawn(|| {
+                start.wait();
+                let a = arenas.allocate(MIB, 256).unwrap();
+                // Every thread holds its block until all have one.
+                done.wait();
+                arenas.deallocate(a.addr, cumem::pool::StreamTag::NONE).unwrap();
+            });
+        }
+    });
+    assert!(arenas.made() >= THREADS / 2, "only {} arenas were made; the test shows nothing", arenas.made());
+    assert_eq!(chunks.load(std::sync::atomic::Ordering::SeqCst), 1, "arenas grew one by one instead of borrowing");
+    arenas.check_invariants().unwrap();
+}

@@ -51,7 +51,7 @@ use super::arena_registry::Registry;
 use super::arena_upstream::{ArenaPools, Shared, Tracked};
 use super::{Allocation, BestFit, Freed, LiveBlock, Pool, PoolConfig, PoolSnapshot, PoolStats, StreamTag};
 use crate::error::{Error, Result};
-use crate::sync::{thread_slot, Arc, AtomicUsize, InitCell, Ordering};
+use crate::sync::{lock, thread_slot, Arc, AtomicUsize, InitCell, Mutex, Ordering};
 use crate::upstream::Upstream;
 
 /// `Arenas::base` before the first thread took arena 0.
@@ -105,6 +105,10 @@ pub struct Arenas {
     /// What merges of blocks freed on different streams ask, in every
     /// arena (see [`Pool::set_tag_oracle`]).
     oracle: once_cell::sync::OnceCell<crate::tag::TagOracle>,
+    /// Held by the one arena of the set that grows through its upstream
+    /// at a time (pools that don't remap pages): arenas that need memory
+    /// meanwhile wait, then look at the new memory before they grow too.
+    growing: Mutex<()>,
 }
 
 impl std::fmt::Debug for Arenas {
@@ -137,6 +141,7 @@ impl Arenas {
             shared,
             made: AtomicUsize::new(1),
             registry,
+            growing: Mutex::new(()),
             oracle: once_cell::sync::OnceCell::new(),
         }
     }
@@ -285,7 +290,7 @@ impl Arenas {
         // Memory moves between arenas only where chunks are whole
         // allocations (not page remapping, not kept for graphs, not one
         // growing reservation).
-        if self.made.load(Ordering::Acquire) == 1 || home.remaps() || self.config.keep_chunks {
+        if self.arenas.len() == 1 || home.remaps() || self.config.keep_chunks {
             // Out of memory, the arena's upstream takes the other arenas'
             // free memory first (arena_upstream.rs): the result needs no
             // second look here.
@@ -303,7 +308,9 @@ impl Arenas {
     /// its free memory with no stream work pending on it (it stays that
     /// arena's, and its free goes back there past every thread cache);
     /// failing that, every thread cache is flushed and both are tried once
-    /// more. Only then does `home` grow.
+    /// more. Only then does `home` grow, one arena of the set at a time:
+    /// an arena that had to wait for another's growth looks at the new
+    /// memory (its own and a loan) before it grows too.
     #[cold]
     fn allocate_elsewhere(
         &self,
@@ -341,6 +348,21 @@ impl Arenas {
             if let Some(a) = self.borrow(i, size, align) {
                 return Ok(a);
             }
+        }
+        if home.remaps() {
+            return home.allocate_for(size, align, stream);
+        }
+        // One grower at a time: threads that need memory together (a
+        // burst on every arena) would each pin a chunk, and the driver
+        // serialises those calls (a third of a second per GiB). The
+        // others wait here, then take from the chunk the first one made.
+        // No pool lock is held while waiting or growing.
+        let _one = lock(&self.growing);
+        if let Some(a) = home.allocate_within(size, align, stream)? {
+            return Ok(a);
+        }
+        if let Some(a) = self.borrow(i, size, align) {
+            return Ok(a);
         }
         home.allocate_for(size, align, stream)
     }
