@@ -32,6 +32,8 @@
 //! one thread, with the number of upstream calls and their total time.
 //!
 //! `CUMEM_PEERS_SCALE` multiplies N (e.g. 0.1 for a quick look).
+//! `CUMEM_PEERS_CONF` (in `CUMEM_CONF` syntax) replaces the default
+//! configuration of the fresh-thread rows' managers.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
@@ -361,8 +363,19 @@ fn ratio(reserved: usize, held: usize, arenas_peak: usize) -> String {
 }
 
 /// The fresh-thread table (the peers' harness).
+/// The fresh-thread rows' configuration: the default, or `CUMEM_PEERS_CONF`.
+fn fresh_config() -> Config {
+    match std::env::var("CUMEM_PEERS_CONF") {
+        Ok(text) => text.parse().unwrap_or_else(|e| panic!("CUMEM_PEERS_CONF: {e}")),
+        Err(_) => Config::new(),
+    }
+}
+
 fn fresh_table(backend: BackendChoice, gpu: bool) {
     println!("\nFresh threads per column after a 16-thread warm-up (peers' harness), total Mops/s");
+    if let Ok(conf) = std::env::var("CUMEM_PEERS_CONF") {
+        println!("configuration: {conf}");
+    }
     print!("{:<44}", "target");
     for t in THREADS {
         print!("{:>9}", format!("{t} thr"));
@@ -370,7 +383,7 @@ fn fresh_table(backend: BackendChoice, gpu: bool) {
     println!("{:>9}{:>9}{:>7}{:>7}  after: reserved / most held at once", "churn", "ch/8", "calls", "moved");
     let stream = || if gpu { Stream::new().expect("cuStreamCreate") } else { Stream::host() };
     for per_thread in [false, true] {
-        let mm = MemoryManager::new(Config::new().backend(backend)).expect("a manager");
+        let mm = MemoryManager::new(fresh_config().backend(backend)).expect("a manager");
         let d = Device { mm, shared: stream(), per_thread, host: !gpu };
         let counts = || {
             let a = d.mm.default_device().expect("device").pool();
@@ -391,7 +404,7 @@ fn fresh_table(backend: BackendChoice, gpu: bool) {
         );
         print_fresh(name, &row, &after);
     }
-    let p = Pinned(MemoryManager::new(Config::new().backend(backend)).expect("a manager"));
+    let p = Pinned(MemoryManager::new(fresh_config().backend(backend)).expect("a manager"));
     let counts = || (p.0.pinned_pool().upstream_calls(), p.0.pinned_pool().chunks_moved());
     let row = fresh_row(&p, &counts);
     let s = p.0.pinned_stats();
