@@ -506,3 +506,37 @@ fn physical_memory_stays_within_the_budget_when_the_layout_shifts() {
         assert!(peak * 100 <= floor * 108, "seed {seed:#x}, 4-page pieces: {peak} pages mapped for a floor of {floor}");
     }
 }
+
+/// Memory whose stream work is known complete moves without waiting for
+/// the device: the same layout as `free_pages_move_to_where_memory_is_needed`
+/// (which waits: its pool knows nothing of completion), with an oracle
+/// that says the stream's work is done.
+#[test]
+fn settled_free_pages_move_without_a_wait() {
+    let model = Model::default();
+    let pool = pool(&model);
+    let m = model.clone();
+    pool.set_tag_oracle(Arc::new(move |t: StreamTag| m.world().complete.get(&t.stream).is_some_and(|&c| c >= t.seq)));
+    let blocks: Vec<_> = (0..32).map(|_| pool.allocate(4 * PAGE, 256).unwrap()).collect();
+    for (i, b) in blocks.iter().enumerate().filter(|(i, _)| i % 2 == 1) {
+        let tag = StreamTag { stream: 1, seq: i as u64 };
+        {
+            let mut w = model.world();
+            for page in World::pages(b.addr, b.size) {
+                w.queued.insert(page, (tag.stream, tag.seq));
+            }
+        }
+        pool.deallocate(b.addr, tag).unwrap();
+    }
+    // The stream's work completes (the host saw it).
+    model.world().complete.insert(1, u64::MAX);
+    let big = pool.allocate(60 * PAGE, 256).unwrap();
+    let s = pool.stats();
+    assert!(s.unmap_calls >= 14, "{} unmap calls: nothing moved, the test shows nothing", s.unmap_calls);
+    assert!(s.peak_mapped <= 130 * PAGE, "physical peak {} pages", s.peak_mapped / PAGE);
+    let w = model.world();
+    assert_eq!(w.syncs, 0, "settled memory moved only after a wait for the device");
+    assert!(w.violations.is_empty(), "{:?}", w.violations);
+    drop(w);
+    pool.deallocate(big.addr, StreamTag::NONE).unwrap();
+}

@@ -341,16 +341,14 @@ impl Arenas {
         // Memory parked in the threads' caches is free too: before an
         // upstream call (a pinned chunk of up to 1 GiB takes a third of a
         // second to pin), flush every arena's caches and look once more.
-        if !home.remaps() && self.pools().map(|(_, p)| p.drain_thread_caches()).sum::<usize>() > 0 {
+        debug_assert!(!home.remaps(), "a remapping pool grows by mapping pages, never here");
+        if self.pools().map(|(_, p)| p.drain_thread_caches()).sum::<usize>() > 0 {
             if let Some(a) = home.allocate_within(size, align, stream)? {
                 return Ok(a);
             }
             if let Some(a) = self.borrow(i, size, align) {
                 return Ok(a);
             }
-        }
-        if home.remaps() {
-            return home.allocate_for(size, align, stream);
         }
         // One grower at a time: threads that need memory together (a
         // burst on every arena) would each pin a chunk, and the driver

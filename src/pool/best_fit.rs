@@ -208,9 +208,18 @@ impl BestFit {
     pub fn count_pages(&mut self, page: usize) {
         debug_assert!(page.is_power_of_two() && page >= BLOCK_ALIGN);
         self.pages.shift = page.trailing_zeros();
-        let pages = self.pages;
-        self.pages.free_pages = self.free_index.iter().map(|&(size, addr, _)| pages.whole(addr, size)).sum();
+        self.pages.free_pages = self.count_free_pages();
         self.note_touched();
+    }
+
+    /// The whole pages inside free blocks, counted afresh.
+    fn count_free_pages(&self) -> usize {
+        self.free_index.iter().map(|&(size, addr, _)| self.pages.whole(addr, size)).sum()
+    }
+
+    /// The pages live blocks touch now (counting on).
+    fn touched_now(&self) -> usize {
+        (self.stats.reserved >> self.pages.shift) - self.pages.free_pages
     }
 
     /// The pages live blocks touch now, and the most they touched at once
@@ -219,7 +228,7 @@ impl BestFit {
         if self.pages.shift == 0 {
             return (0, 0);
         }
-        ((self.stats.reserved >> self.pages.shift) - self.pages.free_pages, self.pages.peak_touched)
+        (self.touched_now(), self.pages.peak_touched)
     }
 
     /// Sets the touched-page peak to the count now.
@@ -234,8 +243,7 @@ impl BestFit {
     #[inline]
     fn note_touched(&mut self) {
         if self.pages.shift != 0 {
-            let now = (self.stats.reserved >> self.pages.shift) - self.pages.free_pages;
-            self.pages.peak_touched = self.pages.peak_touched.max(now);
+            self.pages.peak_touched = self.pages.peak_touched.max(self.touched_now());
         }
     }
 

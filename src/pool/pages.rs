@@ -294,13 +294,10 @@ impl<U: Upstream> Pool<U> {
                         if fit.tag_settled(tag) == waits {
                             continue;
                         }
+                        let spans = if waits { &mut pending } else { &mut settled };
                         for span in pages.mapped_inside(addr, bsize) {
                             offered += span.size >> pages.shift;
-                            if waits {
-                                pending.push(span)
-                            } else {
-                                settled.push(span)
-                            }
+                            spans.push(span);
                         }
                     }
                 }

@@ -170,10 +170,9 @@ impl BestFit {
                 s.in_use, s.requested, s.reserved, s.live_blocks
             ));
         }
-        let pages = self.pages;
-        let free_pages: usize = self.free_index.iter().map(|&(size, addr, _)| pages.whole(addr, size)).sum();
-        if free_pages != pages.free_pages {
-            return Err(format!("{} free whole pages counted, {free_pages} in free blocks", pages.free_pages));
+        let free_pages = self.count_free_pages();
+        if free_pages != self.pages.free_pages {
+            return Err(format!("{} free whole pages counted, {free_pages} in free blocks", self.pages.free_pages));
         }
         Ok(())
     }
