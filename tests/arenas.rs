@@ -185,6 +185,76 @@ fn device_arenas_remap_pages() {
     mm.free_device(z).unwrap();
 }
 
+/// Arena 0 of a device pool remaps pages and is kept for the set's first
+/// thread: a later thread, arriving when the first has gone, takes a
+/// worker arena (a new layout in arena 0 would move pages through the
+/// driver). The pinned pool (no remapping) hands arena 0 on as before.
+#[test]
+fn later_threads_take_worker_arenas_not_the_first_threads() {
+    let mm = host(Config::new().arenas(4).pinned_thread_cache(false));
+    let d = mm.device(0).unwrap();
+    let run = || {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let p = mm.allocate_device(3 * MIB).unwrap();
+                mm.free_device(p).unwrap();
+                let q = mm.allocate_pinned(MIB).unwrap();
+                mm.free_pinned(q.as_ptr()).unwrap();
+                cumem::pool::release_thread_arenas();
+            });
+        });
+    };
+    run();
+    assert!(d.pool().primary().remaps());
+    assert_eq!((d.pool().made(), d.pool().primary().stats().upstream_allocs > 0), (1, true));
+    for _ in 0..5 {
+        run();
+    }
+    assert_eq!(d.pool().made(), 2, "one worker arena for every later thread");
+    assert_eq!(d.pool().count(), 5, "four worker arenas beside arena 0");
+    assert_eq!(mm.pinned_pool().made(), 1, "the pinned pool's arena 0 goes to the next thread");
+}
+
+/// Device worker arenas take whole chunks of one address space: a chunk
+/// one worker grew and freed moves to another worker that needs memory,
+/// with no upstream call, while both threads are alive; frees from either
+/// thread reach the arena that now owns the chunk.
+#[test]
+fn device_worker_arenas_trade_free_chunks_without_the_upstream() {
+    let mm = host(Config::new().arenas(4).device_thread_cache(false));
+    let d = mm.device(0).unwrap();
+    // This thread takes arena 0 and keeps it.
+    let first = mm.allocate_device(MIB).unwrap();
+    let (grown, taken) = (Barrier::new(2), Barrier::new(2));
+    let (tx, rx) = crossbeam::channel::bounded::<u64>(1);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let p = mm.allocate_device(24 * MIB).unwrap();
+            mm.free_device(p).unwrap();
+            grown.wait();
+            // The other worker took this arena's free chunk: free its
+            // block from here.
+            taken.wait();
+            mm.free_device(rx.recv().unwrap()).unwrap();
+        });
+        s.spawn(|| {
+            grown.wait();
+            let calls = d.pool().upstream_calls();
+            let q = mm.allocate_device(16 * MIB).unwrap();
+            assert_eq!(d.pool().chunks_moved(), 1, "a worker's free chunk moved");
+            assert_eq!(d.pool().upstream_calls(), calls, "no upstream call");
+            tx.send(q).unwrap();
+            taken.wait();
+        });
+    });
+    assert_eq!(d.pool().made(), 3);
+    assert_eq!(d.stats().pool.in_use, MIB);
+    mm.free_device(first).unwrap();
+    d.pool().check_invariants().unwrap();
+    mm.release_cached().unwrap();
+    assert_eq!(d.stats().pool.reserved, 0, "every chunk went back, whichever arena held it");
+}
+
 /// Threads that come and go reuse the arenas of exited threads with the
 /// memory they cache: 40 threads one after another (the first thread
 /// holding arena 0 all along) make one more arena, and after the first
@@ -273,7 +343,10 @@ fn thread_churn_reuses_arenas_and_their_memory() {
     for seed in 100..110 {
         wave(seed);
     }
-    assert!(mm.pinned_pool().made() <= WAVE && d.pool().made() <= WAVE);
+    // The device set keeps arena 0 (it remaps pages) for its first
+    // thread: the waves after it run on worker arenas beside it.
+    let primary = usize::from(d.pool().primary().remaps());
+    assert!(mm.pinned_pool().made() <= WAVE && d.pool().made() <= WAVE + primary);
     let (pinned, device) = (mm.pinned_pool().upstream_calls() - pinned0, d.pool().upstream_calls() - device0);
     // A wave's threads run at once: an arena may need a chunk while every
     // other arena's chunks still hold live blocks, so the pinned pool may

@@ -27,7 +27,7 @@ use crate::error::{Error, PoolKind, Result};
 use crate::log::EventLog;
 use crate::pool::{Arenas, Pool, PoolStats};
 use crate::sync::{AtomicBool, Ordering};
-use crate::upstream::{Geometric, Host, HostExpandable, Taken, Upstream};
+use crate::upstream::{Geometric, Host, HostExpandable, SharedChunks, Taken, Upstream};
 
 /// Address space the host fallback's expandable device pool reserves (no
 /// memory until used).
@@ -355,12 +355,18 @@ impl MemoryManager {
             Some(d) if ordinal != self.config.device => d.requested_mode(),
             _ => self.config.mode,
         };
-        // Each further arena takes its chunks the same way (on CUDA, a
-        // reservation of its own, registered for peer access like the
-        // first).
+        // The further (worker) arenas take whole chunks of one address
+        // space shared by them all (made on the first one's first use),
+        // geometrically against one total: a free chunk moves between
+        // them with no driver call, and any of them can give it back.
         let (arena_ctx, expandable) = (ctx.clone(), self.config.expandable);
-        let make: crate::pool::UpstreamFactory =
-            Box::new(move || Self::make_device_upstream(arena_ctx.as_ref(), expandable));
+        let (space, taken, limit) = (Arc::new(OnceCell::new()), Taken::new(), pc.max_size);
+        let make: crate::pool::UpstreamFactory = Box::new(move || {
+            let space: &Arc<dyn Upstream> =
+                space.get_or_try_init(|| Self::make_device_upstream(arena_ctx.as_ref(), expandable).map(Arc::from))?;
+            let whole = Box::new(SharedChunks::new(space.clone()));
+            Ok(Box::new(Geometric::new(whole, taken.clone(), limit)) as Box<dyn Upstream>)
+        });
         // The private pools of captures cumem is not told of, made like
         // `graph_pool_on`'s.
         let (graph_ctx, graph_pc) = (ctx.clone(), self.config.graph_pool_config());

@@ -8,7 +8,11 @@
 //!   (cold path, under the registry's lock): the lowest-numbered arena that
 //!   is made and has no thread (its memory is reused), else the lowest one
 //!   not made yet, else the one with the fewest threads (more threads than
-//!   arenas share). The claim is remembered in a thread-local list keyed by
+//!   arenas share). Where arena 0 remaps pages (a device's sync pool), it
+//!   goes to the set's first thread, and later threads take it only when
+//!   every other arena is taken: a new thread's layout differs from the
+//!   last one's, and in arena 0 that costs page moves (driver calls),
+//!   where the worker arenas trade whole chunks with none. The claim is remembered in a thread-local list keyed by
 //!   the set's id (ids are never reused, so a dropped set's entry can't be
 //!   mistaken for a new one); the hot path reads one cached `(id, arena)`
 //!   pair.
@@ -35,15 +39,21 @@ static NEXT_ID: StaticAtomicU64 = StaticAtomicU64::new(1);
 pub(super) struct Registry {
     id: u64,
     users: Box<[AtomicUsize]>,
-    claims: Mutex<()>,
+    /// Whether arena 0 is kept for the set's first thread (it remaps
+    /// pages): later threads take it only when every other arena is
+    /// taken.
+    primary_first_only: bool,
+    /// Whether any thread claimed yet; held while a thread claims.
+    claimed: Mutex<bool>,
 }
 
 impl Registry {
-    pub(super) fn new(count: usize) -> Arc<Self> {
+    pub(super) fn new(count: usize, primary_first_only: bool) -> Arc<Self> {
         Arc::new(Registry {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             users: (0..count).map(|_| AtomicUsize::new(0)).collect(),
-            claims: Mutex::new(()),
+            primary_first_only,
+            claimed: Mutex::new(false),
         })
     }
 
@@ -87,13 +97,17 @@ impl Registry {
 
     /// Claims an arena for a new thread (see the module docs).
     fn claim(&self, made: impl Fn(usize) -> bool) -> usize {
-        let _g = lock(&self.claims);
+        let mut claimed = lock(&self.claimed);
+        let first = !std::mem::replace(&mut *claimed, true);
         let free = |i: &usize| self.users[*i].load(Ordering::Acquire) == 0;
         let n = self.users.len();
-        let i = (0..n)
+        // Arena 0 kept for the first thread: the others look past it.
+        let skip = usize::from(self.primary_first_only && !first);
+        let i = (skip..n)
             .filter(|i| made(*i))
             .find(free)
-            .or_else(|| (0..n).find(|i| !made(*i) && free(i)))
+            .or_else(|| (skip..n).find(|i| !made(*i) && free(i)))
+            .or_else(|| (0..skip).find(free))
             .unwrap_or_else(|| (0..n).min_by_key(|i| self.users[*i].load(Ordering::Acquire)).unwrap_or(0));
         self.users[i].fetch_add(1, Ordering::AcqRel);
         i

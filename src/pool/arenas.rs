@@ -11,10 +11,19 @@
 //!   memory it caches, so the number of arenas is bounded by the set's
 //!   count (by default the processors), never by the threads ever made.
 //!   Arena 0 is made with the set; the others are made on first claim from
-//!   the upstream factory (on CUDA: a VMM reservation of their own, so
-//!   address space, not memory, is what they cost). One thread alone
-//!   always uses one arena, so a single-threaded program sees exactly one
-//!   pool. (Tests and models may pin a thread to an arena by slot with
+//!   the upstream factory. One thread alone always uses one arena, so a
+//!   single-threaded program sees exactly one pool.
+//! - **Device sets: arena 0 and worker arenas.** Where arena 0 remaps
+//!   pages (a device's sync pool on CUDA virtual memory), it is kept for
+//!   the set's first thread, and `count` *worker* arenas stand beside it
+//!   for the threads that come later (`arena_registry.rs`). Workers take
+//!   whole chunks of one address space they all share
+//!   ([`SharedChunks`](crate::upstream::SharedChunks)), growing
+//!   geometrically against one total, so they trade free chunks as the
+//!   pinned arenas do, with no driver call. Remapping keeps one thread's
+//!   repeating layout (a training loop) near its page floor; a new
+//!   thread's layout is new, and in a remapping arena that costs page
+//!   moves, each a driver call. (Tests and models may pin a thread to an arena by slot with
 //!   [`set_thread_slot`](crate::pool::set_thread_slot).)
 //! - **Memory moves between arenas.** An arena with no free block for a
 //!   request first takes a wholly free chunk of another arena (pools whose
@@ -24,13 +33,13 @@
 //!   When every chunk holds live blocks (all threads busy), another arena
 //!   *lends* a block of its free memory: the block stays the lender's
 //!   (the directory sends its free there) and skips every thread cache,
-//!   so it goes back where it came from. Only blocks with no stream work
-//!   pending are lent: on the device, reusing another thread's stream's
-//!   blocks made every lent block wait for that stream. Only then does the
-//!   arena grow. Device pools that remap pages don't lend: their arenas
-//!   each map pages in address space of their own, and blocks lent from
-//!   mapped pages were measured slower than mapping (every lent block took
-//!   another arena's lock and missed the thread caches).
+//!   so it goes back where it came from. Only chunks and blocks with no
+//!   stream work pending move (no tag, or a tag whose work a host
+//!   synchronisation saw complete): on the device, reusing another
+//!   thread's stream's blocks made every lent block wait for that stream.
+//!   Only then does the arena grow. A remapping arena neither gives nor
+//!   lends: its free space may be holes, and its address space is its
+//!   own.
 //! - **Where a free goes.** Each arena's upstream is wrapped
 //!   (`arena_upstream.rs`) so that every chunk it hands out is recorded in
 //!   a directory shared by the set: a sorted array of chunks published
@@ -65,11 +74,10 @@ pub type UpstreamFactory = Box<dyn Fn() -> Result<Box<dyn Upstream>> + Send + Sy
 pub const MAX_ARENAS: usize = 64;
 
 /// The default arena count: the processors (what can run at once; more
-/// threads share arenas) rounded up to a power of two, at most
-/// [`MAX_ARENAS`].
+/// threads share arenas), at most [`MAX_ARENAS`].
 pub fn default_arena_count() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    cores.clamp(1, MAX_ARENAS).next_power_of_two()
+    cores.clamp(1, MAX_ARENAS)
 }
 
 /// Several best-fit pools over upstreams of one kind, chosen by the calling
@@ -122,17 +130,20 @@ impl std::fmt::Debug for Arenas {
 }
 
 impl Arenas {
-    /// A set of at most `count` arenas (at least 1, at most
-    /// [`MAX_ARENAS`], rounded up to a power of two): arena 0 over `first`,
-    /// the others made on first use with `make` (`None`: one arena only).
+    /// A set of `count` arenas (at least 1, at most [`MAX_ARENAS`]): arena
+    /// 0 over `first`, the others made on first use with `make` (`None`:
+    /// one arena only). When arena 0 remaps pages and `count` is above 1,
+    /// `count` worker arenas are made beside it (see the module docs).
     pub fn new(first: Box<dyn Upstream>, make: Option<UpstreamFactory>, config: PoolConfig, count: usize) -> Self {
-        let count = if make.is_some() { count.clamp(1, MAX_ARENAS).next_power_of_two() } else { 1 };
+        let count = if make.is_some() { count.clamp(1, MAX_ARENAS) } else { 1 };
+        let primary_remaps = super::would_remap(&*first, &config) && count > 1;
+        let count = count + usize::from(primary_remaps);
         let arenas: Box<ArenaPools> = (0..count).map(|_| InitCell::new()).collect();
         let shared = Shared::new(&arenas, config.max_size, config.kind);
         let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
         // A new cell is empty, so this always sets it.
         let _ = arenas[0].init(|| Ok::<_, ()>(pool));
-        let registry = Registry::new(count);
+        let registry = Registry::new(count, primary_remaps);
         Arenas {
             arenas,
             make,
@@ -234,8 +245,7 @@ impl Arenas {
                 Err(first) => first,
             };
         }
-        // The count is a power of two: a mask, not a division.
-        slot.wrapping_sub(base) & (n - 1)
+        slot.wrapping_sub(base) % n
     }
 
     /// The calling thread's arena and its index, made on first use (arena
@@ -369,12 +379,16 @@ impl Arenas {
     /// stream work pending on it (see [`allocate_elsewhere`](Self::allocate_elsewhere)).
     fn borrow(&self, i: usize, size: usize, align: usize) -> Option<Allocation> {
         let n = self.arenas.len();
-        let others = (1..n).map(|k| (i + k) % n).filter_map(|j| self.arenas[j].get());
+        // A remapping arena (arena 0 of a device) lends nothing: its free
+        // space may be holes, and mapping them is its own growth.
+        let others = (1..n).map(|k| (i + k) % n).filter_map(|j| self.arenas[j].get()).filter(|p| !p.remaps());
         for p in others {
             match p.allocate_uncached_within(size, align) {
-                Ok(Some(a)) if a.tag == StreamTag::NONE => {
+                // Work known complete (a host synchronisation saw it) needs
+                // no order either.
+                Ok(Some(a)) if p.tag_settled(a.tag) => {
                     self.shared.count_lent();
-                    return Some(a);
+                    return Some(Allocation { tag: StreamTag::NONE, ..a });
                 }
                 // A block with work pending on another arena's stream: its
                 // reuse here would wait for that stream (measured on the

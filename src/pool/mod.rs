@@ -204,6 +204,12 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
     round_size(size).ok_or(Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
 }
 
+/// Whether a pool over `upstream` with `config` remaps pages (`pages.rs`):
+/// expandable, over an upstream that can remap, and not `keep_chunks`.
+pub(crate) fn would_remap(upstream: &dyn Upstream, config: &PoolConfig) -> bool {
+    config.expandable && !config.keep_chunks && upstream.can_remap()
+}
+
 /// What [`Pool::allocate_for`] says if an allocation allowed to grow came
 /// back empty (it can't).
 const NO_GROWTH_MISS: &str = "an allocation allowed to grow came back without a block";
@@ -211,7 +217,7 @@ const NO_GROWTH_MISS: &str = "an allocation allowed to grow came back without a 
 impl<U: Upstream> Pool<U> {
     /// A pool that takes its chunks from `upstream`.
     pub fn new(upstream: U, config: PoolConfig) -> Self {
-        let remap = config.expandable && !config.keep_chunks && upstream.can_remap();
+        let remap = would_remap(&upstream, &config);
         let gran = upstream.granularity().max(BLOCK_ALIGN);
         let page = if config.min_chunk.is_power_of_two() { gran.max(config.min_chunk) } else { gran };
         let mut fit = BestFit::new();
@@ -230,6 +236,12 @@ impl<U: Upstream> Pool<U> {
     /// every stream with work pending.
     pub fn set_tag_oracle(&self, oracle: crate::tag::TagOracle) {
         self.inner.lock().fit.set_tag_oracle(oracle);
+    }
+
+    /// Whether work queued before the free that tagged a block with `tag`
+    /// is known complete ([`BestFit::tag_settled`]; takes the pool lock).
+    pub(crate) fn tag_settled(&self, tag: StreamTag) -> bool {
+        tag == StreamTag::NONE || self.inner.lock().fit.tag_settled(tag)
     }
 
     /// Whether the pool remaps pages (`pages.rs`): expandable, over an

@@ -15,6 +15,7 @@ mod geometric;
 mod host;
 mod host_vm;
 pub(crate) mod region;
+mod shared;
 
 pub(crate) use cuda::{device_upstream, graph_upstream};
 pub use cuda::{CudaDeviceMemory, CudaPinnedMemory};
@@ -24,6 +25,7 @@ pub use host::Host;
 #[doc(hidden)]
 pub use region::choose_pieces;
 pub use region::{GrowPath, VmBackend};
+pub use shared::SharedChunks;
 
 use crate::error::Result;
 

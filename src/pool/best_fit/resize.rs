@@ -92,8 +92,9 @@ impl BestFit {
     }
 
     /// Removes the smallest wholly free chunk of at least `min` bytes whose
-    /// one block carries no stream tag (its memory is idle), if there is
-    /// one (for another arena to take).
+    /// one block has no stream work pending (no tag, or one the tag oracle
+    /// says is complete: its memory is idle), if there is one (for another
+    /// arena to take).
     pub fn take_free_chunk_fitting(&mut self, min: usize) -> Option<Chunk> {
         let id = self
             .chunks_by_addr
@@ -102,7 +103,7 @@ impl BestFit {
             .filter(|&id| {
                 let info = self.chunk_info(id);
                 let b = &self.blocks[info.first as usize];
-                info.first == info.last && b.free && b.tag == StreamTag::NONE && info.chunk.size >= min
+                info.first == info.last && b.free && self.tag_settled(b.tag) && info.chunk.size >= min
             })
             .min_by_key(|&id| self.chunk_info(id).chunk.size)?;
         Some(self.remove_chunk(id).0)
