@@ -16,10 +16,27 @@
 //! whatever the chunking; what this cuts is the number of calls, each a
 //! driver round trip that serialises other threads' growth, and the
 //! chunk boundaries blocks can't coalesce across.
+//!
+//! **Growth after a quiet spell starts small.** A pool that has not grown
+//! for [`QUIET`] is at its working size: a request that finds no room
+//! then is a shortfall (a peak a little above the last, memory split
+//! among arenas), not a ramp, and pinning a quarter of a large pool for
+//! it would stall the thread for a third of a second. The first chunk
+//! after a quiet spell is at most [`RESTART`]; each chunk that follows
+//! closely may double the last, up to the quarter, so a new ramp still
+//! reaches its size in few calls.
+
+use std::time::{Duration, Instant};
 
 use super::{Chunk, Upstream};
 use crate::error::Result;
-use crate::sync::{Arc, AtomicUsize, Ordering};
+use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering};
+
+/// How long without growth makes the next chunk start small again.
+pub const QUIET: Duration = Duration::from_millis(250);
+
+/// The largest extra chunk after a quiet spell (pinned: about 11 ms).
+pub const RESTART: usize = 32 << 20;
 
 /// The total divided by this is the smallest chunk asked for.
 pub const DIVISOR: usize = 4;
@@ -35,6 +52,8 @@ pub const MAX_CHUNK: usize = 1 << 30;
 pub struct Taken {
     bytes: AtomicUsize,
     growing: AtomicUsize,
+    /// When the last chunk was had, and its size.
+    last: Mutex<Option<(Instant, usize)>>,
 }
 
 impl Taken {
@@ -46,6 +65,20 @@ impl Taken {
     /// The bytes held now.
     pub fn bytes(&self) -> usize {
         self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// The most extra a chunk may bring now: [`RESTART`] after a quiet
+    /// spell (or before any chunk), else twice the last chunk (and at
+    /// least [`RESTART`]).
+    fn extra_cap(&self, now: Instant) -> usize {
+        match *lock(&self.last) {
+            Some((at, size)) if now.saturating_duration_since(at) < QUIET => size.saturating_mul(2).max(RESTART),
+            _ => RESTART,
+        }
+    }
+
+    fn record(&self, at: Instant, size: usize) {
+        *lock(&self.last) = Some((at, size));
     }
 }
 
@@ -75,9 +108,14 @@ impl Geometric {
     /// ask at once: they split the extra, so growing together does not
     /// overshoot.
     pub fn chunk_size(&self, size: usize, growing: usize) -> usize {
+        self.chunk_size_at(size, growing, Instant::now())
+    }
+
+    fn chunk_size_at(&self, size: usize, growing: usize, now: Instant) -> usize {
         let gran = self.inner.granularity().max(1);
         let taken = self.taken.bytes();
-        let want = (taken / (DIVISOR * growing.max(1))).min(MAX_CHUNK).div_ceil(gran) * gran;
+        let cap = MAX_CHUNK.min(self.taken.extra_cap(now));
+        let want = (taken / (DIVISOR * growing.max(1))).min(cap).div_ceil(gran) * gran;
         let mut bytes = size.max(want);
         if let Some(limit) = self.limit {
             // The extra may not take the total past the limit.
@@ -91,7 +129,8 @@ impl Geometric {
 impl Upstream for Geometric {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
         let growing = self.taken.growing.fetch_add(1, Ordering::Relaxed) + 1;
-        let bytes = self.chunk_size(size, growing);
+        let now = Instant::now();
+        let bytes = self.chunk_size_at(size, growing, now);
         let r = match self.inner.allocate_chunk(bytes) {
             // The larger chunk could not be had: the request alone may.
             Err(_) if bytes > size => self.inner.allocate_chunk(size),
@@ -100,6 +139,7 @@ impl Upstream for Geometric {
         self.taken.growing.fetch_sub(1, Ordering::Relaxed);
         let chunk = r?;
         self.taken.bytes.fetch_add(chunk.size, Ordering::Relaxed);
+        self.taken.record(now, chunk.size);
         Ok(chunk)
     }
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
@@ -135,5 +175,39 @@ impl Upstream for Geometric {
         let unmapped = self.inner.unmap_within(spans, want, pending, keep)?;
         self.taken.bytes.fetch_sub(unmapped.iter().map(|c| c.size).sum(), Ordering::Relaxed);
         Ok(unmapped)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::{Geometric, Taken, MAX_CHUNK, QUIET, RESTART};
+    use crate::upstream::{Host, Upstream};
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn a_ramp_grows_by_a_quarter_and_a_quiet_spell_restarts_small() {
+        let g = Geometric::new(Box::new(Host::new()), Taken::new(), None);
+        let mut chunks = Vec::new();
+        // A ramp: chunks follow each other closely.
+        while g.taken.bytes() < 512 * MIB {
+            chunks.push(g.allocate_chunk(4 * MIB).unwrap());
+        }
+        let taken = g.taken.bytes();
+        assert!(chunks.len() <= 32, "{} calls to reach {} MiB", chunks.len(), taken / MIB);
+        let now = Instant::now();
+        let quarter = (taken / 4).min(MAX_CHUNK);
+        assert!(g.chunk_size_at(4 * MIB, 1, now) >= quarter.min(2 * chunks.last().unwrap().size));
+        // After a quiet spell: at most RESTART, then doubling.
+        let later = now + 2 * QUIET;
+        assert_eq!(g.chunk_size_at(4 * MIB, 1, later), RESTART);
+        assert_eq!(g.chunk_size_at(64 * MIB, 1, later), 64 * MIB, "a request is served whole");
+        g.taken.record(later, RESTART);
+        assert_eq!(g.chunk_size_at(4 * MIB, 1, later), 2 * RESTART);
+        for c in chunks {
+            g.deallocate_chunk(c).unwrap();
+        }
     }
 }
