@@ -418,3 +418,58 @@ fn arenas_that_need_memory_together_grow_once() {
     assert_eq!(chunks.load(std::sync::atomic::Ordering::SeqCst), 1, "arenas grew one by one instead of borrowing");
     arenas.check_invariants().unwrap();
 }
+
+/// A wholly free chunk moves to another arena only where the request's
+/// stream can use it with no wait: freed on that same stream (it comes
+/// with its tag, which orders the reuse) or idle. A request on another
+/// stream leaves it and grows instead.
+#[test]
+fn a_chunk_moves_with_its_tag_to_a_request_on_the_same_stream_only() {
+    use cumem::pool::{Arenas, PoolConfig, StreamTag};
+    use cumem::upstream::{Host, Upstream};
+    use cumem::PoolKind;
+
+    let make = || Ok(Box::new(Host::new()) as Box<dyn Upstream>);
+    let mut config = PoolConfig::new(PoolKind::Standalone);
+    config.thread_cache = false;
+    let arenas = Arenas::new(make().unwrap(), Some(Box::new(make)), config, 4);
+    let tag = StreamTag { stream: 7, seq: 1 };
+    let (freed, done) = (Barrier::new(3), Barrier::new(3));
+    std::thread::scope(|s| {
+        // Arena 0: an 8 MiB chunk, freed on stream 7, work maybe pending.
+        s.spawn(|| {
+            let a = arenas.allocate_for(8 * MIB, 256, 7).unwrap();
+            arenas.deallocate(a.addr, tag).unwrap();
+            freed.wait();
+            done.wait();
+        });
+        s.spawn(|| {
+            freed.wait();
+            // Another stream: the chunk stays where it is.
+            let calls = arenas.upstream_calls();
+            let other = arenas.allocate_for(4 * MIB, 256, 9).unwrap();
+            assert_eq!((arenas.chunks_moved(), arenas.blocks_lent()), (0, 0));
+            assert_eq!(arenas.upstream_calls(), calls + 1, "grew instead");
+            assert_eq!(other.tag, StreamTag::NONE);
+            done.wait();
+            arenas.deallocate(other.addr, StreamTag::NONE).unwrap();
+        });
+        s.spawn(|| {
+            freed.wait();
+            // Wait for the other request to have grown, then ask on
+            // stream 7: the chunk moves, tag and all.
+            while arenas.upstream_calls() < 2 {
+                std::thread::yield_now();
+            }
+            let calls = arenas.upstream_calls();
+            let same = arenas.allocate_for(4 * MIB, 256, 7).unwrap();
+            assert_eq!(arenas.chunks_moved(), 1);
+            assert_eq!(arenas.upstream_calls(), calls, "no upstream call");
+            assert_eq!(same.tag, tag, "the reuse is ordered after stream 7's work");
+            done.wait();
+            arenas.deallocate(same.addr, StreamTag::NONE).unwrap();
+        });
+    });
+    arenas.check_invariants().unwrap();
+    assert_eq!(arenas.stats().in_use, 0);
+}

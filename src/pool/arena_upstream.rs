@@ -18,7 +18,9 @@
 //!   written before the chunk's blocks can be handed out, and whoever
 //!   frees a block learned of it after that, so the entry is always found.
 //! - **Chunks change hands.** Before an arena grows, the other arenas are
-//!   asked for a wholly free, untagged chunk that is large enough
+//!   asked for a wholly free chunk that is large enough and that the
+//!   request's stream can use with no wait (idle, or freed on that
+//!   stream: it moves with its tag)
 //!   (`Shared::take_free_chunk`, called by `Arenas::allocate_elsewhere`;
 //!   [`Pool`]'s `give_free_chunk`, under the giver's lock alone): it leaves the giver's pool, the directory records
 //!   the taker as its owner, and only then does the taker hand out its
@@ -32,7 +34,7 @@
 //!   other arena ([`Pool::release_cached`]) and asks once more. It runs in
 //!   the growing arena's upstream call, outside every pool lock.
 
-use super::Pool;
+use super::{Pool, StreamTag};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
 use crate::upstream::{Chunk, Upstream};
@@ -223,24 +225,25 @@ impl Shared {
         self.lent.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Takes a wholly free chunk of at least `size` bytes from an arena
-    /// other than `taker`, recorded in the directory as `taker`'s (see the
-    /// module docs).
+    /// Takes a wholly free chunk of at least `size` bytes that work on
+    /// `stream` can use with no wait from an arena other than `taker`,
+    /// with the tag that orders its reuse, recorded in the directory as
+    /// `taker`'s (see the module docs).
     ///
     /// # Safety
     /// The set that owns the pools must be alive: call it only while an
     /// allocation from the set runs (it borrows the set).
-    pub(super) unsafe fn take_free_chunk(&self, taker: usize, size: usize) -> Option<Chunk> {
+    pub(super) unsafe fn take_free_chunk(&self, taker: usize, size: usize, stream: u64) -> Option<(Chunk, StreamTag)> {
         // SAFETY: the caller borrows the set, which owns the boxed slice
         // `pools` points at.
         let pools = unsafe { &*self.pools };
         let others = pools.iter().enumerate().filter(|(i, _)| *i != taker);
-        let c = others.filter_map(|(_, cell)| cell.get()).find_map(|p| p.give_free_chunk(size))?;
+        let (c, tag) = others.filter_map(|(_, cell)| cell.get()).find_map(|p| p.give_free_chunk(size, stream))?;
         // Recorded before the taker's pool holds it, so every block it
         // hands out is found here.
         self.directory.insert(c.addr, c.end(), taker);
         self.moved.fetch_add(1, Ordering::Relaxed);
-        Some(c)
+        Some((c, tag))
     }
 }
 

@@ -333,8 +333,8 @@ impl Arenas {
         if !home.upstream().can_extend() {
             let need = super::validate(size, align)? + align.saturating_sub(super::BLOCK_ALIGN);
             // SAFETY: `&self` borrows the set that owns the pools.
-            if let Some(c) = unsafe { self.shared.take_free_chunk(i, need) } {
-                match home.adopt_chunk(c) {
+            if let Some((c, tag)) = unsafe { self.shared.take_free_chunk(i, need, stream) } {
+                match home.adopt_chunk(c, tag) {
                     Ok(()) => {
                         if let Some(a) = home.allocate_within(size, align, stream)? {
                             return Ok(a);
@@ -345,7 +345,7 @@ impl Arenas {
                 }
             }
         }
-        if let Some(a) = self.borrow(i, size, align) {
+        if let Some(a) = self.borrow(i, size, align, stream) {
             return Ok(a);
         }
         // Memory parked in the threads' caches is free too: before an
@@ -356,7 +356,7 @@ impl Arenas {
             if let Some(a) = home.allocate_within(size, align, stream)? {
                 return Ok(a);
             }
-            if let Some(a) = self.borrow(i, size, align) {
+            if let Some(a) = self.borrow(i, size, align, stream) {
                 return Ok(a);
             }
         }
@@ -369,21 +369,28 @@ impl Arenas {
         if let Some(a) = home.allocate_within(size, align, stream)? {
             return Ok(a);
         }
-        if let Some(a) = self.borrow(i, size, align) {
+        if let Some(a) = self.borrow(i, size, align, stream) {
             return Ok(a);
         }
         home.allocate_for(size, align, stream)
     }
 
-    /// A block of another arena's free memory than arena `i`'s, with no
-    /// stream work pending on it (see [`allocate_elsewhere`](Self::allocate_elsewhere)).
-    fn borrow(&self, i: usize, size: usize, align: usize) -> Option<Allocation> {
+    /// A block of another arena's free memory than arena `i`'s that work
+    /// on `stream` can use with no wait: idle, or freed on `stream` itself
+    /// (see [`allocate_elsewhere`](Self::allocate_elsewhere)).
+    fn borrow(&self, i: usize, size: usize, align: usize, stream: u64) -> Option<Allocation> {
         let n = self.arenas.len();
         // A remapping arena (arena 0 of a device) lends nothing: its free
         // space may be holes, and mapping them is its own growth.
         let others = (1..n).map(|k| (i + k) % n).filter_map(|j| self.arenas[j].get()).filter(|p| !p.remaps());
         for p in others {
             match p.allocate_uncached_within(size, align) {
+                // Freed on the request's own stream: its tag orders the
+                // reuse, as for a block of the arena's own.
+                Ok(Some(a)) if stream != 0 && a.tag.stream == stream => {
+                    self.shared.count_lent();
+                    return Some(a);
+                }
                 // Work known complete (a host synchronisation saw it) needs
                 // no order either.
                 Ok(Some(a)) if p.tag_settled(a.tag) => {

@@ -253,6 +253,13 @@ impl BestFit {
     /// must not overlap a chunk already added (checked: such a chunk is
     /// refused and `false` returned).
     pub fn add_chunk(&mut self, chunk: Chunk) -> bool {
+        self.add_chunk_tagged(chunk, StreamTag::NONE)
+    }
+
+    /// [`add_chunk`](Self::add_chunk) whose one free block carries `tag`:
+    /// work queued on that stream may still use the memory (a chunk moved
+    /// from another pool with its stream order).
+    pub fn add_chunk_tagged(&mut self, chunk: Chunk, tag: StreamTag) -> bool {
         if chunk.size == 0
             || chunk.addr % BLOCK_ALIGN != 0
             || chunk.size % BLOCK_ALIGN != 0
@@ -275,7 +282,7 @@ impl BestFit {
             next: NIL,
             chunk: id,
             free: true,
-            tag: StreamTag::NONE,
+            tag,
             requested: 0,
         });
         self.chunks[id as usize] = Some(ChunkInfo { chunk, first: slot, last: slot });

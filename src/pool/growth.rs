@@ -2,7 +2,7 @@
 //! size limit, asking the upstream outside the pool's lock, releasing free
 //! chunks, and giving free tails back to expandable upstreams.
 
-use super::{Chunk, Error, Inner, OomState, Pool, Result, Upstream, BLOCK_ALIGN};
+use super::{Chunk, Error, Inner, OomState, Pool, Result, StreamTag, Upstream, BLOCK_ALIGN};
 use crate::sync::lock;
 
 fn round_up(x: usize, to: usize) -> usize {
@@ -66,11 +66,13 @@ impl<U: Upstream> Pool<U> {
         }
     }
 
-    /// Takes the smallest wholly free, untagged chunk of at least `min`
-    /// bytes out of the pool for another arena (no upstream call); `None`
-    /// for pools whose chunks can't change hands (page remapping, kept
-    /// chunks) or when none fits.
-    pub(super) fn give_free_chunk(&self, min: usize) -> Option<Chunk> {
+    /// Takes the smallest wholly free chunk of at least `min` bytes that
+    /// work on `stream` can use with no wait out of the pool for another
+    /// arena (no upstream call), with the tag that orders its reuse
+    /// ([`BestFit::take_free_chunk_fitting`](super::BestFit::take_free_chunk_fitting));
+    /// `None` for pools whose chunks can't change hands (page remapping,
+    /// kept chunks) or when none fits.
+    pub(super) fn give_free_chunk(&self, min: usize, stream: u64) -> Option<(Chunk, StreamTag)> {
         if self.remap || self.config.keep_chunks {
             return None;
         }
@@ -78,17 +80,18 @@ impl<U: Upstream> Pool<U> {
         if inner.shut_down {
             return None;
         }
-        inner.fit.take_free_chunk_fitting(min)
+        inner.fit.take_free_chunk_fitting(min, stream)
     }
 
-    /// Adds a chunk another arena gave ([`give_free_chunk`](Self::give_free_chunk)).
+    /// Adds a chunk another arena gave ([`give_free_chunk`](Self::give_free_chunk)),
+    /// free, with the tag it came with.
     ///
     /// # Errors
     /// [`Error::InvalidState`] when the chunk overlaps the pool's (the
     /// chunk is then the caller's to give back).
-    pub(super) fn adopt_chunk(&self, chunk: Chunk) -> Result<()> {
+    pub(super) fn adopt_chunk(&self, chunk: Chunk, tag: StreamTag) -> Result<()> {
         let mut inner = self.inner.lock();
-        if inner.fit.add_chunk(chunk) {
+        if inner.fit.add_chunk_tagged(chunk, tag) {
             inner.fit.stats_mut().upstream_allocs += 1;
             return Ok(());
         }

@@ -91,11 +91,13 @@ impl BestFit {
         (whole && addr < info.chunk.end()).then(|| self.remove_chunk(id))
     }
 
-    /// Removes the smallest wholly free chunk of at least `min` bytes whose
-    /// one block has no stream work pending (no tag, or one the tag oracle
-    /// says is complete: its memory is idle), if there is one (for another
-    /// arena to take).
-    pub fn take_free_chunk_fitting(&mut self, min: usize) -> Option<Chunk> {
+    /// Removes the smallest wholly free chunk of at least `min` bytes that
+    /// work on `stream` can use with no wait (for another arena to take):
+    /// its one block has no stream work pending (no tag, or one the tag
+    /// oracle says is complete; the chunk comes with [`StreamTag::NONE`]),
+    /// or was freed on `stream` itself (it comes with its tag, which
+    /// orders the reuse).
+    pub fn take_free_chunk_fitting(&mut self, min: usize, stream: u64) -> Option<(Chunk, StreamTag)> {
         let id = self
             .chunks_by_addr
             .values()
@@ -103,10 +105,16 @@ impl BestFit {
             .filter(|&id| {
                 let info = self.chunk_info(id);
                 let b = &self.blocks[info.first as usize];
-                info.first == info.last && b.free && self.tag_settled(b.tag) && info.chunk.size >= min
+                info.first == info.last && b.free && self.usable_on(b.tag, stream) && info.chunk.size >= min
             })
             .min_by_key(|&id| self.chunk_info(id).chunk.size)?;
-        Some(self.remove_chunk(id).0)
+        let (chunk, tag) = self.remove_chunk(id);
+        Some((chunk, if self.tag_settled(tag) { StreamTag::NONE } else { tag }))
+    }
+
+    /// Whether memory tagged `tag` serves work on `stream` with no wait.
+    pub fn usable_on(&self, tag: StreamTag, stream: u64) -> bool {
+        (stream != 0 && tag.stream == stream) || self.tag_settled(tag)
     }
 
     fn remove_chunk(&mut self, id: u32) -> (Chunk, StreamTag) {
