@@ -473,3 +473,66 @@ fn a_chunk_moves_with_its_tag_to_a_request_on_the_same_stream_only() {
     arenas.check_invariants().unwrap();
     assert_eq!(arenas.stats().in_use, 0);
 }
+
+/// Free memory left tagged with another stream's work is lent once the
+/// set's probe finds that stream idle (on the device: a stream query made
+/// with no lock held); from then on the oracle knows it complete. A probe
+/// that finds the stream busy leaves the memory where it is.
+#[test]
+fn memory_on_an_idle_stream_is_lent_after_a_probe() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use cumem::pool::{Arenas, PoolConfig, StreamTag};
+    use cumem::upstream::{Host, Upstream};
+    use cumem::PoolKind;
+
+    for idle in [false, true] {
+        let make = || Ok(Box::new(Host::new()) as Box<dyn Upstream>);
+        let mut config = PoolConfig::new(PoolKind::Standalone);
+        config.thread_cache = false;
+        let arenas = Arenas::new(make().unwrap(), Some(Box::new(make)), config, 4);
+        let done = Arc::new(AtomicBool::new(false));
+        let asked = Arc::new(AtomicUsize::new(0));
+        let d = done.clone();
+        arenas.set_tag_oracle(Arc::new(move |t: StreamTag| t.stream == 7 && d.load(Ordering::SeqCst)));
+        let (d, a) = (done.clone(), asked.clone());
+        arenas.set_tag_probe(Arc::new(move |t: StreamTag| {
+            a.fetch_add(1, Ordering::SeqCst);
+            d.store(idle && t.stream == 7, Ordering::SeqCst);
+            idle
+        }));
+        let (freed, finish) = (Barrier::new(2), Barrier::new(2));
+        std::thread::scope(|s| {
+            // Arena 0: two chunks' worth, one block kept live so no chunk is
+            // wholly free; the rest freed on stream 7.
+            s.spawn(|| {
+                let keep = arenas.allocate_for(MIB, 256, 7).unwrap();
+                let a = arenas.allocate_for(8 * MIB, 256, 7).unwrap();
+                arenas.deallocate(a.addr, StreamTag { stream: 7, seq: 1 }).unwrap();
+                freed.wait();
+                finish.wait();
+                arenas.deallocate(keep.addr, StreamTag::NONE).unwrap();
+            });
+            let asker = s.spawn(|| {
+                freed.wait();
+                let calls = arenas.upstream_calls();
+                let b = arenas.allocate_for(4 * MIB, 256, 9);
+                let seen = (arenas.blocks_lent(), arenas.tags_probed_idle(), arenas.upstream_calls() - calls);
+                finish.wait();
+                let b = b.unwrap();
+                arenas.deallocate(b.addr, StreamTag::NONE).unwrap();
+                (b.tag, seen)
+            });
+            let (tag, (lent, probed_idle, calls)) = asker.join().unwrap();
+            assert!(asked.load(Ordering::SeqCst) >= 1, "stream 7 was probed");
+            if idle {
+                assert_eq!((lent, probed_idle, calls), (1, 1, 0), "lent, no upstream call");
+                assert_eq!(tag, StreamTag::NONE, "the stream's work is complete");
+            } else {
+                assert_eq!((lent, probed_idle, calls), (0, 0, 1), "busy: grew instead");
+            }
+        });
+        arenas.check_invariants().unwrap();
+    }
+}

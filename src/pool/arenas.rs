@@ -70,6 +70,9 @@ const NO_BASE: usize = usize::MAX;
 /// outside every pool lock).
 pub type UpstreamFactory = Box<dyn Fn() -> Result<Box<dyn Upstream>> + Send + Sync>;
 
+/// The most distinct stream tags one look for a loan probes.
+const PROBED_MAX: usize = 4;
+
 /// The most arenas a set holds.
 pub const MAX_ARENAS: usize = 64;
 
@@ -113,10 +116,15 @@ pub struct Arenas {
     /// What merges of blocks freed on different streams ask, in every
     /// arena (see [`Pool::set_tag_oracle`]).
     oracle: once_cell::sync::OnceCell<crate::tag::TagOracle>,
+    /// Asked whether memory another arena could lend is idle now (see
+    /// [`set_tag_probe`](Self::set_tag_probe)).
+    probe: once_cell::sync::OnceCell<crate::tag::TagProbe>,
     /// Held by the one arena of the set that grows through its upstream
     /// at a time (pools that don't remap pages): arenas that need memory
     /// meanwhile wait, then look at the new memory before they grow too.
     growing: Mutex<()>,
+    /// Per arena, the arena that lent its thread a block last.
+    last_lender: Box<[AtomicUsize]>,
 }
 
 impl std::fmt::Debug for Arenas {
@@ -153,7 +161,9 @@ impl Arenas {
             made: AtomicUsize::new(1),
             registry,
             growing: Mutex::new(()),
+            last_lender: (0..count).map(|_| AtomicUsize::new(0)).collect(),
             oracle: once_cell::sync::OnceCell::new(),
+            probe: once_cell::sync::OnceCell::new(),
         }
     }
 
@@ -169,6 +179,20 @@ impl Arenas {
             let o = self.oracle.get().expect("just set");
             self.pools().for_each(|(_, p)| p.set_tag_oracle(o.clone()));
         }
+    }
+
+    /// Sets what the set asks, outside every pool lock, when the free
+    /// memory another arena could lend has stream work that the oracle
+    /// does not know complete ([`TagProbe`](crate::tag::TagProbe): on the
+    /// device, a query of the stream). Without it such memory is never
+    /// lent. Only the first call has an effect.
+    pub fn set_tag_probe(&self, probe: crate::tag::TagProbe) {
+        let _ = self.probe.set(probe);
+    }
+
+    /// Times the probe found another arena's memory idle (so far).
+    pub fn tags_probed_idle(&self) -> u64 {
+        self.shared.probed_idle()
     }
 
     /// How many arenas the set may hold.
@@ -379,22 +403,57 @@ impl Arenas {
     /// on `stream` can use with no wait: idle, or freed on `stream` itself
     /// (see [`allocate_elsewhere`](Self::allocate_elsewhere)).
     fn borrow(&self, i: usize, size: usize, align: usize, stream: u64) -> Option<Allocation> {
+        let mut pending = [StreamTag::NONE; PROBED_MAX];
+        if let Some(a) = self.borrow_once(i, size, align, stream, &mut pending) {
+            return Some(a);
+        }
+        // Memory with work on other streams was passed over: where the
+        // probe finds a stream idle now (no lock held), its memory is
+        // settled from then on, and a second look may lend it.
+        let probe = self.probe.get()?;
+        let mut idle = false;
+        for tag in pending.iter().take_while(|t| **t != StreamTag::NONE) {
+            if probe(*tag) {
+                self.shared.count_probed_idle();
+                idle = true;
+            }
+        }
+        if idle {
+            return self.borrow_once(i, size, align, stream, &mut [StreamTag::NONE; PROBED_MAX]);
+        }
+        None
+    }
+
+    /// One look for a loan (see [`borrow`](Self::borrow)); the tags of
+    /// blocks passed over for pending work on other streams go to
+    /// `pending` (the first few distinct ones).
+    fn borrow_once(
+        &self,
+        i: usize,
+        size: usize,
+        align: usize,
+        stream: u64,
+        pending: &mut [StreamTag; PROBED_MAX],
+    ) -> Option<Allocation> {
         let n = self.arenas.len();
         // A remapping arena (arena 0 of a device) lends nothing: its free
         // space may be holes, and mapping them is its own growth.
-        let others = (1..n).map(|k| (i + k) % n).filter_map(|j| self.arenas[j].get()).filter(|p| !p.remaps());
-        for p in others {
+        // The arena that lent last is asked first: it had free memory.
+        let last = self.last_lender[i].load(Ordering::Relaxed);
+        let order = std::iter::once(last).chain((1..n).map(|k| (i + k) % n).filter(|&j| j != last));
+        let others = order.filter(|&j| j != i).filter_map(|j| Some((j, self.arenas.get(j)?.get()?)));
+        for (j, p) in others.filter(|(_, p)| !p.remaps()) {
             match p.allocate_uncached_within(size, align) {
                 // Freed on the request's own stream: its tag orders the
                 // reuse, as for a block of the arena's own.
                 Ok(Some(a)) if stream != 0 && a.tag.stream == stream => {
-                    self.shared.count_lent();
+                    self.lent_by(i, j);
                     return Some(a);
                 }
                 // Work known complete (a host synchronisation saw it) needs
                 // no order either.
                 Ok(Some(a)) if p.tag_settled(a.tag) => {
-                    self.shared.count_lent();
+                    self.lent_by(i, j);
                     return Some(Allocation { tag: StreamTag::NONE, ..a });
                 }
                 // A block with work pending on another arena's stream: its
@@ -403,11 +462,23 @@ impl Arenas {
                 // It goes back as it was.
                 Ok(Some(a)) => {
                     let _ = p.deallocate(a.addr, a.tag);
+                    if a.tag != StreamTag::MIXED && !pending.contains(&a.tag) {
+                        if let Some(slot) = pending.iter_mut().find(|t| **t == StreamTag::NONE) {
+                            *slot = a.tag;
+                        }
+                    }
                 }
                 _ => {}
             }
         }
         None
+    }
+
+    /// Arena `j` lent to arena `i`'s thread: counted, and asked first
+    /// next time.
+    fn lent_by(&self, i: usize, j: usize) {
+        self.shared.count_lent();
+        self.last_lender[i].store(j, Ordering::Relaxed);
     }
 
     /// The arena whose chunk holds `addr` (one look-up in the directory).

@@ -124,6 +124,11 @@ pub struct BestFit {
     oracle: Oracle,
     /// Touched-page accounting (page remapping): see [`PageCount`].
     pages: PageCount,
+    /// Set when a chunk may have become wholly free (a free merged a
+    /// chunk's last live block away, or a chunk was added); cleared when a
+    /// look for one found none. Shared with the pool, which reads it
+    /// without its lock before offering a chunk to another arena.
+    whole_free: crate::sync::Arc<crate::sync::AtomicBool>,
 }
 
 /// Which pages live blocks touch, counted as the whole pages lying inside
@@ -286,6 +291,7 @@ impl BestFit {
             requested: 0,
         });
         self.chunks[id as usize] = Some(ChunkInfo { chunk, first: slot, last: slot });
+        self.whole_free.store(true, crate::sync::Ordering::Relaxed);
         self.chunks_by_addr.insert(chunk.addr, id);
         self.index_free(slot);
         self.stats.reserved += chunk.size;
@@ -404,6 +410,12 @@ impl BestFit {
         tail
     }
 
+    /// The flag that says a chunk may be wholly free (see the field); a
+    /// pool keeps a clone to read without its lock.
+    pub(crate) fn whole_free_flag(&self) -> crate::sync::Arc<crate::sync::AtomicBool> {
+        self.whole_free.clone()
+    }
+
     /// Sets what merges of blocks freed on different streams ask (see
     /// [`TagOracle`]).
     pub fn set_tag_oracle(&mut self, oracle: TagOracle) {
@@ -448,6 +460,10 @@ impl BestFit {
         s.frees += 1;
         s.live_blocks -= 1;
         let merged = self.coalesce(slot);
+        let b = &self.blocks[merged as usize];
+        if b.prev == NIL && b.next == NIL {
+            self.whole_free.store(true, crate::sync::Ordering::Relaxed);
+        }
         self.index_free(merged);
         Ok(Freed { size, requested })
     }

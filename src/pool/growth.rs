@@ -73,7 +73,7 @@ impl<U: Upstream> Pool<U> {
     /// `None` for pools whose chunks can't change hands (page remapping,
     /// kept chunks) or when none fits.
     pub(super) fn give_free_chunk(&self, min: usize, stream: u64) -> Option<(Chunk, StreamTag)> {
-        if self.remap || self.config.keep_chunks {
+        if self.remap || self.config.keep_chunks || !self.whole_free.load(crate::sync::Ordering::Relaxed) {
             return None;
         }
         let mut inner = self.inner.lock();

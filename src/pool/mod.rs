@@ -30,7 +30,7 @@ mod spin;
 mod stats;
 
 pub use crate::sync::set_thread_slot;
-pub use crate::tag::{StreamTag, TagOracle};
+pub use crate::tag::{StreamTag, TagOracle, TagProbe};
 pub use crate::upstream::BLOCK_ALIGN;
 pub use arena_registry::release_thread_arenas;
 pub use arenas::{default_arena_count, Arenas, UpstreamFactory, MAX_ARENAS};
@@ -171,6 +171,9 @@ pub struct Pool<U: Upstream> {
     /// Held across a remap's upstream calls (never with the pool lock
     /// held while waiting for it): one remap at a time.
     remap_lock: Mutex<()>,
+    /// Whether a chunk may be wholly free ([`BestFit`]'s flag, read
+    /// without the lock before another arena is offered a chunk).
+    whole_free: Arc<crate::sync::AtomicBool>,
 }
 
 impl<U: Upstream> std::fmt::Debug for Pool<U> {
@@ -224,10 +227,11 @@ impl<U: Upstream> Pool<U> {
         if remap {
             fit.count_pages(page);
         }
+        let whole_free = fit.whole_free_flag();
         let inner = Arc::new(SpinLock::new(Inner { fit, pages: pages::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
-        Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock: Mutex::new(()) }
+        Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock: Mutex::new(()), whole_free }
     }
 
     /// Sets what the pool asks when blocks freed on different streams

@@ -98,6 +98,14 @@ impl BestFit {
     /// or was freed on `stream` itself (it comes with its tag, which
     /// orders the reuse).
     pub fn take_free_chunk_fitting(&mut self, min: usize, stream: u64) -> Option<(Chunk, StreamTag)> {
+        let whole = |id: u32| {
+            let info = self.chunk_info(id);
+            info.first == info.last && self.blocks[info.first as usize].free
+        };
+        if !self.chunks_by_addr.values().any(|&id| whole(id)) {
+            self.whole_free.store(false, crate::sync::Ordering::Relaxed);
+            return None;
+        }
         let id = self
             .chunks_by_addr
             .values()
@@ -105,7 +113,7 @@ impl BestFit {
             .filter(|&id| {
                 let info = self.chunk_info(id);
                 let b = &self.blocks[info.first as usize];
-                info.first == info.last && b.free && self.usable_on(b.tag, stream) && info.chunk.size >= min
+                whole(id) && self.usable_on(b.tag, stream) && info.chunk.size >= min
             })
             .min_by_key(|&id| self.chunk_info(id).chunk.size)?;
         let (chunk, tag) = self.remove_chunk(id);
