@@ -48,14 +48,6 @@ impl StreamTag {
 /// call and not block for long: it runs under the pool's lock.
 pub type TagOracle = std::sync::Arc<dyn Fn(StreamTag) -> bool + Send + Sync>;
 
-/// Whether the queued work a tag names is complete *now*, asked of the
-/// stream itself (it may make a driver call, such as a stream query, and
-/// must never wait for the work). A set of arenas asks it, outside every
-/// pool lock, about memory another arena could lend but whose work the
-/// [`TagOracle`] does not know complete; when it answers yes, the oracle
-/// must say so too from then on.
-pub type TagProbe = std::sync::Arc<dyn Fn(StreamTag) -> bool + Send + Sync>;
-
 /// [`StreamTag::merge`], asking `done` first when the merge would lose
 /// order (two streams, or one stream's numbers from different threads):
 /// a tag whose work is known complete counts as [`StreamTag::NONE`].

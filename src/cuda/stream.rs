@@ -231,28 +231,6 @@ impl Stream {
         Ok(())
     }
 
-    /// Whether all work queued on the stream so far is done, asked
-    /// without waiting (`cuStreamQuery`); when it is, every free counted
-    /// before the question is known complete from then on. `false` for a
-    /// stream that captures a graph (asked first: a query would break the
-    /// capture) or on a driver error. The thread asks in relaxed capture
-    /// mode, so captures on other threads are not disturbed.
-    pub(crate) fn query_idle(&self) -> bool {
-        let Some(s) = &self.inner.cuda else { return true };
-        let _relaxed = super::RelaxedCaptureMode::enter();
-        if !matches!(super::capture_of(self), Ok(None)) {
-            return false;
-        }
-        let seen = self.inner.frees.seen();
-        // SAFETY: the stream is alive (held by `self`); the query only
-        // reads its state.
-        let idle = unsafe { sys::cuStreamQuery(s.cu_stream()) } == sys::cudaError_enum::CUDA_SUCCESS;
-        if idle {
-            self.inner.frees.mark_complete(&seen);
-        }
-        idle
-    }
-
     /// Orders all work queued on `self` after the work queued on `other`
     /// so far (`cuEventRecord` on `other`, `cuStreamWaitEvent` on `self`).
     ///

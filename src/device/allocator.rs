@@ -165,11 +165,6 @@ impl DeviceAllocator {
         // blocks that wait for every stream).
         let streams = a.streams.clone();
         a.pool.set_tag_oracle(Arc::new(move |t| streams.completed(t)));
-        // Free memory another arena's thread left tagged with its stream
-        // is lent once that stream is found idle (a stream query on the
-        // way to a loan, never on a hit).
-        let streams = a.streams.clone();
-        a.pool.set_tag_probe(Arc::new(move |t| streams.probe(t)));
         a.set_mode(mode);
         a
     }

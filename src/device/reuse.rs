@@ -94,28 +94,6 @@ impl StreamRegistry {
         known.retired.contains(&tag.stream) || known.live.get(&tag.stream).is_some_and(|s| s.completed(tag))
     }
 
-    /// Whether the work `tag` names is complete now: known so
-    /// ([`completed`](Self::completed)), or its stream is idle when asked
-    /// ([`Stream::query_idle`], a driver call made with no lock held),
-    /// after which [`completed`](Self::completed) says so too.
-    pub(crate) fn probe(&self, tag: StreamTag) -> bool {
-        if tag == StreamTag::MIXED {
-            return false;
-        }
-        let stream = {
-            let known = lock(&self.streams);
-            if tag == StreamTag::NONE || known.retired.contains(&tag.stream) {
-                return true;
-            }
-            match known.live.get(&tag.stream) {
-                Some(s) if s.completed(tag) => return true,
-                Some(s) => s.clone(),
-                None => return false,
-            }
-        };
-        stream.query_idle() && stream.completed(tag)
-    }
-
     /// Makes a block last freed under `tag` safe for work on `user` (or, with
     /// `None`, for the host and any stream): nothing to do when the free's
     /// work is known complete or `user` is the freeing stream; otherwise

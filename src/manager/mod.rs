@@ -356,16 +356,19 @@ impl MemoryManager {
             _ => self.config.mode,
         };
         // The further (worker) arenas take whole chunks of one address
-        // space shared by them all (made on the first one's first use),
-        // geometrically against one total: a free chunk moves between
-        // them with no driver call, and any of them can give it back.
+        // space shared by them all (made on the first one's first use): a
+        // free chunk moves between them with no driver call, and any of
+        // them can give it back. Each grows geometrically on its own size
+        // (a device chunk maps in about a tenth of a millisecond, so
+        // growing on the set's total would only overshoot: one arena
+        // growing by a quarter of sixteen arenas' memory).
         let (arena_ctx, expandable) = (ctx.clone(), self.config.expandable);
-        let (space, taken, limit) = (Arc::new(OnceCell::new()), Taken::new(), pc.max_size);
+        let (space, limit) = (Arc::new(OnceCell::new()), pc.max_size);
         let make: crate::pool::UpstreamFactory = Box::new(move || {
             let space: &Arc<dyn Upstream> =
                 space.get_or_try_init(|| Self::make_device_upstream(arena_ctx.as_ref(), expandable).map(Arc::from))?;
             let whole = Box::new(SharedChunks::new(space.clone()));
-            Ok(Box::new(Geometric::new(whole, taken.clone(), limit)) as Box<dyn Upstream>)
+            Ok(Box::new(Geometric::new(whole, Taken::new(), limit)) as Box<dyn Upstream>)
         });
         // The private pools of captures cumem is not told of, made like
         // `graph_pool_on`'s.

@@ -178,8 +178,6 @@ pub(super) struct Shared {
     calls: AtomicU64,
     /// Blocks an arena lent from its free memory to another arena's thread.
     lent: AtomicU64,
-    /// Times a probe found another arena's memory idle.
-    probed: AtomicU64,
     /// The set's pools (a boxed slice that never moves). Set once, before
     /// any arena is made; read only while an allocation from the set runs.
     pools: *const ArenaPools,
@@ -202,7 +200,6 @@ impl Shared {
             moved: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             lent: AtomicU64::new(0),
-            probed: AtomicU64::new(0),
             pools: pools as *const ArenaPools,
         })
     }
@@ -217,15 +214,6 @@ impl Shared {
 
     fn count_call(&self) {
         self.calls.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Times a probe found another arena's memory idle.
-    pub(super) fn probed_idle(&self) -> u64 {
-        self.probed.load(Ordering::Relaxed)
-    }
-
-    pub(super) fn count_probed_idle(&self) {
-        self.probed.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Blocks one arena lent another out of its own free memory.

@@ -70,9 +70,6 @@ const NO_BASE: usize = usize::MAX;
 /// outside every pool lock).
 pub type UpstreamFactory = Box<dyn Fn() -> Result<Box<dyn Upstream>> + Send + Sync>;
 
-/// The most distinct stream tags one look for a loan probes.
-const PROBED_MAX: usize = 4;
-
 /// The most arenas a set holds.
 pub const MAX_ARENAS: usize = 64;
 
@@ -116,9 +113,6 @@ pub struct Arenas {
     /// What merges of blocks freed on different streams ask, in every
     /// arena (see [`Pool::set_tag_oracle`]).
     oracle: once_cell::sync::OnceCell<crate::tag::TagOracle>,
-    /// Asked whether memory another arena could lend is idle now (see
-    /// [`set_tag_probe`](Self::set_tag_probe)).
-    probe: once_cell::sync::OnceCell<crate::tag::TagProbe>,
     /// Held by the one arena of the set that grows through its upstream
     /// at a time (pools that don't remap pages): arenas that need memory
     /// meanwhile wait, then look at the new memory before they grow too.
@@ -163,7 +157,6 @@ impl Arenas {
             growing: Mutex::new(()),
             last_lender: (0..count).map(|_| AtomicUsize::new(0)).collect(),
             oracle: once_cell::sync::OnceCell::new(),
-            probe: once_cell::sync::OnceCell::new(),
         }
     }
 
@@ -179,20 +172,6 @@ impl Arenas {
             let o = self.oracle.get().expect("just set");
             self.pools().for_each(|(_, p)| p.set_tag_oracle(o.clone()));
         }
-    }
-
-    /// Sets what the set asks, outside every pool lock, when the free
-    /// memory another arena could lend has stream work that the oracle
-    /// does not know complete ([`TagProbe`](crate::tag::TagProbe): on the
-    /// device, a query of the stream). Without it such memory is never
-    /// lent. Only the first call has an effect.
-    pub fn set_tag_probe(&self, probe: crate::tag::TagProbe) {
-        let _ = self.probe.set(probe);
-    }
-
-    /// Times the probe found another arena's memory idle (so far).
-    pub fn tags_probed_idle(&self) -> u64 {
-        self.shared.probed_idle()
     }
 
     /// How many arenas the set may hold.
@@ -403,38 +382,6 @@ impl Arenas {
     /// on `stream` can use with no wait: idle, or freed on `stream` itself
     /// (see [`allocate_elsewhere`](Self::allocate_elsewhere)).
     fn borrow(&self, i: usize, size: usize, align: usize, stream: u64) -> Option<Allocation> {
-        let mut pending = [StreamTag::NONE; PROBED_MAX];
-        if let Some(a) = self.borrow_once(i, size, align, stream, &mut pending) {
-            return Some(a);
-        }
-        // Memory with work on other streams was passed over: where the
-        // probe finds a stream idle now (no lock held), its memory is
-        // settled from then on, and a second look may lend it.
-        let probe = self.probe.get()?;
-        let mut idle = false;
-        for tag in pending.iter().take_while(|t| **t != StreamTag::NONE) {
-            if probe(*tag) {
-                self.shared.count_probed_idle();
-                idle = true;
-            }
-        }
-        if idle {
-            return self.borrow_once(i, size, align, stream, &mut [StreamTag::NONE; PROBED_MAX]);
-        }
-        None
-    }
-
-    /// One look for a loan (see [`borrow`](Self::borrow)); the tags of
-    /// blocks passed over for pending work on other streams go to
-    /// `pending` (the first few distinct ones).
-    fn borrow_once(
-        &self,
-        i: usize,
-        size: usize,
-        align: usize,
-        stream: u64,
-        pending: &mut [StreamTag; PROBED_MAX],
-    ) -> Option<Allocation> {
         let n = self.arenas.len();
         // A remapping arena (arena 0 of a device) lends nothing: its free
         // space may be holes, and mapping them is its own growth.
@@ -462,11 +409,6 @@ impl Arenas {
                 // It goes back as it was.
                 Ok(Some(a)) => {
                     let _ = p.deallocate(a.addr, a.tag);
-                    if a.tag != StreamTag::MIXED && !pending.contains(&a.tag) {
-                        if let Some(slot) = pending.iter_mut().find(|t| **t == StreamTag::NONE) {
-                            *slot = a.tag;
-                        }
-                    }
                 }
                 _ => {}
             }

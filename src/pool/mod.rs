@@ -30,7 +30,7 @@ mod spin;
 mod stats;
 
 pub use crate::sync::set_thread_slot;
-pub use crate::tag::{StreamTag, TagOracle, TagProbe};
+pub use crate::tag::{StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
 pub use arena_registry::release_thread_arenas;
 pub use arenas::{default_arena_count, Arenas, UpstreamFactory, MAX_ARENAS};
