@@ -473,3 +473,57 @@ fn a_chunk_moves_with_its_tag_to_a_request_on_the_same_stream_only() {
     arenas.check_invariants().unwrap();
     assert_eq!(arenas.stats().in_use, 0);
 }
+
+/// Idle memory of another arena (its stream's work known complete) is
+/// lent to a request on no stream, never to one on another stream: the
+/// block would come back tagged with that stream and merge with the
+/// lender's pending free space into blocks whose reuse waits for every
+/// stream.
+#[test]
+fn idle_memory_is_lent_to_hostside_requests_but_not_across_streams() {
+    use std::sync::Arc;
+
+    use cumem::pool::{Arenas, PoolConfig, StreamTag};
+    use cumem::upstream::{Host, Upstream};
+    use cumem::PoolKind;
+
+    for stream in [9, 0] {
+        let make = || Ok(Box::new(Host::new()) as Box<dyn Upstream>);
+        let mut config = PoolConfig::new(PoolKind::Standalone);
+        config.thread_cache = false;
+        let arenas = Arenas::new(make().unwrap(), Some(Box::new(make)), config, 4);
+        // Stream 7's work is known complete.
+        arenas.set_tag_oracle(Arc::new(|t: StreamTag| t.stream == 7));
+        let (freed, finish) = (Barrier::new(2), Barrier::new(2));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // Arena 0: one chunk, freed on stream 7, then a live block
+                // in it keeps it from moving whole.
+                let a = arenas.allocate_for(16 * MIB, 256, 7).unwrap();
+                arenas.deallocate(a.addr, StreamTag { stream: 7, seq: 1 }).unwrap();
+                let keep = arenas.allocate_for(MIB, 256, 7).unwrap();
+                assert_eq!(arenas.stats().chunks, 1);
+                freed.wait();
+                finish.wait();
+                arenas.deallocate(keep.addr, StreamTag::NONE).unwrap();
+            });
+            let asker = s.spawn(|| {
+                freed.wait();
+                let calls = arenas.upstream_calls();
+                let b = arenas.allocate_for(4 * MIB, 256, stream);
+                let seen = (arenas.blocks_lent(), arenas.upstream_calls() - calls);
+                finish.wait();
+                let b = b.unwrap();
+                arenas.deallocate(b.addr, StreamTag::NONE).unwrap();
+                (b.tag, seen)
+            });
+            let (tag, seen) = asker.join().unwrap();
+            if stream == 0 {
+                assert_eq!((tag, seen), (StreamTag::NONE, (1, 0)), "lent, no upstream call");
+            } else {
+                assert_eq!(seen, (0, 1), "not lent across streams: grew instead");
+            }
+        });
+        arenas.check_invariants().unwrap();
+    }
+}

@@ -33,13 +33,16 @@
 //!   When every chunk holds live blocks (all threads busy), another arena
 //!   *lends* a block of its free memory: the block stays the lender's
 //!   (the directory sends its free there) and skips every thread cache,
-//!   so it goes back where it came from. Only chunks and blocks with no
-//!   stream work pending move (no tag, or a tag whose work a host
-//!   synchronisation saw complete): on the device, reusing another
-//!   thread's stream's blocks made every lent block wait for that stream.
-//!   Only then does the arena grow. A remapping arena neither gives nor
-//!   lends: its free space may be holes, and its address space is its
-//!   own.
+//!   so it goes back where it came from. Only memory the request's stream
+//!   can use with no wait moves. A chunk moves when it was freed on that
+//!   stream (with its tag) or its work is known complete (no tag, or a
+//!   host synchronisation saw it). A block is lent only on its own stream
+//!   (or, idle, to a request on no stream): a block lent to another
+//!   stream comes back tagged with it, and merged with the lender's
+//!   pending free space it makes blocks whose reuse waits for every
+//!   stream. Only then does the arena grow. A remapping arena neither
+//!   gives nor lends: its free space may be holes, and its address space
+//!   is its own.
 //! - **Where a free goes.** Each arena's upstream is wrapped
 //!   (`arena_upstream.rs`) so that every chunk it hands out is recorded in
 //!   a directory shared by the set: a sorted array of chunks published
@@ -379,8 +382,9 @@ impl Arenas {
     }
 
     /// A block of another arena's free memory than arena `i`'s that work
-    /// on `stream` can use with no wait: idle, or freed on `stream` itself
-    /// (see [`allocate_elsewhere`](Self::allocate_elsewhere)).
+    /// on `stream` can use with no wait and that comes back on the same
+    /// stream: freed on `stream` itself, or idle for a request on no
+    /// stream (see [`allocate_elsewhere`](Self::allocate_elsewhere)).
     fn borrow(&self, i: usize, size: usize, align: usize, stream: u64) -> Option<Allocation> {
         let n = self.arenas.len();
         // A remapping arena (arena 0 of a device) lends nothing: its free
@@ -397,16 +401,21 @@ impl Arenas {
                     self.lent_by(i, j);
                     return Some(a);
                 }
-                // Work known complete (a host synchronisation saw it) needs
-                // no order either.
-                Ok(Some(a)) if p.tag_settled(a.tag) => {
+                // Idle memory, for a request on no stream (the host's: the
+                // pinned pool). A request on another stream is not lent
+                // even idle memory: the block comes back tagged with that
+                // stream and merges with the lender's pending free space
+                // into blocks whose reuse waits for every stream (measured
+                // on the device with a stream per thread: thousands of
+                // waits, seconds in all, from a hundred loans).
+                Ok(Some(a)) if stream == 0 && p.tag_settled(a.tag) => {
                     self.lent_by(i, j);
                     return Some(Allocation { tag: StreamTag::NONE, ..a });
                 }
-                // A block with work pending on another arena's stream: its
-                // reuse here would wait for that stream (measured on the
-                // device: waits on every lent block, slower than growing).
-                // It goes back as it was.
+                // A block with work pending on another stream: its reuse
+                // here would wait for that stream (measured on the device:
+                // waits on every lent block, slower than growing). It goes
+                // back as it was.
                 Ok(Some(a)) => {
                     let _ = p.deallocate(a.addr, a.tag);
                 }
