@@ -51,7 +51,7 @@ pub type TagOracle = std::sync::Arc<dyn Fn(StreamTag) -> bool + Send + Sync>;
 /// [`StreamTag::merge`], asking `done` first when the merge would lose
 /// order (two streams, or one stream's numbers from different threads):
 /// a tag whose work is known complete counts as [`StreamTag::NONE`].
-pub fn merge_settled(a: StreamTag, b: StreamTag, done: Option<&TagOracle>) -> StreamTag {
+pub(crate) fn merge_asking(a: StreamTag, b: StreamTag, done: Option<impl Fn(StreamTag) -> bool>) -> StreamTag {
     let m = a.merge(b);
     match done {
         Some(done) if m == StreamTag::MIXED || (m.seq == u64::MAX && m != a && m != b) => {
@@ -87,7 +87,9 @@ mod tests {
 
     #[test]
     fn a_finished_streams_tag_leaves_the_merge() {
-        use super::{merge_settled, TagOracle};
+        use super::{merge_asking, StreamTag, TagOracle};
+        let merge_settled =
+            |a: StreamTag, b: StreamTag, done: Option<&TagOracle>| merge_asking(a, b, done.map(|d| move |t| d(t)));
         let a1 = StreamTag { stream: 1, seq: 1 };
         let b2 = StreamTag { stream: 2, seq: 2 };
         let b_done: TagOracle = std::sync::Arc::new(|t: StreamTag| t.stream == 2);
