@@ -154,10 +154,11 @@ pub struct Config {
     /// Ignored on CUDA, where the driver says how many there are.
     pub host_devices: usize,
     /// How many arenas the pinned pool and each device's sync pool may
-    /// split into (0: twice the processors, at most
+    /// split into (0: the processors, at most
     /// [`MAX_ARENAS`](crate::pool::MAX_ARENAS); 1: one pool). Each thread
-    /// allocates from one arena, with its own lock and (on CUDA) its own
-    /// address range; see [`Arenas`](crate::pool::Arenas).
+    /// allocates from one arena, with its own lock. A device whose arena 0
+    /// remaps pages keeps it for its first thread and has this many
+    /// worker arenas beside it; see [`Arenas`](crate::pool::Arenas).
     pub arenas: usize,
 }
 

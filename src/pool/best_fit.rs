@@ -191,15 +191,21 @@ impl Default for Oracle {
 }
 
 impl Oracle {
-    /// Whether the work of a free tagged `tag` (not `NONE`, not `MIXED`)
-    /// is known complete.
-    fn done(&self, tag: StreamTag) -> bool {
+    /// Whether the memo alone says the work of a free tagged `tag` is
+    /// complete (no question asked).
+    fn known(&self, tag: StreamTag) -> bool {
         let covers = |e: StreamTag| {
             e.stream == tag.stream
                 && (e.seq == PENDING
                     || (tag.seq != PENDING && tag.seq >> 48 == e.seq >> 48 && tag.seq & COUNT <= e.seq & COUNT))
         };
-        if self.memo.iter().any(|e| e.get() != StreamTag::NONE && covers(e.get())) {
+        self.memo.iter().any(|e| e.get() != StreamTag::NONE && covers(e.get()))
+    }
+
+    /// Whether the work of a free tagged `tag` (not `NONE`, not `MIXED`)
+    /// is known complete.
+    fn done(&self, tag: StreamTag) -> bool {
+        if self.known(tag) {
             return true;
         }
         let done = self.ask.as_ref().is_some_and(|ask| ask(tag));
@@ -534,12 +540,31 @@ impl BestFit {
         slot
     }
 
+    /// The tag of a block merged from blocks tagged `a` and `b`: when the
+    /// merge would lose order, a tag the memo knows complete is dropped
+    /// with no question (the other stays, even if its work is complete
+    /// too: a wait too many, never one too few); else the oracle is asked
+    /// about both.
+    fn merge_tags(&self, a: StreamTag, b: StreamTag) -> StreamTag {
+        let m = a.merge(b);
+        let loses_order = m == StreamTag::MIXED || (m.seq == PENDING && m != a && m != b);
+        if !loses_order || self.oracle.ask.is_none() {
+            return m;
+        }
+        if self.oracle.known(a) {
+            return b;
+        }
+        if self.oracle.known(b) {
+            return a;
+        }
+        merge_asking(a, b, Some(|t| self.oracle.done(t)))
+    }
+
     /// Block `slot` swallows its next neighbour.
     fn absorb_next(&mut self, slot: u32) {
         let next = self.blocks[slot as usize].next;
         let n = self.blocks[next as usize].clone();
-        let ask = self.oracle.ask.is_some().then_some(|t| self.oracle.done(t));
-        let tag = merge_asking(self.blocks[slot as usize].tag, n.tag, ask);
+        let tag = self.merge_tags(self.blocks[slot as usize].tag, n.tag);
         let b = &mut self.blocks[slot as usize];
         b.size += n.size;
         b.next = n.next;
