@@ -185,13 +185,21 @@ fn device_arenas_remap_pages() {
     mm.free_device(z).unwrap();
 }
 
-/// Arena 0 of a device pool remaps pages and is kept for the set's first
-/// thread: a later thread, arriving when the first has gone, takes a
-/// worker arena (a new layout in arena 0 would move pages through the
-/// driver). The pinned pool (no remapping) hands arena 0 on as before.
+/// With `shared_device_arenas`, arena 0 of a device pool (it remaps
+/// pages) is kept for the set's first thread: a later thread, arriving
+/// when the first has gone, takes a worker arena (a new layout in arena 0
+/// would move pages through the driver). The pinned pool (no remapping)
+/// hands arena 0 on, as does a device pool without the option.
 #[test]
 fn later_threads_take_worker_arenas_not_the_first_threads() {
-    let mm = host(Config::new().arenas(4).pinned_thread_cache(false));
+    let plain = host(Config::new().arenas(4));
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| plain.free_device(plain.allocate_device(MIB).unwrap()).unwrap()).join().unwrap();
+        }
+    });
+    assert_eq!(plain.device(0).unwrap().pool().made(), 1, "without the option arena 0 is handed on");
+    let mm = host(Config::new().arenas(4).pinned_thread_cache(false).shared_device_arenas(true));
     let d = mm.device(0).unwrap();
     let run = || {
         std::thread::scope(|s| {
@@ -221,7 +229,7 @@ fn later_threads_take_worker_arenas_not_the_first_threads() {
 /// thread reach the arena that now owns the chunk.
 #[test]
 fn device_worker_arenas_trade_free_chunks_without_the_upstream() {
-    let mm = host(Config::new().arenas(4).device_thread_cache(false));
+    let mm = host(Config::new().arenas(4).device_thread_cache(false).shared_device_arenas(true));
     let d = mm.device(0).unwrap();
     // This thread takes arena 0 and keeps it.
     let first = mm.allocate_device(MIB).unwrap();
@@ -343,10 +351,7 @@ fn thread_churn_reuses_arenas_and_their_memory() {
     for seed in 100..110 {
         wave(seed);
     }
-    // The device set keeps arena 0 (it remaps pages) for its first
-    // thread: the waves after it run on worker arenas beside it.
-    let primary = usize::from(d.pool().primary().remaps());
-    assert!(mm.pinned_pool().made() <= WAVE && d.pool().made() <= WAVE + primary);
+    assert!(mm.pinned_pool().made() <= WAVE && d.pool().made() <= WAVE);
     let (pinned, device) = (mm.pinned_pool().upstream_calls() - pinned0, d.pool().upstream_calls() - device0);
     // A wave's threads run at once: an arena may need a chunk while every
     // other arena's chunks still hold live blocks, so the pinned pool may

@@ -23,6 +23,11 @@ fn good_strings() {
     assert_eq!(c.min_chunk, 20 << 20);
     assert_eq!(c.max_pinned_pool_size, Some(4096));
 
+    assert!(!Config::default().shared_device_arenas);
+    let c: Config = "shared_device_arenas=true, arenas=8".parse().unwrap();
+    assert!(c.shared_device_arenas && c.arenas == 8);
+    assert!("shared_device_arenas=maybe".parse::<Config>().is_err());
+
     assert!(!Config::default().exportable_native_pool);
     let c: Config = "exportable_native_pool=true".parse().unwrap();
     assert!(c.exportable_native_pool);

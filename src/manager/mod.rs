@@ -355,16 +355,23 @@ impl MemoryManager {
             Some(d) if ordinal != self.config.device => d.requested_mode(),
             _ => self.config.mode,
         };
-        // The further (worker) arenas take whole chunks of one address
-        // space shared by them all (made on the first one's first use): a
-        // free chunk moves between them with no driver call, and any of
-        // them can give it back. Each grows geometrically on its own size
-        // (a device chunk maps in about a tenth of a millisecond, so
-        // growing on the set's total would only overshoot: one arena
-        // growing by a quarter of sixteen arenas' memory).
+        // Each further arena takes its chunks the same way as the first (on
+        // CUDA, a reservation of its own, registered for peer access like
+        // the first).
+        let (arena_ctx, expandable) = (ctx.clone(), self.config.expandable);
+        let make: crate::pool::UpstreamFactory =
+            Box::new(move || Self::make_device_upstream(arena_ctx.as_ref(), expandable));
+        // With `shared_device_arenas`, the worker arenas take whole chunks
+        // of one address space shared by them all (made on the first
+        // one's first use): a free chunk moves between them with no
+        // driver call, and any of them can give it back. Each grows
+        // geometrically on its own size (a device chunk maps in about a
+        // tenth of a millisecond, so growing on the set's total would only
+        // overshoot: one arena growing by a quarter of sixteen arenas'
+        // memory).
         let (arena_ctx, expandable) = (ctx.clone(), self.config.expandable);
         let (space, limit) = (Arc::new(OnceCell::new()), pc.max_size);
-        let make: crate::pool::UpstreamFactory = Box::new(move || {
+        let make_worker: crate::pool::UpstreamFactory = Box::new(move || {
             let space: &Arc<dyn Upstream> =
                 space.get_or_try_init(|| Self::make_device_upstream(arena_ctx.as_ref(), expandable).map(Arc::from))?;
             let whole = Box::new(SharedChunks::new(space.clone()));
@@ -379,7 +386,11 @@ impl MemoryManager {
         Ok(DeviceAllocator::new(
             ordinal,
             ctx,
-            Arenas::new(upstream, Some(make), pc, self.config.arena_count()),
+            if self.config.shared_device_arenas {
+                Arenas::with_workers(upstream, make_worker, pc, self.config.arena_count())
+            } else {
+                Arenas::new(upstream, Some(make), pc, self.config.arena_count())
+            },
             mode,
             crate::device::NativePoolOptions {
                 release_threshold: self.config.release_threshold,

@@ -8,7 +8,7 @@
 //!   (cold path, under the registry's lock): the lowest-numbered arena that
 //!   is made and has no thread (its memory is reused), else the lowest one
 //!   not made yet, else the one with the fewest threads (more threads than
-//!   arenas share). Where arena 0 remaps pages (a device's sync pool), it
+//!   arenas share). In a set with worker arenas (arena 0 remaps pages), it
 //!   goes to the set's first thread, and later threads take it only when
 //!   every other arena is taken: a new thread's layout differs from the
 //!   last one's, and in arena 0 that costs page moves (driver calls),

@@ -13,18 +13,19 @@
 //!   Arena 0 is made with the set; the others are made on first claim from
 //!   the upstream factory. One thread alone always uses one arena, so a
 //!   single-threaded program sees exactly one pool.
-//! - **Device sets: arena 0 and worker arenas.** Where arena 0 remaps
-//!   pages (a device's sync pool on CUDA virtual memory), it is kept for
-//!   the set's first thread, and `count` *worker* arenas stand beside it
-//!   for the threads that come later (`arena_registry.rs`). Workers take
-//!   whole chunks of one address space they all share
-//!   ([`SharedChunks`](crate::upstream::SharedChunks)), growing
-//!   geometrically against one total, so they trade free chunks as the
-//!   pinned arenas do, with no driver call. Remapping keeps one thread's
-//!   repeating layout (a training loop) near its page floor; a new
-//!   thread's layout is new, and in a remapping arena that costs page
-//!   moves, each a driver call. (Tests and models may pin a thread to an arena by slot with
+//!   (Tests and models may pin a thread to an arena by slot with
 //!   [`set_thread_slot`](crate::pool::set_thread_slot).)
+//! - **Worker arenas** ([`Arenas::with_workers`]; a device's sync pool
+//!   with `shared_device_arenas`). Arena 0 remaps pages and is kept for
+//!   the set's first thread; `count` *worker* arenas stand beside it for
+//!   the threads that come later (`arena_registry.rs`). Workers take whole
+//!   chunks of one address space they all share
+//!   ([`SharedChunks`](crate::upstream::SharedChunks)), so they trade free
+//!   chunks as the pinned arenas do, with no driver call. Remapping keeps
+//!   one thread's repeating layout (a training loop) near its page floor;
+//!   a new thread's layout is new, and in a remapping arena that costs
+//!   page moves, each a driver call. Without worker arenas, every device
+//!   arena remaps pages in address space of its own.
 //! - **Memory moves between arenas.** An arena with no free block for a
 //!   request first takes a wholly free chunk of another arena (pools whose
 //!   chunks are whole upstream allocations: pinned memory, `cuMemAlloc`
@@ -137,11 +138,28 @@ impl std::fmt::Debug for Arenas {
 impl Arenas {
     /// A set of `count` arenas (at least 1, at most [`MAX_ARENAS`]): arena
     /// 0 over `first`, the others made on first use with `make` (`None`:
-    /// one arena only). When arena 0 remaps pages and `count` is above 1,
-    /// `count` worker arenas are made beside it (see the module docs).
+    /// one arena only).
     pub fn new(first: Box<dyn Upstream>, make: Option<UpstreamFactory>, config: PoolConfig, count: usize) -> Self {
+        Self::build(first, make, config, count, false)
+    }
+
+    /// A set whose arena 0 remaps pages and is kept for the first thread,
+    /// with `count` worker arenas beside it made with `make` (chunks that
+    /// can change arena: see the module docs). Without remapping in arena
+    /// 0, or with `count` 1, as [`new`](Self::new).
+    pub fn with_workers(first: Box<dyn Upstream>, make: UpstreamFactory, config: PoolConfig, count: usize) -> Self {
+        Self::build(first, Some(make), config, count, true)
+    }
+
+    fn build(
+        first: Box<dyn Upstream>,
+        make: Option<UpstreamFactory>,
+        config: PoolConfig,
+        count: usize,
+        workers: bool,
+    ) -> Self {
         let count = if make.is_some() { count.clamp(1, MAX_ARENAS) } else { 1 };
-        let primary_remaps = super::would_remap(&*first, &config) && count > 1;
+        let primary_remaps = workers && super::would_remap(&*first, &config) && count > 1;
         let count = count + usize::from(primary_remaps);
         let arenas: Box<ArenaPools> = (0..count).map(|_| InitCell::new()).collect();
         let shared = Shared::new(&arenas, config.max_size, config.kind);
