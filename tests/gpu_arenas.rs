@@ -98,9 +98,21 @@ fn rng_cycles(round: u32) -> i64 {
 
 #[test]
 fn threads_with_a_stream_each_reuse_across_arenas_in_order() {
-    let Some(ctx) = gpu_for_test("threads_with_a_stream_each_reuse_across_arenas_in_order") else { return };
+    reuse_across_arenas_in_order("threads_with_a_stream_each_reuse_across_arenas_in_order", false);
+}
+
+/// The same with worker arenas (`shared_device_arenas`): chunks of one
+/// address space pass between the threads' arenas, with their stream tags.
+#[test]
+fn worker_arenas_reuse_across_arenas_in_order() {
+    reuse_across_arenas_in_order("worker_arenas_reuse_across_arenas_in_order", true);
+}
+
+fn reuse_across_arenas_in_order(name: &str, shared: bool) {
+    let Some(ctx) = gpu_for_test(name) else { return };
     let device = Config::from_env().map_or(0, |c| c.device);
-    let mm = MemoryManager::new(Config::new().device(device).arenas(THREADS)).unwrap();
+    let config = Config::new().device(device).arenas(THREADS).shared_device_arenas(shared);
+    let mm = MemoryManager::new(config).unwrap();
     let ptx = cudarc::nvrtc::compile_ptx(CHECK).expect("NVRTC compiles the check kernel");
     let f = ctx.load_module(ptx).expect("module loads").load_function("fill_spin_check").expect("kernel");
     let errors = mm.allocate_device(8).unwrap();
@@ -136,10 +148,20 @@ fn threads_with_a_stream_each_reuse_across_arenas_in_order() {
 /// them waits for every other thread's stream.
 #[test]
 fn threads_that_come_and_go_with_streams_of_their_own_never_wait_for_each_other() {
-    let name = "threads_that_come_and_go_with_streams_of_their_own_never_wait_for_each_other";
+    come_and_go("threads_that_come_and_go_with_streams_of_their_own_never_wait_for_each_other", false);
+}
+
+/// The same with worker arenas: after the first waves, later waves take
+/// their memory from the workers' chunks, and nobody waits.
+#[test]
+fn worker_arenas_for_threads_that_come_and_go_never_wait_for_each_other() {
+    come_and_go("worker_arenas_for_threads_that_come_and_go_never_wait_for_each_other", true);
+}
+
+fn come_and_go(name: &str, shared: bool) {
     let Some(ctx) = gpu_for_test(name) else { return };
     let device = Config::from_env().map_or(0, |c| c.device);
-    let mm = MemoryManager::new(Config::new().device(device).arenas(8)).unwrap();
+    let mm = MemoryManager::new(Config::new().device(device).arenas(8).shared_device_arenas(shared)).unwrap();
     let wave = |seed: u64| {
         std::thread::scope(|s| {
             for id in 0..4u64 {
