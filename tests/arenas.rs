@@ -245,15 +245,18 @@ fn device_worker_arenas_trade_free_chunks_without_the_upstream() {
             taken.wait();
             mm.free_device(rx.recv().unwrap()).unwrap();
         });
-        s.spawn(|| {
+        // What the taker saw, checked after the barriers (a failed check
+        // inside would leave the other thread waiting).
+        let taker = s.spawn(|| {
             grown.wait();
             let calls = d.pool().upstream_calls();
             let q = mm.allocate_device(16 * MIB).unwrap();
-            assert_eq!(d.pool().chunks_moved(), 1, "a worker's free chunk moved");
-            assert_eq!(d.pool().upstream_calls(), calls, "no upstream call");
+            let seen = (d.pool().chunks_moved(), d.pool().upstream_calls() - calls);
             tx.send(q).unwrap();
             taken.wait();
+            seen
         });
+        assert_eq!(taker.join().unwrap(), (1, 0), "a worker's free chunk moved, no upstream call");
     });
     assert_eq!(d.pool().made(), 3);
     assert_eq!(d.stats().pool.in_use, MIB);
@@ -448,32 +451,40 @@ fn a_chunk_moves_with_its_tag_to_a_request_on_the_same_stream_only() {
             freed.wait();
             done.wait();
         });
-        s.spawn(|| {
+        // Each asker returns what it saw; the checks run after the
+        // barriers (a failed check inside would leave the others waiting).
+        let other_stream = s.spawn(|| {
             freed.wait();
             // Another stream: the chunk stays where it is.
             let calls = arenas.upstream_calls();
-            let other = arenas.allocate_for(4 * MIB, 256, 9).unwrap();
-            assert_eq!((arenas.chunks_moved(), arenas.blocks_lent()), (0, 0));
-            assert_eq!(arenas.upstream_calls(), calls + 1, "grew instead");
-            assert_eq!(other.tag, StreamTag::NONE);
+            let other = arenas.allocate_for(4 * MIB, 256, 9);
+            let seen = (arenas.chunks_moved(), arenas.blocks_lent(), arenas.upstream_calls() - calls);
             done.wait();
+            let other = other.unwrap();
             arenas.deallocate(other.addr, StreamTag::NONE).unwrap();
+            (seen, other.tag)
         });
-        s.spawn(|| {
+        let same_stream = s.spawn(|| {
             freed.wait();
             // Wait for the other request to have grown, then ask on
             // stream 7: the chunk moves, tag and all.
-            while arenas.upstream_calls() < 2 {
+            let start = std::time::Instant::now();
+            while arenas.upstream_calls() < 2 && start.elapsed().as_secs() < 10 {
                 std::thread::yield_now();
             }
             let calls = arenas.upstream_calls();
-            let same = arenas.allocate_for(4 * MIB, 256, 7).unwrap();
-            assert_eq!(arenas.chunks_moved(), 1);
-            assert_eq!(arenas.upstream_calls(), calls, "no upstream call");
-            assert_eq!(same.tag, tag, "the reuse is ordered after stream 7's work");
+            let same = arenas.allocate_for(4 * MIB, 256, 7);
+            let seen = (arenas.chunks_moved(), arenas.upstream_calls() - calls);
             done.wait();
+            let same = same.unwrap();
             arenas.deallocate(same.addr, StreamTag::NONE).unwrap();
+            (seen, same.tag)
         });
+        let (seen, other_tag) = other_stream.join().unwrap();
+        assert_eq!((seen, other_tag), ((0, 0, 1), StreamTag::NONE), "another stream: nothing moved, grew instead");
+        let (seen, same_tag) = same_stream.join().unwrap();
+        assert_eq!(seen, (1, 0), "the chunk moved, no upstream call");
+        assert_eq!(same_tag, tag, "the reuse is ordered after stream 7's work");
     });
     arenas.check_invariants().unwrap();
     assert_eq!(arenas.stats().in_use, 0);
