@@ -12,10 +12,10 @@
 //!   goes to the set's first thread, and later threads take it only when
 //!   every other arena is taken: a new thread's layout differs from the
 //!   last one's, and in arena 0 that costs page moves (driver calls),
-//!   where the worker arenas trade whole chunks with none. The claim is remembered in a thread-local list keyed by
-//!   the set's id (ids are never reused, so a dropped set's entry can't be
-//!   mistaken for a new one); the hot path reads one cached `(id, arena)`
-//!   pair.
+//!   where the worker arenas trade whole chunks with none. The claim is
+//!   remembered in a thread-local list keyed by the set's id (ids are
+//!   never reused, so a dropped set's entry can't be mistaken for a new
+//!   one); the hot path reads one cached `(id, arena)` pair.
 //! - **Hand-back.** The thread-local list's destructor (or
 //!   [`release_thread_arenas`]) lowers each claimed arena's thread count;
 //!   the next thread to claim finds it free. Nothing else changes hands:

@@ -98,30 +98,31 @@ impl BestFit {
     /// or was freed on `stream` itself (it comes with its tag, which
     /// orders the reuse).
     pub fn take_free_chunk_fitting(&mut self, min: usize, stream: u64) -> Option<(Chunk, StreamTag)> {
-        let whole = |id: u32| {
+        // One pass (no allocation: this runs under the pool's lock): the
+        // best candidate, and whether any chunk is wholly free at all.
+        let (mut any_whole, mut best): (bool, Option<(usize, u32)>) = (false, None);
+        for &id in self.chunks_by_addr.values() {
             let info = self.chunk_info(id);
-            info.first == info.last && self.blocks[info.first as usize].free
-        };
-        if !self.chunks_by_addr.values().any(|&id| whole(id)) {
-            self.whole_free.store(false, crate::sync::Ordering::Relaxed);
-            return None;
+            let b = &self.blocks[info.first as usize];
+            if info.first != info.last || !b.free {
+                continue;
+            }
+            any_whole = true;
+            let size = info.chunk.size;
+            if size >= min && self.usable_on(b.tag, stream) && best.is_none_or(|(s, _)| size < s) {
+                best = Some((size, id));
+            }
         }
-        let id = self
-            .chunks_by_addr
-            .values()
-            .copied()
-            .filter(|&id| {
-                let info = self.chunk_info(id);
-                let b = &self.blocks[info.first as usize];
-                whole(id) && self.usable_on(b.tag, stream) && info.chunk.size >= min
-            })
-            .min_by_key(|&id| self.chunk_info(id).chunk.size)?;
+        if !any_whole {
+            self.whole_free.store(false, crate::sync::Ordering::Relaxed);
+        }
+        let (_, id) = best?;
         let (chunk, tag) = self.remove_chunk(id);
         Some((chunk, if self.tag_settled(tag) { StreamTag::NONE } else { tag }))
     }
 
     /// Whether memory tagged `tag` serves work on `stream` with no wait.
-    pub fn usable_on(&self, tag: StreamTag, stream: u64) -> bool {
+    pub(crate) fn usable_on(&self, tag: StreamTag, stream: u64) -> bool {
         (stream != 0 && tag.stream == stream) || self.tag_settled(tag)
     }
 
