@@ -196,6 +196,12 @@ fn come_and_go(name: &str, shared: bool) {
     let waits = mm.device_stats(device).unwrap().stream_waits - before;
     assert_eq!(waits, 0, "reuses waited for other threads' streams {waits} times");
     let pool = mm.default_device().unwrap().pool();
+    if shared {
+        // The control that the worker arenas' path ran: chunks changed
+        // arena (each wave's streams were synchronised, so their free
+        // chunks are idle for the next wave).
+        assert!(pool.chunks_moved() > 0, "no chunk moved between worker arenas");
+    }
     pool.check_invariants().unwrap();
     assert_eq!(pool.stats().in_use, 0);
 }
