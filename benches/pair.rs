@@ -81,6 +81,7 @@ fn host_benches(c: &mut Criterion) {
 
 fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaContext>) {
     let stream = Stream::new().expect("stream");
+    let legacy = Stream::from_cudarc(ctx.default_stream());
     for mode in DeviceAllocatorMode::ALL {
         let mm = MemoryManager::new(Config::new().mode(mode)).expect("manager");
         let effective = mm.effective_device_allocator_mode();
@@ -106,6 +107,17 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
                 bench_pair(c, "device", "sync_pool_no_stream", size, || {
                     let p = mm.allocate_device(size).expect("allocate");
                     mm.free_device(std::hint::black_box(p)).expect("free");
+                });
+                // The context's legacy (null) stream, as PyTorch's default
+                // stream reaches cumem: its question needs the context
+                // current on the thread.
+                bench_pair(c, "device", "sync_pool_legacy", size, || {
+                    let p = mm.allocate_device_on(size, &legacy).expect("allocate");
+                    mm.free_device_on(std::hint::black_box(p), &legacy).expect("free");
+                });
+                bench_pair(c, "device", "sync_pool_legacy_no_detection", size, || {
+                    let p = promised.allocate_device_on(size, &legacy).expect("allocate");
+                    promised.free_device_on(std::hint::black_box(p), &legacy).expect("free");
                 });
             }
         }
@@ -163,6 +175,33 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
             // SAFETY: `cu` is a live stream; `status` a valid local.
             unsafe { sys::cuStreamIsCapturing(cu, &mut status) }.result().expect("cuStreamIsCapturing");
             std::hint::black_box(status);
+        }
+    });
+    // The same question on the legacy stream (the context is current),
+    // and what making the context current costs: cudarc's bind (which
+    // also swaps its error slot) against one `cuCtxGetCurrent`.
+    bench_pair(c, "query", "raw_is_capturing_legacy_x2", 0, || {
+        for _ in 0..2 {
+            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // SAFETY: the null stream is the current context's legacy
+            // stream; `status` a valid local.
+            unsafe { sys::cuStreamIsCapturing(std::ptr::null_mut(), &mut status) }
+                .result()
+                .expect("cuStreamIsCapturing");
+            std::hint::black_box(status);
+        }
+    });
+    bench_pair(c, "query", "raw_bind_to_thread_x2", 0, || {
+        for _ in 0..2 {
+            ctx.bind_to_thread().expect("bind");
+        }
+    });
+    bench_pair(c, "query", "raw_ctx_get_current_x2", 0, || {
+        for _ in 0..2 {
+            let mut current: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: `current` is a valid out-location.
+            unsafe { sys::cuCtxGetCurrent(&mut current) }.result().expect("cuCtxGetCurrent");
+            std::hint::black_box(current);
         }
     });
     for size in DEVICE_SIZES {

@@ -30,6 +30,8 @@ use cumem::PoolKind;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+#[path = "threads/check.rs"]
+mod check;
 #[path = "threads/peers.rs"]
 mod peers;
 
@@ -176,6 +178,9 @@ fn config(kind: PoolKind, cache: bool) -> PoolConfig {
 }
 
 fn main() {
+    if check::main() {
+        return;
+    }
     peers::main();
     if std::env::var("CUMEM_BENCH_PEERS_ONLY").is_ok_and(|v| v == "1") {
         return;

@@ -56,7 +56,7 @@ fn scale() -> f64 {
     std::env::var("CUMEM_PEERS_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1.0)
 }
 
-fn ops_per_thread(threads: usize, tenth: bool) -> u64 {
+pub(crate) fn ops_per_thread(threads: usize, tenth: bool) -> u64 {
     let n = if threads == 1 { 200_000.0 } else { 100_000.0 };
     let n = n * scale() / if tenth { 10.0 } else { 1.0 };
     (n as u64).max(100)
@@ -152,7 +152,7 @@ fn sequence<T: Target>(t: &T, l: &T::Local, seed: u64, ops: u64, live: &mut Vec<
 /// [`sequence`], storing the bytes the thread holds (as asked) in `held`
 /// after every step: a cache line of the thread's own, read by the
 /// sampler of [`fresh_pass`].
-fn sequence_counted<T: Target>(
+pub(crate) fn sequence_counted<T: Target>(
     t: &T,
     l: &T::Local,
     seed: u64,

@@ -60,6 +60,26 @@ fn has_capture_info() -> bool {
     })
 }
 
+/// Makes `ctx` the calling thread's current context when it is not
+/// already (the legacy stream's questions go to the current context).
+///
+/// One `cuCtxGetCurrent` (a read of the driver's thread state) when it is
+/// current, the common case: unlike `CudaContext::bind_to_thread` it
+/// writes no state shared by every thread (cudarc's error slot, swapped on
+/// each bind, is one cache line that all threads allocating on the legacy
+/// stream would write). The answer is asked every time, never remembered:
+/// the program may change the thread's context between two calls.
+fn make_current(ctx: &cudarc::driver::CudaContext) -> Result<()> {
+    let mut current: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `current` is a valid out-location; the call only reads the
+    // calling thread's current context.
+    unsafe { sys::cuCtxGetCurrent(&mut current) }.result().map_err(super::driver_err("cuCtxGetCurrent"))?;
+    if current != ctx.cu_ctx() {
+        ctx.bind_to_thread().map_err(super::driver_err("cuCtxSetCurrent"))?;
+    }
+    Ok(())
+}
+
 /// The id of the capture `stream` takes part in, or `None` when it does
 /// not capture.
 ///
@@ -77,7 +97,8 @@ pub(crate) fn capture_of(stream: &Stream) -> Result<Option<u64>> {
 /// into, or `None` when it does not capture. One driver call
 /// (`cuStreamIsCapturing`) when it does not, a second
 /// (`cuStreamGetCaptureInfo`) when it does; the context is made current
-/// first only for a context's null stream, which needs it.
+/// first only for a context's null stream, which needs it (one
+/// `cuCtxGetCurrent` when it is current already: [`make_current`]).
 ///
 /// # Errors
 /// As [`capture_of`].
@@ -88,7 +109,7 @@ pub(crate) fn capture_info(stream: &Stream) -> Result<Option<(u64, CaptureGraph)
             .map(|id| (id, stream.host_graph().map_or(CaptureGraph::Unknown, CaptureGraph::Host))));
     };
     if cuda.cu_stream().is_null() {
-        cuda.context().bind_to_thread().map_err(super::driver_err("cuCtxSetCurrent"))?;
+        make_current(cuda.context())?;
     }
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // The cheaper question first (about a fifth less on an H100): most

@@ -1,0 +1,344 @@
+//! Two workloads the way an outside check runs them, each in a process of
+//! its own (`CUMEM_BENCH_CHECK=peers` or `=pool`; nothing else runs).
+//!
+//! - `peers`: the peers' random workload (`ANCHORS.md`) exactly as their
+//!   harness runs it. One process, one manager: `MemoryManager::global()`
+//!   with the default configuration (`CUMEM_CONF` unset). Both pools are
+//!   warmed first, each by a round of 16 threads with seeds of their own
+//!   (the device on the shared stream). Then for each thread count 1, 2,
+//!   4, 8, 16 the rows run interleaved: the device on one shared stream
+//!   (made once, for the whole run), the device with a new stream per
+//!   thread, and the pinned pool; each row on NEW threads with their own
+//!   seeds, timed from a barrier to the last join (the threads' final
+//!   frees and stream synchronisation included). Beside each figure: the
+//!   upstream calls (device: chunks and page maps), the cross-stream waits
+//!   and the chunks moved between arenas during that row.
+//! - `pool`: a resizing thread pool. Rounds of fresh OS threads, from 1 to
+//!   32 a round (a seeded draw, the first rounds 1 and 32), each thread a
+//!   mix of device work (one shared stream) and pinned work (a fair coin
+//!   per allocation), sizes uniform in 1 B..4 MiB, at most 200 live blocks
+//!   per thread; at its end each thread leaves half of what it holds to the
+//!   next round, whose threads free it first (frees cross rounds). The
+//!   bytes held (as asked) are counted per pool on every step; at the end
+//!   the pools' reserved bytes (device: mapped) over the most bytes held
+//!   at once, per pool. Through `MemoryManager::new` with the default
+//!   configuration (or `CUMEM_CONF`).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use cumem::device::Stream;
+use cumem::{Config, MemoryManager};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::peers::{ops_per_thread, sequence_counted};
+use super::Target;
+
+const THREADS: [usize; 5] = [1, 2, 4, 8, 16];
+
+/// The device sync pool of the global manager: `shared` is the one stream
+/// of the one-stream rows; `None` makes a new stream per thread.
+struct GlobalDevice {
+    mm: &'static MemoryManager,
+    shared: Option<Stream>,
+}
+
+impl Target for GlobalDevice {
+    type Local = Stream;
+    fn local(&self) -> Stream {
+        match &self.shared {
+            Some(s) => s.clone(),
+            None => Stream::new().expect("cuStreamCreate"),
+        }
+    }
+    fn allocate(&self, s: &Stream, size: usize) -> u64 {
+        self.mm.allocate_device_on(size, s).expect("device allocation")
+    }
+    fn free(&self, s: &Stream, ptr: u64) {
+        self.mm.free_device_on(ptr, s).expect("device free");
+    }
+    fn finish(&self, s: &Stream) {
+        s.synchronize().expect("cuStreamSynchronize");
+    }
+}
+
+/// The pinned pool of the global manager.
+struct GlobalPinned(&'static MemoryManager);
+
+impl Target for GlobalPinned {
+    type Local = ();
+    fn local(&self) {}
+    fn allocate(&self, _: &(), size: usize) -> u64 {
+        self.0.allocate_pinned(size).expect("pinned allocation").as_ptr() as u64
+    }
+    fn free(&self, _: &(), ptr: u64) {
+        self.0.free_pinned(ptr as *mut u8).expect("pinned free");
+    }
+}
+
+/// `threads` new threads run `ops` steps each (seeds from `seed`), timed
+/// from a barrier to the last join.
+fn pass<T: Target>(t: &T, threads: usize, ops: u64, seed: u64) -> Duration {
+    let go = Barrier::new(threads + 1);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|id| {
+                let go = &go;
+                s.spawn(move || {
+                    let l = t.local();
+                    let mut live = Vec::with_capacity(1000);
+                    go.wait();
+                    sequence_counted(t, &l, seed + id as u64, ops, &mut live, None);
+                    for p in live.drain(..) {
+                        t.free(&l, p);
+                    }
+                    t.finish(&l);
+                })
+            })
+            .collect();
+        go.wait();
+        let t0 = Instant::now();
+        for h in handles {
+            h.join().expect("bench thread");
+        }
+        t0.elapsed()
+    })
+}
+
+/// What changed in the manager during a row.
+#[derive(Clone, Copy, Default)]
+struct Counts {
+    dev_calls: u64,
+    dev_maps: u64,
+    waits: u64,
+    moved: u64,
+    pinned_calls: u64,
+}
+
+fn counts(mm: &MemoryManager) -> Counts {
+    let ds = mm.device_stats(0).expect("device stats");
+    let pool = mm.default_device().expect("device").pool();
+    Counts {
+        dev_calls: pool.upstream_calls(),
+        dev_maps: ds.pool.map_calls,
+        waits: ds.stream_waits,
+        moved: pool.chunks_moved() + mm.pinned_pool().chunks_moved(),
+        pinned_calls: mm.pinned_pool().upstream_calls(),
+    }
+}
+
+/// The peers' workload through the global manager, rows interleaved.
+fn peers() {
+    let mm = MemoryManager::global().expect("the global manager");
+    let shared = Stream::new().expect("cuStreamCreate");
+    let one = GlobalDevice { mm, shared: Some(shared) };
+    let each = GlobalDevice { mm, shared: None };
+    let pinned = GlobalPinned(mm);
+    pass(&one, 16, ops_per_thread(16, false), 0x0a11_0000);
+    pass(&pinned, 16, ops_per_thread(16, false), 0x0a12_0000);
+    println!("\nThe peers' workload as the check runs it (global manager, rows interleaved, new threads), Mops/s");
+    println!(
+        "{:<34}{:>8}{:>10}{:>9}{:>8}{:>8}{:>8}{:>8}",
+        "row", "threads", "Mops/s", "ms", "dcalls", "maps", "waits", "moved"
+    );
+    let mut table: Vec<(&str, Vec<f64>)> =
+        ["device, one shared stream", "device, a stream per thread", "pinned"].map(|n| (n, Vec::new())).into();
+    for n in THREADS {
+        let ops = ops_per_thread(n, false);
+        for (r, (name, rates)) in table.iter_mut().enumerate() {
+            let seed = 0x5eed_0000 + (n as u64) * 1000 + (r as u64) * 100;
+            let before = counts(mm);
+            let took = match r {
+                0 => pass(&one, n, ops, seed),
+                1 => pass(&each, n, ops, seed),
+                _ => pass(&pinned, n, ops, seed),
+            };
+            let after = counts(mm);
+            let rate = (ops * n as u64) as f64 / took.as_secs_f64() / 1e6;
+            rates.push(rate);
+            println!(
+                "{:<34}{:>8}{:>10.2}{:>9.1}{:>8}{:>8}{:>8}{:>8}{}",
+                name,
+                n,
+                rate,
+                took.as_secs_f64() * 1e3,
+                after.dev_calls - before.dev_calls,
+                after.dev_maps - before.dev_maps,
+                after.waits - before.waits,
+                after.moved - before.moved,
+                if r == 2 {
+                    format!("  pinned calls {}", after.pinned_calls - before.pinned_calls)
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
+    println!("\nsummary (Mops/s)");
+    print!("{:<34}", "row");
+    for n in THREADS {
+        print!("{:>9}", format!("{n} thr"));
+    }
+    println!("{:>9}", "16/8");
+    for (name, rates) in &table {
+        print!("{name:<34}");
+        for r in rates {
+            print!("{r:>9.2}");
+        }
+        println!("{:>9.2}", rates[4] / rates[3]);
+    }
+    let ds = mm.device_stats(0).expect("device stats").pool;
+    let ps = mm.pinned_stats();
+    println!(
+        "after: device mapped {} MiB, peak in use {} MiB, map calls {}; pinned reserved {} MiB, peak in use {} MiB",
+        ds.mapped >> 20,
+        ds.peak_in_use >> 20,
+        ds.map_calls,
+        ps.reserved >> 20,
+        ps.peak_in_use >> 20
+    );
+}
+
+/// Bytes held (as asked) in one pool now, and the most at once.
+#[derive(Default)]
+struct Held {
+    now: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl Held {
+    fn add(&self, n: usize) {
+        let now = self.now.fetch_add(n, Ordering::Relaxed) + n;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+    fn sub(&self, n: usize) {
+        self.now.fetch_sub(n, Ordering::Relaxed);
+    }
+}
+
+/// A block one pool thread holds: (device?, address, size).
+type Block = (bool, u64, usize);
+
+/// The resizing thread pool (see the module docs).
+fn pool() {
+    const ROUNDS: usize = 24;
+    const LIVE: usize = 200;
+    const OPS: usize = 4_000;
+    let scale: f64 = std::env::var("CUMEM_PEERS_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1.0);
+    let ops = ((OPS as f64 * scale) as usize).max(100);
+    let conf = Config::from_env().expect("CUMEM_CONF");
+    let mm = MemoryManager::new(conf).expect("a manager");
+    let stream = Stream::new().expect("cuStreamCreate");
+    let (dev, pin) = (Held::default(), Held::default());
+    let carried: Mutex<Vec<Block>> = Mutex::new(Vec::new());
+    let mut rng = SmallRng::seed_from_u64(0x9001);
+    let t0 = Instant::now();
+    let mut sizes = Vec::new();
+    for round in 0..ROUNDS {
+        let n = match round {
+            0 => 1,
+            1 => 32,
+            _ => rng.gen_range(1..=32),
+        };
+        sizes.push(n);
+        // The blocks the round before left, shared out among this round.
+        let inherited: Vec<Block> = std::mem::take(&mut *carried.lock().unwrap());
+        let per = inherited.len().div_ceil(n).max(1);
+        let parts: Vec<Vec<Block>> = inherited.chunks(per).map(<[Block]>::to_vec).collect();
+        std::thread::scope(|s| {
+            for id in 0..n {
+                let mine = parts.get(id).cloned().unwrap_or_default();
+                let (mm, stream, dev, pin, carried) = (&mm, &stream, &dev, &pin, &carried);
+                s.spawn(move || {
+                    let free = |b: Block| {
+                        if b.0 {
+                            mm.free_device_on(b.1, stream).expect("device free");
+                            dev.sub(b.2);
+                        } else {
+                            mm.free_pinned(b.1 as *mut u8).expect("pinned free");
+                            pin.sub(b.2);
+                        }
+                    };
+                    for b in mine {
+                        free(b);
+                    }
+                    let mut r = SmallRng::seed_from_u64(((round as u64) << 32) | id as u64);
+                    let mut live: Vec<Block> = Vec::with_capacity(LIVE);
+                    for _ in 0..ops {
+                        if live.len() < LIVE && (live.is_empty() || r.gen_bool(0.5)) {
+                            let size = r.gen_range(1..=4usize << 20);
+                            if r.gen_bool(0.5) {
+                                let p = mm.allocate_device_on(size, stream).expect("device allocation");
+                                dev.add(size);
+                                live.push((true, p, size));
+                            } else {
+                                let p = mm.allocate_pinned(size).expect("pinned allocation").as_ptr() as u64;
+                                pin.add(size);
+                                live.push((false, p, size));
+                            }
+                        } else {
+                            let i = r.gen_range(0..live.len());
+                            free(live.swap_remove(i));
+                        }
+                    }
+                    // Half goes to the next round; the rest is freed here.
+                    let keep = live.split_off(live.len() / 2);
+                    for b in live {
+                        free(b);
+                    }
+                    carried.lock().unwrap().extend(keep);
+                });
+            }
+        });
+    }
+    let took = t0.elapsed();
+    stream.synchronize().expect("cuStreamSynchronize");
+    let ds = mm.device_stats(0).expect("device stats").pool;
+    let ps = mm.pinned_stats();
+    let (dp, pp) = (dev.peak.load(Ordering::Relaxed), pin.peak.load(Ordering::Relaxed));
+    println!(
+        "\nA resizing thread pool: {ROUNDS} rounds of {sizes:?} fresh threads, {ops} steps each, half carried over"
+    );
+    println!(
+        "device: mapped {} MiB (peak mapped {} MiB) / most held at once {} MiB = {:.3}; peak mapped / held {:.3}; \
+         upstream calls {}, map calls {}, chunks moved {}",
+        ds.mapped >> 20,
+        ds.peak_mapped >> 20,
+        dp >> 20,
+        ds.mapped as f64 / dp.max(1) as f64,
+        ds.peak_mapped as f64 / dp.max(1) as f64,
+        mm.default_device().expect("device").pool().upstream_calls(),
+        ds.map_calls,
+        mm.default_device().expect("device").pool().chunks_moved()
+    );
+    println!(
+        "pinned: reserved {} MiB (peak {} MiB) / most held at once {} MiB = {:.3}; peak reserved / held {:.3}; \
+         upstream calls {}",
+        ps.reserved >> 20,
+        ps.peak_reserved >> 20,
+        pp >> 20,
+        ps.reserved as f64 / pp.max(1) as f64,
+        ps.peak_reserved as f64 / pp.max(1) as f64,
+        mm.pinned_pool().upstream_calls()
+    );
+    println!("took {:.2} s", took.as_secs_f64());
+    for b in std::mem::take(&mut *carried.lock().unwrap()) {
+        if b.0 {
+            mm.free_device_on(b.1, &stream).expect("device free");
+        } else {
+            mm.free_pinned(b.1 as *mut u8).expect("pinned free");
+        }
+    }
+}
+
+/// Runs the workload `CUMEM_BENCH_CHECK` names; returns whether it ran one.
+pub fn main() -> bool {
+    match std::env::var("CUMEM_BENCH_CHECK").as_deref() {
+        Ok("peers") => peers(),
+        Ok("pool") => pool(),
+        _ => return false,
+    }
+    true
+}
