@@ -231,6 +231,28 @@ impl Stream {
         Ok(())
     }
 
+    /// Asks, without waiting, whether all work queued on the stream is
+    /// done (`cuStreamQuery`); when it is, every free counted before the
+    /// question is known complete from then on (as after
+    /// [`synchronize`](Self::synchronize)). Never call it on a stream that
+    /// may be capturing a graph (the question is illegal there).
+    ///
+    /// # Errors
+    /// A driver error from the stream's work.
+    pub(crate) fn poll_idle(&self) -> Result<bool> {
+        let Some(s) = &self.inner.cuda else { return Ok(true) };
+        let seen = self.inner.frees.seen();
+        // SAFETY: the stream is alive (held by `self`); the call only asks.
+        match unsafe { cudarc::driver::sys::cuStreamQuery(s.cu_stream()) } {
+            cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS => {
+                self.inner.frees.mark_complete(&seen);
+                Ok(true)
+            }
+            cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(driver_err("cuStreamQuery")(cudarc::driver::DriverError(e))),
+        }
+    }
+
     /// Orders all work queued on `self` after the work queued on `other`
     /// so far (`cuEventRecord` on `other`, `cuStreamWaitEvent` on `self`).
     ///

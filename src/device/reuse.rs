@@ -156,6 +156,15 @@ impl StreamRegistry {
                         .into(),
                 ));
             }
+            // A stream its owner let go (only this registry and `sources`
+            // hold it) gets no more work from cumem's callers: once it is
+            // idle, all its frees are complete, for this block and every
+            // later one tagged with it. One question instead of a wait per
+            // block (threads that come and go with streams of their own,
+            // and never synchronise them, leave many such blocks).
+            if !captures && src.handles() <= 2 && src.poll_idle()? {
+                continue;
+            }
             waited = true;
             match user {
                 Some(u) if !u.is_host() => u.wait_for_frees(src)?,

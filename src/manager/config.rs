@@ -172,6 +172,12 @@ pub struct Config {
     /// under PyTorch (whose backward pass runs on a thread of its own)
     /// peaked at 29.8 GB against 23.4 GB with it off.
     pub shared_device_arenas: bool,
+    /// The device sync pools keep the block freed last uncoalesced until
+    /// the next operation, so that an allocation of exactly its size
+    /// right after takes it back with no index work
+    /// ([`PoolConfig::hot_block`]; on by default). Placement otherwise is
+    /// as without it.
+    pub hot_block: bool,
 }
 
 impl Default for Config {
@@ -199,6 +205,7 @@ impl Default for Config {
             host_devices: 1,
             arenas: 0,
             shared_device_arenas: false,
+            hot_block: true,
         }
     }
 }
@@ -247,6 +254,7 @@ impl Config {
         pc.thread_cache = self.device_thread_cache;
         pc.thread_cache_bytes = self.thread_cache_bytes;
         pc.cache_exact = true;
+        pc.hot_block = self.hot_block;
         pc
     }
 
@@ -362,6 +370,11 @@ impl Config {
     /// Sets [`Config::device_thread_cache`].
     pub fn device_thread_cache(mut self, on: bool) -> Self {
         self.device_thread_cache = on;
+        self
+    }
+    /// Sets [`Config::hot_block`].
+    pub fn hot_block(mut self, on: bool) -> Self {
+        self.hot_block = on;
         self
     }
     /// Sets [`Config::track_allocations`].
@@ -486,6 +499,7 @@ impl std::str::FromStr for Config {
                 }
                 "pinned_thread_cache" => c.pinned_thread_cache = bool_value(key, value)?,
                 "device_thread_cache" => c.device_thread_cache = bool_value(key, value)?,
+                "hot_block" => c.hot_block = bool_value(key, value)?,
                 "thread_cache_bytes" => c.thread_cache_bytes = size_value(key, value)?,
                 "arenas" => {
                     c.arenas = value.parse().map_err(|_| Error::Config(format!("arenas: '{value}' is not a count")))?
@@ -522,7 +536,7 @@ impl std::str::FromStr for Config {
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
                          remap_slack, max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
-                         device_thread_cache, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
+                         device_thread_cache, hot_block, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
                          shared_device_arenas, promise_registered_captures)"
                     )))
                 }

@@ -28,8 +28,20 @@
 //! 1. The blocks of a chunk tile it: the first starts at the chunk's start,
 //!    each starts where the previous ends, the last ends at the chunk's end.
 //! 2. Every block's address and size are multiples of [`BLOCK_ALIGN`].
-//! 3. No two free blocks are neighbours (free neighbours are coalesced).
-//! 4. `free_index` holds exactly the free blocks, `live` exactly the used.
+//! 3. No two free blocks are neighbours (free neighbours are coalesced),
+//!    except next to the *hot block* (below).
+//! 4. `free_index` holds exactly the free blocks but the hot block, `live`
+//!    exactly the used.
+//!
+//! The hot block ([`BestFit::set_hot_block`]; the device pools use it): the
+//! block freed last is marked free and counted free, but neither coalesced
+//! nor indexed until the next operation that is not a free or an
+//! allocation of exactly its size. Such an allocation takes it back as it
+//! is (it was the best fit's choice before, and its pages are mapped); any
+//! other operation first coalesces and indexes it ([`BestFit::flush_hot`]),
+//! so every other decision sees the blocks as without it. A hot allocate +
+//! free pair of one size then touches no index and splits and merges
+//! nothing. All of it runs under the pool's lock, like everything here.
 //! 5. The statistics equal what the blocks add up to.
 //!
 //! Splitting and coalescing never cross a chunk boundary, because links
@@ -37,6 +49,7 @@
 
 use std::collections::BTreeMap;
 
+mod hot;
 mod inspect;
 mod ranked;
 mod resize;
@@ -129,6 +142,11 @@ pub struct BestFit {
     /// look for one found none. Shared with the pool, which reads it
     /// without its lock before offering a chunk to another arena.
     whole_free: crate::sync::Arc<crate::sync::AtomicBool>,
+    /// The block freed last, not yet coalesced nor indexed (`NIL`: none);
+    /// see the module docs.
+    hot: u32,
+    /// Whether frees leave the freed block hot.
+    hot_enabled: bool,
 }
 
 /// Which pages live blocks touch, counted as the whole pages lying inside
@@ -232,7 +250,31 @@ pub fn round_size(size: usize) -> Option<usize> {
 impl BestFit {
     /// An empty allocator with no chunks.
     pub fn new() -> Self {
-        Self::default()
+        BestFit { hot: NIL, ..Self::default() }
+    }
+
+    /// Coalesces free block `slot` (not indexed) with its free neighbours
+    /// and indexes the result.
+    fn index_coalesced(&mut self, slot: u32) {
+        let merged = self.coalesce(slot);
+        let b = &self.blocks[merged as usize];
+        if b.prev == NIL && b.next == NIL {
+            self.whole_free.store(true, crate::sync::Ordering::Relaxed);
+        }
+        self.index_free(merged);
+    }
+
+    /// The statistics of an allocation of `size` bytes (`requested` asked).
+    #[inline]
+    fn count_allocation(&mut self, size: usize, requested: usize) {
+        let s = &mut self.stats;
+        s.in_use += size;
+        s.peak_in_use = s.peak_in_use.max(s.in_use);
+        s.requested += requested;
+        s.peak_requested = s.peak_requested.max(s.requested);
+        s.allocations += 1;
+        s.live_blocks += 1;
+        self.note_touched();
     }
 
     fn new_slot(&mut self, block: Block) -> u32 {
@@ -267,6 +309,7 @@ impl BestFit {
     /// then start and end on a page boundary (a remapping pool's do).
     pub fn count_pages(&mut self, page: usize) {
         debug_assert!(page.is_power_of_two() && page >= BLOCK_ALIGN);
+        self.flush_hot();
         self.pages.shift = page.trailing_zeros();
         self.pages.free_pages = self.count_free_pages();
         self.note_touched();
@@ -293,6 +336,7 @@ impl BestFit {
 
     /// Sets the touched-page peak to the count now.
     pub fn reset_touched_peak(&mut self) {
+        self.flush_hot();
         self.pages.peak_touched = 0;
         self.note_touched();
     }
@@ -395,6 +439,10 @@ impl BestFit {
     pub fn allocate(&mut self, size: usize, align: usize, requested: usize) -> Option<Allocation> {
         debug_assert!(size % BLOCK_ALIGN == 0 && size > 0);
         debug_assert!(align.is_power_of_two());
+        if let Some(a) = self.take_hot(size, align, requested) {
+            return Some(a);
+        }
+        self.flush_hot();
         let slot = self.find(size, align)?;
         Some(self.allocate_slot(slot, size, align, requested))
     }
@@ -427,15 +475,7 @@ impl BestFit {
         self.live.insert(start, slot);
         debug_assert_eq!(b.addr, start);
         debug_assert!(bsize >= size);
-
-        let s = &mut self.stats;
-        s.in_use += size;
-        s.peak_in_use = s.peak_in_use.max(s.in_use);
-        s.requested += requested;
-        s.peak_requested = s.peak_requested.max(s.requested);
-        s.allocations += 1;
-        s.live_blocks += 1;
-        self.note_touched();
+        self.count_allocation(size, requested);
         Allocation { addr: start, size, tag }
     }
 
@@ -503,6 +543,9 @@ impl BestFit {
         let Some(slot) = self.live.remove(&addr) else {
             return Err(self.classify(addr));
         };
+        // The block freed before goes where it belongs first (while this
+        // one still counts as live to its coalescing).
+        self.flush_hot();
         let (size, requested) = {
             let b = &mut self.blocks[slot as usize];
             b.free = true;
@@ -514,12 +557,11 @@ impl BestFit {
         s.requested -= requested;
         s.frees += 1;
         s.live_blocks -= 1;
-        let merged = self.coalesce(slot);
-        let b = &self.blocks[merged as usize];
-        if b.prev == NIL && b.next == NIL {
-            self.whole_free.store(true, crate::sync::Ordering::Relaxed);
+        if self.hot_enabled {
+            self.hot = slot;
+        } else {
+            self.index_coalesced(slot);
         }
-        self.index_free(merged);
         Ok(Freed { size, requested })
     }
 

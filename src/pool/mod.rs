@@ -96,6 +96,12 @@ pub struct PoolConfig {
     /// of new memory being mapped, in millionths (10 000: 1 %). See
     /// `pages.rs`: less slack means less memory and more remapping.
     pub remap_slack_ppm: u32,
+    /// Keep the block freed last *hot*: not coalesced until the next
+    /// operation, so that an allocation of exactly its size right after
+    /// takes it back with no index work (a hot allocate + free pair of one
+    /// size splits and merges nothing; see `best_fit.rs`). Every other
+    /// operation sees the blocks as without it. The device pools use it.
+    pub hot_block: bool,
 }
 
 impl PoolConfig {
@@ -114,6 +120,7 @@ impl PoolConfig {
             cache_exact: false,
             keep_chunks: false,
             remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
+            hot_block: false,
         }
     }
 }
@@ -204,7 +211,7 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
     if size > isize::MAX as usize / 2 {
         return Err(Error::InvalidSize { size, reason: "larger than any memory this machine can have" });
     }
-    round_size(size).ok_or(Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
+    round_size(size).ok_or_else(|| Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
 }
 
 /// Whether a pool over `upstream` with `config` remaps pages (`pages.rs`):
@@ -227,6 +234,7 @@ impl<U: Upstream> Pool<U> {
         if remap {
             fit.count_pages(page);
         }
+        fit.set_hot_block(config.hot_block);
         let whole_free = fit.whole_free_flag();
         let inner = Arc::new(SpinLock::new(Inner { fit, pages: pages::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
@@ -408,7 +416,12 @@ impl<U: Upstream> Pool<U> {
                     if let Some(a) = inner.fit.allocate(rounded, align, size) {
                         return Ok(Some(a));
                     }
-                } else if inner.fit.largest_free() >= rounded + align.saturating_sub(BLOCK_ALIGN) {
+                } else if {
+                    // A block freed since then may wait hot (and growth
+                    // below looks at the free tail).
+                    inner.fit.flush_hot();
+                    inner.fit.largest_free() >= rounded + align.saturating_sub(BLOCK_ALIGN)
+                } {
                     // Memory was freed since the placement failed.
                     continue;
                 }
@@ -609,7 +622,8 @@ impl<U: Upstream> Pool<U> {
     /// Statistics.
     pub fn stats(&self) -> PoolStats {
         let mut s = {
-            let inner = self.inner.lock();
+            let mut inner = self.inner.lock();
+            inner.fit.flush_hot();
             let mut s = inner.fit.stats();
             inner.pages.fill_stats(&mut s, self.remap);
             s
@@ -630,7 +644,9 @@ impl<U: Upstream> Pool<U> {
 
     /// Runs `f` on the allocator under the lock (tests, summaries).
     pub fn with_fit<R>(&self, f: impl FnOnce(&BestFit) -> R) -> R {
-        f(&self.inner.lock().fit)
+        let mut inner = self.inner.lock();
+        inner.fit.flush_hot();
+        f(&inner.fit)
     }
 
     /// Stops serving allocations, returns all free memory to the upstream

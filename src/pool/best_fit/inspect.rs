@@ -43,7 +43,7 @@ impl BestFit {
 
     /// The number of blocks, live and free.
     pub fn block_count(&self) -> usize {
-        self.live.len() + self.free_index.len()
+        self.live.len() + self.free_index.len() + usize::from(self.hot != NIL)
     }
 
     /// Copies every chunk and block, in address order, into `chunks` and
@@ -52,11 +52,12 @@ impl BestFit {
     /// [`chunk_count`](Self::chunk_count) and
     /// [`block_count`](Self::block_count)).
     pub fn snapshot_into(
-        &self,
+        &mut self,
         chunks: &mut Vec<Chunk>,
         blocks: &mut Vec<crate::pool::snapshot::SnapshotBlock>,
     ) -> bool {
         use crate::pool::snapshot::{stream_of, BlockState, SnapshotBlock};
+        self.flush_hot();
         chunks.clear();
         blocks.clear();
         if chunks.capacity() < self.chunk_count() || blocks.capacity() < self.block_count() {
@@ -118,6 +119,7 @@ impl BestFit {
             let mut slot = info.first;
             let mut prev = NIL;
             let mut prev_free = false;
+            let mut prev_hot = false;
             while slot != NIL {
                 let b = &self.blocks[slot as usize];
                 if b.addr != at {
@@ -129,14 +131,24 @@ impl BestFit {
                 if b.addr % BLOCK_ALIGN != 0 || b.size % BLOCK_ALIGN != 0 || b.size == 0 {
                     return Err(format!("block at {:#x} ({} B) is misaligned", b.addr, b.size));
                 }
+                let hot = slot == self.hot;
                 if b.free {
-                    if prev_free {
+                    // Only the hot block (not coalesced yet) may touch a
+                    // free neighbour.
+                    if prev_free && !hot && !prev_hot {
                         return Err(format!("free block at {:#x} follows a free block", b.addr));
                     }
-                    if !self.free_index.contains(&(b.size, b.addr, slot)) {
+                    if hot {
+                        if self.free_index.contains(&(b.size, b.addr, slot)) || self.live.contains_key(&b.addr) {
+                            return Err(format!("hot block at {:#x} is indexed or live", b.addr));
+                        }
+                    } else if !self.free_index.contains(&(b.size, b.addr, slot)) {
                         return Err(format!("free block at {:#x} is not indexed", b.addr));
+                    } else {
+                        free_seen += 1;
                     }
-                    free_seen += 1;
+                } else if hot {
+                    return Err(format!("hot block at {:#x} is in use", b.addr));
                 } else {
                     if self.live.get(&b.addr) != Some(&slot) {
                         return Err(format!("used block at {:#x} is not in the live map", b.addr));
@@ -146,6 +158,7 @@ impl BestFit {
                     requested += b.requested;
                 }
                 prev_free = b.free;
+                prev_hot = hot;
                 at += b.size;
                 prev = slot;
                 slot = b.next;

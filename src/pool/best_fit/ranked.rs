@@ -21,6 +21,11 @@ impl BestFit {
     ) -> Option<(Allocation, bool)> {
         debug_assert!(size % BLOCK_ALIGN == 0 && size > 0);
         let align = align.max(BLOCK_ALIGN);
+        // The hot block was live until its free: its pages are all there.
+        if let Some(a) = self.take_hot(size, align, requested) {
+            return Some((a, true));
+        }
+        self.flush_hot();
         if align == BLOCK_ALIGN {
             // The common case: the exact best fit is preferred.
             let (_, addr, slot) = self.free_index.best_fit(size)?;
@@ -67,7 +72,11 @@ impl BestFit {
     /// placement yet): frees it with the tag the block had and undoes the
     /// counts it added (peaks stay).
     pub fn undo_allocate(&mut self, a: &Allocation) {
-        if self.free(a.addr, a.tag).is_ok() {
+        // Not left hot: the placement may cover pages that are not mapped,
+        // and a hot block is taken back as it is.
+        let freed = self.free(a.addr, a.tag);
+        self.flush_hot();
+        if freed.is_ok() {
             self.stats.allocations -= 1;
             self.stats.frees -= 1;
         }
@@ -75,7 +84,8 @@ impl BestFit {
 
     /// Every free block of at least `min` bytes as `(addr, size, tag)`,
     /// highest address first.
-    pub fn free_blocks_highest_first(&self, min: usize) -> Vec<(usize, usize, StreamTag)> {
+    pub fn free_blocks_highest_first(&mut self, min: usize) -> Vec<(usize, usize, StreamTag)> {
+        self.flush_hot();
         let mut v: Vec<(usize, usize, StreamTag)> = self
             .free_index
             .at_least(min)

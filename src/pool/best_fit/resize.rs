@@ -8,6 +8,7 @@ impl BestFit {
     /// Grows the live block at `addr` to `new_size` (rounded) in place, by
     /// taking the front of the free block after it. Returns whether it did.
     pub fn grow_in_place(&mut self, addr: usize, new_size: usize) -> bool {
+        self.flush_hot();
         let Some(&slot) = self.live.get(&addr) else { return false };
         let b = &self.blocks[slot as usize];
         let size = b.size;
@@ -41,6 +42,7 @@ impl BestFit {
     /// Shrinks the live block at `addr` to `new_size` (rounded, non-zero)
     /// in place; the tail is freed and coalesced. Returns whether it did.
     pub fn shrink_in_place(&mut self, addr: usize, new_size: usize) -> bool {
+        self.flush_hot();
         let Some(&slot) = self.live.get(&addr) else { return false };
         let size = self.blocks[slot as usize].size;
         if new_size == 0 || new_size > size {
@@ -71,6 +73,7 @@ impl BestFit {
     /// Removes every chunk that is wholly free and returns them (with the
     /// tag of their one block) for the caller to give back to the upstream.
     pub fn take_free_chunks(&mut self) -> Vec<(Chunk, StreamTag)> {
+        self.flush_hot();
         let ids: Vec<u32> = self
             .chunks_by_addr
             .values()
@@ -85,6 +88,7 @@ impl BestFit {
 
     /// Removes the wholly free chunk that contains `addr`, if there is one.
     pub fn take_free_chunk_at(&mut self, addr: usize) -> Option<(Chunk, StreamTag)> {
+        self.flush_hot();
         let (_, &id) = self.chunks_by_addr.range(..=addr).next_back()?;
         let info = self.chunk_info(id);
         let whole = info.first == info.last && self.blocks[info.first as usize].free;
@@ -98,6 +102,7 @@ impl BestFit {
     /// or was freed on `stream` itself (it comes with its tag, which
     /// orders the reuse).
     pub fn take_free_chunk_fitting(&mut self, min: usize, stream: u64) -> Option<(Chunk, StreamTag)> {
+        self.flush_hot();
         // One pass (no allocation: this runs under the pool's lock): the
         // best candidate, and whether any chunk is wholly free at all.
         let (mut any_whole, mut best): (bool, Option<(usize, u32)>) = (false, None);
@@ -150,7 +155,8 @@ impl BestFit {
 
     /// Every chunk whose last block is free and not the whole chunk, with
     /// that free tail's size.
-    pub fn free_tails(&self) -> Vec<(Chunk, usize)> {
+    pub fn free_tails(&mut self) -> Vec<(Chunk, usize)> {
+        self.flush_hot();
         self.chunks_by_addr
             .values()
             .filter_map(|&id| {
@@ -165,6 +171,7 @@ impl BestFit {
     /// the upstream mapped right after it; the new space joins its free
     /// tail. Returns whether the chunk was found.
     pub fn extend_chunk(&mut self, chunk: Chunk, extra: usize) -> bool {
+        self.flush_hot();
         debug_assert!(extra % BLOCK_ALIGN == 0 && extra > 0);
         let Some(&id) = self.chunks_by_addr.get(&chunk.addr) else { return false };
         let end = self.chunk_info(id).chunk.end();
@@ -197,6 +204,7 @@ impl BestFit {
     /// bytes (the caller returns them to the upstream). Returns whether the
     /// free tail was at least that large.
     pub fn shrink_chunk(&mut self, chunk: Chunk, amount: usize) -> bool {
+        self.flush_hot();
         let Some(&id) = self.chunks_by_addr.get(&chunk.addr) else { return false };
         let info = self.chunk_info(id);
         let last = info.last;
