@@ -8,6 +8,9 @@
 //! - pinned (GPU only): the pinned pool against `cuMemHostAlloc` /
 //!   `cuMemFreeHost`.
 //!
+//! The managers start from `CUMEM_CONF` (the defaults when unset), so
+//! one binary compares configurations.
+//!
 //! Criterion runs each case with few samples; every timed batch is also
 //! recorded here, and a plain summary (median ns per pair, ratio against
 //! the raw driver calls) is printed at the end.
@@ -50,6 +53,12 @@ fn bench_pair(c: &mut Criterion, group: &'static str, target: &str, size: usize,
     g.finish();
 }
 
+/// The configuration every manager here starts from: `CUMEM_CONF`, or
+/// the defaults.
+fn base() -> Config {
+    Config::from_env().expect("CUMEM_CONF")
+}
+
 fn size_name(size: usize) -> String {
     match size {
         s if s >= 1 << 20 => format!("{} MiB", s >> 20),
@@ -60,9 +69,9 @@ fn size_name(size: usize) -> String {
 
 fn host_benches(c: &mut Criterion) {
     let pool = Pool::new(Host::new(), PoolConfig::new(PoolKind::Standalone));
-    let mm = MemoryManager::new(Config::new().backend(BackendChoice::Host)).expect("host manager");
+    let mm = MemoryManager::new(base().backend(BackendChoice::Host)).expect("host manager");
     let cached =
-        MemoryManager::new(Config::new().backend(BackendChoice::Host).device_thread_cache(true)).expect("host manager");
+        MemoryManager::new(base().backend(BackendChoice::Host).device_thread_cache(true)).expect("host manager");
     for size in DEVICE_SIZES {
         bench_pair(c, "host", "host_pool", size, || {
             let a = pool.allocate(size, 256).expect("allocate");
@@ -83,7 +92,7 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
     let stream = Stream::new().expect("stream");
     let legacy = Stream::from_cudarc(ctx.default_stream());
     for mode in DeviceAllocatorMode::ALL {
-        let mm = MemoryManager::new(Config::new().mode(mode)).expect("manager");
+        let mm = MemoryManager::new(base().mode(mode)).expect("manager");
         let effective = mm.effective_device_allocator_mode();
         if effective != mode {
             println!("pair: {mode} runs as {effective} on this device; skipped");
@@ -92,7 +101,7 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
         // The same without capture detection: the program promises to
         // register its captures, so no call asks the driver whether the
         // stream captures (the default asks on every call on a stream).
-        let promised = MemoryManager::new(Config::new().mode(mode).promise_registered_captures(true)).expect("manager");
+        let promised = MemoryManager::new(base().mode(mode).promise_registered_captures(true)).expect("manager");
         let no_detection = format!("{}_no_detection", mode.name());
         for size in DEVICE_SIZES {
             bench_pair(c, "device", mode.name(), size, || {
@@ -127,9 +136,9 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
     // The sync pool with per-thread caches (opt-in for device pools): a
     // block freed on a stream is reused by the same stream without the
     // pool's lock.
-    let mm = MemoryManager::new(Config::new().device_thread_cache(true)).expect("manager");
+    let mm = MemoryManager::new(base().device_thread_cache(true)).expect("manager");
     let promised =
-        MemoryManager::new(Config::new().device_thread_cache(true).promise_registered_captures(true)).expect("manager");
+        MemoryManager::new(base().device_thread_cache(true).promise_registered_captures(true)).expect("manager");
     for size in DEVICE_SIZES {
         bench_pair(c, "device", "sync_pool_thread_cache", size, || {
             let p = mm.allocate_device_on(size, &stream).expect("allocate");
@@ -224,7 +233,7 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
 }
 
 fn pinned_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaContext>) {
-    let mm = MemoryManager::new(Config::new()).expect("manager");
+    let mm = MemoryManager::new(base()).expect("manager");
     for size in PINNED_SIZES {
         bench_pair(c, "pinned", "pinned_pool", size, || {
             let p = mm.allocate_pinned(size).expect("allocate");

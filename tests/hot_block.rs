@@ -1,4 +1,4 @@
-//! The device pools' hot block (`Config::hot_block`, on by default),
+//! The device pools' hot block (`Config::hot_block`, off by default),
 //! through the manager on the host fallback: an allocation of the size
 //! freed last takes that block back, statistics see it free at once, and
 //! every other request sees the pool as without it.

@@ -33,7 +33,8 @@
 //! 4. `free_index` holds exactly the free blocks but the hot block, `live`
 //!    exactly the used.
 //!
-//! The hot block ([`BestFit::set_hot_block`]; the device pools use it): the
+//! The hot block ([`BestFit::set_hot_block`]; the device pools with
+//! `Config::hot_block`): the
 //! block freed last is marked free and counted free, but neither coalesced
 //! nor indexed until the next operation that is not a free or an
 //! allocation of exactly its size. Such an allocation takes it back as it
@@ -559,6 +560,15 @@ impl BestFit {
         s.live_blocks -= 1;
         if self.hot_enabled {
             self.hot = slot;
+            // Still say when coalescing it would leave its chunk wholly
+            // free (another arena may take such a chunk; it flushes first).
+            let b = &self.blocks[slot as usize];
+            let end_free = |n: u32, toward_end: fn(&Block) -> u32| {
+                n == NIL || (self.blocks[n as usize].free && toward_end(&self.blocks[n as usize]) == NIL)
+            };
+            if end_free(b.prev, |x| x.prev) && end_free(b.next, |x| x.next) {
+                self.whole_free.store(true, crate::sync::Ordering::Relaxed);
+            }
         } else {
             self.index_coalesced(slot);
         }

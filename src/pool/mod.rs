@@ -100,7 +100,8 @@ pub struct PoolConfig {
     /// operation, so that an allocation of exactly its size right after
     /// takes it back with no index work (a hot allocate + free pair of one
     /// size splits and merges nothing; see `best_fit.rs`). Every other
-    /// operation sees the blocks as without it. The device pools use it.
+    /// operation sees the blocks as without it. Off by default (see
+    /// [`Config::hot_block`](crate::Config::hot_block)).
     pub hot_block: bool,
 }
 

@@ -111,6 +111,22 @@ mod tests {
         f.check_invariants().unwrap();
     }
 
+    /// A free that leaves its chunk wholly free once coalesced raises the
+    /// flag other arenas read before they look for such a chunk, though
+    /// the block waits hot.
+    #[test]
+    fn a_hot_block_that_frees_its_chunk_raises_the_whole_free_flag() {
+        let (mut f, [a, b, c, d]) = four(true);
+        let flag = f.whole_free_flag();
+        for p in [a, b, c] {
+            f.free(p, StreamTag::NONE).unwrap();
+        }
+        flag.store(false, std::sync::atomic::Ordering::Relaxed);
+        f.free(d, StreamTag::NONE).unwrap();
+        assert!(flag.load(std::sync::atomic::Ordering::Relaxed));
+        assert_eq!(f.take_free_chunk_fitting(0, 0).map(|(c, _)| c.size), Some(1 << 20));
+    }
+
     /// An allocation undone (its pages not mapped yet) is never left hot:
     /// the next allocation of that size goes through placement again.
     #[test]
