@@ -216,7 +216,7 @@ impl DeviceAllocator {
     }
 
     fn require_ctx(&self) -> Result<&Arc<CudaContext>> {
-        self.ctx.as_ref().ok_or_else(|| Error::NeedsGpu("stream-ordered allocation"))
+        self.ctx.as_ref().ok_or(Error::NeedsGpu("stream-ordered allocation"))
     }
 
     fn internal_stream(&self) -> Result<&Stream> {

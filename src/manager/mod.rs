@@ -327,8 +327,7 @@ impl MemoryManager {
     /// # Errors
     /// [`Error::NoSuchDevice`]; a driver error creating its context.
     pub fn device(&self, ordinal: usize) -> Result<&DeviceAllocator> {
-        let cell =
-            self.devices.get(ordinal).ok_or_else(|| Error::NoSuchDevice { ordinal, count: self.devices.len() })?;
+        let cell = self.devices.get(ordinal).ok_or(Error::NoSuchDevice { ordinal, count: self.devices.len() })?;
         cell.get_or_try_init(|| self.make_device(ordinal))
     }
 

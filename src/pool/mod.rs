@@ -212,7 +212,7 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
     if size > isize::MAX as usize / 2 {
         return Err(Error::InvalidSize { size, reason: "larger than any memory this machine can have" });
     }
-    round_size(size).ok_or_else(|| Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
+    round_size(size).ok_or(Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
 }
 
 /// Whether a pool over `upstream` with `config` remaps pages (`pages.rs`):
@@ -417,13 +417,11 @@ impl<U: Upstream> Pool<U> {
                     if let Some(a) = inner.fit.allocate(rounded, align, size) {
                         return Ok(Some(a));
                     }
-                } else if {
-                    // A block freed since then may wait hot (and growth
-                    // below looks at the free tail).
-                    inner.fit.flush_hot();
-                    inner.fit.largest_free() >= rounded + align.saturating_sub(BLOCK_ALIGN)
-                } {
-                    // Memory was freed since the placement failed.
+                } else if inner.fit.flush_hot_then(|f| f.largest_free() >= rounded + align.saturating_sub(BLOCK_ALIGN))
+                {
+                    // Memory was freed since the placement failed (a hot
+                    // block is coalesced first, for this look and for the
+                    // growth below, which looks at the free tail).
                     continue;
                 }
                 // Before the pool grows, the blocks this thread's cache

@@ -22,6 +22,12 @@ impl BestFit {
         }
     }
 
+    /// [`flush_hot`](Self::flush_hot), then `f` on the coalesced blocks.
+    pub fn flush_hot_then<R>(&mut self, f: impl FnOnce(&BestFit) -> R) -> R {
+        self.flush_hot();
+        f(self)
+    }
+
     #[cold]
     fn flush_hot_slow(&mut self) {
         let slot = std::mem::replace(&mut self.hot, NIL);
