@@ -174,12 +174,9 @@ pub struct Config {
     pub shared_device_arenas: bool,
     /// The device sync pools keep the block freed last uncoalesced until
     /// the next operation, so that an allocation of exactly its size
-    /// right after takes it back with no index work
-    /// ([`PoolConfig::hot_block`]). Off by default: the block freed last
-    /// is then reused where best fit would have placed the request
-    /// elsewhere, and on the shared traces (replayed on `sim_device`) that
-    /// moved the page floor (bert_prefetch_train 1.007 to 1.015 of peak
-    /// live, llama_train 316 to 396 page maps per warm iteration).
+    /// right after, where best fit would place it anyway, takes it back
+    /// with no index work ([`PoolConfig::hot_block`]; on by default).
+    /// Placement is best fit's either way.
     pub hot_block: bool,
 }
 
@@ -208,7 +205,7 @@ impl Default for Config {
             host_devices: 1,
             arenas: 0,
             shared_device_arenas: false,
-            hot_block: false,
+            hot_block: true,
         }
     }
 }

@@ -33,17 +33,15 @@
 //! 4. `free_index` holds exactly the free blocks but the hot block, `live`
 //!    exactly the used.
 //!
-//! The hot block ([`BestFit::set_hot_block`]; the device pools with
-//! `Config::hot_block`): the
+//! The hot block ([`BestFit::set_hot_block`]; the device pools): the
 //! block freed last is marked free and counted free, but neither coalesced
-//! nor indexed until the next operation that is not a free or an
-//! allocation of exactly its size. Such an allocation takes it back as it
-//! is (it was the best fit's choice before, and its pages are mapped); any
-//! other operation first coalesces and indexes it ([`BestFit::flush_hot`]),
-//! so every other decision sees the blocks as without it. A hot allocate +
-//! free pair of one size then touches no index and splits and merges
-//! nothing. All of it runs under the pool's lock, like everything here.
-//! 5. The statistics equal what the blocks add up to.
+//! nor indexed until the next operation. An allocation of exactly its
+//! size takes it back as it is when best fit over the coalesced blocks
+//! would place the request at its address too (`hot.rs`); any other
+//! operation first coalesces and indexes it ([`BestFit::flush_hot`]). So
+//! placement is exactly best fit's, and a hot allocate + free pair of one
+//! size touches no index entry and splits and merges nothing. All of it
+//! runs under the pool's lock, like everything here.
 //!
 //! Splitting and coalescing never cross a chunk boundary, because links
 //! never do.

@@ -98,10 +98,11 @@ pub struct PoolConfig {
     pub remap_slack_ppm: u32,
     /// Keep the block freed last *hot*: not coalesced until the next
     /// operation, so that an allocation of exactly its size right after
-    /// takes it back with no index work (a hot allocate + free pair of one
-    /// size splits and merges nothing; see `best_fit.rs`). Every other
-    /// operation sees the blocks as without it. Off by default (see
-    /// [`Config::hot_block`](crate::Config::hot_block)).
+    /// takes it back with no index work where best fit would place it
+    /// anyway (a hot allocate + free pair of one size then splits and
+    /// merges nothing; see `best_fit.rs`). Placement is best fit's either
+    /// way. The device pools use it
+    /// ([`Config::hot_block`](crate::Config::hot_block)).
     pub hot_block: bool,
 }
 
