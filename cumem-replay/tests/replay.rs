@@ -195,7 +195,7 @@ fn sim_device_honours_the_stream_column() {
                 0,5,allocate,0x300,1000,0x2\n\
                 0,6,free,0x300,1000,0x2\n";
     let trace = cumem_replay::trace::parse_str(text).unwrap();
-    let base = Config::new();
+    let base = Config::new().hot_block(false);
     let two = replay::replay_on(&trace, Target::Simulated, &base, 1, false, false).unwrap();
     let one = replay::replay_on(&trace, Target::Simulated, &base, 1, false, true).unwrap();
     // Stream 2 takes stream 1's freed block (a wait); its own free then
@@ -204,6 +204,12 @@ fn sim_device_honours_the_stream_column() {
     assert_eq!((two.streams, two.stream_waits), (2, 2));
     assert_eq!((one.streams, one.stream_waits), (1, 0));
     assert_eq!(one.peak_reserved, two.peak_reserved);
+    // With the hot block (the default) stream 2's free waits uncoalesced
+    // and its next request of that size takes it back with stream 2's own
+    // tag: no second wait, same placement.
+    let hot = replay::replay_on(&trace, Target::Simulated, &Config::new(), 1, false, false).unwrap();
+    assert_eq!((hot.streams, hot.stream_waits), (2, 1));
+    assert_eq!(hot.peak_reserved, two.peak_reserved);
 }
 
 /// What the library records (`CUMEM_CONF` key `log`) this crate reads.
