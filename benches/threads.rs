@@ -16,6 +16,8 @@
 //! First comes the peers' own workload (`peers.rs`, the anchors' exact
 //! definition) through the manager, beside raw `cuMemAllocAsync` of the
 //! same run; `CUMEM_BENCH_PEERS_ONLY=1` stops after it.
+//! `CUMEM_BENCH_CHECK=peers` or `=pool` runs only the workload of that
+//! name the way an outside check runs it (`threads/check.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::{Barrier, Mutex};

@@ -104,7 +104,7 @@ run() {
         tests-device1) CUMEM_CONF=device=1 run_tests "$out" "-device1" || failed=1 ;;
         memcheck)
             command -v compute-sanitizer >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
-            for t in "$BIN"/tests/test-gpu_ipc "$BIN"/tests/test-multi_gpu "$BIN"/tests/test-gpu_graphs "$BIN"/tests/test-cudarc_interop "$BIN"/tests/test-managed_alloc "$BIN"/tests/test-gpu_remap "$BIN"/tests/test-gpu_arenas "$BIN"/tests/test-staged_copy; do
+            for t in "$BIN"/tests/test-gpu_ipc "$BIN"/tests/test-multi_gpu "$BIN"/tests/test-gpu_graphs "$BIN"/tests/test-cudarc_interop "$BIN"/tests/test-managed_alloc "$BIN"/tests/test-gpu_remap "$BIN"/tests/test-gpu_arenas "$BIN"/tests/test-gpu_dropped_streams "$BIN"/tests/test-staged_copy; do
                 [ -e "$t" ] || continue
                 echo "== compute-sanitizer memcheck $t"
                 # The control that faults on purpose is left out, and the
