@@ -141,11 +141,21 @@ pub struct BestFit {
     /// look for one found none. Shared with the pool, which reads it
     /// without its lock before offering a chunk to another arena.
     whole_free: crate::sync::Arc<crate::sync::AtomicBool>,
-    /// The block freed last, not yet coalesced nor indexed (`NIL`: none);
-    /// see the module docs.
-    hot: u32,
+    /// The block freed last, not yet coalesced nor indexed; see the
+    /// module docs.
+    hot: HotSlot,
     /// Whether frees leave the freed block hot.
     hot_enabled: bool,
+}
+
+/// The slot of the hot block (`NIL`, the default: none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct HotSlot(u32);
+
+impl Default for HotSlot {
+    fn default() -> Self {
+        HotSlot(NIL)
+    }
 }
 
 /// Which pages live blocks touch, counted as the whole pages lying inside
@@ -249,7 +259,7 @@ pub fn round_size(size: usize) -> Option<usize> {
 impl BestFit {
     /// An empty allocator with no chunks.
     pub fn new() -> Self {
-        BestFit { hot: NIL, ..Self::default() }
+        Self::default()
     }
 
     /// Coalesces free block `slot` (not indexed) with its free neighbours
@@ -557,7 +567,7 @@ impl BestFit {
         s.frees += 1;
         s.live_blocks -= 1;
         if self.hot_enabled {
-            self.hot = slot;
+            self.hot = HotSlot(slot);
             // Still say when coalescing it would leave its chunk wholly
             // free (another arena may take such a chunk; it flushes first).
             let b = &self.blocks[slot as usize];

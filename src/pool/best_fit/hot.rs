@@ -2,7 +2,7 @@
 //! last waits uncoalesced, so that an allocation of exactly its size takes
 //! it back with no index work.
 
-use super::{Allocation, BestFit, StreamTag, BLOCK_ALIGN, NIL};
+use super::{Allocation, BestFit, HotSlot, StreamTag, BLOCK_ALIGN, NIL};
 
 impl BestFit {
     /// Keeps the block freed last hot (see the module docs): an allocation
@@ -17,7 +17,7 @@ impl BestFit {
     /// calls it before it reads the free blocks (statistics, snapshots).
     #[inline]
     pub fn flush_hot(&mut self) {
-        if self.hot != NIL {
+        if self.hot.0 != NIL {
             self.flush_hot_slow();
         }
     }
@@ -30,7 +30,7 @@ impl BestFit {
 
     #[cold]
     fn flush_hot_slow(&mut self) {
-        let slot = std::mem::replace(&mut self.hot, NIL);
+        let slot = std::mem::replace(&mut self.hot, HotSlot(NIL)).0;
         self.index_coalesced(slot);
     }
 
@@ -44,7 +44,7 @@ impl BestFit {
     /// own stream tag instead of a merged one, which orders no less).
     #[inline]
     pub(super) fn take_hot(&mut self, size: usize, align: usize, requested: usize) -> Option<Allocation> {
-        let slot = self.hot;
+        let slot = self.hot.0;
         if slot == NIL || align > BLOCK_ALIGN {
             return None;
         }
@@ -62,7 +62,7 @@ impl BestFit {
             return None;
         }
         let b = &mut self.blocks[slot as usize];
-        self.hot = NIL;
+        self.hot = HotSlot(NIL);
         b.free = false;
         b.requested = requested;
         let (addr, tag) = (b.addr, std::mem::replace(&mut b.tag, StreamTag::NONE));
@@ -180,6 +180,20 @@ mod tests {
         f.free(d, StreamTag::NONE).unwrap();
         assert!(flag.load(std::sync::atomic::Ordering::Relaxed));
         assert_eq!(f.take_free_chunk_fitting(0, 0).map(|(c, _)| c.size), Some(1 << 20));
+    }
+
+    /// `BestFit::default()` (public) starts with no hot block, as `new()`
+    /// does: slot 0 is an ordinary block.
+    #[test]
+    fn a_default_allocator_has_no_hot_block() {
+        let mut f = BestFit::default();
+        assert!(f.add_chunk(Chunk { addr: 1 << 20, size: 1 << 20 }));
+        let a = f.allocate(K, 256, K).unwrap();
+        let b = f.allocate(2 * K, 256, 2 * K).unwrap();
+        f.free(a.addr, StreamTag::NONE).unwrap();
+        assert!(f.allocate(4 * K, 256, 4 * K).is_some());
+        f.check_invariants().unwrap();
+        assert_eq!(f.check_live(b.addr), Ok(2 * K));
     }
 
     /// An allocation undone (its pages not mapped yet) is never left hot:

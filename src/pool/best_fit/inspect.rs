@@ -43,7 +43,7 @@ impl BestFit {
 
     /// The number of blocks, live and free.
     pub fn block_count(&self) -> usize {
-        self.live.len() + self.free_index.len() + usize::from(self.hot != NIL)
+        self.live.len() + self.free_index.len() + usize::from(self.hot.0 != NIL)
     }
 
     /// Copies every chunk and block, in address order, into `chunks` and
@@ -131,7 +131,7 @@ impl BestFit {
                 if b.addr % BLOCK_ALIGN != 0 || b.size % BLOCK_ALIGN != 0 || b.size == 0 {
                     return Err(format!("block at {:#x} ({} B) is misaligned", b.addr, b.size));
                 }
-                let hot = slot == self.hot;
+                let hot = slot == self.hot.0;
                 if b.free {
                     // Only the hot block (not coalesced yet) may touch a
                     // free neighbour.
