@@ -35,7 +35,9 @@ import time
 # "pytorch_repeat" is PyTorch's allocator again: whether a workload repeats
 # itself bit for bit at all.
 ALLOCATORS = ["pytorch", "expandable", "cuda_malloc_async", "cumem"]
-EXTRA_ALLOCATORS = ["pytorch_repeat"]
+# "cumem_per_thread": cumem with one arena per thread (cumem's own default,
+# CUMEM_CONF=arenas=0) instead of the one pool install() sets up.
+EXTRA_ALLOCATORS = ["pytorch_repeat", "cumem_per_thread"]
 # Generation runs with eager attention: with SDPA, PyTorch's own allocator
 # does not repeat its own logits bit for bit from one process to the next
 # (measured on the H100: `--workloads llama_generate --allocators
@@ -143,7 +145,7 @@ class PhysicalSampler:
 
 
 def child(workloads, allocator, scale, out_path):
-    if allocator == "cumem":
+    if allocator.startswith("cumem"):
         import cumem_torch
         kind = cumem_torch.install()
     else:
@@ -198,9 +200,13 @@ def child(workloads, allocator, scale, out_path):
             "values": [float(v).hex() for v in values],
             "workload_s": took,
         }
+        if kind is not None:
+            import cumem_torch
+            result["cumem_pool"] = cumem_torch.stats()["pool"]
         results.append(result)
         print(f"  {workload:22} {allocator:18} {result['median_step_ms']:8.2f} ms  phys {mib(phys):>7} MiB "
-              f"({sampler.count} samples, {took:.1f} s)", flush=True)
+              f"peak allocated {mib(result['peak_allocated_bytes']):>7} MiB ({sampler.count} samples, {took:.1f} s)",
+              flush=True)
     sampler.close()
     with open(out_path, "w") as f:
         json.dump(results, f)
@@ -497,6 +503,8 @@ def env_for(allocator):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
     if allocator == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if allocator == "cumem_per_thread":
+        env["CUMEM_CONF"] = "arenas=0"
     return env
 
 

@@ -24,9 +24,18 @@ std::string last_error() {
   return e ? std::string(e) : std::string();
 }
 
-std::string mib(size_t n) {
+// A size as PyTorch's messages write it.
+std::string format_size(size_t n) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%.2f MiB", n / 1048576.0);
+  if (n < 1024) {
+    std::snprintf(buf, sizeof buf, "%zu bytes", n);
+  } else if (n < (size_t(1) << 20)) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", n / 1024.0);
+  } else if (n < (size_t(1) << 30)) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", n / 1048576.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", n / 1073741824.0);
+  }
   return buf;
 }
 
@@ -175,23 +184,27 @@ void* CumemAllocator::malloc(size_t size, c10::DeviceIndex device, cudaStream_t 
   if (context_count_.load(std::memory_order_acquire) == 0) {
     process_pending();
   }
+  constexpr size_t one_exa_bytes = 1152921504606846976ULL;
+  TORCH_CHECK_WITH(OutOfMemoryError, size < one_exa_bytes,
+                   "CUDA out of memory. Tried to allocate more than 1EB memory.");
   const size_t rounded = round_size(size);
   std::shared_ptr<c10::GatheredContext> ctx;
   if (history_.load(std::memory_order_relaxed) && when_ != cca::RecordContext::NEVER) ctx = gather(false);
   void* p = nullptr;
   PrivatePool* pool = nullptr;
+  bool over_limit = false;
   {
     std::lock_guard<std::recursive_mutex> g(mutex_);
     DeviceRecord& r = dev(device);
-    if (r.limit != 0 &&
-        static_cast<size_t>(r.stats.allocated_bytes[0].current) + rounded > r.limit) {
-      raise_oom(size, device, "the request would pass the limit set with set_per_process_memory_fraction");
-    }
-    if (context_count_.load(std::memory_order_acquire) > 0) {
+    over_limit = r.limit != 0 && static_cast<size_t>(r.stats.allocated_bytes[0].current) + rounded > r.limit;
+    if (!over_limit && context_count_.load(std::memory_order_acquire) > 0) {
       pool = routed_pool(device, stream);
       if (pool) p = pool_alloc(*pool, rounded, device);
     }
   }
+  // Raised with no lock held: PyTorch's out-of-memory observers take the GIL.
+  if (over_limit) raise_oom(size, device, "the request would pass the limit set with set_per_process_memory_fraction");
+  if (pool && !p) raise_oom(size, device, nullptr);
   if (!pool) {
     int st = cumem_torch_allocate(size, device, stream, &p);
     if (st == CUMEM_STATUS_OUT_OF_MEMORY) {
@@ -208,10 +221,9 @@ void* CumemAllocator::malloc(size_t size, c10::DeviceIndex device, cudaStream_t 
       }
       st = cumem_torch_allocate(size, device, stream, &p);
     }
-    if (st == CUMEM_STATUS_OUT_OF_MEMORY) {
-      std::lock_guard<std::recursive_mutex> g(mutex_);
-      raise_oom(size, device, nullptr);
-    }
+    // A size no machine has is refused as invalid by cumem: out of memory
+    // for PyTorch.
+    if (st == CUMEM_STATUS_OUT_OF_MEMORY || st == CUMEM_STATUS_INVALID_ARGUMENT) raise_oom(size, device, nullptr);
     TORCH_CHECK(st == CUMEM_STATUS_OK, "cumem could not allocate ", size, " bytes on device ", int(device), ": ",
                 cumem_status_name(st), ": ", last_error());
   }
@@ -236,23 +248,28 @@ void* CumemAllocator::malloc(size_t size, c10::DeviceIndex device, cudaStream_t 
 }
 
 void CumemAllocator::raise_oom(size_t size, c10::DeviceIndex device, const char* why) {
-  DeviceRecord& r = dev(device);
-  r.stats.num_ooms++;
+  std::string diag = why ? std::string(why) : last_error();
   size_t device_free = 0, device_total = 0;
   {
     c10::cuda::CUDAGuard guard(device);
     if (cudaMemGetInfo(&device_free, &device_total) != cudaSuccess) (void)cudaGetLastError();
   }
-  const size_t allocated = r.stats.allocated_bytes[0].current;
-  if (history_.load() || tracing_.load()) {
-    trace(TraceEntry::OOM, device, device_free, size, nullptr, {0, 0}, nullptr);
+  size_t allocated = 0;
+  std::vector<cca::OutOfMemoryObserver> observers;
+  {
+    std::lock_guard<std::recursive_mutex> g(mutex_);
+    DeviceRecord& r = dev(device);
+    r.stats.num_ooms++;
+    allocated = r.stats.allocated_bytes[0].current;
+    if (history_.load() || tracing_.load()) {
+      trace(TraceEntry::OOM, device, device_free, size, nullptr, {0, 0}, nullptr);
+    }
+    observers = oom_observers_;
   }
-  auto observers = oom_observers_;
-  std::string diag = why ? std::string(why) : last_error();
   for (auto& o : observers) o(device, allocated, device_total, device_free);
-  TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", mib(size), ". GPU ",
-                   int(device), " has a total capacity of ", mib(device_total), " of which ", mib(device_free),
-                   " is free. Of the allocated memory ", mib(allocated),
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", format_size(size), ". GPU ",
+                   int(device), " has a total capacity of ", format_size(device_total), " of which ", format_size(device_free),
+                   " is free. Of the allocated memory ", format_size(allocated),
                    " is allocated by PyTorch through cumem. cumem: ", diag);
 }
 
@@ -260,6 +277,9 @@ void CumemAllocator::raise_oom(size_t size, c10::DeviceIndex device, const char*
 
 bool CumemAllocator::free(void* ptr) {
   Block b;
+  // Gathered with no lock held (it takes the GIL).
+  std::shared_ptr<c10::GatheredContext> ctx;
+  if (history_.load(std::memory_order_relaxed) && when_ == cca::RecordContext::ALL) ctx = gather(true);
   {
     std::lock_guard<std::recursive_mutex> g(mutex_);
     auto it = live_.find(ptr);
@@ -270,7 +290,7 @@ bool CumemAllocator::free(void* ptr) {
     if (history_.load(std::memory_order_relaxed) || tracing_.load(std::memory_order_relaxed)) {
       trace(TraceEntry::FREE_REQUESTED, b.device, reinterpret_cast<size_t>(ptr), b.size, b.stream,
             b.pool ? b.pool->id : c10::MempoolId_t{0, 0},
-            when_ == cca::RecordContext::ALL ? gather(true) : nullptr);
+            std::move(ctx));
     }
   }
   release_block(ptr, b);

@@ -48,8 +48,8 @@ void* CumemAllocator::pool_alloc(PrivatePool& p, size_t rounded, c10::DeviceInde
     c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
     st = cumem_torch_allocate_unordered(rounded, device, &ptr);
   }
-  if (st == CUMEM_STATUS_OUT_OF_MEMORY) {
-    raise_oom(rounded, device, nullptr);
+  if (st == CUMEM_STATUS_OUT_OF_MEMORY || st == CUMEM_STATUS_INVALID_ARGUMENT) {
+    return nullptr; // the caller raises, with no lock held
   }
   TORCH_CHECK(st == CUMEM_STATUS_OK, "cumem could not allocate ", rounded, " bytes for a private pool: ",
               cumem_status_name(st), ": ", cumem_last_error());
