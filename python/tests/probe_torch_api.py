@@ -69,7 +69,10 @@ def compile_outputs():
         torch.compiler.cudagraph_mark_step_begin()
         loss = f(x).square().mean()
         loss.backward()
-    outs.append(model[0].weight.grad.clone().cpu())
+        # The gradients live in the backward graph's memory: copy them out
+        # before the next replay, and start each step with none.
+        outs.append(model[0].weight.grad.clone().cpu())
+        model.zero_grad(set_to_none=True)
     return outs
 
 
@@ -292,9 +295,15 @@ def main():
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
+        import gc
         train()  # cuBLAS keeps a workspace per thread and stream: made here
+        train()
+        gc.collect()
+        torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         train()
+        gc.collect()
+        torch.cuda.synchronize()
         expect(torch.cuda.memory_allocated() == base, f"{torch.cuda.memory_allocated() - base} bytes left")
 
     @check("torch.compile(mode='reduce-overhead') runs and matches PyTorch's allocator")

@@ -32,7 +32,11 @@ extern "C" {
 __attribute__((visibility("default"))) int cumem_torch_native_install(char* err, size_t len) {
   try {
     if (installed()) return 0;
-    auto a = std::make_shared<cumem_torch::CumemAllocator>();
+    // Never destroyed: PyTorch frees tensors (cuBLAS workspaces, globals)
+    // during static destruction at exit, after this library's statics and
+    // PyTorch's own shared_ptr to the allocator may be gone.
+    std::shared_ptr<cumem_torch::CumemAllocator> a(new cumem_torch::CumemAllocator(),
+                                                   [](cumem_torch::CumemAllocator*) {});
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
     installed() = a;
     return 0;
