@@ -54,7 +54,11 @@ pub unsafe extern "C" fn cumem_torch_allocate(
 /// # Safety
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
-pub unsafe extern "C" fn cumem_torch_allocate_unordered(size: usize, device: c_int, out: *mut *mut c_void) -> CumemStatus {
+pub unsafe extern "C" fn cumem_torch_allocate_unordered(
+    size: usize,
+    device: c_int,
+    out: *mut *mut c_void,
+) -> CumemStatus {
     guard(|| {
         if out.is_null() {
             return Err(Failure::null("out"));
