@@ -228,6 +228,23 @@ def run_steps(torch, p, step, times, values):
         values.append(timed_step(torch, step, times, i >= p["warmup"]))
 
 
+def train_steps(torch, p, opt, loss_of, times, values):
+    """Warm-up and timed training steps: `loss_of()` makes a batch and
+    returns its loss (run under bf16 autocast, which leaves the random
+    inputs as they are); then backward, the optimizer's step, gradients
+    dropped. A step's value is its loss."""
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    run_steps(torch, p, step, times, values)
+
+
 def gpt2_varlen(torch, p, times, values):
     """GPT-2 small training, batches of varying sequence length."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -243,17 +260,12 @@ def gpt2_varlen(torch, p, times, values):
     rng = random.Random(1234)
     gen = torch.Generator(device="cuda").manual_seed(42)
 
-    def step():
+    def loss_of():
         length = rng.randrange(p["min_len"] // 8, p["max_len"] // 8 + 1) * 8
         ids = torch.randint(0, cfg.vocab_size, (p["batch"], length), device="cuda", generator=gen)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return model(input_ids=ids, labels=ids).loss
 
-    run_steps(torch, p, step, times, values)
+    train_steps(torch, p, opt, loss_of, times, values)
 
 
 def resnet50(torch, p, times, values):
@@ -271,17 +283,12 @@ def resnet50(torch, p, times, values):
         gen = torch.Generator(device="cuda").manual_seed(7)
         loss_fn = torch.nn.CrossEntropyLoss()
 
-        def step():
+        def loss_of():
             x = torch.randn(p["batch"], 3, p["image"], p["image"], device="cuda", generator=gen)
             y = torch.randint(0, 1000, (p["batch"],), device="cuda", generator=gen)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
+            return loss_fn(model(x), y)
 
-        run_steps(torch, p, step, times, values)
+        train_steps(torch, p, opt, loss_of, times, values)
     finally:
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
@@ -305,19 +312,14 @@ def encoder_bucketed(torch, p, times, values):
     rng = random.Random(5)
     gen = torch.Generator(device="cuda").manual_seed(11)
 
-    def step():
+    def loss_of():
         length = rng.choice(p["buckets"])
         batch = max(1, p["tokens"] // length)
         ids = torch.randint(0, cfg.vocab_size, (batch, length), device="cuda", generator=gen)
         labels = torch.where(torch.rand(ids.shape, device="cuda", generator=gen) < 0.15, ids, -100)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return model(input_ids=ids, labels=labels).loss
 
-    run_steps(torch, p, step, times, values)
+    train_steps(torch, p, opt, loss_of, times, values)
 
 
 def seq2seq_varlen(torch, p, times, values):
@@ -337,19 +339,14 @@ def seq2seq_varlen(torch, p, times, values):
     rng = random.Random(8)
     gen = torch.Generator(device="cuda").manual_seed(13)
 
-    def step():
+    def loss_of():
         src = rng.randrange(p["min_src"] // 8, p["max_src"] // 8 + 1) * 8
         tgt = rng.randrange(p["min_tgt"] // 8, p["max_tgt"] // 8 + 1) * 8
         ids = torch.randint(1, cfg.vocab_size, (p["batch"], src), device="cuda", generator=gen)
         labels = torch.randint(1, cfg.vocab_size, (p["batch"], tgt), device="cuda", generator=gen)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return model(input_ids=ids, labels=labels).loss
 
-    run_steps(torch, p, step, times, values)
+    train_steps(torch, p, opt, loss_of, times, values)
 
 
 def vit_prefetch(torch, p, times, values):

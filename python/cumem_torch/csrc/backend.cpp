@@ -450,14 +450,19 @@ DeviceStats CumemAllocator::getDeviceStats(c10::DeviceIndex device) {
   return s;
 }
 
+// Calls `f` on every Stat of the arrays in `s`.
+template <typename F>
+void for_each_stat(DeviceStats& s, F f) {
+  for (auto* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes, &s.reserved_bytes,
+                  &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
+    for (auto& st : *a) f(st);
+  }
+}
+
 void CumemAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
   std::lock_guard<std::recursive_mutex> g(mutex_);
   DeviceRecord& r = dev(device);
-  for (auto* a : {&r.stats.allocation, &r.stats.segment, &r.stats.active, &r.stats.inactive_split,
-                  &r.stats.allocated_bytes, &r.stats.reserved_bytes, &r.stats.active_bytes,
-                  &r.stats.inactive_split_bytes, &r.stats.requested_bytes}) {
-    for (auto& st : *a) st.reset_accumulated();
-  }
+  for_each_stat(r.stats, [](c10::CachingAllocator::Stat& st) { st.reset_accumulated(); });
   r.stats.num_alloc_retries = 0;
   r.stats.num_ooms = 0;
   r.stats.num_sync_all_streams = 0;
@@ -470,11 +475,7 @@ void CumemAllocator::resetPeakStats(c10::DeviceIndex device) {
   {
     std::lock_guard<std::recursive_mutex> g(mutex_);
     DeviceRecord& r = dev(device);
-    for (auto* a : {&r.stats.allocation, &r.stats.segment, &r.stats.active, &r.stats.inactive_split,
-                    &r.stats.allocated_bytes, &r.stats.reserved_bytes, &r.stats.active_bytes,
-                    &r.stats.inactive_split_bytes, &r.stats.requested_bytes}) {
-      for (auto& st : *a) st.reset_peak();
-    }
+    for_each_stat(r.stats, [](c10::CachingAllocator::Stat& st) { st.reset_peak(); });
     r.stats.oversize_allocations.reset_peak();
     r.stats.oversize_segments.reset_peak();
   }

@@ -97,7 +97,7 @@ void CumemAllocator::endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t
   flush_deferred(context_count_.load() == 0);
 }
 
-void CumemAllocator::releasePool(c10::DeviceIndex device, c10::MempoolId_t id) {
+void CumemAllocator::releasePool(c10::DeviceIndex /*device*/, c10::MempoolId_t id) {
   std::lock_guard<std::recursive_mutex> g(mutex_);
   auto it = pools_.find(id);
   TORCH_CHECK(it != pools_.end(), "releasePool: no private pool ", id.first, ",", id.second);
@@ -154,7 +154,7 @@ void CumemAllocator::release_freeable_pools(bool sync) {
   }
 }
 
-bool CumemAllocator::checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t id,
+bool CumemAllocator::checkPoolLiveAllocations(c10::DeviceIndex /*device*/, c10::MempoolId_t id,
                                               const std::unordered_set<void*>& expected) {
   std::lock_guard<std::recursive_mutex> g(mutex_);
   auto it = pools_.find(id);
@@ -293,48 +293,35 @@ cca::SnapshotInfo CumemAllocator::snapshot(c10::MempoolId_t mempool_id, bool inc
   // Each cumem block handed out is shown as a segment of one block (cumem
   // does not tell this layer how its pools group blocks); a private
   // pool's free blocks are segments with one free block.
-  for (auto& [ptr, b] : live_) {
-    c10::MempoolId_t owner = b.pool ? b.pool->id : c10::MempoolId_t{0, 0};
-    if (!all && owner != mempool_id) continue;
-    c10::CachingDeviceAllocator::SegmentInfo s;
-    s.device = b.device;
-    s.address = reinterpret_cast<size_t>(ptr);
-    s.total_size = b.size;
-    s.requested_size = b.requested;
-    s.allocated_size = b.size;
-    s.active_size = b.size;
-    s.stream = b.stream;
-    s.is_large = b.size > kSmallSize;
-    s.owner_private_pool_id = owner;
-    c10::CachingDeviceAllocator::BlockInfo bi;
-    bi.size = b.size;
-    bi.requested_size = b.requested;
-    bi.allocated = true;
-    bi.active = true;
-    bi.context_when_allocated = b.context;
-    s.context_when_allocated = b.context;
-    s.blocks.push_back(std::move(bi));
-    info.segments.push_back(std::move(s));
-  }
-  auto add_inactive = [&](void* ptr, const Block& b, bool active) {
+  auto add = [&](void* ptr, const Block& b, bool allocated, bool active) {
     c10::MempoolId_t owner = b.pool ? b.pool->id : c10::MempoolId_t{0, 0};
     if (!all && owner != mempool_id) return;
     c10::CachingDeviceAllocator::SegmentInfo s;
     s.device = b.device;
     s.address = reinterpret_cast<size_t>(ptr);
     s.total_size = b.size;
+    s.requested_size = allocated ? b.requested : 0;
+    s.allocated_size = allocated ? b.size : 0;
     s.active_size = active ? b.size : 0;
     s.stream = b.stream;
     s.is_large = b.size > kSmallSize;
     s.owner_private_pool_id = owner;
     c10::CachingDeviceAllocator::BlockInfo bi;
     bi.size = b.size;
+    bi.requested_size = s.requested_size;
+    bi.allocated = allocated;
     bi.active = active;
+    if (allocated) {
+      bi.context_when_allocated = b.context;
+      s.context_when_allocated = b.context;
+    }
     s.blocks.push_back(std::move(bi));
     info.segments.push_back(std::move(s));
   };
-  for (auto& pf : pending_) add_inactive(pf.ptr, pf.block, true);
-  for (auto& d : deferred_) add_inactive(d.first, d.second, true);
+  for (auto& [ptr, b] : live_) add(ptr, b, true, true);
+  // Freed, waiting for record_stream's events or the end of a capture.
+  for (auto& pf : pending_) add(pf.ptr, pf.block, false, true);
+  for (auto& d : deferred_) add(d.first, d.second, false, true);
   for (auto& [id, p] : pools_) {
     if (!all && id != mempool_id) continue;
     for (auto& [size, ptr] : p->free) {
@@ -342,7 +329,7 @@ cca::SnapshotInfo CumemAllocator::snapshot(c10::MempoolId_t mempool_id, bool inc
       b.size = size;
       b.device = p->device;
       b.pool = p.get();
-      add_inactive(ptr, b, false);
+      add(ptr, b, false, false);
     }
   }
   std::sort(info.segments.begin(), info.segments.end(),
