@@ -294,7 +294,6 @@ bool CumemAllocator::free(void* ptr) {
     }
   }
   release_block(ptr, b);
-  if (context_count_.load(std::memory_order_acquire) == 0 && pending_count_.load() > 0) process_pending();
   return true;
 }
 
@@ -364,9 +363,14 @@ void CumemAllocator::process_pending() {
   std::vector<PendingFree> done;
   {
     std::lock_guard<std::recursive_mutex> g(mutex_);
-    for (size_t i = 0; i < pending_.size();) {
+    // Oldest first, and no further than the first free still waiting (as
+    // PyTorch does): one event query per allocation while work is queued,
+    // not one per waiting free. A later free whose events are done waits
+    // a little longer; nothing is reused early.
+    size_t n = 0;
+    for (; n < pending_.size(); ++n) {
       bool ready = true;
-      for (auto e : pending_[i].events) {
+      for (auto e : pending_[n].events) {
         cudaError_t q = cudaEventQuery(e);
         if (q == cudaErrorNotReady) {
           (void)cudaGetLastError();
@@ -375,14 +379,11 @@ void CumemAllocator::process_pending() {
         }
         C10_CUDA_CHECK(q);
       }
-      if (ready) {
-        for (auto e : pending_[i].events) events_[pending_[i].block.device].push_back(e);
-        done.push_back(std::move(pending_[i]));
-        pending_.erase(pending_.begin() + i);
-      } else {
-        ++i;
-      }
+      if (!ready) break;
+      for (auto e : pending_[n].events) events_[pending_[n].block.device].push_back(e);
+      done.push_back(std::move(pending_[n]));
     }
+    pending_.erase(pending_.begin(), pending_.begin() + n);
     pending_count_.store(pending_.size(), std::memory_order_release);
   }
   for (auto& pf : done) finish_free(pf.ptr, pf.block);
