@@ -9,7 +9,7 @@
 use std::ffi::{c_int, c_void};
 
 use crate::api::{manager, put};
-use crate::status::{guard, Failure};
+use crate::status::{guard, Failure, Outcome};
 use crate::streams::{stream_for, CumemStream};
 use crate::torch::{free_on, ordinal};
 use crate::CumemStatus;
@@ -33,14 +33,27 @@ pub unsafe extern "C" fn cumem_torch_allocate(
     stream: CumemStream,
     out: *mut *mut c_void,
 ) -> CumemStatus {
+    // SAFETY: the caller's promise about `out`.
+    unsafe {
+        allocate_into(out, || {
+            let s = stream_for(ordinal(device)?, stream)?;
+            Ok(manager()?.allocate_device_on(size, &s)?)
+        })
+    }
+}
+
+/// Runs `allocate` and stores the pointer it makes in `*out`.
+///
+/// # Safety
+/// `out` must be NULL (an error, and `allocate` does not run) or valid for
+/// a write.
+unsafe fn allocate_into(out: *mut *mut c_void, allocate: impl FnOnce() -> Outcome<u64>) -> CumemStatus {
     guard(|| {
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let mm = manager()?;
-        let s = stream_for(ordinal(device)?, stream)?;
-        let p = mm.allocate_device_on(size, &s)?;
-        // SAFETY: the caller's promise about `out`.
+        let p = allocate()?;
+        // SAFETY: non-null, and the caller's promise about `out`.
         unsafe { put(out, "out", p as usize as *mut c_void) }
     })
 }
@@ -59,14 +72,8 @@ pub unsafe extern "C" fn cumem_torch_allocate_unordered(
     device: c_int,
     out: *mut *mut c_void,
 ) -> CumemStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let p = manager()?.allocate_device_for(ordinal(device)?, size)?;
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", p as usize as *mut c_void) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { allocate_into(out, || Ok(manager()?.allocate_device_for(ordinal(device)?, size)?)) }
 }
 
 /// Frees `ptr` in the order of `stream` of device `device` (work queued on
