@@ -171,8 +171,10 @@ class CumemAllocator final : public cca::CUDAAllocator {
   bool enabled_ = true;
   // History.
   std::atomic<bool> history_{false};
-  cca::CreateContextFn recorder_ = nullptr;
-  cca::RecordContext when_ = cca::RecordContext::NEVER;
+  // Read without the lock on every allocation and free (atomics: set by
+  // recordHistory on another thread).
+  std::atomic<cca::CreateContextFn> recorder_{nullptr};
+  std::atomic<cca::RecordContext> when_{cca::RecordContext::NEVER};
   size_t max_entries_ = 0;
   std::vector<std::vector<TraceEntry>> traces_; // per device, ring
   std::vector<size_t> trace_next_;
