@@ -37,7 +37,15 @@ import time
 ALLOCATORS = ["pytorch", "expandable", "cuda_malloc_async", "cumem"]
 # "cumem_per_thread": cumem with one arena per thread (cumem's own default,
 # CUMEM_CONF=arenas=0) instead of the one pool install() sets up.
-EXTRA_ALLOCATORS = ["pytorch_repeat", "cumem_per_thread"]
+# "cumem_slack" and "cumem_noremap" tell whether page remapping costs step
+# time: remapped memory may rise to 11 times the page floor before pages
+# move (remap_slack=10: maps, no moves within a run), or no remapping at all
+# (expandable=false: chunks from cuMemAlloc).
+EXTRA_ALLOCATORS = ["pytorch_repeat", "cumem_per_thread", "cumem_slack", "cumem_noremap"]
+# "cumem_base": cumem from the package directory named by
+# CUMEM_BASE_PYTHONPATH (another build, for a before/after comparison).
+EXTRA_ALLOCATORS.append("cumem_base")
+EXTRA_CONF = {"cumem_per_thread": "arenas=0", "cumem_slack": "remap_slack=10", "cumem_noremap": "expandable=false"}
 # Generation runs with eager attention: with SDPA, PyTorch's own allocator
 # does not repeat its own logits bit for bit from one process to the next
 # (measured on the H100: `--workloads llama_generate --allocators
@@ -171,6 +179,7 @@ def child(workloads, allocator, scale, out_path):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         sampler.start_phase()
+        before = driver_counts(torch, kind)
         t0 = time.time()
         run = RUNNERS[workload]
         try:
@@ -203,13 +212,29 @@ def child(workloads, allocator, scale, out_path):
         if kind is not None:
             import cumem_torch
             result["cumem_pool"] = cumem_torch.stats()["pool"]
+        # Driver calls (cumem: page maps/unmaps) and cumem's cross-stream
+        # waits over the workload (warm-up included).
+        result["counts"] = {k: v - before[k] for k, v in driver_counts(torch, kind).items()}
         results.append(result)
         print(f"  {workload:22} {allocator:18} {result['median_step_ms']:8.2f} ms  phys {mib(phys):>7} MiB "
-              f"peak allocated {mib(result['peak_allocated_bytes']):>7} MiB ({sampler.count} samples, {took:.1f} s)",
-              flush=True)
+              f"peak allocated {mib(result['peak_allocated_bytes']):>7} MiB ({sampler.count} samples, {took:.1f} s) "
+              f"{' '.join(f'{k}={v}' for k, v in result['counts'].items())}", flush=True)
     sampler.close()
     with open(out_path, "w") as f:
         json.dump(results, f)
+
+
+def driver_counts(torch, kind):
+    """Device allocation/free calls so far (PyTorch's statistics; with
+    cumem: page maps and unmaps) and, with cumem, its cross-stream waits."""
+    m = torch.cuda.memory_stats()
+    c = {"device_allocs": m.get("num_device_alloc", 0), "device_frees": m.get("num_device_free", 0)}
+    if kind is not None:
+        import cumem_torch
+        st = cumem_torch.stats()
+        c["stream_waits"] = st["stream_waits"]
+        c["waits_elided"] = st["stream_waits_elided"]
+    return c
 
 
 def timed_step(torch, fn, times, record):
@@ -500,8 +525,10 @@ def env_for(allocator):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
     if allocator == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if allocator == "cumem_per_thread":
-        env["CUMEM_CONF"] = "arenas=0"
+    if allocator == "cumem_base":
+        env["PYTHONPATH"] = os.environ["CUMEM_BASE_PYTHONPATH"]
+    if allocator in EXTRA_CONF:
+        env["CUMEM_CONF"] = EXTRA_CONF[allocator]
     return env
 
 

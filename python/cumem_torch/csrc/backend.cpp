@@ -193,7 +193,7 @@ void* CumemAllocator::malloc(size_t size, c10::DeviceIndex device, cudaStream_t 
   void* p = nullptr;
   PrivatePool* pool = nullptr;
   bool over_limit = false;
-  {
+  if (any_limit_.load(std::memory_order_acquire) || context_count_.load(std::memory_order_acquire) > 0) {
     std::lock_guard<std::recursive_mutex> g(mutex_);
     DeviceRecord& r = dev(device);
     over_limit = r.limit != 0 && static_cast<size_t>(r.stats.allocated_bytes[0].current) + rounded > r.limit;
@@ -205,7 +205,8 @@ void* CumemAllocator::malloc(size_t size, c10::DeviceIndex device, cudaStream_t 
   // Raised with no lock held: PyTorch's out-of-memory observers take the GIL.
   if (over_limit) raise_oom(size, device, "the request would pass the limit set with set_per_process_memory_fraction");
   if (pool && !p) raise_oom(size, device, nullptr);
-  if (!pool) {
+  if (!pool) p = take_kept(size, rounded, device, stream);
+  if (!pool && !p) {
     int st = cumem_torch_allocate(size, device, stream, &p);
     if (st == CUMEM_STATUS_OUT_OF_MEMORY) {
       // What PyTorch does before giving up: return what is cached (freed
@@ -215,6 +216,7 @@ void* CumemAllocator::malloc(size_t size, c10::DeviceIndex device, cudaStream_t 
         dev(device).retries++;
       }
       if (context_count_.load() == 0) {
+        release_kept(device, true);
         release_freeable_pools(true);
         size_t released = 0;
         (void)cumem_release_cached(&released);
@@ -330,7 +332,7 @@ void CumemAllocator::finish_free(void* ptr, Block& b) {
   if (b.pool) {
     std::lock_guard<std::recursive_mutex> g(mutex_);
     b.pool->free.emplace(b.pool->owned[ptr], ptr);
-  } else {
+  } else if (!keep_for_stream(ptr, b)) {
     int st = cumem_torch_release(ptr, b.device, b.stream);
     if (st != CUMEM_STATUS_OK) {
       TORCH_WARN("cumem: freeing ", ptr, " failed: ", cumem_status_name(st), ": ", last_error());
@@ -492,6 +494,7 @@ void CumemAllocator::emptyCache(c10::MempoolId_t mempool_id) {
   }
   if (context_count_.load() > 0) return; // would synchronize a capture
   process_pending();
+  release_kept(0, true);
   release_freeable_pools(true);
   size_t released = 0;
   int st = cumem_release_cached(&released);
@@ -516,6 +519,9 @@ void CumemAllocator::setMemoryFraction(double fraction, c10::DeviceIndex device)
   DeviceRecord& r = dev(device);
   r.fraction = fraction;
   r.limit = fraction >= 1.0 ? 0 : static_cast<size_t>(fraction * static_cast<double>(device_total));
+  bool any = false;
+  for (const auto& d : devices_) any = any || d.limit != 0;
+  any_limit_.store(any, std::memory_order_release);
 }
 
 std::vector<cca::StreamSegmentSize> CumemAllocator::getExpandableSegmentSizes(c10::DeviceIndex) {

@@ -57,6 +57,20 @@ struct PrivatePool {
   std::multimap<size_t, void*> free; // the free ones, by size
 };
 
+// A block a side stream allocated and other streams used through
+// record_stream, kept for that stream's next allocation of the same size
+// once the other streams' work is done (stream_cache.cpp).
+struct KeptBlock {
+  void* ptr = nullptr;
+  size_t size = 0; // rounded
+  size_t requested = 0; // what cumem was asked for (the block holds at least this)
+  c10::DeviceIndex device = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// At most this many kept blocks per stream (the oldest goes back to cumem).
+constexpr size_t kKeptPerStream = 8;
+
 struct PoolContext {
   c10::DeviceIndex device;
   c10::MempoolId_t id;
@@ -143,6 +157,12 @@ class CumemAllocator final : public cca::CUDAAllocator {
   void release_block(void* ptr, Block& b); // to its pool or to cumem
   void finish_free(void* ptr, Block& b); // after record_stream's events
   void process_pending();
+  // stream_cache.cpp: whether a freed block is kept for its stream; the
+  // kept block for an allocation (nullptr: none); the kept blocks back to
+  // cumem (all, or those of `device`).
+  bool keep_for_stream(void* ptr, const Block& b);
+  void* take_kept(size_t size, size_t rounded, c10::DeviceIndex device, cudaStream_t stream);
+  void release_kept(c10::DeviceIndex device, bool all_devices);
   void flush_deferred(bool all_captures_over);
   PrivatePool* routed_pool(c10::DeviceIndex device, cudaStream_t stream); // under mutex_
   void* pool_alloc(PrivatePool& p, size_t rounded, c10::DeviceIndex device); // under mutex_ (unlocks to grow)
@@ -161,6 +181,12 @@ class CumemAllocator final : public cca::CUDAAllocator {
   std::unordered_map<void*, Block> live_;
   std::vector<DeviceRecord> devices_;
   std::vector<PendingFree> pending_;
+  // Side streams' kept blocks, oldest first (stream_cache.cpp).
+  std::vector<KeptBlock> kept_;
+  std::atomic<size_t> kept_count_{0};
+  // Whether any device has a memory fraction set (malloc's first lock is
+  // skipped while none has and no capture routes allocations).
+  std::atomic<bool> any_limit_{false};
   std::atomic<size_t> pending_count_{0};
   // Frees of blocks whose stream was capturing: done when it stops.
   std::vector<std::pair<void*, Block>> deferred_;
