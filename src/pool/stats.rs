@@ -48,6 +48,10 @@ pub struct PoolStats {
     /// Unmap calls (one per piece unmapped; without remapping, the upstream
     /// frees).
     pub unmap_calls: u64,
+    /// Of `mapped`, the bytes of memory unmapped and kept for the next map
+    /// (page remapping: the background mapper's reserve), held with no
+    /// address.
+    pub kept: usize,
     /// Bytes in blocks parked in thread caches: freed by their users, not
     /// yet back in the shared pool (counted neither in `in_use` nor in
     /// `free_blocks`; [`Pool::release_cached`](super::Pool::release_cached)
@@ -116,6 +120,7 @@ impl PoolStats {
         self.peak_touched += o.peak_touched;
         self.map_calls += o.map_calls;
         self.unmap_calls += o.unmap_calls;
+        self.kept += o.kept;
         self.cached += o.cached;
         self.live_blocks += o.live_blocks;
         self.free_blocks += o.free_blocks;

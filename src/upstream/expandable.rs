@@ -191,7 +191,7 @@ impl Expandable {
                 }
             }
         }
-        region.release_spare();
+        // Unused spares stay for the next map (`kept`).
         Ok(calls)
     }
 
@@ -213,6 +213,10 @@ impl Expandable {
 
     fn release_kept(&self) {
         lock(&self.region).release_spare();
+    }
+
+    fn kept(&self) -> usize {
+        lock(&self.region).spare_bytes()
     }
 
     fn mapped(&self) -> usize {
@@ -354,6 +358,9 @@ impl Upstream for CudaVmm {
         let _relaxed = RelaxedCaptureMode::enter();
         self.inner.release_kept();
     }
+    fn kept(&self) -> usize {
+        self.inner.kept()
+    }
     fn granularity(&self) -> usize {
         self.inner.granularity
     }
@@ -445,6 +452,9 @@ impl Upstream for HostExpandable {
     }
     fn release_kept(&self) {
         self.inner.release_kept();
+    }
+    fn kept(&self) -> usize {
+        self.inner.kept()
     }
     fn granularity(&self) -> usize {
         self.inner.granularity

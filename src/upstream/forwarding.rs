@@ -81,6 +81,10 @@ impl Upstream for Recorder {
     fn release_kept(&self) {
         self.saw("release_kept");
     }
+    fn kept(&self) -> usize {
+        self.saw("kept");
+        0
+    }
 }
 
 /// Wraps a [`Recorder`] with `wrap`, calls every [`Upstream`] method on
@@ -100,13 +104,14 @@ pub(crate) fn methods_not_forwarded(wrap: impl FnOnce(Box<dyn Upstream>) -> Box<
     let _ = u.map_runs(&[c]);
     let _ = u.unmap_within(&[c], PAGE, false, true);
     u.release_kept();
+    let _ = u.kept();
     let _ = u.deallocate_chunk(c);
     let seen = lock(&calls).clone();
     ALL.iter().copied().filter(|m| !seen.contains(m)).collect()
 }
 
 /// Every method of [`Upstream`] but `inner` (a wrapper's own).
-const ALL: [&str; 15] = [
+const ALL: [&str; 16] = [
     "allocate_chunk",
     "deallocate_chunk",
     "try_extend",
@@ -122,6 +127,7 @@ const ALL: [&str; 15] = [
     "map_runs",
     "unmap_within",
     "release_kept",
+    "kept",
 ];
 
 #[cfg(test)]

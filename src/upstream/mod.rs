@@ -78,7 +78,7 @@ impl Chunk {
 /// host.deallocate_chunk(c)?;
 /// # Ok::<(), cumem::Error>(())
 /// ```
-pub trait Upstream: Send + Sync {
+pub trait Upstream: Send + Sync + 'static {
     /// Allocates a chunk of at least `size` bytes whose address is aligned
     /// to at least 256 bytes. `size` is a multiple of [`granularity`].
     ///
@@ -213,6 +213,14 @@ pub trait Upstream: Send + Sync {
         if let Some(u) = self.inner() {
             u.release_kept()
         }
+    }
+
+    /// The bytes of memory [`unmap_within`](Upstream::unmap_within) kept
+    /// and no [`map_runs`](Upstream::map_runs) has reused yet: physical
+    /// memory held with no address (a remapping pool counts it as held).
+    /// A successful `map_runs` keeps what it did not reuse, for later maps.
+    fn kept(&self) -> usize {
+        self.inner().map_or(0, |u| u.kept())
     }
 
     /// The pieces of memory mapped over `[addr, addr + size)`, each whole

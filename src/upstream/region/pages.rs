@@ -166,6 +166,11 @@ impl Region {
     pub(crate) fn release_spare(&mut self) {
         self.spare.clear();
     }
+
+    /// The bytes of spare memory (unmapped, kept for the next map).
+    pub(crate) fn spare_bytes(&self) -> usize {
+        self.spare.iter().map(|(size, _)| size).sum()
+    }
 }
 
 /// Which of `pieces` (`(offset, size)`, sorted, disjoint) to unmap: whole

@@ -1,0 +1,289 @@
+//! The background mapper: page moves off the allocating thread.
+//!
+//! # Implementation details
+//!
+//! A remapping pool (`pages.rs`) moves memory by unmapping pieces lying
+//! wholly in free blocks and mapping their memory where a placement needs
+//! it. Done on the allocating thread, each move costs it an unmap, a map
+//! and an access call. The mapper keeps a *reserve* of memory unmapped in
+//! advance (kept by the upstream with no address, counted as held), so the
+//! allocating thread only maps kept memory: it unmaps (and waits for queued
+//! work) only when the reserve is empty and new memory would cross the
+//! budget.
+//!
+//! - **One thread for the process**, started on demand: pools queue a
+//!   [`Job`] (their shared remapping state, held weakly by the queue) after
+//!   each map; the thread runs queued jobs one step at a time and exits
+//!   after [`IDLE`] with nothing queued. Its driver calls count as the
+//!   background's ([`crate::cuda::vmm::driver_calls`]).
+//! - **A step** takes the pool's remap lock (as the allocating thread's
+//!   map does), picks free pieces highest first under the pool lock
+//!   (marking them holes, so no allocation lands there while they move),
+//!   drops the pool lock, unmaps at most [`BATCH`] pieces keeping their
+//!   memory, and records the result under the pool lock. No driver call is
+//!   made with the pool lock held.
+//! - **Reserve**: the room the allocating thread can map into without
+//!   unmapping is the kept memory plus the headroom under the budget; the
+//!   mapper tops it up to half the slack above the page floor (at most
+//!   [`RESERVE_MAX`], at least one piece). It never raises what the pool
+//!   holds (unmapping into the reserve moves memory from mapped to kept);
+//!   when the pool holds more than its budget it releases the kept memory
+//!   instead.
+//! - **Streams**: only blocks whose stream work is known complete give
+//!   memory ([`super::BestFit::tag_settled`]); the mapper never waits for
+//!   the device, so it never makes a call a capture under way forbids
+//!   (the upstream's calls run in relaxed capture mode on its thread).
+//! - **Shutdown**: a pool closes its job under the remap lock (no step is
+//!   then running or will run) and waits until the thread let go of it
+//!   before it gives its memory back.
+
+use super::pages::budget;
+use super::{Inner, SpinLock};
+use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
+use crate::upstream::{Chunk, Upstream, REMAP_PIECE};
+
+/// The most pieces one step unmaps (the allocating thread may wait for the
+/// remap lock that long).
+pub(super) const BATCH: usize = 4;
+
+/// The most room (kept memory and headroom under the budget) the mapper
+/// keeps for the allocating thread.
+pub(super) const RESERVE_MAX: usize = 64 << 20;
+
+/// How long the thread waits for work before it exits.
+#[cfg(not(loom))]
+const IDLE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// A pool's remapping state, shared with the mapper thread.
+pub(super) struct Job<U: Upstream> {
+    pub(super) inner: Arc<SpinLock<Inner>>,
+    pub(super) upstream: Arc<U>,
+    pub(super) remap_lock: Arc<Mutex<()>>,
+    slack_ppm: u32,
+    /// Set while the job is in the mapper's queue.
+    queued: AtomicBool,
+    /// Set when the pool shuts down or drops: no step runs any more.
+    closed: AtomicBool,
+}
+
+/// What the mapper thread runs.
+pub(crate) trait Step: Send + Sync {
+    /// One step of work; `true` when there is more to do.
+    fn step(&self) -> bool;
+    /// Marks the job as out of the queue (before its step runs).
+    fn dequeued(&self);
+    /// Marks the job as queued; `false` when it already was.
+    fn enqueue(&self) -> bool;
+}
+
+impl<U: Upstream> Job<U> {
+    pub(super) fn new(
+        inner: Arc<SpinLock<Inner>>,
+        upstream: Arc<U>,
+        remap_lock: Arc<Mutex<()>>,
+        slack_ppm: u32,
+    ) -> Self {
+        Job { inner, upstream, remap_lock, slack_ppm, queued: AtomicBool::new(false), closed: AtomicBool::new(false) }
+    }
+
+    /// Stops the job: once this returns no step is running and none will
+    /// do anything.
+    pub(super) fn close(&self) {
+        let _remap = lock(&self.remap_lock);
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// The room the mapper keeps for the allocating thread to map into
+    /// without unmapping, in pages: half the slack above the page floor,
+    /// at most [`RESERVE_MAX`] bytes and at least one piece.
+    fn reserve(budget: usize, floor: usize, page_shift: u32) -> usize {
+        let piece = REMAP_PIECE.div_ceil(1 << page_shift).max(1);
+        ((budget - floor) / 2).min(RESERVE_MAX >> page_shift).max(piece)
+    }
+
+    /// One step (see the module docs). `true` when more is wanted.
+    pub(super) fn run_step(&self) -> bool {
+        let _remap = lock(&self.remap_lock);
+        if self.closed.load(Ordering::Acquire) {
+            return false;
+        }
+        let kept = self.upstream.kept();
+        let (spans, want, shift) = {
+            let mut inner = self.inner.lock();
+            if inner.shut_down {
+                return false;
+            }
+            let Inner { fit, pages, .. } = &mut *inner;
+            pages.set_kept(kept);
+            let (_, floor) = fit.touched_pages();
+            let budget = budget(fit, self.slack_ppm);
+            if pages.physical() > budget && pages.kept > 0 {
+                drop(inner);
+                self.upstream.release_kept();
+                let kept = self.upstream.kept();
+                self.inner.lock().pages.set_kept(kept);
+                return false;
+            }
+            // What the allocating thread can map without unmapping: kept
+            // memory and new memory up to the budget.
+            let room = pages.kept + (budget - pages.physical());
+            let reserve = Self::reserve(budget, floor, pages.shift());
+            let piece = (REMAP_PIECE >> pages.shift()).max(1);
+            let want = reserve.saturating_sub(room).min(BATCH * piece);
+            if floor == 0 || want == 0 {
+                return false;
+            }
+            let mut spans: Vec<Chunk> = Vec::new();
+            let mut offered = 0;
+            for (addr, bsize, tag) in fit.free_blocks_highest_first(pages.page()) {
+                if offered >= 2 * want {
+                    break;
+                }
+                if !fit.tag_settled(tag) {
+                    continue;
+                }
+                for span in pages.mapped_inside(addr, bsize) {
+                    offered += span.size >> pages.shift();
+                    spans.push(span);
+                }
+            }
+            for span in &spans {
+                pages.mark(*span, true);
+            }
+            (spans, want, pages.shift())
+        };
+        if spans.is_empty() {
+            return false;
+        }
+        let r = self.upstream.unmap_within(&spans, want << shift, false, true);
+        let kept = self.upstream.kept();
+        let mut inner = self.inner.lock();
+        let pages = &mut inner.pages;
+        for span in &spans {
+            pages.mark(*span, false);
+        }
+        let unmapped = r.as_ref().map_or(&[][..], |v| &v[..]);
+        let mut got = 0;
+        for piece in unmapped {
+            pages.mark(*piece, true);
+            pages.mapped -= piece.size >> shift;
+            got += piece.size >> shift;
+        }
+        pages.unmap_calls += unmapped.len() as u64;
+        pages.set_kept(kept);
+        // More to do when this batch was full.
+        r.is_ok() && got >= want
+    }
+}
+
+impl<U: Upstream> Step for Job<U> {
+    fn step(&self) -> bool {
+        self.run_step()
+    }
+    fn dequeued(&self) {
+        self.queued.store(false, Ordering::Release);
+    }
+    fn enqueue(&self) -> bool {
+        !self.closed.load(Ordering::Acquire) && !self.queued.swap(true, Ordering::AcqRel)
+    }
+}
+
+impl<U: Upstream> Job<U> {
+    /// Queues the job for the mapper thread (once: a queued job is not
+    /// queued again).
+    pub(super) fn wake(self: &Arc<Self>) {
+        if !self.enqueue() {
+            return;
+        }
+        #[cfg(not(loom))]
+        {
+            let weak: std::sync::Weak<dyn Step> = {
+                let strong: Arc<dyn Step> = self.clone();
+                Arc::downgrade(&strong)
+            };
+            thread::submit(weak);
+        }
+    }
+}
+
+/// Waits until no one but `job`'s owner holds it (the mapper thread lets go
+/// after its step, which a closed job ends at once).
+pub(super) fn wait_released<U: Upstream>(job: &Arc<Job<U>>) {
+    let mut attempt = 0;
+    while Arc::strong_count(job) > 1 {
+        crate::sync::backoff(attempt);
+        attempt = attempt.saturating_add(1);
+    }
+}
+
+#[cfg(not(loom))]
+mod thread {
+    //! The process's mapper thread and its queue.
+
+    use std::collections::VecDeque;
+    use std::sync::{Condvar, Weak};
+
+    use super::{Step, IDLE};
+    use crate::sync::{lock, Mutex};
+
+    struct Queue {
+        jobs: VecDeque<Weak<dyn Step>>,
+        running: bool,
+    }
+
+    static QUEUE: Mutex<Queue> = Mutex::new(Queue { jobs: VecDeque::new(), running: false });
+    static READY: Condvar = Condvar::new();
+
+    /// Queues `job`, starting the thread if it is not running.
+    pub(super) fn submit(job: Weak<dyn Step>) {
+        let mut q = lock(&QUEUE);
+        q.jobs.push_back(job);
+        if q.running {
+            drop(q);
+            READY.notify_one();
+            return;
+        }
+        q.running = true;
+        drop(q);
+        let started = std::thread::Builder::new().name("cumem-mapper".into()).spawn(run);
+        if started.is_err() {
+            // The mapper only saves the allocating thread work: without a
+            // thread, the allocating thread moves pages itself.
+            let mut q = lock(&QUEUE);
+            q.running = false;
+            for job in q.jobs.drain(..) {
+                if let Some(j) = job.upgrade() {
+                    j.dequeued();
+                }
+            }
+        }
+    }
+
+    fn run() {
+        let _background = crate::cuda::vmm::BackgroundThread::enter();
+        loop {
+            let job = {
+                let mut q = lock(&QUEUE);
+                loop {
+                    if let Some(job) = q.jobs.pop_front() {
+                        break job;
+                    }
+                    let (g, timeout) = READY.wait_timeout(q, IDLE).unwrap_or_else(|e| e.into_inner());
+                    q = g;
+                    if timeout.timed_out() && q.jobs.is_empty() {
+                        q.running = false;
+                        return;
+                    }
+                }
+            };
+            let Some(job) = job.upgrade() else { continue };
+            job.dequeued();
+            if job.step() && job.enqueue() {
+                // More to do: back in the queue behind the others.
+                let weak = std::sync::Arc::downgrade(&job);
+                drop(job);
+                lock(&QUEUE).jobs.push_back(weak);
+            }
+        }
+    }
+}
