@@ -101,6 +101,24 @@ impl<U: Upstream> Job<U> {
         ((budget - floor) / 2).min(RESERVE_MAX >> page_shift).max(piece)
     }
 
+    /// Above the budget (new memory was made where kept pieces did not
+    /// fit), releases the excess of kept memory. The caller holds the
+    /// remap lock, not the pool lock.
+    pub(super) fn trim_excess(&self) {
+        let keep = {
+            let inner = self.inner.lock();
+            let pages = &inner.pages;
+            let budget = budget(&inner.fit, self.slack_ppm);
+            if pages.physical() <= budget || pages.kept == 0 {
+                return;
+            }
+            pages.kept.saturating_sub(pages.physical() - budget) << pages.shift()
+        };
+        self.upstream.trim_kept(keep);
+        let kept = self.upstream.kept();
+        self.inner.lock().pages.set_kept(kept);
+    }
+
     /// One step (see the module docs). `true` when more is wanted.
     pub(super) fn run_step(&self) -> bool {
         let _remap = lock(&self.remap_lock);
@@ -119,9 +137,7 @@ impl<U: Upstream> Job<U> {
             let budget = budget(fit, self.slack_ppm);
             if pages.physical() > budget && pages.kept > 0 {
                 drop(inner);
-                self.upstream.release_kept();
-                let kept = self.upstream.kept();
-                self.inner.lock().pages.set_kept(kept);
+                self.trim_excess();
                 return false;
             }
             // What the allocating thread can map without unmapping: kept
@@ -188,21 +204,19 @@ impl<U: Upstream> Step for Job<U> {
     }
 }
 
-impl<U: Upstream> Job<U> {
-    /// Queues the job for the mapper thread (once: a queued job is not
-    /// queued again).
-    pub(super) fn wake(self: &Arc<Self>) {
-        if !self.enqueue() {
-            return;
-        }
-        #[cfg(not(loom))]
-        {
-            let weak: std::sync::Weak<dyn Step> = {
-                let strong: Arc<dyn Step> = self.clone();
-                Arc::downgrade(&strong)
-            };
-            thread::submit(weak);
-        }
+/// Queues `job` for the mapper thread (once: a queued job is not queued
+/// again).
+pub(super) fn wake<U: Upstream>(job: &Arc<Job<U>>) {
+    if !job.enqueue() {
+        return;
+    }
+    #[cfg(not(loom))]
+    {
+        let weak: std::sync::Weak<dyn Step> = {
+            let strong: Arc<dyn Step> = job.clone();
+            Arc::downgrade(&strong)
+        };
+        thread::submit(weak);
     }
 }
 

@@ -346,8 +346,12 @@ impl<U: Upstream> Pool<U> {
             Plan { alloc: a, runs, settled, pending, want: want << pages.shift }
         };
         let r = self.carry_out(plan).map(Some);
-        if let (Some(job), true) = (&self.mapper, self.config.background_mapper) {
-            job.wake();
+        if let Some(job) = &self.mapper {
+            if self.config.background_mapper {
+                super::mapper::wake(job);
+            } else {
+                job.trim_excess();
+            }
         }
         r
     }

@@ -219,6 +219,10 @@ impl Expandable {
         lock(&self.region).spare_bytes()
     }
 
+    fn trim_kept(&self, keep: usize) {
+        lock(&self.region).release_spare_over(keep);
+    }
+
     fn mapped(&self) -> usize {
         lock(&self.region).piece_bounds().map(|(_, len)| len).sum()
     }
@@ -361,6 +365,10 @@ impl Upstream for CudaVmm {
     fn kept(&self) -> usize {
         self.inner.kept()
     }
+    fn trim_kept(&self, keep: usize) {
+        let _relaxed = RelaxedCaptureMode::enter();
+        self.inner.trim_kept(keep);
+    }
     fn granularity(&self) -> usize {
         self.inner.granularity
     }
@@ -455,6 +463,9 @@ impl Upstream for HostExpandable {
     }
     fn kept(&self) -> usize {
         self.inner.kept()
+    }
+    fn trim_kept(&self, keep: usize) {
+        self.inner.trim_kept(keep);
     }
     fn granularity(&self) -> usize {
         self.inner.granularity

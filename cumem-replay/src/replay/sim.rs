@@ -205,7 +205,8 @@ impl Upstream for AddressRange {
                     Some(i) => vm.spare.swap_remove(i),
                     None => {
                         vm.note(CallKind::Create);
-                        rem.min(cumem::upstream::REMAP_PIECE.next_multiple_of(GRANULARITY))
+                        let mapped: usize = vm.pieces.values().sum();
+                        rem.min(cumem::upstream::remap_piece(mapped).next_multiple_of(GRANULARITY))
                     }
                 };
                 vm.pieces.insert(at, len);
@@ -248,6 +249,17 @@ impl Upstream for AddressRange {
 
     fn kept(&self) -> usize {
         lock(&self.vm).spare.iter().sum()
+    }
+
+    fn trim_kept(&self, keep: usize) {
+        let mut vm = lock(&self.vm);
+        vm.spare.sort_unstable();
+        let mut total: usize = vm.spare.iter().sum();
+        while total > keep {
+            let Some(size) = vm.spare.pop() else { break };
+            total -= size;
+            vm.note(CallKind::Release);
+        }
     }
 
     fn granularity(&self) -> usize {

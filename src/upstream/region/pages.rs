@@ -42,7 +42,8 @@ impl Region {
         if overlaps_prev || self.pieces.get(at).is_some_and(|p| p.offset < end) {
             return Err(Error::InvalidState(format!("offset {offset} (+{size} B) is already mapped")));
         }
-        let piece_cap = crate::upstream::REMAP_PIECE.next_multiple_of(gran);
+        let mapped: usize = self.pieces.iter().map(|p| p.size).sum();
+        let piece_cap = crate::upstream::remap_piece(mapped).next_multiple_of(gran);
         let mut new: Vec<Piece> = Vec::new();
         let mut cursor = offset;
         let mut failure = None;
@@ -165,6 +166,17 @@ impl Region {
     /// Releases the spare memory (`cuMemRelease` on CUDA).
     pub(crate) fn release_spare(&mut self) {
         self.spare.clear();
+    }
+
+    /// Releases spare memory, largest first, until at most `keep` bytes
+    /// remain.
+    pub(crate) fn release_spare_over(&mut self, keep: usize) {
+        let mut total = self.spare_bytes();
+        self.spare.sort_by_key(|(size, _)| *size);
+        while total > keep {
+            let Some((size, _)) = self.spare.pop() else { break };
+            total -= size;
+        }
     }
 
     /// The bytes of spare memory (unmapped, kept for the next map).
