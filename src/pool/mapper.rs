@@ -44,7 +44,7 @@ use crate::upstream::{Chunk, Upstream, REMAP_PIECE};
 
 /// The most pieces one step unmaps (the allocating thread may wait for the
 /// remap lock that long).
-pub(super) const BATCH: usize = 4;
+pub(super) const BATCH: usize = 1;
 
 /// The most room (kept memory and headroom under the budget) the mapper
 /// keeps for the allocating thread.
@@ -53,6 +53,13 @@ pub(super) const RESERVE_MAX: usize = 64 << 20;
 /// How long the thread waits for work before it exits.
 #[cfg(not(loom))]
 const IDLE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// How long a job waiting for stream work waits before it tries again,
+/// and how many times it tries before it waits for the pool's next wake.
+#[cfg(not(loom))]
+const RETRY: std::time::Duration = std::time::Duration::from_millis(1);
+#[cfg(not(loom))]
+const RETRIES: u32 = 100;
 
 /// A pool's remapping state, shared with the mapper thread.
 pub(super) struct Job<U: Upstream> {
@@ -66,10 +73,22 @@ pub(super) struct Job<U: Upstream> {
     closed: AtomicBool,
 }
 
+/// What a step of the mapper's work came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Progress {
+    /// Nothing (more) to do until the pool wakes the job again.
+    Idle,
+    /// A batch done; more is wanted.
+    More,
+    /// Room is wanted but the free memory that could give it may still be
+    /// used by queued stream work: try again shortly.
+    Waiting,
+}
+
 /// What the mapper thread runs.
 pub(crate) trait Step: Send + Sync {
-    /// One step of work; `true` when there is more to do.
-    fn step(&self) -> bool;
+    /// One step of work.
+    fn step(&self) -> Progress;
     /// Marks the job as out of the queue (before its step runs).
     fn dequeued(&self);
     /// Marks the job as queued; `false` when it already was.
@@ -101,6 +120,16 @@ impl<U: Upstream> Job<U> {
         ((budget - floor) / 2).min(RESERVE_MAX >> page_shift).max(piece)
     }
 
+    /// Whether the room the allocating thread can map into without
+    /// unmapping is below the reserve (`inner` is the pool's, locked).
+    pub(super) fn wants_room(&self, inner: &Inner) -> bool {
+        let (_, floor) = inner.fit.touched_pages();
+        let budget = budget(&inner.fit, self.slack_ppm);
+        let pages = &inner.pages;
+        let room = pages.kept + budget.saturating_sub(pages.physical());
+        floor > 0 && !inner.shut_down && room < Self::reserve(budget, floor, pages.shift())
+    }
+
     /// Above the budget (new memory was made where kept pieces did not
     /// fit), releases the excess of kept memory. The caller holds the
     /// remap lock, not the pool lock.
@@ -119,17 +148,17 @@ impl<U: Upstream> Job<U> {
         self.inner.lock().pages.set_kept(kept);
     }
 
-    /// One step (see the module docs). `true` when more is wanted.
-    pub(super) fn run_step(&self) -> bool {
+    /// One step (see the module docs).
+    pub(super) fn run_step(&self) -> Progress {
         let _remap = lock(&self.remap_lock);
         if self.closed.load(Ordering::Acquire) {
-            return false;
+            return Progress::Idle;
         }
         let kept = self.upstream.kept();
-        let (spans, want, shift) = {
+        let (spans, want, shift, blocked) = {
             let mut inner = self.inner.lock();
             if inner.shut_down {
-                return false;
+                return Progress::Idle;
             }
             let Inner { fit, pages, .. } = &mut *inner;
             pages.set_kept(kept);
@@ -138,7 +167,7 @@ impl<U: Upstream> Job<U> {
             if pages.physical() > budget && pages.kept > 0 {
                 drop(inner);
                 self.trim_excess();
-                return false;
+                return Progress::Idle;
             }
             // What the allocating thread can map without unmapping: kept
             // memory and new memory up to the budget.
@@ -147,15 +176,17 @@ impl<U: Upstream> Job<U> {
             let piece = (REMAP_PIECE >> pages.shift()).max(1);
             let want = reserve.saturating_sub(room).min(BATCH * piece);
             if floor == 0 || want == 0 {
-                return false;
+                return Progress::Idle;
             }
             let mut spans: Vec<Chunk> = Vec::new();
             let mut offered = 0;
+            let mut blocked = false;
             for (addr, bsize, tag) in fit.free_blocks_highest_first(pages.page()) {
                 if offered >= 2 * want {
                     break;
                 }
                 if !fit.tag_settled(tag) {
+                    blocked |= !pages.mapped_inside(addr, bsize).is_empty();
                     continue;
                 }
                 for span in pages.mapped_inside(addr, bsize) {
@@ -166,10 +197,11 @@ impl<U: Upstream> Job<U> {
             for span in &spans {
                 pages.mark(*span, true);
             }
-            (spans, want, pages.shift())
+            (spans, want, pages.shift(), blocked)
         };
+        let unfinished = if blocked { Progress::Waiting } else { Progress::Idle };
         if spans.is_empty() {
-            return false;
+            return unfinished;
         }
         let r = self.upstream.unmap_within(&spans, want << shift, false, true);
         let kept = self.upstream.kept();
@@ -187,13 +219,17 @@ impl<U: Upstream> Job<U> {
         }
         pages.unmap_calls += unmapped.len() as u64;
         pages.set_kept(kept);
-        // More to do when this batch was full.
-        r.is_ok() && got >= want
+        match r {
+            // More to do when this batch was full.
+            Ok(_) if got >= want => Progress::More,
+            Ok(_) => unfinished,
+            Err(_) => Progress::Idle,
+        }
     }
 }
 
 impl<U: Upstream> Step for Job<U> {
-    fn step(&self) -> bool {
+    fn step(&self) -> Progress {
         self.run_step()
     }
     fn dequeued(&self) {
@@ -237,15 +273,17 @@ mod thread {
     use std::collections::VecDeque;
     use std::sync::{Condvar, Weak};
 
-    use super::{Step, IDLE};
+    use super::{Progress, Step, IDLE, RETRIES, RETRY};
     use crate::sync::{lock, Mutex};
 
     struct Queue {
         jobs: VecDeque<Weak<dyn Step>>,
+        /// Jobs waiting for stream work to complete, with their tries.
+        waiting: Vec<(Weak<dyn Step>, u32)>,
         running: bool,
     }
 
-    static QUEUE: Mutex<Queue> = Mutex::new(Queue { jobs: VecDeque::new(), running: false });
+    static QUEUE: Mutex<Queue> = Mutex::new(Queue { jobs: VecDeque::new(), waiting: Vec::new(), running: false });
     static READY: Condvar = Condvar::new();
 
     /// Queues `job`, starting the thread if it is not running.
@@ -265,7 +303,9 @@ mod thread {
             // thread, the allocating thread moves pages itself.
             let mut q = lock(&QUEUE);
             q.running = false;
-            for job in q.jobs.drain(..) {
+            let q = &mut *q;
+            let waiting = q.waiting.drain(..).map(|(job, _)| job);
+            for job in q.jobs.drain(..).chain(waiting).collect::<Vec<_>>() {
                 if let Some(j) = job.upgrade() {
                     j.dequeued();
                 }
@@ -276,27 +316,46 @@ mod thread {
     fn run() {
         let _background = crate::cuda::vmm::BackgroundThread::enter();
         loop {
-            let job = {
+            let (job, tries) = {
                 let mut q = lock(&QUEUE);
                 loop {
                     if let Some(job) = q.jobs.pop_front() {
-                        break job;
+                        break (job, 0);
+                    }
+                    if let Some(entry) = q.waiting.pop() {
+                        // Jobs waiting for stream work: try again shortly.
+                        drop(q);
+                        std::thread::sleep(RETRY);
+                        break entry;
                     }
                     let (g, timeout) = READY.wait_timeout(q, IDLE).unwrap_or_else(|e| e.into_inner());
                     q = g;
-                    if timeout.timed_out() && q.jobs.is_empty() {
+                    if timeout.timed_out() && q.jobs.is_empty() && q.waiting.is_empty() {
                         q.running = false;
                         return;
                     }
                 }
             };
             let Some(job) = job.upgrade() else { continue };
+            // Out of the queue before the step: a wake during it queues
+            // the job again.
             job.dequeued();
-            if job.step() && job.enqueue() {
-                // More to do: back in the queue behind the others.
+            let progress = job.step();
+            let again = match progress {
+                Progress::More => true,
+                Progress::Waiting => tries < RETRIES,
+                Progress::Idle => false,
+            };
+            if again && job.enqueue() {
                 let weak = std::sync::Arc::downgrade(&job);
                 drop(job);
-                lock(&QUEUE).jobs.push_back(weak);
+                let mut q = lock(&QUEUE);
+                if progress == Progress::More {
+                    // Back in the queue behind the others.
+                    q.jobs.push_back(weak);
+                } else {
+                    q.waiting.push((weak, tries + 1));
+                }
             }
         }
     }

@@ -280,7 +280,7 @@ impl<U: Upstream> Pool<U> {
     /// For models and tests: the mapper thread runs these steps itself.
     #[doc(hidden)]
     pub fn mapper_step(&self) -> bool {
-        self.mapper.as_ref().is_some_and(|job| job.run_step())
+        self.mapper.as_ref().is_some_and(|job| job.run_step() == mapper::Progress::More)
     }
 
     /// Closes the background mapper's job and waits until its thread let
@@ -543,6 +543,14 @@ impl<U: Upstream> Pool<U> {
         let mut inner = self.inner.lock();
         let freed = inner.fit.free(addr, tag).map_err(|e| self.free_error(addr, e))?;
         let freed = lent.unwrap_or(freed);
+        if let (Some(job), true) = (&self.mapper, self.config.background_mapper && freed.size >= self.remap_page) {
+            // A large free may give the mapper memory to unmap ahead.
+            if job.wants_room(&inner) {
+                drop(inner);
+                mapper::wake(job);
+                return Ok(freed);
+            }
+        }
         if inner.shut_down {
             // After shutdown nothing is cached: give the chunk back as soon
             // as its last block is free.

@@ -347,10 +347,11 @@ impl<U: Upstream> Pool<U> {
         };
         let r = self.carry_out(plan).map(Some);
         if let Some(job) = &self.mapper {
+            // New memory made where kept pieces did not fit may have taken
+            // the pool above its budget: the excess goes at once.
+            job.trim_excess();
             if self.config.background_mapper {
                 super::mapper::wake(job);
-            } else {
-                job.trim_excess();
             }
         }
         r

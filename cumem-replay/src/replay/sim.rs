@@ -18,6 +18,17 @@ use cumem::Config;
 use cumem::Result;
 use std::sync::{Mutex, MutexGuard};
 
+/// The time each simulated driver call takes: `CUMEM_SIM_CALL_US`
+/// microseconds (0, the default: none), so that the background mapper's
+/// work and the allocating thread's overlap as they would on a device.
+fn call_cost() -> std::time::Duration {
+    static COST: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *COST.get_or_init(|| {
+        let us = std::env::var("CUMEM_SIM_CALL_US").ok().and_then(|v| v.trim().parse::<u64>().ok());
+        std::time::Duration::from_micros(us.unwrap_or(0))
+    })
+}
+
 /// The granularity of device memory (large pages).
 const GRANULARITY: usize = 2 << 20;
 
@@ -85,6 +96,15 @@ impl Mapped {
             CallKind::Release => &mut c.releases,
         } += 1;
         record_call(kind);
+        let cost = call_cost();
+        if !cost.is_zero() {
+            // The device's time for the call (the region's lock is held
+            // across it, as the real upstream holds its region's).
+            let start = Instant::now();
+            while start.elapsed() < cost {
+                std::hint::spin_loop();
+            }
+        }
     }
 
     /// Drops the pieces inside `[addr, addr + size)`.
@@ -285,6 +305,9 @@ impl Upstream for AddressRange {
 /// stream wait (what the device pool would order with an event).
 pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_stream: bool) -> Result<Measurement> {
     let pool = Pool::new(AddressRange::new(), config.device_pool_config());
+    // No work is ever queued on a simulated device: every free's work is
+    // complete, as a replay's on a real device (no kernels run) soon is.
+    pool.set_tag_oracle(std::sync::Arc::new(|_| true));
     let mut addrs = vec![0usize; trace.slots];
     let seq = std::cell::Cell::new(0u64);
     let stream_of = |i: usize| if one_stream { 1 } else { u64::from(trace.op_streams[i]) + 1 };
