@@ -160,9 +160,13 @@ fn waves(ctx: &Arc<CudaContext>, background: bool) -> cumem::pool::PoolStats {
         done.store(seq, std::sync::atomic::Ordering::Release);
     }
     if background {
-        // Give the mapper time to act on the last waves, then check again.
+        // Give the mapper time to act on the last waves (it waits for the
+        // pool to hold no more than its budget), then check again.
         let start = std::time::Instant::now();
-        while pool.stats().kept == 0 && start.elapsed() < std::time::Duration::from_secs(10) {
+        let calls = cumem::cuda::vmm::driver_calls().background;
+        while cumem::cuda::vmm::driver_calls().background.since(&calls).unmap == 0
+            && start.elapsed() < std::time::Duration::from_secs(2)
+        {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         let bad = k.mismatches(&live);

@@ -98,7 +98,7 @@ pub struct Config {
     /// See [`PoolConfig::remap_slack_ppm`].
     pub remap_slack_ppm: u32,
     /// Whether a remapping device pool moves pages on cumem's background
-    /// mapper thread (`background_mapper=true`, the default). See
+    /// mapper thread (`background_mapper=true`; off by default). See
     /// [`PoolConfig::background_mapper`].
     pub background_mapper: bool,
     /// The most pinned memory the pool may reserve.
@@ -187,7 +187,7 @@ impl Default for Config {
             device: 0,
             min_chunk: 2 << 20,
             remap_slack_ppm: crate::pool::DEFAULT_REMAP_SLACK_PPM,
-            background_mapper: true,
+            background_mapper: false,
             max_pinned_pool_size: None,
             max_device_pool_size: None,
             release_threshold: u64::MAX,

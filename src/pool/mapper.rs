@@ -11,15 +11,20 @@
 //! work) only when the reserve is empty and new memory would cross the
 //! budget.
 //!
+//! - **Off by default** ([`PoolConfig::background_mapper`](super::PoolConfig::background_mapper)):
+//!   it is measured in a simulation only so far (`docs/results.md`).
 //! - **One thread for the process**, started on demand: pools queue a
 //!   [`Job`] (their shared remapping state, held weakly by the queue) after
-//!   each map; the thread runs queued jobs one step at a time and exits
-//!   after [`IDLE`] with nothing queued. Its driver calls count as the
-//!   background's ([`crate::cuda::vmm::driver_calls`]).
+//!   each map, and after a free of at least a page while the room is
+//!   short; the thread runs queued jobs one step at a time and exits after
+//!   [`IDLE`] with nothing queued. A step that finds only memory whose
+//!   stream work may still run tries again every [`RETRY`], [`RETRIES`]
+//!   times. Its driver calls count as the background's
+//!   ([`crate::cuda::vmm::driver_calls`]).
 //! - **A step** takes the pool's remap lock (as the allocating thread's
 //!   map does), picks free pieces highest first under the pool lock
 //!   (marking them holes, so no allocation lands there while they move),
-//!   drops the pool lock, unmaps at most [`BATCH`] pieces keeping their
+//!   drops the pool lock, unmaps at most [`BATCH`] piece(s) keeping their
 //!   memory, and records the result under the pool lock. No driver call is
 //!   made with the pool lock held.
 //! - **Reserve**: the room the allocating thread can map into without
@@ -171,7 +176,7 @@ impl<U: Upstream> Job<U> {
             }
             // What the allocating thread can map without unmapping: kept
             // memory and new memory up to the budget.
-            let room = pages.kept + (budget - pages.physical());
+            let room = pages.kept + budget.saturating_sub(pages.physical());
             let reserve = Self::reserve(budget, floor, pages.shift());
             let piece = (REMAP_PIECE >> pages.shift()).max(1);
             let want = reserve.saturating_sub(room).min(BATCH * piece);

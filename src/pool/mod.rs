@@ -99,9 +99,10 @@ pub struct PoolConfig {
     pub remap_slack_ppm: u32,
     /// With page remapping, let cumem's background mapper thread keep a
     /// reserve of unmapped memory, so that allocations map kept memory
-    /// and unmap nothing themselves (`mapper.rs`). Off: the allocating
-    /// thread makes every page move (and [`Pool::mapper_step`] runs the
-    /// mapper's work where a test wants it).
+    /// and unmap nothing themselves (`mapper.rs`). Off (the default until
+    /// it is measured on a device): the allocating thread makes every page
+    /// move (and [`Pool::mapper_step`] runs the mapper's work where a test
+    /// wants it).
     pub background_mapper: bool,
 }
 
@@ -121,7 +122,7 @@ impl PoolConfig {
             cache_exact: false,
             keep_chunks: false,
             remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
-            background_mapper: true,
+            background_mapper: false,
         }
     }
 }

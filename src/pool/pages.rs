@@ -40,7 +40,7 @@
 //!   can't wait now, and the pool grows instead).
 //! - **Kept memory**: memory unmapped to move is kept (with no address)
 //!   for the next map, which maps it before it makes new memory; it counts
-//!   as held. The background mapper (`mapper.rs`) keeps a reserve of it
+//!   as held. The background mapper (`mapper.rs`, when on) keeps a reserve of it
 //!   by unmapping free pages off the allocating thread, so an allocation
 //!   that touches holes maps kept memory and unmaps nothing itself.
 //! - **Out of memory**: [`Pool::release_cached`] unmaps every wholly free

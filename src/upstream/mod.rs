@@ -43,7 +43,7 @@ pub const REMAP_PIECE: usize = 8 << 20;
 /// The default of the largest piece of new memory a remapping pool maps
 /// once it holds a lot (see [`remap_piece`]; the environment variable
 /// `CUMEM_REMAP_PIECE_MAX` overrides it).
-pub const REMAP_PIECE_MAX: usize = 8 << 20;
+pub const REMAP_PIECE_MAX: usize = 32 << 20;
 
 /// The largest piece of new memory to map where `mapped` bytes are mapped
 /// already: pieces grow with the memory held (a 32nd of it, a power of
