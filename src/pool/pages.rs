@@ -31,8 +31,9 @@
 //!   first. Best fit breaks ties toward low addresses, so the top of the
 //!   range is what placement comes back to last.
 //! - **Pieces**: new memory is mapped in pieces of at most
-//!   [`REMAP_PIECE`](crate::upstream::REMAP_PIECE) (a piece is unmapped
-//!   whole), so a large block's pages can move a few at a time.
+//!   [`remap_piece`](crate::upstream::remap_piece) bytes (8 MiB, growing
+//!   to 32 MiB with the memory held; a piece is unmapped whole), so a
+//!   large block's pages can move a few at a time.
 //! - **Stream order**: the pages to reclaim are marked holes before the
 //!   pool lock is dropped, so no allocation lands on them while they move;
 //!   when a free block that gives pages carries a stream tag, the upstream

@@ -8,8 +8,11 @@
 //! to `spare` when the caller moves it, and the next [`Region::map_run`]
 //! maps spares of at most the run's remaining size (largest first) before
 //! it allocates new memory for the rest, in pieces of at most
-//! [`REMAP_PIECE`](crate::upstream::REMAP_PIECE), so that a few pages of a
-//! large run can move later without the rest. Each piece is one `cuMemMap`; the
+//! [`remap_piece`](crate::upstream::remap_piece) of what the region maps,
+//! so that a few pages of a large run can move later without the rest.
+//! Spares a map did not use stay for later maps (the pool counts them as
+//! held) until [`Region::release_spare`] or
+//! [`Region::release_spare_over`]. Each piece is one `cuMemMap`; the
 //! whole run gets one `cuMemSetAccess` for the owner and every granted
 //! peer, so remapped memory is reachable from the same devices as the rest
 //! of the region.
