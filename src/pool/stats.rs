@@ -27,8 +27,9 @@ pub struct PoolStats {
     pub reserved: usize,
     /// The largest `reserved` since creation or the last peak reset.
     pub peak_reserved: usize,
-    /// Bytes of physical memory mapped: what the pool holds from the
-    /// driver. With page remapping (`pages.rs`) it can be less than
+    /// Bytes of physical memory held from the driver: mapped, and with
+    /// page remapping (`pages.rs`) also the memory unmapped and kept for
+    /// the next map (`kept`). With page remapping it can be less than
     /// `reserved`, the address space of the chunks; otherwise equal.
     pub mapped: usize,
     /// The largest `mapped` since creation or the last peak reset: the
