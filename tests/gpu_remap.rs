@@ -76,12 +76,45 @@ impl Kernels {
 #[test]
 fn every_block_keeps_its_contents_across_remaps() {
     let Some(ctx) = gpu_for_test("every_block_keeps_its_contents_across_remaps") else { return };
+    let s = waves(&ctx, false);
+    assert!(s.unmap_calls > 0, "no page moved: the test checked nothing");
+}
+
+/// The same waves with the background mapper on and the pool told which
+/// frees' work completed: the mapper thread unmaps free pages ahead while
+/// kernels write and check the live blocks.
+#[test]
+fn the_background_mapper_moves_pages_and_live_blocks_keep_their_contents() {
+    let Some(ctx) = gpu_for_test("the_background_mapper_moves_pages_and_live_blocks_keep_their_contents") else {
+        return;
+    };
+    let before = cumem::cuda::vmm::driver_calls();
+    waves(&ctx, true);
+    let bg = cumem::cuda::vmm::driver_calls().since(&before).background;
+    println!("background mapper: {bg:?}");
+    assert!(bg.unmap > 0, "the background mapper moved nothing: the test checked nothing");
+}
+
+/// Waves of blocks written by kernels and checked after every wave (see
+/// the tests); with `background`, the pool's mapper thread runs and an
+/// oracle says which frees' work completed (the waves synchronise the
+/// stream before each check).
+fn waves(ctx: &Arc<CudaContext>, background: bool) -> cumem::pool::PoolStats {
     let vmm = CudaVmm::with_reservation(ctx.ordinal(), 16 << 30).expect("a VMM reservation");
     let page = cumem::upstream::Upstream::granularity(&vmm);
     let mut pc = PoolConfig::new(PoolKind::Device);
     pc.thread_cache = false;
+    pc.background_mapper = background;
+    if background {
+        pc.remap_slack_ppm = 0;
+    }
     let pool = Pool::new(vmm, pc);
-    let k = Kernels::new(&ctx);
+    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    if background {
+        let d = done.clone();
+        pool.set_tag_oracle(Arc::new(move |t: StreamTag| t.seq <= d.load(std::sync::atomic::Ordering::Acquire)));
+    }
+    let k = Kernels::new(ctx);
     let tag_stream = 7u64;
     let mut seq = 0u64;
     let mut live: Vec<(usize, usize, u32)> = Vec::new();
@@ -123,19 +156,35 @@ fn every_block_keeps_its_contents_across_remaps() {
         live = keep;
         let bad = k.mismatches(&live);
         assert_eq!(bad, 0, "wave {wave}: {bad} words of live blocks changed across remaps");
+        // The check synchronised the stream: every free so far is settled.
+        done.store(seq, std::sync::atomic::Ordering::Release);
+    }
+    if background {
+        // Give the mapper time to act on the last waves (it waits for the
+        // pool to hold no more than its budget), then check again.
+        let start = std::time::Instant::now();
+        let calls = cumem::cuda::vmm::driver_calls().background;
+        while cumem::cuda::vmm::driver_calls().background.since(&calls).unmap == 0
+            && start.elapsed() < std::time::Duration::from_secs(2)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let bad = k.mismatches(&live);
+        assert_eq!(bad, 0, "after the mapper's moves: {bad} words of live blocks changed");
     }
     let s = pool.stats();
     println!(
-        "remap test: physical peak {} MiB, address space {} MiB, {} map and {} unmap calls",
+        "remap test (background mapper {background}): physical peak {} MiB, address space {} MiB, {} map and {} unmap calls",
         s.peak_mapped >> 20,
         s.reserved >> 20,
         s.map_calls,
         s.unmap_calls
     );
-    assert!(s.unmap_calls > 0, "no page moved: the test checked nothing");
     assert!(s.peak_mapped < s.reserved, "physical memory should stay below the address space");
     for (addr, _, _) in live {
         pool.deallocate(addr, StreamTag::NONE).expect("free");
     }
     k.stream.synchronize().expect("the stream finishes");
+    drop(pool);
+    s
 }

@@ -54,6 +54,11 @@ impl World {
         self.pieces.values().sum()
     }
 
+    /// Mapped and kept (unmapped, not released) memory.
+    fn held_bytes(&self) -> usize {
+        self.mapped_bytes() + self.spare.iter().sum::<usize>()
+    }
+
     fn pages(addr: usize, size: usize) -> impl Iterator<Item = usize> {
         (addr / PAGE * PAGE..addr + size).step_by(PAGE)
     }
@@ -169,7 +174,7 @@ impl Upstream for Model {
                 at += len;
             }
         }
-        w.spare.clear();
+        // Unused spares stay kept for the next map.
         Ok(calls)
     }
     fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
@@ -205,6 +210,9 @@ impl Upstream for Model {
     fn release_kept(&self) {
         self.world().spare.clear();
     }
+    fn kept(&self) -> usize {
+        self.world().spare.iter().sum()
+    }
 }
 
 struct Rng(u64);
@@ -225,11 +233,18 @@ fn pool(model: &Model) -> Pool<Model> {
     pool_with_slack(model, cumem::pool::DEFAULT_REMAP_SLACK_PPM)
 }
 
+/// A pool whose background mapper's steps run only where the test calls
+/// [`Pool::mapper_step`] (deterministic).
 fn pool_with_slack(model: &Model, slack_ppm: u32) -> Pool<Model> {
+    pool_with(model, slack_ppm, false)
+}
+
+fn pool_with(model: &Model, slack_ppm: u32, background: bool) -> Pool<Model> {
     let mut pc = PoolConfig::new(PoolKind::Standalone);
     pc.thread_cache = false;
     pc.min_chunk = PAGE;
     pc.remap_slack_ppm = slack_ppm;
+    pc.background_mapper = background;
     Pool::new(model.clone(), pc)
 }
 
@@ -242,7 +257,8 @@ fn check(model: &Model, pool: &Pool<Model>, step: usize) {
         }
     }
     let stats = pool.stats();
-    assert_eq!(stats.mapped, w.mapped_bytes(), "step {step}: the pool's mapped bytes drifted");
+    assert_eq!(stats.mapped, w.held_bytes(), "step {step}: the pool's held bytes drifted");
+    assert_eq!(stats.kept, w.spare.iter().sum::<usize>(), "step {step}: the pool's kept bytes drifted");
     assert!(stats.peak_mapped >= stats.mapped);
     pool.with_fit(|f| f.check_invariants()).unwrap_or_else(|e| panic!("step {step}: {e}"));
 }
@@ -320,6 +336,10 @@ fn run_seed(seed: u64, steps: usize, oracle: bool) {
             model.world().sync();
             pool.release_cached().unwrap();
         }
+        if rng.below(3) == 0 {
+            // The background mapper's work, between two operations.
+            pool.mapper_step();
+        }
         check(&model, &pool, step);
     }
     let w = model.world();
@@ -372,8 +392,12 @@ fn free_pages_move_to_where_memory_is_needed() {
 
 #[test]
 fn threads_never_see_an_unmapped_page() {
+    // The background mapper runs on its own thread beside the four (the
+    // oracle lets it move memory whose stream work completed).
     let model = Model::default();
-    let pool = Arc::new(pool(&model));
+    let pool = Arc::new(pool_with(&model, cumem::pool::DEFAULT_REMAP_SLACK_PPM, true));
+    let m = model.clone();
+    pool.set_tag_oracle(Arc::new(move |t: StreamTag| m.world().complete.get(&t.stream).is_some_and(|&c| c >= t.seq)));
     let handles: Vec<_> = (0..4u64)
         .map(|t| {
             let (pool, model) = (pool.clone(), model.clone());
@@ -404,6 +428,9 @@ fn threads_never_see_an_unmapped_page() {
                             }
                         }
                         pool.deallocate(addr, tag).unwrap();
+                        if seq % 16 == 0 {
+                            model.world().complete.insert(10 + t, seq);
+                        }
                     }
                 }
                 held
@@ -416,9 +443,51 @@ fn threads_never_see_an_unmapped_page() {
             assert!(seen.insert(addr), "two threads hold the block at {addr:#x}");
         }
     }
+    // Shutdown stops the mapper's work before the figures are compared.
+    pool.shutdown().unwrap();
     let w = model.world();
     assert!(w.violations.is_empty(), "{:?}", w.violations);
-    assert_eq!(pool.stats().mapped, w.mapped_bytes());
+    assert_eq!(pool.stats().mapped, w.held_bytes());
+}
+
+/// The mapper unmaps free memory ahead (keeping it), so an allocation that
+/// needs memory where none is mapped maps the kept memory and unmaps
+/// nothing itself; what the pool holds never rises above its budget.
+#[test]
+fn the_mapper_unmaps_ahead_so_an_allocation_only_maps() {
+    let model = Model::default();
+    let pool = pool_with_slack(&model, 0);
+    let m = model.clone();
+    pool.set_tag_oracle(Arc::new(move |t: StreamTag| m.world().complete.get(&t.stream).is_some_and(|&c| c >= t.seq)));
+    let blocks: Vec<_> = (0..32).map(|_| pool.allocate(4 * PAGE, 256).unwrap()).collect();
+    for (i, b) in blocks.iter().enumerate().filter(|(i, _)| i % 2 == 1) {
+        model.world().live.remove(&b.addr);
+        pool.deallocate(b.addr, StreamTag { stream: 1, seq: i as u64 }).unwrap();
+    }
+    for b in blocks.iter().step_by(2) {
+        model.world().live.insert(b.addr, b.size);
+    }
+    // Nothing settled yet: the mapper may move nothing (it never waits).
+    assert!(!pool.mapper_step(), "the mapper moved memory whose stream work may run");
+    assert_eq!(model.world().unmaps, 0);
+    model.world().complete.insert(1, u64::MAX);
+    while pool.mapper_step() {}
+    let s = pool.stats();
+    assert_eq!(s.kept, 64 * PAGE, "the mapper kept {} pages", s.kept / PAGE);
+    assert_eq!(s.mapped, 128 * PAGE, "the mapper changed what the pool holds");
+    check(&model, &pool, 0);
+    let unmaps = model.world().unmaps;
+    let big = pool.allocate(60 * PAGE, 256).unwrap();
+    model.world().live.insert(big.addr, big.size);
+    let s = pool.stats();
+    assert_eq!(model.world().unmaps, unmaps, "the allocation unmapped memory itself");
+    assert_eq!(s.kept, 4 * PAGE);
+    assert!(s.peak_mapped <= 128 * PAGE, "physical peak {} pages", s.peak_mapped / PAGE);
+    check(&model, &pool, 1);
+    // Shutdown releases the kept memory.
+    pool.shutdown().unwrap();
+    assert_eq!(pool.stats().kept, 0);
+    assert!(model.world().spare.is_empty());
 }
 
 /// Iterations of a training-like loop whose layout shifts: activations of
@@ -469,6 +538,7 @@ fn shifting_layout(slack_ppm: u32, piece_pages: usize, seed: u64) -> (cumem::poo
         if it % 7 == 0 {
             model.world().complete.insert(1, seq);
         }
+        pool.mapper_step();
         check(&model, &pool, it);
     }
     let w = model.world();
@@ -539,4 +609,56 @@ fn settled_free_pages_move_without_a_wait() {
     assert!(w.violations.is_empty(), "{:?}", w.violations);
     drop(w);
     pool.deallocate(big.addr, StreamTag::NONE).unwrap();
+}
+
+/// The real mapper thread over host memory: waves whose large blocks grow
+/// leave the pool above its budget (no slack) with free memory whose
+/// stream work completes a little later; without any further allocation
+/// the mapper brings what the pool holds back to its budget.
+#[test]
+fn the_mapper_thread_brings_the_pool_back_to_its_budget() {
+    let host = cumem::upstream::HostExpandable::new(16 << 30).unwrap();
+    let page = 2 << 20;
+    let mut pc = PoolConfig::new(PoolKind::Device);
+    pc.thread_cache = false;
+    pc.background_mapper = true;
+    pc.remap_slack_ppm = 0;
+    let pool = Pool::new(host, pc);
+    assert!(pool.remaps());
+    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let d = done.clone();
+    pool.set_tag_oracle(Arc::new(move |t: StreamTag| t.seq <= d.load(std::sync::atomic::Ordering::Acquire)));
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let (mut seq, mut live) = (0u64, Vec::new());
+    for wave in 0..24usize {
+        let big = pool.allocate((wave + 1) * 3 * page + 4096, 256).unwrap();
+        live.push((big.addr, big.size));
+        for _ in 0..8 {
+            let a = pool.allocate(256usize << rng.below(14), 256).unwrap();
+            live.push((a.addr, a.size));
+        }
+        let mut keep = Vec::new();
+        for (i, b) in live.drain(..).enumerate() {
+            if b.0 == big.addr || (i % 3 == 0 && b.1 < page) {
+                seq += 1;
+                pool.deallocate(b.0, StreamTag { stream: 7, seq }).unwrap();
+            } else {
+                keep.push(b);
+            }
+        }
+        live = keep;
+        // The stream's work completes.
+        done.store(seq, std::sync::atomic::Ordering::Release);
+    }
+    let over = |s: &cumem::pool::PoolStats| s.mapped > s.peak_touched;
+    let start = std::time::Instant::now();
+    while over(&pool.stats()) && start.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let s = pool.stats();
+    assert!(!over(&s), "the pool holds {} pages for a budget of {}", s.mapped / page, s.peak_touched / page);
+    pool.with_fit(|f| f.check_invariants()).unwrap();
+    for (addr, _) in live {
+        pool.deallocate(addr, StreamTag::NONE).unwrap();
+    }
 }

@@ -147,6 +147,32 @@ typedef struct {
   uint64_t recorded_stream_waits;
 } CumemTorchCounters;
 
+// One device's figures for PyTorch's statistics.
+typedef struct {
+  // Physical bytes held from the driver: the sync pool's mapped pages,
+  // the driver pools' reservation and the graph pools' chunks.
+  uint64_t reserved;
+  // The largest `reserved` since the last peak reset (the sum of the
+  // parts' peaks).
+  uint64_t peak_reserved;
+  // Driver allocation calls of the sync pool (page maps; chunks where
+  // it does not remap).
+  uint64_t device_allocs;
+  // Driver free calls of the sync pool (page unmaps; chunk frees where
+  // it does not remap).
+  uint64_t device_frees;
+  // Allocations that failed at the driver, released cached memory and
+  // tried again.
+  uint64_t alloc_retries;
+  // Chunks the sync pool holds.
+  uint64_t chunks;
+  // The sync pool's largest free block.
+  uint64_t largest_free;
+  // Physical bytes free in the sync pool (mapped, not in use, not
+  // parked in thread caches).
+  uint64_t free_bytes;
+} CumemTorchFigures;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -494,6 +520,51 @@ CumemStatus cumem_record_stream(void *ptr, int device, CumemStream stream);
 // # Safety
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_torch_counters(CumemTorchCounters *out);
+
+// Allocates `size` bytes on device `device` for work on `stream` (a
+// stream of that device's primary context), storing the pointer in
+// `*out`. What `cumem_torch_alloc` does, with a status instead of NULL.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (size 0, NULL `out`, a negative
+// device), `CUMEM_STATUS_OUT_OF_MEMORY`, `CUMEM_STATUS_SHUT_DOWN`,
+// `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_DRIVER`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write; `stream` as in
+// `cumem_torch_alloc`.
+CumemStatus cumem_torch_allocate(size_t size, int device, CumemStream stream, void **out);
+
+// Allocates `size` bytes on device `device`, usable at once by the host
+// and by any stream (no stream order), storing the pointer in `*out`.
+//
+// # Errors
+// As `cumem_torch_allocate`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_torch_allocate_unordered(size_t size, int device, void **out);
+
+// Frees `ptr` in the order of `stream` of device `device` (work queued on
+// `stream` before this call may still use it). What `cumem_torch_free`
+// does, with a status.
+//
+// # Errors
+// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
+// `CUMEM_STATUS_UNKNOWN_POINTER` (also NULL); nothing changes then.
+//
+// # Safety
+// `stream` as in `cumem_torch_alloc`.
+CumemStatus cumem_torch_release(void *ptr, int device, CumemStream stream);
+
+// Stores device `device`'s figures for PyTorch's statistics in `*out`.
+//
+// # Errors
+// `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_INVALID_ARGUMENT`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_torch_figures(int device, CumemTorchFigures *out);
 
 #ifdef __cplusplus
 }  // extern "C"

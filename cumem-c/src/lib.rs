@@ -23,6 +23,7 @@ mod stats;
 mod status;
 mod streams;
 mod torch;
+mod torch_native;
 
 pub use api::*;
 pub use ipc::*;
@@ -30,5 +31,6 @@ pub use stats::*;
 pub use status::{cumem_last_error, cumem_status_name, CumemStatus};
 pub use streams::*;
 pub use torch::*;
+pub use torch_native::*;
 
 pub(crate) use api::manager;

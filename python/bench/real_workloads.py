@@ -1,23 +1,27 @@
 #!/usr/bin/env python3
-"""Real PyTorch workloads on three allocators: PyTorch's caching allocator,
-PyTorch's cudaMallocAsync backend, and cumem (through cumem_torch).
+"""Real PyTorch workloads on four allocators: PyTorch's caching allocator
+(`pytorch`), the same with `expandable_segments:True` (`expandable`),
+PyTorch's cudaMallocAsync backend, and cumem (`cumem_torch.install()`, the
+native backend).
 
-    python3 real_workloads.py [--workloads gpt2_varlen,resnet50,llama_generate]
-                              [--allocators pytorch,cuda_malloc_async,cumem]
-                              [--scale full|tiny] [--json results.json]
+    python3 real_workloads.py [--workloads encoder_bucketed,...] [--allocators pytorch,expandable,...]
+                              [--rounds 3] [--scale full|tiny] [--json results.json]
 
-Each (workload, allocator) pair runs in a fresh process (this script with
---child), so no allocator sees another's state. Models are built from
-configs with random weights (no downloads), seeded, under deterministic
-settings: the loss (or, for generation, the logit) sequence of every
-allocator must equal PyTorch's own bit for bit.
+Each allocator runs in fresh processes (this script with --child): one
+process runs every workload in turn, emptying the cache and resetting the
+peaks between them; `--rounds` processes per allocator, the allocators
+alternated (A B C D, D C B A, A B C D). Models are built from configs with
+random weights (no downloads), seeded, under deterministic settings: the
+loss (for generation, logit or token) sequence of every process is compared
+with the first PyTorch process's, bit for bit.
 
-Per pair it reports: the median step time; the peak physical device memory
-(the device's used memory from torch.cuda.mem_get_info, sampled after every
-step, minus the baseline taken before the model was built; the same
-measure for all three); the allocator's own peak reserved bytes
-(torch.cuda.max_memory_reserved for PyTorch's two, cumem's pool figures
-for cumem); whether the sequence matches PyTorch's.
+Per workload and allocator: the median over processes of the median step
+time, and each process's; the peak physical device memory (the device's
+used memory, NVML's figure when pynvml imports, sampled every 2 ms by a
+thread over the whole workload, minus the figure just before the model is
+built); the allocator's own peak reserved bytes
+(`torch.cuda.max_memory_reserved()`, which cumem's native backend
+answers); whether the values equal PyTorch's.
 """
 
 import argparse
@@ -30,44 +34,131 @@ import time
 
 # "pytorch_repeat" is PyTorch's allocator again: whether a workload repeats
 # itself bit for bit at all.
-ALLOCATORS = ["pytorch", "cuda_malloc_async", "cumem"]
-EXTRA_ALLOCATORS = ["pytorch_repeat"]
+ALLOCATORS = ["pytorch", "expandable", "cuda_malloc_async", "cumem"]
+# "cumem_per_thread": cumem with one arena per thread (cumem's own default,
+# CUMEM_CONF=arenas=0) instead of the one pool install() sets up.
+# "cumem_slack" and "cumem_noremap" tell whether page remapping costs step
+# time: remapped memory may rise to 11 times the page floor before pages
+# move (remap_slack=10: maps, no moves within a run), or no remapping at all
+# (expandable=false: chunks from cuMemAlloc).
+EXTRA_ALLOCATORS = ["pytorch_repeat", "cumem_per_thread", "cumem_slack", "cumem_noremap"]
+# "cumem_base": cumem from the package directory named by
+# CUMEM_BASE_PYTHONPATH (another build, for a before/after comparison).
+EXTRA_ALLOCATORS.append("cumem_base")
+EXTRA_CONF = {"cumem_per_thread": "arenas=0", "cumem_slack": "remap_slack=10", "cumem_noremap": "expandable=false"}
 # Generation runs with eager attention: with SDPA, PyTorch's own allocator
 # does not repeat its own logits bit for bit from one process to the next
 # (measured on the H100: `--workloads llama_generate --allocators
 # pytorch,pytorch_repeat`), so no allocator could be checked against it.
-WORKLOADS = ["gpt2_varlen", "resnet50", "llama_generate_eager"]
+WORKLOADS = ["encoder_bucketed", "seq2seq_varlen", "vit_prefetch", "generate_padded", "gpt2_varlen", "resnet50",
+             "llama_generate_eager"]
 
 # Sizes per scale: "tiny" checks that everything runs; "full" is the
 # measurement (about 8 minutes for all nine processes on an H100).
+LLAMA = dict(hidden=1024, layers=16, heads=16, kv_heads=16, intermediate=2816, attn="eager")
+LLAMA_TINY = dict(hidden=256, layers=2, heads=4, kv_heads=4, intermediate=512, attn="eager")
 SCALES = {
+    # The measurement: every workload in one process per allocator, about
+    # 25 s of work per process on an H100.
     "full": {
-        "gpt2_varlen": dict(warmup=5, steps=60, batch=8, min_len=64, max_len=1024),
-        "resnet50": dict(warmup=5, steps=60, batch=64, image=224),
-        "llama_generate": dict(warmup=8, rounds=3, new_tokens=100, batch=16, min_prompt=128, max_prompt=640,
-                               hidden=1024, layers=16, heads=16, kv_heads=16, intermediate=2816),
-        # The same with eager attention (matmul + softmax) instead of SDPA.
-        "llama_generate_eager": dict(warmup=8, rounds=3, new_tokens=100, batch=16, min_prompt=128,
-                                     max_prompt=640, hidden=1024, layers=16, heads=16, kv_heads=16,
-                                     intermediate=2816, attn="eager"),
+        "encoder_bucketed": dict(warmup=3, steps=24, hidden=768, layers=12, heads=12, tokens=16384,
+                                 buckets=[64, 128, 256, 512]),
+        "seq2seq_varlen": dict(warmup=3, steps=24, d_model=512, layers=6, heads=8, batch=32, min_src=32,
+                               max_src=512, min_tgt=16, max_tgt=256),
+        "vit_prefetch": dict(warmup=3, steps=20, batch=64, image=224),
+        "generate_padded": dict(warmup=1, steps=6, min_batch=4, max_batch=32, min_prompt=16, max_prompt=384,
+                                new_tokens=24, **LLAMA),
+        "gpt2_varlen": dict(warmup=3, steps=24, batch=8, min_len=64, max_len=1024),
+        "resnet50": dict(warmup=3, steps=20, batch=64, image=224),
+        "llama_generate": dict(warmup=8, rounds=2, new_tokens=48, batch=16, min_prompt=128, max_prompt=640,
+                               **{**LLAMA, "attn": "sdpa"}),
+        "llama_generate_eager": dict(warmup=8, rounds=2, new_tokens=48, batch=16, min_prompt=128, max_prompt=640,
+                                     **LLAMA),
     },
     "tiny": {
+        "encoder_bucketed": dict(warmup=1, steps=3, hidden=128, layers=2, heads=2, tokens=1024, buckets=[16, 64]),
+        "seq2seq_varlen": dict(warmup=1, steps=3, d_model=128, layers=2, heads=2, batch=4, min_src=8, max_src=64,
+                               min_tgt=8, max_tgt=32),
+        "vit_prefetch": dict(warmup=1, steps=3, batch=4, image=64),
+        "generate_padded": dict(warmup=1, steps=2, min_batch=2, max_batch=4, min_prompt=4, max_prompt=16,
+                                new_tokens=4, **LLAMA_TINY),
         "gpt2_varlen": dict(warmup=1, steps=3, batch=2, min_len=16, max_len=128),
         "resnet50": dict(warmup=1, steps=3, batch=4, image=64),
         "llama_generate": dict(warmup=2, rounds=2, new_tokens=4, batch=2, min_prompt=8, max_prompt=32,
-                               hidden=256, layers=2, heads=4, kv_heads=4, intermediate=512),
+                               **{**LLAMA_TINY, "attn": "sdpa"}),
         "llama_generate_eager": dict(warmup=2, rounds=2, new_tokens=4, batch=2, min_prompt=8, max_prompt=32,
-                                     hidden=256, layers=2, heads=4, kv_heads=4, intermediate=512, attn="eager"),
+                                     **LLAMA_TINY),
     },
 }
 
 
 # ---------------------------------------------------------------- child --
 
-def child(workload, allocator, scale, out_path):
-    if allocator == "cumem":
+class PhysicalSampler:
+    """Samples the device's used memory every `interval` seconds on a thread
+    of its own (NVML when importable, else cudaMemGetInfo), so a peak inside
+    a step is seen too. `start_phase()` takes the baseline and restarts the
+    maximum; `peak()` is the largest sample since, minus that baseline."""
+
+    def __init__(self, torch, interval=0.002):
+        import threading
+        self.torch = torch
+        self.interval = interval
+        self.read = self._reader()
+        self.base = self.read()
+        self.high = 0
+        self.count = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _reader(self):
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            index = self.torch.cuda.current_device()
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if visible:
+                index = int(visible.split(",")[index])
+            h = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.source = "nvml"
+            return lambda: pynvml.nvmlDeviceGetMemoryInfo(h).used
+        except Exception:  # noqa: BLE001 - any failure: the CUDA runtime's figure
+            self.source = "cudaMemGetInfo"
+
+            def read():
+                f, t = self.torch.cuda.mem_get_info()
+                return t - f
+            return read
+
+    def _loop(self):
+        while not self.stop.is_set():
+            v = self.read()
+            if v > self.high:
+                self.high = v
+            self.count += 1
+            self.stop.wait(self.interval)
+
+    def start_phase(self):
+        self.base = self.read()
+        self.high = self.base
+        self.count = 0
+
+    def peak(self):
+        return max(self.high, self.read()) - self.base
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+
+
+def child(workloads, allocator, scale, out_path):
+    if allocator.startswith("cumem"):
         import cumem_torch
-        cumem_torch.install()
+        kind = cumem_torch.install()
+    else:
+        kind = None
+    import gc
     import torch
 
     torch.manual_seed(0)
@@ -78,55 +169,108 @@ def child(workload, allocator, scale, out_path):
     torch.backends.cudnn.allow_tf32 = False
     torch.cuda.init()
     torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    baseline = total - free
-    params = SCALES[scale][workload]
-    samples, times, values = [], [], []
-
-    def sample():
-        f, t = torch.cuda.mem_get_info()
-        samples.append(t - f - baseline)
-
-    run = {"gpt2_varlen": gpt2_varlen, "resnet50": resnet50, "llama_generate": llama_generate,
-           "llama_generate_eager": llama_generate}[workload]
-    run(torch, params, sample, times, values)
-
-    if allocator == "cumem":
-        import cumem_torch
-        own_peak = cumem_torch.peak_reserved()
-        extra = {"cumem_stats": cumem_torch.stats(), "cumem_torch_counters": cumem_torch.torch_counters()}
-    else:
-        own_peak = torch.cuda.max_memory_reserved()
-        extra = {}
-    result = {
-        "workload": workload,
-        "allocator": allocator,
-        "device": torch.cuda.get_device_name(),
-        "steps": len(times),
-        "median_step_ms": statistics.median(times) * 1e3,
-        "mean_step_ms": statistics.fmean(times) * 1e3,
-        "peak_physical_bytes": max(samples),
-        "own_peak_reserved_bytes": own_peak,
-        "values": [v.hex() for v in values],
-        **extra,
-    }
+    sampler = PhysicalSampler(torch)
+    results = []
+    for workload in workloads:
+        params = SCALES[scale][workload]
+        times, values = [], []
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        sampler.start_phase()
+        before = driver_counts(torch, kind)
+        t0 = time.time()
+        run = RUNNERS[workload]
+        try:
+            run(torch, params, times, values)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - the other workloads still run
+            import traceback
+            traceback.print_exc()
+            results.append({"workload": workload, "allocator": allocator, "error": f"{type(e).__name__}: {e}"})
+            print(f"  {workload:22} {allocator:18} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        took = time.time() - t0
+        phys = sampler.peak()
+        result = {
+            "workload": workload,
+            "allocator": allocator,
+            "backend": kind,
+            "device": torch.cuda.get_device_name(),
+            "steps": len(times),
+            "median_step_ms": statistics.median(times) * 1e3,
+            "mean_step_ms": statistics.fmean(times) * 1e3,
+            "peak_physical_bytes": phys,
+            "samples": sampler.count,
+            "sampler": sampler.source,
+            "own_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "values": [float(v).hex() for v in values],
+            "workload_s": took,
+        }
+        if kind is not None:
+            import cumem_torch
+            result["cumem_pool"] = cumem_torch.stats()["pool"]
+        # Driver calls (cumem: page maps/unmaps) and cumem's cross-stream
+        # waits over the workload (warm-up included).
+        result["counts"] = {k: v - before[k] for k, v in driver_counts(torch, kind).items()}
+        results.append(result)
+        print(f"  {workload:22} {allocator:18} {result['median_step_ms']:8.2f} ms  phys {mib(phys):>7} MiB "
+              f"peak allocated {mib(result['peak_allocated_bytes']):>7} MiB ({sampler.count} samples, {took:.1f} s) "
+              f"{' '.join(f'{k}={v}' for k, v in result['counts'].items())}", flush=True)
+    sampler.close()
     with open(out_path, "w") as f:
-        json.dump(result, f)
+        json.dump(results, f)
 
 
-def timed_step(torch, fn, sample, times, record):
+def driver_counts(torch, kind):
+    """Device allocation/free calls so far (PyTorch's statistics; with
+    cumem: page maps and unmaps) and, with cumem, its cross-stream waits."""
+    m = torch.cuda.memory_stats()
+    c = {"device_allocs": m.get("num_device_alloc", 0), "device_frees": m.get("num_device_free", 0)}
+    if kind is not None:
+        import cumem_torch
+        st = cumem_torch.stats()
+        c["stream_waits"] = st["stream_waits"]
+        c["waits_elided"] = st["stream_waits_elided"]
+    return c
+
+
+def timed_step(torch, fn, times, record):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     value = fn()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    sample()
     if record:
         times.append(dt)
     return value
 
 
-def gpt2_varlen(torch, p, sample, times, values):
+def run_steps(torch, p, step, times, values):
+    for i in range(p["warmup"] + p["steps"]):
+        values.append(timed_step(torch, step, times, i >= p["warmup"]))
+
+
+def train_steps(torch, p, opt, loss_of, times, values):
+    """Warm-up and timed training steps: `loss_of()` makes a batch and
+    returns its loss (run under bf16 autocast, which leaves the random
+    inputs as they are); then backward, the optimizer's step, gradients
+    dropped. A step's value is its loss."""
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    run_steps(torch, p, step, times, values)
+
+
+def gpt2_varlen(torch, p, times, values):
     """GPT-2 small training, batches of varying sequence length."""
     from transformers import GPT2Config, GPT2LMHeadModel
     import random
@@ -141,59 +285,176 @@ def gpt2_varlen(torch, p, sample, times, values):
     rng = random.Random(1234)
     gen = torch.Generator(device="cuda").manual_seed(42)
 
-    def step():
+    def loss_of():
         length = rng.randrange(p["min_len"] // 8, p["max_len"] // 8 + 1) * 8
         ids = torch.randint(0, cfg.vocab_size, (p["batch"], length), device="cuda", generator=gen)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return model(input_ids=ids, labels=ids).loss
 
-    for i in range(p["warmup"] + p["steps"]):
-        values.append(timed_step(torch, step, sample, times, i >= p["warmup"]))
+    train_steps(torch, p, opt, loss_of, times, values)
 
 
-def resnet50(torch, p, sample, times, values):
-    """ResNet-50 training, fixed batch."""
+def resnet50(torch, p, times, values):
+    """ResNet-50 training, fixed batch, cudnn.benchmark on (as vision
+    training sets it)."""
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.deterministic = False
+    try:
+        torch.manual_seed(0)
+        model = torchvision.models.resnet50(weights=None).cuda()
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        loss_fn = torch.nn.CrossEntropyLoss()
+
+        def loss_of():
+            x = torch.randn(p["batch"], 3, p["image"], p["image"], device="cuda", generator=gen)
+            y = torch.randint(0, 1000, (p["batch"],), device="cuda", generator=gen)
+            return loss_fn(model(x), y)
+
+        train_steps(torch, p, opt, loss_of, times, values)
+    finally:
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+
+
+def encoder_bucketed(torch, p, times, values):
+    """A BERT-style encoder trained on length-bucketed batches: a fixed
+    token budget per batch, so short sequences come in big batches and long
+    ones in small ones (batch and length both vary)."""
+    from transformers import BertConfig, BertForMaskedLM
+    import random
+
+    cfg = BertConfig(hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
+                     intermediate_size=4 * p["hidden"], vocab_size=30522, max_position_embeddings=1024,
+                     attn_implementation="eager")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = BertForMaskedLM(cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(5)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+
+    def loss_of():
+        length = rng.choice(p["buckets"])
+        batch = max(1, p["tokens"] // length)
+        ids = torch.randint(0, cfg.vocab_size, (batch, length), device="cuda", generator=gen)
+        labels = torch.where(torch.rand(ids.shape, device="cuda", generator=gen) < 0.15, ids, -100)
+        return model(input_ids=ids, labels=labels).loss
+
+    train_steps(torch, p, opt, loss_of, times, values)
+
+
+def seq2seq_varlen(torch, p, times, values):
+    """A T5-style encoder-decoder trained on pairs of varying source and
+    target lengths."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    import random
+
+    cfg = T5Config(d_model=p["d_model"], d_ff=4 * p["d_model"], num_layers=p["layers"],
+                   num_decoder_layers=p["layers"], num_heads=p["heads"], d_kv=p["d_model"] // p["heads"],
+                   vocab_size=32128, decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = T5ForConditionalGeneration(cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(8)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+
+    def loss_of():
+        src = rng.randrange(p["min_src"] // 8, p["max_src"] // 8 + 1) * 8
+        tgt = rng.randrange(p["min_tgt"] // 8, p["max_tgt"] // 8 + 1) * 8
+        ids = torch.randint(1, cfg.vocab_size, (p["batch"], src), device="cuda", generator=gen)
+        labels = torch.randint(1, cfg.vocab_size, (p["batch"], tgt), device="cuda", generator=gen)
+        return model(input_ids=ids, labels=labels).loss
+
+    train_steps(torch, p, opt, loss_of, times, values)
+
+
+def vit_prefetch(torch, p, times, values):
+    """A vision transformer (torchvision ViT-B/16) trained on batches a
+    side-stream prefetcher copies from pinned host memory: the usual
+    pattern (copy on a side stream, `wait_stream`, `record_stream`), with
+    no host synchronisation inside the loop. The step time is the loop's
+    time over its steps; the losses are read at the end."""
     import torchvision
 
     torch.manual_seed(0)
-    model = torchvision.models.resnet50(weights=None).cuda()
+    model = torchvision.models.vit_b_16(weights=None, image_size=p["image"]).cuda()
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    gen = torch.Generator(device="cuda").manual_seed(7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss_fn = torch.nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(21)
+    host = [(torch.randn(p["batch"], 3, p["image"], p["image"], generator=g).pin_memory(),
+             torch.randint(0, 1000, (p["batch"],), generator=g).pin_memory()) for _ in range(4)]
+    side = torch.cuda.Stream()
+    state = {"i": 0}
+
+    def preload():
+        x, y = host[state["i"] % len(host)]
+        state["i"] += 1
+        with torch.cuda.stream(side):
+            state["x"] = x.cuda(non_blocking=True)
+            state["y"] = y.cuda(non_blocking=True)
+
+    def next_batch():
+        cur = torch.cuda.current_stream()
+        cur.wait_stream(side)
+        x, y = state["x"], state["y"]
+        x.record_stream(cur)
+        y.record_stream(cur)
+        preload()
+        return x, y
+
+    losses = []
 
     def step():
-        x = torch.randn(p["batch"], 3, p["image"], p["image"], device="cuda", generator=gen)
-        y = torch.randint(0, 1000, (p["batch"],), device="cuda", generator=gen)
+        x, y = next_batch()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
+        losses.append(loss.detach())
 
-    for i in range(p["warmup"] + p["steps"]):
-        values.append(timed_step(torch, step, sample, times, i >= p["warmup"]))
+    preload()
+    for _ in range(p["warmup"]):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(p["steps"]):
+        step()
+    torch.cuda.synchronize()
+    per = (time.perf_counter() - t0) / p["steps"]
+    times.extend([per] * p["steps"])
+    values.extend(float(v) for v in torch.stack(losses).float().cpu())
 
 
-def llama_generate(torch, p, sample, times, values):
-    """Greedy generation with a Llama-style model and a growing KV cache
-    (transformers' DynamicCache): rounds of prompts of varying length, one
-    step per new token; the value of a step is the sum of its last logits."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
-    import random
+def llama_model(torch, p):
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
                       num_key_value_heads=p["kv_heads"], intermediate_size=p["intermediate"], vocab_size=32000,
-                      max_position_embeddings=4096, attn_implementation=p.get("attn", "sdpa"))
+                      max_position_embeddings=4096, attn_implementation=p.get("attn", "sdpa"),
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.eval()
+    return cfg, model
+
+
+def llama_generate(torch, p, times, values):
+    """Greedy generation with a Llama-style model and a growing KV cache
+    (transformers' DynamicCache): rounds of prompts of varying length, one
+    step per new token; the value of a step is the sum of its last logits."""
+    from transformers import DynamicCache
+    import random
+
+    cfg, model = llama_model(torch, p)
     rng = random.Random(99)
     gen = torch.Generator(device="cuda").manual_seed(3)
     done = 0
@@ -211,9 +472,43 @@ def llama_generate(torch, p, sample, times, values):
                 return logits.float().sum().item()
 
             for _ in range(p["new_tokens"]):
-                values.append(timed_step(torch, step, sample, times, done >= p["warmup"]))
+                values.append(timed_step(torch, step, times, done >= p["warmup"]))
                 done += 1
             del cache, state, ids
+
+
+def generate_padded(torch, p, times, values):
+    """transformers' `generate()` (greedy) on left-padded batches of varying
+    size and prompt length, as a server batching requests sees them; one
+    step per `generate()` call, its value the sum of the tokens made."""
+    import random
+
+    cfg, model = llama_model(torch, p)
+    rng = random.Random(17)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    with torch.inference_mode():
+        for i in range(p["warmup"] + p["steps"]):
+            batch = rng.randrange(p["min_batch"], p["max_batch"] + 1)
+            lens = [rng.randrange(p["min_prompt"], p["max_prompt"] + 1) for _ in range(batch)]
+            width = max(lens)
+            ids = torch.full((batch, width), cfg.pad_token_id, dtype=torch.long, device="cuda")
+            mask = torch.zeros((batch, width), dtype=torch.long, device="cuda")
+            for r, n in enumerate(lens):
+                ids[r, width - n:] = torch.randint(3, cfg.vocab_size, (n,), device="cuda", generator=gen)
+                mask[r, width - n:] = 1
+
+            def step():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=p["new_tokens"],
+                                     min_new_tokens=p["new_tokens"], do_sample=False,
+                                     pad_token_id=cfg.pad_token_id)
+                return float(out[:, width:].sum().item())
+
+            values.append(timed_step(torch, step, times, i >= p["warmup"]))
+
+
+RUNNERS = {"gpt2_varlen": gpt2_varlen, "resnet50": resnet50, "llama_generate": llama_generate,
+           "llama_generate_eager": llama_generate, "encoder_bucketed": encoder_bucketed,
+           "seq2seq_varlen": seq2seq_varlen, "vit_prefetch": vit_prefetch, "generate_padded": generate_padded}
 
 
 # --------------------------------------------------------------- driver --
@@ -228,6 +523,12 @@ def env_for(allocator):
         raise SystemExit(f"unknown allocator {allocator}")
     if allocator == "cuda_malloc_async":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
+    if allocator == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if allocator == "cumem_base":
+        env["PYTHONPATH"] = os.environ["CUMEM_BASE_PYTHONPATH"]
+    if allocator in EXTRA_CONF:
+        env["CUMEM_CONF"] = EXTRA_CONF[allocator]
     return env
 
 
@@ -235,63 +536,102 @@ def mib(b):
     return f"{b / 2**20:,.0f}"
 
 
+def pct(a, b):
+    return f"{(a / b - 1) * 100:+.1f}%"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--allocators", default=",".join(ALLOCATORS))
     ap.add_argument("--scale", default="full", choices=sorted(SCALES))
+    ap.add_argument("--rounds", type=int, default=3, help="processes per allocator, in alternated order")
     ap.add_argument("--json", default="real_workloads.json")
     ap.add_argument("--child-timeout", type=float, default=150.0, help="seconds one process may take")
-    ap.add_argument("--child", nargs=3, metavar=("WORKLOAD", "ALLOCATOR", "OUT"))
+    ap.add_argument("--deadline", type=float, default=0, help="start no process after this many seconds")
+    ap.add_argument("--child", nargs=3, metavar=("WORKLOADS", "ALLOCATOR", "OUT"))
     a = ap.parse_args()
     if a.child:
-        child(a.child[0], a.child[1], a.scale, a.child[2])
+        child(a.child[0].split(","), a.child[1], a.scale, a.child[2])
         return
-    results, failures = [], []
+    workloads = a.workloads.split(",")
+    allocs = a.allocators.split(",")
+    runs, failures = [], []
     t_all = time.time()
-    for w in a.workloads.split(","):
-        for al in a.allocators.split(","):
-            out = f"/tmp/real_workloads_{w}_{al}.json"
+    for rnd in range(a.rounds):
+        order = allocs if rnd % 2 == 0 else list(reversed(allocs))
+        for al in order:
+            if a.deadline and time.time() - t_all > a.deadline:
+                print(f"-- deadline: {al} of round {rnd} not run", flush=True)
+                continue
+            out = f"/tmp/real_workloads_{al}_{rnd}.json"
             if os.path.exists(out):
                 os.remove(out)
             t0 = time.time()
+            print(f"round {rnd}: {al}", flush=True)
             try:
-                r = subprocess.run([sys.executable, __file__, "--scale", a.scale, "--child", w, al, out],
-                                   env=env_for(al), capture_output=True, text=True, timeout=a.child_timeout)
+                r = subprocess.run([sys.executable, __file__, "--scale", a.scale, "--child", ",".join(workloads), al,
+                                    out], env=env_for(al), stdout=None, stderr=subprocess.PIPE, text=True,
+                                   timeout=a.child_timeout)
             except subprocess.TimeoutExpired as e:
                 r = subprocess.CompletedProcess(e.cmd, -9, "", f"timed out after {a.child_timeout} s\n{e.stderr or ''}")
             took = time.time() - t0
             if r.returncode != 0 or not os.path.exists(out):
-                failures.append((w, al))
-                print(f"!! {w} / {al} failed (rc {r.returncode}) after {took:.0f} s:\n{r.stderr[-3000:]}", flush=True)
+                failures.append((al, rnd))
+                print(f"!! {al} round {rnd} failed (rc {r.returncode}) after {took:.0f} s:\n{(r.stderr or '')[-3000:]}",
+                      flush=True)
                 continue
             with open(out) as f:
-                res = json.load(f)
-            res["wall_s"] = took
-            results.append(res)
-            print(f"{w:15} {al:18} {res['median_step_ms']:8.2f} ms  phys {mib(res['peak_physical_bytes']):>7} MiB  "
-                  f"own {mib(res['own_peak_reserved_bytes']):>7} MiB  ({took:.0f} s)", flush=True)
-    # Compare every allocator's sequence with PyTorch's own.
-    by = {(r["workload"], r["allocator"]): r for r in results}
-    print(f"\n| workload | allocator | median step (ms) | vs PyTorch | peak physical (MiB) | vs PyTorch | "
-          f"own peak reserved (MiB) | values = PyTorch's |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    for r in results:
-        base = by.get((r["workload"], "pytorch"))
-        same = "n/a" if base is None else ("yes" if r["values"] == base["values"] else "NO")
-        if base is not None and same == "NO":
-            first = next(i for i, (x, y) in enumerate(zip(r["values"], base["values"])) if x != y) \
-                if any(x != y for x, y in zip(r["values"], base["values"])) else min(len(r["values"]), len(base["values"]))
-            same = f"NO (first differs at step {first})"
-        r["values_match_pytorch"] = same
-        dt = "" if base is None else f"{(r['median_step_ms'] / base['median_step_ms'] - 1) * 100:+.1f}%"
-        dm = "" if base is None else f"{(r['peak_physical_bytes'] / base['peak_physical_bytes'] - 1) * 100:+.1f}%"
-        print(f"| {r['workload']} | {r['allocator']} | {r['median_step_ms']:.2f} | {dt} | "
-              f"{mib(r['peak_physical_bytes'])} | {dm} | {mib(r['own_peak_reserved_bytes'])} | {same} |")
-    print(f"\ndevice: {results[0]['device'] if results else '?'}; total {time.time() - t_all:.0f} s")
+                for res in json.load(f):
+                    res["round"] = rnd
+                    if "error" in res:
+                        failures.append((al, rnd, res["workload"], res["error"]))
+                        continue
+                    res["process_s"] = took
+                    runs.append(res)
+    table = summarise(runs, workloads, allocs)
+    print(f"\ndevice: {runs[0]['device'] if runs else '?'}; sampler {runs[0]['sampler'] if runs else '?'}; "
+          f"total {time.time() - t_all:.0f} s")
     with open(a.json, "w") as f:
-        json.dump({"results": results, "failures": failures}, f, indent=1)
+        json.dump({"runs": runs, "summary": table, "failures": failures}, f, indent=1)
     sys.exit(1 if failures else 0)
+
+
+def summarise(runs, workloads, allocs):
+    """One row per (workload, allocator): medians over its processes, their
+    spread, the peak physical memory, and whether each process's values
+    equal the first PyTorch process's."""
+    rows = []
+    print("\n| workload | allocator | median step (ms) | spread (ms) | vs faster PyTorch | peak physical (MiB) "
+          "| vs default | vs expandable | own peak reserved (MiB) | values = PyTorch's |")
+    print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for w in workloads:
+        ref = next((r for r in runs if r["workload"] == w and r["allocator"] == "pytorch"), None)
+        per = {}
+        for al in allocs:
+            rs = [r for r in runs if r["workload"] == w and r["allocator"] == al]
+            if not rs:
+                continue
+            meds = [r["median_step_ms"] for r in rs]
+            per[al] = {
+                "median_ms": statistics.median(meds), "medians_ms": meds,
+                "peak_physical": max(r["peak_physical_bytes"] for r in rs),
+                "own_peak": max(r["own_peak_reserved_bytes"] for r in rs),
+                "same": "n/a" if ref is None else
+                ("yes" if all(r["values"] == ref["values"] for r in rs) else
+                 f"NO ({sum(r['values'] == ref['values'] for r in rs)}/{len(rs)})"),
+            }
+        fastest = min((per[k]["median_ms"] for k in ("pytorch", "expandable") if k in per), default=None)
+        for al, v in per.items():
+            d, e = per.get("pytorch"), per.get("expandable")
+            row = {"workload": w, "allocator": al, **v}
+            rows.append(row)
+            print(f"| {w} | {al} | {v['median_ms']:.2f} | {' / '.join(f'{m:.2f}' for m in v['medians_ms'])} | "
+                  f"{pct(v['median_ms'], fastest) if fastest else ''} | {mib(v['peak_physical'])} | "
+                  f"{pct(v['peak_physical'], d['peak_physical']) if d else ''} | "
+                  f"{pct(v['peak_physical'], e['peak_physical']) if e else ''} | {mib(v['own_peak'])} | {v['same']} |",
+                  flush=True)
+    return rows
 
 
 if __name__ == "__main__":

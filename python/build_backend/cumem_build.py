@@ -2,12 +2,24 @@
 the Python standard library: it builds cumem's C ABI crate (cumem-c) with
 cargo and packs the shared library with the Python package into a wheel.
 
-The wheel holds no Python extension module (the library is loaded with
-ctypes, and by PyTorch's CUDAPluggableAllocator), so it is tagged
-`py3-none-<platform>`: one wheel for every Python 3 version.
+Where PyTorch is found, it also compiles the native backend
+(`cumem_torch/csrc/`, a C++ `CUDAAllocator` over cumem) against it into
+`libcumem_torch_native.so`, with `native_torch.txt` naming the PyTorch
+version; `native_build.txt` in the wheel says what was done or why it was
+skipped. Neither library is a Python extension module (both are loaded
+with ctypes; the native one needs no Python.h), so the wheel is tagged
+`py3-none-<platform>`: one wheel for every Python 3 version. The C++
+sources and cumem.h go into the wheel too, for `install()` to compile the
+backend on first use against another PyTorch.
 
 Environment: CARGO (the cargo to run), CARGO_TARGET_DIR (honoured by
-cargo), CUMEM_PROFILE (`release`, the default, or `dev`).
+cargo), CUMEM_PROFILE (`release`, the default, or `dev`); CXX (the C++
+compiler). PyTorch is found by importing it with the interpreter running
+the build (`-I`: outside pip's build isolation), or named by
+CUMEM_TORCH_ROOT (a `torch` package directory with `include/` and `lib/`),
+CUMEM_TORCH_VERSION (its version) and CUMEM_CUDA_ROOT (a directory with
+`include/cuda_runtime.h` and `lib/libcudart.so.*`), for building against
+extracted headers. CUMEM_TORCH_NATIVE=0 skips the native backend.
 """
 
 import base64
@@ -17,6 +29,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import zipfile
@@ -56,6 +69,75 @@ def _build_library():
     return pathlib.Path(found)
 
 
+_FIND_TORCH = r"""
+import json, os, sys
+import torch
+from torch.utils import cpp_extension
+root = os.path.dirname(torch.__file__)
+cuda = None
+for p in sys.path:
+    for sub in ("nvidia/cu13", "nvidia/cuda_runtime"):
+        d = os.path.join(p, sub)
+        if os.path.exists(os.path.join(d, "include", "cuda_runtime.h")):
+            cuda = cuda or d
+home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+if cuda is None and os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+    cuda = home
+print(json.dumps({"root": root, "version": torch.__version__.split("+")[0], "cuda": cuda,
+                  "cuda_built": torch.version.cuda}))
+"""
+
+
+def _find_torch():
+    """(torch root, version, CUDA root) or a reason string."""
+    if os.environ.get("CUMEM_TORCH_NATIVE") == "0":
+        return "CUMEM_TORCH_NATIVE=0"
+    root = os.environ.get("CUMEM_TORCH_ROOT")
+    if root:
+        return root, os.environ.get("CUMEM_TORCH_VERSION", ""), os.environ.get("CUMEM_CUDA_ROOT")
+    r = subprocess.run([sys.executable, "-I", "-c", _FIND_TORCH], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return f"PyTorch is not importable by {sys.executable} ({last})"
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    if not info.get("cuda_built"):
+        return f"PyTorch {info['version']} is built without CUDA"
+    return info["root"], info["version"], info.get("cuda")
+
+
+def _build_native(tmp, libcumem):
+    """Compiles the native backend; returns (files for the wheel, note)."""
+    found = _find_torch()
+    if isinstance(found, str):
+        return [], f"native backend skipped: {found}"
+    root, version, cuda = found
+    if not cuda:
+        return [], f"native backend skipped: no CUDA headers found for PyTorch {version} (set CUDA_HOME)"
+    sys.path.insert(0, str(PYTHON_DIR))
+    try:
+        from cumem_torch import _native  # the compile step is shared with first use
+    finally:
+        sys.path.pop(0)
+    cudart = pathlib.Path(cuda) / "lib"
+    if not list(cudart.glob("libcudart.so*")):
+        cudart = pathlib.Path(cuda) / "lib64"
+    out = pathlib.Path(tmp) / _native.LIB_NAME
+    try:
+        _native.compile_library(out, f"{root}/include", f"{root}/lib", f"{cuda}/include", str(cudart),
+                                str(REPO / "cumem-c" / "include"), str(pathlib.Path(libcumem).parent), version,
+                                sources_dir=PYTHON_DIR / PACKAGE / "csrc")
+    except _native.NativeUnavailable as e:
+        # Not fatal: install() compiles on first use or falls back.
+        print(f"cumem_build: {e}", file=sys.stderr)
+        return [], f"native backend not built: {str(e).splitlines()[0]}"
+    if shutil.which("strip"):
+        subprocess.run(["strip", "--strip-debug", str(out)], check=True)
+    files = [(f"{PACKAGE}/{_native.LIB_NAME}", out.read_bytes()),
+             (f"{PACKAGE}/native_torch.txt", (version + "\n").encode())]
+    return files, f"native backend built against PyTorch {version}"
+
+
 def _record_line(arcname, data):
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
     return f"{arcname},sha256={digest},{len(data)}"
@@ -89,6 +171,13 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         files = [(f"{PACKAGE}/libcumem_c.so", lib.read_bytes())]
         for py in sorted((PYTHON_DIR / PACKAGE).glob("*.py")):
             files.append((f"{PACKAGE}/{py.name}", py.read_bytes()))
+        for src in sorted((PYTHON_DIR / PACKAGE / "csrc").glob("*.[ch]*")):
+            files.append((f"{PACKAGE}/csrc/{src.name}", src.read_bytes()))
+        files.append((f"{PACKAGE}/csrc/cumem.h", (REPO / "cumem-c" / "include" / "cumem.h").read_bytes()))
+        native, note = _build_native(tmp, so)
+        print(f"cumem_build: {note}", file=sys.stderr)
+        files += native
+        files.append((f"{PACKAGE}/native_build.txt", (note + "\n").encode()))
         info = f"{DIST}-{VERSION}.dist-info"
         wheel_meta = (f"Wheel-Version: 1.0\nGenerator: cumem_build {VERSION}\nRoot-Is-Purelib: false\n"
                       f"Tag: {_tag()}\n")

@@ -4,25 +4,29 @@ caching allocator.
     import cumem_torch
     cumem_torch.install()          # before the first CUDA allocation
     x = torch.randn(1024, device="cuda")
-    print(cumem_torch.stats())     # cumem's own figures
+    print(torch.cuda.memory_stats()["allocated_bytes.all.peak"])
+
+`install()` makes cumem PyTorch's allocator through the native backend: a
+C++ allocator built against the installed PyTorch (at `pip install`, or
+compiled on first use; see `_native`) that implements PyTorch's whole
+allocator interface over cumem: `torch.cuda.memory_stats()` and the calls
+built on it, `empty_cache`, `set_per_process_memory_fraction`,
+`Tensor.record_stream`, CUDA graph pools and `MemPool`, checkpoints for
+`torch.compile(mode="reduce-overhead")`, `_record_memory_history` and
+snapshots, `OutOfMemoryError`. Where it can't be built or loaded,
+`install()` falls back to PyTorch's CUDAPluggableAllocator over cumem's
+two C entry points (ctypes) with a warning: there PyTorch's statistics,
+snapshots, `record_stream`, graph pools, MemPool, the memory fraction and
+cudnn's benchmark mode do not work (`cumem_torch.record_stream`,
+`stats()` and `empty_cache()` stand in for some of them).
 
 Configuration is `CUMEM_CONF` (as for Rust programs), or `install(conf=...)`
-with the same syntax. Under torchrun (`LOCAL_RANK` set) with several GPUs
-and no `device=` in `CUMEM_CONF`, cumem's default device is the rank's GPU,
-so no rank opens a context on GPU 0 that it does not use. `MemPool()` gives a `torch.cuda.MemPool` whose
-segments come from cumem, for one region of a program
-(`with torch.cuda.use_mem_pool(pool): ...`) while PyTorch's allocator
-serves the rest.
-
-What PyTorch does not tell a pluggable allocator, and what cumem does:
-- `Tensor.record_stream(s)` never reaches it: call
-  `cumem_torch.record_stream(tensor, s)` instead (the free then waits for
-  the work queued on `s`), or order the streams yourself
-  (`torch.cuda.current_stream().wait_stream(s)` before the tensor dies).
-- CUDA graphs: PyTorch's graph pools (`torch.cuda.graph(pool=...)`) are not
-  passed on; cumem notices a capture by itself (it asks the driver whether
-  the stream captures) and gives the capture a private pool that lives as
-  long as the graph. See docs/python.md.
+with the same syntax. The native backend adds `arenas=1` (one pool per
+device for all of PyTorch's threads: autograd's backward pass runs on a
+thread of its own) and `promise_registered_captures=true` (the backend
+routes captures into PyTorch's graph pools itself) unless the
+configuration names them. Under torchrun (`LOCAL_RANK` set) with several
+GPUs and no `device=`, cumem's default device is the rank's GPU.
 """
 
 import ctypes
@@ -32,7 +36,7 @@ from . import _lib
 from ._lib import CumemError, library_path
 
 __all__ = [
-    "install", "is_installed", "init", "MemPool", "record_stream", "stats", "pinned_stats",
+    "install", "is_installed", "backend_kind", "native_error", "native_conf", "init", "MemPool", "record_stream", "stats", "pinned_stats",
     "torch_counters", "memory_summary", "backend", "empty_cache", "reset_peak_stats",
     "shutdown", "library_path", "CumemError",
 ]
@@ -41,7 +45,7 @@ ALLOC_FN = "cumem_torch_alloc"
 FREE_FN = "cumem_torch_free"
 
 _pluggable = None
-_installed = False
+_installed = None
 
 
 def init(conf=None):
@@ -76,44 +80,93 @@ def rank_conf(env_conf, local_rank, device_count):
     return ",".join(x for x in ((env_conf or "").strip(), f"device={rank}") if x)
 
 
-def install(conf=None):
+def native_conf(conf):
+    """The configuration the native backend runs cumem with: `conf` with
+    `arenas=1` and `promise_registered_captures=true` added where it does
+    not name them."""
+    keys = [kv.split("=", 1)[0].strip() for kv in (conf or "").split(",") if kv.strip()]
+    extra = [k + "=" + v for k, v in (("arenas", "1"), ("promise_registered_captures", "true")) if k not in keys]
+    return ",".join(x for x in [(conf or "").strip()] + extra if x)
+
+
+_native_error = None
+
+
+def install(conf=None, native=True):
     """Makes cumem PyTorch's CUDA allocator. Must run before the first CUDA
     allocation (PyTorch refuses to swap an allocator it has used). `conf`
-    configures cumem (else CUMEM_CONF). Returns the pluggable allocator."""
-    global _installed
+    configures cumem (else CUMEM_CONF). `native=False` (or
+    CUMEM_TORCH_NATIVE=0) takes the ctypes pluggable path; the native
+    backend is otherwise used, with a warning and the pluggable path where
+    it can't be built or loaded. Returns "native" or "pluggable"."""
+    global _installed, _native_error
     import torch
     if _installed:
-        return _allocator()
-    if conf is not None:
-        init(conf)
-    elif os.environ.get("LOCAL_RANK") is not None:
-        auto = rank_conf(os.environ.get("CUMEM_CONF"), os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
-        if auto is not None:
-            try:
-                init(auto)
-            except CumemError as e:
-                # cumem was already in use: its configuration stands.
-                if e.status != "CUMEM_STATUS_ALREADY_INITIALIZED":
-                    raise
-    alloc = _allocator()
-    torch.cuda.memory.change_current_allocator(alloc)
-    _installed = True
-    return alloc
+        return _installed
+    if os.environ.get("CUMEM_TORCH_NATIVE", "1") == "0":
+        native = False
+    base = conf if conf is not None else os.environ.get("CUMEM_CONF")
+    if os.environ.get("LOCAL_RANK") is not None:
+        base = rank_conf(base, os.environ.get("LOCAL_RANK"), torch.cuda.device_count()) or base
+    if native:
+        try:
+            from . import _native
+            _native.library()
+        except Exception as e:  # noqa: BLE001 - any failure means the fallback
+            _native_error = f"{type(e).__name__}: {e}"
+            native = False
+            import warnings
+            warnings.warn(
+                "cumem_torch: the native backend is unavailable (" + _native_error[:2000] + "); falling back to "
+                "PyTorch's CUDAPluggableAllocator, where torch.cuda.memory_stats() and the calls built on it, "
+                "memory snapshots, Tensor.record_stream, CUDA graph pools (torch.cuda.graph(pool=...), "
+                "torch.compile(mode='reduce-overhead')), MemPool, set_per_process_memory_fraction and "
+                "cudnn.benchmark do not work", RuntimeWarning, stacklevel=2)
+    want = native_conf(base) if native else base
+    if want is not None and (conf is not None or want != os.environ.get("CUMEM_CONF")):
+        try:
+            init(want)
+        except CumemError as e:
+            # cumem was already in use: its configuration stands.
+            if e.status != "CUMEM_STATUS_ALREADY_INITIALIZED":
+                raise
+    if native:
+        from . import _native
+        _native.install()
+        _installed = "native"
+    else:
+        torch.cuda.memory.change_current_allocator(_allocator())
+        _installed = "pluggable"
+    return _installed
+
+
+def native_error():
+    """Why the native backend was not used (None when it was, or before `install()`)."""
+    return _native_error
 
 
 def is_installed():
     """Whether `install()` made cumem PyTorch's allocator."""
-    return _installed
+    return bool(_installed)
+
+
+def backend_kind():
+    """"native", "pluggable", or None before `install()`."""
+    return _installed or None
 
 
 def MemPool(**kwargs):
-    """A `torch.cuda.MemPool` whose memory comes from cumem: PyTorch's
-    allocator caches blocks inside the segments cumem hands it. Use with
+    """A `torch.cuda.MemPool` whose memory comes from cumem. With the
+    native backend installed, a plain `torch.cuda.MemPool()` (cumem's
+    private pool). Without `install()`, PyTorch's allocator caches blocks
+    inside the segments cumem hands it. Use with
     `torch.cuda.use_mem_pool(pool)`; keyword arguments go to MemPool. For
     programs that keep PyTorch's allocator (no `install()`): PyTorch's
     pluggable allocator can't hold pools, so with cumem installed this
     raises RuntimeError."""
     import torch
+    if _installed == "native":
+        return torch.cuda.MemPool(**kwargs)
     if _installed:
         raise RuntimeError(
             "cumem_torch.MemPool() needs PyTorch's own allocator as the current one: PyTorch's pluggable "
@@ -126,6 +179,9 @@ def record_stream(tensor, stream):
     when the tensor's memory is freed, the free first waits for the work
     queued on `stream` (PyTorch does not pass record_stream on to a
     pluggable allocator)."""
+    if _installed == "native":
+        tensor.record_stream(stream)
+        return
     ptr = tensor.untyped_storage().data_ptr()
     if ptr == 0:
         return
@@ -175,8 +231,9 @@ def backend():
 
 
 def empty_cache():
-    """Returns cumem's cached free memory to the driver (torch.cuda.empty_cache()
-    does not reach a pluggable allocator). Returns the bytes released."""
+    """Returns cumem's cached free memory to the driver (what
+    torch.cuda.empty_cache() does with the native backend; it does not
+    reach a pluggable allocator). Returns the bytes released."""
     n = ctypes.c_size_t(0)
     _lib.check(_lib.lib().cumem_release_cached(ctypes.byref(n)))
     return n.value

@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""cumem as PyTorch's allocator on a GPU: tensors, a side stream with
+"""cumem as PyTorch's allocator on a GPU through the pluggable fallback
+(`install(native=False)`; the native backend has probe_torch_api.py):
+tensors, a side stream with
 cumem_torch.record_stream, a CUDA graph captured and replayed (cumem gives
 the capture a private pool by itself), a MemPool refused while installed, statistics.
 Exits non-zero on the first wrong result. Needs PyTorch and a GPU (it
@@ -18,7 +20,7 @@ if torch is None or not torch.cuda.is_available():
     print("skipped: PyTorch with a CUDA device is needed")
     sys.exit(1 if os.environ.get("CUMEM_REQUIRE_GPU") == "1" else 0)
 
-cumem_torch.install()
+assert cumem_torch.install(native=False) == "pluggable"
 assert cumem_torch.is_installed()
 print("cumem backend:", cumem_torch.backend())
 

@@ -37,6 +37,128 @@ pub struct Granularity {
     pub recommended: usize,
 }
 
+/// A kind of driver call that moves physical memory, as counted by
+/// [`driver_calls`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallKind {
+    /// `cuMemCreate`: new physical memory.
+    Create,
+    /// `cuMemMap`: one piece of memory mapped.
+    Map,
+    /// `cuMemUnmap`: one piece unmapped.
+    Unmap,
+    /// `cuMemSetAccess`: access given to a mapped run.
+    SetAccess,
+    /// `cuMemRelease`: physical memory given back.
+    Release,
+}
+
+/// Counts of the driver calls that move physical memory, one per kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DriverCalls {
+    /// `cuMemCreate` calls.
+    pub create: u64,
+    /// `cuMemMap` calls.
+    pub map: u64,
+    /// `cuMemUnmap` calls.
+    pub unmap: u64,
+    /// `cuMemSetAccess` calls.
+    pub set_access: u64,
+    /// `cuMemRelease` calls.
+    pub release: u64,
+}
+
+impl DriverCalls {
+    /// All calls together.
+    pub fn total(&self) -> u64 {
+        self.create + self.map + self.unmap + self.set_access + self.release
+    }
+
+    /// The calls made since `before` (counts only grow).
+    pub fn since(&self, before: &DriverCalls) -> DriverCalls {
+        DriverCalls {
+            create: self.create - before.create,
+            map: self.map - before.map,
+            unmap: self.unmap - before.unmap,
+            set_access: self.set_access - before.set_access,
+            release: self.release - before.release,
+        }
+    }
+}
+
+/// The process's driver calls that move physical memory, split by the
+/// thread that made them: threads that allocate and free, and cumem's
+/// background mapper (`pool/mapper.rs`), which moves pages off their way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DriverCallCounts {
+    /// Calls made on the threads of the program (allocating, freeing).
+    pub allocating: DriverCalls,
+    /// Calls made by the background mapper.
+    pub background: DriverCalls,
+}
+
+impl DriverCallCounts {
+    /// The calls made since `before`.
+    pub fn since(&self, before: &DriverCallCounts) -> DriverCallCounts {
+        DriverCallCounts {
+            allocating: self.allocating.since(&before.allocating),
+            background: self.background.since(&before.background),
+        }
+    }
+}
+
+/// One counter per kind (in [`CallKind`] order) for the program's threads,
+/// then one per kind for the background mapper.
+static CALLS: [crate::sync::StaticAtomicU64; 10] = [const { crate::sync::StaticAtomicU64::new(0) }; 10];
+
+std::thread_local! {
+    /// Set on the background mapper's thread.
+    static BACKGROUND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the calling thread as cumem's background mapper (its driver calls
+/// count under [`DriverCallCounts::background`]) until the guard drops.
+pub(crate) struct BackgroundThread(());
+
+impl BackgroundThread {
+    pub(crate) fn enter() -> Self {
+        BACKGROUND.with(|b| b.set(true));
+        BackgroundThread(())
+    }
+}
+
+impl Drop for BackgroundThread {
+    fn drop(&mut self) {
+        BACKGROUND.with(|b| b.set(false));
+    }
+}
+
+/// Whether the calling thread is cumem's background mapper.
+pub fn on_background_mapper() -> bool {
+    BACKGROUND.with(|b| b.get())
+}
+
+/// Counts one driver call of `kind` made by the calling thread. cumem's
+/// VMM wrappers count their own calls; an upstream that simulates a device
+/// (the replay tool's) counts the calls the device would have made.
+pub fn record_call(kind: CallKind) {
+    let i = kind as usize + if on_background_mapper() { 5 } else { 0 };
+    CALLS[i].fetch_add(1, crate::sync::Ordering::Relaxed);
+}
+
+/// The driver calls that moved physical memory so far in this process
+/// (`cuMemCreate`, `cuMemMap`, `cuMemUnmap`, `cuMemSetAccess`,
+/// `cuMemRelease`), on the program's threads and on the background mapper.
+/// Take the difference of two readings ([`DriverCallCounts::since`]) for
+/// the calls of a stretch of work.
+pub fn driver_calls() -> DriverCallCounts {
+    let read = |base: usize| {
+        let c = |k: usize| CALLS[base + k].load(crate::sync::Ordering::Relaxed);
+        DriverCalls { create: c(0), map: c(1), unmap: c(2), set_access: c(3), release: c(4) }
+    };
+    DriverCallCounts { allocating: read(0), background: read(5) }
+}
+
 fn check(call: &'static str, rc: sys::CUresult) -> Result<()> {
     rc.result().map_err(driver_err(call))
 }
@@ -204,6 +326,7 @@ impl AddressRange {
     pub fn map(&self, offset: usize, chunk: &PhysicalChunk) -> Result<()> {
         self.check_inside(offset, chunk.size)?;
         bind(&self.ctx)?;
+        record_call(CallKind::Map);
         // SAFETY: the target lies inside this reservation (checked above)
         // and `chunk.handle` is a live allocation handle; the driver
         // refuses the call if part of the target is already mapped.
@@ -235,6 +358,7 @@ impl AddressRange {
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             })
             .collect();
+        record_call(CallKind::SetAccess);
         // SAFETY: the span lies inside this reservation and `descs` holds
         // `descs.len()` initialised descriptors that outlive the call.
         check("cuMemSetAccess", unsafe {
@@ -252,6 +376,7 @@ impl AddressRange {
     pub fn unmap(&self, offset: usize, size: usize) -> Result<()> {
         self.check_inside(offset, size)?;
         bind(&self.ctx)?;
+        record_call(CallKind::Unmap);
         // SAFETY: the span lies inside this reservation; unmapping device
         // memory invalidates no host reference (none are ever made to it).
         check("cuMemUnmap", unsafe { sys::cuMemUnmap(self.ptr + offset as u64, size) })
@@ -321,6 +446,7 @@ impl PhysicalChunk {
         bind(ctx)?;
         let prop = pinned_prop(ctx.cu_device(), exportable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        record_call(CallKind::Create);
         // SAFETY: `handle` is a valid out-pointer and `prop` a fully
         // initialised property struct that lives across the call.
         check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
@@ -401,6 +527,7 @@ impl Drop for PhysicalChunk {
             eprintln!("cumem: leaking physical chunk of {} B: {e}", self.size);
             return;
         }
+        record_call(CallKind::Release);
         // SAFETY: the handle came from cuMemCreate and is released once;
         // mappings that still use it keep the memory alive in the driver.
         let rc = unsafe { sys::cuMemRelease(self.handle) };

@@ -290,7 +290,7 @@ impl DeviceAllocator {
         if let Some(ctx) = &self.ctx {
             // Only streams of this capture freed into the pool since it
             // began: an event edge between them is legal inside the capture.
-            if let Err(e) = streams.order_reuse(a.tag, Some(s), ctx, false, false) {
+            if let Err(e) = streams.order_reuse(a.tag, Some(s), ctx, false) {
                 let _ = pool.deallocate(a.addr, a.tag);
                 return Err(e);
             }
@@ -320,7 +320,7 @@ impl DeviceAllocator {
         let mut a = a;
         let mut parked = Vec::new();
         let result = loop {
-            match self.streams.order_reuse(a.tag, stream, ctx, self.graphs.active() > 0, self.graphs.watching()) {
+            match self.streams.order_reuse(a.tag, stream, ctx, self.graphs.active() > 0) {
                 Ok(()) => break Ok(a.addr as u64),
                 Err(Error::Capture(_)) if parked.len() < PARKED_MAX => {
                     parked.push(a);

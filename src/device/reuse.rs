@@ -100,19 +100,23 @@ impl StreamRegistry {
     /// `user` waits for the freeing stream's work (an event), or the host
     /// waits when there is no `user`.
     ///
-    /// With `captures` set (a graph capture is under way on the device), a
-    /// source stream that captures is never synchronised or waited on from
-    /// outside its capture: that would break the capture, so the reuse is
-    /// refused with [`Error::Capture`](crate::error::Error::Capture) instead.
-    /// With `ask` set (captures cumem was not told of may be under way)
-    /// each source stream is asked whether it captures all the same.
+    /// A source stream that captures is never synchronised or waited on
+    /// from outside its capture: that would break the capture, so the reuse
+    /// is refused with [`Error::Capture`](crate::error::Error::Capture)
+    /// instead. Each source stream is asked before it is waited on
+    /// (`cuStreamIsCapturing`), whatever the configuration promised: a
+    /// capture cumem was not told of (PyTorch's, under
+    /// `promise_registered_captures`) must not be broken either, and the
+    /// question is cheap beside the wait it guards. `captures` (a capture
+    /// cumem knows of is under way on the device) refuses the one wait no
+    /// stream can be asked about: the whole device's, for a stream cumem
+    /// never saw.
     pub(crate) fn order_reuse(
         &self,
         tag: StreamTag,
         user: Option<&Stream>,
         ctx: &CudaContext,
         captures: bool,
-        ask: bool,
     ) -> Result<()> {
         if tag == StreamTag::NONE || user.is_some_and(|u| u.id() == tag.stream) {
             return Ok(());
@@ -149,12 +153,20 @@ impl StreamRegistry {
                 self.elided.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            if (captures || ask) && capture_of(src)?.is_some() {
-                return Err(crate::error::Error::Capture(
-                    "the block's last use is queued on a stream that now captures a graph; synchronize streams \
-                     before beginning a capture"
-                        .into(),
-                ));
+            if let Some(capture) = capture_of(src)? {
+                // Between two streams of one capture an event edge is legal
+                // (a graph-private pool's reuse); from outside it is not.
+                let inside = match user {
+                    Some(u) if !u.is_host() => capture_of(u)? == Some(capture),
+                    _ => false,
+                };
+                if !inside {
+                    return Err(crate::error::Error::Capture(
+                        "the block's last use is queued on a stream that now captures a graph; synchronize \
+                         streams before beginning a capture"
+                            .into(),
+                    ));
+                }
             }
             // A stream its owner let go (only this registry and `sources`
             // hold it) gets no more work from cumem's callers: once it is

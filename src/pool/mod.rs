@@ -24,6 +24,7 @@ mod cache;
 mod classes;
 mod free_index;
 mod growth;
+mod mapper;
 mod pages;
 mod snapshot;
 mod spin;
@@ -104,6 +105,13 @@ pub struct PoolConfig {
     /// way. The device pools use it
     /// ([`Config::hot_block`](crate::Config::hot_block)).
     pub hot_block: bool,
+    /// With page remapping, let cumem's background mapper thread keep a
+    /// reserve of unmapped memory, so that allocations map kept memory
+    /// and unmap nothing themselves (`mapper.rs`). Off (the default until
+    /// it is measured on a device): the allocating thread makes every page
+    /// move (and [`Pool::mapper_step`] runs the mapper's work where a test
+    /// wants it).
+    pub background_mapper: bool,
 }
 
 impl PoolConfig {
@@ -123,6 +131,7 @@ impl PoolConfig {
             keep_chunks: false,
             remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
             hot_block: false,
+            background_mapper: false,
         }
     }
 }
@@ -170,7 +179,7 @@ struct Inner {
 pub struct Pool<U: Upstream> {
     inner: Arc<SpinLock<Inner>>,
     cache: Option<Arc<ThreadCaches>>,
-    upstream: U,
+    upstream: Arc<U>,
     config: PoolConfig,
     /// Page remapping is on (`pages.rs`).
     remap: bool,
@@ -179,7 +188,9 @@ pub struct Pool<U: Upstream> {
     remap_page: usize,
     /// Held across a remap's upstream calls (never with the pool lock
     /// held while waiting for it): one remap at a time.
-    remap_lock: Mutex<()>,
+    remap_lock: Arc<Mutex<()>>,
+    /// The pool's job for the background mapper (page remapping only).
+    mapper: Option<Arc<mapper::Job<U>>>,
     /// Whether a chunk may be wholly free ([`BestFit`]'s flag, read
     /// without the lock before another arena is offered a chunk).
     whole_free: Arc<crate::sync::AtomicBool>,
@@ -241,7 +252,13 @@ impl<U: Upstream> Pool<U> {
         let inner = Arc::new(SpinLock::new(Inner { fit, pages: pages::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
-        Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock: Mutex::new(()), whole_free }
+        let upstream = Arc::new(upstream);
+        let remap_lock = Arc::new(Mutex::new(()));
+        let mapper = remap.then(|| {
+            let job = mapper::Job::new(inner.clone(), upstream.clone(), remap_lock.clone(), config.remap_slack_ppm);
+            Arc::new(job)
+        });
+        Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock, mapper, whole_free }
     }
 
     /// Sets what the pool asks when blocks freed on different streams
@@ -267,6 +284,23 @@ impl<U: Upstream> Pool<U> {
     /// The upstream.
     pub fn upstream(&self) -> &U {
         &self.upstream
+    }
+
+    /// Runs one step of the background mapper's work for this pool on the
+    /// calling thread (`pool/mapper.rs`); `true` when more is wanted.
+    /// For models and tests: the mapper thread runs these steps itself.
+    #[doc(hidden)]
+    pub fn mapper_step(&self) -> bool {
+        self.mapper.as_ref().is_some_and(|job| job.run_step() == mapper::Progress::More)
+    }
+
+    /// Closes the background mapper's job and waits until its thread let
+    /// go of it (shutdown and drop).
+    fn stop_mapper(&self) {
+        if let Some(job) = &self.mapper {
+            job.close();
+            mapper::wait_released(job);
+        }
     }
 
     /// The configuration.
@@ -523,6 +557,14 @@ impl<U: Upstream> Pool<U> {
         let mut inner = self.inner.lock();
         let freed = inner.fit.free(addr, tag).map_err(|e| self.free_error(addr, e))?;
         let freed = lent.unwrap_or(freed);
+        if let (Some(job), true) = (&self.mapper, self.config.background_mapper && freed.size >= self.remap_page) {
+            // A large free may give the mapper memory to unmap ahead.
+            if job.wants_room(&inner) {
+                drop(inner);
+                mapper::wake(job);
+                return Ok(freed);
+            }
+        }
         if inner.shut_down {
             // After shutdown nothing is cached: give the chunk back as soon
             // as its last block is free.
@@ -639,7 +681,7 @@ impl<U: Upstream> Pool<U> {
         let mut inner = self.inner.lock();
         inner.fit.stats_mut().reset_peaks();
         inner.fit.reset_touched_peak();
-        inner.pages.peak = inner.pages.mapped;
+        inner.pages.peak = inner.pages.physical();
     }
 
     /// Runs `f` on the allocator under the lock (tests, summaries).
@@ -658,6 +700,7 @@ impl<U: Upstream> Pool<U> {
     /// An upstream error while returning free chunks.
     pub fn shutdown(&self) -> Result<Vec<LiveBlock>> {
         self.inner.lock().shut_down = true;
+        self.stop_mapper();
         if let Some(cache) = &self.cache {
             cache.drain_all(true);
         }
@@ -684,6 +727,7 @@ impl<U: Upstream> Drop for Pool<U> {
         if let Some(cache) = &self.cache {
             cache.detach();
         }
+        self.stop_mapper();
         if let Err(e) = self.release_cached() {
             eprintln!("cumem: releasing a pool's chunks failed: {e}");
         }

@@ -31,15 +31,22 @@
 //!   first. Best fit breaks ties toward low addresses, so the top of the
 //!   range is what placement comes back to last.
 //! - **Pieces**: new memory is mapped in pieces of at most
-//!   [`REMAP_PIECE`](crate::upstream::REMAP_PIECE) (a piece is unmapped
-//!   whole), so a large block's pages can move a few at a time.
+//!   [`remap_piece`](crate::upstream::remap_piece) bytes (8 MiB, growing
+//!   to 32 MiB with the memory held; a piece is unmapped whole), so a
+//!   large block's pages can move a few at a time.
 //! - **Stream order**: the pages to reclaim are marked holes before the
 //!   pool lock is dropped, so no allocation lands on them while they move;
 //!   when a free block that gives pages carries a stream tag, the upstream
 //!   waits for the device before it unmaps (or unmaps nothing when it
 //!   can't wait now, and the pool grows instead).
+//! - **Kept memory**: memory unmapped to move is kept (with no address)
+//!   for the next map, which maps it before it makes new memory; it counts
+//!   as held. The background mapper (`mapper.rs`, when on) keeps a reserve of it
+//!   by unmapping free pages off the allocating thread, so an allocation
+//!   that touches holes maps kept memory and unmaps nothing itself.
 //! - **Out of memory**: [`Pool::release_cached`] unmaps every wholly free
-//!   piece, the first step of the retry ladder.
+//!   piece and releases the kept memory, the first step of the retry
+//!   ladder.
 //! - Pools with [`PoolConfig::keep_chunks`](super::PoolConfig::keep_chunks)
 //!   never remap (their graphs replay later into free-looking blocks).
 
@@ -59,9 +66,12 @@ pub(super) struct Pages {
     /// One bit per page: set for a hole (nothing mapped, or memory moving).
     holes: Vec<u64>,
     hole_count: usize,
-    /// Pages mapped, and their peak.
+    /// Pages mapped, and the peak of the physical pages (mapped and kept).
     pub(super) mapped: usize,
     pub(super) peak: usize,
+    /// Pages of memory unmapped and kept by the upstream for the next map
+    /// ([`Upstream::kept`]): held, with no address.
+    pub(super) kept: usize,
     /// Map calls (one per piece mapped) and unmap calls (one per piece).
     pub(super) map_calls: u64,
     pub(super) unmap_calls: u64,
@@ -74,6 +84,11 @@ impl Pages {
 
     pub(super) fn page(&self) -> usize {
         1 << self.shift
+    }
+
+    /// log2 of the page size.
+    pub(super) fn shift(&self) -> u32 {
+        self.shift
     }
 
     fn index(&self, addr: usize) -> usize {
@@ -196,7 +211,8 @@ impl Pages {
     /// remapping on, else the chunks (all mapped).
     pub(super) fn fill_stats(&self, s: &mut super::PoolStats, remap: bool) {
         if remap {
-            s.mapped = self.mapped << self.shift;
+            s.mapped = (self.mapped + self.kept) << self.shift;
+            s.kept = self.kept << self.shift;
             s.peak_mapped = self.peak << self.shift;
             s.map_calls = self.map_calls;
             s.unmap_calls = self.unmap_calls;
@@ -206,6 +222,18 @@ impl Pages {
             s.map_calls = s.upstream_allocs;
             s.unmap_calls = s.upstream_frees;
         }
+    }
+
+    /// The physical pages held: mapped and kept.
+    pub(super) fn physical(&self) -> usize {
+        self.mapped + self.kept
+    }
+
+    /// Records the upstream's kept memory (`bytes`, read outside the pool
+    /// lock under the remap lock) and raises the peak.
+    pub(super) fn set_kept(&mut self, bytes: usize) {
+        self.kept = bytes >> self.shift;
+        self.peak = self.peak.max(self.physical());
     }
 
     /// Adds a chunk's new address space (nothing mapped).
@@ -222,6 +250,13 @@ impl Pages {
         self.mapped -= mapped;
         mapped
     }
+}
+
+/// The physical pages a remapping pool may hold: the page floor of its
+/// placement plus the slack (`slack_ppm` millionths of it).
+pub(super) fn budget(fit: &super::BestFit, slack_ppm: u32) -> usize {
+    let (_, floor) = fit.touched_pages();
+    floor + (floor as u128 * u128::from(slack_ppm)).div_ceil(1_000_000) as usize
 }
 
 /// The work one remap step does outside the pool lock.
@@ -276,9 +311,12 @@ impl<U: Upstream> Pool<U> {
             };
             let runs = pages.holes_in(a.addr, a.size);
             let needed: usize = runs.iter().map(|r| r.size >> pages.shift).sum();
-            let (_, floor) = fit.touched_pages();
-            let budget = floor + (floor as u128 * u128::from(self.config.remap_slack_ppm)).div_ceil(1_000_000) as usize;
-            let want = (pages.mapped + needed).saturating_sub(budget);
+            let budget = budget(fit, self.config.remap_slack_ppm);
+            // Kept memory maps without raising what is held; only the rest
+            // is new memory, and only new memory above the budget makes
+            // this thread unmap (the background mapper keeps memory kept).
+            let new = needed.saturating_sub(pages.kept);
+            let want = (pages.physical() + new).saturating_sub(budget);
             let (mut settled, mut pending) = (Vec::new(), Vec::new());
             if want > 0 {
                 // Offer twice the excess (only whole pieces inside the
@@ -308,7 +346,16 @@ impl<U: Upstream> Pool<U> {
             }
             Plan { alloc: a, runs, settled, pending, want: want << pages.shift }
         };
-        self.carry_out(plan).map(Some)
+        let r = self.carry_out(plan).map(Some);
+        if let Some(job) = &self.mapper {
+            // New memory made where kept pieces did not fit may have taken
+            // the pool above its budget: the excess goes at once.
+            job.trim_excess();
+            if self.config.background_mapper {
+                super::mapper::wake(job);
+            }
+        }
+        r
     }
 
     /// Unmaps what `plan` reclaims and maps its runs (no pool lock held),
@@ -322,6 +369,7 @@ impl<U: Upstream> Pool<U> {
         if mapped.is_err() {
             self.upstream.release_kept();
         }
+        let kept = self.upstream.kept();
         let mut inner = self.inner.lock();
         let Inner { fit, pages, .. } = &mut *inner;
         for span in plan.settled.iter().chain(&plan.pending) {
@@ -338,10 +386,11 @@ impl<U: Upstream> Pool<U> {
                     pages.mapped += pages.mark(*run, false);
                 }
                 pages.map_calls += calls;
-                pages.peak = pages.peak.max(pages.mapped);
+                pages.set_kept(kept);
                 Ok(plan.alloc)
             }
             Err(e) => {
+                pages.set_kept(kept);
                 fit.undo_allocate(&plan.alloc);
                 Err(e)
             }
@@ -387,12 +436,16 @@ impl<U: Upstream> Pool<U> {
             }
             (spans, pending)
         };
+        let kept = self.upstream.kept();
+        self.upstream.release_kept();
         if spans.is_empty() {
-            return Ok(0);
+            self.inner.lock().pages.set_kept(0);
+            return Ok(kept);
         }
         let r = self.upstream.unmap_within(&spans, usize::MAX, pending, false);
         let mut inner = self.inner.lock();
         let pages = &mut inner.pages;
+        pages.set_kept(0);
         for span in &spans {
             pages.mark(*span, false);
         }
@@ -404,7 +457,7 @@ impl<U: Upstream> Pool<U> {
             bytes += piece.size;
         }
         pages.unmap_calls += unmapped.len() as u64;
-        r.map(|_| bytes)
+        r.map(|_| bytes + kept)
     }
 }
 

@@ -27,8 +27,9 @@ pub struct PoolStats {
     pub reserved: usize,
     /// The largest `reserved` since creation or the last peak reset.
     pub peak_reserved: usize,
-    /// Bytes of physical memory mapped: what the pool holds from the
-    /// driver. With page remapping (`pages.rs`) it can be less than
+    /// Bytes of physical memory held from the driver: mapped, and with
+    /// page remapping (`pages.rs`) also the memory unmapped and kept for
+    /// the next map (`kept`). With page remapping it can be less than
     /// `reserved`, the address space of the chunks; otherwise equal.
     pub mapped: usize,
     /// The largest `mapped` since creation or the last peak reset: the
@@ -48,6 +49,10 @@ pub struct PoolStats {
     /// Unmap calls (one per piece unmapped; without remapping, the upstream
     /// frees).
     pub unmap_calls: u64,
+    /// Of `mapped`, the bytes of memory unmapped and kept for the next map
+    /// (page remapping: the background mapper's reserve), held with no
+    /// address.
+    pub kept: usize,
     /// Bytes in blocks parked in thread caches: freed by their users, not
     /// yet back in the shared pool (counted neither in `in_use` nor in
     /// `free_blocks`; [`Pool::release_cached`](super::Pool::release_cached)
@@ -116,6 +121,7 @@ impl PoolStats {
         self.peak_touched += o.peak_touched;
         self.map_calls += o.map_calls;
         self.unmap_calls += o.unmap_calls;
+        self.kept += o.kept;
         self.cached += o.cached;
         self.live_blocks += o.live_blocks;
         self.free_blocks += o.free_blocks;

@@ -191,7 +191,7 @@ impl Expandable {
                 }
             }
         }
-        region.release_spare();
+        // Unused spares stay for the next map (`kept`).
         Ok(calls)
     }
 
@@ -213,6 +213,14 @@ impl Expandable {
 
     fn release_kept(&self) {
         lock(&self.region).release_spare();
+    }
+
+    fn kept(&self) -> usize {
+        lock(&self.region).spare_bytes()
+    }
+
+    fn trim_kept(&self, keep: usize) {
+        lock(&self.region).release_spare_over(keep);
     }
 
     fn mapped(&self) -> usize {
@@ -354,6 +362,13 @@ impl Upstream for CudaVmm {
         let _relaxed = RelaxedCaptureMode::enter();
         self.inner.release_kept();
     }
+    fn kept(&self) -> usize {
+        self.inner.kept()
+    }
+    fn trim_kept(&self, keep: usize) {
+        let _relaxed = RelaxedCaptureMode::enter();
+        self.inner.trim_kept(keep);
+    }
     fn granularity(&self) -> usize {
         self.inner.granularity
     }
@@ -445,6 +460,12 @@ impl Upstream for HostExpandable {
     }
     fn release_kept(&self) {
         self.inner.release_kept();
+    }
+    fn kept(&self) -> usize {
+        self.inner.kept()
+    }
+    fn trim_kept(&self, keep: usize) {
+        self.inner.trim_kept(keep);
     }
     fn granularity(&self) -> usize {
         self.inner.granularity

@@ -81,6 +81,13 @@ impl Upstream for Recorder {
     fn release_kept(&self) {
         self.saw("release_kept");
     }
+    fn kept(&self) -> usize {
+        self.saw("kept");
+        0
+    }
+    fn trim_kept(&self, _: usize) {
+        self.saw("trim_kept");
+    }
 }
 
 /// Wraps a [`Recorder`] with `wrap`, calls every [`Upstream`] method on
@@ -100,13 +107,15 @@ pub(crate) fn methods_not_forwarded(wrap: impl FnOnce(Box<dyn Upstream>) -> Box<
     let _ = u.map_runs(&[c]);
     let _ = u.unmap_within(&[c], PAGE, false, true);
     u.release_kept();
+    let _ = u.kept();
+    u.trim_kept(0);
     let _ = u.deallocate_chunk(c);
     let seen = lock(&calls).clone();
     ALL.iter().copied().filter(|m| !seen.contains(m)).collect()
 }
 
 /// Every method of [`Upstream`] but `inner` (a wrapper's own).
-const ALL: [&str; 15] = [
+const ALL: [&str; 17] = [
     "allocate_chunk",
     "deallocate_chunk",
     "try_extend",
@@ -122,6 +131,8 @@ const ALL: [&str; 15] = [
     "map_runs",
     "unmap_within",
     "release_kept",
+    "kept",
+    "trim_kept",
 ];
 
 #[cfg(test)]

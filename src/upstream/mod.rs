@@ -40,6 +40,32 @@ pub const BLOCK_ALIGN: usize = 256;
 /// to the upstream's granularity).
 pub const REMAP_PIECE: usize = 8 << 20;
 
+/// The default of the largest piece of new memory a remapping pool maps
+/// once it holds a lot (see [`remap_piece`]; the environment variable
+/// `CUMEM_REMAP_PIECE_MAX` overrides it).
+pub const REMAP_PIECE_MAX: usize = 32 << 20;
+
+/// The largest piece of new memory to map where `mapped` bytes are mapped
+/// already: pieces grow with the memory held (a 32nd of it, a power of
+/// two), from [`REMAP_PIECE`] to [`REMAP_PIECE_MAX`], so a pool growing
+/// from nothing makes fewer, larger `cuMemCreate` calls, while a small
+/// pool's memory still moves finely. Larger pieces move less finely once
+/// free (a piece is unmapped whole): `CUMEM_REMAP_PIECE_MAX` (in MiB, read
+/// once per process) sets the ceiling; at or below [`REMAP_PIECE`] pieces
+/// never grow.
+pub fn remap_piece(mapped: usize) -> usize {
+    use crate::sync::{Ordering, StaticAtomicU64};
+    /// The ceiling in bytes; 0 until read.
+    static MAX: StaticAtomicU64 = StaticAtomicU64::new(0);
+    let mut max = MAX.load(Ordering::Relaxed) as usize;
+    if max == 0 {
+        let asked = std::env::var("CUMEM_REMAP_PIECE_MAX").ok().and_then(|v| v.trim().parse::<usize>().ok());
+        max = asked.and_then(|mib| mib.checked_mul(1 << 20)).unwrap_or(REMAP_PIECE_MAX).max(REMAP_PIECE);
+        MAX.store(max as u64, Ordering::Relaxed);
+    }
+    (mapped / 32).next_power_of_two().clamp(REMAP_PIECE, max)
+}
+
 /// An address range an upstream handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Chunk {
@@ -78,7 +104,7 @@ impl Chunk {
 /// host.deallocate_chunk(c)?;
 /// # Ok::<(), cumem::Error>(())
 /// ```
-pub trait Upstream: Send + Sync {
+pub trait Upstream: Send + Sync + 'static {
     /// Allocates a chunk of at least `size` bytes whose address is aligned
     /// to at least 256 bytes. `size` is a multiple of [`granularity`].
     ///
@@ -212,6 +238,24 @@ pub trait Upstream: Send + Sync {
     fn release_kept(&self) {
         if let Some(u) = self.inner() {
             u.release_kept()
+        }
+    }
+
+    /// The bytes of memory [`unmap_within`](Upstream::unmap_within) kept
+    /// and no [`map_runs`](Upstream::map_runs) has reused yet: physical
+    /// memory held with no address (a remapping pool counts it as held).
+    /// A successful `map_runs` keeps what it did not reuse, for later maps.
+    fn kept(&self) -> usize {
+        self.inner().map_or(0, |u| u.kept())
+    }
+
+    /// Releases kept memory, largest pieces first, until at most `keep`
+    /// bytes remain kept (all of it by default).
+    fn trim_kept(&self, keep: usize) {
+        match self.inner() {
+            Some(u) => u.trim_kept(keep),
+            None if self.kept() > keep => self.release_kept(),
+            None => {}
         }
     }
 

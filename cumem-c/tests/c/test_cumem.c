@@ -263,6 +263,39 @@ static void torch_entry_points(void) {
   EXPECT(cumem_stream_destroy(b), CUMEM_STATUS_OK);
 }
 
+/* The native PyTorch backend's entry points: statuses instead of NULL. */
+static void torch_native_entry_points(void) {
+  CumemTorchFigures f0, f1;
+  CumemStream a = NULL;
+  void *p = NULL, *q = NULL;
+  EXPECT(cumem_torch_figures(0, NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_torch_figures(-1, &f0), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_torch_figures(99, &f0), CUMEM_STATUS_NO_SUCH_DEVICE);
+  EXPECT(cumem_torch_figures(0, &f0), CUMEM_STATUS_OK);
+  EXPECT(cumem_stream_create(&a), CUMEM_STATUS_OK);
+  EXPECT(cumem_torch_allocate(1 << 20, 0, a, NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_torch_allocate(0, 0, a, &p), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_torch_allocate(256, 99, a, &p), CUMEM_STATUS_NO_SUCH_DEVICE);
+  EXPECT(cumem_torch_allocate((size_t)1 << 62, 0, a, &p), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_torch_allocate(1 << 20, 0, a, &p), CUMEM_STATUS_OK);
+  CHECK(p != NULL && (uintptr_t)p % 256 == 0);
+  EXPECT(cumem_torch_allocate_unordered(4096, 0, NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_torch_allocate_unordered(4096, -2, &q), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_torch_allocate_unordered(4096, 0, &q), CUMEM_STATUS_OK);
+  CHECK(q != NULL && q != p);
+  EXPECT(cumem_torch_figures(0, &f1), CUMEM_STATUS_OK);
+  CHECK(f1.reserved >= (1 << 20) && f1.peak_reserved >= f1.reserved && f1.chunks >= 1);
+  CHECK(f1.device_allocs >= f1.device_frees);
+  EXPECT(cumem_torch_release(NULL, 0, a), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_torch_release((char *)p + 256, 0, a), CUMEM_STATUS_INTERIOR_POINTER);
+  EXPECT(cumem_torch_release(p, -1, a), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_torch_release(p, 0, a), CUMEM_STATUS_OK);
+  EXPECT(cumem_torch_release(p, 0, a), CUMEM_STATUS_DOUBLE_FREE); /* nothing changes */
+  EXPECT(cumem_free_device(q), CUMEM_STATUS_OK);
+  EXPECT(cumem_stream_synchronize(a), CUMEM_STATUS_OK);
+  EXPECT(cumem_stream_destroy(a), CUMEM_STATUS_OK);
+}
+
 static void summary_and_release(void) {
   size_t needed = 0, released = 0;
   char small[8];
@@ -308,6 +341,7 @@ int main(void) {
   streams_and_copies();
   modes();
   torch_entry_points();
+  torch_native_entry_points();
   summary_and_release();
   shut_down();
   printf("cumem C test: all %d checks passed\n", checks);

@@ -275,7 +275,7 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
     }
     println!();
     println!(
-        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>7} {:>6} {:>9} {:>7}",
+        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>9} {:>9} {:>7} {:>6} {:>9} {:>7}",
         "trace",
         "target",
         "ops",
@@ -287,6 +287,8 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
         "ratio",
         "fail",
         "map/unmap",
+        "drv/alloc",
+        "drv/bg",
         "streams",
         "waits",
         "wait ns",
@@ -294,7 +296,7 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
     );
     for r in results {
         println!(
-            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>7} {:>6} {:>9} {:>7}",
+            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>9} {:>9} {:>7} {:>6} {:>9} {:>7}",
             r.trace,
             r.target,
             r.operations,
@@ -311,6 +313,10 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
                 (Some(m), Some(u)) => format!("{m}/{u}"),
                 _ => "n/a".to_string(),
             },
+            // Driver calls that moved memory in the timed pass, made by
+            // the allocating thread and by the background mapper.
+            r.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.allocating.total.to_string()),
+            r.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.background.total.to_string()),
             r.streams,
             r.stream_waits,
             r.stream_wait_ns,

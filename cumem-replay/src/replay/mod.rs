@@ -148,6 +148,10 @@ pub struct Measurement {
     pub map_calls: Option<u64>,
     /// Unmap calls during the timed replay, where the target can tell.
     pub unmap_calls: Option<u64>,
+    /// Driver calls that moved physical memory during the timed replay
+    /// (cumem's remapping targets), by the allocating thread and by the
+    /// background mapper.
+    pub driver_calls: Option<Calls>,
     /// Reuses of a block freed on another of the trace's streams that had
     /// to wait for that stream's work (in the timed pass).
     pub stream_waits: u64,
@@ -188,6 +192,9 @@ pub struct ReplayReport {
     pub map_calls: Option<u64>,
     /// Unmap calls in the last replay's timed pass.
     pub unmap_calls: Option<u64>,
+    /// Driver calls that moved physical memory in the last replay's timed
+    /// pass, on the allocating thread and on the background mapper.
+    pub driver_calls: Option<Calls>,
     /// The CUDA streams (or stream tags) the replay used: the trace's
     /// streams, or 1 with `--one-stream`.
     pub streams: usize,
@@ -197,6 +204,56 @@ pub struct ReplayReport {
     pub stream_wait_ns: u64,
     /// Cross-stream reuses in the last replay that needed no wait.
     pub stream_waits_elided: u64,
+}
+
+/// Driver calls by kind (`cuMemCreate`, `cuMemMap`, `cuMemUnmap`,
+/// `cuMemSetAccess`, `cuMemRelease`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct CallKinds {
+    /// `cuMemCreate`.
+    pub create: u64,
+    /// `cuMemMap`.
+    pub map: u64,
+    /// `cuMemUnmap`.
+    pub unmap: u64,
+    /// `cuMemSetAccess`.
+    pub set_access: u64,
+    /// `cuMemRelease`.
+    pub release: u64,
+    /// All of them.
+    pub total: u64,
+}
+
+impl From<cumem::cuda::vmm::DriverCalls> for CallKinds {
+    fn from(c: cumem::cuda::vmm::DriverCalls) -> Self {
+        CallKinds {
+            create: c.create,
+            map: c.map,
+            unmap: c.unmap,
+            set_access: c.set_access,
+            release: c.release,
+            total: c.total(),
+        }
+    }
+}
+
+/// The driver calls of a timed pass, on the allocating thread and on
+/// cumem's background mapper.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Calls {
+    /// Made by the thread that replays the trace.
+    pub allocating: CallKinds,
+    /// Made by the background mapper while the pass ran.
+    pub background: CallKinds,
+}
+
+impl Calls {
+    /// The calls made between two readings of
+    /// [`driver_calls`](cumem::cuda::vmm::driver_calls).
+    pub fn between(before: &cumem::cuda::vmm::DriverCallCounts, after: &cumem::cuda::vmm::DriverCallCounts) -> Self {
+        let d = after.since(before);
+        Calls { allocating: d.allocating.into(), background: d.background.into() }
+    }
 }
 
 /// The median of `values` (0 when empty).
@@ -325,6 +382,7 @@ pub fn replay_on(
         failures: last.failures,
         map_calls: last.map_calls,
         unmap_calls: last.unmap_calls,
+        driver_calls: last.driver_calls,
         streams: streams_used(trace, target, one_stream),
         stream_waits: last.stream_waits,
         stream_wait_ns: last.stream_wait_ns,
@@ -418,9 +476,11 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool, one_stream: bool) -> 
         }
     }
     let before = dev.stats();
+    let calls_before = cumem::cuda::vmm::driver_calls();
     let start = Instant::now();
     let failures = pass(&mut ptrs);
     let elapsed_ns = start.elapsed().as_nanos() as u64;
+    let calls_after = cumem::cuda::vmm::driver_calls();
     let stats = dev.stats();
     let calls = (mode == DeviceAllocatorMode::SyncPool)
         .then(|| (stats.pool.map_calls - before.pool.map_calls, stats.pool.unmap_calls - before.pool.unmap_calls));
@@ -449,6 +509,7 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool, one_stream: bool) -> 
         failures,
         map_calls: calls.map(|c| c.0),
         unmap_calls: calls.map(|c| c.1),
+        driver_calls: (mode == DeviceAllocatorMode::SyncPool).then(|| Calls::between(&calls_before, &calls_after)),
         stream_waits,
         stream_wait_ns,
         stream_waits_elided,

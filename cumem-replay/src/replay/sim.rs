@@ -11,11 +11,23 @@ use std::time::Instant;
 
 use super::Measurement;
 use crate::trace::{Op, Trace};
+use cumem::cuda::vmm::{record_call, CallKind};
 use cumem::pool::{Pool, StreamTag, BLOCK_ALIGN};
 use cumem::upstream::{Chunk, Upstream};
 use cumem::Config;
 use cumem::Result;
 use std::sync::{Mutex, MutexGuard};
+
+/// The time each simulated driver call takes: `CUMEM_SIM_CALL_US`
+/// microseconds (0, the default: none), so that the background mapper's
+/// work and the allocating thread's overlap as they would on a device.
+fn call_cost() -> std::time::Duration {
+    static COST: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *COST.get_or_init(|| {
+        let us = std::env::var("CUMEM_SIM_CALL_US").ok().and_then(|v| v.trim().parse::<u64>().ok());
+        std::time::Duration::from_micros(us.unwrap_or(0))
+    })
+}
 
 /// The granularity of device memory (large pages).
 const GRANULARITY: usize = 2 << 20;
@@ -66,8 +78,33 @@ struct Mapped {
 
 impl Mapped {
     fn release_spare(&mut self) {
-        self.calls.releases += self.spare.len() as u64;
+        for _ in 0..self.spare.len() {
+            self.note(CallKind::Release);
+        }
         self.spare.clear();
+    }
+
+    /// Counts one call here and in the library's driver-call counters (on
+    /// the thread that makes it, as a device's would be).
+    fn note(&mut self, kind: CallKind) {
+        let c = &mut self.calls;
+        *match kind {
+            CallKind::Create => &mut c.creates,
+            CallKind::Map => &mut c.maps,
+            CallKind::Unmap => &mut c.unmaps,
+            CallKind::SetAccess => &mut c.set_access,
+            CallKind::Release => &mut c.releases,
+        } += 1;
+        record_call(kind);
+        let cost = call_cost();
+        if !cost.is_zero() {
+            // The device's time for the call (the region's lock is held
+            // across it, as the real upstream holds its region's).
+            let start = Instant::now();
+            while start.elapsed() < cost {
+                std::hint::spin_loop();
+            }
+        }
     }
 
     /// Drops the pieces inside `[addr, addr + size)`.
@@ -75,8 +112,8 @@ impl Mapped {
         let inside: Vec<usize> = self.pieces.range(addr..addr + size).map(|(&a, _)| a).collect();
         for a in inside {
             self.pieces.remove(&a);
-            self.calls.unmaps += 1;
-            self.calls.releases += 1;
+            self.note(CallKind::Unmap);
+            self.note(CallKind::Release);
         }
     }
 }
@@ -120,9 +157,9 @@ impl AddressRange {
     fn map_new(&self, addr: usize, size: usize) {
         let mut vm = lock(&self.vm);
         vm.pieces.insert(addr, size);
-        vm.calls.creates += 1;
-        vm.calls.maps += 1;
-        vm.calls.set_access += 1;
+        vm.note(CallKind::Create);
+        vm.note(CallKind::Map);
+        vm.note(CallKind::SetAccess);
     }
 }
 
@@ -187,18 +224,19 @@ impl Upstream for AddressRange {
                 let len = match pick {
                     Some(i) => vm.spare.swap_remove(i),
                     None => {
-                        vm.calls.creates += 1;
-                        rem.min(cumem::upstream::REMAP_PIECE.next_multiple_of(GRANULARITY))
+                        vm.note(CallKind::Create);
+                        let mapped: usize = vm.pieces.values().sum();
+                        rem.min(cumem::upstream::remap_piece(mapped).next_multiple_of(GRANULARITY))
                     }
                 };
                 vm.pieces.insert(at, len);
-                vm.calls.maps += 1;
+                vm.note(CallKind::Map);
                 maps += 1;
                 at += len;
             }
-            vm.calls.set_access += 1;
+            vm.note(CallKind::SetAccess);
         }
-        vm.release_spare();
+        // Unused spares stay for the next map (`kept`).
         Ok(maps)
     }
 
@@ -214,11 +252,11 @@ impl Upstream for AddressRange {
         for i in chosen {
             let (addr, size) = pieces[i];
             vm.pieces.remove(&addr);
-            vm.calls.unmaps += 1;
+            vm.note(CallKind::Unmap);
             if keep {
                 vm.spare.push(size);
             } else {
-                vm.calls.releases += 1;
+                vm.note(CallKind::Release);
             }
             out.push(Chunk { addr, size });
         }
@@ -227,6 +265,21 @@ impl Upstream for AddressRange {
 
     fn release_kept(&self) {
         lock(&self.vm).release_spare();
+    }
+
+    fn kept(&self) -> usize {
+        lock(&self.vm).spare.iter().sum()
+    }
+
+    fn trim_kept(&self, keep: usize) {
+        let mut vm = lock(&self.vm);
+        vm.spare.sort_unstable();
+        let mut total: usize = vm.spare.iter().sum();
+        while total > keep {
+            let Some(size) = vm.spare.pop() else { break };
+            total -= size;
+            vm.note(CallKind::Release);
+        }
     }
 
     fn granularity(&self) -> usize {
@@ -252,6 +305,9 @@ impl Upstream for AddressRange {
 /// stream wait (what the device pool would order with an event).
 pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_stream: bool) -> Result<Measurement> {
     let pool = Pool::new(AddressRange::new(), config.device_pool_config());
+    // No work is ever queued on a simulated device: every free's work is
+    // complete, as a replay's on a real device (no kernels run) soon is.
+    pool.set_tag_oracle(std::sync::Arc::new(|_| true));
     let mut addrs = vec![0usize; trace.slots];
     let seq = std::cell::Cell::new(0u64);
     let stream_of = |i: usize| if one_stream { 1 } else { u64::from(trace.op_streams[i]) + 1 };
@@ -288,9 +344,11 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_s
         }
     }
     let before = pool.upstream().calls();
+    let calls_before = cumem::cuda::vmm::driver_calls();
     let start = Instant::now();
     let (failures, stream_waits) = pass(&mut addrs);
     let elapsed_ns = start.elapsed().as_nanos() as u64;
+    let calls_after = cumem::cuda::vmm::driver_calls();
     let after = pool.upstream().calls();
     let stats = pool.stats();
     Ok(Measurement {
@@ -300,6 +358,7 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_s
         failures,
         map_calls: Some(after.maps - before.maps),
         unmap_calls: Some(after.unmaps - before.unmaps),
+        driver_calls: Some(super::Calls::between(&calls_before, &calls_after)),
         stream_waits,
         stream_wait_ns: 0,
         stream_waits_elided: 0,

@@ -8,8 +8,11 @@
 //! to `spare` when the caller moves it, and the next [`Region::map_run`]
 //! maps spares of at most the run's remaining size (largest first) before
 //! it allocates new memory for the rest, in pieces of at most
-//! [`REMAP_PIECE`](crate::upstream::REMAP_PIECE), so that a few pages of a
-//! large run can move later without the rest. Each piece is one `cuMemMap`; the
+//! [`remap_piece`](crate::upstream::remap_piece) of what the region maps,
+//! so that a few pages of a large run can move later without the rest.
+//! Spares a map did not use stay for later maps (the pool counts them as
+//! held) until [`Region::release_spare`] or
+//! [`Region::release_spare_over`]. Each piece is one `cuMemMap`; the
 //! whole run gets one `cuMemSetAccess` for the owner and every granted
 //! peer, so remapped memory is reachable from the same devices as the rest
 //! of the region.
@@ -42,7 +45,8 @@ impl Region {
         if overlaps_prev || self.pieces.get(at).is_some_and(|p| p.offset < end) {
             return Err(Error::InvalidState(format!("offset {offset} (+{size} B) is already mapped")));
         }
-        let piece_cap = crate::upstream::REMAP_PIECE.next_multiple_of(gran);
+        let mapped: usize = self.pieces.iter().map(|p| p.size).sum();
+        let piece_cap = crate::upstream::remap_piece(mapped).next_multiple_of(gran);
         let mut new: Vec<Piece> = Vec::new();
         let mut cursor = offset;
         let mut failure = None;
@@ -165,6 +169,22 @@ impl Region {
     /// Releases the spare memory (`cuMemRelease` on CUDA).
     pub(crate) fn release_spare(&mut self) {
         self.spare.clear();
+    }
+
+    /// Releases spare memory, largest first, until at most `keep` bytes
+    /// remain.
+    pub(crate) fn release_spare_over(&mut self, keep: usize) {
+        let mut total = self.spare_bytes();
+        self.spare.sort_by_key(|(size, _)| *size);
+        while total > keep {
+            let Some((size, _)) = self.spare.pop() else { break };
+            total -= size;
+        }
+    }
+
+    /// The bytes of spare memory (unmapped, kept for the next map).
+    pub(crate) fn spare_bytes(&self) -> usize {
+        self.spare.iter().map(|(size, _)| size).sum()
     }
 }
 

@@ -1,0 +1,158 @@
+//! Entry points for cumem_torch's native PyTorch backend (a C++ class
+//! derived from PyTorch's `CUDAAllocator`, in `python/cumem_torch/csrc/`):
+//! allocation and stream-ordered free on a given device that return a
+//! status (the backend turns an out-of-memory status into PyTorch's
+//! `OutOfMemoryError`), and the device figures PyTorch's statistics need
+//! that the other statistics entry points don't carry (driver calls,
+//! retries, the largest free block).
+
+use std::ffi::{c_int, c_void};
+
+use crate::api::{manager, put};
+use crate::status::{guard, Failure, Outcome};
+use crate::streams::{stream_for, CumemStream};
+use crate::torch::{free_on, ordinal};
+use crate::CumemStatus;
+
+/// Allocates `size` bytes on device `device` for work on `stream` (a
+/// stream of that device's primary context), storing the pointer in
+/// `*out`. What `cumem_torch_alloc` does, with a status instead of NULL.
+///
+/// # Errors
+/// `CUMEM_STATUS_INVALID_ARGUMENT` (size 0, NULL `out`, a negative
+/// device), `CUMEM_STATUS_OUT_OF_MEMORY`, `CUMEM_STATUS_SHUT_DOWN`,
+/// `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_DRIVER`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write; `stream` as in
+/// `cumem_torch_alloc`.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_torch_allocate(
+    size: usize,
+    device: c_int,
+    stream: CumemStream,
+    out: *mut *mut c_void,
+) -> CumemStatus {
+    // SAFETY: the caller's promise about `out`.
+    unsafe {
+        allocate_into(out, || {
+            let s = stream_for(ordinal(device)?, stream)?;
+            Ok(manager()?.allocate_device_on(size, &s)?)
+        })
+    }
+}
+
+/// Runs `allocate` and stores the pointer it makes in `*out`.
+///
+/// # Safety
+/// `out` must be NULL (an error, and `allocate` does not run) or valid for
+/// a write.
+unsafe fn allocate_into(out: *mut *mut c_void, allocate: impl FnOnce() -> Outcome<u64>) -> CumemStatus {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let p = allocate()?;
+        // SAFETY: non-null, and the caller's promise about `out`.
+        unsafe { put(out, "out", p as usize as *mut c_void) }
+    })
+}
+
+/// Allocates `size` bytes on device `device`, usable at once by the host
+/// and by any stream (no stream order), storing the pointer in `*out`.
+///
+/// # Errors
+/// As `cumem_torch_allocate`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_torch_allocate_unordered(
+    size: usize,
+    device: c_int,
+    out: *mut *mut c_void,
+) -> CumemStatus {
+    // SAFETY: the caller's promise about `out`.
+    unsafe { allocate_into(out, || Ok(manager()?.allocate_device_for(ordinal(device)?, size)?)) }
+}
+
+/// Frees `ptr` in the order of `stream` of device `device` (work queued on
+/// `stream` before this call may still use it). What `cumem_torch_free`
+/// does, with a status.
+///
+/// # Errors
+/// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
+/// `CUMEM_STATUS_UNKNOWN_POINTER` (also NULL); nothing changes then.
+///
+/// # Safety
+/// `stream` as in `cumem_torch_alloc`.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_torch_release(ptr: *mut c_void, device: c_int, stream: CumemStream) -> CumemStatus {
+    guard(|| {
+        if ptr.is_null() {
+            return Err(Failure::null("ptr"));
+        }
+        free_on(ptr as usize, ordinal(device)?, stream)
+    })
+}
+
+/// One device's figures for PyTorch's statistics.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CumemTorchFigures {
+    /// Physical bytes held from the driver: the sync pool's mapped pages,
+    /// the driver pools' reservation and the graph pools' chunks.
+    pub reserved: u64,
+    /// The largest `reserved` since the last peak reset (the sum of the
+    /// parts' peaks).
+    pub peak_reserved: u64,
+    /// Driver allocation calls of the sync pool (page maps; chunks where
+    /// it does not remap).
+    pub device_allocs: u64,
+    /// Driver free calls of the sync pool (page unmaps; chunk frees where
+    /// it does not remap).
+    pub device_frees: u64,
+    /// Allocations that failed at the driver, released cached memory and
+    /// tried again.
+    pub alloc_retries: u64,
+    /// Chunks the sync pool holds.
+    pub chunks: u64,
+    /// The sync pool's largest free block.
+    pub largest_free: u64,
+    /// Physical bytes free in the sync pool (mapped, not in use, not
+    /// parked in thread caches).
+    pub free_bytes: u64,
+}
+
+/// Stores device `device`'s figures for PyTorch's statistics in `*out`.
+///
+/// # Errors
+/// `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_torch_figures(device: c_int, out: *mut CumemTorchFigures) -> CumemStatus {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let d = manager()?.device_stats(ordinal(device)?)?;
+        let natives = [d.native_pool.as_ref(), d.default_pool.as_ref()];
+        let p = &d.pool;
+        let f = CumemTorchFigures {
+            reserved: (p.mapped + d.graphs.reserved) as u64
+                + natives.iter().flatten().map(|a| a.reserved_current).sum::<u64>(),
+            peak_reserved: (p.peak_mapped + d.graphs.peak_reserved) as u64
+                + natives.iter().flatten().map(|a| a.reserved_high).sum::<u64>(),
+            device_allocs: p.map_calls,
+            device_frees: p.unmap_calls,
+            alloc_retries: p.oom_retries,
+            chunks: p.chunks as u64,
+            largest_free: p.largest_free as u64,
+            free_bytes: p.mapped.saturating_sub(p.in_use + p.cached) as u64,
+        };
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put(out, "out", f) }
+    })
+}

@@ -1,0 +1,175 @@
+"""The native backend: a C++ `CUDAAllocator` over cumem (csrc/), built
+against the installed PyTorch.
+
+Where it comes from, first found wins:
+1. `libcumem_torch_native.so` installed with the package, when it was
+   built against the PyTorch version now imported (`native_torch.txt`
+   beside it says which) and `CUMEM_TORCH_LIB` is not set;
+2. a copy compiled on first use into `CUMEM_TORCH_CACHE` (default
+   `~/.cache/cumem_torch`), one per PyTorch version, from the sources
+   installed with the package (`csrc/`), with the C++ compiler (`CXX`,
+   else `c++`) and the headers and libraries PyTorch ships.
+"""
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import threading
+
+from . import _lib
+
+HERE = pathlib.Path(__file__).resolve().parent
+LIB_NAME = "libcumem_torch_native.so"
+SOURCES = ("backend.cpp", "pools.cpp", "stream_cache.cpp", "install.cpp")
+
+_lock = threading.Lock()
+_lib_native = None
+
+
+class NativeUnavailable(RuntimeError):
+    """The native backend can't be built or loaded here (the message says why)."""
+
+
+def _torch_version():
+    import torch
+    return torch.__version__.split("+")[0]
+
+
+def cuda_include_dirs():
+    """Where cuda_runtime.h is: PyTorch's CUDA wheels (nvidia/cu13, nvidia/cuda_runtime) or CUDA_HOME."""
+    out = []
+    for p in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
+            d = pathlib.Path(p) / sub
+            if (d / "cuda_runtime.h").exists():
+                out.append(str(d))
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    if (pathlib.Path(home) / "include" / "cuda_runtime.h").exists():
+        out.append(str(pathlib.Path(home) / "include"))
+    return out
+
+
+def cudart_dirs():
+    """Where libcudart.so.* is."""
+    out = []
+    for p in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cuda_runtime/lib"):
+            d = pathlib.Path(p) / sub
+            if list(d.glob("libcudart.so*")):
+                out.append(str(d))
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    for sub in ("lib64", "lib"):
+        d = pathlib.Path(home) / sub
+        if list(d.glob("libcudart.so*")):
+            out.append(str(d))
+    return out
+
+
+def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cumem_include, cumem_lib_dir,
+                    torch_version, sources_dir=None, cxx=None, rpath=None):
+    """Compiles and links the native backend into `out` (a path). Raises
+    NativeUnavailable with the compiler's output when it fails. Shared by
+    the build backend (at `pip install`) and by first use. `rpath` is where
+    the library finds libcumem_c.so at run time (default: beside itself):
+    it must be the very file Python loads, or there would be two cumem
+    managers."""
+    cxx = cxx or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise NativeUnavailable("no C++ compiler (set CXX)")
+    src = pathlib.Path(sources_dir or HERE / "csrc")
+    cudart = sorted(pathlib.Path(cudart_dir).glob("libcudart.so.*"))
+    if not cudart:
+        raise NativeUnavailable(f"no libcudart.so.* in {cudart_dir}")
+    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
+           f'-DCUMEM_TORCH_VERSION="{torch_version}"',
+           f"-I{torch_include}", f"-I{torch_include}/torch/csrc/api/include", f"-I{cuda_include}",
+           f"-I{cumem_include}"]
+    cmd += [str(src / s) for s in SOURCES]
+    cmd += [f"-L{torch_lib}", "-lc10", "-lc10_cuda", "-ltorch_cuda", f"-L{cudart_dir}", f"-l:{cudart[0].name}",
+            f"-L{cumem_lib_dir}", "-lcumem_c", "-Wl,--no-undefined", f"-Wl,-rpath,{rpath or '$ORIGIN'}",
+            "-o", str(out)]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        raise NativeUnavailable(f"compiling the native backend failed ({' '.join(cmd)}):\n{r.stdout[-4000:]}")
+
+
+def _cache_dir():
+    return pathlib.Path(os.environ.get("CUMEM_TORCH_CACHE", pathlib.Path.home() / ".cache" / "cumem_torch"))
+
+
+def _build_here():
+    """Compiles the library for the imported PyTorch into the cache (once)."""
+    import torch
+    from torch.utils import cpp_extension
+    version = _torch_version()
+    lib = pathlib.Path(_lib.library_path())
+    key = hashlib.sha256()
+    key.update(torch.__version__.encode())
+    for s in SOURCES + ("backend.h",):
+        key.update((HERE / "csrc" / s).read_bytes())
+    key.update(lib.read_bytes()[:1 << 20])
+    d = _cache_dir() / key.hexdigest()[:16]
+    out = d / LIB_NAME
+    if out.exists():
+        return out
+    if not (HERE / "csrc" / "backend.cpp").exists():
+        raise NativeUnavailable("the package was installed without its C++ sources")
+    inc = cuda_include_dirs()
+    libs = cudart_dirs()
+    if not inc or not libs:
+        raise NativeUnavailable("CUDA headers or libcudart not found (PyTorch's nvidia wheels or CUDA_HOME)")
+    d.mkdir(parents=True, exist_ok=True)
+    if lib.name != "libcumem_c.so":
+        raise NativeUnavailable(f"cumem's library must be named libcumem_c.so to link against (is {lib})")
+    tmp = d / f"{LIB_NAME}.{os.getpid()}"
+    # Linked against, and found at run time in, the directory of the very
+    # libcumem_c.so Python loads (one cumem manager).
+    compile_library(tmp, cpp_extension.include_paths()[0], os.path.join(os.path.dirname(torch.__file__), "lib"),
+                    inc[0], libs[0], str(HERE / "csrc"), str(lib.parent), version, rpath=str(lib.parent))
+    os.replace(tmp, out)
+    return out
+
+
+def library():
+    """The loaded native library (built or compiled as the module says)."""
+    global _lib_native
+    with _lock:
+        if _lib_native is not None:
+            return _lib_native
+        packaged = HERE / LIB_NAME
+        stamp = HERE / "native_torch.txt"
+        path = None
+        # The packaged library finds the package's libcumem_c.so; with
+        # CUMEM_TORCH_LIB naming another, compile one that finds that.
+        if (packaged.exists() and stamp.exists() and stamp.read_text().strip() == _torch_version()
+                and not os.environ.get("CUMEM_TORCH_LIB")):
+            path = packaged
+        else:
+            path = _build_here()
+        # cumem's library first, from the package: the native library's
+        # copy (same file or same content) must be the one already loaded,
+        # so both see one cumem manager.
+        _lib.lib()
+        l = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        l.cumem_torch_native_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        l.cumem_torch_native_install.restype = ctypes.c_int
+        l.cumem_torch_native_active.argtypes = []
+        l.cumem_torch_native_active.restype = ctypes.c_int
+        _lib_native = l
+        return l
+
+
+def install():
+    """Makes the native backend PyTorch's allocator; raises RuntimeError with PyTorch's reason when it refuses."""
+    l = library()
+    buf = ctypes.create_string_buffer(2048)
+    if l.cumem_torch_native_install(buf, len(buf)) != 0:
+        raise RuntimeError(buf.value.decode(errors="replace"))
+
+
+def active():
+    return _lib_native is not None and _lib_native.cumem_torch_native_active() == 1

@@ -1,0 +1,64 @@
+// The library's C entry points, called from Python with ctypes (no
+// Python.h: one build serves every Python version of a PyTorch build).
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "backend.h"
+
+namespace {
+
+std::shared_ptr<cumem_torch::CumemAllocator>& installed() {
+  static std::shared_ptr<cumem_torch::CumemAllocator> a;
+  return a;
+}
+
+void put_message(const std::string& m, char* buf, size_t len) {
+  if (!buf || len == 0) return;
+  size_t n = std::min(m.size(), len - 1);
+  std::memcpy(buf, m.data(), n);
+  buf[n] = '\0';
+}
+
+} // namespace
+
+extern "C" {
+
+// Makes cumem's allocator PyTorch's CUDA allocator. Returns 0, or 1 with
+// the reason in `err` (PyTorch refuses once its own allocator has served
+// memory).
+__attribute__((visibility("default"))) int cumem_torch_native_install(char* err, size_t len) {
+  try {
+    if (installed()) return 0;
+    // Never destroyed: PyTorch frees tensors (cuBLAS workspaces, globals)
+    // during static destruction at exit, after this library's statics and
+    // PyTorch's own shared_ptr to the allocator may be gone.
+    std::shared_ptr<cumem_torch::CumemAllocator> a(new cumem_torch::CumemAllocator(),
+                                                   [](cumem_torch::CumemAllocator*) {});
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+    installed() = a;
+    return 0;
+  } catch (const std::exception& e) {
+    put_message(e.what(), err, len);
+    return 1;
+  }
+}
+
+// Whether cumem's allocator is PyTorch's current CUDA allocator.
+__attribute__((visibility("default"))) int cumem_torch_native_active() {
+  auto& a = installed();
+  return a && c10::cuda::CUDACachingAllocator::get() == a.get() ? 1 : 0;
+}
+
+// The PyTorch version this library was built against ("2.11.0").
+__attribute__((visibility("default"))) const char* cumem_torch_native_torch_version() {
+#ifdef CUMEM_TORCH_VERSION
+  return CUMEM_TORCH_VERSION;
+#else
+  return "";
+#endif
+}
+
+} // extern "C"

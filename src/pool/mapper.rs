@@ -1,0 +1,367 @@
+//! The background mapper: page moves off the allocating thread.
+//!
+//! # Implementation details
+//!
+//! A remapping pool (`pages.rs`) moves memory by unmapping pieces lying
+//! wholly in free blocks and mapping their memory where a placement needs
+//! it. Done on the allocating thread, each move costs it an unmap, a map
+//! and an access call. The mapper keeps a *reserve* of memory unmapped in
+//! advance (kept by the upstream with no address, counted as held), so the
+//! allocating thread only maps kept memory: it unmaps (and waits for queued
+//! work) only when the reserve is empty and new memory would cross the
+//! budget.
+//!
+//! - **Off by default** ([`PoolConfig::background_mapper`](super::PoolConfig::background_mapper)):
+//!   it is measured in a simulation only so far (`docs/results.md`).
+//! - **One thread for the process**, started on demand: pools queue a
+//!   [`Job`] (their shared remapping state, held weakly by the queue) after
+//!   each map, and after a free of at least a page while the room is
+//!   short; the thread runs queued jobs one step at a time and exits after
+//!   [`IDLE`] with nothing queued. A step that finds only memory whose
+//!   stream work may still run tries again every [`RETRY`], [`RETRIES`]
+//!   times. Its driver calls count as the background's
+//!   ([`crate::cuda::vmm::driver_calls`]).
+//! - **A step** takes the pool's remap lock (as the allocating thread's
+//!   map does), picks free pieces highest first under the pool lock
+//!   (marking them holes, so no allocation lands there while they move),
+//!   drops the pool lock, unmaps at most [`BATCH`] piece(s) keeping their
+//!   memory, and records the result under the pool lock. No driver call is
+//!   made with the pool lock held.
+//! - **Reserve**: the room the allocating thread can map into without
+//!   unmapping is the kept memory plus the headroom under the budget; the
+//!   mapper tops it up to half the slack above the page floor (at most
+//!   [`RESERVE_MAX`], at least one piece). It never raises what the pool
+//!   holds (unmapping into the reserve moves memory from mapped to kept);
+//!   when the pool holds more than its budget it releases the kept memory
+//!   instead.
+//! - **Streams**: only blocks whose stream work is known complete give
+//!   memory ([`super::BestFit::tag_settled`]); the mapper never waits for
+//!   the device, so it never makes a call a capture under way forbids
+//!   (the upstream's calls run in relaxed capture mode on its thread).
+//! - **Shutdown**: a pool closes its job under the remap lock (no step is
+//!   then running or will run) and waits until the thread let go of it
+//!   before it gives its memory back.
+
+use super::pages::budget;
+use super::{Inner, SpinLock};
+use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
+use crate::upstream::{Chunk, Upstream, REMAP_PIECE};
+
+/// The most pieces one step unmaps (the allocating thread may wait for the
+/// remap lock that long).
+pub(super) const BATCH: usize = 1;
+
+/// The most room (kept memory and headroom under the budget) the mapper
+/// keeps for the allocating thread.
+pub(super) const RESERVE_MAX: usize = 64 << 20;
+
+/// How long the thread waits for work before it exits.
+#[cfg(not(loom))]
+const IDLE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// How long a job waiting for stream work waits before it tries again,
+/// and how many times it tries before it waits for the pool's next wake.
+#[cfg(not(loom))]
+const RETRY: std::time::Duration = std::time::Duration::from_millis(1);
+#[cfg(not(loom))]
+const RETRIES: u32 = 100;
+
+/// A pool's remapping state, shared with the mapper thread.
+pub(super) struct Job<U: Upstream> {
+    pub(super) inner: Arc<SpinLock<Inner>>,
+    pub(super) upstream: Arc<U>,
+    pub(super) remap_lock: Arc<Mutex<()>>,
+    slack_ppm: u32,
+    /// Set while the job is in the mapper's queue.
+    queued: AtomicBool,
+    /// Set when the pool shuts down or drops: no step runs any more.
+    closed: AtomicBool,
+}
+
+/// What a step of the mapper's work came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Progress {
+    /// Nothing (more) to do until the pool wakes the job again.
+    Idle,
+    /// A batch done; more is wanted.
+    More,
+    /// Room is wanted but the free memory that could give it may still be
+    /// used by queued stream work: try again shortly.
+    Waiting,
+}
+
+/// What the mapper thread runs.
+pub(crate) trait Step: Send + Sync {
+    /// One step of work.
+    fn step(&self) -> Progress;
+    /// Marks the job as out of the queue (before its step runs).
+    fn dequeued(&self);
+    /// Marks the job as queued; `false` when it already was.
+    fn enqueue(&self) -> bool;
+}
+
+impl<U: Upstream> Job<U> {
+    pub(super) fn new(
+        inner: Arc<SpinLock<Inner>>,
+        upstream: Arc<U>,
+        remap_lock: Arc<Mutex<()>>,
+        slack_ppm: u32,
+    ) -> Self {
+        Job { inner, upstream, remap_lock, slack_ppm, queued: AtomicBool::new(false), closed: AtomicBool::new(false) }
+    }
+
+    /// Stops the job: once this returns no step is running and none will
+    /// do anything.
+    pub(super) fn close(&self) {
+        let _remap = lock(&self.remap_lock);
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// The room the mapper keeps for the allocating thread to map into
+    /// without unmapping, in pages: half the slack above the page floor,
+    /// at most [`RESERVE_MAX`] bytes and at least one piece.
+    fn reserve(budget: usize, floor: usize, page_shift: u32) -> usize {
+        let piece = REMAP_PIECE.div_ceil(1 << page_shift).max(1);
+        ((budget - floor) / 2).min(RESERVE_MAX >> page_shift).max(piece)
+    }
+
+    /// Whether the room the allocating thread can map into without
+    /// unmapping is below the reserve (`inner` is the pool's, locked).
+    pub(super) fn wants_room(&self, inner: &Inner) -> bool {
+        let (_, floor) = inner.fit.touched_pages();
+        let budget = budget(&inner.fit, self.slack_ppm);
+        let pages = &inner.pages;
+        let room = pages.kept + budget.saturating_sub(pages.physical());
+        floor > 0 && !inner.shut_down && room < Self::reserve(budget, floor, pages.shift())
+    }
+
+    /// Above the budget (new memory was made where kept pieces did not
+    /// fit), releases the excess of kept memory. The caller holds the
+    /// remap lock, not the pool lock.
+    pub(super) fn trim_excess(&self) {
+        let keep = {
+            let inner = self.inner.lock();
+            let pages = &inner.pages;
+            let budget = budget(&inner.fit, self.slack_ppm);
+            if pages.physical() <= budget || pages.kept == 0 {
+                return;
+            }
+            pages.kept.saturating_sub(pages.physical() - budget) << pages.shift()
+        };
+        self.upstream.trim_kept(keep);
+        let kept = self.upstream.kept();
+        self.inner.lock().pages.set_kept(kept);
+    }
+
+    /// One step (see the module docs).
+    pub(super) fn run_step(&self) -> Progress {
+        let _remap = lock(&self.remap_lock);
+        if self.closed.load(Ordering::Acquire) {
+            return Progress::Idle;
+        }
+        let kept = self.upstream.kept();
+        let (spans, want, shift, blocked) = {
+            let mut inner = self.inner.lock();
+            if inner.shut_down {
+                return Progress::Idle;
+            }
+            let Inner { fit, pages, .. } = &mut *inner;
+            pages.set_kept(kept);
+            let (_, floor) = fit.touched_pages();
+            let budget = budget(fit, self.slack_ppm);
+            if pages.physical() > budget && pages.kept > 0 {
+                drop(inner);
+                self.trim_excess();
+                return Progress::Idle;
+            }
+            // What the allocating thread can map without unmapping: kept
+            // memory and new memory up to the budget.
+            let room = pages.kept + budget.saturating_sub(pages.physical());
+            let reserve = Self::reserve(budget, floor, pages.shift());
+            let piece = (REMAP_PIECE >> pages.shift()).max(1);
+            let want = reserve.saturating_sub(room).min(BATCH * piece);
+            if floor == 0 || want == 0 {
+                return Progress::Idle;
+            }
+            let mut spans: Vec<Chunk> = Vec::new();
+            let mut offered = 0;
+            let mut blocked = false;
+            for (addr, bsize, tag) in fit.free_blocks_highest_first(pages.page()) {
+                if offered >= 2 * want {
+                    break;
+                }
+                if !fit.tag_settled(tag) {
+                    blocked |= !pages.mapped_inside(addr, bsize).is_empty();
+                    continue;
+                }
+                for span in pages.mapped_inside(addr, bsize) {
+                    offered += span.size >> pages.shift();
+                    spans.push(span);
+                }
+            }
+            for span in &spans {
+                pages.mark(*span, true);
+            }
+            (spans, want, pages.shift(), blocked)
+        };
+        let unfinished = if blocked { Progress::Waiting } else { Progress::Idle };
+        if spans.is_empty() {
+            return unfinished;
+        }
+        let r = self.upstream.unmap_within(&spans, want << shift, false, true);
+        let kept = self.upstream.kept();
+        let mut inner = self.inner.lock();
+        let pages = &mut inner.pages;
+        for span in &spans {
+            pages.mark(*span, false);
+        }
+        let unmapped = r.as_ref().map_or(&[][..], |v| &v[..]);
+        let mut got = 0;
+        for piece in unmapped {
+            pages.mark(*piece, true);
+            pages.mapped -= piece.size >> shift;
+            got += piece.size >> shift;
+        }
+        pages.unmap_calls += unmapped.len() as u64;
+        pages.set_kept(kept);
+        match r {
+            // More to do when this batch was full.
+            Ok(_) if got >= want => Progress::More,
+            Ok(_) => unfinished,
+            Err(_) => Progress::Idle,
+        }
+    }
+}
+
+impl<U: Upstream> Step for Job<U> {
+    fn step(&self) -> Progress {
+        self.run_step()
+    }
+    fn dequeued(&self) {
+        self.queued.store(false, Ordering::Release);
+    }
+    fn enqueue(&self) -> bool {
+        !self.closed.load(Ordering::Acquire) && !self.queued.swap(true, Ordering::AcqRel)
+    }
+}
+
+/// Queues `job` for the mapper thread (once: a queued job is not queued
+/// again).
+pub(super) fn wake<U: Upstream>(job: &Arc<Job<U>>) {
+    if !job.enqueue() {
+        return;
+    }
+    #[cfg(not(loom))]
+    {
+        let weak: std::sync::Weak<dyn Step> = {
+            let strong: Arc<dyn Step> = job.clone();
+            Arc::downgrade(&strong)
+        };
+        thread::submit(weak);
+    }
+}
+
+/// Waits until no one but `job`'s owner holds it (the mapper thread lets go
+/// after its step, which a closed job ends at once).
+pub(super) fn wait_released<U: Upstream>(job: &Arc<Job<U>>) {
+    let mut attempt = 0;
+    while Arc::strong_count(job) > 1 {
+        crate::sync::backoff(attempt);
+        attempt = attempt.saturating_add(1);
+    }
+}
+
+#[cfg(not(loom))]
+mod thread {
+    //! The process's mapper thread and its queue.
+
+    use std::collections::VecDeque;
+    use std::sync::{Condvar, Weak};
+
+    use super::{Progress, Step, IDLE, RETRIES, RETRY};
+    use crate::sync::{lock, Mutex};
+
+    struct Queue {
+        jobs: VecDeque<Weak<dyn Step>>,
+        /// Jobs waiting for stream work to complete, with their tries.
+        waiting: Vec<(Weak<dyn Step>, u32)>,
+        running: bool,
+    }
+
+    static QUEUE: Mutex<Queue> = Mutex::new(Queue { jobs: VecDeque::new(), waiting: Vec::new(), running: false });
+    static READY: Condvar = Condvar::new();
+
+    /// Queues `job`, starting the thread if it is not running.
+    pub(super) fn submit(job: Weak<dyn Step>) {
+        let mut q = lock(&QUEUE);
+        q.jobs.push_back(job);
+        if q.running {
+            drop(q);
+            READY.notify_one();
+            return;
+        }
+        q.running = true;
+        drop(q);
+        let started = std::thread::Builder::new().name("cumem-mapper".into()).spawn(run);
+        if started.is_err() {
+            // The mapper only saves the allocating thread work: without a
+            // thread, the allocating thread moves pages itself.
+            let mut q = lock(&QUEUE);
+            q.running = false;
+            let q = &mut *q;
+            let waiting = q.waiting.drain(..).map(|(job, _)| job);
+            for job in q.jobs.drain(..).chain(waiting).collect::<Vec<_>>() {
+                if let Some(j) = job.upgrade() {
+                    j.dequeued();
+                }
+            }
+        }
+    }
+
+    fn run() {
+        let _background = crate::cuda::vmm::BackgroundThread::enter();
+        loop {
+            let (job, tries) = {
+                let mut q = lock(&QUEUE);
+                loop {
+                    if let Some(job) = q.jobs.pop_front() {
+                        break (job, 0);
+                    }
+                    if let Some(entry) = q.waiting.pop() {
+                        // Jobs waiting for stream work: try again shortly.
+                        drop(q);
+                        std::thread::sleep(RETRY);
+                        break entry;
+                    }
+                    let (g, timeout) = READY.wait_timeout(q, IDLE).unwrap_or_else(|e| e.into_inner());
+                    q = g;
+                    if timeout.timed_out() && q.jobs.is_empty() && q.waiting.is_empty() {
+                        q.running = false;
+                        return;
+                    }
+                }
+            };
+            let Some(job) = job.upgrade() else { continue };
+            // Out of the queue before the step: a wake during it queues
+            // the job again.
+            job.dequeued();
+            let progress = job.step();
+            let again = match progress {
+                Progress::More => true,
+                Progress::Waiting => tries < RETRIES,
+                Progress::Idle => false,
+            };
+            if again && job.enqueue() {
+                let weak = std::sync::Arc::downgrade(&job);
+                drop(job);
+                let mut q = lock(&QUEUE);
+                if progress == Progress::More {
+                    // Back in the queue behind the others.
+                    q.jobs.push_back(weak);
+                } else {
+                    q.waiting.push((weak, tries + 1));
+                }
+            }
+        }
+    }
+}
