@@ -94,7 +94,10 @@ def _find_torch():
         return "CUMEM_TORCH_NATIVE=0"
     root = os.environ.get("CUMEM_TORCH_ROOT")
     if root:
-        return root, os.environ.get("CUMEM_TORCH_VERSION", ""), os.environ.get("CUMEM_CUDA_ROOT")
+        # The version `install()` compares with: PyTorch's, without its
+        # local part ("2.11.0+cu130" is stamped "2.11.0").
+        version = os.environ.get("CUMEM_TORCH_VERSION", "").split("+")[0]
+        return root, version, os.environ.get("CUMEM_CUDA_ROOT")
     r = subprocess.run([sys.executable, "-I", "-c", _FIND_TORCH], stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:

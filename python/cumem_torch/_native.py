@@ -40,7 +40,9 @@ def _torch_version():
 
 
 def cuda_include_dirs():
-    """Where cuda_runtime.h is: PyTorch's CUDA wheels (nvidia/cu13, nvidia/cuda_runtime) or CUDA_HOME."""
+    """Where the CUDA headers are, all of them in search order: PyTorch's
+    CUDA wheels (nvidia/cu13, nvidia/cuda_runtime), then CUDA_HOME's (the
+    wheels' cuda_runtime.h may need the toolkit's crt/ headers)."""
     out = []
     for p in sys.path:
         for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
@@ -84,10 +86,15 @@ def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cum
     cudart = sorted(pathlib.Path(cudart_dir).glob("libcudart.so.*"))
     if not cudart:
         raise NativeUnavailable(f"no libcudart.so.* in {cudart_dir}")
+    # One directory, or several: PyTorch's nvidia wheel may hold
+    # cuda_runtime.h without the crt/ headers it includes, which the
+    # toolkit (CUDA_HOME) has.
+    cuda_includes = [cuda_include] if isinstance(cuda_include, (str, os.PathLike)) else list(cuda_include)
     cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
            f'-DCUMEM_TORCH_VERSION="{torch_version}"',
-           f"-I{torch_include}", f"-I{torch_include}/torch/csrc/api/include", f"-I{cuda_include}",
-           f"-I{cumem_include}"]
+           f"-I{torch_include}", f"-I{torch_include}/torch/csrc/api/include"]
+    cmd += [f"-I{d}" for d in cuda_includes]
+    cmd += [f"-I{cumem_include}"]
     cmd += [str(src / s) for s in SOURCES]
     cmd += [f"-L{torch_lib}", "-lc10", "-lc10_cuda", "-ltorch_cuda", f"-L{cudart_dir}", f"-l:{cudart[0].name}",
             f"-L{cumem_lib_dir}", "-lcumem_c", "-Wl,--no-undefined", f"-Wl,-rpath,{rpath or '$ORIGIN'}",
@@ -129,7 +136,7 @@ def _build_here():
     # Linked against, and found at run time in, the directory of the very
     # libcumem_c.so Python loads (one cumem manager).
     compile_library(tmp, cpp_extension.include_paths()[0], os.path.join(os.path.dirname(torch.__file__), "lib"),
-                    inc[0], libs[0], str(HERE / "csrc"), str(lib.parent), version, rpath=str(lib.parent))
+                    inc, libs[0], str(HERE / "csrc"), str(lib.parent), version, rpath=str(lib.parent))
     os.replace(tmp, out)
     return out
 
