@@ -168,13 +168,15 @@ impl StreamRegistry {
                     ));
                 }
             }
-            // A stream its owner let go (only this registry and `sources`
-            // hold it) gets no more work from cumem's callers: once it is
-            // idle, all its frees are complete, for this block and every
-            // later one tagged with it. One question instead of a wait per
-            // block (threads that come and go with streams of their own,
-            // and never synchronise them, leave many such blocks).
-            if !captures && src.handles() <= 2 && src.poll_idle()? {
+            // A source that is idle now needs no wait, and once asked,
+            // all its frees so far are known complete: for this block and
+            // every other tagged with it up to now, so later merges keep
+            // their own stream's tag instead of becoming MIXED. One
+            // question (`cuStreamQuery`) before each wait, which it saves
+            // where it finds the stream idle: threads that come and go
+            // with streams of their own and never synchronise them leave
+            // many blocks whose streams are idle, dropped or not.
+            if !captures && src.poll_idle()? {
                 continue;
             }
             waited = true;
