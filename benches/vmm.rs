@@ -8,6 +8,12 @@
 //! (a POSIX file descriptor handle type, what cumem makes where the device
 //! supports it) and not.
 //!
+//! `cuMemSetAccess` is timed both ways too: naming device 0 alone, and
+//! naming it with every device that can reach it (`cuDeviceCanAccessPeer`),
+//! one call with several descriptors, which is how cumem maps (so that peer
+//! access enabled with `cuCtxEnablePeerAccess` reaches its memory). On one
+//! GPU the two are the same call.
+//!
 //! Prints the median of several rounds per size, in microseconds. Without a
 //! GPU it says so and measures nothing.
 
@@ -42,14 +48,27 @@ fn main() -> cumem::Result<()> {
         return Ok(());
     }
     let range = vmm::AddressRange::reserve(&ctx, 4 << 30, 0)?;
-    println!("vmm growth costs (median of {ROUNDS} rounds, microseconds)");
+    let peers: Vec<usize> =
+        (1..status.devices()).filter(|&d| cumem::device::can_access_peer(d, 0).unwrap_or(false)).collect();
+    ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))?;
+    println!("vmm growth costs (median of {ROUNDS} rounds, microseconds); peers of device 0: {peers:?}");
     println!(
-        "{:>9} {:>11} {:>12} {:>9} {:>13} {:>10} {:>9} {:>11} {:>10}",
-        "size", "cuMemCreate", "(no fd type)", "cuMemMap", "cuMemSetAccess", "vmm total", "GB/s", "cuMemAlloc", "GB/s"
+        "{:>9} {:>11} {:>12} {:>9} {:>13} {:>10} {:>10} {:>9} {:>11} {:>10}",
+        "size",
+        "cuMemCreate",
+        "(no fd type)",
+        "cuMemMap",
+        "cuMemSetAccess",
+        "(+peers)",
+        "vmm total",
+        "GB/s",
+        "cuMemAlloc",
+        "GB/s"
     );
     for mib in SIZES_MIB {
         let size = mib << 20;
         let (mut create, mut map, mut access, mut alloc) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut with_peers = Vec::new();
         let mut plain = Vec::new();
         for _ in 0..ROUNDS {
             let t = Instant::now();
@@ -65,6 +84,11 @@ fn main() -> cumem::Result<()> {
             range.set_access(0, size, &[])?;
             access.push(t.elapsed().as_secs_f64() * 1e6);
             range.unmap(0, size)?;
+            range.map(0, &chunk)?;
+            let t = Instant::now();
+            range.set_access(0, size, &peers)?;
+            with_peers.push(t.elapsed().as_secs_f64() * 1e6);
+            range.unmap(0, size)?;
             drop(chunk);
             let t = Instant::now();
             // SAFETY: the context is current; the memory is freed at once
@@ -75,11 +99,11 @@ fn main() -> cumem::Result<()> {
             unsafe { result::free_sync(p) }.map_err(driver("cuMemFree"))?;
         }
         let (c, m, a, al) = (median(create), median(map), median(access), median(alloc));
-        let np = median(plain);
+        let (np, ap) = (median(plain), median(with_peers));
         let total = c + m + a;
         let gbs = |us: f64| size as f64 / (us * 1e3);
         println!(
-            "{:>5} MiB {c:>11.1} {np:>12.1} {m:>9.1} {a:>13.1} {total:>10.1} {:>9.1} {al:>11.1} {:>10.1}",
+            "{:>5} MiB {c:>11.1} {np:>12.1} {m:>9.1} {a:>13.1} {ap:>10.1} {total:>10.1} {:>9.1} {al:>11.1} {:>10.1}",
             mib,
             gbs(total),
             gbs(al)

@@ -21,6 +21,21 @@
 //!   Each live region gets `cuMemSetAccess` for every mapped piece, and
 //!   keeps the accessor in its list, which every later mapping names.
 //!
+//! **Peer access enabled the CUDA way.** Programs enable peer access with
+//! `cuCtxEnablePeerAccess` / `cudaDeviceEnablePeerAccess` (PyTorch does),
+//! never telling cumem, and expect every pointer of the owner to be
+//! reachable from then on. For `cuMemMap` memory that takes a
+//! `cuMemSetAccess` naming the accessor, and the driver offers no way to
+//! learn that a context enabled peer access. So every mapping cumem makes
+//! (expandable segments, growable buffers, graph pools over them, page
+//! remapping, IPC imports) names, in its one `cuMemSetAccess` call, the
+//! owner and every device [`reachable_peers`] lists: those that
+//! `cuDeviceCanAccessPeer` says can reach the owner (as NCCL maps its own
+//! buffers). Memory is reachable before any peer access exists, and stays
+//! so, and [`enable_peer_access`] has nothing left to add for it. On one
+//! device the list is empty and a mapping names the owner alone, as
+//! before.
+//!
 //! A grant holds the table's lock while it applies itself, and a pool or
 //! region registers under the same lock, so each one either sees the grant
 //! in the table or is reached by it. The lock is never taken while a
@@ -30,7 +45,7 @@
 use std::sync::{Arc, Weak};
 
 use cudarc::driver::{result, sys, CudaContext};
-use once_cell::sync::Lazy;
+use once_cell::sync::{Lazy, OnceCell};
 
 use super::{device_context, driver_err};
 use crate::error::{Error, Result};
@@ -87,6 +102,40 @@ pub fn can_access_peer(accessor: usize, owner: usize) -> Result<bool> {
         .result()
         .map_err(driver_err("cuDeviceCanAccessPeer"))?;
     Ok(can != 0)
+}
+
+/// The devices, besides `owner`, whose kernels can reach `owner`'s memory
+/// (`cuDeviceCanAccessPeer`): every VMM mapping of `owner` names them in
+/// its access (see the module documentation). Asked once per process for
+/// every pair of devices (`cuDeviceGet`, no context is created) and kept;
+/// empty on one device, on the host fallback, and when the driver can't
+/// answer.
+pub(crate) fn reachable_peers(owner: usize) -> &'static [usize] {
+    static REACH: OnceCell<Vec<Vec<usize>>> = OnceCell::new();
+    let reach = REACH.get_or_init(|| {
+        let count = match super::driver_status() {
+            super::DriverStatus::Available { devices } => *devices,
+            super::DriverStatus::Unavailable(_) => 0,
+        };
+        let devices: Vec<Option<sys::CUdevice>> =
+            (0..count).map(|i| i32::try_from(i).ok().and_then(|i| result::device::get(i).ok())).collect();
+        (0..count)
+            .map(|o| {
+                (0..count)
+                    .filter(|&a| a != o)
+                    .filter(|&a| {
+                        let (Some(dev_a), Some(dev_o)) = (devices[a], devices[o]) else { return false };
+                        let mut can = 0i32;
+                        // SAFETY: `can` is a valid out-pointer; both handles
+                        // come from `cuDeviceGet` of ordinals below the count.
+                        let rc = unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev_a, dev_o) };
+                        rc.result().is_ok() && can != 0
+                    })
+                    .collect()
+            })
+            .collect()
+    });
+    reach.get(owner).map_or(&[], Vec::as_slice)
 }
 
 fn access_desc(device: usize) -> sys::CUmemAccessDesc {
