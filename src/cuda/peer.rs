@@ -36,6 +36,15 @@
 //! device the list is empty and a mapping names the owner alone, as
 //! before.
 //!
+//! That is not free on a host of several GPUs: a `cuMemSetAccess` naming a
+//! peer took about 1 ms (2 to 128 MiB; about 10 ms from 512 MiB) on two
+//! H200s against 0.05 to 0.5 ms for the owner alone, up to twice that
+//! while the peer's context did not exist yet. A process that never lets
+//! another GPU touch its memory (one GPU per process, as in DDP) can set
+//! `CUMEM_MAP_PEERS=0`: mappings then name the owner and the devices
+//! granted with [`enable_peer_access`] (or `peer_access` in `CUMEM_CONF`)
+//! only, and peer access enabled the CUDA way does not reach them.
+//!
 //! A grant holds the table's lock while it applies itself, and a pool or
 //! region registers under the same lock, so each one either sees the grant
 //! in the table or is reached by it. The lock is never taken while a
@@ -108,12 +117,14 @@ pub fn can_access_peer(accessor: usize, owner: usize) -> Result<bool> {
 /// (`cuDeviceCanAccessPeer`): every VMM mapping of `owner` names them in
 /// its access (see the module documentation). Asked once per process for
 /// every pair of devices (`cuDeviceGet`, no context is created) and kept;
-/// empty on one device, on the host fallback, and when the driver can't
-/// answer.
+/// empty on one device, on the host fallback, when the driver can't
+/// answer, and with `CUMEM_MAP_PEERS=0` in the environment (see the module
+/// documentation).
 pub(crate) fn reachable_peers(owner: usize) -> &'static [usize] {
     static REACH: OnceCell<Vec<Vec<usize>>> = OnceCell::new();
     let reach = REACH.get_or_init(|| {
         let count = match super::driver_status() {
+            _ if !map_peers(std::env::var("CUMEM_MAP_PEERS").ok().as_deref()) => 0,
             super::DriverStatus::Available { devices } => *devices,
             super::DriverStatus::Unavailable(_) => 0,
         };
@@ -136,6 +147,12 @@ pub(crate) fn reachable_peers(owner: usize) -> &'static [usize] {
             .collect()
     });
     reach.get(owner).map_or(&[], Vec::as_slice)
+}
+
+/// Whether mappings name every reachable peer, from `CUMEM_MAP_PEERS`:
+/// on unless it is `0`, `false`, `no` or `off`.
+fn map_peers(var: Option<&str>) -> bool {
+    !matches!(var.map(str::trim), Some("0" | "false" | "no" | "off"))
 }
 
 fn access_desc(device: usize) -> sys::CUmemAccessDesc {
@@ -260,4 +277,16 @@ pub(crate) fn register_mapped<T: PeerMapped + 'static>(owner: usize, region: &Ar
     let weak: Weak<dyn PeerMapped> = Arc::downgrade(region) as Weak<dyn PeerMapped>;
     table.mapped.push((owner, weak));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cumem_map_peers_turns_the_map_time_grant_off() {
+        assert!(super::map_peers(None));
+        assert!(super::map_peers(Some("1")));
+        for off in ["0", "false", "no", "off", " 0 "] {
+            assert!(!super::map_peers(Some(off)), "{off}");
+        }
+    }
 }
