@@ -528,10 +528,10 @@ impl<T: Copy> GrowableBuffer<T> {
     /// buffer too (added to those that have it), now and after every growth
     /// (`cuMemSetAccess`). Nothing to do on the host fallback. Every device
     /// that can reach this buffer's device (`cuDeviceCanAccessPeer`) has
-    /// access from the start, so a program that enables peer access the
-    /// CUDA way (`cuCtxEnablePeerAccess`) or with
-    /// [`enable_peer_access`](crate::device::enable_peer_access) needs no
-    /// call here.
+    /// access from the start (unless `CUMEM_MAP_PEERS=0`), so a program
+    /// that enables peer access the CUDA way (`cuCtxEnablePeerAccess`) or
+    /// with [`enable_peer_access`](crate::device::enable_peer_access) needs
+    /// no call here.
     ///
     /// # Errors
     /// A driver error, for example for a device that can't access this one.
