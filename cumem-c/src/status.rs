@@ -59,29 +59,29 @@ pub enum CumemStatus {
     Ipc = 17,
 }
 
-impl CumemStatus {
-    /// Every status, in the order of their values.
-    pub const ALL: [CumemStatus; 18] = [
-        CumemStatus::Ok,
-        CumemStatus::InvalidArgument,
-        CumemStatus::OutOfMemory,
-        CumemStatus::UnknownPointer,
-        CumemStatus::InteriorPointer,
-        CumemStatus::DoubleFree,
-        CumemStatus::AlreadyInitialized,
-        CumemStatus::ConfigTooLate,
-        CumemStatus::Config,
-        CumemStatus::ShutDown,
-        CumemStatus::Driver,
-        CumemStatus::NoSuchDevice,
-        CumemStatus::Capture,
-        CumemStatus::BufferTooSmall,
-        CumemStatus::NeedsGpu,
-        CumemStatus::Panic,
-        CumemStatus::Other,
-        CumemStatus::Ipc,
-    ];
+/// Every status, in the order of their values.
+const ALL: [CumemStatus; 18] = [
+    CumemStatus::Ok,
+    CumemStatus::InvalidArgument,
+    CumemStatus::OutOfMemory,
+    CumemStatus::UnknownPointer,
+    CumemStatus::InteriorPointer,
+    CumemStatus::DoubleFree,
+    CumemStatus::AlreadyInitialized,
+    CumemStatus::ConfigTooLate,
+    CumemStatus::Config,
+    CumemStatus::ShutDown,
+    CumemStatus::Driver,
+    CumemStatus::NoSuchDevice,
+    CumemStatus::Capture,
+    CumemStatus::BufferTooSmall,
+    CumemStatus::NeedsGpu,
+    CumemStatus::Panic,
+    CumemStatus::Other,
+    CumemStatus::Ipc,
+];
 
+impl CumemStatus {
     /// The status a cumem error maps to.
     pub fn of(e: &Error) -> CumemStatus {
         match e {
@@ -210,7 +210,7 @@ pub extern "C" fn cumem_last_error() -> *const c_char {
 /// "CUMEM_STATUS_UNKNOWN" for a value that is not one.
 #[no_mangle]
 pub extern "C" fn cumem_status_name(status: i32) -> *const c_char {
-    CumemStatus::ALL.iter().find(|s| **s as i32 == status).map_or(c"CUMEM_STATUS_UNKNOWN".as_ptr(), |s| s.name().as_ptr())
+    ALL.iter().find(|s| **s as i32 == status).map_or(c"CUMEM_STATUS_UNKNOWN".as_ptr(), |s| s.name().as_ptr())
 }
 
 #[cfg(test)]
@@ -260,7 +260,7 @@ mod tests {
                 Some((name.to_string(), value.parse().ok()?))
             })
             .collect();
-        assert_eq!(listed.len(), CumemStatus::ALL.len(), "the header's statuses: {listed:?}");
+        assert_eq!(listed.len(), ALL.len(), "the header's statuses: {listed:?}");
         for (name, value) in &listed {
             assert_eq!(status_name(*value), name, "status {value}");
         }
@@ -268,7 +268,7 @@ mod tests {
         for v in [-1, top + 1, top + 2, i32::MAX, i32::MIN] {
             assert_eq!(status_name(v), "CUMEM_STATUS_UNKNOWN", "{v}");
         }
-        for (i, s) in CumemStatus::ALL.iter().enumerate() {
+        for (i, s) in ALL.iter().enumerate() {
             assert_eq!(*s as i32, i as i32, "ALL is in value order");
         }
     }
