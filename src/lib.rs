@@ -29,7 +29,7 @@ pub use error::{Error, OomState, PoolKind, Result};
 pub use managed::{ManagedAlloc, ManagedBox, ManagedVec};
 pub use manager::{
     Backend, BackendChoice, CaptureScope, CapturedGraph, Config, GraphCapture, MemoryManager, PeerAccess,
-    ShutdownReport,
+    ShutdownReport, TableSizes,
 };
 pub use snapshot::{MemorySnapshot, PoolPicture};
 

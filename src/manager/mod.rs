@@ -8,6 +8,7 @@ mod graphs;
 mod heap;
 mod logging;
 mod summary;
+mod tables;
 mod tracking;
 
 #[doc(hidden)]
@@ -15,6 +16,7 @@ pub use crate::sync::{InitCell, InitError};
 pub use config::{parse_size, BackendChoice, Config, PeerAccess};
 pub use graphs::{CaptureScope, CapturedGraph, GraphCapture};
 pub use summary::{human_bytes, LiveAllocation, ShutdownReport};
+pub use tables::TableSizes;
 
 use std::ptr::NonNull;
 use std::sync::Arc;

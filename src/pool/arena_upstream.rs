@@ -90,6 +90,13 @@ impl Directory {
         (addr < e.end.load(Ordering::Acquire)).then(|| e.arena.load(Ordering::Acquire))
     }
 
+    /// Entries in the current array, and arrays allocated (current and
+    /// replaced ones kept).
+    pub(super) fn sizes(&self) -> (usize, usize) {
+        let v = lock(&self.versions);
+        (v.all.last().map_or(0, |a| a.len()), v.all.len())
+    }
+
     /// Records that `arena` holds `[start, end)`.
     fn insert(&self, start: usize, end: usize, arena: usize) {
         let mut v = lock(&self.versions);
