@@ -22,9 +22,9 @@
 //! Options: `--secs N` (or `CUMEM_SOAK_SECS`; 600 by default),
 //! `--report-secs N`, `--threads N` (live workers, 6), `--light` (small
 //! blocks, few replays: for compute-sanitizer), `--only rust,c,graphs,
-//! growable,pinned,legacy,ipc` (some tasks only), `--destroy-foreign`
-//! (destroy each raw stream after its task instead of keeping a pool of
-//! them, as PyTorch does).
+//! growable,pinned,legacy,ipc` (some tasks only), `--keep-foreign` (keep
+//! raw streams in a pool for reuse, as PyTorch does, instead of destroying
+//! each after its task with `cumem_stream_forget` first).
 
 mod crash;
 mod graphs;
@@ -178,7 +178,7 @@ fn args() -> Args {
         threads: 6,
         light: false,
         only: None,
-        destroy_foreign: false,
+        destroy_foreign: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -190,7 +190,7 @@ fn args() -> Args {
             "--report-secs" => a.report_secs = num("--report-secs").max(1),
             "--threads" => a.threads = num("--threads").max(1) as usize,
             "--light" => a.light = true,
-            "--destroy-foreign" => a.destroy_foreign = true,
+            "--keep-foreign" => a.destroy_foreign = false,
             "--only" => a.only = Some(it.next().expect("--only takes a list").split(',').map(String::from).collect()),
             other => panic!("unknown argument {other}"),
         }

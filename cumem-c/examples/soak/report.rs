@@ -96,7 +96,16 @@ impl Figures {
 fn tables(s: &Soak, pool: &cumem::pool::PoolStats, pinned: &cumem::pool::PoolStats) -> Vec<(&'static str, u64)> {
     let device = s.mm.config().device;
     let exported = s.mm.device(device).map(|d| d.exported_blocks()).unwrap_or(0);
+    let t = s.mm.table_sizes();
+    let mut raw_streams = 0usize;
+    // SAFETY: `raw_streams` is valid for a write.
+    let _ = unsafe { cumem_c::cumem_stream_table_size(&mut raw_streams) };
     vec![
+        ("raw_streams", raw_streams as u64),
+        ("streams_live", t.streams_live as u64),
+        ("streams_retired", t.streams_retired as u64),
+        ("directory_entries", t.directory_entries as u64),
+        ("directory_arrays", t.directory_arrays as u64),
         ("chunks", pool.chunks as u64),
         ("free_blocks", pool.free_blocks as u64),
         ("live_blocks", pool.live_blocks as u64),

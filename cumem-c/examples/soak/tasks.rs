@@ -209,10 +209,9 @@ pub fn destroy_raw_stream(raw: RawStream) -> Res {
     unsafe { sys::cuStreamDestroy_v2(raw.0) }.result().map_err(err("cuStreamDestroy"))
 }
 
-/// Tells the C ABI a raw stream is about to be destroyed (where the C ABI
-/// has a call for it).
-fn forget_stream(_raw: CumemStream) -> Res {
-    Ok(())
+/// Tells the C ABI a raw stream is about to be destroyed.
+fn forget_stream(raw: CumemStream) -> Res {
+    c(cumem_c::cumem_stream_forget(raw), "cumem_stream_forget")
 }
 
 /// Raw streams kept for reuse (as PyTorch's stream pool does) when they
