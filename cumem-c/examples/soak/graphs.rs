@@ -38,6 +38,7 @@ pub fn capture(s: &Soak, rng: &mut Rng) -> Res {
     } else {
         (None, Some(s.exclusive.read().unwrap_or_else(|e| e.into_inner())))
     };
+    let _gate = s.capture_gate.read().unwrap_or_else(|e| e.into_inner());
     let mm = s.mm;
     let stream = Stream::new().map_err(err("Stream::new"))?;
     s.streams_made.fetch_add(1, Ordering::Relaxed);

@@ -24,7 +24,11 @@
 //! blocks, few replays: for compute-sanitizer), `--only rust,c,graphs,
 //! growable,pinned,legacy,ipc` (some tasks only), `--keep-foreign` (keep
 //! raw streams in a pool for reuse, as PyTorch does, instead of destroying
-//! each after its task with `cumem_stream_forget` first).
+//! each after its task with `cumem_stream_forget` first),
+//! `--beside-captures` (run growable buffers and buffers without a stream
+//! while other threads capture graphs: they synchronise the device or the
+//! legacy stream, which fails and invalidates the captures, so by default
+//! they run apart from captures).
 
 mod crash;
 mod graphs;
@@ -73,6 +77,12 @@ pub(crate) struct Soak {
     /// Tasks that must run alone (a global-mode capture forbids other
     /// threads' unsafe calls) take it for writing, the others for reading.
     pub(crate) exclusive: RwLock<()>,
+    /// Captures take it for reading; with `apart`, growable buffers and
+    /// stream-less buffers take it for writing (they synchronise the device
+    /// or the legacy stream, which breaks a capture under way elsewhere).
+    pub(crate) capture_gate: RwLock<()>,
+    /// Growable and stream-less buffers run apart from captures.
+    pub(crate) apart: bool,
     pub(crate) stop: AtomicBool,
     pub(crate) light: bool,
     pub(crate) ops: AtomicU64,
@@ -169,6 +179,7 @@ struct Args {
     light: bool,
     only: Option<Vec<String>>,
     destroy_foreign: bool,
+    beside: bool,
 }
 
 fn args() -> Args {
@@ -179,6 +190,7 @@ fn args() -> Args {
         light: false,
         only: None,
         destroy_foreign: true,
+        beside: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -191,6 +203,7 @@ fn args() -> Args {
             "--threads" => a.threads = num("--threads").max(1) as usize,
             "--light" => a.light = true,
             "--keep-foreign" => a.destroy_foreign = false,
+            "--beside-captures" => a.beside = true,
             "--only" => a.only = Some(it.next().expect("--only takes a list").split(',').map(String::from).collect()),
             other => panic!("unknown argument {other}"),
         }
@@ -219,6 +232,8 @@ fn main() {
         _module: module,
         ctx,
         exclusive: RwLock::new(()),
+        capture_gate: RwLock::new(()),
+        apart: !a.beside,
         stop: AtomicBool::new(false),
         light: a.light,
         ops: AtomicU64::new(0),

@@ -55,6 +55,8 @@ pub fn worker(s: &Soak, seed: u64, life: Duration) {
             Task::Graphs => crate::graphs::capture(s, &mut rng),
             _ => {
                 let _g = s.exclusive.read().unwrap_or_else(|e| e.into_inner());
+                let _apart = (s.apart && matches!(task, Task::Growable | Task::Legacy))
+                    .then(|| s.capture_gate.write().unwrap_or_else(|e| e.into_inner()));
                 match task {
                     Task::Rust => rust_cross_stream(s, &mut rng),
                     Task::CAbi => c_abi_streams(s, &mut rng),
