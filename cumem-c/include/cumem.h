@@ -415,6 +415,15 @@ CumemStatus cumem_pinned_stats(CumemPoolStats *out);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_device_stats(int device, CumemDeviceStats *out);
 
+// Stores cumem's default device in `*out`: the device its calls without
+// a device use (`device=` of the configuration, 0 when unset), and the
+// one to ask `cumem_device_stats` about when the program names none.
+// Creates nothing on any device beyond what creating the manager does.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_default_device(int *out);
+
 // Sets every peak figure to its current value.
 CumemStatus cumem_reset_peak_stats(void);
 
@@ -494,8 +503,9 @@ CumemStatus cumem_stream_synchronize(CumemStream stream);
 // stream with the same handle), the handle is a new stream to cumem.
 //
 // # Errors
-// `CUMEM_STATUS_INVALID_ARGUMENT` for a stream made by
-// `cumem_stream_create` (destroy it with `cumem_stream_destroy`); a
+// `CUMEM_STATUS_INVALID_ARGUMENT` for NULL (the legacy default stream)
+// or a stream made by `cumem_stream_create` (destroy it with
+// `cumem_stream_destroy`); a
 // capture error while the stream captures a graph (nothing changes); a
 // driver error from the wait (the stream is then not forgotten).
 CumemStatus cumem_stream_forget(CumemStream stream);

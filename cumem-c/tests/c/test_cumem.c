@@ -108,6 +108,12 @@ static void device(void) {
   EXPECT(cumem_device_stats(0, &s), CUMEM_STATUS_OK);
   CHECK(s.pool.in_use >= 3000 && s.pool.live_blocks == 1);
   EXPECT(cumem_device_stats(-1, &s), CUMEM_STATUS_INVALID_ARGUMENT);
+  {
+    int dev = -1;
+    EXPECT(cumem_default_device(&dev), CUMEM_STATUS_OK);
+    CHECK(dev == 0); /* no device= in the test's configuration */
+    EXPECT(cumem_default_device(NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  }
   EXPECT(cumem_device_stats(99, &s), CUMEM_STATUS_NO_SUCH_DEVICE);
   EXPECT(cumem_device_stats(0, NULL), CUMEM_STATUS_INVALID_ARGUMENT);
   EXPECT(cumem_set_device_pool_size(8 << 20), CUMEM_STATUS_CONFIG_TOO_LATE);
