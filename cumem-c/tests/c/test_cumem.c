@@ -107,6 +107,8 @@ static void device(void) {
   CHECK(d != NULL && (uintptr_t)d % 256 == 0);
   EXPECT(cumem_device_stats(0, &s), CUMEM_STATUS_OK);
   CHECK(s.pool.in_use >= 3000 && s.pool.live_blocks == 1);
+  /* The pool size set before use is memory the pool holds (mapped). */
+  CHECK(s.pool.reserved >= (4 << 20));
   EXPECT(cumem_device_stats(-1, &s), CUMEM_STATUS_INVALID_ARGUMENT);
   {
     int dev = -1;
