@@ -58,7 +58,9 @@ pub fn capture(s: &Soak, rng: &mut Rng) -> Res {
     let replay = |launch: &dyn Fn() -> Res| -> Res {
         for _ in 0..replays {
             // SAFETY: `out` holds `n` u32; the memset is queued on the stream.
-            unsafe { sys::cuMemsetD32Async(out, 0, n, stream.cu_stream()) }.result().map_err(err("cuMemsetD32Async"))?;
+            unsafe { sys::cuMemsetD32Async(out, 0, n, stream.cu_stream()) }
+                .result()
+                .map_err(err("cuMemsetD32Async"))?;
             launch()?;
             check(s, "a graph's output", &read(s, &stream, out, n)?, seed, 1);
         }

@@ -39,11 +39,8 @@ impl Figures {
     pub fn now(s: &Soak) -> Figures {
         let device = s.mm.config().device;
         let d = s.mm.device_stats(device).expect("the device's figures");
-        let natives: u64 = [d.native_pool.as_ref(), d.default_pool.as_ref()]
-            .iter()
-            .flatten()
-            .map(|a| a.reserved_current)
-            .sum();
+        let natives: u64 =
+            [d.native_pool.as_ref(), d.default_pool.as_ref()].iter().flatten().map(|a| a.reserved_current).sum();
         let pinned = s.mm.pinned_stats();
         Figures {
             reserved: (d.pool.mapped + d.graphs.reserved) as u64 + natives,

@@ -133,7 +133,8 @@ pub fn read(s: &Soak, stream: &Stream, p: u64, n: usize) -> Result<Vec<u32>, Str
     host.resize(n, 0);
     // SAFETY: `host` holds `n` values and is not touched until the stream
     // is synchronised; `p` holds `n` values written by work on `stream`.
-    unsafe { s.mm.copy_to_host_async(host.as_mut_ptr().cast(), p, n * 4, stream) }.map_err(err("copy_to_host_async"))?;
+    unsafe { s.mm.copy_to_host_async(host.as_mut_ptr().cast(), p, n * 4, stream) }
+        .map_err(err("copy_to_host_async"))?;
     stream.synchronize().map_err(err("synchronize"))?;
     Ok(host.to_vec())
 }
@@ -243,8 +244,9 @@ fn c_abi_work(s: &Soak, rng: &mut Rng, owned: CumemStream, foreign: CumemStream)
     let device = s.mm.config().device as i32;
     // SAFETY (the wrappers): both raw streams belong to the device's
     // primary context and outlive the wrappers, which never destroy them.
-    let (co, cf) =
-        unsafe { (s.ctx.wrap_borrowed_stream(owned as sys::CUstream), s.ctx.wrap_borrowed_stream(foreign as sys::CUstream)) };
+    let (co, cf) = unsafe {
+        (s.ctx.wrap_borrowed_stream(owned as sys::CUstream), s.ctx.wrap_borrowed_stream(foreign as sys::CUstream))
+    };
     let mut host: *mut c_void = std::ptr::null_mut();
     // SAFETY: `host` is valid for a write.
     c(unsafe { cumem_c::cumem_allocate_pinned(bytes, &mut host) }, "cumem_allocate_pinned")?;
@@ -366,5 +368,3 @@ fn legacy(s: &Soak, rng: &mut Rng) -> Res {
     check(s, "a C-ABI block on the legacy stream", &back, seed, 0);
     c(cumem_c::cumem_free_device(p), "cumem_free_device")
 }
-
-
