@@ -43,7 +43,8 @@ impl Upstream for CudaDeviceMemory {
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         // SAFETY: the context is current; the memory is only used through
         // the addresses the pool hands out.
-        match unsafe { result::malloc_sync(size) } {
+        let fault = crate::fault::check_driver(crate::fault::Point::Create);
+        match fault.and_then(|()| unsafe { result::malloc_sync(size) }) {
             Ok(ptr) => Ok(Chunk { addr: ptr as usize, size }),
             Err(e) if is_oom(&e) => Err(oom(PoolKind::Device, size, "cuMemAlloc", e, self.device_free())),
             Err(e) => Err(driver_err("cuMemAlloc")(e)),
@@ -94,7 +95,8 @@ impl Upstream for CudaPinnedMemory {
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         // SAFETY: the context is current; the flags are a valid
         // combination; the memory is used only through the pool.
-        match unsafe { result::malloc_host(size, sys::CU_MEMHOSTALLOC_PORTABLE) } {
+        let fault = crate::fault::check_driver(crate::fault::Point::HostAlloc);
+        match fault.and_then(|()| unsafe { result::malloc_host(size, sys::CU_MEMHOSTALLOC_PORTABLE) }) {
             Ok(ptr) => Ok(Chunk { addr: ptr as usize, size }),
             Err(e) if is_oom(&e) => Err(oom(PoolKind::Pinned, size, "cuMemHostAlloc", e, None)),
             Err(e) => Err(driver_err("cuMemHostAlloc")(e)),
