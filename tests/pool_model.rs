@@ -329,7 +329,7 @@ fn ten_thousand_injected_driver_failures_break_nothing() {
     for seed in 0..100 {
         let mm = MemoryManager::new(Config::new().backend(BackendChoice::Host)).unwrap();
         let streams = [Stream::host(), Stream::host(), Stream::host()];
-        let o = faults::run(&mm, 0, &streams, &HostBytes, seed, 4_000, 0.2);
+        let o = faults::run(&mm, 0, &streams, &HostBytes, seed, 3_000, 0.35);
         total.ops += o.ops;
         total.injected += o.injected;
         total.errors += o.errors;

@@ -71,6 +71,9 @@ pub(super) struct Directory {
     /// tables are never freed while the directory lives (a reader may
     /// still look at an old one), but each is twice the size of the one
     /// before, so together the old ones are no larger than the current.
+    // Boxed: a table's address is what `current` publishes, so it must
+    // not move when the list grows.
+    #[allow(clippy::vec_box)]
     tables: Mutex<Vec<Box<Table>>>,
 }
 
@@ -126,6 +129,7 @@ impl Directory {
 
     /// Makes `next` the directory's entries: in the current table when it
     /// has room, else in a new one twice as large.
+    #[allow(clippy::vec_box)]
     fn publish(&self, tables: &mut Vec<Box<Table>>, next: &[(usize, usize, usize)]) {
         if tables.last().is_none_or(|t| t.entries.len() < next.len()) {
             let capacity = (next.len() * 2).max(TABLE_MIN);
