@@ -10,6 +10,7 @@ mod copy;
 pub mod cuda;
 pub mod device;
 mod error;
+pub mod fault;
 pub mod ipc;
 pub mod log;
 pub mod managed;

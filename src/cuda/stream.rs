@@ -307,6 +307,7 @@ impl Stream {
     fn poll_idle_now(&self) -> Result<bool> {
         let Some(s) = &self.inner.cuda else { return Ok(true) };
         let seen = self.inner.frees.seen();
+        crate::fault::check_driver(crate::fault::Point::StreamQuery).map_err(driver_err("cuStreamQuery"))?;
         // SAFETY: the stream is alive (held by `self`); the call only asks.
         match unsafe { cudarc::driver::sys::cuStreamQuery(s.cu_stream()) } {
             cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS => {
@@ -327,9 +328,13 @@ impl Stream {
         match (&self.inner.cuda, &other.inner.cuda) {
             // A forgotten stream's work was complete when it was forgotten:
             // nothing to wait for (and its handle may be gone).
-            (Some(me), Some(them)) => {
-                other.unless_gone(|| me.join(them).map_err(driver_err("cuStreamWaitEvent"))).map(|_| ())
-            }
+            (Some(me), Some(them)) => other
+                .unless_gone(|| {
+                    crate::fault::check_driver(crate::fault::Point::EventRecord)
+                        .and_then(|()| me.join(them))
+                        .map_err(driver_err("cuStreamWaitEvent"))
+                })
+                .map(|_| ()),
             _ => Ok(()),
         }
     }
