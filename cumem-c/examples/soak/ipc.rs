@@ -180,11 +180,11 @@ fn child_rounds(path: &str) -> Res {
             r
         } else {
             let (mut p, mut size, mut id) = (std::ptr::null_mut(), 0usize, 0u64);
-            // SAFETY: the out-pointers are valid for writes.
-            c(
-                unsafe { cumem_c::cumem_ipc_import(socket.as_raw_fd(), -1, &mut p, &mut size, &mut id) },
-                "cumem_ipc_import",
-            )?;
+            let fd = socket.as_raw_fd();
+            // SAFETY: the out-pointers are valid for writes; `fd` is an open
+            // Unix socket.
+            let status = unsafe { cumem_c::cumem_ipc_import(fd, -1, &mut p, &mut size, &mut id) };
+            c(status, "cumem_ipc_import")?;
             touch(p as u64, size)?;
             c(cumem_c::cumem_ipc_close(p, socket.as_raw_fd()), "cumem_ipc_close")?;
             (p as u64, size)

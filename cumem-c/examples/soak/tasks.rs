@@ -242,11 +242,11 @@ fn c_abi_work(s: &Soak, rng: &mut Rng, owned: CumemStream, foreign: CumemStream)
     let bytes = n * 4;
     let (seed1, seed2) = (rng.next() as u32, rng.next() as u32);
     let device = s.mm.config().device as i32;
-    // SAFETY (the wrappers): both raw streams belong to the device's
-    // primary context and outlive the wrappers, which never destroy them.
-    let (co, cf) = unsafe {
-        (s.ctx.wrap_borrowed_stream(owned as sys::CUstream), s.ctx.wrap_borrowed_stream(foreign as sys::CUstream))
-    };
+    // SAFETY: both raw streams belong to the device's primary context and
+    // outlive the wrappers, which never destroy them.
+    let co = unsafe { s.ctx.wrap_borrowed_stream(owned as sys::CUstream) };
+    // SAFETY: as above.
+    let cf = unsafe { s.ctx.wrap_borrowed_stream(foreign as sys::CUstream) };
     let mut host: *mut c_void = std::ptr::null_mut();
     // SAFETY: `host` is valid for a write.
     c(unsafe { cumem_c::cumem_allocate_pinned(bytes, &mut host) }, "cumem_allocate_pinned")?;
