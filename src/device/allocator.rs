@@ -185,6 +185,12 @@ impl DeviceAllocator {
         &self.pool
     }
 
+    /// The stream registry's size: streams held, and ids of streams let
+    /// go that are remembered ([`TableSizes`](crate::manager::TableSizes)).
+    pub fn stream_table_sizes(&self) -> (usize, usize) {
+        self.streams.sizes()
+    }
+
     /// Whether the device supports stream-ordered allocation
     /// (`CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`).
     pub fn supports_async(&self) -> bool {

@@ -552,7 +552,11 @@ impl Region {
                     let s = self.segment_of(piece.offset);
                     let seg_offset = piece.offset - self.segments[s].offset;
                     let Reservation::Host(old) = &mut self.segments[s].res else { unreachable_backing() };
-                    if let Err(e) = old.move_to(seg_offset, piece.size, new_range, piece.offset) {
+                    // The fault point of the map the move stands for (never
+                    // on the moves back below).
+                    let moved = crate::fault::check(crate::fault::Point::Map)
+                        .and_then(|()| old.move_to(seg_offset, piece.size, new_range, piece.offset));
+                    if let Err(e) = moved {
                         // Move the pages already moved back where they were.
                         for back in &self.pieces[..i] {
                             let s = self.segment_of(back.offset);
