@@ -20,14 +20,22 @@ fn lib_dir() -> PathBuf {
     exe.parent().and_then(Path::parent).expect("the test runs from <profile>/deps").to_path_buf()
 }
 
-/// Builds the shared and static libraries of this profile (`cargo test`
-/// builds only what the tests link, which is not them), once per test
-/// process.
+/// The shared and static libraries of this profile. Cargo builds every
+/// crate type of the library (`cdylib`, `staticlib`, `rlib`) for the tests
+/// that link it, so after `cargo test` they already sit in
+/// `<target>/<profile>/`; only where one is missing (a test binary run
+/// from elsewhere) are they built here, once per test process. (Building
+/// them with `cargo build -p cumem-c --lib` every time resolved features
+/// without the dev-dependencies: a second build of cumem and its derive
+/// macros, most of `cargo test`'s time on a fresh clone.)
 fn build_libraries() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
             let libs = lib_dir();
+            if libs.join("libcumem_c.so").exists() && libs.join("libcumem_c.a").exists() {
+                return libs;
+            }
             let target = libs.parent().expect("<target>/<profile>");
             let mut cmd = Command::new(env!("CARGO"));
             cmd.args(["build", "--quiet", "-p", "cumem-c", "--lib"]).env("CARGO_TARGET_DIR", target);

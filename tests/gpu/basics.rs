@@ -3,7 +3,7 @@
 //! printed reason without a GPU, and fails instead under
 //! `CUMEM_REQUIRE_GPU=1`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 
