@@ -9,6 +9,7 @@ mod arenas;
 mod bad_input;
 mod config;
 mod expandable;
+mod figures;
 mod fuzz_pool;
 mod graphs;
 mod growable;
