@@ -48,8 +48,8 @@ fn build_libraries() -> PathBuf {
         .clone()
 }
 
-/// `dir` when it holds `libcumem_c.so` and `libcumem_c.a` at least as new
-/// as the newest `libcumem_c*.rlib` there (the build the tests link).
+/// `dir` when it holds `libcumem_c.so` and `libcumem_c.a` written with the
+/// newest `libcumem_c*.rlib` there (the build the tests link).
 fn fresh_libraries(dir: &Path) -> Option<PathBuf> {
     let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
     let newest_rlib = std::fs::read_dir(dir)
@@ -61,9 +61,12 @@ fn fresh_libraries(dir: &Path) -> Option<PathBuf> {
         })
         .filter_map(|p| modified(&p))
         .max()?;
+    // One rustc call writes all three, the rlib last (cargo lists the crate
+    // types in their declared order): a minute's slack.
+    let since = newest_rlib.checked_sub(std::time::Duration::from_secs(60))?;
     let so = modified(&dir.join("libcumem_c.so"))?;
     let a = modified(&dir.join("libcumem_c.a"))?;
-    (so >= newest_rlib && a >= newest_rlib).then(|| dir.to_path_buf())
+    (so >= since && a >= since).then(|| dir.to_path_buf())
 }
 
 /// The compiler from `var` (CC, CXX) or the first of `names` that runs.
