@@ -494,8 +494,9 @@ CumemStatus cumem_stream_synchronize(CumemStream stream);
 // stream with the same handle), the handle is a new stream to cumem.
 //
 // # Errors
-// `CUMEM_STATUS_INVALID_ARGUMENT` for a stream made by
-// `cumem_stream_create` (destroy it with `cumem_stream_destroy`); a
+// `CUMEM_STATUS_INVALID_ARGUMENT` for NULL (the legacy default stream)
+// or a stream made by `cumem_stream_create` (destroy it with
+// `cumem_stream_destroy`); a
 // capture error while the stream captures a graph (nothing changes); a
 // driver error from the wait (the stream is then not forgotten).
 CumemStatus cumem_stream_forget(CumemStream stream);
