@@ -261,10 +261,20 @@ impl Stream {
         // Announced before the flag is read; `forget_handle` sets the flag
         // before it reads the count (both sequentially consistent), so
         // either this call sees the flag or the forget sees this call.
+        struct Call<'a>(&'a AtomicUsize);
+        impl Drop for Call<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Release);
+            }
+        }
         self.inner.calls.fetch_add(1, Ordering::SeqCst);
-        let r = if self.inner.gone.load(Ordering::SeqCst) { Ok(None) } else { f().map(Some) };
-        self.inner.calls.fetch_sub(1, Ordering::Release);
-        r
+        // Counted down however `f` ends (a panic too: the forget must not
+        // wait forever).
+        let _call = Call(&self.inner.calls);
+        if self.inner.gone.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
+        f().map(Some)
     }
 
     /// Whether the program said the stream's handle is gone.
