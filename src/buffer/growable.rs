@@ -22,10 +22,11 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 
 use super::interop::CudaShadow;
+use crate::cuda::RelaxedCaptureMode;
 use crate::cuda::{driver_err, vmm, Stream};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, MutexGuard};
-use crate::upstream::region::{GrowPath, Region, SharedRegion, VmBackend};
+use crate::upstream::region::{self, GrowPath, Region, Settled, SharedRegion, VmBackend, Waiter};
 
 /// How a [`GrowableBuffer`]'s growths were served.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +65,30 @@ impl GrowStats {
 /// same while growth extends in place and changes when the memory is
 /// remapped ([`GrowPath::Remapped`]).
 ///
+/// # Waiting before giving memory back
+/// Growth never waits: it maps new memory after the mapped range, which
+/// no queued work can be using (`cuMemMap` and `cuMemSetAccess` are not
+/// ordered with queued work; they run in the relaxed capture mode, legal
+/// beside other threads' captures). Remapping into a new range (the
+/// pointer changes) and shrinking and dropping unmap memory that queued
+/// work may still read, so they wait first:
+/// - a buffer made [`with_capacity_for`](Self::with_capacity_for) a CUDA
+///   stream waits for that stream alone (`cuStreamSynchronize`), legal
+///   while other streams capture; work on other streams must be ordered
+///   before it. While that stream captures, the release is deferred.
+/// - otherwise it waits for the device (`cuCtxSynchronize`), but never
+///   while a capture is known (registered with cumem, or on a blocking
+///   stream): the release is then deferred.
+///
+/// Deferred memory stays mapped (and counted in
+/// [`deferred_releases`](Self::deferred_releases)) until a later shrink,
+/// drop or [`release_deferred`](Self::release_deferred) can wait; a
+/// shrink that can't wait releases nothing. A driver failure during the
+/// wait or an unmap leaks the memory (logged) rather than releasing it
+/// while it may still be mapped or used. A capture cumem is not told of on
+/// a non-blocking stream can't be seen: in programs that capture, give
+/// buffers a stream.
+///
 /// # Examples
 /// ```
 /// use cumem::{GrowableBuffer, VmBackend};
@@ -80,6 +105,10 @@ pub struct GrowableBuffer<T: Copy> {
     shared: SharedRegion,
     /// The region's context (it never changes); `None` on the host.
     ctx: Option<Arc<CudaContext>>,
+    /// The buffer's own stream ([`with_capacity_for`](Self::with_capacity_for)
+    /// with a CUDA stream): copies are ordered on it, and shrinking and
+    /// dropping wait for it alone.
+    stream: Option<Stream>,
     len: usize,
     stats: GrowStats,
     /// cudarc's view of the first `len` values, made on first use and
@@ -122,6 +151,7 @@ impl<T: Copy> GrowableBuffer<T> {
         let mut buf = GrowableBuffer {
             shared,
             ctx,
+            stream: None,
             len: 0,
             stats: GrowStats::default(),
             cuda: CudaShadow::default(),
@@ -135,12 +165,22 @@ impl<T: Copy> GrowableBuffer<T> {
     }
 
     /// A buffer with room for at least `capacity` elements on the device
-    /// of `stream` (a host queue: as [`with_capacity`](Self::with_capacity)).
+    /// of `stream` (a host queue: as [`with_capacity`](Self::with_capacity)),
+    /// whose own stream `stream` becomes: its copies are queued there (and
+    /// waited for), and shrinking and dropping wait for that stream alone,
+    /// never for the whole device, so they are legal while other streams
+    /// capture graphs. Work on other streams that uses the buffer must be
+    /// ordered before (an event) or finished when it shrinks or drops.
     ///
     /// # Errors
     /// As [`with_capacity_on`](Self::with_capacity_on).
     pub fn with_capacity_for(stream: &Stream, capacity: usize) -> Result<Self> {
-        Self::with_capacity_on(VmBackend::of_stream(stream), capacity)
+        let mut buf = Self::with_capacity_on(VmBackend::of_stream(stream), capacity)?;
+        if stream.cudarc().is_some() {
+            buf.region().set_waiter(Waiter::Stream(stream.clone()));
+            buf.stream = Some(stream.clone());
+        }
+        Ok(buf)
     }
 
     fn region(&self) -> MutexGuard<'_, Region> {
@@ -256,6 +296,9 @@ impl<T: Copy> GrowableBuffer<T> {
     /// and OS errors. The contents are unchanged on error.
     pub fn grow(&mut self, min_capacity: usize) -> Result<GrowPath> {
         self.forget_cuda();
+        // Mapping touches no stream: legal beside another thread's
+        // global-mode capture in the relaxed mode.
+        let _relaxed = RelaxedCaptureMode::enter();
         if min_capacity <= self.capacity() {
             return Ok(GrowPath::Unchanged);
         }
@@ -335,9 +378,14 @@ impl<T: Copy> GrowableBuffer<T> {
         Ok(())
     }
 
-    /// Appends `len` elements read from `src` (`cuMemcpyDtoD`; on the host
-    /// fallback `src` is a host address and the copy a `memmove`). Returns
-    /// once the copy is complete (`cuCtxSynchronize`).
+    /// Appends `len` elements read from `src` (on the host fallback `src`
+    /// is a host address and the copy a `memmove`). Returns once the copy
+    /// is complete. With its own stream
+    /// ([`with_capacity_for`](Self::with_capacity_for)) the copy is
+    /// `cuMemcpyDtoDAsync` on that stream and waits for it alone; without,
+    /// it is `cuMemcpyDtoD` on the legacy stream and waits for the legacy
+    /// stream, which is illegal while a blocking stream captures a graph in
+    /// the global mode (give the buffer a stream in programs that capture).
     ///
     /// # Safety
     /// `src .. src + len * size_of::<T>()` must be readable memory of this
@@ -356,8 +404,25 @@ impl<T: Copy> GrowableBuffer<T> {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
                 // SAFETY: the destination is mapped (just reserved) and
                 // inside the buffer; the caller vouches for the source.
-                unsafe { sys::cuMemcpyDtoD_v2(dst as u64, src, bytes) }.result().map_err(driver_err("cuMemcpyDtoD"))?;
-                vmm::synchronize(ctx)?;
+                // The queue's source and destination stay valid until the
+                // wait below returns.
+                match self.own_stream() {
+                    Some(st) => {
+                        // SAFETY: as above; the copy is queued on the
+                        // buffer's own stream, waited for before returning.
+                        unsafe { sys::cuMemcpyDtoDAsync_v2(dst as u64, src, bytes, st) }
+                            .result()
+                            .map_err(driver_err("cuMemcpyDtoDAsync"))?;
+                        self.wait_own_stream()?;
+                    }
+                    None => {
+                        // SAFETY: as above.
+                        unsafe { sys::cuMemcpyDtoD_v2(dst as u64, src, bytes) }
+                            .result()
+                            .map_err(driver_err("cuMemcpyDtoD"))?;
+                        legacy_synchronize()?;
+                    }
+                }
             }
             // SAFETY: the destination is committed host memory inside the
             // buffer; the caller vouches for the source; `copy` allows
@@ -372,9 +437,14 @@ impl<T: Copy> GrowableBuffer<T> {
     /// (`cuMemcpyDtoD`, or `cuMemcpyPeer` between two devices), host to
     /// device or device to host as the two backends require.
     ///
+    /// Between two devices the copy is a peer copy: with this buffer's own
+    /// stream `cuMemcpyPeerAsync` on it (waiting for that stream alone),
+    /// else `cuMemcpyPeer` and `cuCtxSynchronize`, which must not run while
+    /// any stream of the device captures a graph. Device to device on one
+    /// device: as [`extend_from_device`](Self::extend_from_device).
+    ///
     /// # Errors
-    /// As [`grow`](Self::grow); driver errors. Between two devices the copy
-    /// is a peer copy (`cuMemcpyPeer`).
+    /// As [`grow`](Self::grow); driver errors.
     pub fn extend_from_buffer(&mut self, other: &GrowableBuffer<T>) -> Result<()> {
         match (self.backend(), other.backend()) {
             (VmBackend::Cuda(a), VmBackend::Cuda(b)) if a != b => {
@@ -389,12 +459,25 @@ impl<T: Copy> GrowableBuffer<T> {
                 dst_ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
                 // SAFETY: the destination is mapped (just reserved) inside
                 // this buffer; the source holds `other.len` values and is
-                // borrowed, so nothing writes to it. `cuMemcpyPeer` runs on
-                // the legacy streams and returns once the copy is done.
-                unsafe { sys::cuMemcpyPeer(dst as u64, dst_ctx.cu_ctx(), other.device_ptr(), src_ctx.cu_ctx(), bytes) }
-                    .result()
-                    .map_err(driver_err("cuMemcpyPeer"))?;
-                vmm::synchronize(&dst_ctx)?;
+                // borrowed, so nothing writes to it.
+                let (d, dc, sp, sc) = (dst as u64, dst_ctx.cu_ctx(), other.device_ptr(), src_ctx.cu_ctx());
+                match self.own_stream() {
+                    Some(st) => {
+                        // SAFETY: as above; the copy is queued on this
+                        // buffer's stream and waited for before returning.
+                        unsafe { sys::cuMemcpyPeerAsync(d, dc, sp, sc, bytes, st) }
+                            .result()
+                            .map_err(driver_err("cuMemcpyPeerAsync"))?;
+                        self.wait_own_stream()?;
+                    }
+                    None => {
+                        // SAFETY: as above.
+                        unsafe { sys::cuMemcpyPeer(d, dc, sp, sc, bytes) }
+                            .result()
+                            .map_err(driver_err("cuMemcpyPeer"))?;
+                        vmm::synchronize(&dst_ctx)?;
+                    }
+                }
                 self.len += other.len;
                 Ok(())
             }
@@ -431,9 +514,19 @@ impl<T: Copy> GrowableBuffer<T> {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
                 // SAFETY: the destination lies in mapped memory of this
                 // buffer and `src` is a live slice of `bytes` bytes.
-                unsafe { sys::cuMemcpyHtoD_v2(dst as u64, src.as_ptr().cast(), bytes) }
-                    .result()
-                    .map_err(driver_err("cuMemcpyHtoD"))
+                match self.own_stream() {
+                    Some(st) => {
+                        // SAFETY: as above; `src` outlives the wait below.
+                        unsafe { sys::cuMemcpyHtoDAsync_v2(dst as u64, src.as_ptr().cast(), bytes, st) }
+                            .result()
+                            .map_err(driver_err("cuMemcpyHtoDAsync"))?;
+                        self.wait_own_stream()
+                    }
+                    // SAFETY: as above.
+                    None => unsafe { sys::cuMemcpyHtoD_v2(dst as u64, src.as_ptr().cast(), bytes) }
+                        .result()
+                        .map_err(driver_err("cuMemcpyHtoD")),
+                }
             }
             None => {
                 // SAFETY: the destination is committed host memory of this
@@ -476,9 +569,19 @@ impl<T: Copy> GrowableBuffer<T> {
                 // SAFETY: the source lies in mapped memory holding `n`
                 // values of `T` written earlier; the caller vouches that
                 // `dst` takes `bytes` bytes.
-                unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), src as u64, bytes) }
-                    .result()
-                    .map_err(driver_err("cuMemcpyDtoH"))
+                match self.own_stream() {
+                    Some(st) => {
+                        // SAFETY: as above; `dst` outlives the wait below.
+                        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src as u64, bytes, st) }
+                            .result()
+                            .map_err(driver_err("cuMemcpyDtoHAsync"))?;
+                        self.wait_own_stream()
+                    }
+                    // SAFETY: as above.
+                    None => unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), src as u64, bytes) }
+                        .result()
+                        .map_err(driver_err("cuMemcpyDtoH")),
+                }
             }
             None => {
                 // SAFETY: the source is committed host memory holding `n`
@@ -507,18 +610,26 @@ impl<T: Copy> GrowableBuffer<T> {
     /// Unmaps and releases the memory beyond what the length needs
     /// (`cuMemUnmap`, `cuMemRelease`; `madvise` on the host), whole pieces
     /// at a time; the address range stays reserved for later growth.
-    /// Returns the bytes released.
+    /// Returns the bytes released. It first waits for the work that may
+    /// use the memory (see the type's "Waiting before giving memory
+    /// back"); while a capture forbids that wait, it releases nothing and
+    /// returns 0.
     ///
     /// # Errors
-    /// Driver or OS errors.
+    /// Driver or OS errors (from the wait: nothing is released).
     pub fn shrink_to_fit(&mut self) -> Result<usize> {
+        let _relaxed = RelaxedCaptureMode::enter();
         let keep = self.len * size_of::<T>();
         let mapped = self.region().mapped_prefix();
         let cut = self.region().piece_bounds().map(|(start, _)| start).find(|start| *start >= keep).unwrap_or(mapped);
         if cut >= mapped {
             return Ok(0);
         }
-        if !self.region().unmap(cut, mapped - cut)? {
+        let mut region = self.region();
+        if region.settle()? == Settled::Later {
+            return Ok(0);
+        }
+        if !region.unmap(cut, mapped - cut)? {
             return Err(Error::InvalidState("the buffer's mapped pieces are not contiguous".into()));
         }
         Ok(mapped - cut)
@@ -541,6 +652,42 @@ impl<T: Copy> GrowableBuffer<T> {
     pub fn peers(&self) -> Vec<usize> {
         self.region().peers().to_vec()
     }
+
+    /// Process-wide: how many dropped or remapped buffers' memory waits for
+    /// a capture to end before it is given back, and how many were leaked
+    /// after a driver failure (see the type's "Waiting before giving memory
+    /// back").
+    pub fn deferred_releases() -> (usize, u64) {
+        region::deferred_and_leaked()
+    }
+
+    /// Gives back the memory whose release a capture deferred, where the
+    /// wait it needs is now allowed (every later shrink or drop does it
+    /// too). Call it after a capture ends.
+    pub fn release_deferred() {
+        let _relaxed = RelaxedCaptureMode::enter();
+        region::release_deferred();
+    }
+}
+
+impl<T: Copy> GrowableBuffer<T> {
+    /// The raw handle of the buffer's own stream, if it has one.
+    fn own_stream(&self) -> Option<sys::CUstream> {
+        self.stream.as_ref().and_then(|s| s.cudarc()).map(|c| c.cu_stream())
+    }
+
+    /// Waits for the buffer's own stream (after a copy queued on it).
+    fn wait_own_stream(&self) -> Result<()> {
+        self.stream.as_ref().map_or(Ok(()), Stream::synchronize)
+    }
+}
+
+/// Waits for the current context's legacy stream (`cuStreamSynchronize` of
+/// the null stream), after a copy queued there.
+fn legacy_synchronize() -> Result<()> {
+    // SAFETY: the null stream is the current context's legacy stream (the
+    // caller bound the buffer's context).
+    unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result().map_err(driver_err("cuStreamSynchronize"))
 }
 
 impl<T: Copy> GrowableBuffer<T> {

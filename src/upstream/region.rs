@@ -36,8 +36,11 @@ use crate::error::{Error, Result};
 use crate::sync::{lock, Mutex};
 
 mod pages;
+mod settle;
 
 pub use pages::choose_pieces;
+use settle::Remains;
+pub(crate) use settle::{deferred_and_leaked, release_deferred, Settled, Waiter};
 
 /// Where a virtual region's memory lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -169,6 +172,9 @@ pub(crate) struct Region {
     /// Memory unmapped by page remapping and kept for the next map
     /// (`pages.rs`): `(size, backing)`.
     spare: Vec<(usize, Backing)>,
+    /// How shrinking, remapping and dropping wait for the work that may
+    /// use the memory (`settle.rs`).
+    waiter: Waiter,
 }
 
 /// The guard after a reservation is this many times its size (at least
@@ -205,7 +211,11 @@ impl Region {
             headroom,
             guard: None,
             spare: Vec::new(),
+            waiter: Waiter::None,
         };
+        if let Space::Cuda { ctx, .. } = &region.space {
+            region.waiter = Waiter::Device(ctx.clone());
+        }
         let size = region.round(size.max(1))?;
         let res = region.fresh_reservation(size)?;
         region.base = res.addr();
@@ -409,7 +419,8 @@ impl Region {
     }
 
     /// Unmaps and releases the pieces that make up `[offset, offset + size)`
-    /// after waiting for the device. Returns `Ok(false)`, changing nothing,
+    /// at once: the caller waited first ([`settle`](Self::settle) answered
+    /// [`Settled::Now`]). Returns `Ok(false)`, changing nothing,
     /// unless whole pieces cover the span exactly (none is cut in two and
     /// there is no gap).
     pub(crate) fn unmap(&mut self, offset: usize, size: usize) -> Result<bool> {
@@ -422,12 +433,49 @@ impl Region {
         if cut_before || cut_after || covered != size || size == 0 {
             return Ok(false);
         }
-        self.synchronize()?;
         let removed: Vec<Piece> = self.pieces.drain(first..last).collect();
         for piece in &removed {
             self.unmap_piece(piece);
         }
         Ok(true)
+    }
+
+    /// Waits for the work that may use the memory before some of it is
+    /// given back, unless a capture forbids the wait ([`Waiter`]); first
+    /// releases what earlier waits deferred.
+    ///
+    /// # Errors
+    /// A driver error from the wait.
+    pub(crate) fn settle(&self) -> Result<Settled> {
+        settle::release_deferred();
+        if self.owner_settles {
+            return Ok(Settled::Now);
+        }
+        self.waiter.settle()
+    }
+
+    /// From now on, waits for `stream` alone (not the device) before
+    /// memory is given back: all work that uses the memory is ordered on
+    /// it.
+    pub(crate) fn set_waiter(&mut self, waiter: Waiter) {
+        self.waiter = waiter;
+    }
+
+    /// The memory of the pieces in segments `segs` as remains: their
+    /// mappings to undo and, with `own`, their memory.
+    fn remains_of(&mut self, own: bool) -> Remains {
+        let mut remains = Remains::default();
+        for piece in &self.pieces {
+            let s = self.segment_of(piece.offset);
+            remains.maps.push((s, piece.offset - self.segments[s].offset, piece.size));
+        }
+        if own {
+            remains.backings = self.pieces.drain(..).map(|p| p.backing).collect();
+            remains.backings.extend(self.spare.drain(..).map(|(_, b)| b));
+            remains.guard = self.guard.take();
+        }
+        remains.segments = std::mem::take(&mut self.segments);
+        remains
     }
 
     /// The offsets where pieces start, for callers that shrink to a piece
@@ -535,10 +583,11 @@ impl Region {
                     }
                     return Err(e);
                 }
-                self.synchronize()?;
-                for piece in &self.pieces {
-                    self.unmap_piece(piece);
-                }
+                // The old mappings go once the work that may use them is
+                // done (deferred while a capture forbids the wait).
+                let old = self.remains_of(false);
+                let waiter = if self.owner_settles { Waiter::None } else { self.waiter.clone() };
+                old.settle_and_release(waiter);
             }
             Reservation::Host(new_range) => {
                 for (i, piece) in self.pieces.iter().enumerate() {
@@ -583,17 +632,14 @@ fn unreachable_backing() -> ! {
 }
 
 impl Drop for Region {
+    /// Waits ([`settle`](Region::settle)), then unmaps every piece, releases
+    /// the memory and frees the addresses; deferred while a capture forbids
+    /// the wait; leaked (logged) when a wait or an unmap fails, so nothing
+    /// is released twice or while still mapped.
     fn drop(&mut self) {
-        if let Err(e) = self.synchronize() {
-            eprintln!("cumem: synchronising before unmapping a region: {e}");
-        }
-        if matches!(self.space, Space::Cuda { .. }) {
-            for piece in &self.pieces {
-                self.unmap_piece(piece);
-            }
-        }
-        // Chunks are released, then the address ranges freed.
-        self.pieces.clear();
-        self.segments.clear();
+        let _relaxed = crate::cuda::RelaxedCaptureMode::enter();
+        let remains = self.remains_of(true);
+        let waiter = if self.owner_settles { Waiter::None } else { self.waiter.clone() };
+        remains.settle_and_release(waiter);
     }
 }
