@@ -146,6 +146,8 @@ impl<T: Copy> GrowableBuffer<T> {
             return Err(Error::InvalidAlignment { align: align_of::<T>(), max: crate::pool::BLOCK_ALIGN });
         }
         let bytes = Self::bytes_for(capacity)?;
+        // Reserving and mapping touch no stream (see `grow`).
+        let _relaxed = RelaxedCaptureMode::enter();
         let shared = Region::reserve_shared(&backend, bytes.max(1), true)?;
         let ctx = lock(&shared).cuda_context().cloned();
         let mut buf = GrowableBuffer {
