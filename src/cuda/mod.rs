@@ -29,4 +29,4 @@ pub(crate) use context::set_default_ordinal;
 pub(crate) use graph_object::{next_host_capture_id, tie_to_graph, CaptureGraph};
 #[doc(hidden)]
 pub use graph_object::{release_payload, run_release, HostGraph, HostGraphExec, ReleaseQueue};
-pub(crate) use peer::{register_mapped, register_pool, unregister_pool, PeerMapped};
+pub(crate) use peer::{reachable_peers, register_mapped, register_pool, unregister_pool, PeerMapped};

@@ -10,10 +10,20 @@
 //! hands it out, arenas lend and move only free memory, page remapping
 //! unmaps only pages that lie wholly in free space. Driver calls (the
 //! export itself, the deferred free) happen outside the lock.
+//!
+//! A pinned block freed during a capture follows the rule of every block
+//! freed during a capture (`graph.rs`): the capture's private pool holds
+//! it until the graph is gone, never an eager free when the export is
+//! released. The book marks it as the graph's (`by_graph`), so the last
+//! release frees nothing; when the graph's pool retires first, the book
+//! takes the free over and the last release makes it (the graph's work is
+//! done by then). Both hand-overs happen under the book's lock, so exactly
+//! one side frees the block.
 
 use std::os::fd::OwnedFd;
 
 use super::allocator::DeviceAllocator;
+use super::graph::Held;
 use super::DeviceAllocatorMode;
 use crate::cuda::{ipc, vmm, Stream};
 use crate::error::{Error, PoolKind, Result};
@@ -28,6 +38,15 @@ struct Pinned {
     /// The free made while pinned, with its stream (`Some(None)`: a free
     /// with no stream).
     freed: Option<Option<Stream>>,
+    /// Freed during a capture: a graph's private pool holds the block and
+    /// frees it when it retires (unless the export outlives that).
+    by_graph: bool,
+}
+
+impl Pinned {
+    fn freed(&self) -> bool {
+        self.freed.is_some() || self.by_graph
+    }
 }
 
 /// The exported blocks of one device.
@@ -45,8 +64,8 @@ impl Exports {
     /// Pins `addr` (`size` bytes) once more.
     fn pin(&self, addr: usize, size: usize) -> Result<()> {
         let mut book = lock(&self.book);
-        let p = book.entry(addr).or_insert(Pinned { size, open: 0, freed: None });
-        if p.freed.is_some() {
+        let p = book.entry(addr).or_insert(Pinned { size, open: 0, freed: None, by_graph: false });
+        if p.freed() {
             // Freed while pinned: the owner gave it up; it can't be shared.
             return Err(Error::DoubleFree { pool: PoolKind::Device, addr });
         }
@@ -56,7 +75,8 @@ impl Exports {
     }
 
     /// Drops one pin of `addr`; returns the free to make now, if the block
-    /// was freed meanwhile and this was its last pin.
+    /// was freed meanwhile (not during a capture: the graph frees those)
+    /// and this was its last pin.
     fn unpin(&self, addr: usize) -> Result<Option<Option<Stream>>> {
         let mut book = lock(&self.book);
         let Some(p) = book.get_mut(&addr) else {
@@ -78,12 +98,60 @@ impl Exports {
         }
         let mut book = lock(&self.book);
         match book.get_mut(&addr) {
-            Some(p) if p.freed.is_some() => Err(Error::DoubleFree { pool: PoolKind::Device, addr }),
+            Some(p) if p.freed() => Err(Error::DoubleFree { pool: PoolKind::Device, addr }),
             Some(p) => {
                 p.freed = Some(stream.cloned());
                 Ok(Some(p.size))
             }
             None => Ok(None),
+        }
+    }
+
+    /// Whether `addr` is pinned (one atomic load while nothing is).
+    fn is_pinned(&self, addr: usize) -> bool {
+        self.pinned.load(Ordering::Acquire) > 0 && lock(&self.book).contains_key(&addr)
+    }
+
+    /// Marks pinned `addr` as freed during a capture, its free left to the
+    /// graph; returns its size (`None`: not pinned any more).
+    fn give_to_graph(&self, addr: usize) -> Result<Option<usize>> {
+        let mut book = lock(&self.book);
+        match book.get_mut(&addr) {
+            Some(p) if p.freed() => Err(Error::DoubleFree { pool: PoolKind::Device, addr }),
+            Some(p) => {
+                p.by_graph = true;
+                Ok(Some(p.size))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Undoes [`give_to_graph`](Self::give_to_graph) (the graph refused
+    /// the block).
+    fn take_back_from_graph(&self, addr: usize) {
+        if let Some(p) = lock(&self.book).get_mut(&addr) {
+            p.by_graph = false;
+        }
+    }
+
+    /// The graph holding `addr` retires: if the block is still pinned, the
+    /// book takes its free over (made at the last release, with no
+    /// stream: the graph's work is done), runs `keep` under its lock (so
+    /// that the release sees what `keep` restores), and `true` says the
+    /// graph must not free it.
+    fn graph_lets_go(&self, addr: usize, keep: impl FnOnce()) -> bool {
+        if self.pinned.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let mut book = lock(&self.book);
+        match book.get_mut(&addr) {
+            Some(p) if p.by_graph => {
+                p.by_graph = false;
+                p.freed = Some(None);
+                keep();
+                true
+            }
+            _ => false,
         }
     }
 
@@ -167,14 +235,51 @@ impl DeviceAllocator {
         }
     }
 
+    /// A private pool retires holding `block`: `true` when the block is
+    /// still exported, and its last release frees it instead (a
+    /// stream-ordered one goes back in the book of live allocations for
+    /// that free).
+    pub(super) fn exported_outlives_graph(&self, block: Held) -> bool {
+        self.exports.graph_lets_go(block.addr(), || {
+            if let Held::StreamOrdered { addr, size, mode } = block {
+                self.restore_stream_ordered(addr, size, mode);
+            }
+        })
+    }
+
     /// How many blocks are exported (pinned) now.
     pub fn exported_blocks(&self) -> usize {
         self.exports.count()
     }
 
-    /// A free of a pinned block, recorded for its release: `Some(size)`.
+    /// A free of a pinned block: `Some(size)` when it is recorded for the
+    /// last release, or, during a capture, handed to the capture's private
+    /// pool like any block captured work freed (see the module docs).
     pub(super) fn defer_exported_free(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
-        self.exports.defer_free(addr, stream)
+        if !self.exports.is_pinned(addr) {
+            return Ok(None);
+        }
+        let capture = match stream {
+            Some(s) if self.graphs.watching() => self.capture_for(s)?,
+            _ => None,
+        };
+        let Some((_, p)) = capture else { return self.exports.defer_free(addr, stream) };
+        let Some(size) = self.exports.give_to_graph(addr)? else {
+            // Released meanwhile: an ordinary free, routed as usual.
+            return Ok(None);
+        };
+        let held = match self.take_stream_ordered(addr) {
+            Some((size, mode)) => Held::StreamOrdered { addr, size, mode },
+            None => Held::Pool { addr, size },
+        };
+        if let Err(e) = self.graphs.hold(&p, held) {
+            if let Held::StreamOrdered { size, mode, .. } = held {
+                self.restore_stream_ordered(addr, size, mode);
+            }
+            self.exports.take_back_from_graph(addr);
+            return Err(e);
+        }
+        Ok(Some(size))
     }
 }
 
@@ -216,6 +321,55 @@ mod tests {
         // Best fit hands the same block out now: the test above would see a
         // pinned block handed out.
         assert_eq!(mm.allocate_device(size).unwrap(), p);
+    }
+
+    /// Blocks of `size` allocated on `t` until one of them is `p` (at most
+    /// 4); all freed again.
+    fn reaches(mm: &MemoryManager, size: usize, t: &Stream, p: u64) -> bool {
+        let got: Vec<u64> = (0..4).map(|_| mm.allocate_device_on(size, t).unwrap()).collect();
+        let found = got.contains(&p);
+        for q in got {
+            mm.free_device_on(q, t).unwrap();
+        }
+        found
+    }
+
+    /// A pinned block freed during a capture follows the rule of every
+    /// block captured work freed: the graph keeps it after its last export
+    /// is released, until the graph is gone, whichever of the two goes
+    /// first. Control: before the fix the release freed it eagerly (the
+    /// first case failed with the block handed out while the graph lived).
+    #[test]
+    fn a_pinned_block_freed_during_a_capture_stays_the_graphs() {
+        for graph_first in [false, true] {
+            let mm = MemoryManager::new(Config::new().backend(BackendChoice::Host)).unwrap();
+            let d = mm.device(0).unwrap();
+            let size = 8 << 20;
+            let (s, t) = (Stream::host(), Stream::host());
+            let p = mm.allocate_device_on(size, &s).unwrap();
+            d.exports.pin(p as usize, size).unwrap();
+            let pool = mm.graph_pool().unwrap();
+            let capture = mm.begin_capture(&s, &pool).unwrap();
+            mm.free_device_on(p, &s).unwrap(); // captured work used it
+            assert!(matches!(mm.free_device_on(p, &s), Err(Error::DoubleFree { .. })));
+            let graph = capture.end().unwrap();
+            assert!(matches!(mm.free_device(p), Err(Error::DoubleFree { .. })));
+            if graph_first {
+                drop((graph, pool));
+                assert_eq!(d.stats().graphs.held, 0);
+                assert!(!reaches(&mm, size, &t, p), "an exported block was handed out after its graph went");
+                d.release_export(p).unwrap();
+            } else {
+                d.release_export(p).unwrap();
+                assert_eq!(d.exported_blocks(), 0);
+                assert!(!reaches(&mm, size, &t, p), "the release freed a block the graph still holds");
+                assert!(matches!(mm.free_device(p), Err(Error::DoubleFree { .. })));
+                drop((graph, pool));
+            }
+            assert_eq!((d.stats().graphs.held, d.exported_blocks()), (0, 0), "graph first: {graph_first}");
+            assert!(reaches(&mm, size, &t, p), "the block came back once the graph and the export were gone");
+            assert_eq!(d.stats().pool.live_blocks, 0);
+        }
     }
 
     #[test]

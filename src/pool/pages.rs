@@ -72,6 +72,11 @@ pub(super) struct Pages {
     /// Pages of memory unmapped and kept by the upstream for the next map
     /// ([`Upstream::kept`]): held, with no address.
     pub(super) kept: usize,
+    /// Pages the pool holds at least once mapped: its explicit initial
+    /// size ([`Pool::set_initial_size`]), mapped whole at the first growth
+    /// and never moved to stay within the budget (released only with the
+    /// cached memory).
+    pub(super) floor: usize,
     /// Map calls (one per piece mapped) and unmap calls (one per piece).
     pub(super) map_calls: u64,
     pub(super) unmap_calls: u64,
@@ -253,10 +258,12 @@ impl Pages {
 }
 
 /// The physical pages a remapping pool may hold: the page floor of its
-/// placement plus the slack (`slack_ppm` millionths of it).
-pub(super) fn budget(fit: &super::BestFit, slack_ppm: u32) -> usize {
+/// placement plus the slack (`slack_ppm` millionths of it), and never less
+/// than the pool's explicit size ([`Pages::floor`]).
+pub(super) fn budget(fit: &super::BestFit, pages: &Pages, slack_ppm: u32) -> usize {
     let (_, floor) = fit.touched_pages();
-    floor + (floor as u128 * u128::from(slack_ppm)).div_ceil(1_000_000) as usize
+    let placed = floor + (floor as u128 * u128::from(slack_ppm)).div_ceil(1_000_000) as usize;
+    placed.max(pages.floor)
 }
 
 /// The work one remap step does outside the pool lock.
@@ -311,7 +318,7 @@ impl<U: Upstream> Pool<U> {
             };
             let runs = pages.holes_in(a.addr, a.size);
             let needed: usize = runs.iter().map(|r| r.size >> pages.shift).sum();
-            let budget = budget(fit, self.config.remap_slack_ppm);
+            let budget = budget(fit, pages, self.config.remap_slack_ppm);
             // Kept memory maps without raising what is held; only the rest
             // is new memory, and only new memory above the budget makes
             // this thread unmap (the background mapper keeps memory kept).
@@ -356,6 +363,35 @@ impl<U: Upstream> Pool<U> {
             }
         }
         r
+    }
+
+    /// Maps the first `bytes` of `chunk`, the pool's first chunk, at once:
+    /// a pool given an explicit size holds that much memory from its first
+    /// allocation (the seed's pool size), and keeps it ([`Pages::floor`]).
+    ///
+    /// # Errors
+    /// The upstream's error mapping the memory (the chunk stays, unmapped;
+    /// allocations then map pages as they need them).
+    pub(super) fn map_initial(&self, chunk: Chunk, bytes: usize) -> Result<()> {
+        let _remap = lock(&self.remap_lock);
+        let runs = {
+            let inner = self.inner.lock();
+            let size = bytes.next_multiple_of(inner.pages.page()).min(chunk.size);
+            inner.pages.holes_in(chunk.addr, size)
+        };
+        let mapped = self.upstream.map_runs(&runs);
+        let kept = self.upstream.kept();
+        let mut inner = self.inner.lock();
+        let pages = &mut inner.pages;
+        pages.set_kept(kept);
+        let calls = mapped?;
+        for run in &runs {
+            pages.mapped += pages.mark(*run, false);
+        }
+        pages.map_calls += calls;
+        pages.floor = bytes.min(chunk.size) >> pages.shift;
+        pages.peak = pages.peak.max(pages.physical());
+        Ok(())
     }
 
     /// Unmaps what `plan` reclaims and maps its runs (no pool lock held),
