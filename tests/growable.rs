@@ -433,11 +433,17 @@ fn capture_beside_churn(
     let errors = worker.join().unwrap();
     let mut captured = first.is_ok() && second.is_ok();
     let mut right = false;
-    // SAFETY: `dst` holds CAP_N u32; the synchronous memset finishes first.
-    unsafe { sys::cuMemsetD32_v2(dst, 0, CAP_N) }.result().ok();
+    // Once the capture ended (a legacy-stream memset during a blocking
+    // stream's capture would invalidate it): the replay must write `dst`.
+    let clear = || {
+        // SAFETY: `dst` holds CAP_N u32; the synchronous memset finishes
+        // before the replay is queued.
+        unsafe { sys::cuMemsetD32_v2(dst, 0, CAP_N) }.result().unwrap();
+    };
     match capturer {
         Capturer::Cudarc => match cudarc_stream.end_capture(sys::CUgraphInstantiate_flags(0)) {
             Ok(Some(graph)) => {
+                clear();
                 graph.launch().unwrap();
                 cudarc_stream.synchronize().unwrap();
                 right = read_u32(ctx, dst, CAP_N).iter().all(|&v| v == 0x600D);
@@ -455,6 +461,7 @@ fn capture_beside_churn(
             println!("cuStreamEndCapture: {rc:?}");
             captured &= rc == sys::CUresult::CUDA_SUCCESS;
             if captured {
+                clear();
                 let mut exec: sys::CUgraphExec = std::ptr::null_mut();
                 // SAFETY: `graph` was just captured; `exec` is a valid
                 // out-pointer; both are destroyed below.

@@ -73,9 +73,11 @@ impl GrowStats {
 /// pointer changes) and shrinking and dropping unmap memory that queued
 /// work may still read, so they wait first:
 /// - a buffer made [`with_capacity_for`](Self::with_capacity_for) a CUDA
-///   stream waits for that stream alone (`cuStreamSynchronize`), legal
-///   while other streams capture; work on other streams must be ordered
-///   before it. While that stream captures, the release is deferred.
+///   stream waits for that stream alone (`cuStreamSynchronize`, in the
+///   relaxed capture mode: legal while other streams capture, in any
+///   mode); work on other streams must be ordered before it. While that
+///   stream captures, the release is deferred. Its copies are queued on
+///   that stream too.
 /// - otherwise it waits for the device (`cuCtxSynchronize`), but never
 ///   while a capture is known (registered with cumem, or on a blocking
 ///   stream): the release is then deferred.
@@ -401,6 +403,7 @@ impl<T: Copy> GrowableBuffer<T> {
         let bytes = Self::bytes_for(len)?;
         self.reserve(len)?;
         let dst = self.region().base() + self.len * size_of::<T>();
+        let _relaxed = self.relaxed_for_copy();
         match &self.ctx {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
@@ -458,6 +461,7 @@ impl<T: Copy> GrowableBuffer<T> {
                 let bytes = Self::bytes_for(other.len)?;
                 self.reserve(other.len)?;
                 let dst = self.region().base() + self.len * size_of::<T>();
+                let _relaxed = self.relaxed_for_copy();
                 dst_ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
                 // SAFETY: the destination is mapped (just reserved) inside
                 // this buffer; the source holds `other.len` values and is
@@ -511,6 +515,7 @@ impl<T: Copy> GrowableBuffer<T> {
         let bytes = std::mem::size_of_val(src);
         let dst = self.region().base() + at * size_of::<T>();
         debug_assert!(at * size_of::<T>() + bytes <= self.capacity_bytes());
+        let _relaxed = self.relaxed_for_copy();
         match &self.ctx {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
@@ -565,6 +570,7 @@ impl<T: Copy> GrowableBuffer<T> {
         }
         let bytes = n * size_of::<T>();
         let src = self.region().base();
+        let _relaxed = self.relaxed_for_copy();
         match &self.ctx {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
@@ -676,7 +682,12 @@ impl<T: Copy> GrowableBuffer<T> {
 }
 
 impl<T: Copy> GrowableBuffer<T> {
-    /// The raw handle of the buffer's own stream, if it has one.
+    /// The raw handle of the buffer's own stream, if it has one. Copies
+    /// queued on it and the waits for it run in the relaxed capture mode:
+    /// during another thread's global-mode capture the driver refuses even
+    /// `cuStreamSynchronize` of an unrelated stream otherwise (and the
+    /// refusal invalidates that capture), although the stream takes no
+    /// part in it.
     fn own_stream(&self) -> Option<sys::CUstream> {
         self.stream.as_ref().and_then(|s| s.cudarc()).map(|c| c.cu_stream())
     }
@@ -684,6 +695,12 @@ impl<T: Copy> GrowableBuffer<T> {
     /// Waits for the buffer's own stream (after a copy queued on it).
     fn wait_own_stream(&self) -> Result<()> {
         self.stream.as_ref().map_or(Ok(()), Stream::synchronize)
+    }
+
+    /// The relaxed capture mode while a copy on the buffer's own stream
+    /// runs (see [`own_stream`](Self::own_stream)); nothing without one.
+    fn relaxed_for_copy(&self) -> Option<RelaxedCaptureMode> {
+        self.stream.as_ref().map(|_| RelaxedCaptureMode::enter())
     }
 }
 
