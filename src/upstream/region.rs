@@ -39,7 +39,6 @@ mod pages;
 mod settle;
 
 pub use pages::choose_pieces;
-use settle::Remains;
 pub(crate) use settle::{deferred_and_leaked, release_deferred, Settled, Waiter};
 
 /// Where a virtual region's memory lives.
@@ -441,44 +440,6 @@ impl Region {
             self.unmap_piece(piece);
         }
         Ok(true)
-    }
-
-    /// Waits for the work that may use the memory before some of it is
-    /// given back, unless a capture forbids the wait ([`Waiter`]); first
-    /// releases what earlier waits deferred.
-    ///
-    /// # Errors
-    /// A driver error from the wait.
-    pub(crate) fn settle(&self) -> Result<Settled> {
-        settle::release_deferred();
-        if self.owner_settles {
-            return Ok(Settled::Now);
-        }
-        self.waiter.settle()
-    }
-
-    /// From now on, waits for `stream` alone (not the device) before
-    /// memory is given back: all work that uses the memory is ordered on
-    /// it.
-    pub(crate) fn set_waiter(&mut self, waiter: Waiter) {
-        self.waiter = waiter;
-    }
-
-    /// The memory of the pieces in segments `segs` as remains: their
-    /// mappings to undo and, with `own`, their memory.
-    fn remains_of(&mut self, own: bool) -> Remains {
-        let mut remains = Remains::default();
-        for piece in &self.pieces {
-            let s = self.segment_of(piece.offset);
-            remains.maps.push((s, piece.offset - self.segments[s].offset, piece.size));
-        }
-        if own {
-            remains.backings = self.pieces.drain(..).map(|p| p.backing).collect();
-            remains.backings.extend(self.spare.drain(..).map(|(_, b)| b));
-            remains.guard = self.guard.take();
-        }
-        remains.segments = std::mem::take(&mut self.segments);
-        remains
     }
 
     /// The offsets where pieces start, for callers that shrink to a piece

@@ -29,7 +29,7 @@
 //! the remains (logged) instead of releasing memory or freeing addresses
 //! that may still be mapped.
 
-use super::{Backing, Reservation, Segment};
+use super::{Backing, Region, Reservation, Segment};
 use crate::cuda::{capture_of, captures_under_way, vmm, RelaxedCaptureMode, Stream};
 use crate::error::Result;
 use crate::sync::{lock, Mutex};
@@ -101,6 +101,47 @@ fn blocking_capture(ctx: &CudaContext) -> bool {
     // invalidates no capture.
     let rc = unsafe { sys::cuStreamIsCapturing(std::ptr::null_mut(), &mut status) };
     rc != sys::CUresult::CUDA_SUCCESS || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+}
+
+impl Region {
+    /// Waits for the work that may use the memory before some of it is
+    /// given back, unless a capture forbids the wait ([`Waiter`]); first
+    /// releases what earlier waits deferred.
+    ///
+    /// # Errors
+    /// A driver error from the wait.
+    pub(crate) fn settle(&self) -> Result<Settled> {
+        release_deferred();
+        if self.owner_settles {
+            return Ok(Settled::Now);
+        }
+        self.waiter.settle()
+    }
+
+    /// From now on, waits for `stream` alone (not the device) before
+    /// memory is given back: all work that uses the memory is ordered on
+    /// it.
+    pub(crate) fn set_waiter(&mut self, waiter: Waiter) {
+        self.waiter = waiter;
+    }
+
+    /// Every piece's mapping as remains to undo, with the segments (taken
+    /// out of the region) and, with `own`, the pieces' memory, the spares
+    /// and the guard too (the region is left empty).
+    pub(super) fn remains_of(&mut self, own: bool) -> Remains {
+        let mut remains = Remains::default();
+        for piece in &self.pieces {
+            let s = self.segment_of(piece.offset);
+            remains.maps.push((s, piece.offset - self.segments[s].offset, piece.size));
+        }
+        if own {
+            remains.backings = self.pieces.drain(..).map(|p| p.backing).collect();
+            remains.backings.extend(self.spare.drain(..).map(|(_, b)| b));
+            remains.guard = self.guard.take();
+        }
+        remains.segments = std::mem::take(&mut self.segments);
+        remains
+    }
 }
 
 /// Memory a region gives back: mappings to undo (`(segment, offset in
