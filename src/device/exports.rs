@@ -188,6 +188,10 @@ impl DeviceAllocator {
             None => (self.pool.check_live(addr)?, false),
         };
         self.exports.pin(addr, size)?;
+        // The handle reports what was asked for: an importer reading
+        // `size()` bytes must not read past the exporter's data. The block
+        // (and the pieces mapped over it) may be larger.
+        let asked = if native { size } else { self.pool.requested_size(addr).filter(|r| *r <= size).unwrap_or(size) };
         let made = (|| {
             let (kind, offset, fds) = if native {
                 let (fd, data) = self.native_pool()?.export(ptr)?;
@@ -208,7 +212,7 @@ impl DeviceAllocator {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 pid: std::process::id(),
                 uuid: ipc::device_uuid(&ctx)?,
-                size: size as u64,
+                size: asked as u64,
                 offset,
                 fds,
             })
