@@ -27,9 +27,9 @@
 //! reachable from then on. For `cuMemMap` memory that takes a
 //! `cuMemSetAccess` naming the accessor, and the driver offers no way to
 //! learn that a context enabled peer access. A `cuMemSetAccess` that names
-//! a peer is also dear: about 1 ms (2 to 128 MiB; 10 to 20 ms from 512
-//! MiB) on two H200s against 0.05 to 0.5 ms for the owner alone, 2.6 ms
-//! while the peer's context does not exist. So a mapping names, in its one
+//! a peer is also dear: about 1 ms (2 to 128 MiB; about 10.5 ms from 512
+//! MiB) on two H200s against 0.04 to 0.6 ms for the owner alone, 1.5 to
+//! 1.7 ms (11 ms) while the peer's context does not exist. So a mapping names, in its one
 //! `cuMemSetAccess` call, the owner, the peers granted with
 //! [`enable_peer_access`] (or `peer_access` in `CUMEM_CONF`), and the
 //! peers that can reach the owner (`cuDeviceCanAccessPeer`) and whose
