@@ -354,6 +354,29 @@ pub extern "C" fn cumem_set_device_pool_size(size: usize) -> CumemStatus {
     guard(|| Ok(manager()?.set_device_pool_size(size)?))
 }
 
+// ---- peers ----
+
+/// Lets kernels on device `accessor` read and write all memory of device
+/// `owner` that cumem hands out, now and later (see
+/// `MemoryManager::enable_peer_access`). A program that enables peer
+/// access itself (`cudaDeviceEnablePeerAccess`) calls this too when it
+/// reads memory mapped before the accessor's context existed without a
+/// cumem allocation in between (cumem gives access to peers whose context
+/// is active at its next mapping). Granting twice, or `accessor ==
+/// owner`, is harmless; one-way.
+///
+/// # Errors
+/// `CUMEM_STATUS_INVALID_ARGUMENT` for a negative device;
+/// `CUMEM_STATUS_NO_SUCH_DEVICE`; `CUMEM_STATUS_OTHER` when the devices
+/// have no peer path; `CUMEM_STATUS_DRIVER`.
+#[no_mangle]
+pub extern "C" fn cumem_enable_peer_access(accessor: c_int, owner: c_int) -> CumemStatus {
+    guard(|| {
+        let (a, o) = (crate::torch::ordinal(accessor)?, crate::torch::ordinal(owner)?);
+        Ok(manager()?.enable_peer_access(a, o)?)
+    })
+}
+
 /// Requests device allocator mode `mode` (a `CumemMode` value) for every
 /// device; stores the mode in effect on the default device in
 /// `*effective` when it is not NULL (`CUMEM_MODE_SYNC_POOL` where the

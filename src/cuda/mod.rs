@@ -21,7 +21,7 @@ pub use free_clock::{FreeClock, PENDING};
 pub use context::{
     default_ordinal, device_context, driver_err, driver_status, gpu_for_test, gpus_for_test, DriverStatus,
 };
-pub use peer::{can_access_peer, enable_peer_access, peers_of};
+pub use peer::{can_access_peer, enable_peer_access, mapped_peers, peers_of};
 pub use stream::Stream;
 
 pub(crate) use capture::{capture_info, capture_of, captures_under_way, count_capture, RelaxedCaptureMode};
@@ -29,4 +29,6 @@ pub(crate) use context::set_default_ordinal;
 pub(crate) use graph_object::{next_host_capture_id, tie_to_graph, CaptureGraph};
 #[doc(hidden)]
 pub use graph_object::{release_payload, run_release, HostGraph, HostGraphExec, ReleaseQueue};
-pub(crate) use peer::{reachable_peers, register_mapped, register_pool, unregister_pool, PeerMapped};
+pub(crate) use peer::{
+    follow_active_peers, initial_peers, register_mapped, register_pool, unregister_pool, PeerMapped,
+};

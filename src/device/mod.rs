@@ -21,8 +21,8 @@ pub use mode::DeviceAllocatorMode;
 pub use native_pool::{NativePool, NativePoolAttributes, NativePoolOptions};
 
 pub use crate::cuda::{
-    can_access_peer, device_context, driver_status, enable_peer_access, gpu_for_test, gpus_for_test, peers_of, vmm,
-    DriverStatus, Stream,
+    can_access_peer, device_context, driver_status, enable_peer_access, gpu_for_test, gpus_for_test, mapped_peers,
+    peers_of, vmm, DriverStatus, Stream,
 };
 #[doc(hidden)]
 pub use crate::cuda::{release_payload, run_release, FreeClock, HostGraph, HostGraphExec, ReleaseQueue, PENDING};
