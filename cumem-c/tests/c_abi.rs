@@ -128,7 +128,9 @@ fn the_c_test_of_every_entry_point_passes() {
             .arg(&exe),
         "compiling tests/c/test_cumem.c",
     );
-    let out = run(Command::new(&exe).env_remove("CUMEM_CONF"), "tests/c/test_cumem.c");
+    // LD_LIBRARY_PATH (which cargo sets to the target folders, where an
+    // older build may sit) would win over the rpath: name these libraries.
+    let out = run(Command::new(&exe).env_remove("CUMEM_CONF").env("LD_LIBRARY_PATH", &libs), "tests/c/test_cumem.c");
     assert!(out.contains("all") && out.contains("checks passed"), "the C test did not finish:\n{out}");
 }
 
@@ -154,6 +156,6 @@ fn the_cpp_seed_example_runs() {
             .arg(&exe),
         "compiling examples/seed_usage.cpp",
     );
-    let out = run(Command::new(&exe).env_remove("CUMEM_CONF"), "examples/seed_usage.cpp");
+    let out = run(Command::new(&exe).env_remove("CUMEM_CONF").env("LD_LIBRARY_PATH", &libs), "examples/seed_usage.cpp");
     assert!(out.contains("seed usage: ok"), "the C++ example did not finish:\n{out}");
 }
