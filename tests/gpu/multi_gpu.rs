@@ -358,7 +358,7 @@ fn gpu_peer_access_enabled_the_cuda_way_reaches_pool_memory() {
     }
     let Some(_ctxs) = gpus_for_test(2, name) else { return };
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .args([crate::common::test_name(module_path!(), name).as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .env(CUDA_WAY_ENV, "1")
         .output()
         .unwrap();
@@ -538,7 +538,7 @@ fn follow_child(mode: &str) {
 /// extra environment `env`; returns its stdout and stderr.
 fn run_follow_child(name: &str, mode: &str, env: &[(&str, &str)]) -> (String, String) {
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(FOLLOW_ENV, mode);
+    cmd.args([crate::common::test_name(module_path!(), name).as_str(), "--exact", "--nocapture", "--test-threads=1"]).env(FOLLOW_ENV, mode);
     for (k, v) in env {
         cmd.env(k, v);
     }

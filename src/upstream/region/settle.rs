@@ -111,7 +111,7 @@ impl Region {
     /// # Errors
     /// A driver error from the wait.
     pub(crate) fn settle(&self) -> Result<Settled> {
-        release_deferred();
+        release_deferred_where(matches!(self.waiter, Waiter::Device(_)) && !self.owner_settles);
         if self.owner_settles {
             return Ok(Settled::Now);
         }
@@ -209,12 +209,25 @@ static LEAKED: crate::sync::StaticAtomicU64 = crate::sync::StaticAtomicU64::new(
 /// Releases the deferred remains whose waits are now allowed (each waiter
 /// is asked once per call; the list's lock is not held meanwhile).
 pub(crate) fn release_deferred() {
+    release_deferred_where(true);
+}
+
+/// As [`release_deferred`]; with `device_waits` false, remains that wait
+/// for a whole device are left for later. A region that waits for its own
+/// stream passes false: its caller keeps the device-wide wait away (it may
+/// break a capture cumem is not told of), and a deferred device wait must
+/// not come back through it.
+fn release_deferred_where(device_waits: bool) {
     let pending = std::mem::take(&mut *lock(&DEFERRED));
     if pending.is_empty() {
         return;
     }
     let mut keep = Vec::new();
     for (waiter, remains) in pending {
+        if !device_waits && matches!(waiter, Waiter::Device(_)) {
+            keep.push((waiter, remains));
+            continue;
+        }
         match waiter.settle() {
             Ok(Settled::Now) => remains.release(),
             Ok(Settled::Later) => keep.push((waiter, remains)),
