@@ -19,10 +19,10 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
-use super::exports::Exports;
 use super::graph::{GraphPoolFactory, GraphStats, Graphs, StreamOrderedFree};
 use super::mode::DeviceAllocatorMode;
 use super::native_pool::{self, NativePool, NativePoolAttributes, NativePoolOptions};
+use super::pins::Pins;
 use super::reuse::StreamRegistry;
 use crate::cuda::{driver_err, RelaxedCaptureMode, Stream};
 use crate::error::{Error, PoolKind, Result};
@@ -110,8 +110,8 @@ pub struct DeviceAllocator {
     streams: Arc<StreamRegistry>,
     /// Graph-private pools and the captures routed into them (graph.rs).
     pub(super) graphs: Graphs,
-    /// Blocks exported to other processes, pinned (exports.rs).
-    pub(super) exports: Exports,
+    /// Blocks exported to other processes, pinned (pins.rs, exports.rs).
+    pub(super) exports: Pins,
 }
 
 impl std::fmt::Debug for DeviceAllocator {
@@ -157,7 +157,7 @@ impl DeviceAllocator {
             async_live: AtomicUsize::new(0),
             streams: Arc::new(StreamRegistry::default()),
             graphs: Graphs::new(!promise_registered_captures, make_graph_pool),
-            exports: Exports::default(),
+            exports: Pins::default(),
         };
         // A block merged from blocks freed on a stream whose work is known
         // complete and one freed on another stream keeps only the latter's

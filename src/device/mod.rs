@@ -11,6 +11,7 @@ mod graph;
 mod graph_pool;
 mod mode;
 mod native_pool;
+mod pins;
 mod reuse;
 
 pub use allocator::{AsyncStats, DeviceAllocator, DeviceStats};
