@@ -42,7 +42,7 @@
 //!   then running or will run) and waits until the thread let go of it
 //!   before it gives its memory back.
 
-use super::pages::budget;
+use super::remap::budget;
 use super::{Inner, SpinLock};
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 use crate::upstream::{Chunk, Upstream, REMAP_PIECE};

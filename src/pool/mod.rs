@@ -25,7 +25,7 @@ mod classes;
 mod free_index;
 mod growth;
 mod mapper;
-mod pages;
+mod remap;
 mod snapshot;
 mod spin;
 mod stats;
@@ -37,7 +37,7 @@ pub use arena_registry::release_thread_arenas;
 pub use arenas::{default_arena_count, Arenas, UpstreamFactory, MAX_ARENAS};
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
-pub use pages::RANK_LIMIT;
+pub use remap::RANK_LIMIT;
 pub use snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use stats::PoolStats;
 
@@ -158,7 +158,7 @@ struct Inner {
     /// Overrides `PoolConfig::initial_size` (set before first use).
     initial_size: Option<usize>,
     /// Which pages have memory mapped (page remapping; `pages.rs`).
-    pages: pages::Pages,
+    pages: remap::Pages,
 }
 
 /// A thread-safe best-fit pool over an upstream.
@@ -249,7 +249,7 @@ impl<U: Upstream> Pool<U> {
         }
         fit.set_hot_block(config.hot_block);
         let whole_free = fit.whole_free_flag();
-        let inner = Arc::new(SpinLock::new(Inner { fit, pages: pages::Pages::new(page), ..Inner::default() }));
+        let inner = Arc::new(SpinLock::new(Inner { fit, pages: remap::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
         let upstream = Arc::new(upstream);
