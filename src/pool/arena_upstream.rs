@@ -315,7 +315,7 @@ impl Upstream for Tracked {
         self.shared.total.unbook(chunk.size);
         Ok(())
     }
-    // Page remapping (pool/pages.rs): address space is booked and recorded
+    // Page remapping (pool/remap.rs): address space is booked and recorded
     // like allocated chunks; mapping inside it goes straight through, as
     // does everything not overridden here.
     fn inner(&self) -> Option<&dyn Upstream> {

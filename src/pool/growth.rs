@@ -156,7 +156,7 @@ impl<U: Upstream> Pool<U> {
         match plan {
             Growth::Extend { chunk, extra, need } => {
                 // With page remapping the pool grows by address space only;
-                // pages are mapped where allocations land (pages.rs).
+                // pages are mapped where allocations land (remap.rs).
                 let extended = if self.remap {
                     self.upstream.try_extend_reserved(chunk, extra)?
                 } else {

@@ -25,6 +25,7 @@ mod classes;
 mod free_index;
 mod growth;
 mod mapper;
+mod page_map;
 mod remap;
 mod snapshot;
 mod spin;
@@ -95,7 +96,7 @@ pub struct PoolConfig {
     /// With page remapping, how far physical memory may rise above the
     /// page floor of the pool's own placement before memory moves instead
     /// of new memory being mapped, in millionths (10 000: 1 %). See
-    /// `pages.rs`: less slack means less memory and more remapping.
+    /// `remap.rs`: less slack means less memory and more remapping.
     pub remap_slack_ppm: u32,
     /// Keep the block freed last *hot*: not coalesced until the next
     /// operation, so that an allocation of exactly its size right after
@@ -157,8 +158,8 @@ struct Inner {
     used: bool,
     /// Overrides `PoolConfig::initial_size` (set before first use).
     initial_size: Option<usize>,
-    /// Which pages have memory mapped (page remapping; `pages.rs`).
-    pages: remap::Pages,
+    /// Which pages have memory mapped (page remapping; `page_map.rs`).
+    pages: page_map::Pages,
 }
 
 /// A thread-safe best-fit pool over an upstream.
@@ -181,7 +182,7 @@ pub struct Pool<U: Upstream> {
     cache: Option<Arc<ThreadCaches>>,
     upstream: Arc<U>,
     config: PoolConfig,
-    /// Page remapping is on (`pages.rs`).
+    /// Page remapping is on (`remap.rs`).
     remap: bool,
     /// The unit of page remapping: the upstream's granularity, or
     /// `min_chunk` when that is a larger power of two.
@@ -227,7 +228,7 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
     round_size(size).ok_or(Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
 }
 
-/// Whether a pool over `upstream` with `config` remaps pages (`pages.rs`):
+/// Whether a pool over `upstream` with `config` remaps pages (`remap.rs`):
 /// expandable, over an upstream that can remap, and not `keep_chunks`.
 pub(crate) fn would_remap(upstream: &dyn Upstream, config: &PoolConfig) -> bool {
     config.expandable && !config.keep_chunks && upstream.can_remap()
@@ -249,7 +250,7 @@ impl<U: Upstream> Pool<U> {
         }
         fit.set_hot_block(config.hot_block);
         let whole_free = fit.whole_free_flag();
-        let inner = Arc::new(SpinLock::new(Inner { fit, pages: remap::Pages::new(page), ..Inner::default() }));
+        let inner = Arc::new(SpinLock::new(Inner { fit, pages: page_map::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
         let upstream = Arc::new(upstream);
@@ -275,7 +276,7 @@ impl<U: Upstream> Pool<U> {
         tag == StreamTag::NONE || self.inner.lock().fit.tag_settled(tag)
     }
 
-    /// Whether the pool remaps pages (`pages.rs`): expandable, over an
+    /// Whether the pool remaps pages (`remap.rs`): expandable, over an
     /// upstream that can remap, and not `keep_chunks`.
     pub fn remaps(&self) -> bool {
         self.remap
