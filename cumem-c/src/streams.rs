@@ -101,7 +101,7 @@ fn shared_stream(key: Key) -> Outcome<Stream> {
     // A device the manager does not have fails here (once per stream:
     // known streams are found above). The allocator and the context may be
     // created here (driver calls): outside the lock.
-    crate::manager()?.device(key.0)?;
+    crate::ffi::manager()?.device(key.0)?;
     let wrapped = match cumem::device::device_context(key.0)? {
         Some(ctx) => {
             // SAFETY: the C caller promises (see the header) that the raw
@@ -137,7 +137,7 @@ pub unsafe extern "C" fn cumem_stream_create(out: *mut CumemStream) -> CumemStat
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let mm = crate::manager()?;
+        let mm = crate::ffi::manager()?;
         let device = mm.config().device;
         let stream = Stream::new_on(device)?;
         let raw = if stream.is_host() { host_token(&stream) } else { stream.cu_stream() as usize };
@@ -159,7 +159,7 @@ pub unsafe extern "C" fn cumem_stream_create(out: *mut CumemStream) -> CumemStat
 #[no_mangle]
 pub extern "C" fn cumem_stream_destroy(stream: CumemStream) -> CumemStatus {
     crate::status::guard(|| {
-        let device = crate::manager()?.config().device;
+        let device = crate::ffi::manager()?.config().device;
         let key = (device, stream as usize);
         let mut t = table().lock().unwrap_or_else(PoisonError::into_inner);
         match t.get(&key) {
@@ -185,7 +185,7 @@ pub extern "C" fn cumem_stream_destroy(stream: CumemStream) -> CumemStatus {
 #[no_mangle]
 pub extern "C" fn cumem_stream_synchronize(stream: CumemStream) -> CumemStatus {
     crate::status::guard(|| {
-        let device = crate::manager()?.config().device;
+        let device = crate::ffi::manager()?.config().device;
         stream_for(device, stream)?.synchronize()?;
         Ok(())
     })
