@@ -22,10 +22,12 @@ mod arenas;
 mod best_fit;
 mod cache;
 mod classes;
+mod config;
 mod free_index;
 mod growth;
 mod mapper;
 mod page_map;
+mod queries;
 mod remap;
 mod snapshot;
 mod spin;
@@ -38,11 +40,12 @@ pub use arena_registry::release_thread_arenas;
 pub use arenas::{default_arena_count, Arenas, UpstreamFactory, MAX_ARENAS};
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
+pub use config::{PoolConfig, DEFAULT_REMAP_SLACK_PPM, MAX_ALIGN};
 pub use remap::RANK_LIMIT;
 pub use snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use stats::PoolStats;
 
-use crate::error::{Error, OomState, PoolKind, Result};
+use crate::error::{Error, OomState, Result};
 use crate::sync::{Arc, Mutex};
 use crate::upstream::{Chunk, Upstream};
 use cache::{CacheFree, ThreadCaches};
@@ -52,90 +55,6 @@ use spin::SpinLock;
 /// ([`Error::ConfigTooLate`]).
 pub(crate) const FIRST_ALLOCATION: &str =
     "it must be set before the first allocation from that pool (set it in the Config, or right after init())";
-
-/// The largest alignment a pool honours.
-pub const MAX_ALIGN: usize = 1 << 21;
-
-/// The default of [`PoolConfig::remap_slack_ppm`]: 1 %.
-pub const DEFAULT_REMAP_SLACK_PPM: u32 = 10_000;
-
-/// How a pool grows and how large it may get.
-///
-/// # Examples
-/// See [`Pool`].
-#[derive(Debug, Clone)]
-pub struct PoolConfig {
-    /// Which pool this is (named in errors).
-    pub kind: PoolKind,
-    /// Bytes reserved by the first allocation, as one chunk (0: none beyond
-    /// the first request's chunk).
-    pub initial_size: usize,
-    /// The smallest chunk asked of the upstream when the pool grows.
-    pub min_chunk: usize,
-    /// The most the pool may reserve (`None`: no limit but the upstream's).
-    pub max_size: Option<usize>,
-    /// Grow by extending the highest chunk in place when the upstream can
-    /// (expandable segments), so new memory coalesces with the old tail.
-    pub expandable: bool,
-    /// Keep per-thread caches of freed blocks (see the module docs): with
-    /// it, requests up to [`MAX_CACHED_BLOCK`] are rounded up to a size
-    /// class (at most 6.25 % more), and most allocations and frees skip the
-    /// pool's lock.
-    pub thread_cache: bool,
-    /// The most bytes one thread's cache of this pool holds (0: no caches).
-    pub thread_cache_bytes: usize,
-    /// Thread caches hit only on the exact (256 B-rounded) size and round
-    /// nothing up to a class: no fragmentation of their own, fewer hits
-    /// when sizes vary. The device pools use it.
-    pub cache_exact: bool,
-    /// Never give free chunks back to the upstream to retry a failed
-    /// allocation: only an explicit [`Pool::release_cached`] or
-    /// [`Pool::shutdown`] does. For memory that work recorded earlier (a
-    /// CUDA graph) may still use while its blocks look free.
-    pub keep_chunks: bool,
-    /// With page remapping, how far physical memory may rise above the
-    /// page floor of the pool's own placement before memory moves instead
-    /// of new memory being mapped, in millionths (10 000: 1 %). See
-    /// `remap.rs`: less slack means less memory and more remapping.
-    pub remap_slack_ppm: u32,
-    /// Keep the block freed last *hot*: not coalesced until the next
-    /// operation, so that an allocation of exactly its size right after
-    /// takes it back with no index work where best fit would place it
-    /// anyway (a hot allocate + free pair of one size then splits and
-    /// merges nothing; see `best_fit.rs`). Placement is best fit's either
-    /// way. The device pools use it
-    /// ([`Config::hot_block`](crate::Config::hot_block)).
-    pub hot_block: bool,
-    /// With page remapping, let cumem's background mapper thread keep a
-    /// reserve of unmapped memory, so that allocations map kept memory
-    /// and unmap nothing themselves (`mapper.rs`). Off (the default until
-    /// it is measured on a device): the allocating thread makes every page
-    /// move (and [`Pool::mapper_step`] runs the mapper's work where a test
-    /// wants it).
-    pub background_mapper: bool,
-}
-
-impl PoolConfig {
-    /// Defaults for a pool of this kind: no initial reservation, 2 MiB
-    /// minimum chunks, no limit, expandable growth where the upstream
-    /// supports it, thread caches of 256 MiB (per thread).
-    pub fn new(kind: PoolKind) -> Self {
-        PoolConfig {
-            kind,
-            initial_size: 0,
-            min_chunk: 2 << 20,
-            max_size: None,
-            expandable: true,
-            thread_cache: true,
-            thread_cache_bytes: 256 << 20,
-            cache_exact: false,
-            keep_chunks: false,
-            remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
-            hot_block: false,
-            background_mapper: false,
-        }
-    }
-}
 
 /// A live block still held when a pool shut down.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -588,108 +507,6 @@ impl<U: Upstream> Pool<U> {
             FreeError::Interior { block, size } => Error::InteriorPointer { pool, addr, block, size },
             FreeError::Unknown => Error::UnknownPointer { pool, addr },
         }
-    }
-
-    /// The size of the live block at `addr`, if there is one.
-    pub fn block_size(&self, addr: usize) -> Option<usize> {
-        if let Some(lent) = self.cache.as_ref().and_then(|c| c.lent_size(addr)) {
-            return lent;
-        }
-        self.inner.lock().fit.block_size(addr)
-    }
-
-    /// Whether `addr` lies in one of the pool's chunks.
-    pub fn contains(&self, addr: usize) -> bool {
-        self.inner.lock().fit.contains(addr)
-    }
-
-    /// The size of the live block at `addr`, or the error freeing it would
-    /// give ([`Error::DoubleFree`], [`Error::InteriorPointer`],
-    /// [`Error::UnknownPointer`]). Changes nothing.
-    ///
-    /// # Errors
-    /// As described.
-    pub fn check_live(&self, addr: usize) -> Result<usize> {
-        match self.cache.as_ref().and_then(|c| c.lent_size(addr)) {
-            Some(Some(size)) => return Ok(size),
-            // A thread cache owns the block and it is not lent: it is free.
-            Some(None) => return Err(self.free_error(addr, FreeError::DoubleFree)),
-            None => {}
-        }
-        let r = self.inner.lock().fit.check_live(addr);
-        r.map_err(|e| self.free_error(addr, e))
-    }
-
-    /// Grows the live block at `addr` to hold `new_size` bytes without
-    /// moving it, when the block after it is free and large enough.
-    pub fn grow_in_place(&self, addr: usize, new_size: usize) -> bool {
-        let Some(rounded) = round_size(new_size) else { return false };
-        if self.cache.as_ref().is_some_and(|c| !c.unlend(addr)) {
-            return false;
-        }
-        let mut inner = self.inner.lock();
-        if self.remap && !inner.pages.clear(addr, rounded) {
-            // The space after the block has no memory mapped.
-            return false;
-        }
-        let ok = inner.fit.grow_in_place(addr, rounded);
-        if ok {
-            inner.fit.set_requested(addr, new_size);
-        }
-        ok
-    }
-
-    /// Shrinks the live block at `addr` to `new_size` bytes (non-zero) in
-    /// place, freeing its tail.
-    pub fn shrink_in_place(&self, addr: usize, new_size: usize) -> bool {
-        let Some(rounded) = round_size(new_size) else { return false };
-        if self.cache.as_ref().is_some_and(|c| !c.unlend(addr)) {
-            return false;
-        }
-        let mut inner = self.inner.lock();
-        let ok = inner.fit.shrink_in_place(addr, rounded);
-        if ok {
-            inner.fit.set_requested(addr, new_size);
-        }
-        ok
-    }
-
-    /// Marks every free block as having no pending stream work (see
-    /// [`BestFit::clear_tags`]). Blocks parked in thread caches keep their
-    /// tags: use it on pools without caches.
-    pub fn clear_tags(&self) {
-        debug_assert!(self.cache.is_none(), "clear_tags does not reach thread caches");
-        self.inner.lock().fit.clear_tags();
-    }
-
-    /// Statistics.
-    pub fn stats(&self) -> PoolStats {
-        let mut s = {
-            let mut inner = self.inner.lock();
-            inner.fit.flush_hot();
-            let mut s = inner.fit.stats();
-            inner.pages.fill_stats(&mut s, self.remap);
-            s
-        };
-        if let Some(cache) = &self.cache {
-            cache.adjust(&mut s);
-        }
-        s
-    }
-
-    /// Sets every peak to its current value.
-    pub fn reset_peaks(&self) {
-        let mut inner = self.inner.lock();
-        inner.fit.stats_mut().reset_peaks();
-        inner.fit.reset_touched_peak();
-        inner.pages.peak = inner.pages.physical();
-    }
-
-    /// Runs `f` on the allocator under the lock (tests, summaries).
-    pub fn with_fit<R>(&self, f: impl FnOnce(&BestFit) -> R) -> R {
-        let mut inner = self.inner.lock();
-        inner.fit.flush_hot();
-        f(&inner.fit)
     }
 
     /// Stops serving allocations, returns all free memory to the upstream
