@@ -528,7 +528,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// buffer too (added to those that have it), now and after every growth
     /// (`cuMemSetAccess`). Nothing to do on the host fallback. Devices
     /// granted access to this buffer's device with
-    /// [`enable_peer_access`](crate::device::enable_peer_access) have it
+    /// [`enable_peer_access`](crate::cuda::enable_peer_access) have it
     /// already.
     ///
     /// # Errors

@@ -225,6 +225,17 @@ impl DeviceAllocator {
 
     /// A new private pool over `pool` (its own upstream; no thread caches,
     /// `keep_chunks` set).
+    /// A new graph-private pool, made as the device's pools of implicit
+    /// captures are.
+    ///
+    /// # Errors
+    /// Errors making the pool's upstream.
+    pub(crate) fn graph_pool(&self) -> Result<GraphPool<'_>> {
+        let make =
+            self.graphs.make_pool.as_ref().ok_or(Error::InvalidState("this device makes no graph pools".into()))?;
+        Ok(self.new_graph_pool(make()?))
+    }
+
     pub(crate) fn new_graph_pool(&self, pool: Pool<Box<dyn Upstream>>) -> GraphPool<'_> {
         debug_assert!(pool.config().keep_chunks && !pool.config().thread_cache);
         let inner = Arc::new(PrivatePool {

@@ -239,7 +239,7 @@ pub enum Advice {
 fn location(at: Location) -> Result<sys::CUmemLocation> {
     Ok(match at {
         Location::Device(ordinal) => {
-            let count = crate::device::driver_status().devices();
+            let count = crate::cuda::driver_status().devices();
             if ordinal >= count {
                 return Err(Error::NoSuchDevice { ordinal, count });
             }

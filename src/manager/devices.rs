@@ -15,7 +15,8 @@
 
 use super::config::PeerAccess;
 use super::{Backend, MemoryManager};
-use crate::device::{self, DeviceStats, Stream};
+use crate::cuda::{self, Stream};
+use crate::device::DeviceStats;
 use crate::error::{Error, PoolKind, Result};
 
 impl MemoryManager {
@@ -134,7 +135,7 @@ impl MemoryManager {
         }
         match self.backend {
             Backend::Host { .. } => Ok(()),
-            Backend::Cuda { .. } => device::enable_peer_access(accessor, owner),
+            Backend::Cuda { .. } => cuda::enable_peer_access(accessor, owner),
         }
     }
 
@@ -151,8 +152,8 @@ impl MemoryManager {
             PeerAccess::All => {
                 for other in (0..count).filter(|&o| o != ordinal) {
                     for (a, b) in [(ordinal, other), (other, ordinal)] {
-                        if device::can_access_peer(a, b)? {
-                            device::enable_peer_access(a, b)?;
+                        if cuda::can_access_peer(a, b)? {
+                            cuda::enable_peer_access(a, b)?;
                         }
                     }
                 }
@@ -165,7 +166,7 @@ impl MemoryManager {
                             "peer_access: {a}:{b} names a device past the last ({count} present)"
                         )));
                     }
-                    device::enable_peer_access(a, b)?;
+                    cuda::enable_peer_access(a, b)?;
                 }
                 Ok(())
             }

@@ -9,7 +9,6 @@ use super::MemoryManager;
 use crate::cuda::{driver_err, next_host_capture_id, RelaxedCaptureMode, Stream};
 use crate::device::{DeviceAllocator, GraphPool};
 use crate::error::{Error, Result};
-use crate::pool::Pool;
 
 impl MemoryManager {
     /// A new graph-private pool on the default device. See [`GraphPool`].
@@ -27,9 +26,7 @@ impl MemoryManager {
     /// As [`graph_pool`](Self::graph_pool), and [`Error::NoSuchDevice`].
     pub fn graph_pool_on(&self, ordinal: usize) -> Result<GraphPool<'_>> {
         self.check_running("a graph pool")?;
-        let device = self.device(ordinal)?;
-        let upstream = Self::make_graph_upstream(device.context(), self.config.expandable)?;
-        Ok(device.new_graph_pool(Pool::new(upstream, self.config.graph_pool_config())))
+        self.device(ordinal)?.graph_pool()
     }
 
     /// Begins capturing the work queued on `stream` into a CUDA graph whose
