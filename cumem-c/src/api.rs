@@ -312,19 +312,16 @@ pub extern "C" fn cumem_set_device_pool_size(size: usize) -> CumemStatus {
 #[no_mangle]
 pub unsafe extern "C" fn cumem_set_device_allocator_mode(mode: c_int, effective: *mut CumemMode) -> CumemStatus {
     guard(|| {
-        let mode = match mode {
-            0 => DeviceAllocatorMode::SyncPool,
-            1 => DeviceAllocatorMode::AsyncStreamOrdered,
-            2 => DeviceAllocatorMode::CudaAsyncPool,
-            other => {
-                return Err(Failure::new(
+        // The C values are the modes' places in `DeviceAllocatorMode::ALL`.
+        let mode =
+            usize::try_from(mode).ok().and_then(|i| DeviceAllocatorMode::ALL.get(i).copied()).ok_or_else(|| {
+                let modes: Vec<String> =
+                    DeviceAllocatorMode::ALL.iter().enumerate().map(|(i, m)| format!("{i} {m}")).collect();
+                Failure::new(
                     CumemStatus::InvalidArgument,
-                    format!(
-                    "{other} is not a device allocator mode (0 sync pool, 1 async stream-ordered, 2 CUDA async pool)"
-                ),
-                ))
-            }
-        };
+                    format!("{mode} is not a device allocator mode ({})", modes.join(", ")),
+                )
+            })?;
         let now = CumemMode::of(manager()?.set_device_allocator_mode(mode)?);
         if !effective.is_null() {
             // SAFETY: the caller's promise about `effective`.

@@ -19,57 +19,18 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
-use super::graph::{GraphPoolFactory, GraphStats, Graphs, StreamOrderedFree};
+use super::graph::{GraphPoolFactory, Graphs, StreamOrderedFree};
 use super::mode::DeviceAllocatorMode;
-use super::native_pool::{self, NativePool, NativePoolAttributes, NativePoolOptions};
+use super::modes::{self, Mode, Routed};
+use super::native_pool::{self, NativePool, NativePoolOptions};
 use super::pins::Pins;
 use super::reuse::StreamRegistry;
-use crate::cuda::{driver_err, RelaxedCaptureMode, Stream};
+use super::stats::{AsyncStats, DeviceStats};
+use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{self, Arenas, LiveBlock, Pool, PoolStats, StreamTag};
+use crate::pool::{self, Arenas, LiveBlock, Pool, StreamTag};
 use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::upstream::Upstream;
-
-/// Figures of the stream-ordered modes (counted by cumem).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct AsyncStats {
-    /// Bytes in live stream-ordered allocations.
-    pub in_use: usize,
-    /// The largest `in_use` since the last peak reset.
-    pub peak_in_use: usize,
-    /// Live stream-ordered allocations.
-    pub live: usize,
-    /// Allocations served.
-    pub allocations: u64,
-    /// Frees served.
-    pub frees: u64,
-    /// Allocations that were retried after releasing cached memory.
-    pub oom_retries: u64,
-}
-
-/// One device's statistics across its modes.
-#[derive(Debug, Clone, Default)]
-pub struct DeviceStats {
-    /// The sync pool.
-    pub pool: PoolStats,
-    /// The stream-ordered modes together.
-    pub stream_ordered: AsyncStats,
-    /// The dedicated native pool's attributes, once it exists.
-    pub native_pool: Option<NativePoolAttributes>,
-    /// The device default pool's attributes, once `cuMemAllocAsync` is used.
-    pub default_pool: Option<NativePoolAttributes>,
-    /// The graph-private pools (CUDA graphs).
-    pub graphs: GraphStats,
-    /// Sync-pool reuses of a block freed on another stream that had to wait
-    /// for that stream's work (`cuEventRecord` + `cuStreamWaitEvent`, or
-    /// the host waiting when no stream was given).
-    pub stream_waits: u64,
-    /// The nanoseconds spent issuing those waits.
-    pub stream_wait_ns: u64,
-    /// Cross-stream reuses that needed no wait because the using stream had
-    /// already waited for a later point of the freeing stream.
-    pub stream_waits_elided: u64,
-}
 
 #[derive(Debug, Clone, Copy)]
 struct AsyncBlock {
@@ -97,9 +58,9 @@ pub struct DeviceAllocator {
     supports_async: bool,
     requested: AtomicU8,
     effective: AtomicU8,
-    native_options: NativePoolOptions,
-    default_pool: OnceCell<NativePool>,
-    native: OnceCell<NativePool>,
+    /// One entry per mode, in the order of [`DeviceAllocatorMode::ALL`]
+    /// (`modes/`).
+    modes: Box<[Box<dyn Mode>]>,
     internal_stream: OnceCell<Stream>,
     /// Stream-ordered allocations (address → size and mode) and their
     /// figures, under one lock.
@@ -144,14 +105,12 @@ impl DeviceAllocator {
         let supports_async = ctx.as_ref().is_some_and(|c| c.has_async_alloc());
         let a = DeviceAllocator {
             ordinal,
+            modes: modes::make_all(ctx.as_ref(), native_options),
             ctx,
             pool,
             supports_async,
             requested: AtomicU8::new(0),
             effective: AtomicU8::new(0),
-            native_options,
-            default_pool: OnceCell::new(),
-            native: OnceCell::new(),
             internal_stream: OnceCell::new(),
             async_book: Mutex::new(AsyncBook::default()),
             async_live: AtomicUsize::new(0),
@@ -195,11 +154,8 @@ impl DeviceAllocator {
     /// the device can't do stream-ordered allocation. Live allocations stay
     /// valid and are freed by the mode that made them.
     pub fn set_mode(&self, mode: DeviceAllocatorMode) -> DeviceAllocatorMode {
-        let effective = if mode != DeviceAllocatorMode::SyncPool && !self.supports_async {
-            DeviceAllocatorMode::SyncPool
-        } else {
-            mode
-        };
+        let effective =
+            if self.mode(mode).stream_ordered() && !self.supports_async { DeviceAllocatorMode::SyncPool } else { mode };
         self.requested.store(mode.to_u8(), Ordering::Relaxed);
         self.effective.store(effective.to_u8(), Ordering::Release);
         effective
@@ -213,6 +169,16 @@ impl DeviceAllocator {
     /// The mode in use.
     pub fn effective_mode(&self) -> DeviceAllocatorMode {
         DeviceAllocatorMode::from_u8(self.effective.load(Ordering::Acquire))
+    }
+
+    /// The implementation of `mode`.
+    pub(super) fn mode(&self, mode: DeviceAllocatorMode) -> &dyn Mode {
+        &*self.modes[mode as usize]
+    }
+
+    /// The driver pools of the modes, those that exist.
+    fn driver_pools(&self) -> impl Iterator<Item = &NativePool> {
+        self.modes.iter().filter_map(|m| m.made_pool())
     }
 
     fn require_ctx(&self) -> Result<&Arc<CudaContext>> {
@@ -235,25 +201,25 @@ impl DeviceAllocator {
         }
     }
 
-    fn default_pool(&self) -> Result<&NativePool> {
-        let ctx = self.require_ctx()?;
-        self.default_pool.get_or_try_init(|| {
-            let _relaxed = RelaxedCaptureMode::enter();
-            NativePool::device_default(ctx.clone(), self.native_options.release_threshold)
-        })
-    }
-
     /// The dedicated native pool, created on first use.
     ///
     /// # Errors
     /// [`Error::NeedsGpu`] on the host fallback; a driver error.
     pub fn native_pool(&self) -> Result<&NativePool> {
-        let ctx = self.require_ctx()?;
-        self.native.get_or_try_init(|| {
-            // Legal even while this thread captures a graph.
-            let _relaxed = RelaxedCaptureMode::enter();
-            NativePool::create(ctx.clone(), self.native_options)
-        })
+        self.mode(DeviceAllocatorMode::CudaAsyncPool)
+            .driver_pool()?
+            .ok_or(Error::InvalidState("the cuda_async_pool mode has no native pool".into()))
+    }
+
+    /// The driver pool of `mode`, made now if it does not exist yet
+    /// (`None` for the sync pool, which has none): a replay or a benchmark
+    /// makes it before it starts timing.
+    ///
+    /// # Errors
+    /// [`Error::NeedsGpu`] on the host fallback for a stream-ordered mode;
+    /// a driver error.
+    pub fn mode_pool(&self, mode: DeviceAllocatorMode) -> Result<Option<&NativePool>> {
+        self.mode(mode).driver_pool()
     }
 
     /// Allocates `size` bytes for work on `stream` (`None`: usable at once
@@ -264,22 +230,17 @@ impl DeviceAllocator {
     pub fn allocate(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         if let Some(s) = stream.filter(|_| self.graphs.watching()) {
             if let Some((capture, p)) = self.capture_for(s)? {
-                return match self.effective_mode() {
-                    DeviceAllocatorMode::SyncPool => self.allocate_private(&p.pool, &p.streams, size, s),
-                    mode => self.allocate_stream_ordered(size, stream, mode, capture),
-                };
+                let routed = Routed { capture, pool: &p, stream: s };
+                return self.mode(self.effective_mode()).allocate(self, size, stream, Some(routed));
             }
         }
         self.settle_graph_releases();
-        match self.effective_mode() {
-            DeviceAllocatorMode::SyncPool => self.allocate_sync_pool(size, stream),
-            mode => self.allocate_stream_ordered(size, stream, mode, 0),
-        }
+        self.mode(self.effective_mode()).allocate(self, size, stream, None)
     }
 
     /// Allocates for work on capturing stream `s` from a graph-private pool
     /// (`pool` with the registry of the streams that freed into it).
-    fn allocate_private(
+    pub(super) fn allocate_private(
         &self,
         pool: &Pool<Box<dyn Upstream>>,
         streams: &StreamRegistry,
@@ -298,7 +259,9 @@ impl DeviceAllocator {
         Ok(a.addr as u64)
     }
 
-    fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
+    /// Allocates from the sync pool, ordering the block's reuse on
+    /// `stream` after the work of the stream that freed it.
+    pub(super) fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
         let a = match self.pool.allocate_for(size, pool::BLOCK_ALIGN, want) {
             Err(Error::OutOfMemory { .. })
@@ -343,25 +306,22 @@ impl DeviceAllocator {
         result
     }
 
-    /// Allocates with `cuMemAllocAsync` (`capture`: the capture the stream
-    /// takes part in, 0 if none; the driver makes it a graph memory node).
-    fn allocate_stream_ordered(
+    /// Allocates stream-ordered for `mode` with `attempt` (its
+    /// `cuMemAllocAsync` on the stream it is given) and books the block
+    /// (`capture`: the capture the stream takes part in, 0 if none; the
+    /// driver makes it a graph memory node).
+    pub(super) fn allocate_stream_ordered(
         &self,
         size: usize,
         stream: Option<&Stream>,
         mode: DeviceAllocatorMode,
         capture: u64,
+        attempt: impl Fn(&Stream) -> Result<u64>,
     ) -> Result<u64> {
         pool::validate(size, pool::BLOCK_ALIGN)?;
-        let ctx = self.require_ctx()?;
+        self.require_ctx()?;
         let on = self.ordering_stream(stream)?;
-        let attempt = || match mode {
-            DeviceAllocatorMode::CudaAsyncPool => self.native_pool()?.allocate_async(size, on),
-            _ => {
-                self.default_pool()?;
-                native_pool::allocate_async(ctx, size, on)
-            }
-        };
+        let attempt = || attempt(on);
         let ptr = match attempt() {
             Ok(p) => p,
             Err(Error::OutOfMemory { .. }) if !self.capture_under_way()? => {
@@ -485,10 +445,7 @@ impl DeviceAllocator {
     }
 
     fn holds_cached_memory(&self) -> bool {
-        let native = [self.native.get(), self.default_pool.get()]
-            .into_iter()
-            .flatten()
-            .any(|p| p.attributes().is_ok_and(|a| a.reserved_current > a.used_current));
+        let native = self.driver_pools().any(|p| p.attributes().is_ok_and(|a| a.reserved_current > a.used_current));
         native || self.pool.stats().free() > 0
     }
 
@@ -515,7 +472,7 @@ impl DeviceAllocator {
             }
         }
         let released = self.pool.release_cached()?;
-        for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
+        for p in self.driver_pools() {
             p.trim_to(0)?;
         }
         Ok(released)
@@ -527,8 +484,11 @@ impl DeviceAllocator {
         DeviceStats {
             pool: self.pool.stats(),
             stream_ordered: lock(&self.async_book).stats.clone(),
-            native_pool: self.native.get().and_then(|p| p.attributes().ok()),
-            default_pool: self.default_pool.get().and_then(|p| p.attributes().ok()),
+            native_pool: self.mode(DeviceAllocatorMode::CudaAsyncPool).made_pool().and_then(|p| p.attributes().ok()),
+            default_pool: self
+                .mode(DeviceAllocatorMode::AsyncStreamOrdered)
+                .made_pool()
+                .and_then(|p| p.attributes().ok()),
             graphs: self.graphs_stats(),
             stream_waits: self.streams.waits().0,
             stream_wait_ns: self.streams.waits().1,
@@ -542,7 +502,7 @@ impl DeviceAllocator {
         let mut book = lock(&self.async_book);
         book.stats.peak_in_use = book.stats.in_use;
         drop(book);
-        for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
+        for p in self.driver_pools() {
             let _ = p.reset_high_watermarks();
         }
     }
@@ -559,7 +519,7 @@ impl DeviceAllocator {
             self.streams.synchronize_all()?;
         }
         let mut live = self.pool.shutdown()?;
-        for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
+        for p in self.driver_pools() {
             p.trim_to(0)?;
         }
         live.extend(lock(&self.async_book).live.iter().map(|(&addr, b)| LiveBlock {

@@ -9,7 +9,6 @@
 use std::os::fd::OwnedFd;
 
 use super::allocator::DeviceAllocator;
-use super::mode::DeviceAllocatorMode;
 use crate::cuda::{ipc, vmm, Stream};
 use crate::error::{Error, Result};
 use crate::ipc::{Exporter, HandleKind, IpcHandle};
@@ -32,22 +31,23 @@ impl DeviceAllocator {
     pub fn export(&self, ptr: u64) -> Result<IpcHandle> {
         let ctx = self.context().ok_or(Error::NeedsGpu("exporting device memory"))?.clone();
         let addr = ptr as usize;
-        let (size, native) = match self.stream_ordered_block(addr) {
-            Some((size, DeviceAllocatorMode::CudaAsyncPool, 0)) => (size, true),
-            Some((_, mode, capture)) => {
-                let why = if capture != 0 {
-                    "it belongs to a CUDA graph".to_string()
-                } else {
-                    format!("it comes from the device's default pool ({mode} mode), which can't be exported; use the cuda_async_pool mode")
-                };
-                return Err(Error::Ipc(format!("device block {ptr:#x} can't be exported: {why}")));
+        let (size, mode) = match self.stream_ordered_block(addr) {
+            Some((_, _, capture)) if capture != 0 => {
+                return Err(Error::Ipc(format!("device block {ptr:#x} can't be exported: it belongs to a CUDA graph")));
             }
-            None => (self.pool.check_live(addr)?, false),
+            Some((_, mode, _)) if !self.mode(mode).exportable() => {
+                return Err(Error::Ipc(format!(
+                    "device block {ptr:#x} can't be exported: it comes from the {mode} mode, whose memory can't be \
+                     exported; use the cuda_async_pool mode"
+                )));
+            }
+            Some((size, mode, _)) => (size, Some(mode)),
+            None => (self.pool.check_live(addr)?, None),
         };
         self.exports.pin(addr, size)?;
         let made = (|| {
-            let (kind, offset, fds) = if native {
-                let (fd, data) = self.native_pool()?.export(ptr)?;
+            let (kind, offset, fds) = if let Some(mode) = mode {
+                let (fd, data) = self.mode(mode).export(ptr)?;
                 (HandleKind::NativePool { data }, 0, vec![fd])
             } else if let Some(pieces) = self.pool.mapped_pieces(addr, size) {
                 let fds = pieces

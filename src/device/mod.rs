@@ -15,16 +15,19 @@ mod exports;
 mod graph;
 mod graph_pool;
 mod mode;
+mod modes;
 mod native_pool;
 mod pins;
 mod reuse;
+mod stats;
 
-pub use allocator::{AsyncStats, DeviceAllocator, DeviceStats};
+pub use allocator::DeviceAllocator;
 pub(crate) use builder::DeviceSetup;
 pub use graph::GraphStats;
 pub use graph_pool::GraphPool;
 pub use mode::DeviceAllocatorMode;
 pub use native_pool::{NativePool, NativePoolAttributes, NativePoolOptions};
+pub use stats::{AsyncStats, DeviceStats, ModeMemory};
 
 // Older paths, for programs (cumem's own code imports from the owners).
 pub use crate::cuda::{
