@@ -19,9 +19,10 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
+use super::graph::PrivatePool;
 use super::graph::{GraphPoolFactory, Graphs, StreamOrderedFree};
 use super::mode::DeviceAllocatorMode;
-use super::modes::{self, Mode, Routed};
+use super::modes::{self, Machinery, Mode, Routed};
 use super::native_pool::{self, NativePool, NativePoolOptions};
 use super::pins::Pins;
 use super::reuse::StreamRegistry;
@@ -240,7 +241,7 @@ impl DeviceAllocator {
 
     /// Allocates for work on capturing stream `s` from a graph-private pool
     /// (`pool` with the registry of the streams that freed into it).
-    pub(super) fn allocate_private(
+    fn allocate_private(
         &self,
         pool: &Pool<Box<dyn Upstream>>,
         streams: &StreamRegistry,
@@ -259,9 +260,7 @@ impl DeviceAllocator {
         Ok(a.addr as u64)
     }
 
-    /// Allocates from the sync pool, ordering the block's reuse on
-    /// `stream` after the work of the stream that freed it.
-    pub(super) fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
+    fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
         let a = match self.pool.allocate_for(size, pool::BLOCK_ALIGN, want) {
             Err(Error::OutOfMemory { .. })
@@ -306,17 +305,15 @@ impl DeviceAllocator {
         result
     }
 
-    /// Allocates stream-ordered for `mode` with `attempt` (its
-    /// `cuMemAllocAsync` on the stream it is given) and books the block
-    /// (`capture`: the capture the stream takes part in, 0 if none; the
-    /// driver makes it a graph memory node).
-    pub(super) fn allocate_stream_ordered(
+    /// See [`Machinery::allocate_stream_ordered`] (the driver makes an
+    /// allocation in a capture a graph memory node).
+    fn allocate_stream_ordered(
         &self,
         size: usize,
         stream: Option<&Stream>,
         mode: DeviceAllocatorMode,
         capture: u64,
-        attempt: impl Fn(&Stream) -> Result<u64>,
+        attempt: &dyn Fn(&Stream) -> Result<u64>,
     ) -> Result<u64> {
         pool::validate(size, pool::BLOCK_ALIGN)?;
         self.require_ctx()?;
@@ -533,5 +530,26 @@ impl DeviceAllocator {
     /// The pool kind errors name.
     pub fn kind(&self) -> PoolKind {
         PoolKind::Device
+    }
+}
+
+impl Machinery for DeviceAllocator {
+    fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
+        DeviceAllocator::allocate_sync_pool(self, size, stream)
+    }
+
+    fn allocate_private(&self, pool: &PrivatePool, size: usize, stream: &Stream) -> Result<u64> {
+        DeviceAllocator::allocate_private(self, &pool.pool, &pool.streams, size, stream)
+    }
+
+    fn allocate_stream_ordered(
+        &self,
+        size: usize,
+        stream: Option<&Stream>,
+        mode: DeviceAllocatorMode,
+        capture: u64,
+        attempt: &dyn Fn(&Stream) -> Result<u64>,
+    ) -> Result<u64> {
+        DeviceAllocator::allocate_stream_ordered(self, size, stream, mode, capture, attempt)
     }
 }

@@ -97,6 +97,28 @@ impl DeviceSetup {
     }
 }
 
+#[cfg(test)]
+impl DeviceSetup {
+    /// The default settings on the host fallback, for unit tests.
+    pub(crate) fn host_for_tests() -> DeviceSetup {
+        let mut pool = PoolConfig::new(crate::error::PoolKind::Device);
+        pool.cache_exact = true;
+        let mut graph_pool = pool.clone();
+        graph_pool.thread_cache = false;
+        graph_pool.keep_chunks = true;
+        DeviceSetup {
+            pool,
+            graph_pool,
+            expandable: true,
+            shared_arenas: false,
+            arenas: 1,
+            mode: DeviceAllocatorMode::SyncPool,
+            native: NativePoolOptions { release_threshold: u64::MAX, exportable: false },
+            promise_registered_captures: false,
+        }
+    }
+}
+
 /// Where a device pool of the context's device (the host fallback's
 /// without one) takes its chunks.
 fn device_upstream(ctx: Option<&Arc<CudaContext>>, expandable: bool) -> Result<Box<dyn Upstream>> {

@@ -7,9 +7,8 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
-use super::{require_ctx, Mode, Routed};
+use super::{require_ctx, Machinery, Mode, Routed};
 use crate::cuda::{RelaxedCaptureMode, Stream};
-use crate::device::allocator::DeviceAllocator;
 use crate::device::mode::DeviceAllocatorMode;
 use crate::device::native_pool::{self, NativePool};
 use crate::error::Result;
@@ -49,13 +48,13 @@ impl Mode for DefaultPool {
 
     fn allocate(
         &self,
-        dev: &DeviceAllocator,
+        dev: &dyn Machinery,
         size: usize,
         stream: Option<&Stream>,
         routed: Option<Routed<'_>>,
     ) -> Result<u64> {
         let capture = routed.map_or(0, |r| r.capture);
-        dev.allocate_stream_ordered(size, stream, self.kind(), capture, |on| {
+        dev.allocate_stream_ordered(size, stream, self.kind(), capture, &|on| {
             self.pool()?;
             native_pool::allocate_async(require_ctx(&self.ctx)?, size, on)
         })

@@ -20,7 +20,6 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use super::allocator::DeviceAllocator;
 use super::graph::PrivatePool;
 use super::mode::DeviceAllocatorMode;
 use super::native_pool::{NativePool, NativePoolOptions};
@@ -36,6 +35,41 @@ pub(crate) struct Routed<'a> {
     pub(crate) pool: &'a PrivatePool,
     /// The capturing stream the allocation is for.
     pub(crate) stream: &'a Stream,
+}
+
+/// What the modes share, provided by the device allocator
+/// (`allocator.rs`): the sync pool with its stream order, graph-private
+/// pools, the book of stream-ordered allocations.
+pub(crate) trait Machinery {
+    /// Allocates from the device's sync pool, ordering the block's reuse
+    /// on `stream` after the work of the stream that freed it.
+    ///
+    /// # Errors
+    /// Invalid sizes, [`Error::OutOfMemory`], driver errors.
+    fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64>;
+
+    /// Allocates for work on capturing stream `stream` from the
+    /// graph-private pool `pool`.
+    ///
+    /// # Errors
+    /// As [`allocate_sync_pool`](Self::allocate_sync_pool).
+    fn allocate_private(&self, pool: &PrivatePool, size: usize, stream: &Stream) -> Result<u64>;
+
+    /// Allocates stream-ordered for `mode` with `attempt` (its
+    /// `cuMemAllocAsync` on the stream it is given) and books the block so
+    /// that its free reaches `mode` (`capture`: the capture the stream
+    /// takes part in, 0 if none).
+    ///
+    /// # Errors
+    /// As [`allocate_sync_pool`](Self::allocate_sync_pool).
+    fn allocate_stream_ordered(
+        &self,
+        size: usize,
+        stream: Option<&Stream>,
+        mode: DeviceAllocatorMode,
+        capture: u64,
+        attempt: &dyn Fn(&Stream) -> Result<u64>,
+    ) -> Result<u64>;
 }
 
 /// One way device memory is allocated.
@@ -56,7 +90,7 @@ pub(crate) trait Mode: Send + Sync {
     /// Invalid sizes, [`Error::OutOfMemory`], driver errors.
     fn allocate(
         &self,
-        dev: &DeviceAllocator,
+        dev: &dyn Machinery,
         size: usize,
         stream: Option<&Stream>,
         routed: Option<Routed<'_>>,
@@ -126,13 +160,13 @@ mod tests {
         for m in modes.iter() {
             assert_eq!(m.stream_ordered(), m.kind() != DeviceAllocatorMode::SyncPool);
             if m.stream_ordered() {
-                assert!(matches!(m.driver_pool(), Err(crate::Error::NeedsGpu(_))), "{}", m.kind());
+                assert!(matches!(m.driver_pool(), Err(crate::error::Error::NeedsGpu(_))), "{}", m.kind());
             } else {
                 assert!(m.driver_pool().unwrap().is_none());
             }
             assert!(m.made_pool().is_none());
             if !m.exportable() {
-                assert!(matches!(m.export(0x1000), Err(crate::Error::Ipc(_))));
+                assert!(matches!(m.export(0x1000), Err(crate::error::Error::Ipc(_))));
             }
         }
     }

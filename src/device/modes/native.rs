@@ -9,9 +9,8 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
-use super::{require_ctx, Mode, Routed};
+use super::{require_ctx, Machinery, Mode, Routed};
 use crate::cuda::{RelaxedCaptureMode, Stream};
-use crate::device::allocator::DeviceAllocator;
 use crate::device::mode::DeviceAllocatorMode;
 use crate::device::native_pool::{NativePool, NativePoolOptions};
 use crate::error::Result;
@@ -50,13 +49,13 @@ impl Mode for Native {
 
     fn allocate(
         &self,
-        dev: &DeviceAllocator,
+        dev: &dyn Machinery,
         size: usize,
         stream: Option<&Stream>,
         routed: Option<Routed<'_>>,
     ) -> Result<u64> {
         let capture = routed.map_or(0, |r| r.capture);
-        dev.allocate_stream_ordered(size, stream, self.kind(), capture, |on| self.pool()?.allocate_async(size, on))
+        dev.allocate_stream_ordered(size, stream, self.kind(), capture, &|on| self.pool()?.allocate_async(size, on))
     }
 
     fn driver_pool(&self) -> Result<Option<&NativePool>> {

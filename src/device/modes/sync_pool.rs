@@ -2,9 +2,8 @@
 //! driver memory, with stream-ordered reuse (the pool and its stream order
 //! are the allocator's, `allocator.rs`).
 
-use super::{Mode, Routed};
+use super::{Machinery, Mode, Routed};
 use crate::cuda::Stream;
-use crate::device::allocator::DeviceAllocator;
 use crate::device::mode::DeviceAllocatorMode;
 use crate::error::Result;
 
@@ -22,14 +21,14 @@ impl Mode for SyncPool {
 
     fn allocate(
         &self,
-        dev: &DeviceAllocator,
+        dev: &dyn Machinery,
         size: usize,
         stream: Option<&Stream>,
         routed: Option<Routed<'_>>,
     ) -> Result<u64> {
         match routed {
             // A capture's allocations come from its graph-private pool.
-            Some(r) => dev.allocate_private(&r.pool.pool, &r.pool.streams, size, r.stream),
+            Some(r) => dev.allocate_private(r.pool, size, r.stream),
             None => dev.allocate_sync_pool(size, stream),
         }
     }
