@@ -113,8 +113,8 @@ impl<T: Copy> GrowableBuffer<T> {
         if size_of::<T>() == 0 {
             return Err(Error::InvalidSize { size: 0, reason: "a GrowableBuffer can't hold zero-sized types" });
         }
-        if align_of::<T>() > crate::pool::BLOCK_ALIGN {
-            return Err(Error::InvalidAlignment { align: align_of::<T>(), max: crate::pool::BLOCK_ALIGN });
+        if align_of::<T>() > crate::upstream::BLOCK_ALIGN {
+            return Err(Error::InvalidAlignment { align: align_of::<T>(), max: crate::upstream::BLOCK_ALIGN });
         }
         let bytes = Self::bytes_for(capacity)?;
         let shared = Region::reserve_shared(&backend, bytes.max(1), true)?;

@@ -29,9 +29,11 @@ use super::reuse::StreamRegistry;
 use super::stats::{AsyncStats, DeviceStats};
 use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{self, Arenas, LiveBlock, Pool, StreamTag};
+use crate::pool::{self, Arenas, LiveBlock, Pool};
 use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
+use crate::tag::StreamTag;
 use crate::upstream::Upstream;
+use crate::upstream::BLOCK_ALIGN;
 
 #[derive(Debug, Clone, Copy)]
 struct AsyncBlock {
@@ -248,7 +250,7 @@ impl DeviceAllocator {
         size: usize,
         s: &Stream,
     ) -> Result<u64> {
-        let a = pool.allocate_for(size, pool::BLOCK_ALIGN, s.id())?;
+        let a = pool.allocate_for(size, BLOCK_ALIGN, s.id())?;
         if let Some(ctx) = &self.ctx {
             // Only streams of this capture freed into the pool since it
             // began: an event edge between them is legal inside the capture.
@@ -262,7 +264,7 @@ impl DeviceAllocator {
 
     fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
-        let a = match self.pool.allocate_for(size, pool::BLOCK_ALIGN, want) {
+        let a = match self.pool.allocate_for(size, BLOCK_ALIGN, want) {
             Err(Error::OutOfMemory { .. })
                 if self.ctx.is_some() && !self.capture_under_way()? && self.holds_cached_memory() =>
             {
@@ -271,7 +273,7 @@ impl DeviceAllocator {
                 // were waiting on streams. Release all of it (after the
                 // streams' work), then try once more.
                 self.release_cached()?;
-                self.pool.allocate_for(size, pool::BLOCK_ALIGN, want)?
+                self.pool.allocate_for(size, BLOCK_ALIGN, want)?
             }
             other => other?,
         };
@@ -286,7 +288,7 @@ impl DeviceAllocator {
                 Ok(()) => break Ok(a.addr as u64),
                 Err(Error::Capture(_)) if parked.len() < PARKED_MAX => {
                     parked.push(a);
-                    match self.pool.allocate_for(size, pool::BLOCK_ALIGN, want) {
+                    match self.pool.allocate_for(size, BLOCK_ALIGN, want) {
                         Ok(next) => a = next,
                         Err(e) => break Err(e),
                     }
@@ -315,7 +317,7 @@ impl DeviceAllocator {
         capture: u64,
         attempt: &dyn Fn(&Stream) -> Result<u64>,
     ) -> Result<u64> {
-        pool::validate(size, pool::BLOCK_ALIGN)?;
+        pool::validate(size, BLOCK_ALIGN)?;
         self.require_ctx()?;
         let on = self.ordering_stream(stream)?;
         let attempt = || attempt(on);

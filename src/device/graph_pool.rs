@@ -10,8 +10,9 @@ use super::mode::DeviceAllocatorMode;
 use super::reuse::StreamRegistry;
 use crate::cuda::{self, RelaxedCaptureMode, Stream};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{Pool, StreamTag};
+use crate::pool::Pool;
 use crate::sync::{lock, AtomicBool, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
+use crate::tag::StreamTag;
 use crate::upstream::Upstream;
 
 /// A graph-private pool of one device: captures routed into it take their

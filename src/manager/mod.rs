@@ -243,7 +243,7 @@ impl MemoryManager {
     /// [`Error::InvalidSize`] for 0 or absurd sizes, [`Error::ShutDown`],
     /// [`Error::OutOfMemory`].
     pub fn allocate_pinned(&self, size: usize) -> Result<NonNull<u8>> {
-        self.allocate_pinned_aligned(size, crate::pool::BLOCK_ALIGN)
+        self.allocate_pinned_aligned(size, crate::upstream::BLOCK_ALIGN)
     }
 
     /// Allocates pinned memory with an alignment of `align` (a power of two
@@ -291,7 +291,7 @@ impl MemoryManager {
     /// [`Error::UnknownPointer`] (also for device pointers); the pool is
     /// unchanged then.
     pub fn free_pinned(&self, ptr: *mut u8) -> Result<()> {
-        let r = self.pinned.deallocate(ptr as usize, crate::pool::StreamTag::NONE).map(|f| f.requested);
+        let r = self.pinned.deallocate(ptr as usize, crate::tag::StreamTag::NONE).map(|f| f.requested);
         self.note_free(PoolKind::Pinned, &r, ptr as u64, 0);
         r.map(|_| ())
     }

@@ -34,9 +34,11 @@
 //!   other arena ([`Pool::release_cached`]) and asks once more. It runs in
 //!   the growing arena's upstream call, outside every pool lock.
 
-use super::{Pool, StreamTag};
+use super::Pool;
+
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::tag::StreamTag;
 use crate::upstream::{Chunk, Upstream};
 
 /// One chunk of the directory.

@@ -62,9 +62,10 @@
 
 use super::arena_registry::Registry;
 use super::arena_upstream::{ArenaPools, Shared, Tracked};
-use super::{Allocation, BestFit, Freed, LiveBlock, Pool, PoolConfig, PoolSnapshot, PoolStats, StreamTag};
+use super::{Allocation, BestFit, Freed, LiveBlock, Pool, PoolConfig, PoolSnapshot, PoolStats};
 use crate::error::{Error, Result};
 use crate::sync::{lock, thread_slot, Arc, AtomicUsize, InitCell, Mutex, Ordering};
+use crate::tag::StreamTag;
 use crate::upstream::Upstream;
 
 /// `Arenas::base` before the first thread took arena 0.

@@ -58,8 +58,9 @@ mod touched;
 use super::free_index::FreeIndex;
 
 use super::stats::PoolStats;
-use super::{StreamTag, BLOCK_ALIGN};
+use crate::tag::StreamTag;
 use crate::upstream::Chunk;
+use crate::upstream::BLOCK_ALIGN;
 use tags::Oracle;
 use touched::PageCount;
 

@@ -2,8 +2,14 @@
 //! size limit, asking the upstream outside the pool's lock, releasing free
 //! chunks, and giving free tails back to expandable upstreams.
 
-use super::{Chunk, Error, Inner, OomState, Pool, Result, StreamTag, Upstream, BLOCK_ALIGN};
+use super::{Inner, Pool};
+
+use crate::upstream::{Chunk, Upstream, BLOCK_ALIGN};
+
+use crate::error::{Error, OomState, Result};
+
 use crate::sync::lock;
+use crate::tag::StreamTag;
 
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
@@ -285,9 +291,10 @@ impl Growth {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
-    use super::super::{Pool, PoolConfig, StreamTag};
+    use super::super::{Pool, PoolConfig};
     use super::Growth;
     use crate::error::PoolKind;
+    use crate::tag::StreamTag;
     use crate::upstream::{HostExpandable, Upstream};
 
     /// Two threads of one pool plan to extend its last chunk at once; the

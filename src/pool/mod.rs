@@ -33,6 +33,8 @@ mod snapshot;
 mod spin;
 mod stats;
 
+// Names of lower layers that a program of pools needs, kept here for
+// programs (cumem's own code imports them from their owners).
 pub use crate::sync::set_thread_slot;
 pub use crate::tag::{StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
@@ -47,7 +49,7 @@ pub use stats::PoolStats;
 
 use crate::error::{Error, OomState, Result};
 use crate::sync::{Arc, Mutex};
-use crate::upstream::{Chunk, Upstream};
+use crate::upstream::Upstream;
 use cache::{CacheFree, ThreadCaches};
 use spin::SpinLock;
 

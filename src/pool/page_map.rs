@@ -2,7 +2,9 @@
 //! memory mapped, the physical figures, and the budget (`remap.rs` says
 //! how pages move).
 
-use super::{BestFit, Chunk, PoolStats};
+use super::{BestFit, PoolStats};
+
+use crate::upstream::Chunk;
 
 /// Which pages of a remapping pool's chunks have no memory mapped.
 #[derive(Debug, Default)]

@@ -51,8 +51,10 @@
 //!   never remap (their graphs replay later into free-looking blocks).
 
 use super::page_map::budget;
-use super::{Allocation, Chunk, Error, Inner, Pool, Result, Upstream};
+use super::{Allocation, Inner, Pool};
+use crate::error::{Error, Result};
 use crate::sync::lock;
+use crate::upstream::{Chunk, Upstream};
 
 /// How many best-fit candidates placement looks at for one that touches
 /// only mapped pages.

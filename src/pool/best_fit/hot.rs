@@ -2,7 +2,11 @@
 //! last waits uncoalesced, so that an allocation of exactly its size takes
 //! it back with no index work.
 
-use super::{Allocation, BestFit, HotSlot, StreamTag, BLOCK_ALIGN, NIL};
+use super::{Allocation, BestFit, HotSlot, NIL};
+
+use crate::tag::StreamTag;
+
+use crate::upstream::BLOCK_ALIGN;
 
 impl BestFit {
     /// Keeps the block freed last hot (see the module docs): an allocation
@@ -74,7 +78,8 @@ impl BestFit {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{BestFit, FreeError, StreamTag};
+    use super::super::{BestFit, FreeError};
+    use crate::tag::StreamTag;
     use crate::upstream::Chunk;
 
     const K: usize = 1024;

@@ -1,7 +1,9 @@
 //! Looking without changing: chunks, statistics, snapshots, and the
 //! invariant check the tests run after every operation.
 
-use super::{BestFit, Chunk, PoolStats, BLOCK_ALIGN, NIL};
+use super::{BestFit, PoolStats, NIL};
+
+use crate::upstream::{Chunk, BLOCK_ALIGN};
 
 impl BestFit {
     /// Every chunk, in address order.

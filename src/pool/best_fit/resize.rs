@@ -2,7 +2,11 @@
 //! free block after it; whole free chunks taken out; chunks extended or
 //! shrunk at their end (growth in place, page remapping).
 
-use super::{BestFit, Block, Chunk, StreamTag, BLOCK_ALIGN, NIL};
+use super::{BestFit, Block, NIL};
+
+use crate::upstream::{Chunk, BLOCK_ALIGN};
+
+use crate::tag::StreamTag;
 
 impl BestFit {
     /// Grows the live block at `addr` to `new_size` (rounded) in place, by
