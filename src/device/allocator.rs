@@ -19,8 +19,8 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
-use super::graph::PrivatePool;
-use super::graph::{GraphPoolFactory, Graphs, StreamOrderedFree};
+use super::captures::PrivatePool;
+use super::captures::{GraphPoolFactory, Graphs, StreamOrderedFree};
 use super::mode::DeviceAllocatorMode;
 use super::modes::{self, Machinery, Mode, Routed};
 use super::native_pool::{self, NativePool, NativePoolOptions};

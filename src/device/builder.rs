@@ -11,7 +11,7 @@ use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
 use super::allocator::DeviceAllocator;
-use super::graph::GraphPoolFactory;
+use super::captures::GraphPoolFactory;
 use super::mode::DeviceAllocatorMode;
 use super::native_pool::NativePoolOptions;
 use crate::error::Result;

@@ -1,11 +1,11 @@
 //! The graph pool handle, and the device allocator's side of captures:
 //! registering them, routing frees into private pools, retiring pools.
-//! The rules are in the [`graph`](super::graph) module's docs.
+//! The rules are in the [`graph`](super::captures) module's docs.
 
 use std::sync::Arc;
 
 use super::allocator::DeviceAllocator;
-use super::graph::{Capture, GraphStats, Held, PrivatePool, StreamOrderedFree};
+use super::captures::{Capture, GraphStats, Held, PrivatePool, StreamOrderedFree};
 use super::mode::DeviceAllocatorMode;
 use super::reuse::StreamRegistry;
 use crate::cuda::{self, RelaxedCaptureMode, Stream};

@@ -11,8 +11,8 @@
 
 mod allocator;
 mod builder;
+mod captures;
 mod exports;
-mod graph;
 mod graph_pool;
 mod mode;
 mod modes;
@@ -23,7 +23,7 @@ mod stats;
 
 pub use allocator::DeviceAllocator;
 pub(crate) use builder::DeviceSetup;
-pub use graph::GraphStats;
+pub use captures::GraphStats;
 pub use graph_pool::GraphPool;
 pub use mode::DeviceAllocatorMode;
 pub use native_pool::{NativePool, NativePoolAttributes, NativePoolOptions};

@@ -1,7 +1,7 @@
 //! The device allocator's figures: [`DeviceStats`] across its modes, and
 //! what one mode holds ([`ModeMemory`]).
 
-use super::graph::GraphStats;
+use super::captures::GraphStats;
 use super::mode::DeviceAllocatorMode;
 use super::native_pool::NativePoolAttributes;
 use crate::pool::PoolStats;

@@ -16,9 +16,6 @@
 //! (`cache.rs`, [`PoolConfig::thread_cache`]): most allocations and frees
 //! of blocks up to [`MAX_CACHED_BLOCK`] never take the pool's lock.
 
-mod arena_registry;
-mod arena_upstream;
-mod arenas;
 mod best_fit;
 mod cache;
 mod classes;
@@ -27,9 +24,12 @@ mod free_index;
 mod growth;
 mod mapper;
 mod page_map;
+mod pool_snapshot;
 mod queries;
 mod remap;
-mod snapshot;
+mod shard_registry;
+mod shard_upstream;
+mod shards;
 mod spin;
 mod stats;
 
@@ -38,13 +38,13 @@ mod stats;
 pub use crate::sync::set_thread_slot;
 pub use crate::tag::{StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
-pub use arena_registry::release_thread_arenas;
-pub use arenas::{default_arena_count, Arenas, UpstreamFactory, MAX_ARENAS};
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
 pub use config::{PoolConfig, DEFAULT_REMAP_SLACK_PPM, MAX_ALIGN};
+pub use pool_snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use remap::RANK_LIMIT;
-pub use snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
+pub use shard_registry::release_thread_arenas;
+pub use shards::{default_arena_count, Arenas, UpstreamFactory, MAX_ARENAS};
 pub use stats::PoolStats;
 
 use crate::error::{Error, OomState, Result};

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use super::graph::PrivatePool;
+use super::captures::PrivatePool;
 use super::mode::DeviceAllocatorMode;
 use super::native_pool::{NativePool, NativePoolOptions};
 use crate::cuda::Stream;

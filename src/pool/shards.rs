@@ -60,8 +60,8 @@
 //!   of every other arena and asks once more, before the arena's own
 //!   out-of-memory path (releasing its own free chunks) runs.
 
-use super::arena_registry::Registry;
-use super::arena_upstream::{ArenaPools, Shared, Tracked};
+use super::shard_registry::Registry;
+use super::shard_upstream::{ArenaPools, Shared, Tracked};
 use super::{Allocation, BestFit, Freed, LiveBlock, Pool, PoolConfig, PoolSnapshot, PoolStats};
 use crate::error::{Error, Result};
 use crate::sync::{lock, thread_slot, Arc, AtomicUsize, InitCell, Mutex, Ordering};
