@@ -29,7 +29,7 @@ use super::reuse::StreamRegistry;
 use super::stats::{AsyncStats, DeviceStats};
 use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{self, Arenas, LiveBlock, Pool};
+use crate::pool::{self, LiveBlock, Pool, Shards};
 use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::tag::StreamTag;
 use crate::upstream::Upstream;
@@ -57,7 +57,7 @@ const PARKED_MAX: usize = 8;
 pub struct DeviceAllocator {
     ordinal: usize,
     ctx: Option<Arc<CudaContext>>,
-    pub(super) pool: Arenas,
+    pub(super) pool: Shards,
     supports_async: bool,
     requested: AtomicU8,
     effective: AtomicU8,
@@ -99,7 +99,7 @@ impl DeviceAllocator {
     pub(crate) fn new(
         ordinal: usize,
         ctx: Option<Arc<CudaContext>>,
-        pool: Arenas,
+        pool: Shards,
         mode: DeviceAllocatorMode,
         native_options: NativePoolOptions,
         promise_registered_captures: bool,
@@ -123,7 +123,7 @@ impl DeviceAllocator {
         };
         // A block merged from blocks freed on a stream whose work is known
         // complete and one freed on another stream keeps only the latter's
-        // tag (a thread that takes over an arena otherwise makes MIXED
+        // tag (a thread that takes over a shard otherwise makes MIXED
         // blocks that wait for every stream).
         let streams = a.streams.clone();
         a.pool.set_tag_oracle(Arc::new(move |t| streams.completed(t)));
@@ -141,9 +141,9 @@ impl DeviceAllocator {
         self.ctx.as_ref()
     }
 
-    /// The sync pool (its arenas: one per thread that allocates, see
-    /// [`Arenas`]).
-    pub fn pool(&self) -> &Arenas {
+    /// The sync pool (its shards: one per thread that allocates, see
+    /// [`Shards`]).
+    pub fn pool(&self) -> &Shards {
         &self.pool
     }
 

@@ -1,8 +1,8 @@
-//! How a device allocator is assembled: its sync pool's arenas and where
+//! How a device allocator is assembled: its sync pool's shards and where
 //! each takes its chunks, the factory of graph-private pools, the modes.
 //!
 //! The manager hands plain configuration values down ([`DeviceSetup`]);
-//! everything composed from them (upstreams, arenas, the graph pool
+//! everything composed from them (upstreams, shards, the graph pool
 //! factory) is made here, in the device layer.
 
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use super::captures::GraphPoolFactory;
 use super::mode::DeviceAllocatorMode;
 use super::native_pool::NativePoolOptions;
 use crate::error::Result;
-use crate::pool::{Arenas, Pool, PoolConfig, UpstreamFactory};
+use crate::pool::{Pool, PoolConfig, Shards, UpstreamFactory};
 use crate::upstream::{Geometric, Host, HostExpandable, SharedChunks, Taken, Upstream};
 
 /// Address space reserved up front for a device pool on the host fallback
@@ -33,11 +33,11 @@ pub(crate) struct DeviceSetup {
     /// Pools grow by expandable segments (VMM; on the host fallback, a
     /// reservation committed as they grow).
     pub(crate) expandable: bool,
-    /// The worker arenas take whole chunks of one address space shared by
+    /// The worker shards take whole chunks of one address space shared by
     /// them all.
-    pub(crate) shared_arenas: bool,
-    /// How many arenas the sync pool has.
-    pub(crate) arenas: usize,
+    pub(crate) shared_shards: bool,
+    /// How many shards the sync pool has.
+    pub(crate) shards: usize,
     /// The mode requested first.
     pub(crate) mode: DeviceAllocatorMode,
     /// The dedicated native pool's options.
@@ -51,19 +51,19 @@ impl DeviceSetup {
     /// fallback).
     ///
     /// # Errors
-    /// Errors making the first arena's upstream (a driver error, or no
+    /// Errors making the first shard's upstream (a driver error, or no
     /// address space on the host fallback).
     pub(crate) fn build(self, ordinal: usize, ctx: Option<Arc<CudaContext>>) -> Result<DeviceAllocator> {
         let expandable = self.expandable;
         let upstream = device_upstream(ctx.as_ref(), expandable)?;
-        let arenas = if self.shared_arenas {
-            // The worker arenas take whole chunks of one address space
+        let shards = if self.shared_shards {
+            // The worker shards take whole chunks of one address space
             // shared by them all (made on the first one's first use): a
             // free chunk moves between them with no driver call, and any of
             // them can give it back. Each grows geometrically on its own
             // size (a device chunk maps in about a tenth of a millisecond,
-            // so growing on the set's total would only overshoot: one arena
-            // growing by a quarter of sixteen arenas' memory).
+            // so growing on the set's total would only overshoot: one shard
+            // growing by a quarter of sixteen shards' memory).
             let (space_ctx, space, limit) = (ctx.clone(), Arc::new(OnceCell::new()), self.pool.max_size);
             let make_worker: UpstreamFactory = Box::new(move || {
                 let space: &Arc<dyn Upstream> =
@@ -71,14 +71,14 @@ impl DeviceSetup {
                 let whole = Box::new(SharedChunks::new(space.clone()));
                 Ok(Box::new(Geometric::new(whole, Taken::new(), limit)) as Box<dyn Upstream>)
             });
-            Arenas::with_workers(upstream, make_worker, self.pool, self.arenas)
+            Shards::with_workers(upstream, make_worker, self.pool, self.shards)
         } else {
-            // Each further arena takes its chunks the same way as the first
+            // Each further shard takes its chunks the same way as the first
             // (on CUDA, a reservation of its own, registered for peer
             // access like the first).
-            let arena_ctx = ctx.clone();
-            let make: UpstreamFactory = Box::new(move || device_upstream(arena_ctx.as_ref(), expandable));
-            Arenas::new(upstream, Some(make), self.pool, self.arenas)
+            let shard_ctx = ctx.clone();
+            let make: UpstreamFactory = Box::new(move || device_upstream(shard_ctx.as_ref(), expandable));
+            Shards::new(upstream, Some(make), self.pool, self.shards)
         };
         // The private pools of captures cumem is not told of, made like
         // those of `MemoryManager::graph_pool_on`.
@@ -88,7 +88,7 @@ impl DeviceSetup {
         Ok(DeviceAllocator::new(
             ordinal,
             ctx,
-            arenas,
+            shards,
             self.mode,
             self.native,
             self.promise_registered_captures,
@@ -110,8 +110,8 @@ impl DeviceSetup {
             pool,
             graph_pool,
             expandable: true,
-            shared_arenas: false,
-            arenas: 1,
+            shared_shards: false,
+            shards: 1,
             mode: DeviceAllocatorMode::SyncPool,
             native: NativePoolOptions { release_threshold: u64::MAX, exportable: false },
             promise_registered_captures: false,

@@ -8,7 +8,7 @@
 //! a pinned block is recorded (with its stream) instead of made, and made
 //! when the last export of the block is released. The block stays live in
 //! its pool meanwhile, so nothing the pools do touches it: best fit never
-//! hands it out, arenas lend and move only free memory, page remapping
+//! hands it out, shards lend and move only free memory, page remapping
 //! unmaps only pages that lie wholly in free space.
 
 use crate::cuda::Stream;

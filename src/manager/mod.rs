@@ -26,7 +26,7 @@ use crate::cuda::{driver_status, DriverStatus, Stream};
 use crate::device::{DeviceAllocator, DeviceAllocatorMode, DeviceSetup, DeviceStats, NativePoolOptions};
 use crate::error::{Error, PoolKind, Result};
 use crate::log::EventLog;
-use crate::pool::{Arenas, Pool, PoolStats};
+use crate::pool::{Pool, PoolStats, Shards};
 use crate::sync::{AtomicBool, Ordering};
 use crate::upstream::{CudaPinnedMemory, Geometric, Host, Taken, Upstream};
 
@@ -86,7 +86,7 @@ impl std::fmt::Display for Backend {
 pub struct MemoryManager {
     config: Config,
     backend: Backend,
-    pinned: Arenas,
+    pinned: Shards,
     pinned_ctx: Option<Arc<CudaContext>>,
     /// The managed-memory pool, made on first use (`crate::managed`).
     managed: OnceCell<Pool<Box<dyn Upstream>>>,
@@ -186,7 +186,7 @@ impl MemoryManager {
             return Err(Error::NoSuchDevice { ordinal: config.device, count: device_count });
         }
         let pinned_config = config.pinned_pool_config();
-        // Every pinned arena grows geometrically against one shared total,
+        // Every pinned shard grows geometrically against one shared total,
         // so the whole pool reaches a large size in few upstream calls.
         let (taken, limit, pinned_ctx) = (Taken::new(), pinned_config.max_size, ctx.clone());
         let pinned_upstream = move || -> Result<Box<dyn Upstream>> {
@@ -198,7 +198,7 @@ impl MemoryManager {
         };
         Ok(MemoryManager {
             device_pool_size: crate::sync::Mutex::new(config.device_pool_size),
-            pinned: Arenas::new(
+            pinned: Shards::new(
                 pinned_upstream()?,
                 Some(Box::new(pinned_upstream)),
                 pinned_config,
@@ -297,7 +297,7 @@ impl MemoryManager {
     }
 
     /// The pinned pool.
-    pub fn pinned_pool(&self) -> &Arenas {
+    pub fn pinned_pool(&self) -> &Shards {
         &self.pinned
     }
 
@@ -355,8 +355,8 @@ impl MemoryManager {
             pool,
             graph_pool: self.config.graph_pool_config(),
             expandable: self.config.expandable,
-            shared_arenas: self.config.shared_device_arenas,
-            arenas: self.config.arena_count(),
+            shared_shards: self.config.shared_device_arenas,
+            shards: self.config.arena_count(),
             mode,
             native: NativePoolOptions {
                 release_threshold: self.config.release_threshold,

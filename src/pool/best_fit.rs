@@ -143,7 +143,7 @@ pub struct BestFit {
     /// Set when a chunk may have become wholly free (a free merged a
     /// chunk's last live block away, or a chunk was added); cleared when a
     /// look for one found none. Shared with the pool, which reads it
-    /// without its lock before offering a chunk to another arena.
+    /// without its lock before offering a chunk to another shard.
     whole_free: crate::sync::Arc<crate::sync::AtomicBool>,
     /// The block freed last, not yet coalesced nor indexed; see the
     /// module docs.
@@ -411,7 +411,7 @@ impl BestFit {
         if self.hot_enabled {
             self.hot = HotSlot(slot);
             // Still say when coalescing it would leave its chunk wholly
-            // free (another arena may take such a chunk; it flushes first).
+            // free (another shard may take such a chunk; it flushes first).
             let b = &self.blocks[slot as usize];
             let end_free = |n: u32, toward_end: fn(&Block) -> u32| {
                 n == NIL || (self.blocks[n as usize].free && toward_end(&self.blocks[n as usize]) == NIL)

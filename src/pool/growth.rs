@@ -74,7 +74,7 @@ impl<U: Upstream> Pool<U> {
 
     /// Takes the smallest wholly free chunk of at least `min` bytes that
     /// work on `stream` can use with no wait out of the pool for another
-    /// arena (no upstream call), with the tag that orders its reuse
+    /// shard (no upstream call), with the tag that orders its reuse
     /// ([`BestFit::take_free_chunk_fitting`](super::BestFit::take_free_chunk_fitting));
     /// `None` for pools whose chunks can't change hands (page remapping,
     /// kept chunks) or when none fits.
@@ -89,7 +89,7 @@ impl<U: Upstream> Pool<U> {
         inner.fit.take_free_chunk_fitting(min, stream)
     }
 
-    /// Adds a chunk another arena gave ([`give_free_chunk`](Self::give_free_chunk)),
+    /// Adds a chunk another shard gave ([`give_free_chunk`](Self::give_free_chunk)),
     /// free, with the tag it came with.
     ///
     /// # Errors
@@ -102,7 +102,7 @@ impl<U: Upstream> Pool<U> {
             return Ok(());
         }
         Err(Error::InvalidState(format!(
-            "a chunk {:#x}+{} given by another arena overlaps this one's",
+            "a chunk {:#x}+{} given by another shard overlaps this one's",
             chunk.addr, chunk.size
         )))
     }

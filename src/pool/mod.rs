@@ -43,8 +43,14 @@ pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
 pub use config::{PoolConfig, DEFAULT_REMAP_SLACK_PPM, MAX_ALIGN};
 pub use pool_snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use remap::RANK_LIMIT;
-pub use shard_registry::release_thread_arenas;
-pub use shards::{default_arena_count, Arenas, UpstreamFactory, MAX_ARENAS};
+pub use shard_registry::release_thread_shards;
+pub use shards::{default_shard_count, Shards, UpstreamFactory, MAX_SHARDS};
+// The names of the per-thread pools from before they were called shards
+// ("arena" is the planning arena now), for programs.
+#[doc(hidden)]
+pub use shard_registry::release_thread_shards as release_thread_arenas;
+#[doc(hidden)]
+pub use shards::{default_shard_count as default_arena_count, Shards as Arenas, MAX_SHARDS as MAX_ARENAS};
 pub use stats::PoolStats;
 
 use crate::error::{Error, OomState, Result};
@@ -114,7 +120,7 @@ pub struct Pool<U: Upstream> {
     /// The pool's job for the background mapper (page remapping only).
     mapper: Option<Arc<mapper::Job<U>>>,
     /// Whether a chunk may be wholly free ([`BestFit`]'s flag, read
-    /// without the lock before another arena is offered a chunk).
+    /// without the lock before another shard is offered a chunk).
     whole_free: Arc<crate::sync::AtomicBool>,
 }
 
@@ -291,7 +297,7 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// [`allocate_within`](Pool::allocate_within) past the thread caches,
-    /// for a block lent to another arena's thread: its free goes straight
+    /// for a block lent to another shard's thread: its free goes straight
     /// back to this pool.
     ///
     /// # Errors

@@ -1,38 +1,38 @@
-//! What the arenas of one set share through their upstreams: the chunk
-//! directory (address → arena), the total held against the set's limit,
-//! and the way back to the other arenas when one runs out of memory.
+//! What the shards of one set share through their upstreams: the chunk
+//! directory (address → shard), the total held against the set's limit,
+//! and the way back to the other shards when one runs out of memory.
 //!
 //! # Implementation details
 //!
-//! - **Directory.** A sorted array of `(start, end, arena)`, one entry per
-//!   chunk, published through one atomic pointer: a free finds its arena
+//! - **Directory.** A sorted array of `(start, end, shard)`, one entry per
+//!   chunk, published through one atomic pointer: a free finds its shard
 //!   with one load and a binary search, and takes no lock. Growth (rare)
 //!   copies the array under a writers' lock, drops entries the new chunk
 //!   overlaps (a range given back and handed out again), inserts, and
 //!   publishes; the old copies stay allocated until the set is dropped, so
 //!   a reader never sees freed memory (growth by new chunks is geometric
-//!   for pinned memory and happens once per arena for expandable ones, so
+//!   for pinned memory and happens once per shard for expandable ones, so
 //!   few copies are ever made). Growing a chunk in place only raises its
-//!   entry's end (an atomic), and a chunk moving whole to another arena
+//!   entry's end (an atomic), and a chunk moving whole to another shard
 //!   only changes its entry's owner (an atomic), with no copy. An entry is
 //!   written before the chunk's blocks can be handed out, and whoever
 //!   frees a block learned of it after that, so the entry is always found.
-//! - **Chunks change hands.** Before an arena grows, the other arenas are
+//! - **Chunks change hands.** Before a shard grows, the other shards are
 //!   asked for a wholly free chunk that is large enough and that the
 //!   request's stream can use with no wait (idle, or freed on that
 //!   stream: it moves with its tag)
-//!   (`Shared::take_free_chunk`, called by `Arenas::allocate_elsewhere`;
+//!   (`Shared::take_free_chunk`, called by `Shards::allocate_elsewhere`;
 //!   [`Pool`]'s `give_free_chunk`, under the giver's lock alone): it leaves the giver's pool, the directory records
 //!   the taker as its owner, and only then does the taker hand out its
 //!   blocks. A free in flight for a block of that chunk can't exist (the
 //!   chunk had no live block); a stale free (a double free) finds either
-//!   arena and is refused by both. Only upstreams whose chunks are whole
+//!   shard and is refused by both. Only upstreams whose chunks are whole
 //!   allocations (not expandable reservations) trade chunks, so any
-//!   arena's upstream can give a taken chunk back.
-//! - **Out of memory.** When an arena's upstream can't deliver (the set's
+//!   shard's upstream can give a taken chunk back.
+//! - **Out of memory.** When a shard's upstream can't deliver (the set's
 //!   limit or the driver), the wrapper gives back the free memory of every
-//!   other arena ([`Pool::release_cached`]) and asks once more. It runs in
-//!   the growing arena's upstream call, outside every pool lock.
+//!   other shard ([`Pool::release_cached`]) and asks once more. It runs in
+//!   the growing shard's upstream call, outside every pool lock.
 
 use super::Pool;
 
@@ -47,8 +47,8 @@ struct Entry {
     start: usize,
     /// Raised when the chunk grows in place.
     end: AtomicUsize,
-    /// Changed when the chunk moves to another arena.
-    arena: AtomicUsize,
+    /// Changed when the chunk moves to another shard.
+    shard: AtomicUsize,
 }
 
 /// The directory's current array and every array it replaced (each boxed
@@ -61,7 +61,7 @@ struct Versions {
     all: Vec<Box<Box<[Entry]>>>,
 }
 
-/// Address → arena (see the module docs).
+/// Address → shard (see the module docs).
 #[derive(Debug)]
 pub(super) struct Directory {
     /// The current array: the address of the newest of `versions.all`'s
@@ -75,7 +75,7 @@ impl Directory {
         Directory { current: AtomicUsize::new(0), versions: Mutex::new(Versions::default()) }
     }
 
-    /// The arena whose chunk holds `addr`.
+    /// The shard whose chunk holds `addr`.
     #[inline]
     pub(super) fn find(&self, addr: usize) -> Option<usize> {
         let ptr = self.current.load(Ordering::Acquire) as *const Box<[Entry]>;
@@ -89,27 +89,27 @@ impl Directory {
         let entries: &[Entry] = unsafe { &*ptr };
         let i = entries.partition_point(|e| e.start <= addr);
         let e = entries.get(i.checked_sub(1)?)?;
-        (addr < e.end.load(Ordering::Acquire)).then(|| e.arena.load(Ordering::Acquire))
+        (addr < e.end.load(Ordering::Acquire)).then(|| e.shard.load(Ordering::Acquire))
     }
 
-    /// Records that `arena` holds `[start, end)`.
-    fn insert(&self, start: usize, end: usize, arena: usize) {
+    /// Records that `shard` holds `[start, end)`.
+    fn insert(&self, start: usize, end: usize, shard: usize) {
         let mut v = lock(&self.versions);
         if let Some(cur) = v.all.last() {
             let i = cur.partition_point(|e| e.start < start);
             if let Some(e) = cur.get(i).filter(|e| e.start == start) {
-                let (old_end, owner) = (e.end.load(Ordering::Acquire), e.arena.load(Ordering::Acquire));
+                let (old_end, owner) = (e.end.load(Ordering::Acquire), e.shard.load(Ordering::Acquire));
                 // A chunk grown in place keeps its start: raise its end.
-                if owner == arena && end >= old_end {
+                if owner == shard && end >= old_end {
                     e.end.fetch_max(end, Ordering::AcqRel);
                     return;
                 }
-                // A chunk moving to another arena whole: change its owner
+                // A chunk moving to another shard whole: change its owner
                 // in place (no new array: chunks move often while threads
                 // come and go, and replaced arrays are kept until the set
                 // is dropped).
                 if end == old_end {
-                    e.arena.store(arena, Ordering::Release);
+                    e.shard.store(shard, Ordering::Release);
                     return;
                 }
             }
@@ -121,11 +121,11 @@ impl Directory {
             .map(|e| Entry {
                 start: e.start,
                 end: AtomicUsize::new(e.end.load(Ordering::Acquire)),
-                arena: AtomicUsize::new(e.arena.load(Ordering::Acquire)),
+                shard: AtomicUsize::new(e.shard.load(Ordering::Acquire)),
             })
             .collect();
         let at = next.partition_point(|e| e.start < start);
-        next.insert(at, Entry { start, end: AtomicUsize::new(end), arena: AtomicUsize::new(arena) });
+        next.insert(at, Entry { start, end: AtomicUsize::new(end), shard: AtomicUsize::new(shard) });
         let next = Box::new(next.into_boxed_slice());
         let ptr = &*next as *const Box<[Entry]> as usize;
         v.all.push(next);
@@ -133,7 +133,7 @@ impl Directory {
     }
 }
 
-/// The bytes all arenas of a set hold, against the set's limit.
+/// The bytes all shards of a set hold, against the set's limit.
 #[derive(Debug)]
 struct Total {
     bytes: AtomicUsize,
@@ -152,7 +152,7 @@ impl Total {
                     requested: size,
                     state: Box::new(OomState {
                         limit: Some(limit),
-                        upstream: Some(format!("the pool's arenas together hold {before} B of the {limit} B limit")),
+                        upstream: Some(format!("the pool's shards together hold {before} B of the {limit} B limit")),
                         hint: Some("raise max_pool_size, or free blocks you hold"),
                         ..Default::default()
                     }),
@@ -167,22 +167,22 @@ impl Total {
     }
 }
 
-/// The arena pools of a set, as the upstream wrappers reach them.
-pub(super) type ArenaPools = [crate::sync::InitCell<Pool<Box<dyn Upstream>>>];
+/// The shard pools of a set, as the upstream wrappers reach them.
+pub(super) type ShardPools = [crate::sync::InitCell<Pool<Box<dyn Upstream>>>];
 
-/// What the arenas of one set share.
+/// What the shards of one set share.
 pub(super) struct Shared {
     pub(super) directory: Directory,
     total: Total,
-    /// Chunks one arena took from another.
+    /// Chunks one shard took from another.
     moved: AtomicU64,
-    /// Calls that reached the arenas' own upstreams (and succeeded).
+    /// Calls that reached the shards' own upstreams (and succeeded).
     calls: AtomicU64,
-    /// Blocks an arena lent from its free memory to another arena's thread.
+    /// Blocks a shard lent from its free memory to another shard's thread.
     lent: AtomicU64,
     /// The set's pools (a boxed slice that never moves). Set once, before
-    /// any arena is made; read only while an allocation from the set runs.
-    pools: *const ArenaPools,
+    /// any shard is made; read only while an allocation from the set runs.
+    pools: *const ShardPools,
 }
 
 // SAFETY: `pools` points at the set's boxed slice of pools, which are
@@ -195,14 +195,14 @@ unsafe impl Sync for Shared {}
 impl Shared {
     /// The state for a set whose pools are `pools`, with `limit` for all of
     /// them together.
-    pub(super) fn new(pools: &ArenaPools, limit: Option<usize>, kind: PoolKind) -> Arc<Self> {
+    pub(super) fn new(pools: &ShardPools, limit: Option<usize>, kind: PoolKind) -> Arc<Self> {
         Arc::new(Shared {
             directory: Directory::new(),
             total: Total { bytes: AtomicUsize::new(0), limit, kind },
             moved: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             lent: AtomicU64::new(0),
-            pools: pools as *const ArenaPools,
+            pools: pools as *const ShardPools,
         })
     }
 
@@ -218,7 +218,7 @@ impl Shared {
         self.calls.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Blocks one arena lent another out of its own free memory.
+    /// Blocks one shard lent another out of its own free memory.
     pub(super) fn lent(&self) -> u64 {
         self.lent.load(Ordering::Relaxed)
     }
@@ -228,7 +228,7 @@ impl Shared {
     }
 
     /// Takes a wholly free chunk of at least `size` bytes that work on
-    /// `stream` can use with no wait from an arena other than `taker`,
+    /// `stream` can use with no wait from a shard other than `taker`,
     /// with the tag that orders its reuse, recorded in the directory as
     /// `taker`'s (see the module docs).
     ///
@@ -249,8 +249,8 @@ impl Shared {
     }
 }
 
-/// Arena `index`'s upstream: records its chunks in the directory, books
-/// them against the limit, and takes the other arenas' free memory when
+/// Shard `index`'s upstream: records its chunks in the directory, books
+/// them against the limit, and takes the other shards' free memory when
 /// its own upstream can't deliver.
 pub(super) struct Tracked {
     pub(super) inner: Box<dyn Upstream>,
@@ -259,11 +259,11 @@ pub(super) struct Tracked {
 }
 
 impl Tracked {
-    /// Gives back the free memory of every arena but this one; the bytes
+    /// Gives back the free memory of every shard but this one; the bytes
     /// released.
     fn release_others(&self) -> usize {
         // SAFETY: an upstream allocates only for an allocation from its
-        // pool, which runs through `&Arenas`; the set owns the boxed slice
+        // pool, which runs through `&Shards`; the set owns the boxed slice
         // `pools` points at, so it is alive and unmoved for that borrow.
         let pools = unsafe { &*self.shared.pools };
         let others = pools.iter().enumerate().filter(|(i, _)| *i != self.index);
@@ -304,8 +304,8 @@ impl Tracked {
 
 impl Upstream for Tracked {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
-        // Chunks of other arenas were offered before the pool grew
-        // (`Arenas::allocate_elsewhere`).
+        // Chunks of other shards were offered before the pool grew
+        // (`Shards::allocate_elsewhere`).
         let get = |u: &dyn Upstream, n| u.allocate_chunk(n);
         match self.try_allocate(size, get) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_allocate(size, get),
@@ -345,7 +345,7 @@ impl Upstream for Tracked {
     }
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         // A failed map leaves nothing mapped, so it may be tried again once
-        // the other arenas gave their free memory back.
+        // the other shards gave their free memory back.
         let r = match self.inner.map_runs(runs) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.inner.map_runs(runs),
             r => r,
@@ -383,8 +383,8 @@ mod tests {
     }
 
     #[test]
-    fn the_arena_wrapper_forwards_every_method() {
-        let pools: Box<super::ArenaPools> = Box::new([]);
+    fn the_shard_wrapper_forwards_every_method() {
+        let pools: Box<super::ShardPools> = Box::new([]);
         let shared = Shared::new(&pools, None, PoolKind::Device);
         let missed = methods_not_forwarded(|inner| Box::new(Tracked { inner, shared, index: 0 }));
         assert_eq!(missed, Vec::<&str>::new());

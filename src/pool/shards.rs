@@ -1,37 +1,37 @@
-//! Per-thread arenas: several best-fit [`Pool`]s side by side, each with
+//! Per-thread shards: several best-fit [`Pool`]s side by side, each with
 //! its own lock and its own upstream, so threads that allocate at the same
 //! time rarely meet on one lock.
 //!
 //! # Implementation details
 //!
-//! - **Which arena serves a request.** A thread's first allocation from
-//!   a set claims an arena (`arena_registry.rs`): one that is made and has
+//! - **Which shard serves a request.** A thread's first allocation from
+//!   a set claims a shard (`shard_registry.rs`): one that is made and has
 //!   no thread (so its memory is reused), else a new one, else the one with
-//!   the fewest threads. A thread's exit hands its arena back with the
-//!   memory it caches, so the number of arenas is bounded by the set's
+//!   the fewest threads. A thread's exit hands its shard back with the
+//!   memory it caches, so the number of shards is bounded by the set's
 //!   count (by default the processors), never by the threads ever made.
-//!   Arena 0 is made with the set; the others are made on first claim from
-//!   the upstream factory. One thread alone always uses one arena, so a
+//!   Shard 0 is made with the set; the others are made on first claim from
+//!   the upstream factory. One thread alone always uses one shard, so a
 //!   single-threaded program sees exactly one pool.
-//!   (Tests and models may pin a thread to an arena by slot with
+//!   (Tests and models may pin a thread to a shard by slot with
 //!   [`set_thread_slot`](crate::pool::set_thread_slot).)
-//! - **Worker arenas** ([`Arenas::with_workers`]; a device's sync pool
-//!   with `shared_device_arenas`). Arena 0 remaps pages and is kept for
-//!   the set's first thread; `count` *worker* arenas stand beside it for
-//!   the threads that come later (`arena_registry.rs`). Workers take whole
+//! - **Worker shards** ([`Shards::with_workers`]; a device's sync pool
+//!   with `shared_device_arenas`). Shard 0 remaps pages and is kept for
+//!   the set's first thread; `count` *worker* shards stand beside it for
+//!   the threads that come later (`shard_registry.rs`). Workers take whole
 //!   chunks of one address space they all share
 //!   ([`SharedChunks`](crate::upstream::SharedChunks)), so they trade free
-//!   chunks as the pinned arenas do, with no driver call. Remapping keeps
+//!   chunks as the pinned shards do, with no driver call. Remapping keeps
 //!   one thread's repeating layout (a training loop) near its page floor;
-//!   a new thread's layout is new, and in a remapping arena that costs
-//!   page moves, each a driver call. Without worker arenas, every device
-//!   arena remaps pages in address space of its own.
-//! - **Memory moves between arenas.** An arena with no free block for a
-//!   request first takes a wholly free chunk of another arena (pools whose
+//!   a new thread's layout is new, and in a remapping shard that costs
+//!   page moves, each a driver call. Without worker shards, every device
+//!   shard remaps pages in address space of its own.
+//! - **Memory moves between shards.** A shard with no free block for a
+//!   request first takes a wholly free chunk of another shard (pools whose
 //!   chunks are whole upstream allocations: pinned memory, `cuMemAlloc`
 //!   chunks), with no upstream call; the chunk directory records the new
-//!   owner before the chunk's blocks are handed out (`arena_upstream.rs`).
-//!   When every chunk holds live blocks (all threads busy), another arena
+//!   owner before the chunk's blocks are handed out (`shard_upstream.rs`).
+//!   When every chunk holds live blocks (all threads busy), another shard
 //!   *lends* a block of its free memory: the block stays the lender's
 //!   (the directory sends its free there) and skips every thread cache,
 //!   so it goes back where it came from. Only memory the request's stream
@@ -41,48 +41,48 @@
 //!   (or, idle, to a request on no stream): a block lent to another
 //!   stream comes back tagged with it, and merged with the lender's
 //!   pending free space it makes blocks whose reuse waits for every
-//!   stream. Only then does the arena grow. A remapping arena neither
+//!   stream. Only then does the shard grow. A remapping shard neither
 //!   gives nor lends: its free space may be holes, and its address space
 //!   is its own.
-//! - **Where a free goes.** Each arena's upstream is wrapped
-//!   (`arena_upstream.rs`) so that every chunk it hands out is recorded in
+//! - **Where a free goes.** Each shard's upstream is wrapped
+//!   (`shard_upstream.rs`) so that every chunk it hands out is recorded in
 //!   a directory shared by the set: a sorted array of chunks published
-//!   through one atomic pointer. A free finds the owning arena with one
+//!   through one atomic pointer. A free finds the owning shard with one
 //!   load and a binary search, then frees there; no lock is shared by all
-//!   arenas, and a cross-thread free costs the same as a local one.
-//! - **Streams.** Each arena is a whole [`Pool`]: a block freed on stream A
+//!   shards, and a cross-thread free costs the same as a local one.
+//! - **Streams.** Each shard is a whole [`Pool`]: a block freed on stream A
 //!   keeps A's tag, and whoever reuses it orders after A exactly as with one
 //!   pool. Threads that each keep their own stream mostly reuse their own
-//!   arena's blocks, so reuse stays on the freeing stream.
-//! - **Out of memory.** A size limit (`max_size`) holds for all arenas
-//!   together: every arena's upstream books its chunks against one total.
-//!   When an arena's upstream can't deliver, it gives back the free memory
-//!   of every other arena and asks once more, before the arena's own
+//!   shard's blocks, so reuse stays on the freeing stream.
+//! - **Out of memory.** A size limit (`max_size`) holds for all shards
+//!   together: every shard's upstream books its chunks against one total.
+//!   When a shard's upstream can't deliver, it gives back the free memory
+//!   of every other shard and asks once more, before the shard's own
 //!   out-of-memory path (releasing its own free chunks) runs.
 
 use super::shard_registry::Registry;
-use super::shard_upstream::{ArenaPools, Shared, Tracked};
+use super::shard_upstream::{ShardPools, Shared, Tracked};
 use super::{Allocation, BestFit, Freed, LiveBlock, Pool, PoolConfig, PoolSnapshot, PoolStats};
 use crate::error::{Error, Result};
 use crate::sync::{lock, thread_slot, Arc, AtomicUsize, InitCell, Mutex, Ordering};
 use crate::tag::StreamTag;
 use crate::upstream::Upstream;
 
-/// `Arenas::base` before the first thread took arena 0.
+/// `Shards::base` before the first thread took shard 0.
 const NO_BASE: usize = usize::MAX;
 
-/// Makes the upstream of a new arena (called at most once per arena,
+/// Makes the upstream of a new shard (called at most once per shard,
 /// outside every pool lock).
 pub type UpstreamFactory = Box<dyn Fn() -> Result<Box<dyn Upstream>> + Send + Sync>;
 
-/// The most arenas a set holds.
-pub const MAX_ARENAS: usize = 64;
+/// The most shards a set holds.
+pub const MAX_SHARDS: usize = 64;
 
-/// The default arena count: the processors (what can run at once; more
-/// threads share arenas), at most [`MAX_ARENAS`].
-pub fn default_arena_count() -> usize {
+/// The default shard count: the processors (what can run at once; more
+/// threads share shards), at most [`MAX_SHARDS`].
+pub fn default_shard_count() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    cores.clamp(1, MAX_ARENAS)
+    cores.clamp(1, MAX_SHARDS)
 }
 
 /// Several best-fit pools over upstreams of one kind, chosen by the calling
@@ -90,63 +90,63 @@ pub fn default_arena_count() -> usize {
 ///
 /// # Examples
 /// ```
-/// use cumem::pool::{Arenas, PoolConfig, StreamTag};
+/// use cumem::pool::{Shards, PoolConfig, StreamTag};
 /// use cumem::upstream::{Host, Upstream};
 /// use cumem::PoolKind;
 ///
 /// let make = || Ok(Box::new(Host::new()) as Box<dyn Upstream>);
-/// let arenas = Arenas::new(make()?, Some(Box::new(make)), PoolConfig::new(PoolKind::Standalone), 4);
-/// let a = arenas.allocate(1000, 256)?;
-/// // Any thread may free it: the free finds the arena that owns it.
-/// std::thread::scope(|s| s.spawn(|| arenas.deallocate(a.addr, StreamTag::NONE)).join().unwrap())?;
+/// let shards = Shards::new(make()?, Some(Box::new(make)), PoolConfig::new(PoolKind::Standalone), 4);
+/// let a = shards.allocate(1000, 256)?;
+/// // Any thread may free it: the free finds the shard that owns it.
+/// std::thread::scope(|s| s.spawn(|| shards.deallocate(a.addr, StreamTag::NONE)).join().unwrap())?;
 /// # Ok::<(), cumem::Error>(())
 /// ```
-pub struct Arenas {
-    /// The arenas' pools (a boxed slice: the upstream wrappers point at it,
-    /// so it never moves; see `arena_upstream.rs`).
-    arenas: Box<ArenaPools>,
+pub struct Shards {
+    /// The shards' pools (a boxed slice: the upstream wrappers point at it,
+    /// so it never moves; see `shard_upstream.rs`).
+    shards: Box<ShardPools>,
     make: Option<UpstreamFactory>,
     config: PoolConfig,
-    /// The slot of the first thread that used the set (it gets arena 0).
+    /// The slot of the first thread that used the set (it gets shard 0).
     base: AtomicUsize,
     /// The directory and the total against the limit.
     shared: Arc<Shared>,
-    /// Arenas made so far (raised before a new arena hands out a block).
+    /// Shards made so far (raised before a new shard hands out a block).
     made: AtomicUsize,
-    /// Which threads use which arena.
+    /// Which threads use which shard.
     registry: Arc<Registry>,
     /// What merges of blocks freed on different streams ask, in every
-    /// arena (see [`Pool::set_tag_oracle`]).
+    /// shard (see [`Pool::set_tag_oracle`]).
     oracle: once_cell::sync::OnceCell<crate::tag::TagOracle>,
-    /// Held by the one arena of the set that grows through its upstream
-    /// at a time (pools that don't remap pages): arenas that need memory
+    /// Held by the one shard of the set that grows through its upstream
+    /// at a time (pools that don't remap pages): shards that need memory
     /// meanwhile wait, then look at the new memory before they grow too.
     growing: Mutex<()>,
-    /// Per arena, the arena that lent its thread a block last.
+    /// Per shard, the shard that lent its thread a block last.
     last_lender: Box<[AtomicUsize]>,
 }
 
-impl std::fmt::Debug for Arenas {
+impl std::fmt::Debug for Shards {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Arenas")
-            .field("count", &self.arenas.len())
+        f.debug_struct("Shards")
+            .field("count", &self.shards.len())
             .field("made", &self.made())
             .field("config", &self.config)
             .finish()
     }
 }
 
-impl Arenas {
-    /// A set of `count` arenas (at least 1, at most [`MAX_ARENAS`]): arena
+impl Shards {
+    /// A set of `count` shards (at least 1, at most [`MAX_SHARDS`]): shard
     /// 0 over `first`, the others made on first use with `make` (`None`:
-    /// one arena only).
+    /// one shard only).
     pub fn new(first: Box<dyn Upstream>, make: Option<UpstreamFactory>, config: PoolConfig, count: usize) -> Self {
         Self::build(first, make, config, count, false)
     }
 
-    /// A set whose arena 0 remaps pages and is kept for the first thread,
-    /// with `count` worker arenas beside it made with `make` (chunks that
-    /// can change arena: see the module docs). Without remapping in arena
+    /// A set whose shard 0 remaps pages and is kept for the first thread,
+    /// with `count` worker shards beside it made with `make` (chunks that
+    /// can change shard: see the module docs). Without remapping in shard
     /// 0, or with `count` 1, as [`new`](Self::new).
     pub fn with_workers(first: Box<dyn Upstream>, make: UpstreamFactory, config: PoolConfig, count: usize) -> Self {
         Self::build(first, Some(make), config, count, true)
@@ -159,17 +159,17 @@ impl Arenas {
         count: usize,
         workers: bool,
     ) -> Self {
-        let count = if make.is_some() { count.clamp(1, MAX_ARENAS) } else { 1 };
+        let count = if make.is_some() { count.clamp(1, MAX_SHARDS) } else { 1 };
         let primary_remaps = workers && super::would_remap(&*first, &config) && count > 1;
         let count = count + usize::from(primary_remaps);
-        let arenas: Box<ArenaPools> = (0..count).map(|_| InitCell::new()).collect();
-        let shared = Shared::new(&arenas, config.max_size, config.kind);
+        let shards: Box<ShardPools> = (0..count).map(|_| InitCell::new()).collect();
+        let shared = Shared::new(&shards, config.max_size, config.kind);
         let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
         // A new cell is empty, so this always sets it.
-        let _ = arenas[0].init(|| Ok::<_, ()>(pool));
+        let _ = shards[0].init(|| Ok::<_, ()>(pool));
         let registry = Registry::new(count, primary_remaps);
-        Arenas {
-            arenas,
+        Shards {
+            shards,
             make,
             config,
             base: AtomicUsize::new(NO_BASE),
@@ -186,7 +186,7 @@ impl Arenas {
         Box::new(Tracked { inner, shared: shared.clone(), index })
     }
 
-    /// Sets what every arena (made now or later) asks when blocks freed on
+    /// Sets what every shard (made now or later) asks when blocks freed on
     /// different streams merge ([`Pool::set_tag_oracle`]). Only the first
     /// call has an effect.
     pub fn set_tag_oracle(&self, oracle: crate::tag::TagOracle) {
@@ -196,71 +196,71 @@ impl Arenas {
         }
     }
 
-    /// How many arenas the set may hold.
+    /// How many shards the set may hold.
     pub fn count(&self) -> usize {
-        self.arenas.len()
+        self.shards.len()
     }
 
-    /// How many arenas were made so far.
+    /// How many shards were made so far.
     pub fn made(&self) -> usize {
         self.made.load(Ordering::Acquire)
     }
 
-    /// Arena 0, the one a single thread uses.
+    /// Shard 0, the one a single thread uses.
     pub fn primary(&self) -> &Pool<Box<dyn Upstream>> {
-        self.arenas[0].get().expect("arena 0 is made with the set")
+        self.shards[0].get().expect("shard 0 is made with the set")
     }
 
-    /// The arenas made so far, with their indexes.
+    /// The shards made so far, with their indexes.
     pub fn pools(&self) -> impl Iterator<Item = (usize, &Pool<Box<dyn Upstream>>)> {
-        self.arenas.iter().enumerate().filter_map(|(i, a)| a.get().map(|p| (i, p)))
+        self.shards.iter().enumerate().filter_map(|(i, a)| a.get().map(|p| (i, p)))
     }
 
-    /// The configuration every arena shares.
+    /// The configuration every shard shares.
     pub fn config(&self) -> &PoolConfig {
         &self.config
     }
 
-    /// The index of the arena the calling thread allocates from: the one it
+    /// The index of the shard the calling thread allocates from: the one it
     /// claimed (see the module docs), or by slot for a thread pinned with
     /// [`set_thread_slot`](crate::pool::set_thread_slot).
     #[inline]
     pub fn home(&self) -> usize {
-        let n = self.arenas.len();
+        let n = self.shards.len();
         if n == 1 {
             return 0;
         }
         if crate::sync::thread_pinned() {
             return self.home_by_slot(n);
         }
-        Registry::home(&self.registry, |i| self.arenas[i].get().is_some())
+        Registry::home(&self.registry, |i| self.shards[i].get().is_some())
     }
 
-    /// Threads using arena `i` now (claims; pinned threads are not
+    /// Threads using shard `i` now (claims; pinned threads are not
     /// counted).
     pub fn threads_on(&self, i: usize) -> usize {
         self.registry.users(i)
     }
 
-    /// Blocks an arena lent out of its free memory to another arena's
+    /// Blocks a shard lent out of its free memory to another shard's
     /// thread (no upstream call) so far.
     pub fn blocks_lent(&self) -> u64 {
         self.shared.lent()
     }
 
-    /// Chunks taken by one arena from another (no upstream call) so far.
+    /// Chunks taken by one shard from another (no upstream call) so far.
     pub fn chunks_moved(&self) -> u64 {
         self.shared.moved()
     }
 
     /// Calls that reached the upstreams themselves (allocations, growth in
-    /// place, mappings) so far; chunks moved between arenas are not counted.
+    /// place, mappings) so far; chunks moved between shards are not counted.
     pub fn upstream_calls(&self) -> u64 {
         self.shared.upstream_calls()
     }
 
-    /// The arena of a thread pinned by slot: the first slot to use the set
-    /// gets arena 0, the others follow by slot.
+    /// The shard of a thread pinned by slot: the first slot to use the set
+    /// gets shard 0, the others follow by slot.
     fn home_by_slot(&self, n: usize) -> usize {
         let slot = thread_slot();
         let mut base = self.base.load(Ordering::Relaxed);
@@ -273,23 +273,23 @@ impl Arenas {
         slot.wrapping_sub(base) % n
     }
 
-    /// The calling thread's arena and its index, made on first use (arena
+    /// The calling thread's shard and its index, made on first use (shard
     /// 0 when it can't be made).
     #[inline]
-    fn home_arena(&self) -> (usize, &Pool<Box<dyn Upstream>>) {
+    fn home_shard(&self) -> (usize, &Pool<Box<dyn Upstream>>) {
         let i = self.home();
-        match self.arenas[i].get() {
+        match self.shards[i].get() {
             Some(p) => (i, p),
-            None => self.make_arena(i),
+            None => self.make_shard(i),
         }
     }
 
-    /// Makes arena `i` (arena 0 when it can't be made).
+    /// Makes shard `i` (shard 0 when it can't be made).
     #[cold]
-    fn make_arena(&self, i: usize) -> (usize, &Pool<Box<dyn Upstream>>) {
-        let arena = &self.arenas[i];
+    fn make_shard(&self, i: usize) -> (usize, &Pool<Box<dyn Upstream>>) {
+        let shard = &self.shards[i];
         let (Some(make), false) = (&self.make, self.primary().is_shut_down()) else { return (0, self.primary()) };
-        let made = arena.get_or_init(|| {
+        let made = shard.get_or_init(|| {
             let pool = make().map(|u| Pool::new(Self::track(u, &self.shared, i), self.config.clone()));
             if let (Ok(p), Some(o)) = (&pool, self.oracle.get()) {
                 p.set_tag_oracle(o.clone());
@@ -305,7 +305,7 @@ impl Arenas {
         }
     }
 
-    /// [`Pool::allocate`] from the calling thread's arena.
+    /// [`Pool::allocate`] from the calling thread's shard.
     ///
     /// # Errors
     /// As [`Pool::allocate`].
@@ -313,21 +313,21 @@ impl Arenas {
         self.allocate_for(size, align, 0)
     }
 
-    /// [`Pool::allocate_for`] from the calling thread's arena; when it is
-    /// out of memory, the other arenas' free memory goes back to the
+    /// [`Pool::allocate_for`] from the calling thread's shard; when it is
+    /// out of memory, the other shards' free memory goes back to the
     /// upstream and the request is tried once more.
     ///
     /// # Errors
     /// As [`Pool::allocate_for`].
     #[inline]
     pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
-        let (i, home) = self.home_arena();
-        // Memory moves between arenas only where chunks are whole
+        let (i, home) = self.home_shard();
+        // Memory moves between shards only where chunks are whole
         // allocations (not page remapping, not kept for graphs, not one
         // growing reservation).
-        if self.arenas.len() == 1 || home.remaps() || self.config.keep_chunks {
-            // Out of memory, the arena's upstream takes the other arenas'
-            // free memory first (arena_upstream.rs): the result needs no
+        if self.shards.len() == 1 || home.remaps() || self.config.keep_chunks {
+            // Out of memory, the shard's upstream takes the other shards'
+            // free memory first (shard_upstream.rs): the result needs no
             // second look here.
             return home.allocate_for(size, align, stream);
         }
@@ -337,14 +337,14 @@ impl Arenas {
         }
     }
 
-    /// The calling thread's arena `i` (`home`) has no free block for the
+    /// The calling thread's shard `i` (`home`) has no free block for the
     /// request. Before any upstream call: a wholly free chunk of another
-    /// arena moves to `home`; failing that, another arena lends a block of
+    /// shard moves to `home`; failing that, another shard lends a block of
     /// its free memory with no stream work pending on it (it stays that
-    /// arena's, and its free goes back there past every thread cache);
+    /// shard's, and its free goes back there past every thread cache);
     /// failing that, every thread cache is flushed and both are tried once
-    /// more. Only then does `home` grow, one arena of the set at a time:
-    /// an arena that had to wait for another's growth looks at the new
+    /// more. Only then does `home` grow, one shard of the set at a time:
+    /// a shard that had to wait for another's growth looks at the new
     /// memory (its own and a loan) before it grows too.
     #[cold]
     fn allocate_elsewhere(
@@ -365,7 +365,7 @@ impl Arenas {
                             return Ok(a);
                         }
                     }
-                    // Any arena's upstream can give a whole chunk back.
+                    // Any shard's upstream can give a whole chunk back.
                     Err(_) => home.upstream().deallocate_chunk(c)?,
                 }
             }
@@ -375,7 +375,7 @@ impl Arenas {
         }
         // Memory parked in the threads' caches is free too: before an
         // upstream call (a pinned chunk of up to 1 GiB takes a third of a
-        // second to pin), flush every arena's caches and look once more.
+        // second to pin), flush every shard's caches and look once more.
         debug_assert!(!home.remaps(), "a remapping pool grows by mapping pages, never here");
         if self.pools().map(|(_, p)| p.drain_thread_caches()).sum::<usize>() > 0 {
             if let Some(a) = home.allocate_within(size, align, stream)? {
@@ -386,7 +386,7 @@ impl Arenas {
             }
         }
         // One grower at a time: threads that need memory together (a
-        // burst on every arena) would each pin a chunk, and the driver
+        // burst on every shard) would each pin a chunk, and the driver
         // serialises those calls (a third of a second per GiB). The
         // others wait here, then take from the chunk the first one made.
         // No pool lock is held while waiting or growing.
@@ -400,22 +400,22 @@ impl Arenas {
         home.allocate_for(size, align, stream)
     }
 
-    /// A block of another arena's free memory than arena `i`'s that work
+    /// A block of another shard's free memory than shard `i`'s that work
     /// on `stream` can use with no wait and that comes back on the same
     /// stream: freed on `stream` itself, or idle for a request on no
     /// stream (see [`allocate_elsewhere`](Self::allocate_elsewhere)).
     fn borrow(&self, i: usize, size: usize, align: usize, stream: u64) -> Option<Allocation> {
-        let n = self.arenas.len();
-        // A remapping arena (arena 0 of a device) lends nothing: its free
+        let n = self.shards.len();
+        // A remapping shard (shard 0 of a device) lends nothing: its free
         // space may be holes, and mapping them is its own growth.
-        // The arena that lent last is asked first: it had free memory.
+        // The shard that lent last is asked first: it had free memory.
         let last = self.last_lender[i].load(Ordering::Relaxed);
         let order = std::iter::once(last).chain((1..n).map(|k| (i + k) % n).filter(|&j| j != last));
-        let others = order.filter(|&j| j != i).filter_map(|j| Some((j, self.arenas.get(j)?.get()?)));
+        let others = order.filter(|&j| j != i).filter_map(|j| Some((j, self.shards.get(j)?.get()?)));
         for (j, p) in others.filter(|(_, p)| !p.remaps()) {
             match p.allocate_uncached_within(size, align) {
                 // Freed on the request's own stream: its tag orders the
-                // reuse, as for a block of the arena's own.
+                // reuse, as for a block of the shard's own.
                 Ok(Some(a)) if stream != 0 && a.tag.stream == stream => {
                     self.lent_by(i, j);
                     return Some(a);
@@ -444,32 +444,32 @@ impl Arenas {
         None
     }
 
-    /// Arena `j` lent to arena `i`'s thread: counted, and asked first
+    /// Shard `j` lent to shard `i`'s thread: counted, and asked first
     /// next time.
     fn lent_by(&self, i: usize, j: usize) {
         self.shared.count_lent();
         self.last_lender[i].store(j, Ordering::Relaxed);
     }
 
-    /// The arena whose chunk holds `addr` (one look-up in the directory).
+    /// The shard whose chunk holds `addr` (one look-up in the directory).
     #[inline]
     fn owner(&self, addr: usize) -> Option<&Pool<Box<dyn Upstream>>> {
-        self.arenas.get(self.shared.directory.find(addr)?)?.get()
+        self.shards.get(self.shared.directory.find(addr)?)?.get()
     }
 
     fn unknown(&self, addr: usize) -> Error {
         Error::UnknownPointer { pool: self.config.kind, addr }
     }
 
-    /// [`Pool::deallocate`] in the arena that owns the block, whichever
+    /// [`Pool::deallocate`] in the shard that owns the block, whichever
     /// thread calls.
     ///
     /// # Errors
     /// As [`Pool::deallocate`].
     #[inline]
     pub fn deallocate(&self, addr: usize, tag: StreamTag) -> Result<Freed> {
-        // One arena (a single thread so far): nothing to look up. A block
-        // of a later arena was handed out after the count rose.
+        // One shard (a single thread so far): nothing to look up. A block
+        // of a later shard was handed out after the count rose.
         if self.made.load(Ordering::Acquire) == 1 {
             return self.primary().deallocate(addr, tag);
         }
@@ -479,7 +479,7 @@ impl Arenas {
         }
     }
 
-    /// [`Pool::check_live`] in the arena that owns the block.
+    /// [`Pool::check_live`] in the shard that owns the block.
     ///
     /// # Errors
     /// As [`Pool::check_live`].
@@ -496,33 +496,33 @@ impl Arenas {
     }
 
     /// The pieces of memory mapped over the live block at `addr` (`size`
-    /// bytes), as the owning arena's upstream maps them
+    /// bytes), as the owning shard's upstream maps them
     /// ([`Upstream::mapped_pieces`]).
     pub fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<crate::upstream::Chunk>> {
         self.owner(addr)?.upstream().mapped_pieces(addr, size)
     }
 
-    /// Whether `addr` lies in one of the arenas' chunks.
+    /// Whether `addr` lies in one of the shards' chunks.
     pub fn contains(&self, addr: usize) -> bool {
         self.owner(addr).is_some_and(|p| p.contains(addr))
     }
 
-    /// [`Pool::grow_in_place`] in the arena that owns the block.
+    /// [`Pool::grow_in_place`] in the shard that owns the block.
     pub fn grow_in_place(&self, addr: usize, new_size: usize) -> bool {
         self.owner(addr).is_some_and(|p| p.grow_in_place(addr, new_size))
     }
 
-    /// [`Pool::shrink_in_place`] in the arena that owns the block.
+    /// [`Pool::shrink_in_place`] in the shard that owns the block.
     pub fn shrink_in_place(&self, addr: usize, new_size: usize) -> bool {
         self.owner(addr).is_some_and(|p| p.shrink_in_place(addr, new_size))
     }
 
-    /// Whether any arena allocated yet.
+    /// Whether any shard allocated yet.
     pub fn used(&self) -> bool {
         self.pools().any(|(_, p)| p.used())
     }
 
-    /// Sets the bytes the first allocation of arena 0 reserves.
+    /// Sets the bytes the first allocation of shard 0 reserves.
     ///
     /// # Errors
     /// [`Error::ConfigTooLate`] once it has allocated.
@@ -530,10 +530,10 @@ impl Arenas {
         self.primary().set_initial_size(bytes)
     }
 
-    /// [`Pool::release_cached`] of every arena; returns the bytes released.
+    /// [`Pool::release_cached`] of every shard; returns the bytes released.
     ///
     /// # Errors
-    /// The first upstream error (every arena is still tried).
+    /// The first upstream error (every shard is still tried).
     pub fn release_cached(&self) -> Result<usize> {
         let mut released = 0;
         let mut first_err = None;
@@ -548,13 +548,13 @@ impl Arenas {
         first_err.map_or(Ok(released), Err)
     }
 
-    /// [`Pool::clear_tags`] of every arena.
+    /// [`Pool::clear_tags`] of every shard.
     pub fn clear_tags(&self) {
         self.pools().for_each(|(_, p)| p.clear_tags());
     }
 
-    /// A copy of every arena's chunks and blocks together, in address
-    /// order (see [`PoolSnapshot`]); each arena's lock is taken in turn.
+    /// A copy of every shard's chunks and blocks together, in address
+    /// order (see [`PoolSnapshot`]); each shard's lock is taken in turn.
     pub fn snapshot(&self) -> PoolSnapshot {
         let mut all = PoolSnapshot::default();
         for (_, p) in self.pools() {
@@ -567,7 +567,7 @@ impl Arenas {
         all
     }
 
-    /// The arenas' statistics added up (peaks are the sum of each arena's
+    /// The shards' statistics added up (peaks are the sum of each shard's
     /// peak: an upper bound of the set's peak).
     pub fn stats(&self) -> PoolStats {
         let mut total = PoolStats::default();
@@ -575,34 +575,34 @@ impl Arenas {
         total
     }
 
-    /// Sets every arena's peaks to their current values.
+    /// Sets every shard's peaks to their current values.
     pub fn reset_peaks(&self) {
         self.pools().for_each(|(_, p)| p.reset_peaks());
     }
 
-    /// Checks every arena's invariants ([`BestFit::check_invariants`]).
+    /// Checks every shard's invariants ([`BestFit::check_invariants`]).
     ///
     /// # Errors
-    /// The first broken invariant, naming the arena.
+    /// The first broken invariant, naming the shard.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         for (i, p) in self.pools() {
-            p.with_fit(BestFit::check_invariants).map_err(|e| format!("arena {i}: {e}"))?;
+            p.with_fit(BestFit::check_invariants).map_err(|e| format!("shard {i}: {e}"))?;
         }
         Ok(())
     }
 
-    /// Runs `f` on arena 0's allocator under its lock (tests, summaries).
+    /// Runs `f` on shard 0's allocator under its lock (tests, summaries).
     pub fn with_fit<R>(&self, f: impl FnOnce(&BestFit) -> R) -> R {
         self.primary().with_fit(f)
     }
 
-    /// The upstream of arena 0.
+    /// The upstream of shard 0.
     pub fn upstream(&self) -> &dyn Upstream {
         &**self.primary().upstream()
     }
 
-    /// [`Pool::shutdown`] of every arena; lists the blocks still live.
-    /// Arenas not made yet stay unmade.
+    /// [`Pool::shutdown`] of every shard; lists the blocks still live.
+    /// Shards not made yet stay unmade.
     ///
     /// # Errors
     /// The first upstream error.
@@ -614,7 +614,7 @@ impl Arenas {
         Ok(live)
     }
 
-    /// Whether [`shutdown`](Arenas::shutdown) was called.
+    /// Whether [`shutdown`](Shards::shutdown) was called.
     pub fn is_shut_down(&self) -> bool {
         self.primary().is_shut_down()
     }

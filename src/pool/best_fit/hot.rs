@@ -172,7 +172,7 @@ mod tests {
     }
 
     /// A free that leaves its chunk wholly free once coalesced raises the
-    /// flag other arenas read before they look for such a chunk, though
+    /// flag other shards read before they look for such a chunk, though
     /// the block waits hot.
     #[test]
     fn a_hot_block_that_frees_its_chunk_raises_the_whole_free_flag() {

@@ -100,7 +100,7 @@ impl BestFit {
     }
 
     /// Removes the smallest wholly free chunk of at least `min` bytes that
-    /// work on `stream` can use with no wait (for another arena to take):
+    /// work on `stream` can use with no wait (for another shard to take):
     /// its one block has no stream work pending (no tag, or one the tag
     /// oracle says is complete; the chunk comes with [`StreamTag::NONE`]),
     /// or was freed on `stream` itself (it comes with its tag, which
