@@ -4,7 +4,7 @@
 //! # Implementation details
 //!
 //! A capture cumem was not told of gets a private pool on the first cumem
-//! call on one of its streams (`device/graph.rs`). cumem then creates a CUDA *user
+//! call on one of its streams (`device/captures.rs`). cumem then creates a CUDA *user
 //! object* (`cuUserObjectCreate`) and moves its one reference to the
 //! capture's graph (`cuGraphRetainUserObject` with
 //! `CU_GRAPH_USER_OBJECT_MOVE`). The driver gives every executable graph

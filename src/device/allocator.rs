@@ -72,7 +72,7 @@ pub struct DeviceAllocator {
     /// lock while it is 0 (the sync pool's frees, most of the time).
     async_live: AtomicUsize,
     streams: Arc<StreamRegistry>,
-    /// Graph-private pools and the captures routed into them (graph.rs).
+    /// Graph-private pools and the captures routed into them (captures.rs).
     pub(super) graphs: Graphs,
     /// Blocks exported to other processes, pinned (pins.rs, exports.rs).
     pub(super) exports: Pins,
@@ -436,7 +436,7 @@ impl DeviceAllocator {
     }
 
     /// Frees a stream-ordered allocation a graph held, once the device is
-    /// idle (graph.rs).
+    /// idle (captures.rs).
     pub(super) fn free_stream_ordered_now(&self, addr: usize, size: usize, _mode: DeviceAllocatorMode) -> Result<()> {
         self.free_stream_ordered(addr as u64, self.internal_stream()?)?;
         self.count_stream_ordered_free(size);

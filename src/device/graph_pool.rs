@@ -1,6 +1,6 @@
 //! The graph pool handle, and the device allocator's side of captures:
 //! registering them, routing frees into private pools, retiring pools.
-//! The rules are in the [`graph`](super::captures) module's docs.
+//! The rules are in the [`captures`](super::captures) module's docs.
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! CUDA graphs through the manager: graph-private pools, a capture guard
 //! that owns the graph it makes, and the raw form for programs that begin
 //! and end captures with cudarc themselves. The rules are in
-//! `device/graph.rs`.
+//! `device/captures.rs`.
 
 use cudarc::driver::{sys, CudaGraph};
 
