@@ -23,7 +23,7 @@ use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
 use crate::cuda::{driver_status, DriverStatus, Stream};
-use crate::device::{DeviceAllocator, DeviceAllocatorMode, DeviceSetup, DeviceStats, NativePoolOptions};
+use crate::device::{DeviceAllocator, DeviceAllocatorMode, DeviceStats};
 use crate::error::{Error, PoolKind, Result};
 use crate::log::EventLog;
 use crate::pool::{Pool, PoolStats, Shards};
@@ -318,54 +318,6 @@ impl MemoryManager {
     }
 
     // ---- device memory ----
-
-    /// The allocator of device `ordinal`, created on first use.
-    ///
-    /// # Errors
-    /// [`Error::NoSuchDevice`]; a driver error creating its context.
-    pub fn device(&self, ordinal: usize) -> Result<&DeviceAllocator> {
-        let cell = self.devices.get(ordinal).ok_or(Error::NoSuchDevice { ordinal, count: self.devices.len() })?;
-        cell.get_or_try_init(|| self.make_device(ordinal))
-    }
-
-    /// The allocator of the default device.
-    ///
-    /// # Errors
-    /// As [`device`](Self::device).
-    pub fn default_device(&self) -> Result<&DeviceAllocator> {
-        self.device(self.config.device)
-    }
-
-    fn make_device(&self, ordinal: usize) -> Result<DeviceAllocator> {
-        self.apply_peer_config(ordinal)?;
-        let ctx = match self.backend {
-            Backend::Cuda { .. } => crate::cuda::device_context(ordinal)?,
-            Backend::Host { .. } => None,
-        };
-        let mut pool = self.config.device_pool_config();
-        // A size set with `set_device_pool_size` wins over the config's.
-        pool.initial_size = *crate::sync::lock(&self.device_pool_size);
-        // A mode set with `set_device_allocator_mode` (recorded on the
-        // default device, which it creates) holds for devices made later.
-        let mode = match self.devices[self.config.device].get() {
-            Some(d) if ordinal != self.config.device => d.requested_mode(),
-            _ => self.config.mode,
-        };
-        let setup = DeviceSetup {
-            pool,
-            graph_pool: self.config.graph_pool_config(),
-            expandable: self.config.expandable,
-            shared_shards: self.config.shared_device_arenas,
-            shards: self.config.arena_count(),
-            mode,
-            native: NativePoolOptions {
-                release_threshold: self.config.release_threshold,
-                exportable: self.config.exportable_native_pool,
-            },
-            promise_registered_captures: self.config.promise_registered_captures,
-        };
-        setup.build(ordinal, ctx)
-    }
 
     /// Allocates `size` bytes of device memory on the default device,
     /// usable at once by the host (copies) and by any stream.
