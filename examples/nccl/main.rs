@@ -170,7 +170,7 @@ fn run() -> Res<()> {
     let mut granted = 0;
     for a in 0..n {
         for b in (0..n).filter(|&b| b != a) {
-            match cumem::device::can_access_peer(a, b)
+            match cumem::cuda::can_access_peer(a, b)
                 .and_then(|can| can.then(|| mm.enable_peer_access(a, b)).transpose())
             {
                 Ok(Some(())) => granted += 1,

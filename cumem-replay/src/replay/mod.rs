@@ -28,7 +28,7 @@ use serde::Serialize;
 
 use crate::trace::{Op, Trace};
 use cumem::cuda::driver_err;
-use cumem::device::{self, DeviceAllocator, DeviceAllocatorMode, NativePool};
+use cumem::device::{DeviceAllocator, DeviceAllocatorMode, NativePool};
 use cumem::Stream;
 use cumem::{BackendChoice, Config, MemoryManager};
 use cumem::{Error, Result};
@@ -309,7 +309,7 @@ pub fn replay_once_on(
     warm: bool,
     one_stream: bool,
 ) -> Result<Measurement> {
-    if target.needs_gpu() && device::driver_status().devices() == 0 {
+    if target.needs_gpu() && cumem::cuda::driver_status().devices() == 0 {
         return Err(Error::NeedsGpu("this replay target"));
     }
     match target {

@@ -13,7 +13,6 @@ use plotters::prelude::*;
 
 use super::{fresh_mode_pool, AddressRange, Target};
 use crate::trace::{Op, Trace};
-use cumem::device;
 use cumem::pool::{Pool, StreamTag, BLOCK_ALIGN};
 use cumem::Stream;
 use cumem::{BackendChoice, Config, MemoryManager};
@@ -96,7 +95,7 @@ fn replay_sampled(
 /// [`Error::InvalidState`] for the raw targets (nothing to read), and
 /// errors creating the manager, stream or pool.
 pub fn reserved_series(trace: &Trace, target: Target, base: &Config, samples: usize) -> Result<Series> {
-    if target.needs_gpu() && device::driver_status().devices() == 0 {
+    if target.needs_gpu() && cumem::cuda::driver_status().devices() == 0 {
         return Err(Error::NeedsGpu("this replay target"));
     }
     let points = match target {
