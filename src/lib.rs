@@ -10,6 +10,7 @@ mod copy;
 pub mod cuda;
 pub mod device;
 mod error;
+pub mod fault;
 pub mod ipc;
 pub mod log;
 pub mod managed;
@@ -29,7 +30,7 @@ pub use error::{Error, OomState, PoolKind, Result};
 pub use managed::{ManagedAlloc, ManagedBox, ManagedVec};
 pub use manager::{
     Backend, BackendChoice, CaptureScope, CapturedGraph, Config, GraphCapture, MemoryManager, PeerAccess,
-    ShutdownReport,
+    ShutdownReport, TableSizes,
 };
 pub use snapshot::{MemorySnapshot, PoolPicture};
 

@@ -543,3 +543,22 @@ fn idle_memory_is_lent_to_hostside_requests_but_not_across_streams() {
         arenas.check_invariants().unwrap();
     }
 }
+
+/// Chunks given back leave the chunk directory and its tables stay few: a
+/// program that grows and gives back memory forever keeps them flat.
+#[test]
+fn the_chunk_directory_stays_flat_while_chunks_come_and_go() {
+    let mm = host(Config::new().arenas(4));
+    let mut most = (0, 0);
+    for round in 0..300usize {
+        let ptrs: Vec<_> = (0..4).map(|i| mm.allocate_pinned((1 + (round * 7 + i) % 13) * MIB).unwrap()).collect();
+        for p in ptrs {
+            mm.free_pinned(p.as_ptr()).unwrap();
+        }
+        mm.release_cached().unwrap();
+        let t = mm.table_sizes();
+        most = (most.0.max(t.directory_entries), most.1.max(t.directory_arrays));
+    }
+    assert!(most.0 <= 8 && most.1 <= 2, "directory entries, tables at most: {most:?}");
+    assert_eq!(mm.table_sizes().directory_entries, 0, "every chunk went back");
+}

@@ -239,3 +239,28 @@ fn shutdown_report_says_where_live_memory_was_allocated() {
     assert!(report.to_string().contains("allocated in"), "{report}");
     mm.free_pinned(leaked.as_ptr()).unwrap();
 }
+
+/// The seed's pool size is memory the pool holds: after
+/// `set_device_pool_size(512 MiB)` and a first allocation the device pool
+/// holds 512 MiB of memory (mapped, on a pool that remaps pages), not just
+/// the pages the first block touched; a later release of cached memory
+/// gives it back.
+#[test]
+fn a_device_pool_size_is_memory_the_pool_holds() {
+    let mm = manager();
+    mm.set_device_pool_size(512 << 20).unwrap();
+    let d = mm.allocate_device(1 << 20).unwrap();
+    let s = mm.device_stats(0).unwrap().pool;
+    assert!(s.reserved >= 512 << 20, "address space {}", s.reserved);
+    assert!(s.mapped >= 512 << 20, "the pool holds {} B of a 512 MiB pool", s.mapped);
+    // Blocks inside the pool's size map nothing more.
+    let more: Vec<u64> = (0..100).map(|_| mm.allocate_device(4 << 20).unwrap()).collect();
+    let t = mm.device_stats(0).unwrap().pool;
+    assert_eq!((t.mapped, t.map_calls), (s.mapped, s.map_calls), "blocks within the pool's size");
+    for p in more.into_iter().chain([d]) {
+        mm.free_device(p).unwrap();
+    }
+    mm.release_cached().unwrap();
+    assert_eq!(mm.device_stats(0).unwrap().pool.mapped, 0, "released with the cached memory");
+    still_works(&mm);
+}

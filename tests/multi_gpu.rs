@@ -289,6 +289,87 @@ fn gpu_peer_access_reaches_every_kind_of_device_0_memory() {
     s1.synchronize().unwrap();
 }
 
+/// Set in the child process of the test below.
+const CUDA_WAY_ENV: &str = "CUMEM_MULTI_GPU_CUDA_WAY_CHILD";
+
+/// Peer access enabled the CUDA way: a program that calls
+/// `cuCtxEnablePeerAccess` (what `cudaDeviceEnablePeerAccess` and PyTorch
+/// do), never cumem's `enable_peer_access`, reads and writes device 0's
+/// pool memory from a kernel on device 1: the default pool's mappings
+/// (expandable segments, made before and after the call), `cuMemAlloc`
+/// chunks, a growable buffer and its growth, and a graph's private pool.
+/// It runs in a process of its own, where nothing ever calls cumem's
+/// grant. Control: against main's build (mappings named only the owner)
+/// the child faulted with CUDA_ERROR_ILLEGAL_ADDRESS on the first VMM
+/// case, as `gpu_without_peer_access_...` below shows for no grant at all.
+#[test]
+fn gpu_peer_access_enabled_the_cuda_way_reaches_pool_memory() {
+    let name = "gpu_peer_access_enabled_the_cuda_way_reaches_pool_memory";
+    if std::env::var_os(CUDA_WAY_ENV).is_some() {
+        let ctxs = gpus_for_test(2, name).expect("the parent saw two GPUs");
+        let f = affine(&ctxs[1]);
+        let (s0, s1) = (Stream::new_on(0).unwrap(), Stream::new_on(1).unwrap());
+        let n = 3 << 18; // 3 MiB: more than one 2 MiB mapping
+        let mm = MemoryManager::new(Config::new().device(0)).unwrap();
+        let plain = MemoryManager::new(Config::new().device(0).expandable(false)).unwrap();
+        let before = mm.allocate_device_on(n * 4, &s0).unwrap();
+        s0.synchronize().unwrap();
+        // The CUDA way: device 1's context may access device 0's.
+        ctxs[1].bind_to_thread().unwrap();
+        // SAFETY: both are live primary contexts; flags must be 0.
+        let rc = unsafe { sys::cuCtxEnablePeerAccess(ctxs[0].cu_ctx(), 0) };
+        assert!(
+            matches!(rc, sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED),
+            "cuCtxEnablePeerAccess: {rc:?}"
+        );
+        assert!(cumem::device::peers_of(0).is_empty(), "nothing told cumem");
+        check_from_device_1("the default pool, mapped before cuCtxEnablePeerAccess", &f, &ctxs[0], &s1, before, n);
+        let after = mm.allocate_device_on(n * 4, &s0).unwrap();
+        let big = mm.allocate_device_on(64 << 20, &s0).unwrap(); // new mappings
+        s0.synchronize().unwrap();
+        check_from_device_1("the default pool, mapped after it", &f, &ctxs[0], &s1, after, n);
+        check_from_device_1("a new 64 MiB mapping", &f, &ctxs[0], &s1, big, n);
+        let chunk = plain.allocate_device_on(n * 4, &s0).unwrap();
+        s0.synchronize().unwrap();
+        check_from_device_1("a cuMemAlloc chunk", &f, &ctxs[0], &s1, chunk, n);
+        let mut grown = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(0), n).unwrap();
+        grown.resize(n, 0).unwrap();
+        check_from_device_1("a growable buffer", &f, &ctxs[0], &s1, grown.device_ptr(), n);
+        grown.resize(8 * n, 0).unwrap();
+        let tail = grown.device_ptr() + (7 * n * 4) as u64;
+        check_from_device_1("a growable buffer's growth", &f, &ctxs[0], &s1, tail, n);
+        // A graph's private pool: its output block, made in the capture.
+        let pool = mm.graph_pool().unwrap();
+        let capture = mm.begin_capture(&s0, &pool).unwrap();
+        let output = mm.allocate_device_on(n * 4, &s0).unwrap();
+        let graph = capture.end().unwrap();
+        graph.launch(&s0).unwrap();
+        s0.synchronize().unwrap();
+        check_from_device_1("a graph's private pool", &f, &ctxs[0], &s1, output, n);
+        for p in [before, after, big] {
+            mm.free_device_on(p, &s0).unwrap();
+        }
+        plain.free_device_on(chunk, &s0).unwrap();
+        mm.free_device_on(output, &s0).unwrap();
+        drop((graph, pool));
+        s0.synchronize().unwrap();
+        println!("cumem-cuda-way: every kind reached");
+        std::process::exit(0);
+    }
+    let Some(_ctxs) = gpus_for_test(2, name) else { return };
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CUDA_WAY_ENV, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("child: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.contains("cumem-cuda-way: every kind reached"),
+        "a device-1 kernel could not reach device-0 pool memory after cuCtxEnablePeerAccess"
+    );
+}
+
 /// Set in the child process of the control below.
 const CONTROL_ENV: &str = "CUMEM_MULTI_GPU_CONTROL_CHILD";
 
@@ -300,7 +381,9 @@ fn gpu_without_peer_access_a_device_1_kernel_faults_on_device_0_memory() {
         // context, so the child reports and exits at once.
         let ctxs = gpus_for_test(2, name).expect("the parent saw two GPUs");
         let f = affine(&ctxs[1]);
-        let mm = MemoryManager::new(Config::new()).unwrap();
+        // `cuMemAlloc` memory: context peer access is what reaches it (VMM
+        // mappings name every device that can reach them from the start).
+        let mm = MemoryManager::new(Config::new().expandable(false)).unwrap();
         let (s0, s1) = (Stream::new_on(0).unwrap(), Stream::new_on(1).unwrap());
         let p = mm.allocate_device_on(1 << 22, &s0).unwrap();
         s0.synchronize().unwrap();

@@ -662,3 +662,48 @@ fn the_mapper_thread_brings_the_pool_back_to_its_budget() {
         pool.deallocate(addr, StreamTag::NONE).unwrap();
     }
 }
+
+/// Resetting peak statistics (PyTorch programs do it every epoch) resets
+/// the reported touched-page peak only: the remap budget rests on the
+/// largest touched count ever, so the pool keeps the memory it may hold
+/// and a later return to the old peak costs no new memory. Control: before
+/// the fix the reset lowered the budget to the pages touched at the reset
+/// and the mapper then gave back everything above it (this test failed
+/// with 64 physical pages falling to 8).
+#[test]
+fn a_peak_reset_changes_the_reported_peak_not_the_remap_budget() {
+    let model = Model::default();
+    let pool = pool_with_slack(&model, 0);
+    let blocks: Vec<_> = (0..64).map(|_| pool.allocate(PAGE, 256).unwrap()).collect();
+    // One page in eight stays live.
+    for b in blocks.iter().enumerate().filter(|(i, _)| i % 8 != 0).map(|(_, b)| b) {
+        pool.deallocate(b.addr, StreamTag::NONE).unwrap();
+    }
+    let settle = |pool: &Pool<Model>| {
+        for _ in 0..64 {
+            pool.mapper_step();
+        }
+    };
+    settle(&pool);
+    let before = pool.stats();
+    assert_eq!(before.peak_touched, 64 * PAGE, "the test needs a peak of 64 touched pages");
+    assert_eq!(before.touched, 8 * PAGE, "one page in eight stays touched");
+    assert_eq!(before.mapped, 64 * PAGE, "the budget of 64 pages keeps all of them");
+    pool.reset_peaks();
+    let reset = pool.stats();
+    assert_eq!(reset.peak_touched, reset.touched, "the reported peak is reset");
+    settle(&pool);
+    let after = pool.stats();
+    assert_eq!(
+        after.mapped / PAGE,
+        before.mapped / PAGE,
+        "physical pages after a peak reset (the remap budget must not change)"
+    );
+    let w = model.world();
+    assert!(w.violations.is_empty(), "{:?}", w.violations);
+    drop(w);
+    pool.with_fit(|f| f.check_invariants()).unwrap();
+    for b in blocks.iter().step_by(8) {
+        pool.deallocate(b.addr, StreamTag::NONE).unwrap();
+    }
+}

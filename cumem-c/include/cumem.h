@@ -415,6 +415,15 @@ CumemStatus cumem_pinned_stats(CumemPoolStats *out);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_device_stats(int device, CumemDeviceStats *out);
 
+// Stores cumem's default device in `*out`: the device its calls without
+// a device use (`device=` of the configuration, 0 when unset), and the
+// one to ask `cumem_device_stats` about when the program names none.
+// Creates nothing on any device beyond what creating the manager does.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_default_device(int *out);
+
 // Sets every peak figure to its current value.
 CumemStatus cumem_reset_peak_stats(void);
 
@@ -482,6 +491,32 @@ CumemStatus cumem_stream_destroy(CumemStream stream);
 // Waits until all work queued on `stream` (of the default device) is
 // done (`cuStreamSynchronize`); returns at once on the host fallback.
 CumemStatus cumem_stream_synchronize(CumemStream stream);
+
+// Says the program is about to destroy `stream` (of the default device),
+// a stream it made itself (`cudaStreamCreate`): call it before
+// `cudaStreamDestroy` / `cuStreamDestroy` when cumem may have seen the
+// stream (memory allocated or freed on it). cumem waits once for the work
+// queued on it (`cuStreamSynchronize`), so every free on it is complete,
+// forgets it, and never asks, waits on or synchronises the handle again
+// (not even in `cumem_release_cached`). A stream cumem never saw, or one
+// already forgotten, is fine (nothing to do). Seen again later (a new
+// stream with the same handle), the handle is a new stream to cumem.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` for NULL (the legacy default stream)
+// or a stream made by `cumem_stream_create` (destroy it with
+// `cumem_stream_destroy`); a
+// capture error while the stream captures a graph (nothing changes); a
+// driver error from the wait (the stream is then not forgotten).
+CumemStatus cumem_stream_forget(CumemStream stream);
+
+// Stores in `*out` how many raw streams cumem's table of them holds now
+// (streams seen through the C ABI and streams `cumem_stream_create`
+// made), for programs that watch it stay flat.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write of one `size_t`.
+CumemStatus cumem_stream_table_size(size_t *out);
 
 // PyTorch's allocation entry point: `size` bytes of device memory on
 // `device` for work on `stream`. Returns NULL for size 0, and NULL on

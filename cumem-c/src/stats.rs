@@ -146,6 +146,24 @@ pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDevice
     })
 }
 
+/// Stores cumem's default device in `*out`: the device its calls without
+/// a device use (`device=` of the configuration, 0 when unset), and the
+/// one to ask `cumem_device_stats` about when the program names none.
+/// Creates nothing on any device beyond what creating the manager does.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_default_device(out: *mut c_int) -> CumemStatus {
+    guard(|| {
+        let device = manager()?.config().device;
+        let device = c_int::try_from(device)
+            .map_err(|_| Failure::new(CumemStatus::Other, format!("device {device} does not fit an int")))?;
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put(out, "out", device) }
+    })
+}
+
 /// Sets every peak figure to its current value.
 #[no_mangle]
 pub extern "C" fn cumem_reset_peak_stats() -> CumemStatus {

@@ -9,6 +9,15 @@
 //! shared lock. Streams made by [`cumem_stream_create`] are in the same
 //! table, owned: [`cumem_stream_destroy`] drops them.
 //!
+//! The table stays bounded while a program makes and destroys streams of
+//! its own forever: [`cumem_stream_forget`] (called before the program
+//! destroys a stream cumem saw) waits once for the stream's work, drops
+//! its entry, and cumem never touches the handle again; and whenever the
+//! table has doubled since the last look, entries of foreign streams with
+//! no free still pending are dropped (nothing waits for them; seen again,
+//! a raw stream gets a fresh identity, which is correct). Like PyTorch's
+//! allocator, cumem keeps no stream only because it saw it once.
+//!
 //! On the host fallback every raw value stands for a host queue of its own
 //! (work "queued" on it has already happened).
 
@@ -37,9 +46,42 @@ struct Entry {
     owned: bool,
 }
 
-fn table() -> &'static Mutex<HashMap<Key, Entry>> {
-    static TABLE: OnceLock<Mutex<HashMap<Key, Entry>>> = OnceLock::new();
+#[derive(Default)]
+struct Table {
+    map: HashMap<Key, Entry>,
+    /// Look for entries to drop when `map` reaches this many.
+    prune_at: usize,
+}
+
+/// Entries kept before the first look for ones to drop.
+const PRUNE_FIRST: usize = 64;
+
+impl Table {
+    /// Drops the entries of foreign streams with no free pending (see the
+    /// module docs); returns them, to be dropped after the lock.
+    fn prune(&mut self) -> Vec<Entry> {
+        let idle: Vec<Key> = self
+            .map
+            .iter()
+            .filter(|(_, e)| !e.owned && (e.stream.is_host() || !e.stream.has_pending_frees()))
+            .map(|(k, _)| *k)
+            .collect();
+        let gone: Vec<Entry> = idle.iter().filter_map(|k| self.map.remove(k)).collect();
+        self.prune_at = (self.map.len() * 2).max(PRUNE_FIRST);
+        if !gone.is_empty() {
+            GENERATION.fetch_add(1, Ordering::AcqRel);
+        }
+        gone
+    }
+}
+
+fn table() -> &'static Mutex<Table> {
+    static TABLE: OnceLock<Mutex<Table>> = OnceLock::new();
     TABLE.get_or_init(Mutex::default)
+}
+
+fn lock_table() -> std::sync::MutexGuard<'static, Table> {
+    table().lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Bumped whenever an entry leaves the table: threads then drop their
@@ -95,7 +137,7 @@ pub(crate) fn stream_for(device: usize, raw: CumemStream) -> Outcome<Stream> {
 
 /// The table's stream for `key`, wrapped and entered on first sight.
 fn shared_stream(key: Key) -> Outcome<Stream> {
-    if let Some(e) = table().lock().unwrap_or_else(PoisonError::into_inner).get(&key) {
+    if let Some(e) = lock_table().map.get(&key) {
         return Ok(e.stream.clone());
     }
     // A device the manager does not have fails here (once per stream:
@@ -113,10 +155,15 @@ fn shared_stream(key: Key) -> Outcome<Stream> {
         }
         None => Stream::host(),
     };
-    let mut t = table().lock().unwrap_or_else(PoisonError::into_inner);
+    let mut t = lock_table();
     // Another thread may have entered it meanwhile: theirs wins, so the
     // raw stream keeps one identity.
-    Ok(t.entry(key).or_insert(Entry { stream: wrapped, owned: false }).stream.clone())
+    let stream = t.map.entry(key).or_insert(Entry { stream: wrapped, owned: false }).stream.clone();
+    let gone = if t.map.len() >= t.prune_at.max(PRUNE_FIRST) { t.prune() } else { Vec::new() };
+    drop(t);
+    // The wrappers go outside the lock.
+    drop(gone);
+    Ok(stream)
 }
 
 /// The raw value standing for host queue `s` (never NULL, never a value a
@@ -141,7 +188,7 @@ pub unsafe extern "C" fn cumem_stream_create(out: *mut CumemStream) -> CumemStat
         let device = mm.config().device;
         let stream = Stream::new_on(device)?;
         let raw = if stream.is_host() { host_token(&stream) } else { stream.cu_stream() as usize };
-        table().lock().unwrap_or_else(PoisonError::into_inner).insert((device, raw), Entry { stream, owned: true });
+        lock_table().map.insert((device, raw), Entry { stream, owned: true });
         // SAFETY: `out` is non-null and the caller promises it is valid
         // for a write.
         unsafe { out.write(raw as CumemStream) };
@@ -161,10 +208,10 @@ pub extern "C" fn cumem_stream_destroy(stream: CumemStream) -> CumemStatus {
     crate::status::guard(|| {
         let device = crate::ffi::manager()?.config().device;
         let key = (device, stream as usize);
-        let mut t = table().lock().unwrap_or_else(PoisonError::into_inner);
-        match t.get(&key) {
+        let mut t = lock_table();
+        match t.map.get(&key) {
             Some(e) if e.owned => {
-                let entry = t.remove(&key);
+                let entry = t.map.remove(&key);
                 GENERATION.fetch_add(1, Ordering::AcqRel);
                 drop(t);
                 // The wrapper goes (and with its last clone the stream)
@@ -189,4 +236,189 @@ pub extern "C" fn cumem_stream_synchronize(stream: CumemStream) -> CumemStatus {
         stream_for(device, stream)?.synchronize()?;
         Ok(())
     })
+}
+
+/// Says the program is about to destroy `stream` (of the default device),
+/// a stream it made itself (`cudaStreamCreate`): call it before
+/// `cudaStreamDestroy` / `cuStreamDestroy` when cumem may have seen the
+/// stream (memory allocated or freed on it). cumem waits once for the work
+/// queued on it (`cuStreamSynchronize`), so every free on it is complete,
+/// forgets it, and never asks, waits on or synchronises the handle again
+/// (not even in `cumem_release_cached`). A stream cumem never saw, or one
+/// already forgotten, is fine (nothing to do). Seen again later (a new
+/// stream with the same handle), the handle is a new stream to cumem.
+///
+/// # Errors
+/// `CUMEM_STATUS_INVALID_ARGUMENT` for NULL (the legacy default stream)
+/// or a stream made by `cumem_stream_create` (destroy it with
+/// `cumem_stream_destroy`); a
+/// capture error while the stream captures a graph (nothing changes); a
+/// driver error from the wait (the stream is then not forgotten).
+#[no_mangle]
+pub extern "C" fn cumem_stream_forget(stream: CumemStream) -> CumemStatus {
+    crate::status::guard(|| {
+        if stream.is_null() {
+            return Err(Failure::new(
+                CumemStatus::InvalidArgument,
+                "the legacy default stream (NULL) is the device's and is never destroyed".to_string(),
+            ));
+        }
+        let device = crate::ffi::manager()?.config().device;
+        let key = (device, stream as usize);
+        let known = match lock_table().map.get(&key) {
+            Some(e) if e.owned => {
+                return Err(Failure::new(
+                    CumemStatus::InvalidArgument,
+                    format!("stream {stream:p} was made by cumem_stream_create: destroy it with cumem_stream_destroy"),
+                ))
+            }
+            Some(e) => Some(e.stream.clone()),
+            None => None,
+        };
+        let Some(s) = known else { return Ok(()) };
+        // The wait runs outside the table's lock; every other holder of the
+        // stream (the device's stream registry) sees it forgotten.
+        s.forget_handle()?;
+        let mut t = lock_table();
+        // Another thread may have forgotten it (and the handle come back
+        // as a new stream) meanwhile: only this identity goes.
+        let entry = if t.map.get(&key).is_some_and(|e| e.stream.same_as(&s)) { t.map.remove(&key) } else { None };
+        GENERATION.fetch_add(1, Ordering::AcqRel);
+        drop(t);
+        drop(entry);
+        Ok(())
+    })
+}
+
+/// Stores in `*out` how many raw streams cumem's table of them holds now
+/// (streams seen through the C ABI and streams `cumem_stream_create`
+/// made), for programs that watch it stay flat.
+///
+/// # Safety
+/// `out` must be NULL (an error) or valid for a write of one `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_stream_table_size(out: *mut usize) -> CumemStatus {
+    crate::status::guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let n = lock_table().map.len();
+        // SAFETY: `out` is non-null and the caller promises it is valid for
+        // a write.
+        unsafe { out.write(n) };
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ptr::null_mut;
+
+    use super::*;
+    use crate::{cumem_allocate_device_on, cumem_free_device_on};
+
+    fn table_size() -> usize {
+        let mut n = usize::MAX;
+        // SAFETY: `n` is valid for a write.
+        assert_eq!(unsafe { cumem_stream_table_size(&mut n) }, CumemStatus::Ok);
+        n
+    }
+
+    /// A program that makes streams, allocates and frees on them, and
+    /// destroys them, forever (host fallback: any value names a queue).
+    #[test]
+    fn streams_that_come_and_go_leave_the_raw_table_bounded() {
+        if !cumem::MemoryManager::global().is_ok_and(|m| m.backend().is_host()) {
+            println!("skipped: raw values stand for streams only on the host fallback");
+            return;
+        }
+        let mut most = 0;
+        for i in 0..5_000usize {
+            let raw = (0x7000_0000 + i * 64) as CumemStream;
+            let mut p = null_mut();
+            // SAFETY: on the host fallback any value names a host queue;
+            // `p` is valid for a write.
+            assert_eq!(unsafe { cumem_allocate_device_on(4096, raw, &mut p) }, CumemStatus::Ok);
+            // SAFETY: as above.
+            assert_eq!(unsafe { cumem_free_device_on(p, raw) }, CumemStatus::Ok);
+            // Half the program says it destroys its streams; the rest leave
+            // them to the table's look for idle entries.
+            if i % 2 == 0 {
+                let before = table_size();
+                assert_eq!(cumem_stream_forget(raw), CumemStatus::Ok);
+                assert_eq!(table_size(), before - 1, "forgotten: its entry went");
+                assert_eq!(cumem_stream_forget(raw), CumemStatus::Ok, "twice is fine");
+            }
+            most = most.max(table_size());
+        }
+        assert!(most <= 2 * PRUNE_FIRST, "the raw stream table reached {most} entries");
+    }
+
+    #[test]
+    fn forgetting_the_default_or_an_owned_stream_is_refused() {
+        assert_eq!(cumem_stream_forget(null_mut()), CumemStatus::InvalidArgument);
+        let mut s = null_mut();
+        // SAFETY: `s` is valid for a write.
+        assert_eq!(unsafe { cumem_stream_create(&mut s) }, CumemStatus::Ok);
+        assert_eq!(cumem_stream_forget(s), CumemStatus::InvalidArgument);
+        assert_eq!(cumem_stream_destroy(s), CumemStatus::Ok);
+        // SAFETY: NULL is refused before any write.
+        assert_eq!(unsafe { cumem_stream_table_size(null_mut()) }, CumemStatus::InvalidArgument);
+    }
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use std::ptr::null_mut;
+
+    use super::*;
+    use crate::{cumem_allocate_device_on, cumem_free_device_on, cumem_release_cached};
+
+    /// A program's own stream, used for memory, said forgotten, then
+    /// destroyed: cumem never touches the handle again (before, the raw
+    /// stream table and the stream registry kept it, and release_cached
+    /// synchronised the destroyed handle). `CUMEM_CONTROL_NO_FORGET=1`
+    /// leaves the forget out (the control: the release then fails or
+    /// worse).
+    #[test]
+    fn a_forgotten_raw_stream_is_never_touched_after_the_program_destroys_it() {
+        let Some(ctx) = cumem::device::gpu_for_test("a_forgotten_raw_stream_is_never_touched") else { return };
+        let device = crate::ffi::manager().unwrap().config().device;
+        if ctx.ordinal() != device {
+            println!("skipped: the test's device is not the C ABI's default device");
+            return;
+        }
+        for round in 0..20 {
+            let own = ctx.new_stream().unwrap();
+            let raw = own.cu_stream() as CumemStream;
+            let mut ptrs = Vec::new();
+            for i in 0..8 {
+                let mut p = null_mut();
+                // SAFETY: `raw` is a live stream of the device's primary
+                // context; `p` is valid for a write.
+                assert_eq!(unsafe { cumem_allocate_device_on(4096 << i, raw, &mut p) }, CumemStatus::Ok);
+                ptrs.push(p);
+            }
+            for p in ptrs {
+                // SAFETY: as above.
+                assert_eq!(unsafe { cumem_free_device_on(p, raw) }, CumemStatus::Ok);
+            }
+            if std::env::var_os("CUMEM_CONTROL_NO_FORGET").is_none() {
+                assert_eq!(cumem_stream_forget(raw), CumemStatus::Ok, "round {round}");
+            }
+            // The program destroys its stream.
+            drop(own);
+            let mut released = 0;
+            // SAFETY: `released` is valid for a write.
+            assert_eq!(unsafe { cumem_release_cached(&mut released) }, CumemStatus::Ok, "round {round}");
+        }
+        assert!(table_size_now() < 20, "forgotten streams left the table");
+    }
+
+    fn table_size_now() -> usize {
+        let mut n = 0;
+        // SAFETY: `n` is valid for a write.
+        unsafe { cumem_stream_table_size(&mut n) };
+        n
+    }
 }

@@ -35,7 +35,17 @@ import tempfile
 import zipfile
 
 PYTHON_DIR = pathlib.Path(__file__).resolve().parent.parent
-REPO = PYTHON_DIR.parent
+# An sdist carries the Rust workspace in rust/ beside pyproject.toml; a
+# checkout has python/ inside the workspace.
+SDIST_RUST = "rust"
+REPO = PYTHON_DIR / SDIST_RUST if (PYTHON_DIR / SDIST_RUST / "Cargo.toml").exists() else PYTHON_DIR.parent
+# What of the workspace an sdist carries: every member's manifest and
+# sources (cargo reads every member of the workspace), the lock file, and
+# the files the sources include (README.md, docs/).
+RUST_FILES = ["Cargo.toml", "Cargo.lock", "README.md", "rustfmt.toml"]
+RUST_DIRS = ["src", "benches", "examples", "tests", "docs", "cumem-c", "cumem-replay", "loom-tests"]
+# Build outputs and caches never go in.
+SKIP = {"target", "__pycache__", "gpu-bin", "dist", "build"}
 PACKAGE = "cumem_torch"
 DIST = "cumem_torch"
 NAME = "cumem-torch"
@@ -52,8 +62,8 @@ def _build_library():
     """Runs cargo; returns the path of libcumem_c.so."""
     if not (REPO / "cumem-c" / "Cargo.toml").exists():
         raise RuntimeError(
-            f"cumem_torch builds from a checkout of the cumem workspace: {REPO / 'cumem-c'} is missing "
-            "(install from the checkout's python/ folder, in place)")
+            f"cumem_torch builds from a checkout of the cumem workspace or from its sdist: {REPO / 'cumem-c'} "
+            "is missing (install from the checkout's python/ folder, in place, or from the sdist)")
     cmd = [os.environ.get("CARGO", "cargo"), "build", "-p", "cumem-c", "--lib",
            "--message-format=json-render-diagnostics"]
     if os.environ.get("CUMEM_PROFILE", "release") == "release":
@@ -153,6 +163,67 @@ def _metadata():
 
 def get_requires_for_build_wheel(config_settings=None):
     return []
+
+
+def get_requires_for_build_sdist(config_settings=None):
+    return []
+
+
+def _tree(root, rel):
+    """The files under `root / rel` (or the file itself), as paths relative
+    to `root`, sorted, without build outputs, caches or hidden files."""
+    path = root / rel
+    if path.is_file():
+        return [pathlib.PurePosixPath(rel)]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP and not d.startswith(".") and not d.endswith(".egg-info"))
+        for f in sorted(filenames):
+            if not f.startswith(".") and not f.endswith((".pyc", ".so", ".whl")):
+                out.append(pathlib.PurePosixPath(pathlib.Path(dirpath, f).relative_to(root).as_posix()))
+    return out
+
+
+def sdist_files():
+    """(name in the sdist, path here) of every file an sdist holds: the
+    Python project (pyproject.toml, the backend, the package and its
+    tests) at its root and the Rust workspace under rust/."""
+    files = []
+    for rel in ["pyproject.toml", "build_backend", PACKAGE, "tests"]:
+        if (PYTHON_DIR / rel).exists():
+            files += [(str(p), PYTHON_DIR / p) for p in _tree(PYTHON_DIR, rel)]
+    for rel in RUST_FILES + RUST_DIRS:
+        if not (REPO / rel).exists():
+            raise RuntimeError(f"the sdist needs {REPO / rel}, which is missing")
+        files += [(f"{SDIST_RUST}/{p}", REPO / p) for p in _tree(REPO, rel)]
+    return files
+
+
+def build_sdist(sdist_directory, config_settings=None):
+    """A source distribution that builds with cargo alone: the Python
+    project at its root and cumem's Rust workspace in rust/ (the backend
+    finds it there). Returns its file name."""
+    import gzip
+    import io
+    import tarfile
+    base = f"{DIST}-{VERSION}"
+    name = f"{base}.tar.gz"
+    mtime = 1577836800  # 2020-01-01: the same sources give the same archive
+
+    def add(tar, arcname, data, mode=0o644):
+        info = tarfile.TarInfo(f"{base}/{arcname}")
+        info.size, info.mtime, info.mode = len(data), mtime, mode
+        info.uname = info.gname = ""
+        tar.addfile(info, io.BytesIO(data))
+
+    # gzip without a time stamp or a file name in its header.
+    with open(pathlib.Path(sdist_directory) / name, "wb") as f, \
+            gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        add(tar, "PKG-INFO", _metadata().encode())
+        for arcname, path in sdist_files():
+            add(tar, arcname, path.read_bytes(), 0o755 if os.access(path, os.X_OK) else 0o644)
+    return name
 
 
 def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):

@@ -31,12 +31,14 @@ GPUs and no `device=`, cumem's default device is the rank's GPU.
 
 import ctypes
 import os
+import sys
 
 from . import _lib
 from ._lib import CumemError, library_path
 
 __all__ = [
-    "install", "is_installed", "backend_kind", "native_error", "native_conf", "init", "MemPool", "record_stream", "stats", "pinned_stats",
+    "install", "is_installed", "backend_kind", "native_error", "native_conf", "init", "MemPool", "record_stream",
+    "current_device", "stats", "pinned_stats",
     "torch_counters", "memory_summary", "backend", "empty_cache", "reset_peak_stats",
     "shutdown", "library_path", "CumemError",
 ]
@@ -188,16 +190,32 @@ def record_stream(tensor, stream):
     _lib.check(_lib.lib().cumem_record_stream(ptr, tensor.device.index or 0, stream.cuda_stream))
 
 
-def stats(device=0):
+def current_device():
+    """The device `stats()` describes when given none: PyTorch's current
+    device once PyTorch has initialised CUDA (as torch.cuda.memory_stats()
+    does), else cumem's default device (the rank's GPU under torchrun).
+    Opens no context on any other GPU."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    d = ctypes.c_int()
+    _lib.check(_lib.lib().cumem_default_device(ctypes.byref(d)))
+    return d.value
+
+
+def stats(device=None):
     """Device `device`'s figures (bytes, counts) as a dict: "pool" (the
     sync pool: in_use, peak_in_use, reserved, peak_reserved, ...), the
-    stream-ordered modes' and the graph pools' figures."""
+    stream-ordered modes' and the graph pools' figures. No device:
+    `current_device()`."""
+    if device is None:
+        device = current_device()
     s = _lib.DeviceStats()
     _lib.check(_lib.lib().cumem_device_stats(device, ctypes.byref(s)))
     return _lib.as_dict(s)
 
 
-def peak_reserved(device=0):
+def peak_reserved(device=None):
     """The most device memory cumem held from the driver since the last
     `reset_peak_stats()`: the sync pool's physical peak, plus the driver
     pools' and the graph pools' peaks."""

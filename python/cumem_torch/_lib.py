@@ -61,6 +61,7 @@ def _declare(lib):
         "cumem_memory_summary": [cp, c_size, P(c_size)],
         "cumem_pinned_stats": [P(PoolStats)],
         "cumem_device_stats": [c_int, P(DeviceStats)],
+        "cumem_default_device": [P(c_int)],
         "cumem_reset_peak_stats": [],
         "cumem_release_cached": [P(c_size)],
         "cumem_shutdown": [P(ShutdownReport)],

@@ -4,9 +4,36 @@ host fallback): statistics, the summary, errors as CumemError, shutdown.
 The library is CUMEM_TORCH_LIB's, else the installed package's."""
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import cumem_torch
 from cumem_torch import _lib
+
+# stats() without a device asks about the current device and creates
+# nothing on another: cumem's default device (here 1 of two host devices),
+# or PyTorch's current device once PyTorch has initialised CUDA (a stand-in
+# module here). Before, it asked about device 0 in every process (every
+# torchrun rank opened a context on GPU 0). In a process of its own: the
+# configuration is read once.
+ONE_OF_TWO = r"""
+import sys, types
+import cumem_torch
+s = cumem_torch.stats()
+assert s["pool"]["in_use"] == 0, s
+summary = cumem_torch.memory_summary()
+assert "device 1 pool" in summary and "device 0" not in summary, summary
+assert cumem_torch.current_device() == 1, cumem_torch.current_device()
+fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True, current_device=lambda: 0))
+sys.modules["torch"] = fake
+assert cumem_torch.current_device() == 0
+cumem_torch.stats()
+assert "device 0 pool" in cumem_torch.memory_summary()
+print("stats() follows the current device: ok")
+"""
+env = dict(os.environ, CUMEM_CONF="host_devices=2,device=1")
+subprocess.run([sys.executable, "-c", ONE_OF_TWO], env=env, check=True)
 
 # torchrun's rank picks cumem's default device, unless CUMEM_CONF names one.
 rc = cumem_torch.rank_conf

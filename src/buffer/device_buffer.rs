@@ -24,7 +24,12 @@ use crate::manager::MemoryManager;
 /// A buffer created on a stream is freed on that stream when dropped: work
 /// queued on it before the drop may still use the memory, and other streams
 /// reuse it only after that work. A buffer created without a stream is
-/// freed at once when dropped: synchronise the work that used it first.
+/// freed at once when dropped: synchronise the work that used it first;
+/// work cudarc tracked (copies and launches that took the buffer through
+/// cudarc's traits) is waited for on cumem's internal stream of the device,
+/// where the free is then stream-ordered. A drop never synchronises the
+/// legacy stream or the device, which would break a graph capture under
+/// way on another thread.
 ///
 /// # Examples
 /// ```
@@ -406,6 +411,11 @@ impl<T> DeviceBuffer<T> {
         &mut self.cuda
     }
 
+    /// cumem's internal stream of the buffer's device.
+    pub(super) fn internal_stream(&self) -> Result<&'static Stream> {
+        self.mm.device(self.device)?.internal_stream()
+    }
+
     /// The context of the device the memory is on (`None` on the host
     /// fallback).
     pub(super) fn cuda_context(&self) -> Result<Option<std::sync::Arc<cudarc::driver::CudaContext>>> {
@@ -418,19 +428,14 @@ impl<T> DeviceBuffer<T> {
 
 impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
-        // Uses tracked by cudarc's events come first: on the buffer's own
-        // stream, ahead of its stream-ordered free, else on the host.
-        let waited = match self.stream.as_ref().is_some_and(|s| !s.is_host()) {
-            true => {
-                self.cuda.release();
-                Ok(())
-            }
-            false => self.cuda.release_and_wait(),
-        };
-        if let Err(e) = waited {
-            eprintln!("cumem: waiting for cudarc's uses of a DeviceBuffer: {e}");
-        }
+        // Uses tracked by cudarc's events come first, queued on the
+        // shadow's stream (the buffer's own, or the device's internal one),
+        // ahead of a free stream-ordered on that stream: no host wait, no
+        // legacy-stream call (module documentation of `interop`).
+        let tracked = self.cuda.release().is_some();
         let r = match &self.stream {
+            Some(s) if !s.is_host() => self.mm.free_device_on(self.ptr, s),
+            _ if tracked => self.internal_stream().and_then(|s| self.mm.free_device_on(self.ptr, s)),
             Some(s) => self.mm.free_device_on(self.ptr, s),
             None => self.mm.free_device(self.ptr),
         };

@@ -526,10 +526,12 @@ impl<T: Copy> GrowableBuffer<T> {
 
     /// Gives the devices in `peers` (ordinals) read-write access to the
     /// buffer too (added to those that have it), now and after every growth
-    /// (`cuMemSetAccess`). Nothing to do on the host fallback. Devices
-    /// granted access to this buffer's device with
-    /// [`enable_peer_access`](crate::cuda::enable_peer_access) have it
-    /// already.
+    /// (`cuMemSetAccess`). Nothing to do on the host fallback. Every device
+    /// that can reach this buffer's device (`cuDeviceCanAccessPeer`) has
+    /// access from the start (unless `CUMEM_MAP_PEERS=0`), so a program
+    /// that enables peer access the CUDA way (`cuCtxEnablePeerAccess`) or
+    /// with [`enable_peer_access`](crate::cuda::enable_peer_access) needs
+    /// no call here.
     ///
     /// # Errors
     /// A driver error, for example for a device that can't access this one.
@@ -537,7 +539,8 @@ impl<T: Copy> GrowableBuffer<T> {
         self.region().set_peers(peers)
     }
 
-    /// The devices given access to the buffer besides its own.
+    /// The devices given access to the buffer besides its own (from the
+    /// start, every device that can reach it).
     pub fn peers(&self) -> Vec<usize> {
         self.region().peers().to_vec()
     }

@@ -17,9 +17,13 @@
 //! The shadow never frees memory: it sits in a `ManuallyDrop` and is given
 //! up with [`CudaSlice::leak`] before the buffer frees or moves its memory.
 //! `leak` queues waits for the last read and write on the shadow's stream,
-//! which is the buffer's own stream (so its stream-ordered free comes
-//! after them), or the context's legacy default stream for a buffer
-//! without one, which the host then synchronises before the free.
+//! which is the buffer's own stream, or for a [`DeviceBuffer`] without
+//! one cumem's internal stream of its device; the buffer's free is then
+//! stream-ordered on that stream, after them. No host wait and no call on
+//! the legacy stream: synchronising it (or the device) while another
+//! thread captures a graph would invalidate that capture. A
+//! [`GrowableBuffer`]'s shadow lives on the legacy default stream, which
+//! the host synchronises before the memory moves.
 //!
 //! The shadow's stream is what [`DeviceSlice::stream`] answers.
 
@@ -150,16 +154,14 @@ trait Shadowed<T> {
 }
 
 impl<T> DeviceBuffer<T> {
-    /// The cudarc stream of the buffer's shadow: its own stream, else the
-    /// legacy default stream of its device's context.
+    /// The cudarc stream of the buffer's shadow: its own stream, else
+    /// cumem's internal stream of its device (never the legacy stream: the
+    /// drop frees in stream order on it, see the module documentation).
     fn home_stream(&self) -> Result<Arc<CudaStream>> {
         if let Some(s) = self.own_stream().and_then(|s| s.cudarc()) {
             return Ok(s.clone());
         }
-        match self.cuda_context()? {
-            Some(ctx) => Ok(ctx.default_stream()),
-            None => Err(Error::NeedsGpu("cudarc's API")),
-        }
+        self.internal_stream()?.cudarc().cloned().ok_or(Error::NeedsGpu("cudarc's API"))
     }
 }
 

@@ -33,4 +33,4 @@ pub(crate) use graph_object::tie_to_graph;
 pub(crate) use graph_release::next_host_capture_id;
 #[doc(hidden)]
 pub use graph_release::{release_payload, run_release, HostGraph, HostGraphExec, ReleaseQueue};
-pub(crate) use peer::{register_mapped, register_pool, unregister_pool, PeerMapped};
+pub(crate) use peer::{reachable_peers, register_mapped, register_pool, unregister_pool, PeerMapped};

@@ -21,6 +21,30 @@
 //!   Each live region gets `cuMemSetAccess` for every mapped piece, and
 //!   keeps the accessor in its list, which every later mapping names.
 //!
+//! **Peer access enabled the CUDA way.** Programs enable peer access with
+//! `cuCtxEnablePeerAccess` / `cudaDeviceEnablePeerAccess` (PyTorch does),
+//! never telling cumem, and expect every pointer of the owner to be
+//! reachable from then on. For `cuMemMap` memory that takes a
+//! `cuMemSetAccess` naming the accessor, and the driver offers no way to
+//! learn that a context enabled peer access. So every mapping cumem makes
+//! (expandable segments, growable buffers, graph pools over them, page
+//! remapping, IPC imports) names, in its one `cuMemSetAccess` call, the
+//! owner and every device [`reachable_peers`] lists: those that
+//! `cuDeviceCanAccessPeer` says can reach the owner (as NCCL maps its own
+//! buffers). Memory is reachable before any peer access exists, and stays
+//! so, and [`enable_peer_access`] has nothing left to add for it. On one
+//! device the list is empty and a mapping names the owner alone, as
+//! before.
+//!
+//! That is not free on a host of several GPUs: a `cuMemSetAccess` naming a
+//! peer took about 1 ms (2 to 128 MiB; about 10 ms from 512 MiB) on two
+//! H200s against 0.05 to 0.5 ms for the owner alone, up to twice that
+//! while the peer's context did not exist yet. A process that never lets
+//! another GPU touch its memory (one GPU per process, as in DDP) can set
+//! `CUMEM_MAP_PEERS=0`: mappings then name the owner and the devices
+//! granted with [`enable_peer_access`] (or `peer_access` in `CUMEM_CONF`)
+//! only, and peer access enabled the CUDA way does not reach them.
+//!
 //! A grant holds the table's lock while it applies itself, and a pool or
 //! region registers under the same lock, so each one either sees the grant
 //! in the table or is reached by it. The lock is never taken while a
@@ -30,7 +54,7 @@
 use std::sync::{Arc, Weak};
 
 use cudarc::driver::{result, sys, CudaContext};
-use once_cell::sync::Lazy;
+use once_cell::sync::{Lazy, OnceCell};
 
 use super::{device_context, driver_err};
 use crate::error::{Error, Result};
@@ -87,6 +111,48 @@ pub fn can_access_peer(accessor: usize, owner: usize) -> Result<bool> {
         .result()
         .map_err(driver_err("cuDeviceCanAccessPeer"))?;
     Ok(can != 0)
+}
+
+/// The devices, besides `owner`, whose kernels can reach `owner`'s memory
+/// (`cuDeviceCanAccessPeer`): every VMM mapping of `owner` names them in
+/// its access (see the module documentation). Asked once per process for
+/// every pair of devices (`cuDeviceGet`, no context is created) and kept;
+/// empty on one device, on the host fallback, when the driver can't
+/// answer, and with `CUMEM_MAP_PEERS=0` in the environment (see the module
+/// documentation).
+pub(crate) fn reachable_peers(owner: usize) -> &'static [usize] {
+    static REACH: OnceCell<Vec<Vec<usize>>> = OnceCell::new();
+    let reach = REACH.get_or_init(|| {
+        let count = match super::driver_status() {
+            _ if !map_peers(std::env::var("CUMEM_MAP_PEERS").ok().as_deref()) => 0,
+            super::DriverStatus::Available { devices } => *devices,
+            super::DriverStatus::Unavailable(_) => 0,
+        };
+        let devices: Vec<Option<sys::CUdevice>> =
+            (0..count).map(|i| i32::try_from(i).ok().and_then(|i| result::device::get(i).ok())).collect();
+        (0..count)
+            .map(|o| {
+                (0..count)
+                    .filter(|&a| a != o)
+                    .filter(|&a| {
+                        let (Some(dev_a), Some(dev_o)) = (devices[a], devices[o]) else { return false };
+                        let mut can = 0i32;
+                        // SAFETY: `can` is a valid out-pointer; both handles
+                        // come from `cuDeviceGet` of ordinals below the count.
+                        let rc = unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev_a, dev_o) };
+                        rc.result().is_ok() && can != 0
+                    })
+                    .collect()
+            })
+            .collect()
+    });
+    reach.get(owner).map_or(&[], Vec::as_slice)
+}
+
+/// Whether mappings name every reachable peer, from `CUMEM_MAP_PEERS`:
+/// on unless it is `0`, `false`, `no` or `off`.
+fn map_peers(var: Option<&str>) -> bool {
+    !matches!(var.map(str::trim), Some("0" | "false" | "no" | "off"))
 }
 
 fn access_desc(device: usize) -> sys::CUmemAccessDesc {
@@ -211,4 +277,16 @@ pub(crate) fn register_mapped<T: PeerMapped + 'static>(owner: usize, region: &Ar
     let weak: Weak<dyn PeerMapped> = Arc::downgrade(region) as Weak<dyn PeerMapped>;
     table.mapped.push((owner, weak));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cumem_map_peers_turns_the_map_time_grant_off() {
+        assert!(super::map_peers(None));
+        assert!(super::map_peers(Some("1")));
+        for off in ["0", "false", "no", "off", " 0 "] {
+            assert!(!super::map_peers(Some(off)), "{off}");
+        }
+    }
 }

@@ -63,6 +63,10 @@ struct StreamInner {
     /// other stream's free counts read before its event was recorded. Work
     /// queued here since is ordered after every free counted there.
     waited: Mutex<Vec<(u64, Box<[u64]>)>>,
+    /// Whether the program said the CUDA handle is gone
+    /// ([`Stream::forget_handle`]); held while cumem asks or waits on the
+    /// stream for its own reasons, so the handle never dies under a call.
+    gone: Mutex<bool>,
 }
 
 impl StreamInner {
@@ -77,6 +81,7 @@ impl StreamInner {
             host_capture: AtomicU64::new(0),
             host_graph: Mutex::new(None),
             waited: Mutex::new(Vec::new()),
+            gone: Mutex::new(false),
         })
     }
 }
@@ -212,6 +217,13 @@ impl Stream {
         self.inner.frees.completed(tag.seq)
     }
 
+    /// Whether some free on this stream is not known complete yet (no
+    /// host synchronisation or question saw its work done): its memory may
+    /// still wait for the stream.
+    pub fn has_pending_frees(&self) -> bool {
+        !self.inner.frees.all_complete()
+    }
+
     /// Whether every free on this stream so far is known complete.
     pub(crate) fn all_frees_complete(&self) -> bool {
         self.inner.frees.all_complete()
@@ -223,12 +235,59 @@ impl Stream {
     /// # Errors
     /// A driver error from the stream's work.
     pub fn synchronize(&self) -> Result<()> {
+        self.unless_gone(|| self.synchronize_now()).map(|_| ())
+    }
+
+    fn synchronize_now(&self) -> Result<()> {
         let Some(s) = &self.inner.cuda else { return Ok(()) };
         // Every free counted in `seen` was queued before this call, so once
         // the stream is idle they are all complete.
         let seen = self.inner.frees.seen();
         s.synchronize().map_err(driver_err("cuStreamSynchronize"))?;
         self.inner.frees.mark_complete(&seen);
+        Ok(())
+    }
+
+    /// Runs `f` (a driver call on the stream) unless the program said the
+    /// stream's handle is gone ([`forget_handle`](Self::forget_handle));
+    /// `None` then. The handle can't go while `f` runs.
+    pub(crate) fn unless_gone<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<Option<R>> {
+        let gone = lock(&self.inner.gone);
+        if *gone {
+            return Ok(None);
+        }
+        f().map(Some)
+    }
+
+    /// Whether the program said the stream's handle is gone.
+    pub fn is_forgotten(&self) -> bool {
+        *lock(&self.inner.gone)
+    }
+
+    /// Says the stream's CUDA handle is about to be destroyed (call it
+    /// before `cuStreamDestroy` / `cudaStreamDestroy` of a stream cumem
+    /// ordered frees on): waits once for the work queued on it
+    /// (`cuStreamSynchronize`), so every free on it is complete, and from
+    /// then on cumem never asks, waits on or synchronises the handle again
+    /// (a destroyed handle is undefined behaviour for the driver). Calls
+    /// that come in while it runs wait for it. A second call does nothing.
+    ///
+    /// # Errors
+    /// [`Error::Capture`](crate::Error::Capture) while the stream captures
+    /// a graph (waiting would break the capture; nothing changes), or the
+    /// driver's error from the wait (the stream is then not forgotten).
+    pub fn forget_handle(&self) -> Result<()> {
+        let mut gone = lock(&self.inner.gone);
+        if *gone {
+            return Ok(());
+        }
+        if self.inner.cuda.is_some() && super::capture_of(self)?.is_some() {
+            return Err(crate::error::Error::Capture(
+                "a stream that captures a graph can't be forgotten (end the capture first)".into(),
+            ));
+        }
+        self.synchronize_now()?;
+        *gone = true;
         Ok(())
     }
 
@@ -241,8 +300,15 @@ impl Stream {
     /// # Errors
     /// A driver error from the stream's work.
     pub(crate) fn poll_idle(&self) -> Result<bool> {
+        // A forgotten stream's frees were all complete when it was
+        // forgotten.
+        Ok(self.unless_gone(|| self.poll_idle_now())?.unwrap_or(true))
+    }
+
+    fn poll_idle_now(&self) -> Result<bool> {
         let Some(s) = &self.inner.cuda else { return Ok(true) };
         let seen = self.inner.frees.seen();
+        crate::fault::check_driver(crate::fault::Point::StreamQuery).map_err(driver_err("cuStreamQuery"))?;
         // SAFETY: the stream is alive (held by `self`); the call only asks.
         match unsafe { cudarc::driver::sys::cuStreamQuery(s.cu_stream()) } {
             cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS => {
@@ -261,7 +327,15 @@ impl Stream {
     /// A driver error.
     pub fn wait_for(&self, other: &Stream) -> Result<()> {
         match (&self.inner.cuda, &other.inner.cuda) {
-            (Some(me), Some(them)) => me.join(them).map_err(driver_err("cuStreamWaitEvent")),
+            // A forgotten stream's work was complete when it was forgotten:
+            // nothing to wait for (and its handle may be gone).
+            (Some(me), Some(them)) => other
+                .unless_gone(|| {
+                    crate::fault::check_driver(crate::fault::Point::EventRecord)
+                        .and_then(|()| me.join(them))
+                        .map_err(driver_err("cuStreamWaitEvent"))
+                })
+                .map(|_| ()),
             _ => Ok(()),
         }
     }

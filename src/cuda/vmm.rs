@@ -279,6 +279,7 @@ impl AddressRange {
         if size == 0 {
             return Err(Error::InvalidSize { size, reason: "an address range can't be empty" });
         }
+        crate::fault::check(crate::fault::Point::Reserve)?;
         bind(ctx)?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: `ptr` is a valid out-pointer; reserving address space
@@ -325,6 +326,7 @@ impl AddressRange {
     /// (for example when part of the target is already mapped).
     pub fn map(&self, offset: usize, chunk: &PhysicalChunk) -> Result<()> {
         self.check_inside(offset, chunk.size)?;
+        crate::fault::check(crate::fault::Point::Map)?;
         bind(&self.ctx)?;
         record_call(CallKind::Map);
         // SAFETY: the target lies inside this reservation (checked above)
@@ -342,6 +344,7 @@ impl AddressRange {
     /// (for example for an unmapped span or a peer that can't access it).
     pub fn set_access(&self, offset: usize, size: usize, peers: &[usize]) -> Result<()> {
         self.check_inside(offset, size)?;
+        crate::fault::check(crate::fault::Point::SetAccess)?;
         bind(&self.ctx)?;
         let mut devices = vec![self.ctx.cu_device()];
         for &peer in peers {
@@ -443,6 +446,7 @@ impl PhysicalChunk {
         if size == 0 {
             return Err(Error::InvalidSize { size, reason: "a physical chunk can't be empty" });
         }
+        crate::fault::check(crate::fault::Point::Create)?;
         bind(ctx)?;
         let prop = pinned_prop(ctx.cu_device(), exportable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;

@@ -147,6 +147,12 @@ impl DeviceAllocator {
         &self.pool
     }
 
+    /// The stream registry's size: streams held, and ids of streams let
+    /// go that are remembered ([`TableSizes`](crate::manager::TableSizes)).
+    pub fn stream_table_sizes(&self) -> (usize, usize) {
+        self.streams.sizes()
+    }
+
     /// Whether the device supports stream-ordered allocation
     /// (`CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`).
     pub fn supports_async(&self) -> bool {
@@ -188,7 +194,13 @@ impl DeviceAllocator {
         self.ctx.as_ref().ok_or(Error::NeedsGpu("stream-ordered allocation"))
     }
 
-    fn internal_stream(&self) -> Result<&Stream> {
+    /// The device's own stream (created on first use): cumem orders its
+    /// internal work on it; it never captures and is never the legacy
+    /// stream.
+    ///
+    /// # Errors
+    /// [`Error::NeedsGpu`] on the host fallback; a driver error.
+    pub(crate) fn internal_stream(&self) -> Result<&Stream> {
         let ctx = self.require_ctx()?;
         self.internal_stream
             .get_or_try_init(|| ctx.new_stream().map(Stream::from_cudarc).map_err(driver_err("cuStreamCreate")))
@@ -416,6 +428,23 @@ impl DeviceAllocator {
             return None;
         }
         lock(&self.async_book).live.get(&addr).map(|b| (b.size, b.mode, b.capture))
+    }
+
+    /// Takes the live stream-ordered allocation at `addr` out of the book
+    /// for a graph to hold (its size and mode; it still counts as live
+    /// until [`free_stream_ordered_now`](Self::free_stream_ordered_now)).
+    pub(super) fn take_stream_ordered(&self, addr: usize) -> Option<(usize, DeviceAllocatorMode)> {
+        if self.async_live.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        lock(&self.async_book).live.remove(&addr).map(|b| (b.size, b.mode))
+    }
+
+    /// Puts a stream-ordered allocation taken with
+    /// [`take_stream_ordered`](Self::take_stream_ordered) back in the book,
+    /// live and made outside any capture.
+    pub(super) fn restore_stream_ordered(&self, addr: usize, size: usize, mode: DeviceAllocatorMode) {
+        lock(&self.async_book).live.insert(addr, AsyncBlock { size, mode, capture: 0 });
     }
 
     /// `cuMemFreeAsync` of a stream-ordered allocation on `on`.

@@ -2,13 +2,14 @@
 //! each one pinned (allocated, where it is) until its exports are released.
 //!
 //! # Implementation details
-//! The pins are booked in `pins.rs` (`Pins`) under its own lock; the
-//! driver calls (the export itself, the deferred free) happen here,
-//! outside that lock.
+//! The pins are booked in `pins.rs` (`Pins`) under its own lock, with the
+//! rule for a pinned block freed during a capture; the driver calls (the
+//! export itself, the deferred free) happen here, outside that lock.
 
 use std::os::fd::OwnedFd;
 
 use super::allocator::DeviceAllocator;
+use super::captures::Held;
 use crate::cuda::{ipc, vmm, Stream};
 use crate::error::{Error, Result};
 use crate::ipc::{Exporter, HandleKind, IpcHandle};
@@ -88,20 +89,66 @@ impl DeviceAllocator {
         }
     }
 
+    /// A private pool retires holding `block`: `true` when the block is
+    /// still exported, and its last release frees it instead (a
+    /// stream-ordered one goes back in the book of live allocations for
+    /// that free).
+    pub(super) fn exported_outlives_graph(&self, block: Held) -> bool {
+        self.exports.graph_lets_go(block.addr(), || {
+            if let Held::StreamOrdered { addr, size, mode } = block {
+                self.restore_stream_ordered(addr, size, mode);
+            }
+        })
+    }
+
     /// How many blocks are exported (pinned) now.
     pub fn exported_blocks(&self) -> usize {
         self.exports.count()
     }
 
-    /// A free of a pinned block, recorded for its release: `Some(size)`.
+    /// A free of a pinned block: `Some(size)` when it is recorded for the
+    /// last release, or, during a capture, handed to the capture's private
+    /// pool like any block captured work freed (see the module docs).
     pub(super) fn defer_exported_free(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
-        self.exports.defer_free(addr, stream)
+        if !self.exports.is_pinned(addr) {
+            return Ok(None);
+        }
+        let capture = match stream {
+            Some(s) if self.graphs.watching() => self.capture_for(s)?,
+            _ => None,
+        };
+        let Some((_, p)) = capture else { return self.exports.defer_free(addr, stream) };
+        let Some(size) = self.exports.give_to_graph(addr)? else {
+            // Released meanwhile: an ordinary free, routed as usual.
+            return Ok(None);
+        };
+        let held = match self.take_stream_ordered(addr) {
+            Some((size, mode)) => Held::StreamOrdered { addr, size, mode },
+            None => Held::Pool { addr, size },
+        };
+        if let Err(e) = self.graphs.hold(&p, held) {
+            if let Held::StreamOrdered { size, mode, .. } = held {
+                self.restore_stream_ordered(addr, size, mode);
+            }
+            self.exports.take_back_from_graph(addr);
+            return Err(e);
+        }
+        Ok(Some(size))
     }
 }
 
 impl Exporter for DeviceAllocator {
     fn release_export(&self, ptr: u64) -> Result<()> {
         DeviceAllocator::release_export(self, ptr)
+    }
+}
+
+#[cfg(test)]
+impl DeviceAllocator {
+    /// Pins the block at `ptr` as an export does (exporting itself needs a
+    /// GPU), for tests of the pin rules outside this module.
+    pub(crate) fn pin_for_tests(&self, ptr: u64, size: usize) -> Result<()> {
+        self.exports.pin(ptr as usize, size)
     }
 }
 

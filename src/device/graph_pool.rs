@@ -456,6 +456,10 @@ impl DeviceAllocator {
             for block in held {
                 lock(&self.graphs.state).held.remove(&block.addr());
                 self.graphs.held.fetch_sub(1, Ordering::AcqRel);
+                if self.exported_outlives_graph(block) {
+                    // Its last release frees it (exports.rs).
+                    continue;
+                }
                 let r = match block {
                     Held::Pool { addr, .. } => self.pool.deallocate(addr, StreamTag::NONE).map(|_| ()),
                     Held::StreamOrdered { addr, size, mode } => self.free_stream_ordered_now(addr, size, mode),

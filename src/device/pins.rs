@@ -10,6 +10,15 @@
 //! its pool meanwhile, so nothing the pools do touches it: best fit never
 //! hands it out, shards lend and move only free memory, page remapping
 //! unmaps only pages that lie wholly in free space.
+//!
+//! A pinned block freed during a capture follows the rule of every block
+//! freed during a capture (`captures.rs`): the capture's private pool
+//! holds it until the graph is gone, never an eager free when the export
+//! is released. The book marks it as the graph's (`by_graph`), so the last
+//! release frees nothing; when the graph's pool retires first, the book
+//! takes the free over and the last release makes it (the graph's work is
+//! done by then). Both hand-overs happen under the book's lock, so exactly
+//! one side frees the block.
 
 use crate::cuda::Stream;
 use crate::error::{Error, PoolKind, Result};
@@ -23,6 +32,15 @@ struct Pinned {
     /// The free made while pinned, with its stream (`Some(None)`: a free
     /// with no stream).
     freed: Option<Option<Stream>>,
+    /// Freed during a capture: a graph's private pool holds the block and
+    /// frees it when it retires (unless the export outlives that).
+    by_graph: bool,
+}
+
+impl Pinned {
+    fn freed(&self) -> bool {
+        self.freed.is_some() || self.by_graph
+    }
 }
 
 /// The exported (pinned) blocks of one device.
@@ -37,8 +55,8 @@ impl Pins {
     /// Pins `addr` (`size` bytes) once more.
     pub(super) fn pin(&self, addr: usize, size: usize) -> Result<()> {
         let mut book = lock(&self.book);
-        let p = book.entry(addr).or_insert(Pinned { size, open: 0, freed: None });
-        if p.freed.is_some() {
+        let p = book.entry(addr).or_insert(Pinned { size, open: 0, freed: None, by_graph: false });
+        if p.freed() {
             // Freed while pinned: the owner gave it up; it can't be shared.
             return Err(Error::DoubleFree { pool: PoolKind::Device, addr });
         }
@@ -48,7 +66,8 @@ impl Pins {
     }
 
     /// Drops one pin of `addr`; returns the free to make now, if the block
-    /// was freed meanwhile and this was its last pin.
+    /// was freed meanwhile (not during a capture: the graph frees those)
+    /// and this was its last pin.
     pub(super) fn unpin(&self, addr: usize) -> Result<Option<Option<Stream>>> {
         let mut book = lock(&self.book);
         let Some(p) = book.get_mut(&addr) else {
@@ -70,12 +89,60 @@ impl Pins {
         }
         let mut book = lock(&self.book);
         match book.get_mut(&addr) {
-            Some(p) if p.freed.is_some() => Err(Error::DoubleFree { pool: PoolKind::Device, addr }),
+            Some(p) if p.freed() => Err(Error::DoubleFree { pool: PoolKind::Device, addr }),
             Some(p) => {
                 p.freed = Some(stream.cloned());
                 Ok(Some(p.size))
             }
             None => Ok(None),
+        }
+    }
+
+    /// Whether `addr` is pinned (one atomic load while nothing is).
+    pub(super) fn is_pinned(&self, addr: usize) -> bool {
+        self.pinned.load(Ordering::Acquire) > 0 && lock(&self.book).contains_key(&addr)
+    }
+
+    /// Marks pinned `addr` as freed during a capture, its free left to the
+    /// graph; returns its size (`None`: not pinned any more).
+    pub(super) fn give_to_graph(&self, addr: usize) -> Result<Option<usize>> {
+        let mut book = lock(&self.book);
+        match book.get_mut(&addr) {
+            Some(p) if p.freed() => Err(Error::DoubleFree { pool: PoolKind::Device, addr }),
+            Some(p) => {
+                p.by_graph = true;
+                Ok(Some(p.size))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Undoes [`give_to_graph`](Self::give_to_graph) (the graph refused
+    /// the block).
+    pub(super) fn take_back_from_graph(&self, addr: usize) {
+        if let Some(p) = lock(&self.book).get_mut(&addr) {
+            p.by_graph = false;
+        }
+    }
+
+    /// The graph holding `addr` retires: if the block is still pinned, the
+    /// book takes its free over (made at the last release, with no
+    /// stream: the graph's work is done), runs `keep` under its lock (so
+    /// that the release sees what `keep` restores), and `true` says the
+    /// graph must not free it.
+    pub(super) fn graph_lets_go(&self, addr: usize, keep: impl FnOnce()) -> bool {
+        if self.pinned.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let mut book = lock(&self.book);
+        match book.get_mut(&addr) {
+            Some(p) if p.by_graph => {
+                p.by_graph = false;
+                p.freed = Some(None);
+                keep();
+                true
+            }
+            _ => false,
         }
     }
 

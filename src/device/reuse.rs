@@ -1,7 +1,7 @@
 //! Cross-stream reuse: the streams blocks were freed on, and the waits
 //! that order a block's reuse on another stream after its last use.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 
 use cudarc::driver::CudaContext;
 
@@ -31,14 +31,23 @@ struct Known {
     live: HashMap<u64, Stream>,
     /// Streams let go: nothing but the registry held them and every free
     /// on them was known complete, so a block tagged with one needs no
-    /// wait (and no stream to wait on).
-    retired: HashSet<u64>,
+    /// wait (and no stream to wait on). At most [`RETIRED_KEPT`], the
+    /// oldest (lowest id) forgotten first.
+    retired: BTreeSet<u64>,
     /// Look for streams to let go when `live` reaches this many.
     prune_at: usize,
 }
 
 /// Streams kept before the first look for ones to let go.
 const PRUNE_FIRST: usize = 32;
+
+/// Ids of streams let go that a registry remembers. A block freed on a
+/// stream forgotten beyond this is treated as freed on a stream the
+/// registry never saw: correct, at the cost of one device-wide wait when
+/// another stream reuses it (none of that while a capture is under way:
+/// the reuse is refused). Blocks are reused long before thousands of
+/// streams have come and gone, so the bound only caps memory.
+pub(crate) const RETIRED_KEPT: usize = 1024;
 
 impl Known {
     /// Moves the streams nobody else holds and whose frees are all
@@ -49,6 +58,9 @@ impl Known {
             self.live.iter().filter(|(_, s)| s.handles() == 1 && s.all_frees_complete()).map(|(&id, _)| id).collect();
         let gone = done.iter().filter_map(|id| self.live.remove(id)).collect();
         self.retired.extend(done);
+        while self.retired.len() > RETIRED_KEPT {
+            self.retired.pop_first();
+        }
         self.prune_at = (self.live.len() * 2).max(PRUNE_FIRST);
         gone
     }
@@ -153,7 +165,8 @@ impl StreamRegistry {
                 self.elided.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            if let Some(capture) = capture_of(src)? {
+            // A forgotten source (its handle may be gone) is never asked.
+            if let Some(capture) = src.unless_gone(|| capture_of(src))?.flatten() {
                 // Between two streams of one capture an event edge is legal
                 // (a graph-private pool's reuse); from outside it is not.
                 let inside = match user {
@@ -204,6 +217,12 @@ impl StreamRegistry {
         self.elided.load(Ordering::Relaxed)
     }
 
+    /// Streams held, and ids of streams let go that are remembered.
+    pub(crate) fn sizes(&self) -> (usize, usize) {
+        let known = lock(&self.streams);
+        (known.live.len(), known.retired.len())
+    }
+
     /// The streams registered.
     pub(crate) fn streams(&self) -> Vec<Stream> {
         lock(&self.streams).live.values().cloned().collect()
@@ -219,13 +238,41 @@ impl StreamRegistry {
         }
     }
 
-    /// Waits for every registered stream (before memory goes back to the
-    /// driver).
+    /// Waits for every registered stream with frees not known complete
+    /// (before memory goes back to the driver). A stream whose frees are
+    /// all known complete is not touched: nothing freed waits for it, and
+    /// its handle may be gone (a raw stream a C program destroyed).
     pub(crate) fn synchronize_all(&self) -> Result<()> {
-        let streams: Vec<Stream> = lock(&self.streams).live.values().cloned().collect();
+        let streams: Vec<Stream> =
+            lock(&self.streams).live.values().filter(|s| !s.all_frees_complete()).cloned().collect();
         for s in streams {
             s.synchronize()?;
         }
         Ok(())
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::{Known, PRUNE_FIRST, RETIRED_KEPT};
+    use crate::cuda::Stream;
+
+    #[test]
+    fn streams_that_come_and_go_leave_bounded_tables() {
+        let mut known = Known::default();
+        let mut newest = 0;
+        for _ in 0..20_000 {
+            // A thread's stream: registered, then dropped by its thread.
+            let s = Stream::host();
+            newest = s.id();
+            known.live.insert(s.id(), s);
+            if known.live.len() >= known.prune_at.max(PRUNE_FIRST) {
+                drop(known.prune());
+            }
+        }
+        assert!(known.live.len() <= 2 * PRUNE_FIRST, "{} streams held", known.live.len());
+        assert!(known.retired.len() <= RETIRED_KEPT, "{} retired ids kept", known.retired.len());
+        // The newest are the ones remembered.
+        assert!(known.retired.iter().all(|&id| id + 2 * RETIRED_KEPT as u64 > newest));
     }
 }

@@ -8,7 +8,7 @@ use cudarc::driver::{sys, CudaContext};
 
 use super::{HandleKind, IpcHandle};
 use crate::cuda::vmm::{self, AddressRange, PhysicalChunk};
-use crate::cuda::{device_context, ipc};
+use crate::cuda::{device_context, ipc, reachable_peers};
 use crate::error::{Error, Result};
 
 /// How the memory was opened, and so how it is closed.
@@ -81,7 +81,13 @@ impl ImportedMemory {
         let offset = handle.offset;
         let (ptr, opened) = match &handle.kind {
             HandleKind::Mapped { pieces } => {
-                let (base, opened) = map_pieces(&ctx, pieces, &handle)?;
+                // The memory's own device and every device that can reach
+                // it, as cumem's own mappings are (`cuda/peer.rs`).
+                let reach: Vec<usize> = owner
+                    .into_iter()
+                    .flat_map(|o| std::iter::once(o).chain(reachable_peers(o).iter().copied()))
+                    .collect();
+                let (base, opened) = map_pieces(&ctx, pieces, &handle, &reach)?;
                 (base + offset, opened)
             }
             HandleKind::Allocation { handle: h } => {
@@ -186,9 +192,9 @@ impl ImportedMemory {
 }
 
 /// Imports each piece of a mapped handle and maps them, in order, into one
-/// new range of `ctx` with read-write access for its device; returns the
-/// range's first address.
-fn map_pieces(ctx: &Arc<CudaContext>, pieces: &[u64], handle: &IpcHandle) -> Result<(u64, Opened)> {
+/// new range of `ctx` with read-write access for its device and the
+/// devices in `reach`; returns the range's first address.
+fn map_pieces(ctx: &Arc<CudaContext>, pieces: &[u64], handle: &IpcHandle, reach: &[usize]) -> Result<(u64, Opened)> {
     let total: u64 = pieces.iter().sum();
     let range = AddressRange::reserve(ctx, total as usize, 0)?;
     let mut held = Vec::with_capacity(pieces.len());
@@ -200,7 +206,7 @@ fn map_pieces(ctx: &Arc<CudaContext>, pieces: &[u64], handle: &IpcHandle) -> Res
             held.push(chunk);
             mapped += piece as usize;
         }
-        range.set_access(0, total as usize, &[])
+        range.set_access(0, total as usize, reach)
     })();
     // On an error, dropping `Opened` unmaps what was mapped.
     let base = range.ptr();

@@ -8,6 +8,7 @@ mod graphs;
 mod heap;
 mod logging;
 mod summary;
+mod tables;
 mod tracking;
 
 #[doc(hidden)]
@@ -15,6 +16,7 @@ pub use crate::sync::{InitCell, InitError};
 pub use config::{parse_size, BackendChoice, Config, PeerAccess};
 pub use graphs::{CaptureScope, CapturedGraph, GraphCapture};
 pub use summary::{human_bytes, LiveAllocation, ShutdownReport};
+pub use tables::TableSizes;
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -170,6 +172,9 @@ impl MemoryManager {
     /// [`Error::NoSuchDevice`] for a bad device ordinal; a driver error if
     /// the device's context can't be had.
     pub fn new(config: Config) -> Result<MemoryManager> {
+        // `CUMEM_FAULTS` arms fault injection once per process.
+        static FAULTS_FROM_ENV: once_cell::sync::OnceCell<()> = once_cell::sync::OnceCell::new();
+        FAULTS_FROM_ENV.get_or_try_init(|| crate::fault::arm_from_env().map(|_| ()))?;
         let (backend, ctx) = match (config.backend, driver_status()) {
             (BackendChoice::Host, _) => (Backend::Host { reason: "the configuration asks for it".into() }, None),
             (BackendChoice::Auto, DriverStatus::Unavailable(why)) => (Backend::Host { reason: why.clone() }, None),

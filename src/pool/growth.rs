@@ -221,6 +221,13 @@ impl<U: Upstream> Pool<U> {
                 let added = inner.fit.add_chunk(chunk);
                 if added && self.remap {
                     inner.pages.add_unmapped(chunk.addr, chunk.size);
+                    // The first chunk of a pool given a size: that much
+                    // memory is mapped now and held.
+                    let initial = inner.initial_size.unwrap_or(self.config.initial_size);
+                    if inner.fit.stats().upstream_allocs == 1 && initial > 0 {
+                        drop(inner);
+                        return self.map_initial(chunk, initial);
+                    }
                 }
                 if !added {
                     drop(inner);

@@ -129,7 +129,7 @@ impl<U: Upstream> Job<U> {
     /// unmapping is below the reserve (`inner` is the pool's, locked).
     pub(super) fn wants_room(&self, inner: &Inner) -> bool {
         let (_, floor) = inner.fit.touched_pages();
-        let budget = budget(&inner.fit, self.slack_ppm);
+        let budget = budget(&inner.fit, &inner.pages, self.slack_ppm);
         let pages = &inner.pages;
         let room = pages.kept + budget.saturating_sub(pages.physical());
         floor > 0 && !inner.shut_down && room < Self::reserve(budget, floor, pages.shift())
@@ -142,7 +142,7 @@ impl<U: Upstream> Job<U> {
         let keep = {
             let inner = self.inner.lock();
             let pages = &inner.pages;
-            let budget = budget(&inner.fit, self.slack_ppm);
+            let budget = budget(&inner.fit, &inner.pages, self.slack_ppm);
             if pages.physical() <= budget || pages.kept == 0 {
                 return;
             }
@@ -168,7 +168,7 @@ impl<U: Upstream> Job<U> {
             let Inner { fit, pages, .. } = &mut *inner;
             pages.set_kept(kept);
             let (_, floor) = fit.touched_pages();
-            let budget = budget(fit, self.slack_ppm);
+            let budget = budget(fit, pages, self.slack_ppm);
             if pages.physical() > budget && pages.kept > 0 {
                 drop(inner);
                 self.trim_excess();

@@ -21,6 +21,11 @@ pub(super) struct Pages {
     /// Pages of memory unmapped and kept by the upstream for the next map
     /// ([`Upstream::kept`]): held, with no address.
     pub(super) kept: usize,
+    /// Pages the pool holds at least once mapped: its explicit initial
+    /// size ([`Pool::set_initial_size`](super::Pool::set_initial_size)),
+    /// mapped whole at the first growth and never moved to stay within the
+    /// budget (released only with the cached memory).
+    pub(super) floor: usize,
     /// Map calls (one per piece mapped) and unmap calls (one per piece).
     pub(super) map_calls: u64,
     pub(super) unmap_calls: u64,
@@ -202,10 +207,12 @@ impl Pages {
 }
 
 /// The physical pages a remapping pool may hold: the page floor of its
-/// placement plus the slack (`slack_ppm` millionths of it).
-pub(super) fn budget(fit: &BestFit, slack_ppm: u32) -> usize {
+/// placement plus the slack (`slack_ppm` millionths of it), and never less
+/// than the pool's explicit size ([`Pages::floor`]).
+pub(super) fn budget(fit: &BestFit, pages: &Pages, slack_ppm: u32) -> usize {
     let (_, floor) = fit.touched_pages();
-    floor + (floor as u128 * u128::from(slack_ppm)).div_ceil(1_000_000) as usize
+    let placed = floor + (floor as u128 * u128::from(slack_ppm)).div_ceil(1_000_000) as usize;
+    placed.max(pages.floor)
 }
 
 #[cfg(test)]

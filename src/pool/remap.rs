@@ -112,7 +112,7 @@ impl<U: Upstream> Pool<U> {
             };
             let runs = pages.holes_in(a.addr, a.size);
             let needed: usize = runs.iter().map(|r| r.size >> pages.shift()).sum();
-            let budget = budget(fit, self.config.remap_slack_ppm);
+            let budget = budget(fit, pages, self.config.remap_slack_ppm);
             // Kept memory maps without raising what is held; only the rest
             // is new memory, and only new memory above the budget makes
             // this thread unmap (the background mapper keeps memory kept).
@@ -157,6 +157,35 @@ impl<U: Upstream> Pool<U> {
             }
         }
         r
+    }
+
+    /// Maps the first `bytes` of `chunk`, the pool's first chunk, at once:
+    /// a pool given an explicit size holds that much memory from its first
+    /// allocation (the seed's pool size), and keeps it ([`Pages::floor`]).
+    ///
+    /// # Errors
+    /// The upstream's error mapping the memory (the chunk stays, unmapped;
+    /// allocations then map pages as they need them).
+    pub(super) fn map_initial(&self, chunk: Chunk, bytes: usize) -> Result<()> {
+        let _remap = lock(&self.remap_lock);
+        let runs = {
+            let inner = self.inner.lock();
+            let size = bytes.next_multiple_of(inner.pages.page()).min(chunk.size);
+            inner.pages.holes_in(chunk.addr, size)
+        };
+        let mapped = self.upstream.map_runs(&runs);
+        let kept = self.upstream.kept();
+        let mut inner = self.inner.lock();
+        let pages = &mut inner.pages;
+        pages.set_kept(kept);
+        let calls = mapped?;
+        for run in &runs {
+            pages.mapped += pages.mark(*run, false);
+        }
+        pages.map_calls += calls;
+        pages.floor = bytes.min(chunk.size) >> pages.shift();
+        pages.peak = pages.peak.max(pages.physical());
+        Ok(())
     }
 
     /// Unmaps what `plan` reclaims and maps its runs (no pool lock held),

@@ -4,19 +4,20 @@
 //!
 //! # Implementation details
 //!
-//! - **Directory.** A sorted array of `(start, end, shard)`, one entry per
-//!   chunk, published through one atomic pointer: a free finds its shard
-//!   with one load and a binary search, and takes no lock. Growth (rare)
-//!   copies the array under a writers' lock, drops entries the new chunk
-//!   overlaps (a range given back and handed out again), inserts, and
-//!   publishes; the old copies stay allocated until the set is dropped, so
-//!   a reader never sees freed memory (growth by new chunks is geometric
-//!   for pinned memory and happens once per shard for expandable ones, so
-//!   few copies are ever made). Growing a chunk in place only raises its
-//!   entry's end (an atomic), and a chunk moving whole to another shard
-//!   only changes its entry's owner (an atomic), with no copy. An entry is
-//!   written before the chunk's blocks can be handed out, and whoever
-//!   frees a block learned of it after that, so the entry is always found.
+//! - **Directory.** A sorted table of `(start, end, shard)`, one entry per
+//!   chunk the shards hold, read under a sequence lock: a free finds its
+//!   shard with a few loads and a binary search, takes no lock and writes
+//!   nothing, and retries only when a writer changed the table meanwhile.
+//!   Writers (a chunk added, grown in place, moved to another shard or
+//!   given back upstream: rare) rewrite the table under a lock: entries a
+//!   new chunk overlaps go (a range given back and handed out again), a
+//!   chunk given back leaves. A table that is too small is replaced by one
+//!   twice as large; replaced tables stay allocated until the set is
+//!   dropped (a reader may still look at one), so all of them together are
+//!   no larger than the current one, however long the program runs. An
+//!   entry is written before the chunk's blocks can be handed out, and
+//!   whoever frees a block learned of it after that, so the entry is
+//!   always found.
 //! - **Chunks change hands.** Before a shard grows, the other shards are
 //!   asked for a wholly free chunk that is large enough and that the
 //!   request's stream can use with no wait (idle, or freed on that
@@ -37,99 +38,154 @@
 use super::Pool;
 
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::{lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::sync::{fence, lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
 use crate::tag::StreamTag;
 use crate::upstream::{Chunk, Upstream};
 
-/// One chunk of the directory.
-#[derive(Debug)]
+/// One chunk of the directory (atomics: readers may read an entry while
+/// a writer rewrites it, and then retry).
+#[derive(Debug, Default)]
 struct Entry {
-    start: usize,
-    /// Raised when the chunk grows in place.
+    start: AtomicUsize,
     end: AtomicUsize,
-    /// Changed when the chunk moves to another shard.
     shard: AtomicUsize,
 }
 
-/// The directory's current array and every array it replaced (each boxed
-/// once more, so the array's own pointer and length sit at an address that
-/// never moves and one atomic can publish both).
-#[derive(Debug, Default)]
-struct Versions {
-    // The inner box's address is what `Directory::current` publishes.
-    #[allow(clippy::vec_box)]
-    all: Vec<Box<Box<[Entry]>>>,
+/// One array of entries: the first `len` are in use, sorted by start.
+#[derive(Debug)]
+struct Table {
+    len: AtomicUsize,
+    entries: Box<[Entry]>,
 }
+
+/// The least capacity of a table.
+const TABLE_MIN: usize = 16;
 
 /// Address → shard (see the module docs).
 #[derive(Debug)]
 pub(super) struct Directory {
-    /// The current array: the address of the newest of `versions.all`'s
-    /// inner boxes (0: none yet).
+    /// Odd while a writer changes the current table (a sequence lock:
+    /// readers retry when it moved under them).
+    seq: AtomicUsize,
+    /// The current table: the address of the last of `tables` (0: none).
     current: AtomicUsize,
-    versions: Mutex<Versions>,
+    /// Every table made, the current one last. Writers hold this lock;
+    /// tables are never freed while the directory lives (a reader may
+    /// still look at an old one), but each is twice the size of the one
+    /// before, so together the old ones are no larger than the current.
+    // Boxed: a table's address is what `current` publishes, so it must
+    // not move when the list grows.
+    #[allow(clippy::vec_box)]
+    tables: Mutex<Vec<Box<Table>>>,
 }
 
 impl Directory {
     fn new() -> Self {
-        Directory { current: AtomicUsize::new(0), versions: Mutex::new(Versions::default()) }
+        Directory { seq: AtomicUsize::new(0), current: AtomicUsize::new(0), tables: Mutex::new(Vec::new()) }
     }
 
     /// The shard whose chunk holds `addr`.
     #[inline]
     pub(super) fn find(&self, addr: usize) -> Option<usize> {
-        let ptr = self.current.load(Ordering::Acquire) as *const Box<[Entry]>;
-        if ptr.is_null() {
-            return None;
-        }
-        // SAFETY: `ptr` is the address of one of `versions`' inner boxes,
-        // published with Release after its array was filled; those boxes
-        // are never freed, moved or changed (but for the atomic `end`)
-        // while the directory lives, and `&self` keeps it alive.
-        let entries: &[Entry] = unsafe { &*ptr };
-        let i = entries.partition_point(|e| e.start <= addr);
-        let e = entries.get(i.checked_sub(1)?)?;
-        (addr < e.end.load(Ordering::Acquire)).then(|| e.shard.load(Ordering::Acquire))
-    }
-
-    /// Records that `shard` holds `[start, end)`.
-    fn insert(&self, start: usize, end: usize, shard: usize) {
-        let mut v = lock(&self.versions);
-        if let Some(cur) = v.all.last() {
-            let i = cur.partition_point(|e| e.start < start);
-            if let Some(e) = cur.get(i).filter(|e| e.start == start) {
-                let (old_end, owner) = (e.end.load(Ordering::Acquire), e.shard.load(Ordering::Acquire));
-                // A chunk grown in place keeps its start: raise its end.
-                if owner == shard && end >= old_end {
-                    e.end.fetch_max(end, Ordering::AcqRel);
-                    return;
+        let mut attempt = 0;
+        loop {
+            let before = self.seq.load(Ordering::Acquire);
+            if before & 1 == 0 {
+                let ptr = self.current.load(Ordering::Acquire) as *const Table;
+                if ptr.is_null() {
+                    return None;
                 }
-                // A chunk moving to another shard whole: change its owner
-                // in place (no new array: chunks move often while threads
-                // come and go, and replaced arrays are kept until the set
-                // is dropped).
-                if end == old_end {
-                    e.shard.store(shard, Ordering::Release);
-                    return;
+                // SAFETY: `ptr` is the address of one of `tables`' boxes,
+                // published with Release after the box was made; boxes are
+                // never freed or moved while the directory lives, and
+                // `&self` keeps it alive. Its entries are atomics, so a
+                // writer changing them meanwhile is no data race (the
+                // sequence check below discards what it read then).
+                let table: &Table = unsafe { &*ptr };
+                let found = table.find(addr);
+                fence(Ordering::Acquire);
+                if self.seq.load(Ordering::Relaxed) == before {
+                    return found;
                 }
             }
+            crate::sync::backoff(attempt);
+            attempt += 1;
         }
-        let old = v.all.last().map_or(&[][..], |b| &b[..][..]);
-        let mut next: Vec<Entry> = old
-            .iter()
-            .filter(|e| e.end.load(Ordering::Acquire) <= start || end <= e.start)
-            .map(|e| Entry {
-                start: e.start,
-                end: AtomicUsize::new(e.end.load(Ordering::Acquire)),
-                shard: AtomicUsize::new(e.shard.load(Ordering::Acquire)),
-            })
-            .collect();
-        let at = next.partition_point(|e| e.start < start);
-        next.insert(at, Entry { start, end: AtomicUsize::new(end), shard: AtomicUsize::new(shard) });
-        let next = Box::new(next.into_boxed_slice());
-        let ptr = &*next as *const Box<[Entry]> as usize;
-        v.all.push(next);
-        self.current.store(ptr, Ordering::Release);
+    }
+
+    /// Entries now, and tables allocated (the current one and the smaller
+    /// ones it replaced).
+    pub(super) fn sizes(&self) -> (usize, usize) {
+        let tables = lock(&self.tables);
+        (tables.last().map_or(0, |t| t.len.load(Ordering::Relaxed)), tables.len())
+    }
+
+    /// The current entries as `(start, end, shard)` (writers only: the
+    /// lock on `tables` is held, so nothing changes them meanwhile).
+    fn entries(tables: &[Box<Table>]) -> Vec<(usize, usize, usize)> {
+        let Some(t) = tables.last() else { return Vec::new() };
+        let len = t.len.load(Ordering::Relaxed);
+        let load = |a: &AtomicUsize| a.load(Ordering::Relaxed);
+        t.entries[..len].iter().map(|e| (load(&e.start), load(&e.end), load(&e.shard))).collect()
+    }
+
+    /// Makes `next` the directory's entries: in the current table when it
+    /// has room, else in a new one twice as large.
+    #[allow(clippy::vec_box)]
+    fn publish(&self, tables: &mut Vec<Box<Table>>, next: &[(usize, usize, usize)]) {
+        if tables.last().is_none_or(|t| t.entries.len() < next.len()) {
+            let capacity = (next.len() * 2).max(TABLE_MIN);
+            tables.push(Box::new(Table {
+                len: AtomicUsize::new(0),
+                entries: (0..capacity).map(|_| Entry::default()).collect(),
+            }));
+        }
+        let Some(table) = tables.last() else { return };
+        let seq = self.seq.load(Ordering::Relaxed);
+        self.seq.store(seq + 1, Ordering::Relaxed);
+        // Readers that see any store below also see the odd count.
+        fence(Ordering::Release);
+        for (e, &(start, end, shard)) in table.entries.iter().zip(next) {
+            e.start.store(start, Ordering::Relaxed);
+            e.end.store(end, Ordering::Relaxed);
+            e.shard.store(shard, Ordering::Relaxed);
+        }
+        table.len.store(next.len(), Ordering::Relaxed);
+        self.current.store(&**table as *const Table as usize, Ordering::Release);
+        self.seq.store(seq + 2, Ordering::Release);
+    }
+
+    /// Records that `shard` holds `[start, end)`: a chunk grown in place
+    /// keeps its start and gets the longer end; entries the chunk overlaps
+    /// (ranges given back and handed out again) go.
+    fn insert(&self, start: usize, end: usize, shard: usize) {
+        let mut tables = lock(&self.tables);
+        let mut next = Self::entries(&tables);
+        next.retain(|&(s, e, _)| e <= start || end <= s);
+        let at = next.partition_point(|&(s, _, _)| s < start);
+        next.insert(at, (start, end, shard));
+        self.publish(&mut tables, &next);
+    }
+
+    /// Forgets the chunk that starts at `start` (given back upstream).
+    fn remove(&self, start: usize) {
+        let mut tables = lock(&self.tables);
+        let mut next = Self::entries(&tables);
+        let before = next.len();
+        next.retain(|&(s, _, _)| s != start);
+        if next.len() != before {
+            self.publish(&mut tables, &next);
+        }
+    }
+}
+
+impl Table {
+    fn find(&self, addr: usize) -> Option<usize> {
+        let len = self.len.load(Ordering::Relaxed).min(self.entries.len());
+        let entries = &self.entries[..len];
+        let i = entries.partition_point(|e| e.start.load(Ordering::Relaxed) <= addr);
+        let e = entries.get(i.checked_sub(1)?)?;
+        (addr < e.end.load(Ordering::Relaxed)).then(|| e.shard.load(Ordering::Relaxed))
     }
 }
 
@@ -314,6 +370,8 @@ impl Upstream for Tracked {
     }
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
         self.inner.deallocate_chunk(chunk)?;
+        // The chunk had no live block: no free can look for it.
+        self.shared.directory.remove(chunk.addr);
         self.shared.total.unbook(chunk.size);
         Ok(())
     }
@@ -364,22 +422,44 @@ mod tests {
     use crate::upstream::forwarding::methods_not_forwarded;
 
     #[test]
-    fn a_chunk_that_moves_or_grows_changes_its_entry_in_place() {
+    fn chunks_that_move_grow_or_go_change_their_entries() {
         let d = super::Directory::new();
-        let versions = || super::lock(&d.versions).all.len();
         d.insert(0x10000, 0x20000, 1);
-        assert_eq!((d.find(0x18000), versions()), (Some(1), 1));
+        assert_eq!(d.find(0x18000), Some(1));
         d.insert(0x10000, 0x20000, 3);
-        assert_eq!((d.find(0x18000), versions()), (Some(3), 1), "moved: owner changed, no copy");
+        assert_eq!(d.find(0x18000), Some(3), "moved: owner changed");
         d.insert(0x10000, 0x30000, 3);
-        assert_eq!((d.find(0x28000), versions()), (Some(3), 1), "grown in place: no copy");
+        assert_eq!(d.find(0x28000), Some(3), "grown in place");
         d.insert(0x50000, 0x60000, 2);
-        assert_eq!((d.find(0x58000), d.find(0x18000), versions()), (Some(2), Some(3), 2));
+        assert_eq!((d.find(0x58000), d.find(0x18000)), (Some(2), Some(3)));
         // A different range at the same start (given back, handed out
         // again) replaces the entry.
         d.insert(0x10000, 0x18000, 1);
         assert_eq!((d.find(0x14000), d.find(0x28000)), (Some(1), None));
         assert_eq!(d.find(0x5000), None);
+        d.remove(0x10000);
+        assert_eq!((d.find(0x14000), d.find(0x58000), d.sizes().0), (None, Some(2), 1));
+    }
+
+    #[test]
+    fn a_directory_of_chunks_that_come_and_go_stays_small() {
+        let d = super::Directory::new();
+        for i in 0..10_000usize {
+            let start = 0x1000_0000 + i * 0x10_0000;
+            d.insert(start, start + 0x8000, i % 4);
+            if i >= 8 {
+                d.remove(start - 8 * 0x10_0000);
+            }
+            assert_eq!(d.find(start + 1), Some(i % 4));
+        }
+        assert_eq!(d.sizes(), (8, 1), "eight chunks in one table");
+        // Many chunks at once: tables double, few are made.
+        for i in 0..1000usize {
+            d.insert(0x9000_0000 + i * 0x1000, 0x9000_0000 + i * 0x1000 + 0x800, 0);
+        }
+        let (entries, tables) = d.sizes();
+        assert_eq!(entries, 1008);
+        assert!(tables <= 8, "{tables} tables");
     }
 
     #[test]

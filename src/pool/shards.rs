@@ -436,6 +436,12 @@ impl Shards {
         first_err.map_or(Ok(released), Err)
     }
 
+    /// The chunk directory's size: entries now, and arrays allocated
+    /// (the current one and replaced ones not yet reclaimed).
+    pub fn directory_sizes(&self) -> (usize, usize) {
+        self.shared.directory.sizes()
+    }
+
     /// [`Pool::clear_tags`] of every shard.
     pub fn clear_tags(&self) {
         self.pools().for_each(|(_, p)| p.clear_tags());

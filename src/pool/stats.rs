@@ -41,7 +41,9 @@ pub struct PoolStats {
     /// unmapped. 0 for a pool that doesn't remap.
     pub touched: usize,
     /// The largest `touched` since creation or the last peak reset: the
-    /// page floor `peak_mapped` is measured against.
+    /// page floor `peak_mapped` is measured against. (The remap budget
+    /// rests on the largest `touched` ever, which a peak reset leaves
+    /// alone: resetting statistics changes no behaviour.)
     pub peak_touched: usize,
     /// Map calls (one per piece of memory mapped; without remapping, the
     /// upstream allocations).

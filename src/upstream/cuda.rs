@@ -41,9 +41,11 @@ impl Upstream for CudaDeviceMemory {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
         let _relaxed = RelaxedCaptureMode::enter();
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        let fault = crate::fault::check_driver(crate::fault::Point::Create);
         // SAFETY: the context is current; the memory is only used through
         // the addresses the pool hands out.
-        match unsafe { result::malloc_sync(size) } {
+        let got = fault.and_then(|()| unsafe { result::malloc_sync(size) });
+        match got {
             Ok(ptr) => Ok(Chunk { addr: ptr as usize, size }),
             Err(e) if is_oom(&e) => Err(oom(PoolKind::Device, size, "cuMemAlloc", e, self.device_free())),
             Err(e) => Err(driver_err("cuMemAlloc")(e)),
@@ -92,9 +94,11 @@ impl Upstream for CudaPinnedMemory {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
         let _relaxed = RelaxedCaptureMode::enter();
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        let fault = crate::fault::check_driver(crate::fault::Point::HostAlloc);
         // SAFETY: the context is current; the flags are a valid
         // combination; the memory is used only through the pool.
-        match unsafe { result::malloc_host(size, sys::CU_MEMHOSTALLOC_PORTABLE) } {
+        let got = fault.and_then(|()| unsafe { result::malloc_host(size, sys::CU_MEMHOSTALLOC_PORTABLE) });
+        match got {
             Ok(ptr) => Ok(Chunk { addr: ptr as usize, size }),
             Err(e) if is_oom(&e) => Err(oom(PoolKind::Pinned, size, "cuMemHostAlloc", e, None)),
             Err(e) => Err(driver_err("cuMemHostAlloc")(e)),

@@ -33,20 +33,31 @@ impl Upstream for Host {
         let len = size
             .checked_next_multiple_of(PAGE)
             .ok_or(Error::InvalidSize { size, reason: "larger than the address space" })?;
-        // SAFETY: an anonymous private mapping at an address of the kernel's
-        // choosing aliases nothing; the arguments are valid for mmap.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
+        // An injected failure stands for the host running out of memory.
+        let injected = crate::fault::check_driver(crate::fault::Point::HostAlloc).is_err();
+        let ptr = if injected {
+            libc::MAP_FAILED
+        } else {
+            // SAFETY: an anonymous private mapping at an address of the
+            // kernel's choosing aliases nothing; the arguments are valid
+            // for mmap.
+            unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            }
         };
         if ptr == libc::MAP_FAILED {
-            let source = std::io::Error::last_os_error();
+            let source = if injected {
+                std::io::Error::from_raw_os_error(libc::ENOMEM)
+            } else {
+                std::io::Error::last_os_error()
+            };
             if source.raw_os_error() == Some(libc::ENOMEM) {
                 return Err(Error::OutOfMemory {
                     pool: crate::error::PoolKind::Standalone,

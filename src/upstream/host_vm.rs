@@ -42,6 +42,7 @@ impl HostRange {
         if size == 0 {
             return Err(Error::InvalidSize { size, reason: "an address range can't be empty" });
         }
+        crate::fault::check(crate::fault::Point::Reserve)?;
         // SAFETY: without MAP_FIXED the hint only guides the kernel, which
         // never replaces an existing mapping; a fresh PROT_NONE anonymous
         // mapping aliases nothing.
@@ -80,12 +81,23 @@ impl HostRange {
     }
 
     /// Makes `size` bytes at `offset` readable and writable (`mprotect`).
+    /// The fault points of the three driver calls it stands for
+    /// (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`) are passed in that
+    /// order; a failure at the last undoes the commit, as the CUDA path
+    /// unmaps.
     pub(crate) fn commit(&self, offset: usize, size: usize) -> Result<()> {
+        use crate::fault::{check, Point};
         let ptr = self.span(offset, size)?;
+        check(Point::Create)?;
+        check(Point::Map)?;
         // SAFETY: the span lies inside this reservation, which no Rust
         // reference points into; making it accessible breaks nothing.
         if unsafe { libc::mprotect(ptr, size, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
             return Err(os_err("mprotect"));
+        }
+        if let Err(e) = check(Point::SetAccess) {
+            let _ = self.decommit(offset, size);
+            return Err(e);
         }
         Ok(())
     }

@@ -31,7 +31,7 @@ use cudarc::driver::CudaContext;
 
 use super::host_vm::{page_size, HostRange};
 use crate::cuda::vmm::{self, AddressRange, PhysicalChunk};
-use crate::cuda::{device_context, driver_status, register_mapped, DriverStatus, PeerMapped};
+use crate::cuda::{device_context, driver_status, reachable_peers, register_mapped, DriverStatus, PeerMapped};
 use crate::error::{Error, Result};
 use crate::sync::{lock, Mutex};
 
@@ -187,12 +187,15 @@ impl Region {
     /// with [`reserve_shared`](Self::reserve_shared), which registers them
     /// for peer access.
     fn reserve(backend: &VmBackend, size: usize, headroom: bool) -> Result<Self> {
-        let space = match backend {
-            VmBackend::Host => Space::Host { page: page_size() },
+        let (space, peers) = match backend {
+            VmBackend::Host => (Space::Host { page: page_size() }, Vec::new()),
             VmBackend::Cuda(ordinal) => {
                 let ctx = device_context(*ordinal)?.ok_or(Error::NeedsGpu("a CUDA VMM region"))?;
                 let granularity = vmm::granularity(&ctx)?.minimum;
-                Space::Cuda { ctx, granularity }
+                // Every mapping is reachable from each device that can
+                // reach this one, however the program enables peer access
+                // (`cuda/peer.rs`).
+                (Space::Cuda { ctx, granularity }, reachable_peers(*ordinal).to_vec())
             }
         };
         let mut region = Region {
@@ -200,7 +203,7 @@ impl Region {
             base: 0,
             segments: Vec::new(),
             pieces: Vec::new(),
-            peers: Vec::new(),
+            peers,
             owner_settles: false,
             headroom,
             guard: None,
@@ -440,6 +443,10 @@ impl Region {
     /// (added to those that have it already), now and for every piece
     /// mapped later (`cuMemSetAccess`). Nothing to do on the host.
     pub(crate) fn set_peers(&mut self, peers: &[usize]) -> Result<()> {
+        if peers.iter().all(|p| self.peers.contains(p)) {
+            // Named by every mapping already (as every reachable peer is).
+            return Ok(());
+        }
         let mut all = self.peers.clone();
         for &p in peers {
             if !all.contains(&p) {
@@ -545,7 +552,11 @@ impl Region {
                     let s = self.segment_of(piece.offset);
                     let seg_offset = piece.offset - self.segments[s].offset;
                     let Reservation::Host(old) = &mut self.segments[s].res else { unreachable_backing() };
-                    if let Err(e) = old.move_to(seg_offset, piece.size, new_range, piece.offset) {
+                    // The fault point of the map the move stands for (never
+                    // on the moves back below).
+                    let moved = crate::fault::check(crate::fault::Point::Map)
+                        .and_then(|()| old.move_to(seg_offset, piece.size, new_range, piece.offset));
+                    if let Err(e) = moved {
                         // Move the pages already moved back where they were.
                         for back in &self.pieces[..i] {
                             let s = self.segment_of(back.offset);

@@ -107,7 +107,15 @@ static void device(void) {
   CHECK(d != NULL && (uintptr_t)d % 256 == 0);
   EXPECT(cumem_device_stats(0, &s), CUMEM_STATUS_OK);
   CHECK(s.pool.in_use >= 3000 && s.pool.live_blocks == 1);
+  /* The pool size set before use is memory the pool holds (mapped). */
+  CHECK(s.pool.reserved >= (4 << 20));
   EXPECT(cumem_device_stats(-1, &s), CUMEM_STATUS_INVALID_ARGUMENT);
+  {
+    int dev = -1;
+    EXPECT(cumem_default_device(&dev), CUMEM_STATUS_OK);
+    CHECK(dev == 0); /* no device= in the test's configuration */
+    EXPECT(cumem_default_device(NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  }
   EXPECT(cumem_device_stats(99, &s), CUMEM_STATUS_NO_SUCH_DEVICE);
   EXPECT(cumem_device_stats(0, NULL), CUMEM_STATUS_INVALID_ARGUMENT);
   EXPECT(cumem_set_device_pool_size(8 << 20), CUMEM_STATUS_CONFIG_TOO_LATE);
@@ -165,7 +173,8 @@ static void ipc(void) {
 static void streams_and_copies(void) {
   CumemStream st = NULL;
   void *d = NULL, *h = NULL, *back = NULL;
-  size_t n = 1 << 16, i;
+  size_t n = 1 << 16, i, tn = 0, tn2 = 0;
+  int host = 0;
   EXPECT(cumem_stream_create(NULL), CUMEM_STATUS_INVALID_ARGUMENT);
   EXPECT(cumem_stream_create(&st), CUMEM_STATUS_OK);
   CHECK(st != NULL);
@@ -195,6 +204,24 @@ static void streams_and_copies(void) {
   EXPECT(cumem_free_pinned(h), CUMEM_STATUS_OK);
   EXPECT(cumem_free_pinned(back), CUMEM_STATUS_OK);
   EXPECT(cumem_stream_synchronize(st), CUMEM_STATUS_OK);
+  /* The raw stream table: its size, and streams forgotten before the
+   * program destroys them (not cumem's own, nor the default stream). */
+  EXPECT(cumem_stream_table_size(NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_stream_table_size(&tn), CUMEM_STATUS_OK);
+  CHECK(tn >= 1);
+  EXPECT(cumem_stream_forget(st), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_stream_forget(NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_is_host_fallback(&host), CUMEM_STATUS_OK);
+  if (host) { /* any value names a host queue there */
+    CumemStream foreign = (CumemStream)(uintptr_t)0x4243000;
+    EXPECT(cumem_allocate_device_on(n, foreign, &d), CUMEM_STATUS_OK);
+    EXPECT(cumem_free_device_on(d, foreign), CUMEM_STATUS_OK);
+    EXPECT(cumem_stream_table_size(&tn2), CUMEM_STATUS_OK);
+    EXPECT(cumem_stream_forget(foreign), CUMEM_STATUS_OK);
+    EXPECT(cumem_stream_table_size(&tn), CUMEM_STATUS_OK);
+    CHECK(tn + 1 == tn2);
+    EXPECT(cumem_stream_forget(foreign), CUMEM_STATUS_OK); /* unknown now: nothing to do */
+  }
   EXPECT(cumem_stream_destroy(st), CUMEM_STATUS_OK);
   EXPECT(cumem_stream_destroy(st), CUMEM_STATUS_INVALID_ARGUMENT);
   EXPECT(cumem_stream_destroy(NULL), CUMEM_STATUS_INVALID_ARGUMENT);

@@ -26,9 +26,9 @@ impl BestFit {
         let mut s = self.stats.clone();
         s.largest_free = self.largest_free();
         s.free_blocks = self.free_index.len();
-        let (touched, peak) = self.touched_pages();
+        let (touched, _) = self.touched_pages();
         s.touched = touched << self.pages.shift;
-        s.peak_touched = peak << self.pages.shift;
+        s.peak_touched = self.reported_touched_peak() << self.pages.shift;
         s
     }
 

@@ -15,8 +15,13 @@ pub(super) struct PageCount {
     pub(super) shift: u32,
     /// Whole pages inside free blocks.
     pub(super) free_pages: usize,
-    /// The most pages live blocks touched at once (since the last reset).
+    /// The most pages live blocks touched at once, ever: the page floor
+    /// that sets the remap budget (`pool/remap.rs`). Never reset: a reset
+    /// of the reported peaks must not change what the pool may hold.
     pub(super) peak_touched: usize,
+    /// The most pages live blocks touched at once since the last peak
+    /// reset ([`BestFit::reset_touched_peak`]): reported only.
+    pub(super) reported_peak: usize,
 }
 
 impl PageCount {
@@ -54,8 +59,9 @@ impl BestFit {
         (self.stats.reserved >> self.pages.shift) - self.pages.free_pages
     }
 
-    /// The pages live blocks touch now, and the most they touched at once
-    /// (0 unless [`count_pages`](Self::count_pages) was called).
+    /// The pages live blocks touch now, and the most they ever touched at
+    /// once, which peak resets leave alone: the page floor of the remap
+    /// budget (0 unless [`count_pages`](Self::count_pages) was called).
     pub fn touched_pages(&self) -> (usize, usize) {
         if self.pages.shift == 0 {
             return (0, 0);
@@ -63,10 +69,21 @@ impl BestFit {
         (self.touched_now(), self.pages.peak_touched)
     }
 
-    /// Sets the touched-page peak to the count now.
+    /// The most pages live blocks touched at once since the last
+    /// [`reset_touched_peak`](Self::reset_touched_peak) (the reported
+    /// `peak_touched`).
+    pub fn reported_touched_peak(&self) -> usize {
+        if self.pages.shift == 0 {
+            return 0;
+        }
+        self.pages.reported_peak
+    }
+
+    /// Sets the reported touched-page peak to the count now. The peak that
+    /// sets the remap budget stays: statistics never change behaviour.
     pub fn reset_touched_peak(&mut self) {
         self.flush_hot();
-        self.pages.peak_touched = 0;
+        self.pages.reported_peak = 0;
         self.note_touched();
     }
 
@@ -76,7 +93,9 @@ impl BestFit {
     #[inline]
     pub(super) fn note_touched(&mut self) {
         if self.pages.shift != 0 {
-            self.pages.peak_touched = self.pages.peak_touched.max(self.touched_now());
+            let now = self.touched_now();
+            self.pages.peak_touched = self.pages.peak_touched.max(now);
+            self.pages.reported_peak = self.pages.reported_peak.max(now);
         }
     }
 }
