@@ -12,7 +12,7 @@
 #                                       # and cumem_torch, alternated; needs the wheel in .whl/),
 #                                       # tests-device1 (the test binaries again with
 #                                       # CUMEM_CONF=device=1: needs two GPUs),
-#                                       # memcheck (compute-sanitizer over tests/multi_gpu.rs and gpu_graphs.rs),
+#                                       # memcheck (compute-sanitizer over the GPU modules of tests/gpu/),
 #                                       # bench:NAME (one bench)
 #
 # Two GPUs: CUMEM_GPUS=2 scripts/gpu-suite.sh run tests tests-device1 examples
@@ -36,7 +36,8 @@ TARGET=${CARGO_TARGET_DIR:-target}
 build() {
     set -e
     rm -rf "$BIN" && mkdir -p "$BIN/tests" "$BIN/examples" "$BIN/benches" "$BIN/tools" "$BIN/traces"
-    # Test binaries (the library's own unit tests and tests/*.rs).
+    # Test binaries (the library's own unit tests, tests/host/, tests/gpu/
+    # and the tests/*.rs of a process of their own).
     cargo test --release --no-run --message-format=json 2>/dev/null |
         python3 -c '
 import json, sys
@@ -104,17 +105,24 @@ run() {
         tests-device1) CUMEM_CONF=device=1 run_tests "$out" "-device1" || failed=1 ;;
         memcheck)
             command -v compute-sanitizer >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
-            for t in "$BIN"/tests/test-gpu_ipc "$BIN"/tests/test-multi_gpu "$BIN"/tests/test-gpu_graphs "$BIN"/tests/test-cudarc_interop "$BIN"/tests/test-managed_alloc "$BIN"/tests/test-gpu_remap "$BIN"/tests/test-gpu_arenas "$BIN"/tests/test-gpu_dropped_streams "$BIN"/tests/test-staged_copy; do
-                [ -e "$t" ] || continue
-                echo "== compute-sanitizer memcheck $t"
-                # The control that faults on purpose is left out, and the
-                # test that breaks a capture on purpose (API errors).
-                if ! timeout 600 compute-sanitizer --tool memcheck --error-exitcode 3 "$t" --test-threads=1 \
-                    --skip gpu_without_peer_access --skip a_failed_cudarc_capture_releases_its_pool \
-                    >"$out/memcheck-$(basename "$t").log" 2>&1; then
-                    echo "FAILED: memcheck $t"; failed=1
+            # The modules of tests/gpu/ that were GPU test binaries, each
+            # in a process of its own. The control that faults on purpose
+            # is left out, and the test that breaks a capture on purpose
+            # (API errors).
+            local t="$BIN/tests/test-gpu" m
+            for m in gpu_ipc multi_gpu gpu_graphs cudarc_interop managed_alloc gpu_remap gpu_arenas gpu_dropped_streams staged_copy; do
+                local names
+                names=$(module_tests "$t" "$m" | grep -v -e gpu_without_peer_access -e a_failed_cudarc_capture_releases_its_pool)
+                if [ -z "$names" ]; then
+                    echo "FAILED: no tests of $m:: in $t"; failed=1; continue
                 fi
-                grep -E "ERROR SUMMARY|test result" "$out/memcheck-$(basename "$t").log" | tail -3
+                echo "== compute-sanitizer memcheck $t $m::"
+                # shellcheck disable=SC2086 # one argument per test name
+                if ! timeout 600 compute-sanitizer --tool memcheck --error-exitcode 3 "$t" --test-threads=1 --exact $names \
+                    >"$out/memcheck-$m.log" 2>&1; then
+                    echo "FAILED: memcheck $m"; failed=1
+                fi
+                grep -E "ERROR SUMMARY|test result" "$out/memcheck-$m.log" | tail -3
             done
             ;;
         examples)
@@ -204,19 +212,50 @@ nccl_library_path() {
     return 1
 }
 
-# Runs every test binary; logs are named after the binary plus $2.
+# The top-level modules of a test binary (one per line): tests/host/ and
+# tests/gpu/ gather what were test binaries of their own, one module each.
+test_modules() {
+    "$1" --list --format terse 2>/dev/null | sed -n 's/^\([A-Za-z0-9_]*\)::.*: test$/\1/p' | sort -u
+}
+
+# The full names of the tests of module $2 (and its submodules) in binary $1.
+module_tests() {
+    "$1" --list --format terse 2>/dev/null | sed -n "s/^\($2::.*\): test\$/\1/p"
+}
+
+# Runs every test binary; the integration test crates of modules run one
+# module per process, as when each module was a binary of its own (tests
+# of different files never share a process or the GPU at once). Logs are
+# named after the binary (and module) plus $2.
 run_tests() {
     local out=$1 suffix=$2 failed=0
     for t in "$BIN"/tests/*; do
-        local log="$out/$(basename "$t")$suffix.log"
-        echo "== $t${CUMEM_CONF:+ (CUMEM_CONF=$CUMEM_CONF)}"
-        if ! "$t" --test-threads=4 >"$log" 2>&1; then
-            echo "FAILED: $t"; tail -40 "$log"; failed=1
-        else
-            grep -E "test result|skipped" "$log" | tail -3
+        local mods=""
+        case "$(basename "$t")" in test-*) mods=$(test_modules "$t") ;; esac
+        if [ -z "$mods" ]; then
+            run_one "$out" "$suffix" "$t" "" || failed=1
+            continue
         fi
+        local m
+        for m in $mods; do
+            # shellcheck disable=SC2046 # one argument per test name
+            run_one "$out" "$suffix" "$t" "$m" --exact $(module_tests "$t" "$m") || failed=1
+        done
     done
     return $failed
+}
+
+# Runs test binary $3 (module $4, or all of it), with the rest as its
+# arguments; the log is $1/<binary>[-<module>]$2.log.
+run_one() {
+    local out=$1 suffix=$2 t=$3 m=$4
+    shift 4
+    local log="$out/$(basename "$t")${m:+-$m}$suffix.log"
+    echo "== $t${m:+ $m::}${CUMEM_CONF:+ (CUMEM_CONF=$CUMEM_CONF)}"
+    if ! "$t" --test-threads=4 "$@" >"$log" 2>&1; then
+        echo "FAILED: $t${m:+ $m::}"; tail -40 "$log"; return 1
+    fi
+    grep -E "test result|skipped" "$log" | tail -3
 }
 
 case "${1:-}" in

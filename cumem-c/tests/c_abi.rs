@@ -20,14 +20,22 @@ fn lib_dir() -> PathBuf {
     exe.parent().and_then(Path::parent).expect("the test runs from <profile>/deps").to_path_buf()
 }
 
-/// Builds the shared and static libraries of this profile (`cargo test`
-/// builds only what the tests link, which is not them), once per test
-/// process.
+/// The shared and static libraries of this profile. Cargo compiles every
+/// crate type of the library (`cdylib`, `staticlib`, `rlib`) in one go
+/// when the tests need the library, into `<target>/<profile>/deps/`; they
+/// are used from there when they are as new as the `rlib` the tests link.
+/// Otherwise (a test binary run from elsewhere) they are built here with
+/// `cargo build -p cumem-c --lib`, once per test process: slow on a fresh
+/// clone, as that build resolves features without the dev-dependencies
+/// and compiles cumem and its derive macros a second time.
 fn build_libraries() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
             let libs = lib_dir();
+            if let Some(deps) = fresh_libraries(&libs.join("deps")) {
+                return deps;
+            }
             let target = libs.parent().expect("<target>/<profile>");
             let mut cmd = Command::new(env!("CARGO"));
             cmd.args(["build", "--quiet", "-p", "cumem-c", "--lib"]).env("CARGO_TARGET_DIR", target);
@@ -38,6 +46,27 @@ fn build_libraries() -> PathBuf {
             libs
         })
         .clone()
+}
+
+/// `dir` when it holds `libcumem_c.so` and `libcumem_c.a` written with the
+/// newest `libcumem_c*.rlib` there (the build the tests link).
+fn fresh_libraries(dir: &Path) -> Option<PathBuf> {
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let newest_rlib = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            name == "libcumem_c.rlib" || (name.starts_with("libcumem_c-") && name.ends_with(".rlib"))
+        })
+        .filter_map(|p| modified(&p))
+        .max()?;
+    // One rustc call writes all three, the rlib last (cargo lists the crate
+    // types in their declared order): a minute's slack.
+    let since = newest_rlib.checked_sub(std::time::Duration::from_secs(60))?;
+    let so = modified(&dir.join("libcumem_c.so"))?;
+    let a = modified(&dir.join("libcumem_c.a"))?;
+    (so >= since && a >= since).then(|| dir.to_path_buf())
 }
 
 /// The compiler from `var` (CC, CXX) or the first of `names` that runs.

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 
 use cumem::pool::{set_thread_slot, StreamTag};
 use cumem::Error;
-use cumem_loom_tests::{assert_arenas_balanced, fake_arenas, model};
+use cumem_loom_tests::{assert_arenas_balanced, fake_arenas, model, CHUNK};
 use loom::sync::Arc;
 use loom::thread;
 
@@ -226,31 +226,35 @@ fn chunk_taken_by_another_arena_while_a_free_for_it_is_in_flight() {
 }
 
 /// A free looks its block's arena up in the chunk directory while another
-/// thread rewrites the directory: a new arena's chunk goes in, then a
-/// chunk given back upstream comes out, both before the freed block's
-/// entry (arena 0's chunks lie below arena 2's), so each rewrite moves it.
-/// The free always finds the owner (the sequence lock never lets a
-/// half-written table answer), and nothing is lost.
+/// thread rewrites the directory: a chunk below the freed block's chunk
+/// moves to another arena, then goes back upstream, so its entry leaves
+/// and the freed block's entry moves down. The free always finds the
+/// owner (the sequence lock never lets a half-written table answer), and
+/// nothing is lost.
 #[test]
 fn a_free_finds_its_arena_while_the_directory_is_rewritten() {
     model(|| {
-        let (arenas, _) = fake_arenas(3, false);
+        let (arenas, _) = fake_arenas(2, false);
         let arenas = Arc::new(arenas);
-        set_thread_slot(2);
-        let mine = arenas.allocate(256, 256).unwrap();
+        set_thread_slot(0);
+        let x = arenas.allocate(256, 256).unwrap();
+        // A whole chunk: a second one of arena 0, above the first.
+        let y = arenas.allocate(CHUNK, 256).unwrap();
+        assert!(y.addr > x.addr);
+        // The first chunk is wholly free now.
+        arenas.deallocate(x.addr, StreamTag::NONE).unwrap();
         let a2 = arenas.clone();
         let t = thread::spawn(move || {
-            set_thread_slot(0);
-            // Arena 0's first chunk enters the directory, and goes back
-            // upstream (leaves it) once its block is freed.
-            let b = a2.allocate(256, 256).unwrap();
+            set_thread_slot(1);
+            // Takes the free chunk (its entry's owner is rewritten) or
+            // grows; then gives it back upstream (its entry leaves).
+            let b = a2.allocate(CHUNK, 256).unwrap();
             a2.deallocate(b.addr, StreamTag::NONE).unwrap();
             a2.release_cached().unwrap();
             cumem::pool::release_thread_arenas();
         });
-        // The lookup of arena 2's block races with both rewrites.
-        set_thread_slot(1);
-        arenas.deallocate(mine.addr, StreamTag::NONE).unwrap();
+        // The lookup of the second chunk's block races with the rewrites.
+        arenas.deallocate(y.addr, StreamTag::NONE).unwrap();
         t.join().unwrap();
         assert_arenas_balanced(&arenas);
         cumem::pool::release_thread_arenas();

@@ -15,17 +15,18 @@
 use std::marker::PhantomData;
 use std::mem::{align_of, size_of};
 
-use cudarc::driver::sys;
-
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
 use super::interop::CudaShadow;
-use crate::cuda::{driver_err, vmm, Stream};
+use crate::cuda::RelaxedCaptureMode;
+use crate::cuda::{vmm, Stream};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, MutexGuard};
-use crate::upstream::region::{GrowPath, Region, SharedRegion, VmBackend};
+mod copies;
+
+use crate::upstream::region::{self, GrowPath, Region, Settled, SharedRegion, VmBackend, Waiter};
 
 /// How a [`GrowableBuffer`]'s growths were served.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +65,32 @@ impl GrowStats {
 /// same while growth extends in place and changes when the memory is
 /// remapped ([`GrowPath::Remapped`]).
 ///
+/// # Waiting before giving memory back
+/// Growth never waits: it maps new memory after the mapped range, which
+/// no queued work can be using (`cuMemMap` and `cuMemSetAccess` are not
+/// ordered with queued work; they run in the relaxed capture mode, legal
+/// beside other threads' captures). Remapping into a new range (the
+/// pointer changes) and shrinking and dropping unmap memory that queued
+/// work may still read, so they wait first:
+/// - a buffer made [`with_capacity_for`](Self::with_capacity_for) a CUDA
+///   stream waits for that stream alone (`cuStreamSynchronize`, in the
+///   relaxed capture mode: legal while other streams capture, in any
+///   mode); work on other streams must be ordered before it. While that
+///   stream captures, the release is deferred. Its copies are queued on
+///   that stream too.
+/// - otherwise it waits for the device (`cuCtxSynchronize`), but never
+///   while a capture is known (registered with cumem, or on a blocking
+///   stream): the release is then deferred.
+///
+/// Deferred memory stays mapped (and counted in
+/// [`deferred_releases`](Self::deferred_releases)) until a later shrink,
+/// drop or [`release_deferred`](Self::release_deferred) can wait; a
+/// shrink that can't wait releases nothing. A driver failure during the
+/// wait or an unmap leaks the memory (logged) rather than releasing it
+/// while it may still be mapped or used. A capture cumem is not told of on
+/// a non-blocking stream can't be seen: in programs that capture, give
+/// buffers a stream.
+///
 /// # Examples
 /// ```
 /// use cumem::{GrowableBuffer, VmBackend};
@@ -80,6 +107,10 @@ pub struct GrowableBuffer<T: Copy> {
     shared: SharedRegion,
     /// The region's context (it never changes); `None` on the host.
     ctx: Option<Arc<CudaContext>>,
+    /// The buffer's own stream ([`with_capacity_for`](Self::with_capacity_for)
+    /// with a CUDA stream): copies are ordered on it, and shrinking and
+    /// dropping wait for it alone.
+    stream: Option<Stream>,
     len: usize,
     stats: GrowStats,
     /// cudarc's view of the first `len` values, made on first use and
@@ -117,11 +148,14 @@ impl<T: Copy> GrowableBuffer<T> {
             return Err(Error::InvalidAlignment { align: align_of::<T>(), max: crate::upstream::BLOCK_ALIGN });
         }
         let bytes = Self::bytes_for(capacity)?;
+        // Reserving and mapping touch no stream (see `grow`).
+        let _relaxed = RelaxedCaptureMode::enter();
         let shared = Region::reserve_shared(&backend, bytes.max(1), true)?;
         let ctx = lock(&shared).cuda_context().cloned();
         let mut buf = GrowableBuffer {
             shared,
             ctx,
+            stream: None,
             len: 0,
             stats: GrowStats::default(),
             cuda: CudaShadow::default(),
@@ -135,12 +169,22 @@ impl<T: Copy> GrowableBuffer<T> {
     }
 
     /// A buffer with room for at least `capacity` elements on the device
-    /// of `stream` (a host queue: as [`with_capacity`](Self::with_capacity)).
+    /// of `stream` (a host queue: as [`with_capacity`](Self::with_capacity)),
+    /// whose own stream `stream` becomes: its copies are queued there (and
+    /// waited for), and shrinking and dropping wait for that stream alone,
+    /// never for the whole device, so they are legal while other streams
+    /// capture graphs. Work on other streams that uses the buffer must be
+    /// ordered before (an event) or finished when it shrinks or drops.
     ///
     /// # Errors
     /// As [`with_capacity_on`](Self::with_capacity_on).
     pub fn with_capacity_for(stream: &Stream, capacity: usize) -> Result<Self> {
-        Self::with_capacity_on(VmBackend::of_stream(stream), capacity)
+        let mut buf = Self::with_capacity_on(VmBackend::of_stream(stream), capacity)?;
+        if stream.cudarc().is_some() {
+            buf.region().set_waiter(Waiter::Stream(stream.clone()));
+            buf.stream = Some(stream.clone());
+        }
+        Ok(buf)
     }
 
     fn region(&self) -> MutexGuard<'_, Region> {
@@ -256,6 +300,9 @@ impl<T: Copy> GrowableBuffer<T> {
     /// and OS errors. The contents are unchanged on error.
     pub fn grow(&mut self, min_capacity: usize) -> Result<GrowPath> {
         self.forget_cuda();
+        // Mapping touches no stream: legal beside another thread's
+        // global-mode capture in the relaxed mode.
+        let _relaxed = RelaxedCaptureMode::enter();
         if min_capacity <= self.capacity() {
             return Ok(GrowPath::Unchanged);
         }
@@ -335,190 +382,29 @@ impl<T: Copy> GrowableBuffer<T> {
         Ok(())
     }
 
-    /// Appends `len` elements read from `src` (`cuMemcpyDtoD`; on the host
-    /// fallback `src` is a host address and the copy a `memmove`). Returns
-    /// once the copy is complete (`cuCtxSynchronize`).
-    ///
-    /// # Safety
-    /// `src .. src + len * size_of::<T>()` must be readable memory of this
-    /// buffer's backend (device memory accessible from its device, or host
-    /// memory on the fallback) that holds `len` valid values of `T`, and
-    /// nothing may write to it during the call.
-    ///
-    /// # Errors
-    /// As [`grow`](Self::grow); a driver error from the copy.
-    pub unsafe fn extend_from_device(&mut self, src: u64, len: usize) -> Result<()> {
-        let bytes = Self::bytes_for(len)?;
-        self.reserve(len)?;
-        let dst = self.region().base() + self.len * size_of::<T>();
-        match &self.ctx {
-            Some(ctx) => {
-                ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the destination is mapped (just reserved) and
-                // inside the buffer; the caller vouches for the source.
-                unsafe { sys::cuMemcpyDtoD_v2(dst as u64, src, bytes) }.result().map_err(driver_err("cuMemcpyDtoD"))?;
-                vmm::synchronize(ctx)?;
-            }
-            // SAFETY: the destination is committed host memory inside the
-            // buffer; the caller vouches for the source; `copy` allows
-            // overlap.
-            None => unsafe { std::ptr::copy(src as usize as *const u8, dst as *mut u8, bytes) },
-        }
-        self.len += len;
-        Ok(())
-    }
-
-    /// Appends the contents of `other`, copying device to device
-    /// (`cuMemcpyDtoD`, or `cuMemcpyPeer` between two devices), host to
-    /// device or device to host as the two backends require.
-    ///
-    /// # Errors
-    /// As [`grow`](Self::grow); driver errors. Between two devices the copy
-    /// is a peer copy (`cuMemcpyPeer`).
-    pub fn extend_from_buffer(&mut self, other: &GrowableBuffer<T>) -> Result<()> {
-        match (self.backend(), other.backend()) {
-            (VmBackend::Cuda(a), VmBackend::Cuda(b)) if a != b => {
-                let (Some(dst_ctx), Some(src_ctx)) = (self.ctx.clone(), other.ctx.clone()) else {
-                    return Err(Error::InvalidState(format!(
-                        "GrowableBuffers on devices {b} and {a} without contexts"
-                    )));
-                };
-                let bytes = Self::bytes_for(other.len)?;
-                self.reserve(other.len)?;
-                let dst = self.region().base() + self.len * size_of::<T>();
-                dst_ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the destination is mapped (just reserved) inside
-                // this buffer; the source holds `other.len` values and is
-                // borrowed, so nothing writes to it. `cuMemcpyPeer` runs on
-                // the legacy streams and returns once the copy is done.
-                unsafe { sys::cuMemcpyPeer(dst as u64, dst_ctx.cu_ctx(), other.device_ptr(), src_ctx.cu_ctx(), bytes) }
-                    .result()
-                    .map_err(driver_err("cuMemcpyPeer"))?;
-                vmm::synchronize(&dst_ctx)?;
-                self.len += other.len;
-                Ok(())
-            }
-            (VmBackend::Cuda(_), VmBackend::Host) => {
-                // SAFETY: `other` is committed host memory holding
-                // `other.len` initialised values of `T`; it is borrowed, so
-                // nothing writes to it meanwhile.
-                let src = unsafe { std::slice::from_raw_parts(other.region().base() as *const T, other.len) };
-                self.extend_from_host(src)
-            }
-            (VmBackend::Host, VmBackend::Cuda(_)) => {
-                let start = self.len;
-                self.reserve(other.len)?;
-                let dst = self.region().base() + start * size_of::<T>();
-                // SAFETY: the destination is committed host memory inside
-                // this buffer with room for `other.len` elements (just
-                // reserved); `other` is device memory, so they don't overlap.
-                unsafe { other.read_into(dst as *mut T, other.len)? };
-                self.len += other.len;
-                Ok(())
-            }
-            // SAFETY: `other` holds `other.len` valid elements of the same
-            // backend and is borrowed, so nothing writes to it.
-            _ => unsafe { self.extend_from_device(other.device_ptr(), other.len) },
-        }
-    }
-
-    fn write_host(&self, at: usize, src: &[T]) -> Result<()> {
-        let bytes = std::mem::size_of_val(src);
-        let dst = self.region().base() + at * size_of::<T>();
-        debug_assert!(at * size_of::<T>() + bytes <= self.capacity_bytes());
-        match &self.ctx {
-            Some(ctx) => {
-                ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the destination lies in mapped memory of this
-                // buffer and `src` is a live slice of `bytes` bytes.
-                unsafe { sys::cuMemcpyHtoD_v2(dst as u64, src.as_ptr().cast(), bytes) }
-                    .result()
-                    .map_err(driver_err("cuMemcpyHtoD"))
-            }
-            None => {
-                // SAFETY: the destination is committed host memory of this
-                // buffer, no reference points into it, and it can't overlap
-                // the borrowed `src`.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().cast::<u8>(), dst as *mut u8, bytes) };
-                Ok(())
-            }
-        }
-    }
-
-    /// Copies the first `dst.len()` elements into `dst` (`cuMemcpyDtoH`,
-    /// which returns once the copy is complete).
-    ///
-    /// # Errors
-    /// [`Error::InvalidState`] when `dst` is longer than the buffer; a
-    /// driver error.
-    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
-        // SAFETY: `dst` is a live, exclusive slice of `dst.len()` elements.
-        unsafe { self.read_into(dst.as_mut_ptr(), dst.len()) }
-    }
-
-    /// Copies the first `n` elements to `dst`.
-    ///
-    /// # Safety
-    /// `dst` must be valid for writes of `n` elements of `T` (it may be
-    /// uninitialised) and not overlap this buffer.
-    unsafe fn read_into(&self, dst: *mut T, n: usize) -> Result<()> {
-        if n > self.len {
-            return Err(Error::InvalidState(format!(
-                "copy_to_host of {n} elements from a GrowableBuffer of {}",
-                self.len
-            )));
-        }
-        let bytes = n * size_of::<T>();
-        let src = self.region().base();
-        match &self.ctx {
-            Some(ctx) => {
-                ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the source lies in mapped memory holding `n`
-                // values of `T` written earlier; the caller vouches that
-                // `dst` takes `bytes` bytes.
-                unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), src as u64, bytes) }
-                    .result()
-                    .map_err(driver_err("cuMemcpyDtoH"))
-            }
-            None => {
-                // SAFETY: the source is committed host memory holding `n`
-                // values of `T`; the caller vouches for `dst` and that the
-                // two don't overlap.
-                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.cast::<u8>(), bytes) };
-                Ok(())
-            }
-        }
-    }
-
-    /// The contents, copied to a new `Vec` (`cuMemcpyDtoH`).
-    ///
-    /// # Errors
-    /// A driver error.
-    pub fn to_vec(&self) -> Result<Vec<T>> {
-        let mut out = Vec::with_capacity(self.len);
-        // SAFETY: the Vec's buffer takes `self.len` elements and is not
-        // part of this buffer.
-        unsafe { self.read_into(out.as_mut_ptr(), self.len)? };
-        // SAFETY: all `self.len` elements were initialised just above.
-        unsafe { out.set_len(self.len) };
-        Ok(out)
-    }
-
     /// Unmaps and releases the memory beyond what the length needs
     /// (`cuMemUnmap`, `cuMemRelease`; `madvise` on the host), whole pieces
     /// at a time; the address range stays reserved for later growth.
-    /// Returns the bytes released.
+    /// Returns the bytes released. It first waits for the work that may
+    /// use the memory (see the type's "Waiting before giving memory
+    /// back"); while a capture forbids that wait, it releases nothing and
+    /// returns 0.
     ///
     /// # Errors
-    /// Driver or OS errors.
+    /// Driver or OS errors (from the wait: nothing is released).
     pub fn shrink_to_fit(&mut self) -> Result<usize> {
+        let _relaxed = RelaxedCaptureMode::enter();
         let keep = self.len * size_of::<T>();
         let mapped = self.region().mapped_prefix();
         let cut = self.region().piece_bounds().map(|(start, _)| start).find(|start| *start >= keep).unwrap_or(mapped);
         if cut >= mapped {
             return Ok(0);
         }
-        if !self.region().unmap(cut, mapped - cut)? {
+        let mut region = self.region();
+        if region.settle()? == Settled::Later {
+            return Ok(0);
+        }
+        if !region.unmap(cut, mapped - cut)? {
             return Err(Error::InvalidState("the buffer's mapped pieces are not contiguous".into()));
         }
         Ok(mapped - cut)
@@ -543,6 +429,22 @@ impl<T: Copy> GrowableBuffer<T> {
     /// start, every device that can reach it).
     pub fn peers(&self) -> Vec<usize> {
         self.region().peers().to_vec()
+    }
+
+    /// Process-wide: how many dropped or remapped buffers' memory waits for
+    /// a capture to end before it is given back, and how many were leaked
+    /// after a driver failure (see the type's "Waiting before giving memory
+    /// back").
+    pub fn deferred_releases() -> (usize, u64) {
+        region::deferred_and_leaked()
+    }
+
+    /// Gives back the memory whose release a capture deferred, where the
+    /// wait it needs is now allowed (every later shrink or drop does it
+    /// too). Call it after a capture ends.
+    pub fn release_deferred() {
+        let _relaxed = RelaxedCaptureMode::enter();
+        region::release_deferred();
     }
 }
 

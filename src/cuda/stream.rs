@@ -9,7 +9,7 @@ use super::driver_err;
 use super::free_clock::FreeClock;
 use super::graph_release::HostGraphRefs;
 use crate::error::Result;
-use crate::sync::{lock, AtomicU64, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
+use crate::sync::{lock, AtomicBool, AtomicU64, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
 use crate::tag::StreamTag;
 
 fn next_stream_id() -> u64 {
@@ -64,9 +64,14 @@ struct StreamInner {
     /// queued here since is ordered after every free counted there.
     waited: Mutex<Vec<(u64, Box<[u64]>)>>,
     /// Whether the program said the CUDA handle is gone
-    /// ([`Stream::forget_handle`]); held while cumem asks or waits on the
-    /// stream for its own reasons, so the handle never dies under a call.
-    gone: Mutex<bool>,
+    /// ([`Stream::forget_handle`]).
+    gone: AtomicBool,
+    /// Driver calls cumem makes on the stream for its own reasons now:
+    /// [`Stream::forget_handle`] waits until none is left, so the handle
+    /// never dies under a call (and calls never wait for each other).
+    calls: AtomicUsize,
+    /// Held by [`Stream::forget_handle`].
+    forgetting: Mutex<()>,
 }
 
 impl StreamInner {
@@ -81,7 +86,9 @@ impl StreamInner {
             host_capture: AtomicU64::new(0),
             host_graph: Mutex::new(None),
             waited: Mutex::new(Vec::new()),
-            gone: Mutex::new(false),
+            gone: AtomicBool::new(false),
+            calls: AtomicUsize::new(0),
+            forgetting: Mutex::new(()),
         })
     }
 }
@@ -252,8 +259,20 @@ impl Stream {
     /// stream's handle is gone ([`forget_handle`](Self::forget_handle));
     /// `None` then. The handle can't go while `f` runs.
     pub(crate) fn unless_gone<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<Option<R>> {
-        let gone = lock(&self.inner.gone);
-        if *gone {
+        // Announced before the flag is read; `forget_handle` sets the flag
+        // before it reads the count (both sequentially consistent), so
+        // either this call sees the flag or the forget sees this call.
+        struct Call<'a>(&'a AtomicUsize);
+        impl Drop for Call<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Release);
+            }
+        }
+        self.inner.calls.fetch_add(1, Ordering::SeqCst);
+        // Counted down however `f` ends (a panic too: the forget must not
+        // wait forever).
+        let _call = Call(&self.inner.calls);
+        if self.inner.gone.load(Ordering::SeqCst) {
             return Ok(None);
         }
         f().map(Some)
@@ -261,7 +280,7 @@ impl Stream {
 
     /// Whether the program said the stream's handle is gone.
     pub fn is_forgotten(&self) -> bool {
-        *lock(&self.inner.gone)
+        self.inner.gone.load(Ordering::Acquire)
     }
 
     /// Says the stream's CUDA handle is about to be destroyed (call it
@@ -269,16 +288,17 @@ impl Stream {
     /// ordered frees on): waits once for the work queued on it
     /// (`cuStreamSynchronize`), so every free on it is complete, and from
     /// then on cumem never asks, waits on or synchronises the handle again
-    /// (a destroyed handle is undefined behaviour for the driver). Calls
-    /// that come in while it runs wait for it. A second call does nothing.
+    /// (a destroyed handle is undefined behaviour for the driver). It
+    /// returns once cumem's own calls on the stream that began before it
+    /// (a question, a wait) are done. A second call does nothing.
     ///
     /// # Errors
     /// [`Error::Capture`](crate::Error::Capture) while the stream captures
     /// a graph (waiting would break the capture; nothing changes), or the
     /// driver's error from the wait (the stream is then not forgotten).
     pub fn forget_handle(&self) -> Result<()> {
-        let mut gone = lock(&self.inner.gone);
-        if *gone {
+        let _one_at_a_time = lock(&self.inner.forgetting);
+        if self.is_forgotten() {
             return Ok(());
         }
         if self.inner.cuda.is_some() && super::capture_of(self)?.is_some() {
@@ -287,7 +307,13 @@ impl Stream {
             ));
         }
         self.synchronize_now()?;
-        *gone = true;
+        self.inner.gone.store(true, Ordering::SeqCst);
+        // Calls that began before the flag was set finish first.
+        let mut attempt = 0;
+        while self.inner.calls.load(Ordering::Acquire) != 0 {
+            crate::sync::backoff(attempt);
+            attempt += 1;
+        }
         Ok(())
     }
 

@@ -46,6 +46,11 @@ impl DeviceAllocator {
             None => (self.pool.check_live(addr)?, None),
         };
         self.exports.pin(addr, size)?;
+        // The handle reports what was asked for: an importer reading
+        // `size()` bytes must not read past the exporter's data. The block
+        // (and the pieces mapped over it) may be larger.
+        let asked =
+            if mode.is_some() { size } else { self.pool.requested_size(addr).filter(|r| *r <= size).unwrap_or(size) };
         let made = (|| {
             let (kind, offset, fds) = if let Some(mode) = mode {
                 let (fd, data) = self.mode(mode).export(ptr)?;
@@ -66,7 +71,7 @@ impl DeviceAllocator {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 pid: std::process::id(),
                 uuid: ipc::device_uuid(&ctx)?,
-                size: size as u64,
+                size: asked as u64,
                 offset,
                 fds,
             })

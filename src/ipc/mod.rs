@@ -95,7 +95,8 @@ pub struct IpcHandle {
 }
 
 impl IpcHandle {
-    /// The block's size in bytes.
+    /// The bytes the exporter asked for when it allocated the block (the
+    /// memory shared may be larger: the pool rounds blocks up).
     pub fn size(&self) -> usize {
         self.size as usize
     }

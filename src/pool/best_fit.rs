@@ -487,6 +487,11 @@ impl BestFit {
         self.live.get(&addr).map(|&slot| self.blocks[slot as usize].size)
     }
 
+    /// The bytes asked for the live block at `addr`, if there is one.
+    pub fn requested_of(&self, addr: usize) -> Option<usize> {
+        self.live.get(&addr).map(|&slot| self.blocks[slot as usize].requested)
+    }
+
     /// Whether `addr` lies in one of the pool's chunks.
     pub fn contains(&self, addr: usize) -> bool {
         self.overlaps_chunk(Chunk { addr, size: 1 })

@@ -428,6 +428,14 @@ impl ThreadCaches {
         true
     }
 
+    /// What the user asked for the lent block at `addr`: `Some(None)` if it
+    /// is cached (not the user's), `None` if it is not lent.
+    pub(super) fn lent_requested(&self, addr: usize) -> Option<Option<usize>> {
+        let owner = self.owner(addr)?;
+        let l = owner.local.lock();
+        Some(l.live.get(&addr).map(|e| e.requested as usize))
+    }
+
     /// The size of the lent block at `addr`: `Some(None)` if it is cached
     /// (not the user's), `None` if it is not lent.
     pub(super) fn lent_size(&self, addr: usize) -> Option<Option<usize>> {

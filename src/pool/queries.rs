@@ -16,6 +16,15 @@ impl<U: Upstream> Pool<U> {
         self.inner.lock().fit.block_size(addr)
     }
 
+    /// The bytes asked for the live block at `addr` (at most its
+    /// [`block_size`](Self::block_size)), if there is one.
+    pub fn requested_size(&self, addr: usize) -> Option<usize> {
+        if let Some(lent) = self.cache.as_ref().and_then(|c| c.lent_requested(addr)) {
+            return lent;
+        }
+        self.inner.lock().fit.requested_of(addr)
+    }
+
     /// Whether `addr` lies in one of the pool's chunks.
     pub fn contains(&self, addr: usize) -> bool {
         self.inner.lock().fit.contains(addr)

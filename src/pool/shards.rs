@@ -383,6 +383,11 @@ impl Shards {
         self.owner(addr)?.block_size(addr)
     }
 
+    /// The bytes asked for the live block at `addr`, if there is one.
+    pub fn requested_size(&self, addr: usize) -> Option<usize> {
+        self.owner(addr)?.requested_size(addr)
+    }
+
     /// The pieces of memory mapped over the live block at `addr` (`size`
     /// bytes), as the owning shard's upstream maps them
     /// ([`Upstream::mapped_pieces`]).

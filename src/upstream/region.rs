@@ -37,8 +37,10 @@ use crate::sync::{lock, Mutex};
 
 mod grow;
 mod pages;
+mod settle;
 
 pub use pages::choose_pieces;
+pub(crate) use settle::{deferred_and_leaked, release_deferred, Settled, Waiter};
 
 /// Where a virtual region's memory lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -170,6 +172,9 @@ pub(crate) struct Region {
     /// Memory unmapped by page remapping and kept for the next map
     /// (`pages.rs`): `(size, backing)`.
     spare: Vec<(usize, Backing)>,
+    /// How shrinking, remapping and dropping wait for the work that may
+    /// use the memory (`settle.rs`).
+    waiter: Waiter,
 }
 
 /// The guard after a reservation is this many times its size (at least
@@ -209,7 +214,11 @@ impl Region {
             headroom,
             guard: None,
             spare: Vec::new(),
+            waiter: Waiter::None,
         };
+        if let Space::Cuda { ctx, .. } = &region.space {
+            region.waiter = Waiter::Device(ctx.clone());
+        }
         let size = region.round(size.max(1))?;
         let res = region.fresh_reservation(size)?;
         region.base = res.addr();
@@ -413,7 +422,8 @@ impl Region {
     }
 
     /// Unmaps and releases the pieces that make up `[offset, offset + size)`
-    /// after waiting for the device. Returns `Ok(false)`, changing nothing,
+    /// at once: the caller waited first ([`settle`](Self::settle) answered
+    /// [`Settled::Now`]). Returns `Ok(false)`, changing nothing,
     /// unless whole pieces cover the span exactly (none is cut in two and
     /// there is no gap).
     pub(crate) fn unmap(&mut self, offset: usize, size: usize) -> Result<bool> {
@@ -426,7 +436,6 @@ impl Region {
         if cut_before || cut_after || covered != size || size == 0 {
             return Ok(false);
         }
-        self.synchronize()?;
         let removed: Vec<Piece> = self.pieces.drain(first..last).collect();
         for piece in &removed {
             self.unmap_piece(piece);
@@ -504,17 +513,14 @@ fn unreachable_backing() -> ! {
 }
 
 impl Drop for Region {
+    /// Waits ([`settle`](Region::settle)), then unmaps every piece, releases
+    /// the memory and frees the addresses; deferred while a capture forbids
+    /// the wait; leaked (logged) when a wait or an unmap fails, so nothing
+    /// is released twice or while still mapped.
     fn drop(&mut self) {
-        if let Err(e) = self.synchronize() {
-            eprintln!("cumem: synchronising before unmapping a region: {e}");
-        }
-        if matches!(self.space, Space::Cuda { .. }) {
-            for piece in &self.pieces {
-                self.unmap_piece(piece);
-            }
-        }
-        // Chunks are released, then the address ranges freed.
-        self.pieces.clear();
-        self.segments.clear();
+        let _relaxed = crate::cuda::RelaxedCaptureMode::enter();
+        let remains = self.remains_of(true);
+        let waiter = if self.owner_settles { Waiter::None } else { self.waiter.clone() };
+        remains.settle_and_release(waiter);
     }
 }

@@ -1,7 +1,7 @@
 //! Growing a region's reservation: in place when the addresses after it
 //! are free, otherwise by remapping every piece into a new, larger range.
 
-use super::{unreachable_backing, Backing, GrowPath, Region, Reservation, Segment};
+use super::{unreachable_backing, Backing, GrowPath, Region, Reservation, Segment, Waiter};
 use crate::error::Result;
 
 impl Region {
@@ -61,10 +61,11 @@ impl Region {
                     }
                     return Err(e);
                 }
-                self.synchronize()?;
-                for piece in &self.pieces {
-                    self.unmap_piece(piece);
-                }
+                // The old mappings go once the work that may use them is
+                // done (deferred while a capture forbids the wait).
+                let old = self.remains_of(false);
+                let waiter = if self.owner_settles { Waiter::None } else { self.waiter.clone() };
+                old.settle_and_release(waiter);
             }
             Reservation::Host(new_range) => {
                 for (i, piece) in self.pieces.iter().enumerate() {

@@ -123,7 +123,8 @@ impl Consumer {
         let listener = UnixListener::bind(&path).unwrap();
         listener.set_nonblocking(true).unwrap();
         let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args(["ipc_consumer", "--exact", "--nocapture", "--test-threads=1"]).env("CUMEM_IPC_SOCKET", &path);
+        let test = crate::common::test_name(module_path!(), "ipc_consumer");
+        cmd.args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"]).env("CUMEM_IPC_SOCKET", &path);
         if let Some(d) = device {
             cmd.env("CUMEM_IPC_DEVICE", d.to_string());
         }

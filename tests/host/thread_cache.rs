@@ -361,3 +361,23 @@ fn a_finished_streams_tag_leaves_a_merge_when_the_pool_can_ask() {
         check(&p);
     }
 }
+
+/// What an IPC handle reports as its size: the bytes asked for, not the
+/// block's rounded size (an importer reading `size()` bytes would read past
+/// the exporter's data), whether a thread cache or the shared pool lent it.
+#[test]
+fn the_requested_size_of_a_live_block_is_what_was_asked() {
+    for cache in [false, true] {
+        let p = pool(cache);
+        let a = p.allocate(1000, 256).unwrap();
+        assert_eq!(p.block_size(a.addr), Some(1024), "cache {cache}");
+        assert_eq!(p.requested_size(a.addr), Some(1000), "cache {cache}");
+        // A cached block lent again reports the new request.
+        p.deallocate(a.addr, StreamTag::NONE).unwrap();
+        assert_eq!(p.requested_size(a.addr), None, "cache {cache}: a free block");
+        let b = p.allocate(900, 1).unwrap();
+        assert_eq!(p.requested_size(b.addr), Some(900), "cache {cache}");
+        p.deallocate(b.addr, StreamTag::NONE).unwrap();
+        check(&p);
+    }
+}

@@ -3,7 +3,7 @@
 //! These run everywhere: on the host fallback a capture records nothing,
 //! but cumem routes and holds memory exactly as on a GPU, so the memory
 //! rules are checked here; on a GPU the same tests capture real (empty of
-//! kernels) graphs. `tests/gpu_graphs.rs` adds kernels and replays.
+//! kernels) graphs. `tests/gpu/gpu_graphs.rs` adds kernels and replays.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Barrier};
@@ -272,7 +272,7 @@ fn end_host_capture(s: &Stream) -> HostGraph {
 }
 
 /// Whether the manager runs on the host fallback (the models below need
-/// host queues; on a GPU, tests/gpu_graphs.rs checks the same rules).
+/// host queues; on a GPU, tests/gpu/gpu_graphs.rs checks the same rules).
 fn on_host(_mm: &MemoryManager) -> bool {
     let host = Stream::new().unwrap().is_host();
     if !host {

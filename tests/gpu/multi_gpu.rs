@@ -402,7 +402,7 @@ fn gpu_without_peer_access_a_device_1_kernel_faults_on_device_0_memory() {
     let Some(_ctxs) = gpus_for_test(2, name) else { return };
     let exe = std::env::current_exe().unwrap();
     let out = std::process::Command::new(exe)
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .args([crate::common::test_name(module_path!(), name).as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .env(CONTROL_ENV, "1")
         .output()
         .unwrap();

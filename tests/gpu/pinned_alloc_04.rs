@@ -1,6 +1,5 @@
 //! `PinnedAlloc` and `ManagedAlloc` through allocator-api2 0.4's collections (feature
 //! `allocator-api2-04`; CI runs it with the feature on).
-#![cfg(feature = "allocator-api2-04")]
 
 use allocator_api2_04::vec::Vec;
 use cumem::{MemoryManager, PinnedAlloc};

@@ -4,9 +4,18 @@
 //! tests skip with a reason without a GPU (and fail under
 //! CUMEM_REQUIRE_GPU=1).
 
-use cudarc::driver::sys;
+use std::sync::{Arc, Barrier, Mutex, MutexGuard};
+
+use cudarc::driver::{sys, CudaContext};
 use cumem::device::vmm::{self, AddressRange};
-use cumem::{Error, GrowPath, GrowableBuffer, VmBackend};
+use cumem::{Error, GrowPath, GrowableBuffer, Stream, VmBackend};
+
+/// GPU tests run one at a time: a device-wide wait in one would break
+/// another's capture.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn pattern(start: usize, n: usize) -> Vec<u32> {
     (start..start + n).map(|i| (i as u32).wrapping_mul(2_654_435_761)).collect()
@@ -193,6 +202,7 @@ fn automatic_backend_matches_driver_status() {
 #[test]
 fn gpu_growable_many_grows_keep_contents() {
     let Some(ctx) = cumem::device::gpu_for_test("gpu_growable_many_grows_keep_contents") else { return };
+    let _serial = serial();
     let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(ctx.ordinal()), 1).unwrap();
     assert_eq!(buf.granularity() % (2 << 20), 0, "VMM granularity {}", buf.granularity());
     let paths = fill_and_check(&mut buf, 24, 400_000);
@@ -210,6 +220,7 @@ fn gpu_growable_many_grows_keep_contents() {
 #[test]
 fn gpu_growable_pointer_stable_in_place() {
     let Some(ctx) = cumem::device::gpu_for_test("gpu_growable_pointer_stable_in_place") else { return };
+    let _serial = serial();
     let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(ctx.ordinal()), 1 << 19).unwrap();
     println!("headroom guard: {} B", buf.headroom_bytes());
     buf.extend_from_host(&pattern(0, 1 << 19)).unwrap();
@@ -229,6 +240,7 @@ fn gpu_growable_pointer_stable_in_place() {
 #[test]
 fn gpu_growable_remap_path_forced() {
     let Some(ctx) = cumem::device::gpu_for_test("gpu_growable_remap_path_forced") else { return };
+    let _serial = serial();
     let gran = vmm::granularity(&ctx).unwrap().minimum;
     let mut buf = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(ctx.ordinal()), 1).unwrap();
     buf.set_headroom(false);
@@ -258,6 +270,7 @@ fn gpu_growable_remap_path_forced() {
 #[test]
 fn gpu_growable_beyond_half_of_free_memory() {
     let Some(ctx) = cumem::device::gpu_for_test("gpu_growable_beyond_half_of_free_memory") else { return };
+    let _serial = serial();
     let (free, total) = vmm::memory_info(&ctx).unwrap();
     let target = free / 4 * 3;
     println!("device free {free} B of {total} B; growing to {target} B");
@@ -300,4 +313,213 @@ fn gpu_growable_beyond_half_of_free_memory() {
         unsafe { sys::cuMemFree_v2(p) };
     }
     assert_eq!(rc, sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, "a copying growth of {} B would have fit", buf.capacity());
+}
+
+// ---- Captures beside growth, shrink and drop ---------------------------
+
+/// Who captures: cudarc's capture on a non-blocking stream of its own, or
+/// a raw capture on a blocking stream (which the legacy stream reports).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Capturer {
+    Cudarc,
+    Blocking,
+}
+
+const CAP_N: usize = 1 << 20;
+
+/// Device-to-host of `n` u32 at `p` (after the streams writing it were
+/// waited for).
+fn read_u32(ctx: &CudaContext, p: u64, n: usize) -> Vec<u32> {
+    ctx.bind_to_thread().unwrap();
+    let mut v = vec![0u32; n];
+    // SAFETY: `v` holds `n` u32; `p` is a live allocation of at least that.
+    unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr().cast(), p, n * 4) }.result().unwrap();
+    v
+}
+
+/// Growth, shrink and drop of buffers on their own stream (`own`), and,
+/// with `streamless`, of buffers without one (no copies: those run on the
+/// legacy stream). Returns what went wrong.
+fn churn(ctx: &Arc<CudaContext>, own: &Stream, streamless: bool, old: GrowableBuffer<u32>) -> Vec<String> {
+    let mut errors = Vec::new();
+    let mut check = |what: &str, r: Result<bool, Error>| match r {
+        Ok(true) => {}
+        Ok(false) => errors.push(format!("{what}: wrong values")),
+        Err(e) => errors.push(format!("{what}: {e}")),
+    };
+    // A buffer made before the capture began is dropped during it.
+    drop(old);
+    for round in 0..6 {
+        let r = (|| {
+            let mut b = GrowableBuffer::<u32>::with_capacity_for(own, 1 << 18)?;
+            b.extend_from_host(&pattern(0, 1 << 18))?;
+            b.reserve(1 << 21)?;
+            b.extend_from_host(&pattern(1 << 18, 1 << 18))?;
+            let grown = b.to_vec()? == pattern(0, 1 << 19);
+            b.truncate(1 << 16);
+            b.shrink_to_fit()?;
+            let shrunk = b.to_vec()? == pattern(0, 1 << 16);
+            drop(b);
+            Ok(grown && shrunk)
+        })();
+        check(&format!("round {round}, own stream"), r);
+        if streamless {
+            let r = (|| {
+                let mut b = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(ctx.ordinal()), 1 << 18)?;
+                b.reserve(1 << 21)?;
+                b.shrink_to_fit()?;
+                drop(b);
+                Ok(true)
+            })();
+            check(&format!("round {round}, no stream"), r);
+        }
+    }
+    errors
+}
+
+/// One thread captures (memset a source, copy it to `dst`) while another
+/// grows, shrinks and drops growable buffers between the two captured
+/// steps; then the graph is replayed into a cleared `dst`. Returns (the
+/// capture ended with success, the replay wrote the right values, the
+/// churn's errors).
+fn capture_beside_churn(
+    ctx: &Arc<CudaContext>,
+    capturer: Capturer,
+    mode: sys::CUstreamCaptureMode,
+) -> (bool, bool, Vec<String>) {
+    ctx.bind_to_thread().unwrap();
+    let (mut src, mut dst): (sys::CUdeviceptr, sys::CUdeviceptr) = (0, 0);
+    // SAFETY: valid out-pointers; freed at the end.
+    unsafe {
+        sys::cuMemAlloc_v2(&mut src, CAP_N * 4).result().unwrap();
+        sys::cuMemAlloc_v2(&mut dst, CAP_N * 4).result().unwrap();
+    }
+    let own = Stream::from_cudarc(ctx.new_stream().unwrap());
+    let mut old = GrowableBuffer::<u32>::with_capacity_for(&own, 1 << 18).unwrap();
+    old.extend_from_host(&pattern(0, 1 << 18)).unwrap();
+    let cudarc_stream = ctx.new_stream().unwrap();
+    let raw: sys::CUstream = match capturer {
+        Capturer::Cudarc => cudarc_stream.cu_stream(),
+        Capturer::Blocking => {
+            let mut s: sys::CUstream = std::ptr::null_mut();
+            // SAFETY: valid out-pointer; flags 0 make a blocking stream,
+            // destroyed at the end.
+            unsafe { sys::cuStreamCreate(&mut s, 0) }.result().unwrap();
+            s
+        }
+    };
+    let barrier = Arc::new(Barrier::new(2));
+    let worker = {
+        let (ctx, barrier, own) = (ctx.clone(), barrier.clone(), own.clone());
+        let streamless = capturer == Capturer::Blocking;
+        std::thread::spawn(move || {
+            barrier.wait();
+            let errors = churn(&ctx, &own, streamless, old);
+            barrier.wait();
+            errors
+        })
+    };
+    match capturer {
+        Capturer::Cudarc => cudarc_stream.begin_capture(mode).unwrap(),
+        // SAFETY: `raw` is a live stream that does not capture.
+        Capturer::Blocking => unsafe { sys::cuStreamBeginCapture_v2(raw, mode) }.result().unwrap(),
+    }
+    // SAFETY: `src` holds CAP_N u32; queued (captured) on the live stream.
+    let first = unsafe { sys::cuMemsetD32Async(src, 0x600D, CAP_N, raw) }.result();
+    barrier.wait();
+    barrier.wait();
+    // SAFETY: both hold CAP_N u32; captured on the live stream.
+    let second = unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, CAP_N * 4, raw) }.result();
+    let errors = worker.join().unwrap();
+    let mut captured = first.is_ok() && second.is_ok();
+    let mut right = false;
+    // Once the capture ended (a legacy-stream memset during a blocking
+    // stream's capture would invalidate it): the replay must write `dst`.
+    let clear = || {
+        // SAFETY: `dst` holds CAP_N u32; the synchronous memset finishes
+        // before the replay is queued.
+        unsafe { sys::cuMemsetD32_v2(dst, 0, CAP_N) }.result().unwrap();
+    };
+    match capturer {
+        Capturer::Cudarc => match cudarc_stream.end_capture(sys::CUgraphInstantiate_flags(0)) {
+            Ok(Some(graph)) => {
+                clear();
+                graph.launch().unwrap();
+                cudarc_stream.synchronize().unwrap();
+                right = read_u32(ctx, dst, CAP_N).iter().all(|&v| v == 0x600D);
+            }
+            other => {
+                println!("end_capture: {:?}", other.err());
+                captured = false;
+            }
+        },
+        Capturer::Blocking => {
+            let mut graph: sys::CUgraph = std::ptr::null_mut();
+            // SAFETY: `raw` captures (or its capture was invalidated);
+            // `graph` is a valid out-pointer.
+            let rc = unsafe { sys::cuStreamEndCapture(raw, &mut graph) };
+            println!("cuStreamEndCapture: {rc:?}");
+            captured &= rc == sys::CUresult::CUDA_SUCCESS;
+            if captured {
+                clear();
+                let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+                // SAFETY: `graph` was just captured; `exec` is a valid
+                // out-pointer; both are destroyed below.
+                unsafe {
+                    sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0).result().unwrap();
+                    sys::cuGraphLaunch(exec, raw).result().unwrap();
+                    sys::cuStreamSynchronize(raw).result().unwrap();
+                    sys::cuGraphExecDestroy(exec).result().unwrap();
+                }
+                right = read_u32(ctx, dst, CAP_N).iter().all(|&v| v == 0x600D);
+            }
+            if !graph.is_null() {
+                // SAFETY: the graph is no longer used.
+                unsafe { sys::cuGraphDestroy(graph) };
+            }
+            // SAFETY: nothing is queued on the stream any more.
+            unsafe { sys::cuStreamDestroy_v2(raw) };
+        }
+    }
+    ctx.bind_to_thread().unwrap();
+    // SAFETY: the graph and the streams that used them are done.
+    unsafe {
+        sys::cuCtxSynchronize().result().unwrap();
+        sys::cuMemFree_v2(src).result().unwrap();
+        sys::cuMemFree_v2(dst).result().unwrap();
+    }
+    println!("{capturer:?} capture in {mode:?}: captured {captured}, replay right {right}, churn errors {errors:?}");
+    (captured, right, errors)
+}
+
+fn captures_survive_churn(name: &str, capturer: Capturer) {
+    let Some(ctx) = cumem::device::gpu_for_test(name) else { return };
+    let _serial = serial();
+    let mut failures = Vec::new();
+    for mode in [
+        sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+    ] {
+        let (captured, right, errors) = capture_beside_churn(&ctx, capturer, mode);
+        if !(captured && right && errors.is_empty()) {
+            failures.push(format!("{mode:?}: captured {captured}, right {right}, errors {errors:?}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn gpu_a_cudarc_capture_survives_growth_shrink_and_drop_of_buffers_on_their_streams() {
+    captures_survive_churn(
+        "gpu_a_cudarc_capture_survives_growth_shrink_and_drop_of_buffers_on_their_streams",
+        Capturer::Cudarc,
+    );
+}
+
+#[test]
+fn gpu_a_blocking_stream_capture_survives_growth_shrink_and_drop_of_any_buffer() {
+    captures_survive_churn(
+        "gpu_a_blocking_stream_capture_survives_growth_shrink_and_drop_of_any_buffer",
+        Capturer::Blocking,
+    );
 }

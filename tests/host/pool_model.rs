@@ -299,7 +299,7 @@ fn best_fit_matches_the_reference_on_a_random_seed() {
     }
 }
 
-#[path = "common/faults.rs"]
+#[path = "../support/faults.rs"]
 mod faults;
 
 /// Device memory of the host fallback is host memory.

@@ -8,7 +8,7 @@
 //! a reuse that was not ordered shows up as a mismatch. Skips without a
 //! GPU; fails instead under `CUMEM_REQUIRE_GPU=1`.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Barrier};
 

@@ -3,7 +3,7 @@
 //! printed reason without a GPU, and fails instead under
 //! `CUMEM_REQUIRE_GPU=1`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 
@@ -394,7 +394,7 @@ fn random_cross_stream_reuse_never_races() {
     mm.free_device(errors).unwrap();
 }
 
-#[path = "common/faults.rs"]
+#[path = "../support/faults.rs"]
 mod faults;
 
 /// Device bytes reached with the driver's memset and copy, on the block's
