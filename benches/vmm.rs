@@ -17,6 +17,12 @@
 //! one GPU of several) and with them active. On one GPU the calls are the
 //! same.
 //!
+//! The last column, `cumem map`, is cumem's own mapping path as a program
+//! meets it: `GrowableBuffer::with_capacity_on` on device 0 (reserve,
+//! `cuMemCreate`, `cuMemMap`, `cuMemSetAccess` naming the peers cumem
+//! names, which depends on `CUMEM_MAP_PEERS` and on which peers' contexts
+//! are active), so builds of the library can be compared.
+//!
 //! Prints the median of several rounds per size, in microseconds. Without a
 //! GPU it says so and measures nothing.
 
@@ -24,7 +30,7 @@ use std::time::Instant;
 
 use cudarc::driver::result;
 use cumem::cuda::{device_context, driver_status, vmm};
-use cumem::Error;
+use cumem::{Error, GrowableBuffer, VmBackend};
 
 fn driver(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::InvalidState(format!("{call}: {e}"))
@@ -87,7 +93,7 @@ fn table(
 ) -> cumem::Result<()> {
     println!("vmm growth costs (median of {ROUNDS} rounds, microseconds); peers of device 0: {peers:?}, {what}");
     println!(
-        "{:>9} {:>11} {:>12} {:>9} {:>13} {:>10} {:>10} {:>10} {:>9} {:>11} {:>10}",
+        "{:>9} {:>11} {:>12} {:>9} {:>13} {:>10} {:>10} {:>10} {:>9} {:>11} {:>10} {:>10}",
         "size",
         "cuMemCreate",
         "(no fd type)",
@@ -98,14 +104,20 @@ fn table(
         "vmm total",
         "GB/s",
         "cuMemAlloc",
-        "GB/s"
+        "GB/s",
+        "cumem map"
     );
     for mib in SIZES_MIB {
         let size = mib << 20;
         let (mut create, mut map, mut access, mut alloc) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut with_peers, mut again) = (Vec::new(), Vec::new());
-        let mut plain = Vec::new();
+        let (mut plain, mut cumem_map) = (Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
+            let t = Instant::now();
+            let buf = GrowableBuffer::<u8>::with_capacity_on(VmBackend::Cuda(0), size)?;
+            cumem_map.push(t.elapsed().as_secs_f64() * 1e6);
+            drop(buf);
+            ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))?;
             let t = Instant::now();
             drop(vmm::PhysicalChunk::create_with(ctx, size, false)?);
             plain.push(t.elapsed().as_secs_f64() * 1e6);
@@ -138,11 +150,11 @@ fn table(
             unsafe { result::free_sync(p) }.map_err(driver("cuMemFree"))?;
         }
         let (c, m, a, al) = (median(create), median(map), median(access), median(alloc));
-        let (np, ap, ag) = (median(plain), median(with_peers), median(again));
+        let (np, ap, ag, cm) = (median(plain), median(with_peers), median(again), median(cumem_map));
         let total = c + m + a;
         let gbs = |us: f64| size as f64 / (us * 1e3);
         println!(
-            "{:>5} MiB {c:>11.1} {np:>12.1} {m:>9.1} {a:>13.1} {ap:>10.1} {ag:>10.1} {total:>10.1} {:>9.1} {al:>11.1} {:>10.1}",
+            "{:>5} MiB {c:>11.1} {np:>12.1} {m:>9.1} {a:>13.1} {ap:>10.1} {ag:>10.1} {total:>10.1} {:>9.1} {al:>11.1} {:>10.1} {cm:>10.1}",
             mib,
             gbs(total),
             gbs(al)

@@ -306,6 +306,21 @@ CumemStatus cumem_set_pinned_pool_size(size_t size);
 // `CUMEM_STATUS_CONFIG_TOO_LATE` after the first device allocation.
 CumemStatus cumem_set_device_pool_size(size_t size);
 
+// Lets kernels on device `accessor` read and write all memory of device
+// `owner` that cumem hands out, now and later (see
+// `MemoryManager::enable_peer_access`). A program that enables peer
+// access itself (`cudaDeviceEnablePeerAccess`) calls this too when it
+// reads memory mapped before the accessor's context existed without a
+// cumem allocation in between (cumem gives access to peers whose context
+// is active at its next mapping). Granting twice, or `accessor ==
+// owner`, is harmless; one-way.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` for a negative device;
+// `CUMEM_STATUS_NO_SUCH_DEVICE`; `CUMEM_STATUS_OTHER` when the devices
+// have no peer path; `CUMEM_STATUS_DRIVER`.
+CumemStatus cumem_enable_peer_access(int accessor, int owner);
+
 // Requests device allocator mode `mode` (a `CumemMode` value) for every
 // device; stores the mode in effect on the default device in
 // `*effective` when it is not NULL (`CUMEM_MODE_SYNC_POOL` where the

@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 use cumem::{Config, DeviceAllocatorMode, MemoryManager};
 
-use crate::ffi::{copy_text, manager, put};
+use crate::ffi::{copy_text, manager, ordinal, put};
 use crate::status::{guard, Failure, Outcome};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
@@ -297,6 +297,29 @@ pub extern "C" fn cumem_set_pinned_pool_size(size: usize) -> CumemStatus {
 #[no_mangle]
 pub extern "C" fn cumem_set_device_pool_size(size: usize) -> CumemStatus {
     guard(|| Ok(manager()?.set_device_pool_size(size)?))
+}
+
+// ---- peers ----
+
+/// Lets kernels on device `accessor` read and write all memory of device
+/// `owner` that cumem hands out, now and later (see
+/// `MemoryManager::enable_peer_access`). A program that enables peer
+/// access itself (`cudaDeviceEnablePeerAccess`) calls this too when it
+/// reads memory mapped before the accessor's context existed without a
+/// cumem allocation in between (cumem gives access to peers whose context
+/// is active at its next mapping). Granting twice, or `accessor ==
+/// owner`, is harmless; one-way.
+///
+/// # Errors
+/// `CUMEM_STATUS_INVALID_ARGUMENT` for a negative device;
+/// `CUMEM_STATUS_NO_SUCH_DEVICE`; `CUMEM_STATUS_OTHER` when the devices
+/// have no peer path; `CUMEM_STATUS_DRIVER`.
+#[no_mangle]
+pub extern "C" fn cumem_enable_peer_access(accessor: c_int, owner: c_int) -> CumemStatus {
+    guard(|| {
+        let (a, o) = (ordinal(accessor)?, ordinal(owner)?);
+        Ok(manager()?.enable_peer_access(a, o)?)
+    })
 }
 
 /// Requests device allocator mode `mode` (a `CumemMode` value) for every

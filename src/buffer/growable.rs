@@ -21,7 +21,7 @@ use cudarc::driver::CudaContext;
 
 use super::interop::CudaShadow;
 use crate::cuda::RelaxedCaptureMode;
-use crate::cuda::{vmm, Stream};
+use crate::cuda::{follow_active_peers, vmm, Stream};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, MutexGuard};
 mod copies;
@@ -306,6 +306,11 @@ impl<T: Copy> GrowableBuffer<T> {
         if min_capacity <= self.capacity() {
             return Ok(GrowPath::Unchanged);
         }
+        if self.ctx.is_some() {
+            // Peers that became active get access before the map, with the
+            // region's lock not held (`cuda/peer.rs`).
+            follow_active_peers()?;
+        }
         let needed = self.region().round(Self::bytes_for(min_capacity)?)?;
         let mapped = self.region().mapped_prefix();
         let target = self.region().round(needed.max(mapped.saturating_mul(2)))?;
@@ -412,12 +417,15 @@ impl<T: Copy> GrowableBuffer<T> {
 
     /// Gives the devices in `peers` (ordinals) read-write access to the
     /// buffer too (added to those that have it), now and after every growth
-    /// (`cuMemSetAccess`). Nothing to do on the host fallback. Every device
-    /// that can reach this buffer's device (`cuDeviceCanAccessPeer`) has
-    /// access from the start (unless `CUMEM_MAP_PEERS=0`), so a program
-    /// that enables peer access the CUDA way (`cuCtxEnablePeerAccess`) or
-    /// with [`enable_peer_access`](crate::cuda::enable_peer_access) needs
-    /// no call here.
+    /// (`cuMemSetAccess`). Nothing to do on the host fallback. Devices
+    /// granted with [`enable_peer_access`](crate::cuda::enable_peer_access),
+    /// and (by default) every device that can reach this one and whose
+    /// context is active, have access already; one whose context becomes
+    /// active later gets it at cumem's next mapping (see
+    /// [`mapped_peers`](crate::cuda::mapped_peers)), so a program that
+    /// enables peer access the CUDA way and reads memory mapped before the
+    /// peer's context existed, with no cumem mapping in between, calls
+    /// this or `enable_peer_access`.
     ///
     /// # Errors
     /// A driver error, for example for a device that can't access this one.
@@ -425,8 +433,7 @@ impl<T: Copy> GrowableBuffer<T> {
         self.region().set_peers(peers)
     }
 
-    /// The devices given access to the buffer besides its own (from the
-    /// start, every device that can reach it).
+    /// The devices given access to the buffer besides its own.
     pub fn peers(&self) -> Vec<usize> {
         self.region().peers().to_vec()
     }

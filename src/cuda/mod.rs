@@ -22,7 +22,7 @@ pub use free_clock::{FreeClock, PENDING};
 pub use context::{
     default_ordinal, device_context, driver_err, driver_status, gpu_for_test, gpus_for_test, DriverStatus,
 };
-pub use peer::{can_access_peer, enable_peer_access, peers_of};
+pub use peer::{can_access_peer, enable_peer_access, mapped_peers, peers_of};
 pub use stream::Stream;
 
 pub(crate) use capture::{
@@ -33,4 +33,6 @@ pub(crate) use graph_object::tie_to_graph;
 pub(crate) use graph_release::next_host_capture_id;
 #[doc(hidden)]
 pub use graph_release::{release_payload, run_release, HostGraph, HostGraphExec, ReleaseQueue};
-pub(crate) use peer::{reachable_peers, register_mapped, register_pool, unregister_pool, PeerMapped};
+pub(crate) use peer::{
+    follow_active_peers, initial_peers, register_mapped, register_pool, unregister_pool, PeerMapped,
+};

@@ -26,24 +26,46 @@
 //! never telling cumem, and expect every pointer of the owner to be
 //! reachable from then on. For `cuMemMap` memory that takes a
 //! `cuMemSetAccess` naming the accessor, and the driver offers no way to
-//! learn that a context enabled peer access. So every mapping cumem makes
-//! (expandable segments, growable buffers, graph pools over them, page
-//! remapping, IPC imports) names, in its one `cuMemSetAccess` call, the
-//! owner and every device [`reachable_peers`] lists: those that
-//! `cuDeviceCanAccessPeer` says can reach the owner (as NCCL maps its own
-//! buffers). Memory is reachable before any peer access exists, and stays
-//! so, and [`enable_peer_access`] has nothing left to add for it. On one
-//! device the list is empty and a mapping names the owner alone, as
-//! before.
+//! learn that a context enabled peer access. A `cuMemSetAccess` that names
+//! a peer is also dear: about 1 ms (2 to 128 MiB; about 10.5 ms from 512
+//! MiB) on two H200s against 0.04 to 0.6 ms for the owner alone, 1.5 to
+//! 1.7 ms (11 ms) while the peer's context does not exist. So a mapping names, in its one
+//! `cuMemSetAccess` call, the owner, the peers granted with
+//! [`enable_peer_access`] (or `peer_access` in `CUMEM_CONF`), and the
+//! peers that can reach the owner (`cuDeviceCanAccessPeer`) and whose
+//! primary context is active in this process (`cuDevicePrimaryCtxGetState`):
+//! a kernel can only run on, and peer access only be enabled from, a
+//! device whose context exists. A process that uses one GPU (one per
+//! process, as in DDP) names no peer and pays nothing.
 //!
-//! That is not free on a host of several GPUs: a `cuMemSetAccess` naming a
-//! peer took about 1 ms (2 to 128 MiB; about 10 ms from 512 MiB) on two
-//! H200s against 0.05 to 0.5 ms for the owner alone, up to twice that
-//! while the peer's context did not exist yet. A process that never lets
-//! another GPU touch its memory (one GPU per process, as in DDP) can set
-//! `CUMEM_MAP_PEERS=0`: mappings then name the owner and the devices
-//! granted with [`enable_peer_access`] (or `peer_access` in `CUMEM_CONF`)
-//! only, and peer access enabled the CUDA way does not reach them.
+//! cumem follows peers that become active: before it maps (a region
+//! reserved or grown, a piece mapped or remapped, an IPC import), with no
+//! pool or region lock held, it looks for reachable peers it has not yet
+//! seen active ([`follow_active_peers`]); one that is active now is given
+//! access to the live regions of every device it can reach, and recorded
+//! so that their later mappings name it. A program whose peers are all
+//! seen pays one relaxed load for this; the driver is asked only about
+//! reachable peers not seen active yet. The follow grant makes only the
+//! `cuMemSetAccess` calls: it does not enable context peer access (the
+//! program's own `cudaDeviceEnablePeerAccess` would then fail with
+//! "already enabled") nor open native pools (context peer access does not
+//! reach them in CUDA either).
+//!
+//! What remains: memory mapped before a peer's context existed becomes
+//! reachable from it at cumem's next mapping on any device, or at an
+//! explicit grant. A program that creates the peer's context, enables
+//! peer access the CUDA way and reads such old memory with no cumem
+//! mapping in between must call [`enable_peer_access`]
+//! (`cumem_enable_peer_access` in C; cumem_torch does it in PyTorch's
+//! `enablePeerAccess` hook, which PyTorch calls before peer copies). IPC
+//! imports name the peers known when they are opened and are not
+//! followed later.
+//!
+//! `CUMEM_MAP_PEERS` (read once) picks the peers a mapping names besides
+//! the owner and the explicit grants: `active` (the default, above),
+//! `all` (every reachable peer, from the start: sound for any program,
+//! at the cost above on every mapping), `0` / `off` (explicit grants
+//! only).
 //!
 //! A grant holds the table's lock while it applies itself, and a pool or
 //! region registers under the same lock, so each one either sees the grant
@@ -58,7 +80,7 @@ use once_cell::sync::{Lazy, OnceCell};
 
 use super::{device_context, driver_err};
 use crate::error::{Error, Result};
-use crate::sync::{lock, Mutex};
+use crate::sync::{lock, Mutex, StaticAtomicU64};
 
 /// Memory mapped with CUDA VMM that can be opened to more devices.
 pub(crate) trait PeerMapped: Send + Sync {
@@ -71,6 +93,9 @@ pub(crate) trait PeerMapped: Send + Sync {
 struct Table {
     /// `(accessor, owner)` pairs granted so far.
     granted: Vec<(usize, usize)>,
+    /// `(accessor, owner)` pairs given to the owner's VMM regions because
+    /// the accessor's context became active ([`follow_active_peers`]).
+    followed: Vec<(usize, usize)>,
     /// Dedicated native pools alive, by owner: the raw handle as an
     /// address (handles are plain identifiers, usable from any thread).
     pools: Vec<(usize, usize)>,
@@ -81,6 +106,30 @@ struct Table {
 impl Table {
     fn peers_of(&self, owner: usize) -> Vec<usize> {
         self.granted.iter().filter(|(_, o)| *o == owner).map(|(a, _)| *a).collect()
+    }
+
+    /// The peers the owner's VMM regions name: granted or followed.
+    fn mapped_peers_of(&self, owner: usize) -> Vec<usize> {
+        let mut peers = self.peers_of(owner);
+        for &(a, _) in self.followed.iter().filter(|(_, o)| *o == owner) {
+            if !peers.contains(&a) {
+                peers.push(a);
+            }
+        }
+        peers
+    }
+
+    /// Gives `accessor` access to every live VMM region of `owner`, beside
+    /// the peers they name already. The regions are moved to `keep`, to be
+    /// dropped once the table's lock is let go (a region whose owner let go
+    /// meanwhile unmaps in its drop).
+    fn open_regions(&mut self, accessor: usize, owner: usize, keep: &mut Vec<Arc<dyn PeerMapped>>) -> Result<()> {
+        self.mapped.retain(|(_, w)| w.strong_count() > 0);
+        let from = keep.len();
+        keep.extend(self.mapped.iter().filter(|(o, _)| *o == owner).filter_map(|(_, w)| w.upgrade()));
+        let mut peers = self.mapped_peers_of(owner);
+        peers.push(accessor);
+        keep[from..].iter().try_for_each(|r| r.set_peers(&peers))
     }
 }
 
@@ -113,24 +162,60 @@ pub fn can_access_peer(accessor: usize, owner: usize) -> Result<bool> {
     Ok(can != 0)
 }
 
-/// The devices, besides `owner`, whose kernels can reach `owner`'s memory
-/// (`cuDeviceCanAccessPeer`): every VMM mapping of `owner` names them in
-/// its access (see the module documentation). Asked once per process for
-/// every pair of devices (`cuDeviceGet`, no context is created) and kept;
-/// empty on one device, on the host fallback, when the driver can't
-/// answer, and with `CUMEM_MAP_PEERS=0` in the environment (see the module
-/// documentation).
-pub(crate) fn reachable_peers(owner: usize) -> &'static [usize] {
-    static REACH: OnceCell<Vec<Vec<usize>>> = OnceCell::new();
-    let reach = REACH.get_or_init(|| {
+/// Which peers a mapping names besides the owner and the explicit grants
+/// (`CUMEM_MAP_PEERS`; see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MapPeers {
+    /// Every device that can reach the owner, from the start.
+    All,
+    /// The reachable devices whose primary context is active, followed as
+    /// they become active (the default).
+    Active,
+    /// None: explicit grants only.
+    Off,
+}
+
+/// Reads `CUMEM_MAP_PEERS`: unset, empty, `active`, `1`, `on`, `true`,
+/// `yes` → [`MapPeers::Active`]; `all` → [`MapPeers::All`]; `0`, `off`,
+/// `false`, `no`, `none` → [`MapPeers::Off`]; anything else is an error
+/// naming the choices.
+fn parse_map_peers(var: Option<&str>) -> std::result::Result<MapPeers, String> {
+    match var.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        None | Some("" | "active" | "1" | "on" | "true" | "yes") => Ok(MapPeers::Active),
+        Some("all") => Ok(MapPeers::All),
+        Some("0" | "off" | "false" | "no" | "none") => Ok(MapPeers::Off),
+        Some(other) => Err(format!("CUMEM_MAP_PEERS={other} is not one of active, all, off")),
+    }
+}
+
+/// The peer facts of this process, asked once: the mode, and which devices
+/// can reach which (`cuDeviceCanAccessPeer` via `cuDeviceGet`: no context
+/// is created).
+struct Reach {
+    mode: MapPeers,
+    /// By owner: the other devices that can reach it.
+    peers: Vec<Vec<usize>>,
+    /// The devices (below 64) that can reach some other device: those to
+    /// follow.
+    followers: u64,
+    /// The device handles, by ordinal.
+    devices: Vec<Option<sys::CUdevice>>,
+}
+
+fn reach() -> &'static Reach {
+    static REACH: OnceCell<Reach> = OnceCell::new();
+    REACH.get_or_init(|| {
+        let mode = parse_map_peers(std::env::var("CUMEM_MAP_PEERS").ok().as_deref()).unwrap_or_else(|e| {
+            eprintln!("cumem: {e}; using active");
+            MapPeers::Active
+        });
         let count = match super::driver_status() {
-            _ if !map_peers(std::env::var("CUMEM_MAP_PEERS").ok().as_deref()) => 0,
             super::DriverStatus::Available { devices } => *devices,
             super::DriverStatus::Unavailable(_) => 0,
         };
         let devices: Vec<Option<sys::CUdevice>> =
             (0..count).map(|i| i32::try_from(i).ok().and_then(|i| result::device::get(i).ok())).collect();
-        (0..count)
+        let peers: Vec<Vec<usize>> = (0..count)
             .map(|o| {
                 (0..count)
                     .filter(|&a| a != o)
@@ -144,15 +229,123 @@ pub(crate) fn reachable_peers(owner: usize) -> &'static [usize] {
                     })
                     .collect()
             })
-            .collect()
-    });
-    reach.get(owner).map_or(&[], Vec::as_slice)
+            .collect();
+        let followers = peers.iter().flatten().filter(|&&a| a < 64).fold(0u64, |m, &a| m | 1 << a);
+        Reach { mode, peers, followers, devices }
+    })
 }
 
-/// Whether mappings name every reachable peer, from `CUMEM_MAP_PEERS`:
-/// on unless it is `0`, `false`, `no` or `off`.
-fn map_peers(var: Option<&str>) -> bool {
-    !matches!(var.map(str::trim), Some("0" | "false" | "no" | "off"))
+/// The devices, besides `owner`, whose kernels can reach `owner`'s memory
+/// (`cuDeviceCanAccessPeer`), asked once per process; empty on one device,
+/// on the host fallback and when the driver can't answer.
+fn reachable_peers(owner: usize) -> &'static [usize] {
+    reach().peers.get(owner).map_or(&[], Vec::as_slice)
+}
+
+/// The peers a fresh VMM region of `owner` starts with, before the table's
+/// grants are added: every reachable peer under `CUMEM_MAP_PEERS=all`,
+/// none otherwise.
+pub(crate) fn initial_peers(owner: usize) -> Vec<usize> {
+    match reach().mode {
+        MapPeers::All => reachable_peers(owner).to_vec(),
+        MapPeers::Active | MapPeers::Off => Vec::new(),
+    }
+}
+
+/// The devices every new mapping of `owner`'s memory names besides the
+/// owner: those granted with [`enable_peer_access`], those followed
+/// because their context became active (`CUMEM_MAP_PEERS=active`, the
+/// default), or every reachable one (`CUMEM_MAP_PEERS=all`). A process
+/// that uses one GPU gets an empty list.
+pub fn mapped_peers(owner: usize) -> Vec<usize> {
+    let mut peers = lock(&TABLE).mapped_peers_of(owner);
+    for p in initial_peers(owner) {
+        if !peers.contains(&p) {
+            peers.push(p);
+        }
+    }
+    peers
+}
+
+/// The followers (a mask of devices) seen active and given access to the
+/// regions of every device they reach. Only ever gains bits. A cache:
+/// what it stands for is published by the table's and the regions' locks
+/// (a thread that reads a bit set after a grant took and let go those
+/// locks later, so it sees the grant), never by this atomic's ordering.
+static SEEN_ACTIVE: StaticAtomicU64 = StaticAtomicU64::new(0);
+
+/// Of the devices in `followers` not in `seen`, those `active` says are
+/// active now (asked once each; nothing asked when all are seen).
+fn newly_active(followers: u64, seen: u64, mut active: impl FnMut(usize) -> bool) -> u64 {
+    let mut pending = followers & !seen;
+    let mut found = 0;
+    while pending != 0 {
+        let d = pending.trailing_zeros() as usize;
+        pending &= pending - 1;
+        if active(d) {
+            found |= 1 << d;
+        }
+    }
+    found
+}
+
+/// Whether `device`'s primary context is active (`cuDevicePrimaryCtxGetState`;
+/// creates nothing).
+fn primary_active(device: Option<sys::CUdevice>) -> bool {
+    let Some(dev) = device else { return false };
+    let (mut flags, mut active) = (0u32, 0i32);
+    // SAFETY: both are valid out-pointers; the handle comes from `cuDeviceGet`.
+    let rc = unsafe { sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) };
+    rc.result().is_ok() && active != 0
+}
+
+/// Follows peers that became active (`CUMEM_MAP_PEERS=active`, the
+/// default): each device that can reach another, not seen active before
+/// and whose primary context is active now, is given access to the live
+/// VMM regions of every device it can reach (`cuMemSetAccess`), and their
+/// later mappings name it. Called before cumem maps, with no pool lock and
+/// no region lock held (it takes the table's lock, then each region's).
+/// One relaxed load when every follower has been seen.
+///
+/// # Errors
+/// A driver error from `cuMemSetAccess` (the peer is asked about again at
+/// the next mapping).
+pub(crate) fn follow_active_peers() -> Result<()> {
+    let reach = reach();
+    if reach.mode != MapPeers::Active || reach.followers == 0 {
+        return Ok(());
+    }
+    let seen = SEEN_ACTIVE.load(std::sync::atomic::Ordering::Relaxed);
+    if reach.followers & !seen == 0 {
+        return Ok(());
+    }
+    let found = newly_active(reach.followers, seen, |d| primary_active(reach.devices[d]));
+    if found == 0 {
+        return Ok(());
+    }
+    let mut keep = Vec::new();
+    let mut table = lock(&TABLE);
+    let mut applied = Ok(());
+    for accessor in (0..64).filter(|d| found & 1 << d != 0) {
+        let owners = reach.peers.iter().enumerate().filter(|(_, p)| p.contains(&accessor)).map(|(o, _)| o);
+        for owner in owners {
+            if table.followed.contains(&(accessor, owner)) || table.granted.contains(&(accessor, owner)) {
+                continue;
+            }
+            applied = table.open_regions(accessor, owner, &mut keep);
+            if applied.is_err() {
+                break;
+            }
+            table.followed.push((accessor, owner));
+        }
+        if applied.is_err() {
+            break;
+        }
+        SEEN_ACTIVE.fetch_or(1 << accessor, std::sync::atomic::Ordering::Relaxed);
+    }
+    drop(table);
+    drop(keep);
+    applied
 }
 
 fn access_desc(device: usize) -> sys::CUmemAccessDesc {
@@ -224,12 +417,8 @@ pub fn enable_peer_access(accessor: usize, owner: usize) -> Result<()> {
     for &(_, pool) in table.pools.iter().filter(|(o, _)| *o == owner) {
         pool_set_access(&b, pool as sys::CUmemoryPool, accessor)?;
     }
-    table.mapped.retain(|(_, w)| w.strong_count() > 0);
-    let regions: Vec<Arc<dyn PeerMapped>> =
-        table.mapped.iter().filter(|(o, _)| *o == owner).filter_map(|(_, w)| w.upgrade()).collect();
-    let mut peers = table.peers_of(owner);
-    peers.push(accessor);
-    let applied = regions.iter().try_for_each(|r| r.set_peers(&peers));
+    let mut regions = Vec::new();
+    let applied = table.open_regions(accessor, owner, &mut regions);
     if applied.is_ok() {
         table.granted.push((accessor, owner));
     }
@@ -269,7 +458,7 @@ pub(crate) fn unregister_pool(pool: sys::CUmemoryPool) {
 /// A driver error from `cuMemSetAccess`.
 pub(crate) fn register_mapped<T: PeerMapped + 'static>(owner: usize, region: &Arc<T>) -> Result<()> {
     let mut table = lock(&TABLE);
-    let peers = table.peers_of(owner);
+    let peers = table.mapped_peers_of(owner);
     if !peers.is_empty() {
         region.set_peers(&peers)?;
     }
@@ -281,12 +470,50 @@ pub(crate) fn register_mapped<T: PeerMapped + 'static>(owner: usize, region: &Ar
 
 #[cfg(test)]
 mod tests {
+    use super::{newly_active, parse_map_peers, MapPeers};
+
     #[test]
-    fn cumem_map_peers_turns_the_map_time_grant_off() {
-        assert!(super::map_peers(None));
-        assert!(super::map_peers(Some("1")));
-        for off in ["0", "false", "no", "off", " 0 "] {
-            assert!(!super::map_peers(Some(off)), "{off}");
+    fn cumem_map_peers_picks_active_all_or_off() {
+        assert_eq!(parse_map_peers(None), Ok(MapPeers::Active));
+        for active in ["", "active", "1", "on", " Active "] {
+            assert_eq!(parse_map_peers(Some(active)), Ok(MapPeers::Active), "{active}");
         }
+        assert_eq!(parse_map_peers(Some("all")), Ok(MapPeers::All));
+        for off in ["0", "false", "no", "off", " 0 ", "none"] {
+            assert_eq!(parse_map_peers(Some(off)), Ok(MapPeers::Off), "{off}");
+        }
+        let e = parse_map_peers(Some("sometimes")).unwrap_err();
+        assert!(e.contains("active, all, off"), "{e}");
+    }
+
+    #[test]
+    fn only_followers_not_seen_are_asked_about() {
+        let mut asked = Vec::new();
+        // All seen: nothing asked, nothing found.
+        assert_eq!(
+            newly_active(0b110, 0b110, |d| {
+                asked.push(d);
+                true
+            }),
+            0
+        );
+        assert!(asked.is_empty());
+        // Device 1 seen, 2 and 5 not: only they are asked; 5 is active.
+        let found = newly_active(0b100110, 0b10, |d| {
+            asked.push(d);
+            d == 5
+        });
+        assert_eq!(asked, [2, 5]);
+        assert_eq!(found, 1 << 5);
+        // Seen devices that are not followers are never asked about.
+        asked.clear();
+        assert_eq!(
+            newly_active(0, u64::MAX, |d| {
+                asked.push(d);
+                true
+            }),
+            0
+        );
+        assert!(asked.is_empty());
     }
 }

@@ -31,8 +31,8 @@ pub use stats::{AsyncStats, DeviceStats, ModeMemory};
 
 // Older paths, for programs (cumem's own code imports from the owners).
 pub use crate::cuda::{
-    can_access_peer, device_context, driver_status, enable_peer_access, gpu_for_test, gpus_for_test, peers_of, vmm,
-    DriverStatus, Stream,
+    can_access_peer, device_context, driver_status, enable_peer_access, gpu_for_test, gpus_for_test, mapped_peers,
+    peers_of, vmm, DriverStatus, Stream,
 };
 #[doc(hidden)]
 pub use crate::cuda::{release_payload, run_release, FreeClock, HostGraph, HostGraphExec, ReleaseQueue, PENDING};

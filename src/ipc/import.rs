@@ -8,7 +8,7 @@ use cudarc::driver::{sys, CudaContext};
 
 use super::{HandleKind, IpcHandle};
 use crate::cuda::vmm::{self, AddressRange, PhysicalChunk};
-use crate::cuda::{device_context, ipc, reachable_peers};
+use crate::cuda::{device_context, follow_active_peers, ipc, mapped_peers};
 use crate::error::{Error, Result};
 
 /// How the memory was opened, and so how it is closed.
@@ -81,12 +81,12 @@ impl ImportedMemory {
         let offset = handle.offset;
         let (ptr, opened) = match &handle.kind {
             HandleKind::Mapped { pieces } => {
-                // The memory's own device and every device that can reach
-                // it, as cumem's own mappings are (`cuda/peer.rs`).
-                let reach: Vec<usize> = owner
-                    .into_iter()
-                    .flat_map(|o| std::iter::once(o).chain(reachable_peers(o).iter().copied()))
-                    .collect();
+                // The memory's own device and the peers cumem's own mappings
+                // of it name now (`cuda/peer.rs`); peers that become active
+                // later are not followed into imports.
+                follow_active_peers()?;
+                let reach: Vec<usize> =
+                    owner.into_iter().flat_map(|o| std::iter::once(o).chain(mapped_peers(o))).collect();
                 let (base, opened) = map_pieces(&ctx, pieces, &handle, &reach)?;
                 (base + offset, opened)
             }

@@ -9,7 +9,7 @@
 
 use super::region::{Region, SharedRegion, VmBackend};
 use super::{Chunk, Upstream};
-use crate::cuda::{captures_under_way, device_context, driver_err, vmm, RelaxedCaptureMode};
+use crate::cuda::{captures_under_way, device_context, driver_err, follow_active_peers, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, Mutex};
 
@@ -23,6 +23,9 @@ struct Expandable {
     /// The end (offset) of the address space handed out as chunks with
     /// nothing mapped ([`Upstream::reserve_chunk`]; page remapping).
     reserved_top: Mutex<usize>,
+    /// Whether the region maps device memory (peers are followed before
+    /// each map: `cuda/peer.rs`).
+    cuda: bool,
 }
 
 impl Expandable {
@@ -32,7 +35,17 @@ impl Expandable {
             let r = lock(&region);
             (r.base(), r.reserved(), r.granularity())
         };
-        Ok(Expandable { base, reserved, granularity, region, reserved_top: Mutex::new(0) })
+        let cuda = matches!(backend, VmBackend::Cuda(_));
+        Ok(Expandable { base, reserved, granularity, region, reserved_top: Mutex::new(0), cuda })
+    }
+
+    /// Gives peers that became active access before a map, with no lock of
+    /// the region held yet (`cuda/peer.rs`).
+    fn follow_peers(&self) -> Result<()> {
+        if self.cuda {
+            follow_active_peers()?;
+        }
+        Ok(())
     }
 
     /// The offset of `chunk` in the region, if it lies inside it.
@@ -69,6 +82,7 @@ impl Expandable {
         let size = size
             .checked_next_multiple_of(self.granularity)
             .ok_or(Error::InvalidSize { size, reason: "larger than the address space" })?;
+        self.follow_peers()?;
         let mut region = lock(&self.region);
         // Prefer the end of the mapped memory; else the first hole that fits.
         let mut offset = region.mapped_end();
@@ -117,6 +131,7 @@ impl Expandable {
         let Some(end) = (offset + chunk.size).checked_add(extra).filter(|e| *e <= self.reserved) else {
             return Ok(false);
         };
+        self.follow_peers()?;
         let mut region = lock(&self.region);
         // The addresses after the chunk must be unmapped.
         let taken = region.piece_bounds().any(|(start, len)| start < end && start + len > offset + chunk.size);
@@ -171,6 +186,7 @@ impl Expandable {
     }
 
     fn map_runs(&self, runs: &[Chunk], kind: PoolKind) -> Result<u64> {
+        self.follow_peers()?;
         let mut region = lock(&self.region);
         let mut calls = 0;
         for (i, run) in runs.iter().enumerate() {

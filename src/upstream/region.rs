@@ -31,7 +31,9 @@ use cudarc::driver::CudaContext;
 
 use super::host_vm::{page_size, HostRange};
 use crate::cuda::vmm::{self, AddressRange, PhysicalChunk};
-use crate::cuda::{device_context, driver_status, reachable_peers, register_mapped, DriverStatus, PeerMapped};
+use crate::cuda::{
+    device_context, driver_status, follow_active_peers, initial_peers, register_mapped, DriverStatus, PeerMapped,
+};
 use crate::error::{Error, Result};
 use crate::sync::{lock, Mutex};
 
@@ -198,10 +200,10 @@ impl Region {
             VmBackend::Cuda(ordinal) => {
                 let ctx = device_context(*ordinal)?.ok_or(Error::NeedsGpu("a CUDA VMM region"))?;
                 let granularity = vmm::granularity(&ctx)?.minimum;
-                // Every mapping is reachable from each device that can
-                // reach this one, however the program enables peer access
+                // Every reachable peer under CUMEM_MAP_PEERS=all; the
+                // table's grants and followed peers come at registration
                 // (`cuda/peer.rs`).
-                (Space::Cuda { ctx, granularity }, reachable_peers(*ordinal).to_vec())
+                (Space::Cuda { ctx, granularity }, initial_peers(*ordinal))
             }
         };
         let mut region = Region {
@@ -489,6 +491,9 @@ impl Region {
     /// device's memory (`enable_peer_access`), before or after, reaches all
     /// the region's mappings.
     pub(crate) fn reserve_shared(backend: &VmBackend, size: usize, headroom: bool) -> Result<SharedRegion> {
+        if let VmBackend::Cuda(_) = backend {
+            follow_active_peers()?;
+        }
         let region = Arc::new(Mutex::new(Region::reserve(backend, size, headroom)?));
         if let VmBackend::Cuda(ordinal) = backend {
             register_mapped(*ordinal, &region)?;

@@ -382,7 +382,8 @@ fn gpu_without_peer_access_a_device_1_kernel_faults_on_device_0_memory() {
         let ctxs = gpus_for_test(2, name).expect("the parent saw two GPUs");
         let f = affine(&ctxs[1]);
         // `cuMemAlloc` memory: context peer access is what reaches it (VMM
-        // mappings name every device that can reach them from the start).
+        // mappings name every reachable device whose context is active, as
+        // device 1's is here).
         let mm = MemoryManager::new(Config::new().expandable(false)).unwrap();
         let (s0, s1) = (Stream::new_on(0).unwrap(), Stream::new_on(1).unwrap());
         let p = mm.allocate_device_on(1 << 22, &s0).unwrap();
@@ -467,4 +468,130 @@ fn a_mode_set_before_a_device_is_first_used_holds_for_it() {
     let d1 = mm.device(1).unwrap();
     assert_eq!(d1.requested_mode(), DeviceAllocatorMode::AsyncStreamOrdered);
     assert_eq!(d1.effective_mode(), mm.effective_device_allocator_mode());
+}
+
+/// Set in the child processes of the tests below: `one` (only device 0's
+/// context is ever made), `follow` (device 1's is made later).
+const FOLLOW_ENV: &str = "CUMEM_MULTI_GPU_FOLLOW_CHILD";
+
+/// Whether `device`'s primary context is active in this process.
+fn primary_active(device: i32) -> bool {
+    let dev = cudarc::driver::result::device::get(device).unwrap();
+    let (mut flags, mut active) = (0u32, 0i32);
+    // SAFETY: both are valid out-pointers; the handle is from cuDeviceGet.
+    unsafe { sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) }.result().unwrap();
+    active != 0
+}
+
+/// The child of the tests below: device-0 memory (the default pool and a
+/// growable buffer) mapped while only device 0's context exists names no
+/// peer; with `follow`, device 1's context is then made and peer access
+/// enabled the CUDA way, one cumem allocation is made on device 1, and a
+/// device-1 kernel reads and writes the old memory.
+fn follow_child(mode: &str) {
+    let ctx0 = cumem::device::device_context(0).unwrap().expect("a GPU");
+    assert!(!primary_active(1), "device 1's context exists before the test made it");
+    let s0 = Stream::new_on(0).unwrap();
+    let n = 3 << 18; // 3 MiB: more than one 2 MiB mapping
+    let mm = MemoryManager::new(Config::new().device(0)).unwrap();
+    let old = mm.allocate_device_on(n * 4, &s0).unwrap();
+    let big = mm.allocate_device_on(64 << 20, &s0).unwrap();
+    let mut grown = GrowableBuffer::<u32>::with_capacity_on(VmBackend::Cuda(0), n).unwrap();
+    grown.resize(n, 0).unwrap();
+    s0.synchronize().unwrap();
+    assert!(!primary_active(1), "cumem made device 1's context");
+    assert_eq!(cumem::device::mapped_peers(0), Vec::<usize>::new(), "device 0's mappings name a peer");
+    assert_eq!(grown.peers(), Vec::<usize>::new(), "the growable buffer names a peer");
+    println!("cumem-follow: one GPU in use, no peer named");
+    if mode == "follow" {
+        // Device 1 comes into use; peer access the CUDA way.
+        let ctx1 = cumem::device::device_context(1).unwrap().expect("a second GPU");
+        ctx1.bind_to_thread().unwrap();
+        // SAFETY: both are live primary contexts; flags must be 0.
+        let rc = unsafe { sys::cuCtxEnablePeerAccess(ctx0.cu_ctx(), 0) };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuCtxEnablePeerAccess");
+        let f = affine(&ctx1);
+        let s1 = Stream::new_on(1).unwrap();
+        // One cumem allocation, on the other device: its first mapping.
+        let other = mm.allocate_device_on(1 << 20, &s1).unwrap();
+        if std::env::var("CUMEM_MAP_PEERS").as_deref() != Ok("off") {
+            assert_eq!(cumem::device::mapped_peers(0), vec![1]);
+            assert_eq!(grown.peers(), vec![1]);
+        }
+        check_from_device_1("the default pool, mapped before device 1's context existed", &f, &ctx0, &s1, old, n);
+        check_from_device_1("a 64 MiB mapping made before it", &f, &ctx0, &s1, big, n);
+        check_from_device_1("a growable buffer mapped before it", &f, &ctx0, &s1, grown.device_ptr(), n);
+        grown.resize(4 * n, 0).unwrap();
+        let tail = grown.device_ptr() + (3 * n * 4) as u64;
+        check_from_device_1("the growable buffer's growth", &f, &ctx0, &s1, tail, n);
+        mm.free_device_on(other, &s1).unwrap();
+        s1.synchronize().unwrap();
+        println!("cumem-follow: old memory reached from device 1");
+    }
+    mm.free_device_on(old, &s0).unwrap();
+    mm.free_device_on(big, &s0).unwrap();
+    s0.synchronize().unwrap();
+    std::process::exit(0);
+}
+
+/// Runs test `name` in a child process with `FOLLOW_ENV=mode` and the
+/// extra environment `env`; returns its stdout and stderr.
+fn run_follow_child(name: &str, mode: &str, env: &[(&str, &str)]) -> (String, String) {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(FOLLOW_ENV, mode);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("child ({mode} {env:?}): {stdout}\n{stderr}");
+    (stdout.into_owned(), stderr.into_owned())
+}
+
+/// A process that uses one GPU (only device 0's context exists, as in a
+/// DDP rank) maps for no peer: no `cuMemSetAccess` names device 1, so it
+/// pays nothing for it, and cumem never makes device 1's context.
+#[test]
+fn gpu_a_process_using_one_gpu_maps_for_no_peer() {
+    let name = "gpu_a_process_using_one_gpu_maps_for_no_peer";
+    if let Ok(mode) = std::env::var(FOLLOW_ENV) {
+        follow_child(&mode);
+    }
+    let Some(_ctxs) = gpus_for_test(2, name) else { return };
+    let (stdout, _) = run_follow_child(name, "one", &[("CUMEM_MAP_PEERS", "active")]);
+    assert!(stdout.contains("cumem-follow: one GPU in use, no peer named"), "a one-GPU process named a peer");
+}
+
+/// Memory mapped on device 0 before device 1's context exists; then the
+/// program makes device 1's context, enables peer access the CUDA way and
+/// makes one cumem allocation (on device 1): a device-1 kernel reads the
+/// old memory, as cumem followed the newly active peer.
+#[test]
+fn gpu_memory_mapped_before_a_peer_context_existed_is_reached_after_the_next_mapping() {
+    let name = "gpu_memory_mapped_before_a_peer_context_existed_is_reached_after_the_next_mapping";
+    if let Ok(mode) = std::env::var(FOLLOW_ENV) {
+        follow_child(&mode);
+    }
+    let Some(_ctxs) = gpus_for_test(2, name) else { return };
+    let (stdout, _) = run_follow_child(name, "follow", &[]);
+    assert!(
+        stdout.contains("cumem-follow: old memory reached from device 1"),
+        "device 1 could not reach device-0 memory mapped before its context existed"
+    );
+}
+
+/// Control of the test above: with the follow off (`CUMEM_MAP_PEERS=off`)
+/// the same child's device-1 kernel faults (`CUDA_ERROR_ILLEGAL_ADDRESS`)
+/// on the old memory.
+#[test]
+fn control_gpu_without_the_follow_old_memory_is_not_reached() {
+    let name = "control_gpu_without_the_follow_old_memory_is_not_reached";
+    if let Ok(mode) = std::env::var(FOLLOW_ENV) {
+        follow_child(&mode);
+    }
+    let Some(_ctxs) = gpus_for_test(2, name) else { return };
+    let (stdout, stderr) = run_follow_child(name, "follow", &[("CUMEM_MAP_PEERS", "off")]);
+    assert!(stdout.contains("cumem-follow: one GPU in use, no peer named"), "the child did not get going");
+    assert!(!stdout.contains("cumem-follow: old memory reached"), "control: reached with the follow off");
+    assert!(stderr.contains("ILLEGAL_ADDRESS"), "control: the child failed for another reason");
 }

@@ -135,6 +135,16 @@ static void device(void) {
   CHECK(s.pool.peak_in_use == 0);
 }
 
+/* Peer grants: bad ordinals are refused; a device granted to itself is a
+ * no-op (the two-GPU grants are tests/multi_gpu.rs). */
+static void peers(void) {
+  EXPECT(cumem_enable_peer_access(-1, 0), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_enable_peer_access(0, -1), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_enable_peer_access(0, 99), CUMEM_STATUS_NO_SUCH_DEVICE);
+  EXPECT(cumem_enable_peer_access(99, 0), CUMEM_STATUS_NO_SUCH_DEVICE);
+  EXPECT(cumem_enable_peer_access(0, 0), CUMEM_STATUS_OK);
+}
+
 /* Sharing with other processes: bad input everywhere; the host fallback
  * refuses to export (the two-process GPU test is tests/gpu_ipc.rs). */
 static void ipc(void) {
@@ -364,6 +374,7 @@ int main(void) {
   pool_sizes_before_use();
   pinned();
   device();
+  peers();
   ipc();
   streams_and_copies();
   modes();

@@ -558,6 +558,12 @@ void CumemAllocator::enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev
   } else {
     C10_CUDA_CHECK(err);
   }
+  // cumem maps memory for the peers whose context is active at its next
+  // mapping; memory mapped before dev's context existed needs the grant
+  // now, before PyTorch's peer copy or kernel reads it.
+  int st = cumem_enable_peer_access(dev, dev_to_access);
+  TORCH_CHECK(st == CUMEM_STATUS_OK, "cumem: enabling peer access from device ", static_cast<int>(dev), " to device ",
+              static_cast<int>(dev_to_access), ": ", cumem_status_name(st), ": ", last_error());
 }
 
 cudaError_t CumemAllocator::memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
