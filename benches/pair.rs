@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion};
 use cudarc::driver::{result, sys};
-use cumem::device::{driver_status, DriverStatus};
+use cumem::cuda::{driver_status, DriverStatus};
 use cumem::pool::{Pool, PoolConfig, StreamTag};
 use cumem::upstream::Host;
 use cumem::{BackendChoice, Config, DeviceAllocatorMode, MemoryManager, PoolKind, Stream};
@@ -316,7 +316,7 @@ fn main() {
     host_benches(&mut c);
     match driver_status() {
         DriverStatus::Available { .. } => {
-            let ctx = cumem::device::device_context(0).expect("context").expect("a device");
+            let ctx = cumem::cuda::device_context(0).expect("context").expect("a device");
             device_benches(&mut c, &ctx);
             pinned_benches(&mut c, &ctx);
         }

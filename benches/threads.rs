@@ -25,8 +25,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use cudarc::driver::CudaContext;
-use cumem::device::{driver_status, CudaDeviceMemory, CudaPinnedMemory, DriverStatus};
+use cumem::cuda::{driver_status, DriverStatus};
 use cumem::pool::{Pool, PoolConfig, StreamTag};
+use cumem::upstream::{CudaDeviceMemory, CudaPinnedMemory};
 use cumem::upstream::{Host, Upstream};
 use cumem::PoolKind;
 use rand::rngs::SmallRng;

@@ -29,7 +29,7 @@
 use std::time::Instant;
 
 use cudarc::driver::result;
-use cumem::device::{device_context, driver_status, vmm};
+use cumem::cuda::{device_context, driver_status, vmm};
 use cumem::{Error, GrowableBuffer, VmBackend};
 
 fn driver(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {

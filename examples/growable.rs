@@ -59,7 +59,7 @@ fn main() -> cumem::Result<()> {
 
 /// Address space taken right after a buffer's range.
 enum Blocker {
-    Cuda(#[allow(dead_code)] cumem::device::vmm::AddressRange),
+    Cuda(#[allow(dead_code)] cumem::cuda::vmm::AddressRange),
     Host(*mut libc::c_void),
     None,
 }
@@ -68,9 +68,9 @@ impl Blocker {
     fn at(backend: &VmBackend, end: u64) -> Blocker {
         match backend {
             VmBackend::Cuda(ordinal) => {
-                let ctx = cumem::device::device_context(*ordinal).ok().flatten().expect("context");
-                let gran = cumem::device::vmm::granularity(&ctx).expect("granularity").minimum;
-                match cumem::device::vmm::AddressRange::reserve(&ctx, gran, end) {
+                let ctx = cumem::cuda::device_context(*ordinal).ok().flatten().expect("context");
+                let gran = cumem::cuda::vmm::granularity(&ctx).expect("granularity").minimum;
+                match cumem::cuda::vmm::AddressRange::reserve(&ctx, gran, end) {
                     Ok(r) => Blocker::Cuda(r),
                     Err(_) => Blocker::None,
                 }

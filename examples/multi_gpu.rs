@@ -122,7 +122,7 @@ fn main() -> Result<(), Error> {
         return Ok(());
     }
     let ctxs: Vec<Arc<CudaContext>> = (0..devices)
-        .map(|d| cumem::device::device_context(d).map(|c| c.expect("CUDA backend")))
+        .map(|d| cumem::cuda::device_context(d).map(|c| c.expect("CUDA backend")))
         .collect::<Result<_, _>>()?;
     let streams: Vec<Stream> = (0..devices).map(Stream::new_on).collect::<Result<_, _>>()?;
     let ptx = cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| Error::InvalidState(e.to_string()))?;
@@ -145,7 +145,7 @@ fn main() -> Result<(), Error> {
 
     // Device 0 reads every other device's buffer directly.
     let unreachable: Vec<usize> =
-        (1..devices).filter(|&p| !cumem::device::can_access_peer(0, p).unwrap_or(false)).collect();
+        (1..devices).filter(|&p| !cumem::cuda::can_access_peer(0, p).unwrap_or(false)).collect();
     if unreachable.is_empty() {
         reduce(mm, &modules[0], &streams, &bufs)?;
     } else {

@@ -6,7 +6,7 @@
 #                                       # and the cumem_torch wheel into .whl/
 #   scripts/gpu-suite.sh run [what...]  # there: run them with CUMEM_REQUIRE_GPU=1;
 #                                       # what = tests examples nccl benches replay (default: all),
-#                                       # nccl (examples/nccl.rs, built with --features nccl,
+#                                       # nccl (examples/nccl/, built with --features nccl,
 #                                       # with NCCL found as below and CUMEM_REQUIRE_NCCL=1),
 #                                       # ddp (scripts/ddp.sh: torchrun with PyTorch's allocator
 #                                       # and cumem_torch, alternated; needs the wheel in .whl/),

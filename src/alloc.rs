@@ -178,7 +178,7 @@ pub(crate) unsafe fn shrink(
         deallocate(blocks, ptr, old);
         return Ok(dangling(new));
     }
-    if old.size() != 0 && new.align() <= old.align().max(crate::pool::BLOCK_ALIGN) {
+    if old.size() != 0 && new.align() <= old.align().max(crate::upstream::BLOCK_ALIGN) {
         if let Some(size) = blocks.shrink_in_place(ptr.as_ptr() as usize, new.size()).map_err(refused)? {
             return Ok(NonNull::slice_from_raw_parts(ptr, size));
         }

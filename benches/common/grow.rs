@@ -28,12 +28,12 @@ impl Env {
     pub fn new() -> Env {
         let backend = VmBackend::auto();
         let ctx = match backend {
-            VmBackend::Cuda(ordinal) => cumem::device::device_context(ordinal).ok().flatten(),
+            VmBackend::Cuda(ordinal) => cumem::cuda::device_context(ordinal).ok().flatten(),
             VmBackend::Host => None,
         };
         let max_size = match &ctx {
             Some(ctx) => {
-                let (free, _) = cumem::device::vmm::memory_info(ctx).expect("cuMemGetInfo");
+                let (free, _) = cumem::cuda::vmm::memory_info(ctx).expect("cuMemGetInfo");
                 let mut max = 2 * MIB;
                 while max * 2 <= 16 << 30 && max * 2 * 3 / 2 <= free / 10 * 8 {
                     max *= 2;

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use cumem::device::Stream;
+use cumem::cuda::Stream;
 use cumem::{Config, MemoryManager};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam::utils::CachePadded;
 use cudarc::driver::{result, CudaContext, CudaStream};
-use cumem::device::{driver_status, DriverStatus, Stream};
+use cumem::cuda::{driver_status, DriverStatus, Stream};
 use cumem::{BackendChoice, Config, MemoryManager};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

@@ -6,6 +6,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 use cumem::{Config, DeviceAllocatorMode, MemoryManager};
 
+use crate::ffi::{copy_text, manager, ordinal, put};
 use crate::status::{guard, Failure, Outcome};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
@@ -31,62 +32,6 @@ impl CumemMode {
             DeviceAllocatorMode::CudaAsyncPool => CumemMode::CudaAsyncPool,
         }
     }
-}
-
-/// The process-wide manager (configured from `CUMEM_CONF` on first use).
-pub(crate) fn manager() -> Outcome<&'static MemoryManager> {
-    Ok(MemoryManager::global()?)
-}
-
-/// Writes `value` through `out`, refusing NULL.
-///
-/// # Safety
-/// `out` must be NULL or valid for a write of one `T`.
-pub(crate) unsafe fn put<T>(out: *mut T, name: &str, value: T) -> Outcome {
-    if out.is_null() {
-        return Err(Failure::null(name));
-    }
-    // SAFETY: non-null, and the caller promises it is valid for a write.
-    unsafe { out.write(value) };
-    Ok(())
-}
-
-/// Copies `text` NUL-terminated into `buf` (`len` bytes); `*needed` (when
-/// not NULL) gets the bytes the whole text needs, its NUL included. A
-/// buffer too small gets as much as fits, NUL-terminated, and
-/// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
-///
-/// # Safety
-/// `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
-/// valid for a write.
-pub(crate) unsafe fn copy_text(text: &str, buf: *mut c_char, len: usize, needed: *mut usize) -> Outcome {
-    let need = text.len() + 1;
-    if !needed.is_null() {
-        // SAFETY: non-null, and the caller promises it is valid.
-        unsafe { needed.write(need) };
-    }
-    if buf.is_null() {
-        return if len == 0 { Err(too_small(need, 0)) } else { Err(Failure::null("buf")) };
-    }
-    if len == 0 {
-        return Err(too_small(need, 0));
-    }
-    let n = text.len().min(len - 1);
-    // SAFETY: `buf` is valid for `len` bytes (the caller's promise) and
-    // `n + 1 <= len`; the source is a distinct Rust string.
-    unsafe {
-        std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
-        buf.add(n).write(0);
-    }
-    if n < text.len() {
-        Err(too_small(need, len))
-    } else {
-        Ok(())
-    }
-}
-
-fn too_small(need: usize, len: usize) -> Failure {
-    Failure::new(CumemStatus::BufferTooSmall, format!("the text needs {need} B with its NUL; the buffer holds {len} B"))
 }
 
 /// Creates the process-wide manager from a configuration string in
@@ -249,7 +194,7 @@ pub extern "C" fn cumem_free_device(ptr: *mut c_void) -> CumemStatus {
         manager()?.free_device(ptr as usize as u64)?;
         // No queued work uses the block (the caller's promise): streams
         // noted for it need no wait.
-        crate::torch::forget_recorded(ptr as usize);
+        crate::recorded::forget_recorded(ptr as usize);
         Ok(())
     })
 }
@@ -264,7 +209,7 @@ pub extern "C" fn cumem_free_device(ptr: *mut c_void) -> CumemStatus {
 /// `stream` as in `cumem_allocate_device_on`.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_free_device_on(ptr: *mut c_void, stream: CumemStream) -> CumemStatus {
-    guard(|| crate::torch::free_on(ptr as usize, manager()?.config().device, stream))
+    guard(|| crate::recorded::free_on(ptr as usize, manager()?.config().device, stream))
 }
 
 // ---- copies ----
@@ -372,7 +317,7 @@ pub extern "C" fn cumem_set_device_pool_size(size: usize) -> CumemStatus {
 #[no_mangle]
 pub extern "C" fn cumem_enable_peer_access(accessor: c_int, owner: c_int) -> CumemStatus {
     guard(|| {
-        let (a, o) = (crate::torch::ordinal(accessor)?, crate::torch::ordinal(owner)?);
+        let (a, o) = (ordinal(accessor)?, ordinal(owner)?);
         Ok(manager()?.enable_peer_access(a, o)?)
     })
 }
@@ -390,19 +335,16 @@ pub extern "C" fn cumem_enable_peer_access(accessor: c_int, owner: c_int) -> Cum
 #[no_mangle]
 pub unsafe extern "C" fn cumem_set_device_allocator_mode(mode: c_int, effective: *mut CumemMode) -> CumemStatus {
     guard(|| {
-        let mode = match mode {
-            0 => DeviceAllocatorMode::SyncPool,
-            1 => DeviceAllocatorMode::AsyncStreamOrdered,
-            2 => DeviceAllocatorMode::CudaAsyncPool,
-            other => {
-                return Err(Failure::new(
+        // The C values are the modes' places in `DeviceAllocatorMode::ALL`.
+        let mode =
+            usize::try_from(mode).ok().and_then(|i| DeviceAllocatorMode::ALL.get(i).copied()).ok_or_else(|| {
+                let modes: Vec<String> =
+                    DeviceAllocatorMode::ALL.iter().enumerate().map(|(i, m)| format!("{i} {m}")).collect();
+                Failure::new(
                     CumemStatus::InvalidArgument,
-                    format!(
-                    "{other} is not a device allocator mode (0 sync pool, 1 async stream-ordered, 2 CUDA async pool)"
-                ),
-                ))
-            }
-        };
+                    format!("{mode} is not a device allocator mode ({})", modes.join(", ")),
+                )
+            })?;
         let now = CumemMode::of(manager()?.set_device_allocator_mode(mode)?);
         if !effective.is_null() {
             // SAFETY: the caller's promise about `effective`.
@@ -451,4 +393,19 @@ pub unsafe extern "C" fn cumem_supports_async_device_allocator(out: *mut c_int) 
         // SAFETY: the caller's promise about `out`.
         unsafe { put(out, "out", c_int::from(yes)) }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CumemMode;
+    use cumem::DeviceAllocatorMode;
+
+    /// `cumem_set_device_allocator_mode` reads a C value as a position in
+    /// `DeviceAllocatorMode::ALL`: the header's values must be those.
+    #[test]
+    fn the_c_mode_values_are_the_modes_positions() {
+        for (i, &mode) in DeviceAllocatorMode::ALL.iter().enumerate() {
+            assert_eq!(CumemMode::of(mode) as usize, i, "{mode}");
+        }
+    }
 }

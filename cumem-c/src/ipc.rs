@@ -21,8 +21,8 @@ use std::sync::Mutex;
 use cumem::ipc::{Export, ImportedMemory, IpcHandle};
 use cumem::Error;
 
-use crate::api::put;
-use crate::manager;
+use crate::ffi::manager;
+use crate::ffi::put;
 use crate::status::{guard, Failure, Outcome};
 use crate::CumemStatus;
 

@@ -18,7 +18,9 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod api;
+mod ffi;
 mod ipc;
+mod recorded;
 mod stats;
 mod status;
 mod streams;
@@ -32,5 +34,3 @@ pub use status::{cumem_last_error, cumem_status_name, CumemStatus};
 pub use streams::*;
 pub use torch::*;
 pub use torch_native::*;
-
-pub(crate) use api::manager;

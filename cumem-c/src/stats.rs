@@ -4,7 +4,7 @@ use std::ffi::{c_char, c_int};
 
 use cumem::pool::PoolStats;
 
-use crate::api::{copy_text, manager, put};
+use crate::ffi::{copy_text, manager, put};
 use crate::status::{guard, Failure};
 use crate::CumemStatus;
 
@@ -126,7 +126,7 @@ pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDevice
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let ordinal = crate::torch::ordinal(device)?;
+        let ordinal = crate::ffi::ordinal(device)?;
         let d = manager()?.device_stats(ordinal)?;
         let natives = [d.native_pool.as_ref(), d.default_pool.as_ref()];
         let s = CumemDeviceStats {

@@ -143,7 +143,7 @@ fn shared_stream(key: Key) -> Outcome<Stream> {
     // A device the manager does not have fails here (once per stream:
     // known streams are found above). The allocator and the context may be
     // created here (driver calls): outside the lock.
-    crate::manager()?.device(key.0)?;
+    crate::ffi::manager()?.device(key.0)?;
     let wrapped = match cumem::device::device_context(key.0)? {
         Some(ctx) => {
             // SAFETY: the C caller promises (see the header) that the raw
@@ -184,7 +184,7 @@ pub unsafe extern "C" fn cumem_stream_create(out: *mut CumemStream) -> CumemStat
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let mm = crate::manager()?;
+        let mm = crate::ffi::manager()?;
         let device = mm.config().device;
         let stream = Stream::new_on(device)?;
         let raw = if stream.is_host() { host_token(&stream) } else { stream.cu_stream() as usize };
@@ -206,7 +206,7 @@ pub unsafe extern "C" fn cumem_stream_create(out: *mut CumemStream) -> CumemStat
 #[no_mangle]
 pub extern "C" fn cumem_stream_destroy(stream: CumemStream) -> CumemStatus {
     crate::status::guard(|| {
-        let device = crate::manager()?.config().device;
+        let device = crate::ffi::manager()?.config().device;
         let key = (device, stream as usize);
         let mut t = lock_table();
         match t.map.get(&key) {
@@ -232,7 +232,7 @@ pub extern "C" fn cumem_stream_destroy(stream: CumemStream) -> CumemStatus {
 #[no_mangle]
 pub extern "C" fn cumem_stream_synchronize(stream: CumemStream) -> CumemStatus {
     crate::status::guard(|| {
-        let device = crate::manager()?.config().device;
+        let device = crate::ffi::manager()?.config().device;
         stream_for(device, stream)?.synchronize()?;
         Ok(())
     })
@@ -263,7 +263,7 @@ pub extern "C" fn cumem_stream_forget(stream: CumemStream) -> CumemStatus {
                 "the legacy default stream (NULL) is the device's and is never destroyed".to_string(),
             ));
         }
-        let device = crate::manager()?.config().device;
+        let device = crate::ffi::manager()?.config().device;
         let key = (device, stream as usize);
         let known = match lock_table().map.get(&key) {
             Some(e) if e.owned => {
@@ -383,7 +383,7 @@ mod gpu_tests {
     #[test]
     fn a_forgotten_raw_stream_is_never_touched_after_the_program_destroys_it() {
         let Some(ctx) = cumem::device::gpu_for_test("a_forgotten_raw_stream_is_never_touched") else { return };
-        let device = crate::manager().unwrap().config().device;
+        let device = crate::ffi::manager().unwrap().config().device;
         if ctx.ordinal() != device {
             println!("skipped: the test's device is not the C ABI's default device");
             return;

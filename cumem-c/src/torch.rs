@@ -17,21 +17,14 @@
 //! stream after each of them (`cuEventRecord` + `cuStreamWaitEvent`)
 //! before freeing on it.
 
-use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::api::manager;
+use crate::ffi::{manager, ordinal, put};
+use crate::recorded::free_on;
 use crate::status::{guard, panic_message, set_last_error, Failure, Outcome};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
-
-/// A device number from C as an ordinal.
-pub(crate) fn ordinal(device: c_int) -> Outcome<usize> {
-    usize::try_from(device)
-        .map_err(|_| Failure::new(CumemStatus::InvalidArgument, format!("device {device} is negative")))
-}
 
 /// Counters of the PyTorch entry points, which can't return a status.
 #[repr(C)]
@@ -48,7 +41,6 @@ pub struct CumemTorchCounters {
 
 static ALLOC_FAILURES: AtomicU64 = AtomicU64::new(0);
 static FREE_FAILURES: AtomicU64 = AtomicU64::new(0);
-static RECORDED_WAITS: AtomicU64 = AtomicU64::new(0);
 
 /// How many failures are also printed to stderr (PyTorch drops the
 /// status; the first few say why a program then fails).
@@ -58,65 +50,6 @@ fn report(counter: &AtomicU64, what: &str, message: &str) {
     set_last_error(message);
     if counter.fetch_add(1, Ordering::Relaxed) < PRINTED_FAILURES {
         eprintln!("cumem: {what} failed: {message}");
-    }
-}
-
-/// Extra streams per device pointer (`cumem_record_stream`), and how many
-/// pointers have any (frees skip the lock while it is 0).
-fn recorded() -> &'static Mutex<HashMap<usize, Vec<CumemStreamKey>>> {
-    static RECORDED: OnceLock<Mutex<HashMap<usize, Vec<CumemStreamKey>>>> = OnceLock::new();
-    RECORDED.get_or_init(Mutex::default)
-}
-static RECORDED_COUNT: AtomicUsize = AtomicUsize::new(0);
-
-/// A raw stream kept as an integer (raw pointers are not `Send`).
-type CumemStreamKey = usize;
-
-/// The streams noted for `ptr`, removed.
-fn take_recorded(ptr: usize) -> Vec<CumemStreamKey> {
-    if RECORDED_COUNT.load(Ordering::Acquire) == 0 {
-        return Vec::new();
-    }
-    let mut t = recorded().lock().unwrap_or_else(PoisonError::into_inner);
-    match t.remove(&ptr) {
-        Some(v) => {
-            RECORDED_COUNT.fetch_sub(1, Ordering::AcqRel);
-            v
-        }
-        None => Vec::new(),
-    }
-}
-
-/// Drops the streams noted for `ptr` (freed with no stream).
-pub(crate) fn forget_recorded(ptr: usize) {
-    drop(take_recorded(ptr));
-}
-
-/// Frees `ptr` on `stream` of `device`, first ordering `stream` after the
-/// streams recorded for it.
-pub(crate) fn free_on(ptr: usize, device: usize, stream: CumemStream) -> Outcome {
-    let mm = manager()?;
-    let s = stream_for(device, stream)?;
-    let others = take_recorded(ptr);
-    for raw in &others {
-        let other = stream_for(device, *raw as CumemStream)?;
-        if !other.same_as(&s) {
-            s.wait_for(&other)?;
-            RECORDED_WAITS.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-    match mm.free_device_on(ptr as u64, &s) {
-        Ok(()) => Ok(()),
-        Err(e) => {
-            // The block was not freed: its notes stay with it.
-            if !others.is_empty() {
-                let mut t = recorded().lock().unwrap_or_else(PoisonError::into_inner);
-                if t.insert(ptr, others).is_none() {
-                    RECORDED_COUNT.fetch_add(1, Ordering::AcqRel);
-                }
-            }
-            Err(e.into())
-        }
     }
 }
 
@@ -192,14 +125,7 @@ pub unsafe extern "C" fn cumem_record_stream(ptr: *mut c_void, device: c_int, st
         // Wrap the stream now, so a bad device fails here and not at the
         // free.
         stream_for(ordinal(device)?, stream)?;
-        let mut t = recorded().lock().unwrap_or_else(PoisonError::into_inner);
-        let streams = t.entry(ptr as usize).or_insert_with(|| {
-            RECORDED_COUNT.fetch_add(1, Ordering::AcqRel);
-            Vec::new()
-        });
-        if !streams.contains(&(stream as usize)) {
-            streams.push(stream as usize);
-        }
+        crate::recorded::note(ptr as usize, stream);
         Ok(())
     })
 }
@@ -214,9 +140,9 @@ pub unsafe extern "C" fn cumem_torch_counters(out: *mut CumemTorchCounters) -> C
         let c = CumemTorchCounters {
             alloc_failures: ALLOC_FAILURES.load(Ordering::Relaxed),
             free_failures: FREE_FAILURES.load(Ordering::Relaxed),
-            recorded_stream_waits: RECORDED_WAITS.load(Ordering::Relaxed),
+            recorded_stream_waits: crate::recorded::recorded_waits(),
         };
         // SAFETY: the caller's promise about `out`.
-        unsafe { crate::api::put(out, "out", c) }
+        unsafe { put(out, "out", c) }
     })
 }

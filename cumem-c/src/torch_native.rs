@@ -8,10 +8,11 @@
 
 use std::ffi::{c_int, c_void};
 
-use crate::api::{manager, put};
+use crate::ffi::ordinal;
+use crate::ffi::{manager, put};
+use crate::recorded::free_on;
 use crate::status::{guard, Failure, Outcome};
 use crate::streams::{stream_for, CumemStream};
-use crate::torch::{free_on, ordinal};
 use crate::CumemStatus;
 
 /// Allocates `size` bytes on device `device` for work on `stream` (a

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion};
-use cumem::device::{driver_status, DriverStatus};
+use cumem::cuda::{driver_status, DriverStatus};
 use cumem::Config;
 use cumem_replay::replay::{self, Target};
 use cumem_replay::trace::Trace;

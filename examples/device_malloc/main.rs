@@ -55,7 +55,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         human_bytes(granted)
     );
 
-    let ctx = cumem::device::device_context(mm.config().device)?.expect("the CUDA backend has a context");
+    let ctx = cumem::cuda::device_context(mm.config().device)?.expect("the CUDA backend has a context");
     let kernels = MallocKernels::load(&ctx)?;
 
     let big = per_block.unwrap_or(granted / 8).max(BYTES_USED as usize) as u64;

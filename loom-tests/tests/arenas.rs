@@ -100,7 +100,7 @@ fn cross_thread_frees_reach_the_owning_arena_through_caches() {
 /// third shard counted after the read never counts as complete.
 #[test]
 fn a_free_is_complete_only_after_a_synchronisation_saw_it() {
-    use cumem::device::FreeClock;
+    use cumem::cuda::FreeClock;
     use loom::sync::atomic::AtomicBool;
     model(|| {
         let clock = Arc::new(FreeClock::new());

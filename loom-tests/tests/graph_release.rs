@@ -6,7 +6,7 @@
 
 #![cfg(loom)]
 
-use cumem::device::{release_payload, run_release, ReleaseQueue};
+use cumem::cuda::{release_payload, run_release, ReleaseQueue};
 use cumem_loom_tests::model;
 use loom::sync::Arc;
 use loom::thread;

@@ -49,7 +49,8 @@ import types
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from real_workloads import mib, timed_step  # noqa: E402  (the single-GPU benchmark's helpers)
+from real_workloads import mib  # noqa: E402  (the single-GPU benchmark's helpers)
+from workloads import timed_step  # noqa: E402
 
 ALLOCATORS = ["torch", "cumem"]
 

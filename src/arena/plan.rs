@@ -13,8 +13,8 @@ use super::planner::{Lifetime, Memory, Placement, PlanReport, Planner};
 use crate::cuda::driver_err;
 use crate::error::{Error, Result};
 use crate::manager::{Backend, MemoryManager};
-use crate::pool::BLOCK_ALIGN;
 use crate::sync::{Ordering, StaticAtomicU64};
+use crate::upstream::BLOCK_ALIGN;
 
 fn next_plan_id() -> u64 {
     static NEXT: StaticAtomicU64 = StaticAtomicU64::new(1);

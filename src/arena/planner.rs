@@ -6,7 +6,7 @@ use std::ops::RangeInclusive;
 
 use crate::error::{Error, PoolKind, Result};
 use crate::manager::human_bytes;
-use crate::pool::BLOCK_ALIGN;
+use crate::upstream::BLOCK_ALIGN;
 
 /// The steps during which a request's memory is in use, both ends
 /// included. Two requests whose lifetimes overlap never share memory.

@@ -144,8 +144,8 @@ impl<T: Copy> GrowableBuffer<T> {
         if size_of::<T>() == 0 {
             return Err(Error::InvalidSize { size: 0, reason: "a GrowableBuffer can't hold zero-sized types" });
         }
-        if align_of::<T>() > crate::pool::BLOCK_ALIGN {
-            return Err(Error::InvalidAlignment { align: align_of::<T>(), max: crate::pool::BLOCK_ALIGN });
+        if align_of::<T>() > crate::upstream::BLOCK_ALIGN {
+            return Err(Error::InvalidAlignment { align: align_of::<T>(), max: crate::upstream::BLOCK_ALIGN });
         }
         let bytes = Self::bytes_for(capacity)?;
         // Reserving and mapping touch no stream (see `grow`).
@@ -418,11 +418,11 @@ impl<T: Copy> GrowableBuffer<T> {
     /// Gives the devices in `peers` (ordinals) read-write access to the
     /// buffer too (added to those that have it), now and after every growth
     /// (`cuMemSetAccess`). Nothing to do on the host fallback. Devices
-    /// granted with [`enable_peer_access`](crate::device::enable_peer_access),
+    /// granted with [`enable_peer_access`](crate::cuda::enable_peer_access),
     /// and (by default) every device that can reach this one and whose
     /// context is active, have access already; one whose context becomes
     /// active later gets it at cumem's next mapping (see
-    /// [`mapped_peers`](crate::device::mapped_peers)), so a program that
+    /// [`mapped_peers`](crate::cuda::mapped_peers)), so a program that
     /// enables peer access the CUDA way and reads memory mapped before the
     /// peer's context existed, with no cumem mapping in between, calls
     /// this or `enable_peer_access`.

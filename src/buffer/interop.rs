@@ -249,7 +249,7 @@ macro_rules! cudarc_surface {
             /// ```no_run
             /// use cumem::{DeviceBuffer, GrowableBuffer};
             /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-            /// let ctx = cumem::device::device_context(0)?.expect("a GPU");
+            /// let ctx = cumem::cuda::device_context(0)?.expect("a GPU");
             /// let s = ctx.default_stream();
             /// let buf = DeviceBuffer::from_host(&[1u32, 2, 3, 4])?;
             /// let mut part = [0u32; 2];

@@ -15,7 +15,7 @@ mod streaming;
 mod workers;
 
 use crate::buffer::DeviceBuffer;
-use crate::device::Stream;
+use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::manager::MemoryManager;
 

@@ -25,10 +25,10 @@
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
 
-use super::graph_object::CaptureGraph;
+use super::graph_release::HostGraphRefs;
 use super::stream::Stream;
 use crate::error::{Error, Result};
-use crate::sync::{Ordering, StaticAtomicU64};
+use crate::sync::{Arc, Ordering, StaticAtomicU64};
 
 /// Registered captures under way in the process, on any device (a count,
 /// ordering no other memory): while it is non-zero, page remapping waits
@@ -183,4 +183,16 @@ impl Drop for RelaxedCaptureMode {
             let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
         }
     }
+}
+
+/// The graph a capture records into, to tie a pool's life to.
+#[derive(Clone)]
+pub(crate) enum CaptureGraph {
+    /// A CUDA graph under capture (`cuStreamGetCaptureInfo`).
+    Cuda(sys::CUgraph),
+    /// A host queue's capture cumem was not told of.
+    Host(Arc<HostGraphRefs>),
+    /// A capture whose graph the driver does not tell (drivers older than
+    /// CUDA 12.3) or a registered host capture: nothing to tie to.
+    Unknown,
 }

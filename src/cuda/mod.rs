@@ -10,6 +10,7 @@ mod capture;
 mod context;
 mod free_clock;
 mod graph_object;
+mod graph_release;
 pub(crate) mod ipc;
 mod peer;
 mod stream;
@@ -24,11 +25,14 @@ pub use context::{
 pub use peer::{can_access_peer, enable_peer_access, mapped_peers, peers_of};
 pub use stream::Stream;
 
-pub(crate) use capture::{capture_info, capture_of, captures_under_way, count_capture, RelaxedCaptureMode};
+pub(crate) use capture::{
+    capture_info, capture_of, captures_under_way, count_capture, CaptureGraph, RelaxedCaptureMode,
+};
 pub(crate) use context::set_default_ordinal;
-pub(crate) use graph_object::{next_host_capture_id, tie_to_graph, CaptureGraph};
+pub(crate) use graph_object::tie_to_graph;
+pub(crate) use graph_release::next_host_capture_id;
 #[doc(hidden)]
-pub use graph_object::{release_payload, run_release, HostGraph, HostGraphExec, ReleaseQueue};
+pub use graph_release::{release_payload, run_release, HostGraph, HostGraphExec, ReleaseQueue};
 pub(crate) use peer::{
     follow_active_peers, initial_peers, register_mapped, register_pool, unregister_pool, PeerMapped,
 };

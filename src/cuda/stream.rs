@@ -7,6 +7,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::driver_err;
 use super::free_clock::FreeClock;
+use super::graph_release::HostGraphRefs;
 use crate::error::Result;
 use crate::sync::{lock, AtomicBool, AtomicU64, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
 use crate::tag::StreamTag;
@@ -56,8 +57,8 @@ struct StreamInner {
     /// capture so its rules hold, and are tested, without a GPU.
     host_capture: AtomicU64,
     /// The "graph" of a host queue's capture begun without telling cumem
-    /// (graph_object.rs): what ties its memory's life to the graph.
-    host_graph: Mutex<Option<crate::sync::Arc<super::graph_object::HostGraphRefs>>>,
+    /// (graph_release.rs): what ties its memory's life to the graph.
+    host_graph: Mutex<Option<crate::sync::Arc<HostGraphRefs>>>,
     /// Per stream this one waited for ([`Stream::wait_for_frees`]): the
     /// other stream's free counts read before its event was recorded. Work
     /// queued here since is ordered after every free counted there.
@@ -190,15 +191,15 @@ impl Stream {
 
     /// The "graph" of the host capture under way, when it was begun
     /// without telling cumem.
-    pub(crate) fn host_graph(&self) -> Option<crate::sync::Arc<super::graph_object::HostGraphRefs>> {
+    pub(crate) fn host_graph(&self) -> Option<crate::sync::Arc<HostGraphRefs>> {
         lock(&self.inner.host_graph).clone()
     }
 
     /// Replaces the host capture's "graph"; returns the one before.
     pub(crate) fn set_host_graph(
         &self,
-        refs: Option<crate::sync::Arc<super::graph_object::HostGraphRefs>>,
-    ) -> Option<crate::sync::Arc<super::graph_object::HostGraphRefs>> {
+        refs: Option<crate::sync::Arc<HostGraphRefs>>,
+    ) -> Option<crate::sync::Arc<HostGraphRefs>> {
         std::mem::replace(&mut *lock(&self.inner.host_graph), refs)
     }
 

@@ -19,57 +19,21 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
-use super::exports::Exports;
-use super::graph::{GraphPoolFactory, GraphStats, Graphs, StreamOrderedFree};
+use super::captures::PrivatePool;
+use super::captures::{GraphPoolFactory, Graphs, StreamOrderedFree};
 use super::mode::DeviceAllocatorMode;
-use super::native_pool::{self, NativePool, NativePoolAttributes, NativePoolOptions};
+use super::modes::{self, Machinery, Mode, Routed};
+use super::native_pool::{self, NativePool, NativePoolOptions};
+use super::pins::Pins;
 use super::reuse::StreamRegistry;
-use crate::cuda::{driver_err, RelaxedCaptureMode, Stream};
+use super::stats::{AsyncStats, DeviceStats};
+use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{self, Arenas, LiveBlock, Pool, PoolStats, StreamTag};
+use crate::pool::{self, LiveBlock, Pool, Shards};
 use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
+use crate::tag::StreamTag;
 use crate::upstream::Upstream;
-
-/// Figures of the stream-ordered modes (counted by cumem).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct AsyncStats {
-    /// Bytes in live stream-ordered allocations.
-    pub in_use: usize,
-    /// The largest `in_use` since the last peak reset.
-    pub peak_in_use: usize,
-    /// Live stream-ordered allocations.
-    pub live: usize,
-    /// Allocations served.
-    pub allocations: u64,
-    /// Frees served.
-    pub frees: u64,
-    /// Allocations that were retried after releasing cached memory.
-    pub oom_retries: u64,
-}
-
-/// One device's statistics across its modes.
-#[derive(Debug, Clone, Default)]
-pub struct DeviceStats {
-    /// The sync pool.
-    pub pool: PoolStats,
-    /// The stream-ordered modes together.
-    pub stream_ordered: AsyncStats,
-    /// The dedicated native pool's attributes, once it exists.
-    pub native_pool: Option<NativePoolAttributes>,
-    /// The device default pool's attributes, once `cuMemAllocAsync` is used.
-    pub default_pool: Option<NativePoolAttributes>,
-    /// The graph-private pools (CUDA graphs).
-    pub graphs: GraphStats,
-    /// Sync-pool reuses of a block freed on another stream that had to wait
-    /// for that stream's work (`cuEventRecord` + `cuStreamWaitEvent`, or
-    /// the host waiting when no stream was given).
-    pub stream_waits: u64,
-    /// The nanoseconds spent issuing those waits.
-    pub stream_wait_ns: u64,
-    /// Cross-stream reuses that needed no wait because the using stream had
-    /// already waited for a later point of the freeing stream.
-    pub stream_waits_elided: u64,
-}
+use crate::upstream::BLOCK_ALIGN;
 
 #[derive(Debug, Clone, Copy)]
 struct AsyncBlock {
@@ -93,13 +57,13 @@ const PARKED_MAX: usize = 8;
 pub struct DeviceAllocator {
     ordinal: usize,
     ctx: Option<Arc<CudaContext>>,
-    pub(super) pool: Arenas,
+    pub(super) pool: Shards,
     supports_async: bool,
     requested: AtomicU8,
     effective: AtomicU8,
-    native_options: NativePoolOptions,
-    default_pool: OnceCell<NativePool>,
-    native: OnceCell<NativePool>,
+    /// One entry per mode, in the order of [`DeviceAllocatorMode::ALL`]
+    /// (`modes/`).
+    modes: Box<[Box<dyn Mode>]>,
     internal_stream: OnceCell<Stream>,
     /// Stream-ordered allocations (address → size and mode) and their
     /// figures, under one lock.
@@ -108,10 +72,10 @@ pub struct DeviceAllocator {
     /// lock while it is 0 (the sync pool's frees, most of the time).
     async_live: AtomicUsize,
     streams: Arc<StreamRegistry>,
-    /// Graph-private pools and the captures routed into them (graph.rs).
+    /// Graph-private pools and the captures routed into them (captures.rs).
     pub(super) graphs: Graphs,
-    /// Blocks exported to other processes, pinned (exports.rs).
-    pub(super) exports: Exports,
+    /// Blocks exported to other processes, pinned (pins.rs, exports.rs).
+    pub(super) exports: Pins,
 }
 
 impl std::fmt::Debug for DeviceAllocator {
@@ -135,7 +99,7 @@ impl DeviceAllocator {
     pub(crate) fn new(
         ordinal: usize,
         ctx: Option<Arc<CudaContext>>,
-        pool: Arenas,
+        pool: Shards,
         mode: DeviceAllocatorMode,
         native_options: NativePoolOptions,
         promise_registered_captures: bool,
@@ -144,24 +108,22 @@ impl DeviceAllocator {
         let supports_async = ctx.as_ref().is_some_and(|c| c.has_async_alloc());
         let a = DeviceAllocator {
             ordinal,
+            modes: modes::make_all(ctx.as_ref(), native_options),
             ctx,
             pool,
             supports_async,
             requested: AtomicU8::new(0),
             effective: AtomicU8::new(0),
-            native_options,
-            default_pool: OnceCell::new(),
-            native: OnceCell::new(),
             internal_stream: OnceCell::new(),
             async_book: Mutex::new(AsyncBook::default()),
             async_live: AtomicUsize::new(0),
             streams: Arc::new(StreamRegistry::default()),
             graphs: Graphs::new(!promise_registered_captures, make_graph_pool),
-            exports: Exports::default(),
+            exports: Pins::default(),
         };
         // A block merged from blocks freed on a stream whose work is known
         // complete and one freed on another stream keeps only the latter's
-        // tag (a thread that takes over an arena otherwise makes MIXED
+        // tag (a thread that takes over a shard otherwise makes MIXED
         // blocks that wait for every stream).
         let streams = a.streams.clone();
         a.pool.set_tag_oracle(Arc::new(move |t| streams.completed(t)));
@@ -179,9 +141,9 @@ impl DeviceAllocator {
         self.ctx.as_ref()
     }
 
-    /// The sync pool (its arenas: one per thread that allocates, see
-    /// [`Arenas`]).
-    pub fn pool(&self) -> &Arenas {
+    /// The sync pool (its shards: one per thread that allocates, see
+    /// [`Shards`]).
+    pub fn pool(&self) -> &Shards {
         &self.pool
     }
 
@@ -201,11 +163,8 @@ impl DeviceAllocator {
     /// the device can't do stream-ordered allocation. Live allocations stay
     /// valid and are freed by the mode that made them.
     pub fn set_mode(&self, mode: DeviceAllocatorMode) -> DeviceAllocatorMode {
-        let effective = if mode != DeviceAllocatorMode::SyncPool && !self.supports_async {
-            DeviceAllocatorMode::SyncPool
-        } else {
-            mode
-        };
+        let effective =
+            if self.mode(mode).stream_ordered() && !self.supports_async { DeviceAllocatorMode::SyncPool } else { mode };
         self.requested.store(mode.to_u8(), Ordering::Relaxed);
         self.effective.store(effective.to_u8(), Ordering::Release);
         effective
@@ -219,6 +178,16 @@ impl DeviceAllocator {
     /// The mode in use.
     pub fn effective_mode(&self) -> DeviceAllocatorMode {
         DeviceAllocatorMode::from_u8(self.effective.load(Ordering::Acquire))
+    }
+
+    /// The implementation of `mode`.
+    pub(super) fn mode(&self, mode: DeviceAllocatorMode) -> &dyn Mode {
+        &*self.modes[mode as usize]
+    }
+
+    /// The driver pools of the modes, those that exist.
+    fn driver_pools(&self) -> impl Iterator<Item = &NativePool> {
+        self.modes.iter().filter_map(|m| m.made_pool())
     }
 
     fn require_ctx(&self) -> Result<&Arc<CudaContext>> {
@@ -247,25 +216,25 @@ impl DeviceAllocator {
         }
     }
 
-    fn default_pool(&self) -> Result<&NativePool> {
-        let ctx = self.require_ctx()?;
-        self.default_pool.get_or_try_init(|| {
-            let _relaxed = RelaxedCaptureMode::enter();
-            NativePool::device_default(ctx.clone(), self.native_options.release_threshold)
-        })
-    }
-
     /// The dedicated native pool, created on first use.
     ///
     /// # Errors
     /// [`Error::NeedsGpu`] on the host fallback; a driver error.
     pub fn native_pool(&self) -> Result<&NativePool> {
-        let ctx = self.require_ctx()?;
-        self.native.get_or_try_init(|| {
-            // Legal even while this thread captures a graph.
-            let _relaxed = RelaxedCaptureMode::enter();
-            NativePool::create(ctx.clone(), self.native_options)
-        })
+        self.mode(DeviceAllocatorMode::CudaAsyncPool)
+            .driver_pool()?
+            .ok_or(Error::InvalidState("the cuda_async_pool mode has no native pool".into()))
+    }
+
+    /// The driver pool of `mode`, made now if it does not exist yet
+    /// (`None` for the sync pool, which has none): a replay or a benchmark
+    /// makes it before it starts timing.
+    ///
+    /// # Errors
+    /// [`Error::NeedsGpu`] on the host fallback for a stream-ordered mode;
+    /// a driver error.
+    pub fn mode_pool(&self, mode: DeviceAllocatorMode) -> Result<Option<&NativePool>> {
+        self.mode(mode).driver_pool()
     }
 
     /// Allocates `size` bytes for work on `stream` (`None`: usable at once
@@ -276,17 +245,12 @@ impl DeviceAllocator {
     pub fn allocate(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         if let Some(s) = stream.filter(|_| self.graphs.watching()) {
             if let Some((capture, p)) = self.capture_for(s)? {
-                return match self.effective_mode() {
-                    DeviceAllocatorMode::SyncPool => self.allocate_private(&p.pool, &p.streams, size, s),
-                    mode => self.allocate_stream_ordered(size, stream, mode, capture),
-                };
+                let routed = Routed { capture, pool: &p, stream: s };
+                return self.mode(self.effective_mode()).allocate(self, size, stream, Some(routed));
             }
         }
         self.settle_graph_releases();
-        match self.effective_mode() {
-            DeviceAllocatorMode::SyncPool => self.allocate_sync_pool(size, stream),
-            mode => self.allocate_stream_ordered(size, stream, mode, 0),
-        }
+        self.mode(self.effective_mode()).allocate(self, size, stream, None)
     }
 
     /// Allocates for work on capturing stream `s` from a graph-private pool
@@ -298,7 +262,7 @@ impl DeviceAllocator {
         size: usize,
         s: &Stream,
     ) -> Result<u64> {
-        let a = pool.allocate_for(size, pool::BLOCK_ALIGN, s.id())?;
+        let a = pool.allocate_for(size, BLOCK_ALIGN, s.id())?;
         if let Some(ctx) = &self.ctx {
             // Only streams of this capture freed into the pool since it
             // began: an event edge between them is legal inside the capture.
@@ -312,7 +276,7 @@ impl DeviceAllocator {
 
     fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
-        let a = match self.pool.allocate_for(size, pool::BLOCK_ALIGN, want) {
+        let a = match self.pool.allocate_for(size, BLOCK_ALIGN, want) {
             Err(Error::OutOfMemory { .. })
                 if self.ctx.is_some() && !self.capture_under_way()? && self.holds_cached_memory() =>
             {
@@ -321,7 +285,7 @@ impl DeviceAllocator {
                 // were waiting on streams. Release all of it (after the
                 // streams' work), then try once more.
                 self.release_cached()?;
-                self.pool.allocate_for(size, pool::BLOCK_ALIGN, want)?
+                self.pool.allocate_for(size, BLOCK_ALIGN, want)?
             }
             other => other?,
         };
@@ -336,7 +300,7 @@ impl DeviceAllocator {
                 Ok(()) => break Ok(a.addr as u64),
                 Err(Error::Capture(_)) if parked.len() < PARKED_MAX => {
                     parked.push(a);
-                    match self.pool.allocate_for(size, pool::BLOCK_ALIGN, want) {
+                    match self.pool.allocate_for(size, BLOCK_ALIGN, want) {
                         Ok(next) => a = next,
                         Err(e) => break Err(e),
                     }
@@ -355,25 +319,20 @@ impl DeviceAllocator {
         result
     }
 
-    /// Allocates with `cuMemAllocAsync` (`capture`: the capture the stream
-    /// takes part in, 0 if none; the driver makes it a graph memory node).
+    /// See [`Machinery::allocate_stream_ordered`] (the driver makes an
+    /// allocation in a capture a graph memory node).
     fn allocate_stream_ordered(
         &self,
         size: usize,
         stream: Option<&Stream>,
         mode: DeviceAllocatorMode,
         capture: u64,
+        attempt: &dyn Fn(&Stream) -> Result<u64>,
     ) -> Result<u64> {
-        pool::validate(size, pool::BLOCK_ALIGN)?;
-        let ctx = self.require_ctx()?;
+        pool::validate(size, BLOCK_ALIGN)?;
+        self.require_ctx()?;
         let on = self.ordering_stream(stream)?;
-        let attempt = || match mode {
-            DeviceAllocatorMode::CudaAsyncPool => self.native_pool()?.allocate_async(size, on),
-            _ => {
-                self.default_pool()?;
-                native_pool::allocate_async(ctx, size, on)
-            }
-        };
+        let attempt = || attempt(on);
         let ptr = match attempt() {
             Ok(p) => p,
             Err(Error::OutOfMemory { .. }) if !self.capture_under_way()? => {
@@ -506,7 +465,7 @@ impl DeviceAllocator {
     }
 
     /// Frees a stream-ordered allocation a graph held, once the device is
-    /// idle (graph.rs).
+    /// idle (captures.rs).
     pub(super) fn free_stream_ordered_now(&self, addr: usize, size: usize, _mode: DeviceAllocatorMode) -> Result<()> {
         self.free_stream_ordered(addr as u64, self.internal_stream()?)?;
         self.count_stream_ordered_free(size);
@@ -514,10 +473,7 @@ impl DeviceAllocator {
     }
 
     fn holds_cached_memory(&self) -> bool {
-        let native = [self.native.get(), self.default_pool.get()]
-            .into_iter()
-            .flatten()
-            .any(|p| p.attributes().is_ok_and(|a| a.reserved_current > a.used_current));
+        let native = self.driver_pools().any(|p| p.attributes().is_ok_and(|a| a.reserved_current > a.used_current));
         native || self.pool.stats().free() > 0
     }
 
@@ -544,7 +500,7 @@ impl DeviceAllocator {
             }
         }
         let released = self.pool.release_cached()?;
-        for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
+        for p in self.driver_pools() {
             p.trim_to(0)?;
         }
         Ok(released)
@@ -556,8 +512,11 @@ impl DeviceAllocator {
         DeviceStats {
             pool: self.pool.stats(),
             stream_ordered: lock(&self.async_book).stats.clone(),
-            native_pool: self.native.get().and_then(|p| p.attributes().ok()),
-            default_pool: self.default_pool.get().and_then(|p| p.attributes().ok()),
+            native_pool: self.mode(DeviceAllocatorMode::CudaAsyncPool).made_pool().and_then(|p| p.attributes().ok()),
+            default_pool: self
+                .mode(DeviceAllocatorMode::AsyncStreamOrdered)
+                .made_pool()
+                .and_then(|p| p.attributes().ok()),
             graphs: self.graphs_stats(),
             stream_waits: self.streams.waits().0,
             stream_wait_ns: self.streams.waits().1,
@@ -571,7 +530,7 @@ impl DeviceAllocator {
         let mut book = lock(&self.async_book);
         book.stats.peak_in_use = book.stats.in_use;
         drop(book);
-        for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
+        for p in self.driver_pools() {
             let _ = p.reset_high_watermarks();
         }
     }
@@ -588,7 +547,7 @@ impl DeviceAllocator {
             self.streams.synchronize_all()?;
         }
         let mut live = self.pool.shutdown()?;
-        for p in [self.native.get(), self.default_pool.get()].into_iter().flatten() {
+        for p in self.driver_pools() {
             p.trim_to(0)?;
         }
         live.extend(lock(&self.async_book).live.iter().map(|(&addr, b)| LiveBlock {
@@ -602,5 +561,26 @@ impl DeviceAllocator {
     /// The pool kind errors name.
     pub fn kind(&self) -> PoolKind {
         PoolKind::Device
+    }
+}
+
+impl Machinery for DeviceAllocator {
+    fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
+        DeviceAllocator::allocate_sync_pool(self, size, stream)
+    }
+
+    fn allocate_private(&self, pool: &PrivatePool, size: usize, stream: &Stream) -> Result<u64> {
+        DeviceAllocator::allocate_private(self, &pool.pool, &pool.streams, size, stream)
+    }
+
+    fn allocate_stream_ordered(
+        &self,
+        size: usize,
+        stream: Option<&Stream>,
+        mode: DeviceAllocatorMode,
+        capture: u64,
+        attempt: &dyn Fn(&Stream) -> Result<u64>,
+    ) -> Result<u64> {
+        DeviceAllocator::allocate_stream_ordered(self, size, stream, mode, capture, attempt)
     }
 }

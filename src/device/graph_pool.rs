@@ -1,17 +1,18 @@
 //! The graph pool handle, and the device allocator's side of captures:
 //! registering them, routing frees into private pools, retiring pools.
-//! The rules are in the [`graph`](super::graph) module's docs.
+//! The rules are in the [`captures`](super::captures) module's docs.
 
 use std::sync::Arc;
 
 use super::allocator::DeviceAllocator;
-use super::graph::{Capture, GraphStats, Held, PrivatePool, StreamOrderedFree};
+use super::captures::{Capture, GraphStats, Held, PrivatePool, StreamOrderedFree};
 use super::mode::DeviceAllocatorMode;
 use super::reuse::StreamRegistry;
 use crate::cuda::{self, RelaxedCaptureMode, Stream};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{Pool, StreamTag};
+use crate::pool::Pool;
 use crate::sync::{lock, AtomicBool, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
+use crate::tag::StreamTag;
 use crate::upstream::Upstream;
 
 /// A graph-private pool of one device: captures routed into it take their
@@ -225,6 +226,17 @@ impl DeviceAllocator {
 
     /// A new private pool over `pool` (its own upstream; no thread caches,
     /// `keep_chunks` set).
+    /// A new graph-private pool, made as the device's pools of implicit
+    /// captures are.
+    ///
+    /// # Errors
+    /// Errors making the pool's upstream.
+    pub(crate) fn graph_pool(&self) -> Result<GraphPool<'_>> {
+        let make =
+            self.graphs.make_pool.as_ref().ok_or(Error::InvalidState("this device makes no graph pools".into()))?;
+        Ok(self.new_graph_pool(make()?))
+    }
+
     pub(crate) fn new_graph_pool(&self, pool: Pool<Box<dyn Upstream>>) -> GraphPool<'_> {
         debug_assert!(pool.config().keep_chunks && !pool.config().thread_cache);
         let inner = Arc::new(PrivatePool {

@@ -3,23 +3,33 @@
 //!
 //! Built on the CUDA primitives of [`crate::cuda`] and the pools of
 //! [`crate::pool`]; the manager holds one [`DeviceAllocator`] per device.
-//! The CUDA names most programs need are re-exported here too.
+//! `DeviceSetup` (`builder.rs`) assembles an allocator from plain
+//! configuration values. The CUDA and upstream names re-exported at the
+//! end keep older paths (`cumem::device::Stream`) working; their owners are
+//! [`crate::cuda`] and [`crate::upstream`], and cumem's own code names
+//! those.
 
 mod allocator;
+mod builder;
+mod captures;
 mod exports;
-mod graph;
 mod graph_pool;
 mod mode;
+mod modes;
 mod native_pool;
+mod pins;
 mod reuse;
+mod stats;
 
-pub use allocator::{AsyncStats, DeviceAllocator, DeviceStats};
-pub(crate) use graph::GraphPoolFactory;
-pub use graph::GraphStats;
+pub use allocator::DeviceAllocator;
+pub(crate) use builder::DeviceSetup;
+pub use captures::GraphStats;
 pub use graph_pool::GraphPool;
 pub use mode::DeviceAllocatorMode;
 pub use native_pool::{NativePool, NativePoolAttributes, NativePoolOptions};
+pub use stats::{AsyncStats, DeviceStats, ModeMemory};
 
+// Older paths, for programs (cumem's own code imports from the owners).
 pub use crate::cuda::{
     can_access_peer, device_context, driver_status, enable_peer_access, gpu_for_test, gpus_for_test, mapped_peers,
     peers_of, vmm, DriverStatus, Stream,

@@ -1,4 +1,5 @@
-//! The three ways device memory is allocated.
+//! The ways device memory is allocated, as the public names programs
+//! choose among (each is implemented by a type in `modes/`).
 
 use crate::error::{Error, Result};
 
@@ -48,11 +49,7 @@ impl DeviceAllocatorMode {
     }
 
     pub(super) fn from_u8(v: u8) -> Self {
-        match v {
-            1 => DeviceAllocatorMode::AsyncStreamOrdered,
-            2 => DeviceAllocatorMode::CudaAsyncPool,
-            _ => DeviceAllocatorMode::SyncPool,
-        }
+        DeviceAllocatorMode::ALL.get(usize::from(v)).copied().unwrap_or_default()
     }
 }
 

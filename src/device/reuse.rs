@@ -7,8 +7,8 @@ use cudarc::driver::CudaContext;
 
 use crate::cuda::{capture_of, driver_err, Stream};
 use crate::error::Result;
-use crate::pool::StreamTag;
 use crate::sync::{lock, AtomicU64, Mutex, Ordering};
+use crate::tag::StreamTag;
 
 /// The streams blocks were freed on, by id, so that a block freed on one
 /// stream and reused on another can be ordered after the first stream's

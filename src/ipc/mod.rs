@@ -21,7 +21,7 @@
 //!
 //! # Lifetime
 //! An exported block is **pinned** until its [`Export`] is released: cumem
-//! never hands it out again, moves it to another arena, or unmaps its
+//! never hands it out again, moves it to another shard, or unmaps its
 //! pages, even after its owner frees it (the free is then deferred and
 //! takes effect at the release). The release says that no importer uses the
 //! block any more; the protocol that makes it true is
@@ -65,7 +65,6 @@ use std::os::unix::net::UnixStream;
 
 pub use import::ImportedMemory;
 
-use crate::device::DeviceAllocator;
 use crate::error::{Error, Result};
 
 /// How the exported memory is shared (see the module documentation).
@@ -206,18 +205,25 @@ pub fn send_closed(socket: &UnixStream, id: u64) -> Result<()> {
     wire::send_closed(socket, id)
 }
 
+/// The exporter's side of an [`Export`]: what releases one export of a
+/// block (the device allocator that made it).
+pub(crate) trait Exporter: std::fmt::Debug + Sync {
+    /// Releases one export of the block at `ptr`.
+    fn release_export(&self, ptr: u64) -> Result<()>;
+}
+
 /// An exported block, pinned until released (see the module docs): the
 /// exporter's side of the lifetime protocol.
 #[derive(Debug)]
 pub struct Export<'a> {
-    device: &'a DeviceAllocator,
+    device: &'a dyn Exporter,
     ptr: u64,
     handle: IpcHandle,
     released: bool,
 }
 
 impl<'a> Export<'a> {
-    pub(crate) fn new(device: &'a DeviceAllocator, ptr: u64, handle: IpcHandle) -> Self {
+    pub(crate) fn new(device: &'a dyn Exporter, ptr: u64, handle: IpcHandle) -> Self {
         Export { device, ptr, handle, released: false }
     }
 

@@ -27,7 +27,9 @@ use crate::alloc::{self as host, HostBlocks};
 use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
 use crate::manager::MemoryManager;
-use crate::pool::{Pool, PoolConfig, PoolStats, StreamTag, BLOCK_ALIGN};
+use crate::pool::{Pool, PoolConfig, PoolStats};
+use crate::tag::StreamTag;
+use crate::upstream::BLOCK_ALIGN;
 use crate::upstream::{Host, Upstream};
 
 /// A `Vec` in managed memory (see [`ManagedAlloc`]).
@@ -239,7 +241,7 @@ pub enum Advice {
 fn location(at: Location) -> Result<sys::CUmemLocation> {
     Ok(match at {
         Location::Device(ordinal) => {
-            let count = crate::device::driver_status().devices();
+            let count = crate::cuda::driver_status().devices();
             if ordinal >= count {
                 return Err(Error::NoSuchDevice { ordinal, count });
             }

@@ -157,18 +157,19 @@ pub struct Config {
     /// that code for several devices runs and is tested without a GPU.
     /// Ignored on CUDA, where the driver says how many there are.
     pub host_devices: usize,
-    /// How many arenas the pinned pool and each device's sync pool may
+    /// How many shards (per-thread pools; the key keeps its old name,
+    /// `arenas`) the pinned pool and each device's sync pool may
     /// split into (0: the processors, at most
-    /// [`MAX_ARENAS`](crate::pool::MAX_ARENAS); 1: one pool). Each thread
-    /// allocates from one arena, with its own lock; see
-    /// [`Arenas`](crate::pool::Arenas).
+    /// [`MAX_SHARDS`](crate::pool::MAX_SHARDS); 1: one pool). Each thread
+    /// allocates from one shard, with its own lock; see
+    /// [`Shards`](crate::pool::Shards).
     pub arenas: usize,
-    /// Device arenas for threads that come and go. Off (the default):
-    /// every device arena remaps pages in an address range of its own, so
+    /// Device shards for threads that come and go. Off (the default):
+    /// every device shard remaps pages in an address range of its own, so
     /// each long-lived thread's memory stays near the page floor of its
-    /// own layout, and memory moves between arenas by unmapping and
-    /// mapping pages (driver calls). On: arena 0 (remapping) is kept for
-    /// the first thread, and `arenas` worker arenas beside it take whole
+    /// own layout, and memory moves between shards by unmapping and
+    /// mapping pages (driver calls). On: shard 0 (remapping) is kept for
+    /// the first thread, and `arenas` worker shards beside it take whole
     /// chunks of one shared address space, trading free chunks with no
     /// driver call, for programs whose threads come and go (thread pools
     /// that resize, a thread per request). Off by default because a
@@ -373,8 +374,8 @@ impl Config {
     /// The arena count in effect ([`Config::arenas`], 0 resolved).
     pub fn arena_count(&self) -> usize {
         match self.arenas {
-            0 => crate::pool::default_arena_count(),
-            n => n.min(crate::pool::MAX_ARENAS),
+            0 => crate::pool::default_shard_count(),
+            n => n.min(crate::pool::MAX_SHARDS),
         }
     }
 

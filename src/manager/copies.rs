@@ -4,7 +4,7 @@
 use cudarc::driver::sys;
 
 use super::MemoryManager;
-use crate::device::Stream;
+use crate::cuda::Stream;
 use crate::error::{Error, Result};
 
 impl MemoryManager {

@@ -1,5 +1,7 @@
-//! Several devices: choosing the device of a call, finding the device
-//! that owns a pointer, peer access and peer copies.
+//! Several devices: making each device's allocator on first use (from
+//! plain configuration values, `DeviceSetup`), choosing the device of a
+//! call, finding the device that owns a pointer, peer access and peer
+//! copies.
 //!
 //! # Implementation details
 //!
@@ -15,7 +17,8 @@
 
 use super::config::PeerAccess;
 use super::{Backend, MemoryManager};
-use crate::device::{self, DeviceStats, Stream};
+use crate::cuda::{self, Stream};
+use crate::device::{DeviceAllocator, DeviceSetup, DeviceStats, NativePoolOptions};
 use crate::error::{Error, PoolKind, Result};
 
 impl MemoryManager {
@@ -134,7 +137,7 @@ impl MemoryManager {
         }
         match self.backend {
             Backend::Host { .. } => Ok(()),
-            Backend::Cuda { .. } => device::enable_peer_access(accessor, owner),
+            Backend::Cuda { .. } => cuda::enable_peer_access(accessor, owner),
         }
     }
 
@@ -151,8 +154,8 @@ impl MemoryManager {
             PeerAccess::All => {
                 for other in (0..count).filter(|&o| o != ordinal) {
                     for (a, b) in [(ordinal, other), (other, ordinal)] {
-                        if device::can_access_peer(a, b)? {
-                            device::enable_peer_access(a, b)?;
+                        if cuda::can_access_peer(a, b)? {
+                            cuda::enable_peer_access(a, b)?;
                         }
                     }
                 }
@@ -165,10 +168,60 @@ impl MemoryManager {
                             "peer_access: {a}:{b} names a device past the last ({count} present)"
                         )));
                     }
-                    device::enable_peer_access(a, b)?;
+                    cuda::enable_peer_access(a, b)?;
                 }
                 Ok(())
             }
         }
+    }
+}
+
+impl MemoryManager {
+    /// The allocator of device `ordinal`, created on first use.
+    ///
+    /// # Errors
+    /// [`Error::NoSuchDevice`]; a driver error creating its context.
+    pub fn device(&self, ordinal: usize) -> Result<&DeviceAllocator> {
+        let cell = self.devices.get(ordinal).ok_or(Error::NoSuchDevice { ordinal, count: self.devices.len() })?;
+        cell.get_or_try_init(|| self.make_device(ordinal))
+    }
+
+    /// The allocator of the default device.
+    ///
+    /// # Errors
+    /// As [`device`](Self::device).
+    pub fn default_device(&self) -> Result<&DeviceAllocator> {
+        self.device(self.config.device)
+    }
+
+    fn make_device(&self, ordinal: usize) -> Result<DeviceAllocator> {
+        self.apply_peer_config(ordinal)?;
+        let ctx = match self.backend {
+            Backend::Cuda { .. } => crate::cuda::device_context(ordinal)?,
+            Backend::Host { .. } => None,
+        };
+        let mut pool = self.config.device_pool_config();
+        // A size set with `set_device_pool_size` wins over the config's.
+        pool.initial_size = *crate::sync::lock(&self.device_pool_size);
+        // A mode set with `set_device_allocator_mode` (recorded on the
+        // default device, which it creates) holds for devices made later.
+        let mode = match self.devices[self.config.device].get() {
+            Some(d) if ordinal != self.config.device => d.requested_mode(),
+            _ => self.config.mode,
+        };
+        let setup = DeviceSetup {
+            pool,
+            graph_pool: self.config.graph_pool_config(),
+            expandable: self.config.expandable,
+            shared_shards: self.config.shared_device_arenas,
+            shards: self.config.arena_count(),
+            mode,
+            native: NativePoolOptions {
+                release_threshold: self.config.release_threshold,
+                exportable: self.config.exportable_native_pool,
+            },
+            promise_registered_captures: self.config.promise_registered_captures,
+        };
+        setup.build(ordinal, ctx)
     }
 }

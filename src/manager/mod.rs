@@ -24,16 +24,13 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
-use crate::device::{self, DeviceAllocator, DeviceAllocatorMode, DeviceStats, DriverStatus, Stream};
+use crate::cuda::{driver_status, DriverStatus, Stream};
+use crate::device::{DeviceAllocator, DeviceAllocatorMode, DeviceStats};
 use crate::error::{Error, PoolKind, Result};
 use crate::log::EventLog;
-use crate::pool::{Arenas, Pool, PoolStats};
+use crate::pool::{Pool, PoolStats, Shards};
 use crate::sync::{AtomicBool, Ordering};
-use crate::upstream::{Geometric, Host, HostExpandable, SharedChunks, Taken, Upstream};
-
-/// Address space the host fallback's expandable device pool reserves (no
-/// memory until used).
-const HOST_DEVICE_RESERVATION: usize = 64 << 30;
+use crate::upstream::{CudaPinnedMemory, Geometric, Host, Taken, Upstream};
 
 /// A pool over a boxed upstream, as the manager keeps them.
 pub(crate) type BoxedPool = Pool<Box<dyn Upstream>>;
@@ -91,7 +88,7 @@ impl std::fmt::Display for Backend {
 pub struct MemoryManager {
     config: Config,
     backend: Backend,
-    pinned: Arenas,
+    pinned: Shards,
     pinned_ctx: Option<Arc<CudaContext>>,
     /// The managed-memory pool, made on first use (`crate::managed`).
     managed: OnceCell<Pool<Box<dyn Upstream>>>,
@@ -178,11 +175,11 @@ impl MemoryManager {
         // `CUMEM_FAULTS` arms fault injection once per process.
         static FAULTS_FROM_ENV: once_cell::sync::OnceCell<()> = once_cell::sync::OnceCell::new();
         FAULTS_FROM_ENV.get_or_try_init(|| crate::fault::arm_from_env().map(|_| ()))?;
-        let (backend, ctx) = match (config.backend, device::driver_status()) {
+        let (backend, ctx) = match (config.backend, driver_status()) {
             (BackendChoice::Host, _) => (Backend::Host { reason: "the configuration asks for it".into() }, None),
             (BackendChoice::Auto, DriverStatus::Unavailable(why)) => (Backend::Host { reason: why.clone() }, None),
             (BackendChoice::Auto, DriverStatus::Available { devices }) => {
-                let ctx = device::device_context(config.device)?;
+                let ctx = crate::cuda::device_context(config.device)?;
                 (Backend::Cuda { devices: *devices }, ctx)
             }
         };
@@ -194,19 +191,19 @@ impl MemoryManager {
             return Err(Error::NoSuchDevice { ordinal: config.device, count: device_count });
         }
         let pinned_config = config.pinned_pool_config();
-        // Every pinned arena grows geometrically against one shared total,
+        // Every pinned shard grows geometrically against one shared total,
         // so the whole pool reaches a large size in few upstream calls.
         let (taken, limit, pinned_ctx) = (Taken::new(), pinned_config.max_size, ctx.clone());
         let pinned_upstream = move || -> Result<Box<dyn Upstream>> {
             let inner: Box<dyn Upstream> = match &pinned_ctx {
-                Some(ctx) => Box::new(device::CudaPinnedMemory::new(ctx.clone())),
+                Some(ctx) => Box::new(CudaPinnedMemory::new(ctx.clone())),
                 None => Box::new(Host::new()),
             };
             Ok(Box::new(Geometric::new(inner, taken.clone(), limit)))
         };
         Ok(MemoryManager {
             device_pool_size: crate::sync::Mutex::new(config.device_pool_size),
-            pinned: Arenas::new(
+            pinned: Shards::new(
                 pinned_upstream()?,
                 Some(Box::new(pinned_upstream)),
                 pinned_config,
@@ -251,7 +248,7 @@ impl MemoryManager {
     /// [`Error::InvalidSize`] for 0 or absurd sizes, [`Error::ShutDown`],
     /// [`Error::OutOfMemory`].
     pub fn allocate_pinned(&self, size: usize) -> Result<NonNull<u8>> {
-        self.allocate_pinned_aligned(size, crate::pool::BLOCK_ALIGN)
+        self.allocate_pinned_aligned(size, crate::upstream::BLOCK_ALIGN)
     }
 
     /// Allocates pinned memory with an alignment of `align` (a power of two
@@ -299,13 +296,13 @@ impl MemoryManager {
     /// [`Error::UnknownPointer`] (also for device pointers); the pool is
     /// unchanged then.
     pub fn free_pinned(&self, ptr: *mut u8) -> Result<()> {
-        let r = self.pinned.deallocate(ptr as usize, crate::pool::StreamTag::NONE).map(|f| f.requested);
+        let r = self.pinned.deallocate(ptr as usize, crate::tag::StreamTag::NONE).map(|f| f.requested);
         self.note_free(PoolKind::Pinned, &r, ptr as u64, 0);
         r.map(|_| ())
     }
 
     /// The pinned pool.
-    pub fn pinned_pool(&self) -> &Arenas {
+    pub fn pinned_pool(&self) -> &Shards {
         &self.pinned
     }
 
@@ -326,111 +323,6 @@ impl MemoryManager {
     }
 
     // ---- device memory ----
-
-    /// The allocator of device `ordinal`, created on first use.
-    ///
-    /// # Errors
-    /// [`Error::NoSuchDevice`]; a driver error creating its context.
-    pub fn device(&self, ordinal: usize) -> Result<&DeviceAllocator> {
-        let cell = self.devices.get(ordinal).ok_or(Error::NoSuchDevice { ordinal, count: self.devices.len() })?;
-        cell.get_or_try_init(|| self.make_device(ordinal))
-    }
-
-    /// The allocator of the default device.
-    ///
-    /// # Errors
-    /// As [`device`](Self::device).
-    pub fn default_device(&self) -> Result<&DeviceAllocator> {
-        self.device(self.config.device)
-    }
-
-    fn make_device(&self, ordinal: usize) -> Result<DeviceAllocator> {
-        self.apply_peer_config(ordinal)?;
-        let ctx = match self.backend {
-            Backend::Cuda { .. } => device::device_context(ordinal)?,
-            Backend::Host { .. } => None,
-        };
-        let upstream = self.device_upstream(ctx.as_ref())?;
-        let mut pc = self.config.device_pool_config();
-        // A size set with `set_device_pool_size` wins over the config's.
-        pc.initial_size = *crate::sync::lock(&self.device_pool_size);
-        // A mode set with `set_device_allocator_mode` (recorded on the
-        // default device, which it creates) holds for devices made later.
-        let mode = match self.devices[self.config.device].get() {
-            Some(d) if ordinal != self.config.device => d.requested_mode(),
-            _ => self.config.mode,
-        };
-        // Each further arena takes its chunks the same way as the first (on
-        // CUDA, a reservation of its own, registered for peer access like
-        // the first).
-        let (arena_ctx, expandable) = (ctx.clone(), self.config.expandable);
-        let make: crate::pool::UpstreamFactory =
-            Box::new(move || Self::make_device_upstream(arena_ctx.as_ref(), expandable));
-        // With `shared_device_arenas`, the worker arenas take whole chunks
-        // of one address space shared by them all (made on the first
-        // one's first use): a free chunk moves between them with no
-        // driver call, and any of them can give it back. Each grows
-        // geometrically on its own size (a device chunk maps in about a
-        // tenth of a millisecond, so growing on the set's total would only
-        // overshoot: one arena growing by a quarter of sixteen arenas'
-        // memory).
-        let (arena_ctx, expandable) = (ctx.clone(), self.config.expandable);
-        let (space, limit) = (Arc::new(OnceCell::new()), pc.max_size);
-        let make_worker: crate::pool::UpstreamFactory = Box::new(move || {
-            let space: &Arc<dyn Upstream> =
-                space.get_or_try_init(|| Self::make_device_upstream(arena_ctx.as_ref(), expandable).map(Arc::from))?;
-            let whole = Box::new(SharedChunks::new(space.clone()));
-            Ok(Box::new(Geometric::new(whole, Taken::new(), limit)) as Box<dyn Upstream>)
-        });
-        // The private pools of captures cumem is not told of, made like
-        // `graph_pool_on`'s.
-        let (graph_ctx, graph_pc) = (ctx.clone(), self.config.graph_pool_config());
-        let graph_pools: crate::device::GraphPoolFactory = Box::new(move || {
-            Ok(crate::pool::Pool::new(Self::make_graph_upstream(graph_ctx.as_ref(), expandable)?, graph_pc.clone()))
-        });
-        Ok(DeviceAllocator::new(
-            ordinal,
-            ctx,
-            if self.config.shared_device_arenas {
-                Arenas::with_workers(upstream, make_worker, pc, self.config.arena_count())
-            } else {
-                Arenas::new(upstream, Some(make), pc, self.config.arena_count())
-            },
-            mode,
-            crate::device::NativePoolOptions {
-                release_threshold: self.config.release_threshold,
-                exportable: self.config.exportable_native_pool,
-            },
-            self.config.promise_registered_captures,
-            Some(graph_pools),
-        ))
-    }
-
-    /// Where a device pool of the context's device (the host fallback's
-    /// without one) takes its chunks.
-    fn device_upstream(&self, ctx: Option<&Arc<CudaContext>>) -> Result<Box<dyn Upstream>> {
-        Self::make_device_upstream(ctx, self.config.expandable)
-    }
-
-    /// Where a graph-private pool takes its chunks: as a device pool's,
-    /// but giving them back waits for no device (the pool waits for its
-    /// graphs' destructors and its streams first).
-    pub(crate) fn make_graph_upstream(ctx: Option<&Arc<CudaContext>>, expandable: bool) -> Result<Box<dyn Upstream>> {
-        match ctx {
-            Some(ctx) => crate::upstream::graph_upstream(ctx.clone(), expandable),
-            None => Self::make_device_upstream(None, expandable),
-        }
-    }
-
-    fn make_device_upstream(ctx: Option<&Arc<CudaContext>>, expandable: bool) -> Result<Box<dyn Upstream>> {
-        Ok(match ctx {
-            Some(ctx) => crate::upstream::device_upstream(ctx.clone(), expandable)?,
-            // The host twin of expandable segments: address space reserved
-            // up front, committed as the pool grows.
-            None if expandable => Box::new(HostExpandable::new(HOST_DEVICE_RESERVATION)?),
-            None => Box::new(Host::new()),
-        })
-    }
 
     /// Allocates `size` bytes of device memory on the default device,
     /// usable at once by the host (copies) and by any stream.

@@ -203,7 +203,7 @@ pub(super) fn render(mm: &MemoryManager) -> String {
                 human_bytes(g.held)
             );
         }
-        let peers = if d.context().is_some() { crate::device::peers_of(d.ordinal()) } else { Vec::new() };
+        let peers = if d.context().is_some() { crate::cuda::peers_of(d.ordinal()) } else { Vec::new() };
         let peers = if peers.is_empty() {
             "none".to_string()
         } else {

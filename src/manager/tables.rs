@@ -14,8 +14,8 @@ pub struct TableSizes {
     /// Ids of streams the registries let go, remembered so that blocks
     /// freed on them need no wait (bounded, oldest forgotten first).
     pub streams_retired: usize,
-    /// Entries of the arena chunk directories (pinned pool and every
-    /// device's sync pool): one per chunk the arenas hold.
+    /// Entries of the shard chunk directories (pinned pool and every
+    /// device's sync pool): one per chunk the shards hold.
     pub directory_entries: usize,
     /// Directory arrays allocated (the current ones and replaced ones not
     /// yet reclaimed).

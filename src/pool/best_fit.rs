@@ -52,13 +52,17 @@ mod hot;
 mod inspect;
 mod ranked;
 mod resize;
+mod tags;
+mod touched;
 
 use super::free_index::FreeIndex;
 
 use super::stats::PoolStats;
-use super::{StreamTag, BLOCK_ALIGN};
-use crate::tag::{merge_asking, TagOracle};
+use crate::tag::StreamTag;
 use crate::upstream::Chunk;
+use crate::upstream::BLOCK_ALIGN;
+use tags::Oracle;
+use touched::PageCount;
 
 const NIL: u32 = u32::MAX;
 
@@ -139,7 +143,7 @@ pub struct BestFit {
     /// Set when a chunk may have become wholly free (a free merged a
     /// chunk's last live block away, or a chunk was added); cleared when a
     /// look for one found none. Shared with the pool, which reads it
-    /// without its lock before offering a chunk to another arena.
+    /// without its lock before offering a chunk to another shard.
     whole_free: crate::sync::Arc<crate::sync::AtomicBool>,
     /// The block freed last, not yet coalesced nor indexed; see the
     /// module docs.
@@ -155,104 +159,6 @@ struct HotSlot(u32);
 impl Default for HotSlot {
     fn default() -> Self {
         HotSlot(NIL)
-    }
-}
-
-/// Which pages live blocks touch, counted as the whole pages lying inside
-/// free blocks: a page that no live block touches lies wholly inside one
-/// free block, because free neighbours coalesce. Kept only where chunks
-/// are whole pages (`shift` non-zero); the touched pages are then the
-/// chunks' pages less `free_pages`.
-#[derive(Debug, Default, Clone, Copy)]
-struct PageCount {
-    /// log2 of the page size; 0 while not counting.
-    shift: u32,
-    /// Whole pages inside free blocks.
-    free_pages: usize,
-    /// The most pages live blocks touched at once, ever: the page floor
-    /// that sets the remap budget (`pool/pages.rs`). Never reset: a reset
-    /// of the reported peaks must not change what the pool may hold.
-    peak_touched: usize,
-    /// The most pages live blocks touched at once since the last peak
-    /// reset ([`BestFit::reset_touched_peak`]): reported only.
-    reported_peak: usize,
-}
-
-impl PageCount {
-    /// Whole pages inside `[addr, addr + size)`.
-    #[inline]
-    fn whole(&self, addr: usize, size: usize) -> usize {
-        if self.shift == 0 {
-            return 0;
-        }
-        let first = addr.div_ceil(1 << self.shift);
-        let end = (addr + size) >> self.shift;
-        end.saturating_sub(first)
-    }
-}
-
-/// [`TagOracle`], printable.
-#[derive(Clone)]
-struct Oracle {
-    ask: Option<TagOracle>,
-    /// Tags the oracle said complete lately, each standing for every
-    /// earlier free of its stream's shard (a sequence number of
-    /// [`PENDING`]: every free on the stream). A tag once complete stays
-    /// complete, so an answer found here needs no question: a free that
-    /// merges with space left by an earlier thread asks about that
-    /// thread's tag again and again, and each question locks the
-    /// oracle's registry.
-    memo: [std::cell::Cell<StreamTag>; MEMO],
-    next: std::cell::Cell<usize>,
-}
-
-/// Answers the oracle's memo keeps.
-const MEMO: usize = 8;
-
-/// A sequence number that never completes on its own (frees of several
-/// threads merged; see `cuda/free_clock.rs`).
-const PENDING: u64 = u64::MAX;
-
-/// The bits of a sequence number that count (the top 16 name the shard).
-const COUNT: u64 = (1 << 48) - 1;
-
-impl Default for Oracle {
-    fn default() -> Self {
-        Oracle { ask: None, memo: std::array::from_fn(|_| std::cell::Cell::new(StreamTag::NONE)), next: 0.into() }
-    }
-}
-
-impl Oracle {
-    /// Whether the memo alone says the work of a free tagged `tag` is
-    /// complete (no question asked).
-    fn known(&self, tag: StreamTag) -> bool {
-        let covers = |e: StreamTag| {
-            e.stream == tag.stream
-                && (e.seq == PENDING
-                    || (tag.seq != PENDING && tag.seq >> 48 == e.seq >> 48 && tag.seq & COUNT <= e.seq & COUNT))
-        };
-        self.memo.iter().any(|e| e.get() != StreamTag::NONE && covers(e.get()))
-    }
-
-    /// Whether the work of a free tagged `tag` (not `NONE`, not `MIXED`)
-    /// is known complete.
-    fn done(&self, tag: StreamTag) -> bool {
-        if self.known(tag) {
-            return true;
-        }
-        let done = self.ask.as_ref().is_some_and(|ask| ask(tag));
-        if done {
-            let i = self.next.get();
-            self.memo[i % MEMO].set(tag);
-            self.next.set(i.wrapping_add(1));
-        }
-        done
-    }
-}
-
-impl std::fmt::Debug for Oracle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.ask.is_some() { "Oracle(set)" } else { "Oracle(none)" })
     }
 }
 
@@ -316,67 +222,6 @@ impl BestFit {
         self.pages.free_pages -= self.pages.whole(b.addr, b.size);
         let removed = self.free_index.remove(&(b.size, b.addr, slot));
         debug_assert!(removed, "free block missing from the index");
-    }
-
-    /// Counts the pages of `page` bytes (a power of two) that live blocks
-    /// touch, for [`touched_pages`](Self::touched_pages). Every chunk must
-    /// then start and end on a page boundary (a remapping pool's do).
-    pub fn count_pages(&mut self, page: usize) {
-        debug_assert!(page.is_power_of_two() && page >= BLOCK_ALIGN);
-        self.flush_hot();
-        self.pages.shift = page.trailing_zeros();
-        self.pages.free_pages = self.count_free_pages();
-        self.note_touched();
-    }
-
-    /// The whole pages inside free blocks, counted afresh.
-    fn count_free_pages(&self) -> usize {
-        self.free_index.iter().map(|&(size, addr, _)| self.pages.whole(addr, size)).sum()
-    }
-
-    /// The pages live blocks touch now (counting on).
-    fn touched_now(&self) -> usize {
-        (self.stats.reserved >> self.pages.shift) - self.pages.free_pages
-    }
-
-    /// The pages live blocks touch now, and the most they ever touched at
-    /// once, which peak resets leave alone: the page floor of the remap
-    /// budget (0 unless [`count_pages`](Self::count_pages) was called).
-    pub fn touched_pages(&self) -> (usize, usize) {
-        if self.pages.shift == 0 {
-            return (0, 0);
-        }
-        (self.touched_now(), self.pages.peak_touched)
-    }
-
-    /// The most pages live blocks touched at once since the last
-    /// [`reset_touched_peak`](Self::reset_touched_peak) (the reported
-    /// `peak_touched`).
-    pub fn reported_touched_peak(&self) -> usize {
-        if self.pages.shift == 0 {
-            return 0;
-        }
-        self.pages.reported_peak
-    }
-
-    /// Sets the reported touched-page peak to the count now. The peak that
-    /// sets the remap budget stays: statistics never change behaviour.
-    pub fn reset_touched_peak(&mut self) {
-        self.flush_hot();
-        self.pages.reported_peak = 0;
-        self.note_touched();
-    }
-
-    /// Raises the touched-page peak to the count now (after an operation
-    /// that may touch new pages; never inside one, whose steps may leave a
-    /// block briefly out of the index).
-    #[inline]
-    fn note_touched(&mut self) {
-        if self.pages.shift != 0 {
-            let now = self.touched_now();
-            self.pages.peak_touched = self.pages.peak_touched.max(now);
-            self.pages.reported_peak = self.pages.reported_peak.max(now);
-        }
     }
 
     /// Adds a chunk from the upstream as one free block.
@@ -539,28 +384,6 @@ impl BestFit {
         self.whole_free.clone()
     }
 
-    /// Sets what merges of blocks freed on different streams ask (see
-    /// [`TagOracle`]).
-    pub fn set_tag_oracle(&mut self, oracle: TagOracle) {
-        self.oracle = Oracle { ask: Some(oracle), ..Oracle::default() };
-    }
-
-    /// Whether the work of a free tagged `tag` is known complete: no tag,
-    /// or the tag oracle says so. No driver call.
-    pub fn tag_settled(&self, tag: StreamTag) -> bool {
-        tag == StreamTag::NONE || (tag != StreamTag::MIXED && self.oracle.done(tag))
-    }
-
-    /// Forgets which streams' queued work may still use the free blocks:
-    /// every free block gets [`StreamTag::NONE`]. For a caller that knows
-    /// that work is complete or otherwise ordered (a graph-private pool at
-    /// the end of a capture). Linear in the number of blocks.
-    pub fn clear_tags(&mut self) {
-        for b in self.blocks.iter_mut().filter(|b| b.free) {
-            b.tag = StreamTag::NONE;
-        }
-    }
-
     /// Frees the block starting at `addr`; `tag` names the stream whose
     /// queued work may still use it. Coalesces with free neighbours.
     ///
@@ -588,7 +411,7 @@ impl BestFit {
         if self.hot_enabled {
             self.hot = HotSlot(slot);
             // Still say when coalescing it would leave its chunk wholly
-            // free (another arena may take such a chunk; it flushes first).
+            // free (another shard may take such a chunk; it flushes first).
             let b = &self.blocks[slot as usize];
             let end_free = |n: u32, toward_end: fn(&Block) -> u32| {
                 n == NIL || (self.blocks[n as usize].free && toward_end(&self.blocks[n as usize]) == NIL)
@@ -617,26 +440,6 @@ impl BestFit {
             slot = prev;
         }
         slot
-    }
-
-    /// The tag of a block merged from blocks tagged `a` and `b`: when the
-    /// merge would lose order, a tag the memo knows complete is dropped
-    /// with no question (the other stays, even if its work is complete
-    /// too: a wait too many, never one too few); else the oracle is asked
-    /// about both.
-    fn merge_tags(&self, a: StreamTag, b: StreamTag) -> StreamTag {
-        let m = a.merge(b);
-        let loses_order = m == StreamTag::MIXED || (m.seq == PENDING && m != a && m != b);
-        if !loses_order || self.oracle.ask.is_none() {
-            return m;
-        }
-        if self.oracle.known(a) {
-            return b;
-        }
-        if self.oracle.known(b) {
-            return a;
-        }
-        merge_asking(a, b, Some(|t| self.oracle.done(t)))
     }
 
     /// Block `slot` swallows its next neighbour.
@@ -698,43 +501,5 @@ impl BestFit {
     /// fail. Changes nothing.
     pub fn check_live(&self, addr: usize) -> Result<usize, FreeError> {
         self.block_size(addr).ok_or_else(|| self.classify(addr))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
-
-    use super::{BestFit, StreamTag, PENDING};
-
-    /// The oracle's memo answers for earlier frees of a shard it was told
-    /// complete, and for every free of a stream whose pending tag was
-    /// complete (a retired stream); anything else is asked.
-    #[test]
-    fn the_oracle_is_asked_once_per_completed_shard_point() {
-        let asked = Arc::new(AtomicUsize::new(0));
-        let a = asked.clone();
-        let mut fit = BestFit::new();
-        // Stream 7: shard 1 complete up to 5; stream 9 retired.
-        fit.set_tag_oracle(Arc::new(move |t: StreamTag| {
-            a.fetch_add(1, Ordering::SeqCst);
-            (t.stream == 7 && t.seq >> 48 == 1 && t.seq & 0xffff_ffff_ffff <= 5) || t.stream == 9
-        }));
-        let tag = |stream, shard: u64, n: u64| StreamTag { stream, seq: shard << 48 | n };
-        let calls = || asked.load(Ordering::SeqCst);
-        assert!(fit.tag_settled(tag(7, 1, 5)));
-        assert_eq!(calls(), 1);
-        assert!(fit.tag_settled(tag(7, 1, 3)) && fit.tag_settled(tag(7, 1, 5)));
-        assert_eq!(calls(), 1, "earlier frees of the shard: no question");
-        assert!(!fit.tag_settled(tag(7, 1, 6)) && !fit.tag_settled(tag(7, 2, 1)));
-        assert!(!fit.tag_settled(StreamTag { stream: 7, seq: PENDING }));
-        assert_eq!(calls(), 4, "a later free, another shard, a merged tag: asked");
-        assert!(!fit.tag_settled(tag(8, 1, 1)));
-        assert!(fit.tag_settled(StreamTag { stream: 9, seq: PENDING }));
-        let before = calls();
-        assert!(fit.tag_settled(tag(9, 3, 100)) && fit.tag_settled(StreamTag { stream: 9, seq: PENDING }));
-        assert_eq!(calls(), before, "a stream whose every free is complete");
-        assert!(!fit.tag_settled(StreamTag::MIXED) && fit.tag_settled(StreamTag::NONE));
     }
 }

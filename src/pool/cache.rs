@@ -70,7 +70,8 @@ use crossbeam::utils::CachePadded;
 pub use super::classes::MAX_CACHED_BLOCK;
 use super::classes::{class_of, AddrMap, CLASSES, EXACT_LIMIT};
 use super::spin::SpinLock;
-use super::{Allocation, Freed, Inner, PoolStats, StreamTag};
+use super::{Allocation, Freed, Inner, PoolStats};
+use crate::tag::StreamTag;
 use bins::{CachedBlock, Delta, LiveEntry, Local};
 
 mod bins;

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use super::BLOCK_ALIGN;
+use crate::upstream::BLOCK_ALIGN;
 
 /// The largest block size (after class rounding) the thread caches hold.
 pub const MAX_CACHED_BLOCK: usize = 64 << 20;

@@ -2,8 +2,14 @@
 //! size limit, asking the upstream outside the pool's lock, releasing free
 //! chunks, and giving free tails back to expandable upstreams.
 
-use super::{Chunk, Error, Inner, OomState, Pool, Result, StreamTag, Upstream, BLOCK_ALIGN};
+use super::{Inner, Pool};
+
+use crate::upstream::{Chunk, Upstream, BLOCK_ALIGN};
+
+use crate::error::{Error, OomState, Result};
+
 use crate::sync::lock;
+use crate::tag::StreamTag;
 
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
@@ -68,7 +74,7 @@ impl<U: Upstream> Pool<U> {
 
     /// Takes the smallest wholly free chunk of at least `min` bytes that
     /// work on `stream` can use with no wait out of the pool for another
-    /// arena (no upstream call), with the tag that orders its reuse
+    /// shard (no upstream call), with the tag that orders its reuse
     /// ([`BestFit::take_free_chunk_fitting`](super::BestFit::take_free_chunk_fitting));
     /// `None` for pools whose chunks can't change hands (page remapping,
     /// kept chunks) or when none fits.
@@ -83,7 +89,7 @@ impl<U: Upstream> Pool<U> {
         inner.fit.take_free_chunk_fitting(min, stream)
     }
 
-    /// Adds a chunk another arena gave ([`give_free_chunk`](Self::give_free_chunk)),
+    /// Adds a chunk another shard gave ([`give_free_chunk`](Self::give_free_chunk)),
     /// free, with the tag it came with.
     ///
     /// # Errors
@@ -96,7 +102,7 @@ impl<U: Upstream> Pool<U> {
             return Ok(());
         }
         Err(Error::InvalidState(format!(
-            "a chunk {:#x}+{} given by another arena overlaps this one's",
+            "a chunk {:#x}+{} given by another shard overlaps this one's",
             chunk.addr, chunk.size
         )))
     }
@@ -156,7 +162,7 @@ impl<U: Upstream> Pool<U> {
         match plan {
             Growth::Extend { chunk, extra, need } => {
                 // With page remapping the pool grows by address space only;
-                // pages are mapped where allocations land (pages.rs).
+                // pages are mapped where allocations land (remap.rs).
                 let extended = if self.remap {
                     self.upstream.try_extend_reserved(chunk, extra)?
                 } else {
@@ -292,9 +298,10 @@ impl Growth {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
-    use super::super::{Pool, PoolConfig, StreamTag};
+    use super::super::{Pool, PoolConfig};
     use super::Growth;
     use crate::error::PoolKind;
+    use crate::tag::StreamTag;
     use crate::upstream::{HostExpandable, Upstream};
 
     /// Two threads of one pool plan to extend its last chunk at once; the

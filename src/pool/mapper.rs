@@ -2,7 +2,7 @@
 //!
 //! # Implementation details
 //!
-//! A remapping pool (`pages.rs`) moves memory by unmapping pieces lying
+//! A remapping pool (`remap.rs`) moves memory by unmapping pieces lying
 //! wholly in free blocks and mapping their memory where a placement needs
 //! it. Done on the allocating thread, each move costs it an unmap, a map
 //! and an access call. The mapper keeps a *reserve* of memory unmapped in
@@ -42,7 +42,7 @@
 //!   then running or will run) and waits until the thread let go of it
 //!   before it gives its memory back.
 
-use super::pages::budget;
+use super::page_map::budget;
 use super::{Inner, SpinLock};
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 use crate::upstream::{Chunk, Upstream, REMAP_PIECE};

@@ -16,34 +16,46 @@
 //! (`cache.rs`, [`PoolConfig::thread_cache`]): most allocations and frees
 //! of blocks up to [`MAX_CACHED_BLOCK`] never take the pool's lock.
 
-mod arena_registry;
-mod arena_upstream;
-mod arenas;
 mod best_fit;
 mod cache;
 mod classes;
+mod config;
 mod free_index;
 mod growth;
 mod mapper;
-mod pages;
-mod snapshot;
+mod page_map;
+mod pool_snapshot;
+mod queries;
+mod remap;
+mod shard_registry;
+mod shard_upstream;
+mod shards;
 mod spin;
 mod stats;
 
+// Names of lower layers that a program of pools needs, kept here for
+// programs (cumem's own code imports them from their owners).
 pub use crate::sync::set_thread_slot;
 pub use crate::tag::{StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
-pub use arena_registry::release_thread_arenas;
-pub use arenas::{default_arena_count, Arenas, UpstreamFactory, MAX_ARENAS};
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
-pub use pages::RANK_LIMIT;
-pub use snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
+pub use config::{PoolConfig, DEFAULT_REMAP_SLACK_PPM, MAX_ALIGN};
+pub use pool_snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
+pub use remap::RANK_LIMIT;
+pub use shard_registry::release_thread_shards;
+pub use shards::{default_shard_count, Shards, UpstreamFactory, MAX_SHARDS};
+// The names of the per-thread pools from before they were called shards
+// ("arena" is the planning arena now), for programs.
+#[doc(hidden)]
+pub use shard_registry::release_thread_shards as release_thread_arenas;
+#[doc(hidden)]
+pub use shards::{default_shard_count as default_arena_count, Shards as Arenas, MAX_SHARDS as MAX_ARENAS};
 pub use stats::PoolStats;
 
-use crate::error::{Error, OomState, PoolKind, Result};
+use crate::error::{Error, OomState, Result};
 use crate::sync::{Arc, Mutex};
-use crate::upstream::{Chunk, Upstream};
+use crate::upstream::Upstream;
 use cache::{CacheFree, ThreadCaches};
 use spin::SpinLock;
 
@@ -51,90 +63,6 @@ use spin::SpinLock;
 /// ([`Error::ConfigTooLate`]).
 pub(crate) const FIRST_ALLOCATION: &str =
     "it must be set before the first allocation from that pool (set it in the Config, or right after init())";
-
-/// The largest alignment a pool honours.
-pub const MAX_ALIGN: usize = 1 << 21;
-
-/// The default of [`PoolConfig::remap_slack_ppm`]: 1 %.
-pub const DEFAULT_REMAP_SLACK_PPM: u32 = 10_000;
-
-/// How a pool grows and how large it may get.
-///
-/// # Examples
-/// See [`Pool`].
-#[derive(Debug, Clone)]
-pub struct PoolConfig {
-    /// Which pool this is (named in errors).
-    pub kind: PoolKind,
-    /// Bytes reserved by the first allocation, as one chunk (0: none beyond
-    /// the first request's chunk).
-    pub initial_size: usize,
-    /// The smallest chunk asked of the upstream when the pool grows.
-    pub min_chunk: usize,
-    /// The most the pool may reserve (`None`: no limit but the upstream's).
-    pub max_size: Option<usize>,
-    /// Grow by extending the highest chunk in place when the upstream can
-    /// (expandable segments), so new memory coalesces with the old tail.
-    pub expandable: bool,
-    /// Keep per-thread caches of freed blocks (see the module docs): with
-    /// it, requests up to [`MAX_CACHED_BLOCK`] are rounded up to a size
-    /// class (at most 6.25 % more), and most allocations and frees skip the
-    /// pool's lock.
-    pub thread_cache: bool,
-    /// The most bytes one thread's cache of this pool holds (0: no caches).
-    pub thread_cache_bytes: usize,
-    /// Thread caches hit only on the exact (256 B-rounded) size and round
-    /// nothing up to a class: no fragmentation of their own, fewer hits
-    /// when sizes vary. The device pools use it.
-    pub cache_exact: bool,
-    /// Never give free chunks back to the upstream to retry a failed
-    /// allocation: only an explicit [`Pool::release_cached`] or
-    /// [`Pool::shutdown`] does. For memory that work recorded earlier (a
-    /// CUDA graph) may still use while its blocks look free.
-    pub keep_chunks: bool,
-    /// With page remapping, how far physical memory may rise above the
-    /// page floor of the pool's own placement before memory moves instead
-    /// of new memory being mapped, in millionths (10 000: 1 %). See
-    /// `pages.rs`: less slack means less memory and more remapping.
-    pub remap_slack_ppm: u32,
-    /// Keep the block freed last *hot*: not coalesced until the next
-    /// operation, so that an allocation of exactly its size right after
-    /// takes it back with no index work where best fit would place it
-    /// anyway (a hot allocate + free pair of one size then splits and
-    /// merges nothing; see `best_fit.rs`). Placement is best fit's either
-    /// way. The device pools use it
-    /// ([`Config::hot_block`](crate::Config::hot_block)).
-    pub hot_block: bool,
-    /// With page remapping, let cumem's background mapper thread keep a
-    /// reserve of unmapped memory, so that allocations map kept memory
-    /// and unmap nothing themselves (`mapper.rs`). Off (the default until
-    /// it is measured on a device): the allocating thread makes every page
-    /// move (and [`Pool::mapper_step`] runs the mapper's work where a test
-    /// wants it).
-    pub background_mapper: bool,
-}
-
-impl PoolConfig {
-    /// Defaults for a pool of this kind: no initial reservation, 2 MiB
-    /// minimum chunks, no limit, expandable growth where the upstream
-    /// supports it, thread caches of 256 MiB (per thread).
-    pub fn new(kind: PoolKind) -> Self {
-        PoolConfig {
-            kind,
-            initial_size: 0,
-            min_chunk: 2 << 20,
-            max_size: None,
-            expandable: true,
-            thread_cache: true,
-            thread_cache_bytes: 256 << 20,
-            cache_exact: false,
-            keep_chunks: false,
-            remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
-            hot_block: false,
-            background_mapper: false,
-        }
-    }
-}
 
 /// A live block still held when a pool shut down.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -157,8 +85,8 @@ struct Inner {
     used: bool,
     /// Overrides `PoolConfig::initial_size` (set before first use).
     initial_size: Option<usize>,
-    /// Which pages have memory mapped (page remapping; `pages.rs`).
-    pages: pages::Pages,
+    /// Which pages have memory mapped (page remapping; `page_map.rs`).
+    pages: page_map::Pages,
 }
 
 /// A thread-safe best-fit pool over an upstream.
@@ -181,7 +109,7 @@ pub struct Pool<U: Upstream> {
     cache: Option<Arc<ThreadCaches>>,
     upstream: Arc<U>,
     config: PoolConfig,
-    /// Page remapping is on (`pages.rs`).
+    /// Page remapping is on (`remap.rs`).
     remap: bool,
     /// The unit of page remapping: the upstream's granularity, or
     /// `min_chunk` when that is a larger power of two.
@@ -192,7 +120,7 @@ pub struct Pool<U: Upstream> {
     /// The pool's job for the background mapper (page remapping only).
     mapper: Option<Arc<mapper::Job<U>>>,
     /// Whether a chunk may be wholly free ([`BestFit`]'s flag, read
-    /// without the lock before another arena is offered a chunk).
+    /// without the lock before another shard is offered a chunk).
     whole_free: Arc<crate::sync::AtomicBool>,
 }
 
@@ -227,7 +155,7 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
     round_size(size).ok_or(Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
 }
 
-/// Whether a pool over `upstream` with `config` remaps pages (`pages.rs`):
+/// Whether a pool over `upstream` with `config` remaps pages (`remap.rs`):
 /// expandable, over an upstream that can remap, and not `keep_chunks`.
 pub(crate) fn would_remap(upstream: &dyn Upstream, config: &PoolConfig) -> bool {
     config.expandable && !config.keep_chunks && upstream.can_remap()
@@ -249,7 +177,7 @@ impl<U: Upstream> Pool<U> {
         }
         fit.set_hot_block(config.hot_block);
         let whole_free = fit.whole_free_flag();
-        let inner = Arc::new(SpinLock::new(Inner { fit, pages: pages::Pages::new(page), ..Inner::default() }));
+        let inner = Arc::new(SpinLock::new(Inner { fit, pages: page_map::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
         let upstream = Arc::new(upstream);
@@ -275,7 +203,7 @@ impl<U: Upstream> Pool<U> {
         tag == StreamTag::NONE || self.inner.lock().fit.tag_settled(tag)
     }
 
-    /// Whether the pool remaps pages (`pages.rs`): expandable, over an
+    /// Whether the pool remaps pages (`remap.rs`): expandable, over an
     /// upstream that can remap, and not `keep_chunks`.
     pub fn remaps(&self) -> bool {
         self.remap
@@ -369,7 +297,7 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// [`allocate_within`](Pool::allocate_within) past the thread caches,
-    /// for a block lent to another arena's thread: its free goes straight
+    /// for a block lent to another shard's thread: its free goes straight
     /// back to this pool.
     ///
     /// # Errors
@@ -587,117 +515,6 @@ impl<U: Upstream> Pool<U> {
             FreeError::Interior { block, size } => Error::InteriorPointer { pool, addr, block, size },
             FreeError::Unknown => Error::UnknownPointer { pool, addr },
         }
-    }
-
-    /// The size of the live block at `addr`, if there is one.
-    pub fn block_size(&self, addr: usize) -> Option<usize> {
-        if let Some(lent) = self.cache.as_ref().and_then(|c| c.lent_size(addr)) {
-            return lent;
-        }
-        self.inner.lock().fit.block_size(addr)
-    }
-
-    /// The bytes asked for the live block at `addr` (at most its
-    /// [`block_size`](Self::block_size)), if there is one.
-    pub fn requested_size(&self, addr: usize) -> Option<usize> {
-        if let Some(lent) = self.cache.as_ref().and_then(|c| c.lent_requested(addr)) {
-            return lent;
-        }
-        self.inner.lock().fit.requested_of(addr)
-    }
-
-    /// Whether `addr` lies in one of the pool's chunks.
-    pub fn contains(&self, addr: usize) -> bool {
-        self.inner.lock().fit.contains(addr)
-    }
-
-    /// The size of the live block at `addr`, or the error freeing it would
-    /// give ([`Error::DoubleFree`], [`Error::InteriorPointer`],
-    /// [`Error::UnknownPointer`]). Changes nothing.
-    ///
-    /// # Errors
-    /// As described.
-    pub fn check_live(&self, addr: usize) -> Result<usize> {
-        match self.cache.as_ref().and_then(|c| c.lent_size(addr)) {
-            Some(Some(size)) => return Ok(size),
-            // A thread cache owns the block and it is not lent: it is free.
-            Some(None) => return Err(self.free_error(addr, FreeError::DoubleFree)),
-            None => {}
-        }
-        let r = self.inner.lock().fit.check_live(addr);
-        r.map_err(|e| self.free_error(addr, e))
-    }
-
-    /// Grows the live block at `addr` to hold `new_size` bytes without
-    /// moving it, when the block after it is free and large enough.
-    pub fn grow_in_place(&self, addr: usize, new_size: usize) -> bool {
-        let Some(rounded) = round_size(new_size) else { return false };
-        if self.cache.as_ref().is_some_and(|c| !c.unlend(addr)) {
-            return false;
-        }
-        let mut inner = self.inner.lock();
-        if self.remap && !inner.pages.clear(addr, rounded) {
-            // The space after the block has no memory mapped.
-            return false;
-        }
-        let ok = inner.fit.grow_in_place(addr, rounded);
-        if ok {
-            inner.fit.set_requested(addr, new_size);
-        }
-        ok
-    }
-
-    /// Shrinks the live block at `addr` to `new_size` bytes (non-zero) in
-    /// place, freeing its tail.
-    pub fn shrink_in_place(&self, addr: usize, new_size: usize) -> bool {
-        let Some(rounded) = round_size(new_size) else { return false };
-        if self.cache.as_ref().is_some_and(|c| !c.unlend(addr)) {
-            return false;
-        }
-        let mut inner = self.inner.lock();
-        let ok = inner.fit.shrink_in_place(addr, rounded);
-        if ok {
-            inner.fit.set_requested(addr, new_size);
-        }
-        ok
-    }
-
-    /// Marks every free block as having no pending stream work (see
-    /// [`BestFit::clear_tags`]). Blocks parked in thread caches keep their
-    /// tags: use it on pools without caches.
-    pub fn clear_tags(&self) {
-        debug_assert!(self.cache.is_none(), "clear_tags does not reach thread caches");
-        self.inner.lock().fit.clear_tags();
-    }
-
-    /// Statistics.
-    pub fn stats(&self) -> PoolStats {
-        let mut s = {
-            let mut inner = self.inner.lock();
-            inner.fit.flush_hot();
-            let mut s = inner.fit.stats();
-            inner.pages.fill_stats(&mut s, self.remap);
-            s
-        };
-        if let Some(cache) = &self.cache {
-            cache.adjust(&mut s);
-        }
-        s
-    }
-
-    /// Sets every peak to its current value.
-    pub fn reset_peaks(&self) {
-        let mut inner = self.inner.lock();
-        inner.fit.stats_mut().reset_peaks();
-        inner.fit.reset_touched_peak();
-        inner.pages.peak = inner.pages.physical();
-    }
-
-    /// Runs `f` on the allocator under the lock (tests, summaries).
-    pub fn with_fit<R>(&self, f: impl FnOnce(&BestFit) -> R) -> R {
-        let mut inner = self.inner.lock();
-        inner.fit.flush_hot();
-        f(&inner.fit)
     }
 
     /// Stops serving allocations, returns all free memory to the upstream

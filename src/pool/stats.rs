@@ -28,7 +28,7 @@ pub struct PoolStats {
     /// The largest `reserved` since creation or the last peak reset.
     pub peak_reserved: usize,
     /// Bytes of physical memory held from the driver: mapped, and with
-    /// page remapping (`pages.rs`) also the memory unmapped and kept for
+    /// page remapping (`remap.rs`) also the memory unmapped and kept for
     /// the next map (`kept`). With page remapping it can be less than
     /// `reserved`, the address space of the chunks; otherwise equal.
     pub mapped: usize,

@@ -1,5 +1,5 @@
 //! Thread slots: a small number per thread, the lowest one free, given
-//! back when the thread exits. Arenas are chosen by it and stream free
+//! back when the thread exits. Shards are chosen by it and stream free
 //! counters are sharded by it; it is an identity only and orders no memory.
 
 use std::cell::Cell;
@@ -53,7 +53,7 @@ impl Drop for Slot {
 #[cfg(not(loom))]
 std::thread_local! {
     static SLOT: Slot = const { Slot(Cell::new(NO_SLOT)) };
-    /// Set by [`set_thread_slot`]: the thread's arenas follow its slot.
+    /// Set by [`set_thread_slot`]: the thread's shards follow its slot.
     static PINNED: Cell<bool> = const { Cell::new(false) };
 }
 
@@ -64,7 +64,7 @@ loom::thread_local! {
 }
 
 /// Whether the calling thread was pinned to a slot with
-/// [`set_thread_slot`] (its arenas then follow the slot instead of being
+/// [`set_thread_slot`] (its shards then follow the slot instead of being
 /// claimed).
 #[inline]
 pub(crate) fn thread_pinned() -> bool {
@@ -90,10 +90,10 @@ fn first_slot(s: &Slot) -> usize {
     v
 }
 
-/// Makes the calling thread use slot `slot` from now on (its arena in a
-/// set of `n` arenas is `slot % n`, counted from the first slot to use the
-/// set) instead of claiming arenas, giving its old slot back. For tests
-/// and models that need threads on chosen arenas; two threads may share a
+/// Makes the calling thread use slot `slot` from now on (its shard in a
+/// set of `n` shards is `slot % n`, counted from the first slot to use the
+/// set) instead of claiming shards, giving its old slot back. For tests
+/// and models that need threads on chosen shards; two threads may share a
 /// slot.
 #[doc(hidden)]
 pub fn set_thread_slot(slot: usize) {

@@ -6,7 +6,7 @@
 //! A request for `size` bytes becomes a chunk of
 //! `max(size, taken / DIVISOR)` bytes (rounded to the granularity), where
 //! `taken` counts the bytes every upstream sharing the counter holds now
-//! (several arenas of one pinned pool share one). With `DIVISOR = 4` the
+//! (several shards of one pinned pool share one). With `DIVISOR = 4` the
 //! total grows by at least a quarter per call: from 16 MiB to 10 GiB in
 //! about 30 calls, where fixed 2–4 MiB chunks take thousands, and the
 //! memory held beyond what was asked stays under a quarter of the total.
@@ -20,7 +20,7 @@
 //! **Growth after a quiet spell starts small.** A pool that has not grown
 //! for [`QUIET`] is at its working size: a request that finds no room
 //! then is a shortfall (a peak a little above the last, memory split
-//! among arenas), not a ramp, and pinning a quarter of a large pool for
+//! among shards), not a ramp, and pinning a quarter of a large pool for
 //! it would stall the thread for a third of a second. The first chunk
 //! after a quiet spell is at most [`RESTART`]; each chunk that follows
 //! closely may double the last, up to the quarter, so a new ramp still

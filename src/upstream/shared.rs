@@ -1,7 +1,7 @@
 //! One upstream shared by several pools, each chunk handed out whole: the
-//! worker arenas of a device (`pool/arenas.rs`) take their chunks from one
-//! address space, so a chunk can change arena with no driver call and any
-//! arena can give any chunk back.
+//! worker shards of a device (`pool/shards.rs`) take their chunks from one
+//! address space, so a chunk can change shard with no driver call and any
+//! shard can give any chunk back.
 
 use super::{Chunk, Upstream};
 use crate::error::{Error, Result};

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::sys;
 use cumem::Stream;
 
-use crate::tasks::{add_copy, check, err, fill, read, Res};
+use crate::work::{add_copy, check, err, fill, read, Res};
 use crate::{Rng, Soak};
 
 /// How a capture begins.

@@ -15,7 +15,7 @@ use cudarc::driver::sys;
 use cumem::ipc::{ImportedMemory, IpcHandle};
 use cumem::Stream;
 
-use crate::tasks::{c, err, fill, read, Res};
+use crate::work::{c, err, fill, read, Res};
 use crate::{pattern, Rng, Soak};
 
 const PATIENCE: Duration = Duration::from_secs(120);
@@ -98,7 +98,7 @@ fn one_round(s: &Soak, socket: &UnixStream, stream: &Stream, round: u64, rng: &m
     let seed = rng.next() as u32;
     let p = mm.allocate_device_on(n * 4, stream).map_err(err("allocate_device_on"))?;
     fill(s, stream.cudarc().unwrap(), p, seed, n)?;
-    crate::tasks::check(s, "a block before its export", &read(s, stream, p, n)?, seed, 0);
+    crate::work::check(s, "a block before its export", &read(s, stream, p, n)?, seed, 0);
     let free_early = round % 4 >= 2;
     let check_others = |p: u64| -> Res {
         // Freed while the child holds it: blocks of its size are others.

@@ -35,6 +35,7 @@ mod graphs;
 mod ipc;
 mod report;
 mod tasks;
+mod work;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use cumem::device::{driver_status, DriverStatus};
+use cumem::cuda::{driver_status, DriverStatus};
 use cumem::Config;
 use cumem_replay::replay::{self, ReplayReport, Target};
 use cumem_replay::synth::Spec;

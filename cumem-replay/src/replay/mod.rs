@@ -28,7 +28,7 @@ use serde::Serialize;
 
 use crate::trace::{Op, Trace};
 use cumem::cuda::driver_err;
-use cumem::device::{self, DeviceAllocatorMode, NativePool};
+use cumem::device::{DeviceAllocator, DeviceAllocatorMode, NativePool};
 use cumem::Stream;
 use cumem::{BackendChoice, Config, MemoryManager};
 use cumem::{Error, Result};
@@ -309,7 +309,7 @@ pub fn replay_once_on(
     warm: bool,
     one_stream: bool,
 ) -> Result<Measurement> {
-    if target.needs_gpu() && device::driver_status().devices() == 0 {
+    if target.needs_gpu() && cumem::cuda::driver_status().devices() == 0 {
         return Err(Error::NeedsGpu("this replay target"));
     }
     match target {
@@ -394,7 +394,7 @@ pub fn replay_on(
 /// reset, so a replay's `reserved_high` is its own. Its release threshold
 /// is set to keep everything cached (as cumem's stream-ordered mode does).
 fn fresh_default_pool(ordinal: usize) -> Result<Option<NativePool>> {
-    let Some(ctx) = device::device_context(ordinal)? else {
+    let Some(ctx) = cumem::cuda::device_context(ordinal)? else {
         return Ok(None);
     };
     ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
@@ -403,6 +403,20 @@ fn fresh_default_pool(ordinal: usize) -> Result<Option<NativePool>> {
     pool.trim_to(0)?;
     pool.reset_high_watermarks()?;
     Ok(Some(pool))
+}
+
+/// Makes the driver pool of `mode` on `dev` now (none for the sync
+/// pool), emptied and with its high watermarks reset: the device's default
+/// pool is shared by the process and may hold memory of earlier replays.
+pub(crate) fn fresh_mode_pool(dev: &DeviceAllocator, mode: DeviceAllocatorMode) -> Result<()> {
+    let Some(pool) = dev.mode_pool(mode)? else { return Ok(()) };
+    if let Some(ctx) = dev.context() {
+        ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        ctx.synchronize().map_err(driver_err("cuCtxSynchronize"))?;
+    }
+    pool.trim_to(0)?;
+    pool.reset_high_watermarks()?;
+    Ok(())
 }
 
 fn replay_cumem(trace: &Trace, config: Config, warm: bool, one_stream: bool) -> Result<Measurement> {
@@ -420,15 +434,7 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool, one_stream: bool) -> 
     // Where a leftover block is freed: any stream orders it (the trace
     // records no work on it).
     let stream = streams.first();
-    match mode {
-        DeviceAllocatorMode::CudaAsyncPool => {
-            dev.native_pool()?;
-        }
-        DeviceAllocatorMode::AsyncStreamOrdered => {
-            fresh_default_pool(ordinal)?;
-        }
-        DeviceAllocatorMode::SyncPool => {}
-    }
+    fresh_mode_pool(dev, mode)?;
     let pass = |ptrs: &mut Vec<u64>| {
         let mut failures = 0;
         for (i, op) in trace.ops.iter().enumerate() {
@@ -487,16 +493,9 @@ fn replay_cumem(trace: &Trace, config: Config, warm: bool, one_stream: bool) -> 
     let stream_waits = stats.stream_waits - before.stream_waits;
     let stream_wait_ns = stats.stream_wait_ns - before.stream_wait_ns;
     let stream_waits_elided = stats.stream_waits_elided - before.stream_waits_elided;
-    let (peak_live, peak_reserved) = match mode {
-        // Physical memory: the mapped pages.
-        DeviceAllocatorMode::SyncPool => (stats.pool.peak_requested, Some(stats.pool.peak_mapped)),
-        DeviceAllocatorMode::AsyncStreamOrdered => {
-            (stats.stream_ordered.peak_in_use, stats.default_pool.map(|a| a.reserved_high as usize))
-        }
-        DeviceAllocatorMode::CudaAsyncPool => {
-            (stats.stream_ordered.peak_in_use, stats.native_pool.map(|a| a.reserved_high as usize))
-        }
-    };
+    // Physical memory (the sync pool's mapped pages).
+    let held = stats.mode_memory(mode);
+    let (peak_live, peak_reserved) = (held.peak_live, held.peak_reserved);
     free_all(&mut ptrs)?;
     for s in &streams {
         s.synchronize()?;

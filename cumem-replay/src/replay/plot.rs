@@ -11,9 +11,8 @@
 
 use plotters::prelude::*;
 
-use super::{fresh_default_pool, AddressRange, Target};
+use super::{fresh_mode_pool, AddressRange, Target};
 use crate::trace::{Op, Trace};
-use cumem::device::{self, DeviceAllocatorMode};
 use cumem::pool::{Pool, StreamTag, BLOCK_ALIGN};
 use cumem::Stream;
 use cumem::{BackendChoice, Config, MemoryManager};
@@ -96,7 +95,7 @@ fn replay_sampled(
 /// [`Error::InvalidState`] for the raw targets (nothing to read), and
 /// errors creating the manager, stream or pool.
 pub fn reserved_series(trace: &Trace, target: Target, base: &Config, samples: usize) -> Result<Series> {
-    if target.needs_gpu() && device::driver_status().devices() == 0 {
+    if target.needs_gpu() && cumem::cuda::driver_status().devices() == 0 {
         return Err(Error::NeedsGpu("this replay target"));
     }
     let points = match target {
@@ -126,11 +125,7 @@ pub fn reserved_series(trace: &Trace, target: Target, base: &Config, samples: us
                 Some(_) => Some(Stream::new_on(ordinal)?),
                 None => None,
             };
-            match mode {
-                DeviceAllocatorMode::CudaAsyncPool => drop(dev.native_pool()?),
-                DeviceAllocatorMode::AsyncStreamOrdered => drop(fresh_default_pool(ordinal)?),
-                DeviceAllocatorMode::SyncPool => {}
-            }
+            fresh_mode_pool(dev, mode)?;
             let points = replay_sampled(
                 trace,
                 samples,
@@ -144,16 +139,7 @@ pub fn reserved_series(trace: &Trace, target: Target, base: &Config, samples: us
                         None => mm.free_device(p),
                     };
                 },
-                || {
-                    let s = dev.stats();
-                    match mode {
-                        DeviceAllocatorMode::SyncPool => s.pool.reserved,
-                        DeviceAllocatorMode::AsyncStreamOrdered => {
-                            s.default_pool.map_or(0, |a| a.reserved_current as usize)
-                        }
-                        DeviceAllocatorMode::CudaAsyncPool => s.native_pool.map_or(0, |a| a.reserved_current as usize),
-                    }
-                },
+                || dev.stats().mode_memory(mode).reserved,
             );
             if let Some(s) = &stream {
                 s.synchronize()?;

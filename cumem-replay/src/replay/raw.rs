@@ -7,11 +7,10 @@ use cudarc::driver::{result, sys};
 use super::{fresh_default_pool, Measurement};
 use crate::trace::{Op, Trace};
 use cumem::cuda::driver_err;
-use cumem::device;
 use cumem::{Error, Result};
 
 fn context(ordinal: usize) -> Result<std::sync::Arc<cudarc::driver::CudaContext>> {
-    let ctx = device::device_context(ordinal)?.ok_or(Error::NeedsGpu("a raw driver replay"))?;
+    let ctx = cumem::cuda::device_context(ordinal)?.ok_or(Error::NeedsGpu("a raw driver replay"))?;
     ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
     Ok(ctx)
 }

@@ -157,7 +157,7 @@ fn shared_traces_replay_on_the_host() {
 
 #[test]
 fn gpu_targets_replay_a_trace() {
-    let Some(_ctx) = cumem::device::gpu_for_test("gpu_targets_replay_a_trace") else {
+    let Some(_ctx) = cumem::cuda::gpu_for_test("gpu_targets_replay_a_trace") else {
         let e = replay::replay_once(&Trace::default(), Target::RawCuMemAlloc, &Config::new()).unwrap_err();
         assert!(e.to_string().contains("needs a CUDA device"), "{e}");
         return;

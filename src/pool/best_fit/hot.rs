@@ -2,7 +2,11 @@
 //! last waits uncoalesced, so that an allocation of exactly its size takes
 //! it back with no index work.
 
-use super::{Allocation, BestFit, HotSlot, StreamTag, BLOCK_ALIGN, NIL};
+use super::{Allocation, BestFit, HotSlot, NIL};
+
+use crate::tag::StreamTag;
+
+use crate::upstream::BLOCK_ALIGN;
 
 impl BestFit {
     /// Keeps the block freed last hot (see the module docs): an allocation
@@ -74,7 +78,8 @@ impl BestFit {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{BestFit, FreeError, StreamTag};
+    use super::super::{BestFit, FreeError};
+    use crate::tag::StreamTag;
     use crate::upstream::Chunk;
 
     const K: usize = 1024;
@@ -167,7 +172,7 @@ mod tests {
     }
 
     /// A free that leaves its chunk wholly free once coalesced raises the
-    /// flag other arenas read before they look for such a chunk, though
+    /// flag other shards read before they look for such a chunk, though
     /// the block waits hot.
     #[test]
     fn a_hot_block_that_frees_its_chunk_raises_the_whole_free_flag() {

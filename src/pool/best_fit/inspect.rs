@@ -1,7 +1,9 @@
 //! Looking without changing: chunks, statistics, snapshots, and the
 //! invariant check the tests run after every operation.
 
-use super::{BestFit, Chunk, PoolStats, BLOCK_ALIGN, NIL};
+use super::{BestFit, PoolStats, NIL};
+
+use crate::upstream::{Chunk, BLOCK_ALIGN};
 
 impl BestFit {
     /// Every chunk, in address order.
@@ -54,9 +56,9 @@ impl BestFit {
     pub fn snapshot_into(
         &mut self,
         chunks: &mut Vec<Chunk>,
-        blocks: &mut Vec<crate::pool::snapshot::SnapshotBlock>,
+        blocks: &mut Vec<crate::pool::pool_snapshot::SnapshotBlock>,
     ) -> bool {
-        use crate::pool::snapshot::{stream_of, BlockState, SnapshotBlock};
+        use crate::pool::pool_snapshot::{stream_of, BlockState, SnapshotBlock};
         self.flush_hot();
         chunks.clear();
         blocks.clear();

@@ -2,7 +2,11 @@
 //! mapped pages ahead of unmapped ones), and the views of free space a
 //! remapping pool needs.
 
-use super::{Allocation, BestFit, StreamTag, BLOCK_ALIGN};
+use super::{Allocation, BestFit};
+
+use crate::tag::StreamTag;
+
+use crate::upstream::BLOCK_ALIGN;
 
 impl BestFit {
     /// As [`allocate`](BestFit::allocate), but among the first `limit`

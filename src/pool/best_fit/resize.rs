@@ -2,7 +2,11 @@
 //! free block after it; whole free chunks taken out; chunks extended or
 //! shrunk at their end (growth in place, page remapping).
 
-use super::{BestFit, Block, Chunk, StreamTag, BLOCK_ALIGN, NIL};
+use super::{BestFit, Block, NIL};
+
+use crate::upstream::{Chunk, BLOCK_ALIGN};
+
+use crate::tag::StreamTag;
 
 impl BestFit {
     /// Grows the live block at `addr` to `new_size` (rounded) in place, by
@@ -96,7 +100,7 @@ impl BestFit {
     }
 
     /// Removes the smallest wholly free chunk of at least `min` bytes that
-    /// work on `stream` can use with no wait (for another arena to take):
+    /// work on `stream` can use with no wait (for another shard to take):
     /// its one block has no stream work pending (no tag, or one the tag
     /// oracle says is complete; the chunk comes with [`StreamTag::NONE`]),
     /// or was freed on `stream` itself (it comes with its tag, which

@@ -5,7 +5,8 @@
 use std::num::NonZeroU32;
 
 use super::{AddrMap, CLASSES, EXACT_LIMIT, MAX_CACHED_BLOCK, NEIGHBOURS};
-use crate::pool::{StreamTag, BLOCK_ALIGN};
+use crate::tag::StreamTag;
+use crate::upstream::BLOCK_ALIGN;
 
 /// A lent block held by a user. Lent blocks are at most
 /// [`MAX_CACHED_BLOCK`] bytes, so every figure fits 32 bits, and the entry

@@ -1,30 +1,30 @@
-//! Which thread uses which arena of a set: arenas are claimed by threads
-//! and handed back when the threads exit, so arenas (and the memory they
+//! Which thread uses which shard of a set: shards are claimed by threads
+//! and handed back when the threads exit, so shards (and the memory they
 //! cache) outlive the threads that grew them.
 //!
 //! # Implementation details
 //!
-//! - **Claim.** A thread's first allocation from a set claims an arena
-//!   (cold path, under the registry's lock): the lowest-numbered arena that
+//! - **Claim.** A thread's first allocation from a set claims a shard
+//!   (cold path, under the registry's lock): the lowest-numbered shard that
 //!   is made and has no thread (its memory is reused), else the lowest one
 //!   not made yet, else the one with the fewest threads (more threads than
-//!   arenas share). In a set with worker arenas (arena 0 remaps pages), it
+//!   shards share). In a set with worker shards (shard 0 remaps pages), it
 //!   goes to the set's first thread, and later threads take it only when
-//!   every other arena is taken: a new thread's layout differs from the
-//!   last one's, and in arena 0 that costs page moves (driver calls),
-//!   where the worker arenas trade whole chunks with none. The claim is
+//!   every other shard is taken: a new thread's layout differs from the
+//!   last one's, and in shard 0 that costs page moves (driver calls),
+//!   where the worker shards trade whole chunks with none. The claim is
 //!   remembered in a thread-local list keyed by the set's id (ids are
 //!   never reused, so a dropped set's entry can't be mistaken for a new
-//!   one); the hot path reads one cached `(id, arena)` pair.
+//!   one); the hot path reads one cached `(id, shard)` pair.
 //! - **Hand-back.** The thread-local list's destructor (or
-//!   [`release_thread_arenas`]) lowers each claimed arena's thread count;
+//!   [`release_thread_shards`]) lowers each claimed shard's thread count;
 //!   the next thread to claim finds it free. Nothing else changes hands:
-//!   the arena's pool, its blocks and its chunks stay where they are, and a
-//!   free from any thread still finds the arena through the chunk
+//!   the shard's pool, its blocks and its chunks stay where they are, and a
+//!   free from any thread still finds the shard through the chunk
 //!   directory, so a free racing with the hand-back needs no care (the
-//!   loom model `arena_handed_back_while_another_thread_frees_into_it`
+//!   loom model `shard_handed_back_while_another_thread_frees_into_it`
 //!   checks it).
-//! - **Bound.** A set holds at most its count of arenas (by default the
+//! - **Bound.** A set holds at most its count of shards (by default the
 //!   processors), however many threads were ever made.
 
 use std::cell::{Cell, RefCell};
@@ -34,13 +34,13 @@ use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
 /// Set ids (identities only).
 static NEXT_ID: StaticAtomicU64 = StaticAtomicU64::new(1);
 
-/// The threads on each arena of one set.
+/// The threads on each shard of one set.
 #[derive(Debug)]
 pub(super) struct Registry {
     id: u64,
     users: Box<[AtomicUsize]>,
-    /// Whether arena 0 is kept for the set's first thread (it remaps
-    /// pages): later threads take it only when every other arena is
+    /// Whether shard 0 is kept for the set's first thread (it remaps
+    /// pages): later threads take it only when every other shard is
     /// taken.
     primary_first_only: bool,
     /// Whether any thread claimed yet; held while a thread claims.
@@ -57,20 +57,20 @@ impl Registry {
         })
     }
 
-    /// Threads on arena `i` now.
+    /// Threads on shard `i` now.
     pub(super) fn users(&self, i: usize) -> usize {
         self.users[i].load(Ordering::Acquire)
     }
 
-    /// The calling thread's arena, claimed on first use; `made(i)` says
-    /// whether arena `i` exists yet.
+    /// The calling thread's shard, claimed on first use; `made(i)` says
+    /// whether shard `i` exists yet.
     #[inline]
     pub(super) fn home(this: &Arc<Self>, made: impl Fn(usize) -> bool) -> usize {
-        let hit = HOMES.try_with(|h| (h.last_id.get() == this.id).then(|| h.last_arena.get()));
+        let hit = HOMES.try_with(|h| (h.last_id.get() == this.id).then(|| h.last_shard.get()));
         match hit {
             Ok(Some(i)) => i,
             Ok(None) => Self::home_slow(this, made),
-            // Thread-locals torn down: share arena 0 without a claim.
+            // Thread-locals torn down: share shard 0 without a claim.
             Err(_) => 0,
         }
     }
@@ -89,19 +89,19 @@ impl Registry {
                     }
                 };
                 h.last_id.set(this.id);
-                h.last_arena.set(i);
+                h.last_shard.set(i);
                 i
             })
             .unwrap_or(0)
     }
 
-    /// Claims an arena for a new thread (see the module docs).
+    /// Claims a shard for a new thread (see the module docs).
     fn claim(&self, made: impl Fn(usize) -> bool) -> usize {
         let mut claimed = lock(&self.claimed);
         let first = !std::mem::replace(&mut *claimed, true);
         let free = |i: &usize| self.users[*i].load(Ordering::Acquire) == 0;
         let n = self.users.len();
-        // Arena 0 kept for the first thread: the others look past it.
+        // Shard 0 kept for the first thread: the others look past it.
         let skip = usize::from(self.primary_first_only && !first);
         let i = (skip..n)
             .filter(|i| made(*i))
@@ -118,10 +118,10 @@ impl Registry {
     }
 }
 
-/// The arenas the calling thread claimed, one per set.
+/// The shards the calling thread claimed, one per set.
 struct Homes {
     last_id: Cell<u64>,
-    last_arena: Cell<usize>,
+    last_shard: Cell<usize>,
     list: RefCell<Vec<(Arc<Registry>, usize)>>,
 }
 
@@ -143,20 +143,20 @@ impl Drop for Homes {
 
 #[cfg(not(loom))]
 std::thread_local! {
-    static HOMES: Homes = const { Homes { last_id: Cell::new(0), last_arena: Cell::new(0), list: RefCell::new(Vec::new()) } };
+    static HOMES: Homes = const { Homes { last_id: Cell::new(0), last_shard: Cell::new(0), list: RefCell::new(Vec::new()) } };
 }
 
 #[cfg(loom)]
 loom::thread_local! {
-    static HOMES: Homes = Homes { last_id: Cell::new(0), last_arena: Cell::new(0), list: RefCell::new(Vec::new()) };
+    static HOMES: Homes = Homes { last_id: Cell::new(0), last_shard: Cell::new(0), list: RefCell::new(Vec::new()) };
 }
 
-/// Hands the calling thread's arenas (of every set) back, as the thread's
+/// Hands the calling thread's shards (of every set) back, as the thread's
 /// exit does; a later allocation on this thread claims anew.
 ///
 /// Threads that stay alive but stop allocating may call it so that new
-/// threads reuse their arenas. (Under loom, where thread-local destructors
+/// threads reuse their shards. (Under loom, where thread-local destructors
 /// can't use loom objects, models call it before a thread ends.)
-pub fn release_thread_arenas() {
+pub fn release_thread_shards() {
     let _ = HOMES.try_with(Homes::release);
 }

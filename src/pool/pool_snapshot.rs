@@ -10,7 +10,9 @@
 //! [`BlockState::Cached`] from the caches' own lists, read after the
 //! allocator, so a pool in use may show a block in a state it just left.
 
-use super::{Pool, StreamTag};
+use super::Pool;
+
+use crate::tag::StreamTag;
 use crate::upstream::{Chunk, Upstream};
 
 /// What a block is used for.

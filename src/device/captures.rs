@@ -68,8 +68,9 @@ use super::mode::DeviceAllocatorMode;
 use super::reuse::StreamRegistry;
 use crate::cuda::{ReleaseQueue, Stream};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{Pool, PoolStats, StreamTag};
+use crate::pool::{Pool, PoolStats};
 use crate::sync::{lock, AtomicBool, AtomicUsize, Mutex, Ordering};
+use crate::tag::StreamTag;
 use crate::upstream::Upstream;
 
 /// A block of other memory that captured work freed: the graph keeps it.

@@ -1,14 +1,14 @@
-//! What the arenas of one set share through their upstreams: the chunk
-//! directory (address → arena), the total held against the set's limit,
-//! and the way back to the other arenas when one runs out of memory.
+//! What the shards of one set share through their upstreams: the chunk
+//! directory (address → shard), the total held against the set's limit,
+//! and the way back to the other shards when one runs out of memory.
 //!
 //! # Implementation details
 //!
-//! - **Directory.** A sorted table of `(start, end, arena)`, one entry per
-//!   chunk the arenas hold, read under a sequence lock: a free finds its
-//!   arena with a few loads and a binary search, takes no lock and writes
+//! - **Directory.** A sorted table of `(start, end, shard)`, one entry per
+//!   chunk the shards hold, read under a sequence lock: a free finds its
+//!   shard with a few loads and a binary search, takes no lock and writes
 //!   nothing, and retries only when a writer changed the table meanwhile.
-//!   Writers (a chunk added, grown in place, moved to another arena or
+//!   Writers (a chunk added, grown in place, moved to another shard or
 //!   given back upstream: rare) rewrite the table under a lock: entries a
 //!   new chunk overlaps go (a range given back and handed out again), a
 //!   chunk given back leaves. A table that is too small is replaced by one
@@ -18,26 +18,28 @@
 //!   entry is written before the chunk's blocks can be handed out, and
 //!   whoever frees a block learned of it after that, so the entry is
 //!   always found.
-//! - **Chunks change hands.** Before an arena grows, the other arenas are
+//! - **Chunks change hands.** Before a shard grows, the other shards are
 //!   asked for a wholly free chunk that is large enough and that the
 //!   request's stream can use with no wait (idle, or freed on that
 //!   stream: it moves with its tag)
-//!   (`Shared::take_free_chunk`, called by `Arenas::allocate_elsewhere`;
+//!   (`Shared::take_free_chunk`, called by `Shards::allocate_elsewhere`;
 //!   [`Pool`]'s `give_free_chunk`, under the giver's lock alone): it leaves the giver's pool, the directory records
 //!   the taker as its owner, and only then does the taker hand out its
 //!   blocks. A free in flight for a block of that chunk can't exist (the
 //!   chunk had no live block); a stale free (a double free) finds either
-//!   arena and is refused by both. Only upstreams whose chunks are whole
+//!   shard and is refused by both. Only upstreams whose chunks are whole
 //!   allocations (not expandable reservations) trade chunks, so any
-//!   arena's upstream can give a taken chunk back.
-//! - **Out of memory.** When an arena's upstream can't deliver (the set's
+//!   shard's upstream can give a taken chunk back.
+//! - **Out of memory.** When a shard's upstream can't deliver (the set's
 //!   limit or the driver), the wrapper gives back the free memory of every
-//!   other arena ([`Pool::release_cached`]) and asks once more. It runs in
-//!   the growing arena's upstream call, outside every pool lock.
+//!   other shard ([`Pool::release_cached`]) and asks once more. It runs in
+//!   the growing shard's upstream call, outside every pool lock.
 
-use super::{Pool, StreamTag};
+use super::Pool;
+
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{fence, lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::tag::StreamTag;
 use crate::upstream::{Chunk, Upstream};
 
 /// One chunk of the directory (atomics: readers may read an entry while
@@ -46,7 +48,7 @@ use crate::upstream::{Chunk, Upstream};
 struct Entry {
     start: AtomicUsize,
     end: AtomicUsize,
-    arena: AtomicUsize,
+    shard: AtomicUsize,
 }
 
 /// One array of entries: the first `len` are in use, sorted by start.
@@ -59,7 +61,7 @@ struct Table {
 /// The least capacity of a table.
 const TABLE_MIN: usize = 16;
 
-/// Address → arena (see the module docs).
+/// Address → shard (see the module docs).
 #[derive(Debug)]
 pub(super) struct Directory {
     /// Odd while a writer changes the current table (a sequence lock:
@@ -82,7 +84,7 @@ impl Directory {
         Directory { seq: AtomicUsize::new(0), current: AtomicUsize::new(0), tables: Mutex::new(Vec::new()) }
     }
 
-    /// The arena whose chunk holds `addr`.
+    /// The shard whose chunk holds `addr`.
     #[inline]
     pub(super) fn find(&self, addr: usize) -> Option<usize> {
         let mut attempt = 0;
@@ -118,13 +120,13 @@ impl Directory {
         (tables.last().map_or(0, |t| t.len.load(Ordering::Relaxed)), tables.len())
     }
 
-    /// The current entries as `(start, end, arena)` (writers only: the
+    /// The current entries as `(start, end, shard)` (writers only: the
     /// lock on `tables` is held, so nothing changes them meanwhile).
     fn entries(tables: &[Box<Table>]) -> Vec<(usize, usize, usize)> {
         let Some(t) = tables.last() else { return Vec::new() };
         let len = t.len.load(Ordering::Relaxed);
         let load = |a: &AtomicUsize| a.load(Ordering::Relaxed);
-        t.entries[..len].iter().map(|e| (load(&e.start), load(&e.end), load(&e.arena))).collect()
+        t.entries[..len].iter().map(|e| (load(&e.start), load(&e.end), load(&e.shard))).collect()
     }
 
     /// Makes `next` the directory's entries: in the current table when it
@@ -143,25 +145,25 @@ impl Directory {
         self.seq.store(seq + 1, Ordering::Relaxed);
         // Readers that see any store below also see the odd count.
         fence(Ordering::Release);
-        for (e, &(start, end, arena)) in table.entries.iter().zip(next) {
+        for (e, &(start, end, shard)) in table.entries.iter().zip(next) {
             e.start.store(start, Ordering::Relaxed);
             e.end.store(end, Ordering::Relaxed);
-            e.arena.store(arena, Ordering::Relaxed);
+            e.shard.store(shard, Ordering::Relaxed);
         }
         table.len.store(next.len(), Ordering::Relaxed);
         self.current.store(&**table as *const Table as usize, Ordering::Release);
         self.seq.store(seq + 2, Ordering::Release);
     }
 
-    /// Records that `arena` holds `[start, end)`: a chunk grown in place
+    /// Records that `shard` holds `[start, end)`: a chunk grown in place
     /// keeps its start and gets the longer end; entries the chunk overlaps
     /// (ranges given back and handed out again) go.
-    fn insert(&self, start: usize, end: usize, arena: usize) {
+    fn insert(&self, start: usize, end: usize, shard: usize) {
         let mut tables = lock(&self.tables);
         let mut next = Self::entries(&tables);
         next.retain(|&(s, e, _)| e <= start || end <= s);
         let at = next.partition_point(|&(s, _, _)| s < start);
-        next.insert(at, (start, end, arena));
+        next.insert(at, (start, end, shard));
         self.publish(&mut tables, &next);
     }
 
@@ -183,11 +185,11 @@ impl Table {
         let entries = &self.entries[..len];
         let i = entries.partition_point(|e| e.start.load(Ordering::Relaxed) <= addr);
         let e = entries.get(i.checked_sub(1)?)?;
-        (addr < e.end.load(Ordering::Relaxed)).then(|| e.arena.load(Ordering::Relaxed))
+        (addr < e.end.load(Ordering::Relaxed)).then(|| e.shard.load(Ordering::Relaxed))
     }
 }
 
-/// The bytes all arenas of a set hold, against the set's limit.
+/// The bytes all shards of a set hold, against the set's limit.
 #[derive(Debug)]
 struct Total {
     bytes: AtomicUsize,
@@ -206,7 +208,7 @@ impl Total {
                     requested: size,
                     state: Box::new(OomState {
                         limit: Some(limit),
-                        upstream: Some(format!("the pool's arenas together hold {before} B of the {limit} B limit")),
+                        upstream: Some(format!("the pool's shards together hold {before} B of the {limit} B limit")),
                         hint: Some("raise max_pool_size, or free blocks you hold"),
                         ..Default::default()
                     }),
@@ -221,22 +223,22 @@ impl Total {
     }
 }
 
-/// The arena pools of a set, as the upstream wrappers reach them.
-pub(super) type ArenaPools = [crate::sync::InitCell<Pool<Box<dyn Upstream>>>];
+/// The shard pools of a set, as the upstream wrappers reach them.
+pub(super) type ShardPools = [crate::sync::InitCell<Pool<Box<dyn Upstream>>>];
 
-/// What the arenas of one set share.
+/// What the shards of one set share.
 pub(super) struct Shared {
     pub(super) directory: Directory,
     total: Total,
-    /// Chunks one arena took from another.
+    /// Chunks one shard took from another.
     moved: AtomicU64,
-    /// Calls that reached the arenas' own upstreams (and succeeded).
+    /// Calls that reached the shards' own upstreams (and succeeded).
     calls: AtomicU64,
-    /// Blocks an arena lent from its free memory to another arena's thread.
+    /// Blocks a shard lent from its free memory to another shard's thread.
     lent: AtomicU64,
     /// The set's pools (a boxed slice that never moves). Set once, before
-    /// any arena is made; read only while an allocation from the set runs.
-    pools: *const ArenaPools,
+    /// any shard is made; read only while an allocation from the set runs.
+    pools: *const ShardPools,
 }
 
 // SAFETY: `pools` points at the set's boxed slice of pools, which are
@@ -249,14 +251,14 @@ unsafe impl Sync for Shared {}
 impl Shared {
     /// The state for a set whose pools are `pools`, with `limit` for all of
     /// them together.
-    pub(super) fn new(pools: &ArenaPools, limit: Option<usize>, kind: PoolKind) -> Arc<Self> {
+    pub(super) fn new(pools: &ShardPools, limit: Option<usize>, kind: PoolKind) -> Arc<Self> {
         Arc::new(Shared {
             directory: Directory::new(),
             total: Total { bytes: AtomicUsize::new(0), limit, kind },
             moved: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             lent: AtomicU64::new(0),
-            pools: pools as *const ArenaPools,
+            pools: pools as *const ShardPools,
         })
     }
 
@@ -272,7 +274,7 @@ impl Shared {
         self.calls.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Blocks one arena lent another out of its own free memory.
+    /// Blocks one shard lent another out of its own free memory.
     pub(super) fn lent(&self) -> u64 {
         self.lent.load(Ordering::Relaxed)
     }
@@ -282,7 +284,7 @@ impl Shared {
     }
 
     /// Takes a wholly free chunk of at least `size` bytes that work on
-    /// `stream` can use with no wait from an arena other than `taker`,
+    /// `stream` can use with no wait from a shard other than `taker`,
     /// with the tag that orders its reuse, recorded in the directory as
     /// `taker`'s (see the module docs).
     ///
@@ -303,8 +305,8 @@ impl Shared {
     }
 }
 
-/// Arena `index`'s upstream: records its chunks in the directory, books
-/// them against the limit, and takes the other arenas' free memory when
+/// Shard `index`'s upstream: records its chunks in the directory, books
+/// them against the limit, and takes the other shards' free memory when
 /// its own upstream can't deliver.
 pub(super) struct Tracked {
     pub(super) inner: Box<dyn Upstream>,
@@ -313,11 +315,11 @@ pub(super) struct Tracked {
 }
 
 impl Tracked {
-    /// Gives back the free memory of every arena but this one; the bytes
+    /// Gives back the free memory of every shard but this one; the bytes
     /// released.
     fn release_others(&self) -> usize {
         // SAFETY: an upstream allocates only for an allocation from its
-        // pool, which runs through `&Arenas`; the set owns the boxed slice
+        // pool, which runs through `&Shards`; the set owns the boxed slice
         // `pools` points at, so it is alive and unmoved for that borrow.
         let pools = unsafe { &*self.shared.pools };
         let others = pools.iter().enumerate().filter(|(i, _)| *i != self.index);
@@ -358,8 +360,8 @@ impl Tracked {
 
 impl Upstream for Tracked {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
-        // Chunks of other arenas were offered before the pool grew
-        // (`Arenas::allocate_elsewhere`).
+        // Chunks of other shards were offered before the pool grew
+        // (`Shards::allocate_elsewhere`).
         let get = |u: &dyn Upstream, n| u.allocate_chunk(n);
         match self.try_allocate(size, get) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_allocate(size, get),
@@ -373,7 +375,7 @@ impl Upstream for Tracked {
         self.shared.total.unbook(chunk.size);
         Ok(())
     }
-    // Page remapping (pool/pages.rs): address space is booked and recorded
+    // Page remapping (pool/remap.rs): address space is booked and recorded
     // like allocated chunks; mapping inside it goes straight through, as
     // does everything not overridden here.
     fn inner(&self) -> Option<&dyn Upstream> {
@@ -401,7 +403,7 @@ impl Upstream for Tracked {
     }
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         // A failed map leaves nothing mapped, so it may be tried again once
-        // the other arenas gave their free memory back.
+        // the other shards gave their free memory back.
         let r = match self.inner.map_runs(runs) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.inner.map_runs(runs),
             r => r,
@@ -461,8 +463,8 @@ mod tests {
     }
 
     #[test]
-    fn the_arena_wrapper_forwards_every_method() {
-        let pools: Box<super::ArenaPools> = Box::new([]);
+    fn the_shard_wrapper_forwards_every_method() {
+        let pools: Box<super::ShardPools> = Box::new([]);
         let shared = Shared::new(&pools, None, PoolKind::Device);
         let missed = methods_not_forwarded(|inner| Box::new(Tracked { inner, shared, index: 0 }));
         assert_eq!(missed, Vec::<&str>::new());

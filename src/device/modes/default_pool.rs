@@ -1,0 +1,70 @@
+//! [`DeviceAllocatorMode::AsyncStreamOrdered`]: `cuMemAllocAsync` /
+//! `cuMemFreeAsync` from the device's default pool, its release threshold
+//! raised so memory stays cached.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+use once_cell::sync::OnceCell;
+
+use super::{require_ctx, Machinery, Mode, Routed};
+use crate::cuda::{RelaxedCaptureMode, Stream};
+use crate::device::mode::DeviceAllocatorMode;
+use crate::device::native_pool::{self, NativePool};
+use crate::error::Result;
+
+/// The default-pool mode: the device's default pool, configured on first
+/// use.
+pub(super) struct DefaultPool {
+    ctx: Option<Arc<CudaContext>>,
+    release_threshold: u64,
+    pool: OnceCell<NativePool>,
+}
+
+impl DefaultPool {
+    pub(super) fn new(ctx: Option<Arc<CudaContext>>, release_threshold: u64) -> Self {
+        DefaultPool { ctx, release_threshold, pool: OnceCell::new() }
+    }
+
+    /// The pool, made on first use.
+    fn pool(&self) -> Result<&NativePool> {
+        let ctx = require_ctx(&self.ctx)?;
+        self.pool.get_or_try_init(|| {
+            // Legal even while this thread captures a graph.
+            let _relaxed = RelaxedCaptureMode::enter();
+            NativePool::device_default(ctx.clone(), self.release_threshold)
+        })
+    }
+}
+
+impl Mode for DefaultPool {
+    fn kind(&self) -> DeviceAllocatorMode {
+        DeviceAllocatorMode::AsyncStreamOrdered
+    }
+
+    fn stream_ordered(&self) -> bool {
+        true
+    }
+
+    fn allocate(
+        &self,
+        dev: &dyn Machinery,
+        size: usize,
+        stream: Option<&Stream>,
+        routed: Option<Routed<'_>>,
+    ) -> Result<u64> {
+        let capture = routed.map_or(0, |r| r.capture);
+        dev.allocate_stream_ordered(size, stream, self.kind(), capture, &|on| {
+            self.pool()?;
+            native_pool::allocate_async(require_ctx(&self.ctx)?, size, on)
+        })
+    }
+
+    fn driver_pool(&self) -> Result<Option<&NativePool>> {
+        self.pool().map(Some)
+    }
+
+    fn made_pool(&self) -> Option<&NativePool> {
+        self.pool.get()
+    }
+}

@@ -1,0 +1,154 @@
+//! Stream tags in best fit: the tag oracle (with its memo of answers),
+//! the tags of merged blocks, forgetting tags.
+
+use super::BestFit;
+use crate::tag::{merge_asking, StreamTag, TagOracle};
+
+/// [`TagOracle`], printable.
+#[derive(Clone)]
+pub(super) struct Oracle {
+    ask: Option<TagOracle>,
+    /// Tags the oracle said complete lately, each standing for every
+    /// earlier free of its stream's shard (a sequence number of
+    /// [`PENDING`]: every free on the stream). A tag once complete stays
+    /// complete, so an answer found here needs no question: a free that
+    /// merges with space left by an earlier thread asks about that
+    /// thread's tag again and again, and each question locks the
+    /// oracle's registry.
+    memo: [std::cell::Cell<StreamTag>; MEMO],
+    next: std::cell::Cell<usize>,
+}
+
+/// Answers the oracle's memo keeps.
+const MEMO: usize = 8;
+
+/// A sequence number that never completes on its own (frees of several
+/// threads merged; see `cuda/free_clock.rs`).
+pub(super) const PENDING: u64 = u64::MAX;
+
+/// The bits of a sequence number that count (the top 16 name the shard).
+const COUNT: u64 = (1 << 48) - 1;
+
+impl Default for Oracle {
+    fn default() -> Self {
+        Oracle { ask: None, memo: std::array::from_fn(|_| std::cell::Cell::new(StreamTag::NONE)), next: 0.into() }
+    }
+}
+
+impl Oracle {
+    /// Whether the memo alone says the work of a free tagged `tag` is
+    /// complete (no question asked).
+    fn known(&self, tag: StreamTag) -> bool {
+        let covers = |e: StreamTag| {
+            e.stream == tag.stream
+                && (e.seq == PENDING
+                    || (tag.seq != PENDING && tag.seq >> 48 == e.seq >> 48 && tag.seq & COUNT <= e.seq & COUNT))
+        };
+        self.memo.iter().any(|e| e.get() != StreamTag::NONE && covers(e.get()))
+    }
+
+    /// Whether the work of a free tagged `tag` (not `NONE`, not `MIXED`)
+    /// is known complete.
+    fn done(&self, tag: StreamTag) -> bool {
+        if self.known(tag) {
+            return true;
+        }
+        let done = self.ask.as_ref().is_some_and(|ask| ask(tag));
+        if done {
+            let i = self.next.get();
+            self.memo[i % MEMO].set(tag);
+            self.next.set(i.wrapping_add(1));
+        }
+        done
+    }
+}
+
+impl std::fmt::Debug for Oracle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.ask.is_some() { "Oracle(set)" } else { "Oracle(none)" })
+    }
+}
+
+impl BestFit {
+    /// Sets what merges of blocks freed on different streams ask (see
+    /// [`TagOracle`]).
+    pub fn set_tag_oracle(&mut self, oracle: TagOracle) {
+        self.oracle = Oracle { ask: Some(oracle), ..Oracle::default() };
+    }
+
+    /// Whether the work of a free tagged `tag` is known complete: no tag,
+    /// or the tag oracle says so. No driver call.
+    pub fn tag_settled(&self, tag: StreamTag) -> bool {
+        tag == StreamTag::NONE || (tag != StreamTag::MIXED && self.oracle.done(tag))
+    }
+
+    /// Forgets which streams' queued work may still use the free blocks:
+    /// every free block gets [`StreamTag::NONE`]. For a caller that knows
+    /// that work is complete or otherwise ordered (a graph-private pool at
+    /// the end of a capture). Linear in the number of blocks.
+    pub fn clear_tags(&mut self) {
+        for b in self.blocks.iter_mut().filter(|b| b.free) {
+            b.tag = StreamTag::NONE;
+        }
+    }
+
+    /// The tag of a block merged from blocks tagged `a` and `b`: when the
+    /// merge would lose order, a tag the memo knows complete is dropped
+    /// with no question (the other stays, even if its work is complete
+    /// too: a wait too many, never one too few); else the oracle is asked
+    /// about both.
+    pub(super) fn merge_tags(&self, a: StreamTag, b: StreamTag) -> StreamTag {
+        let m = a.merge(b);
+        let loses_order = m == StreamTag::MIXED || (m.seq == PENDING && m != a && m != b);
+        if !loses_order || self.oracle.ask.is_none() {
+            return m;
+        }
+        if self.oracle.known(a) {
+            return b;
+        }
+        if self.oracle.known(b) {
+            return a;
+        }
+        merge_asking(a, b, Some(|t| self.oracle.done(t)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use super::PENDING;
+    use crate::pool::BestFit;
+    use crate::tag::StreamTag;
+
+    /// The oracle's memo answers for earlier frees of a shard it was told
+    /// complete, and for every free of a stream whose pending tag was
+    /// complete (a retired stream); anything else is asked.
+    #[test]
+    fn the_oracle_is_asked_once_per_completed_shard_point() {
+        let asked = Arc::new(AtomicUsize::new(0));
+        let a = asked.clone();
+        let mut fit = BestFit::new();
+        // Stream 7: shard 1 complete up to 5; stream 9 retired.
+        fit.set_tag_oracle(Arc::new(move |t: StreamTag| {
+            a.fetch_add(1, Ordering::SeqCst);
+            (t.stream == 7 && t.seq >> 48 == 1 && t.seq & 0xffff_ffff_ffff <= 5) || t.stream == 9
+        }));
+        let tag = |stream, shard: u64, n: u64| StreamTag { stream, seq: shard << 48 | n };
+        let calls = || asked.load(Ordering::SeqCst);
+        assert!(fit.tag_settled(tag(7, 1, 5)));
+        assert_eq!(calls(), 1);
+        assert!(fit.tag_settled(tag(7, 1, 3)) && fit.tag_settled(tag(7, 1, 5)));
+        assert_eq!(calls(), 1, "earlier frees of the shard: no question");
+        assert!(!fit.tag_settled(tag(7, 1, 6)) && !fit.tag_settled(tag(7, 2, 1)));
+        assert!(!fit.tag_settled(StreamTag { stream: 7, seq: PENDING }));
+        assert_eq!(calls(), 4, "a later free, another shard, a merged tag: asked");
+        assert!(!fit.tag_settled(tag(8, 1, 1)));
+        assert!(fit.tag_settled(StreamTag { stream: 9, seq: PENDING }));
+        let before = calls();
+        assert!(fit.tag_settled(tag(9, 3, 100)) && fit.tag_settled(StreamTag { stream: 9, seq: PENDING }));
+        assert_eq!(calls(), before, "a stream whose every free is complete");
+        assert!(!fit.tag_settled(StreamTag::MIXED) && fit.tag_settled(StreamTag::NONE));
+    }
+}
