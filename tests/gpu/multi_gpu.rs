@@ -538,7 +538,8 @@ fn follow_child(mode: &str) {
 /// extra environment `env`; returns its stdout and stderr.
 fn run_follow_child(name: &str, mode: &str, env: &[(&str, &str)]) -> (String, String) {
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args([crate::common::test_name(module_path!(), name).as_str(), "--exact", "--nocapture", "--test-threads=1"]).env(FOLLOW_ENV, mode);
+    cmd.args([crate::common::test_name(module_path!(), name).as_str(), "--exact", "--nocapture", "--test-threads=1"])
+        .env(FOLLOW_ENV, mode);
     for (k, v) in env {
         cmd.env(k, v);
     }

@@ -34,6 +34,7 @@ use crate::cuda::{capture_of, captures_under_way, vmm, RelaxedCaptureMode, Strea
 use crate::error::Result;
 use crate::sync::{lock, Mutex};
 use cudarc::driver::{sys, CudaContext};
+use once_cell::sync::Lazy;
 use std::sync::Arc;
 
 /// How a region waits for the work that may use its memory.
@@ -201,7 +202,7 @@ impl Remains {
 }
 
 /// Remains whose wait a capture forbade, with their waiter.
-static DEFERRED: Mutex<Vec<(Waiter, Remains)>> = Mutex::new(Vec::new());
+static DEFERRED: Lazy<Mutex<Vec<(Waiter, Remains)>>> = Lazy::new(|| Mutex::new(Vec::new()));
 
 /// Remains leaked after a failure (for tests and diagnostics).
 static LEAKED: crate::sync::StaticAtomicU64 = crate::sync::StaticAtomicU64::new(0);
