@@ -189,7 +189,9 @@ impl Remains {
 
     /// Waits with `waiter` and releases, or defers, or leaks on an error.
     pub(super) fn settle_and_release(self, waiter: Waiter) {
-        release_deferred();
+        // Deferred device-wide waits come back only through a device wait
+        // (see `release_deferred_where`).
+        release_deferred_where(matches!(waiter, Waiter::Device(_)));
         match waiter.settle() {
             Ok(Settled::Now) => self.release(),
             Ok(Settled::Later) => lock(&DEFERRED).push((waiter, self)),
