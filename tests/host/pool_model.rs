@@ -266,14 +266,15 @@ fn run(seed: u64, ops: usize) {
             }
         }
         fit.check_invariants().unwrap_or_else(|e| panic!("invariant broken ({}): {e}", ctx()));
+        let (ref_live, ref_free) = (reference.live(), reference.free_list());
         let live_got: Vec<(usize, usize)> = fit.live_blocks().into_iter().map(|(a, s, _)| (a, s)).collect();
-        assert_eq!(live_got, reference.live(), "live blocks differ ({})", ctx());
-        assert_eq!(fit.free_list(), reference.free_list(), "free blocks differ ({})", ctx());
+        assert_eq!(live_got, ref_live, "live blocks differ ({})", ctx());
+        assert_eq!(fit.free_list(), ref_free, "free blocks differ ({})", ctx());
         let s = fit.stats();
-        assert_eq!(s.in_use, reference.live().iter().map(|l| l.1).sum::<usize>(), "in_use ({})", ctx());
+        assert_eq!(s.in_use, ref_live.iter().map(|l| l.1).sum::<usize>(), "in_use ({})", ctx());
         assert_eq!(s.reserved, reference.reserved(), "reserved ({})", ctx());
-        assert_eq!(s.largest_free, reference.free_list().iter().map(|f| f.1).max().unwrap_or(0));
-        let touched = touched_pages(&reference.live());
+        assert_eq!(s.largest_free, ref_free.iter().map(|f| f.1).max().unwrap_or(0));
+        let touched = touched_pages(&ref_live);
         peak_touched = peak_touched.max(touched);
         assert_eq!(fit.touched_pages(), (touched, peak_touched), "touched pages ({})", ctx());
         assert_eq!((s.touched, s.peak_touched), (touched * 4096, peak_touched * 4096), "stats ({})", ctx());
@@ -282,15 +283,26 @@ fn run(seed: u64, ops: usize) {
 
 #[test]
 fn best_fit_matches_the_reference_on_fixed_seeds() {
-    for seed in [1, 2, 3, 0xdead_beef, 42, 7, 99, 2024] {
+    for seed in [1, 2, 3, 7] {
+        run(seed, 15_000);
+    }
+}
+
+// The fixed seeds in two tests, so that the test harness's threads share
+// them.
+#[test]
+fn best_fit_matches_the_reference_on_more_fixed_seeds() {
+    for seed in [0xdead_beef, 42, 99, 2024] {
         run(seed, 15_000);
     }
 }
 
 #[test]
 fn best_fit_matches_the_reference_on_a_random_seed() {
-    let seed: u64 =
-        std::env::var("CUMEM_MODEL_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| SmallRng::from_entropy().gen());
+    let seed: u64 = std::env::var("CUMEM_MODEL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| SmallRng::from_entropy().gen());
     println!("model check seed: {seed} (rerun with CUMEM_MODEL_SEED={seed})");
     let result = std::panic::catch_unwind(|| run(seed, 20_000));
     if let Err(e) = result {

@@ -84,23 +84,39 @@ impl BestFit {
 
     /// Every live block as `(addr, size, requested)`, in address order.
     pub fn live_blocks(&self) -> Vec<(usize, usize, usize)> {
-        let mut v: Vec<_> = self
-            .live
-            .values()
-            .map(|&slot| {
-                let b = &self.blocks[slot as usize];
-                (b.addr, b.size, b.requested)
-            })
-            .collect();
-        v.sort_unstable();
+        let mut v = Vec::with_capacity(self.live.len());
+        self.each_block(|_, b| {
+            if !b.free {
+                v.push((b.addr, b.size, b.requested));
+            }
+        });
         v
     }
 
-    /// Every free block as `(addr, size)`, in address order.
+    /// Every free block as `(addr, size)`, in address order (the hot
+    /// block, not coalesced yet, is not in the list).
     pub fn free_list(&self) -> Vec<(usize, usize)> {
-        let mut v: Vec<_> = self.free_index.iter().map(|&(size, addr, _)| (addr, size)).collect();
-        v.sort_unstable();
+        let mut v = Vec::with_capacity(self.free_index.len());
+        self.each_block(|slot, b| {
+            if b.free && slot != self.hot.0 {
+                v.push((b.addr, b.size));
+            }
+        });
         v
+    }
+
+    /// Calls `f` with every block, in address order: chunk by chunk, each
+    /// chunk's blocks along their links (the invariant check proves the
+    /// links agree with the live map and the free index).
+    fn each_block(&self, mut f: impl FnMut(u32, &super::Block)) {
+        for &id in self.chunks_by_addr.values() {
+            let mut slot = self.chunk_info(id).first;
+            while slot != NIL {
+                let b = &self.blocks[slot as usize];
+                f(slot, b);
+                slot = b.next;
+            }
+        }
     }
 
     /// Checks every invariant of the module docs; returns the first broken
