@@ -34,7 +34,7 @@ with tempfile.TemporaryDirectory() as tmp:
     for needed in ["PKG-INFO", "pyproject.toml", "build_backend/cumem_build.py", "cumem_torch/__init__.py",
                    "cumem_torch/csrc/backend.cpp", "rust/Cargo.toml", "rust/Cargo.lock", "rust/README.md",
                    "rust/src/lib.rs", "rust/cumem-c/Cargo.toml", "rust/cumem-c/src/lib.rs",
-                   "rust/cumem-c/include/cumem.h", "rust/cumem-replay/Cargo.toml", "rust/loom-tests/Cargo.toml",
+                   "rust/cumem-c/include/cumem.h", "rust/cumem-replay/Cargo.toml", "rust/loom-tests/Cargo.toml", "rust/benches/Cargo.toml",
                    "rust/docs/guide.md", "rust/benches/pair.rs"]:
         assert needed in inside, f"the sdist lacks {needed}"
     for n in inside:

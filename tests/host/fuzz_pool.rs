@@ -144,8 +144,10 @@ fn fuzz_the_pool() {
     } else {
         (Instant::now() + Duration::from_secs(3600), 4_000)
     };
-    let base: u64 =
-        std::env::var("CUMEM_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| SmallRng::from_entropy().gen());
+    let base: u64 = std::env::var("CUMEM_FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| SmallRng::from_entropy().gen());
     println!("fuzz base seed {base} (rerun with CUMEM_FUZZ_SEED={base})");
     let mut total = 0;
     let seeds = if secs > 0 { u64::MAX } else { 12 };
