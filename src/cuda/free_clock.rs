@@ -102,7 +102,7 @@ impl FreeClock {
     /// Records the counts of [`seen`](Self::seen) as complete (after the
     /// host waited for the stream).
     pub fn mark_complete(&self, seen: &[u64]) {
-        for (s, &n) in self.synced.iter().zip(seen).filter(|(_, &n)| n > 0) {
+        for (s, &n) in self.synced.iter().zip(seen).filter(|&(_, &n)| n > 0) {
             s.fetch_max(n, Ordering::AcqRel);
         }
     }

@@ -54,7 +54,7 @@ fn fuzz(seed: u64, deadline: Instant, max_ops: usize) -> usize {
                     Ok(a) => {
                         assert_eq!(a.addr % align.max(256), 0, "{}", ctx());
                         assert!(a.size >= size);
-                        let pattern = rng.gen::<u8>() | 1;
+                        let pattern = rng.r#gen::<u8>() | 1;
                         write_pattern(a.addr, size, pattern);
                         assert!(live.insert(a.addr, Live { size: a.size, requested: size, pattern }).is_none());
                     }
@@ -147,7 +147,7 @@ fn fuzz_the_pool() {
     let base: u64 = std::env::var("CUMEM_FUZZ_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| SmallRng::from_entropy().gen());
+        .unwrap_or_else(|| SmallRng::from_entropy().r#gen());
     println!("fuzz base seed {base} (rerun with CUMEM_FUZZ_SEED={base})");
     let mut total = 0;
     let seeds = if secs > 0 { u64::MAX } else { 12 };

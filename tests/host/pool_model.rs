@@ -302,7 +302,7 @@ fn best_fit_matches_the_reference_on_a_random_seed() {
     let seed: u64 = std::env::var("CUMEM_MODEL_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| SmallRng::from_entropy().gen());
+        .unwrap_or_else(|| SmallRng::from_entropy().r#gen());
     println!("model check seed: {seed} (rerun with CUMEM_MODEL_SEED={seed})");
     let result = std::panic::catch_unwind(|| run(seed, 20_000));
     if let Err(e) = result {

@@ -188,7 +188,7 @@ impl Upstream for Model {
             let inside: Vec<(usize, usize)> = w
                 .pieces
                 .range(span.addr..span.end())
-                .filter(|(&a, &s)| a + s <= span.end())
+                .filter(|&(&a, &s)| a + s <= span.end())
                 .map(|(&a, &s)| (a, s))
                 .collect();
             for (a, s) in inside {

@@ -87,7 +87,7 @@ pub fn run(
     fault::arm(&POINTS, Trigger::Random { probability, seed }, Scope::ThisThread);
     for step in 0..ops {
         out.ops += 1;
-        let value = rng.gen::<u8>() | 1;
+        let value = rng.r#gen::<u8>() | 1;
         match rng.gen_range(0..100) {
             0..=34 => {
                 let size = 1usize << rng.gen_range(8..23);
