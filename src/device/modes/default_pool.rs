@@ -5,10 +5,10 @@
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
-use once_cell::sync::OnceCell;
 
-use super::{require_ctx, Machinery, Mode, Routed};
-use crate::cuda::{RelaxedCaptureMode, Stream};
+use super::lazy::LazyPool;
+use super::{Machinery, Mode, Routed};
+use crate::cuda::Stream;
 use crate::device::mode::DeviceAllocatorMode;
 use crate::device::native_pool::{self, NativePool};
 use crate::error::Result;
@@ -16,24 +16,18 @@ use crate::error::Result;
 /// The default-pool mode: the device's default pool, configured on first
 /// use.
 pub(super) struct DefaultPool {
-    ctx: Option<Arc<CudaContext>>,
     release_threshold: u64,
-    pool: OnceCell<NativePool>,
+    pool: LazyPool,
 }
 
 impl DefaultPool {
     pub(super) fn new(ctx: Option<Arc<CudaContext>>, release_threshold: u64) -> Self {
-        DefaultPool { ctx, release_threshold, pool: OnceCell::new() }
+        DefaultPool { release_threshold, pool: LazyPool::new(ctx) }
     }
 
     /// The pool, made on first use.
     fn pool(&self) -> Result<&NativePool> {
-        let ctx = require_ctx(&self.ctx)?;
-        self.pool.get_or_try_init(|| {
-            // Legal even while this thread captures a graph.
-            let _relaxed = RelaxedCaptureMode::enter();
-            NativePool::device_default(ctx.clone(), self.release_threshold)
-        })
+        self.pool.get(|ctx| NativePool::device_default(ctx, self.release_threshold))
     }
 }
 
@@ -56,7 +50,7 @@ impl Mode for DefaultPool {
         let capture = routed.map_or(0, |r| r.capture);
         dev.allocate_stream_ordered(size, stream, self.kind(), capture, &|on| {
             self.pool()?;
-            native_pool::allocate_async(require_ctx(&self.ctx)?, size, on)
+            native_pool::allocate_async(self.pool.ctx()?, size, on)
         })
     }
 
@@ -65,6 +59,6 @@ impl Mode for DefaultPool {
     }
 
     fn made_pool(&self) -> Option<&NativePool> {
-        self.pool.get()
+        self.pool.made()
     }
 }

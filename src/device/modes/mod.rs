@@ -12,6 +12,7 @@
 //! now.
 
 mod default_pool;
+mod lazy;
 mod native;
 mod sync_pool;
 
@@ -141,11 +142,6 @@ pub(crate) fn make_all(ctx: Option<&Arc<CudaContext>>, options: NativePoolOption
     ]);
     debug_assert!(modes.iter().map(|m| m.kind()).eq(DeviceAllocatorMode::ALL), "registry out of order");
     modes
-}
-
-/// The context of a mode that needs a GPU.
-fn require_ctx(ctx: &Option<Arc<CudaContext>>) -> Result<&Arc<CudaContext>> {
-    ctx.as_ref().ok_or(Error::NeedsGpu("stream-ordered allocation"))
 }
 
 #[cfg(all(test, not(loom)))]

@@ -7,34 +7,28 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
-use once_cell::sync::OnceCell;
 
-use super::{require_ctx, Machinery, Mode, Routed};
-use crate::cuda::{RelaxedCaptureMode, Stream};
+use super::lazy::LazyPool;
+use super::{Machinery, Mode, Routed};
+use crate::cuda::Stream;
 use crate::device::mode::DeviceAllocatorMode;
 use crate::device::native_pool::{NativePool, NativePoolOptions};
 use crate::error::Result;
 
 /// The native pool mode: a pool of cumem's own, made on first use.
 pub(super) struct Native {
-    ctx: Option<Arc<CudaContext>>,
     options: NativePoolOptions,
-    pool: OnceCell<NativePool>,
+    pool: LazyPool,
 }
 
 impl Native {
     pub(super) fn new(ctx: Option<Arc<CudaContext>>, options: NativePoolOptions) -> Self {
-        Native { ctx, options, pool: OnceCell::new() }
+        Native { options, pool: LazyPool::new(ctx) }
     }
 
     /// The pool, made on first use.
     fn pool(&self) -> Result<&NativePool> {
-        let ctx = require_ctx(&self.ctx)?;
-        self.pool.get_or_try_init(|| {
-            // Legal even while this thread captures a graph.
-            let _relaxed = RelaxedCaptureMode::enter();
-            NativePool::create(ctx.clone(), self.options)
-        })
+        self.pool.get(|ctx| NativePool::create(ctx, self.options))
     }
 }
 
@@ -63,7 +57,7 @@ impl Mode for Native {
     }
 
     fn made_pool(&self) -> Option<&NativePool> {
-        self.pool.get()
+        self.pool.made()
     }
 
     fn exportable(&self) -> bool {
