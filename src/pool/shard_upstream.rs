@@ -30,11 +30,22 @@
 //!   shard and is refused by both. Only upstreams whose chunks are whole
 //!   allocations (not expandable reservations) trade chunks, so any
 //!   shard's upstream can give a taken chunk back.
+//! - **Idle shards give first.** Before a shard's upstream makes new
+//!   memory (a chunk, growth in place, or pages mapped beyond the memory
+//!   it keeps), the shards no thread uses now (their threads exited:
+//!   `shard_registry.rs`) give back as much of their free memory
+//!   ([`Pool`]'s `reclaim_free`, `reclaim.rs`), so the set holds about
+//!   what its live threads need, not the sum of what every thread ever
+//!   needed. Shards in use give only what they hold above their remap
+//!   budget (a shard claimed by a new thread starts its budget afresh). It runs in the growing shard's upstream call, outside every
+//!   pool lock (a remapping shard holds its own remap lock; an idle
+//!   shard's is only tried).
 //! - **Out of memory.** When a shard's upstream can't deliver (the set's
 //!   limit or the driver), the wrapper gives back the free memory of every
 //!   other shard ([`Pool::release_cached`]) and asks once more. It runs in
 //!   the growing shard's upstream call, outside every pool lock.
 
+use super::shard_registry::Registry;
 use super::Pool;
 
 use crate::error::{Error, OomState, PoolKind, Result};
@@ -236,6 +247,10 @@ pub(super) struct Shared {
     calls: AtomicU64,
     /// Blocks a shard lent from its free memory to another shard's thread.
     lent: AtomicU64,
+    /// Bytes idle shards gave back for a shard that grew.
+    reclaimed: AtomicU64,
+    /// Which threads use which shard (idle shards give first).
+    registry: Arc<Registry>,
     /// The set's pools (a boxed slice that never moves). Set once, before
     /// any shard is made; read only while an allocation from the set runs.
     pools: *const ShardPools,
@@ -251,13 +266,15 @@ unsafe impl Sync for Shared {}
 impl Shared {
     /// The state for a set whose pools are `pools`, with `limit` for all of
     /// them together.
-    pub(super) fn new(pools: &ShardPools, limit: Option<usize>, kind: PoolKind) -> Arc<Self> {
+    pub(super) fn new(pools: &ShardPools, registry: Arc<Registry>, limit: Option<usize>, kind: PoolKind) -> Arc<Self> {
         Arc::new(Shared {
             directory: Directory::new(),
             total: Total { bytes: AtomicUsize::new(0), limit, kind },
             moved: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             lent: AtomicU64::new(0),
+            reclaimed: AtomicU64::new(0),
+            registry,
             pools: pools as *const ShardPools,
         })
     }
@@ -272,6 +289,11 @@ impl Shared {
 
     fn count_call(&self) {
         self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Bytes idle shards gave back for shards that grew.
+    pub(super) fn reclaimed(&self) -> u64 {
+        self.reclaimed.load(Ordering::Relaxed)
     }
 
     /// Blocks one shard lent another out of its own free memory.
@@ -326,6 +348,32 @@ impl Tracked {
         others.filter_map(|(_, cell)| cell.get()).map(|p| p.release_cached().unwrap_or(0)).sum()
     }
 
+    /// Before this shard makes `need` bytes of new memory: the shards no
+    /// thread uses give back free memory, up to `need` in all (see the
+    /// module docs).
+    fn reclaim_idle(&self, need: usize) {
+        if need == 0 {
+            return;
+        }
+        // SAFETY: as in `release_others`: an upstream makes memory only
+        // for an allocation from its pool, which borrows the set.
+        let pools = unsafe { &*self.shared.pools };
+        let mut given = 0;
+        for (j, cell) in pools.iter().enumerate() {
+            if given >= need {
+                break;
+            }
+            let Some(p) = cell.get().filter(|_| j != self.index) else { continue };
+            // An idle shard gives any free memory; one in use only what it
+            // holds above its budget.
+            let room = if self.shared.registry.users(j) == 0 { need - given } else { p.excess().min(need - given) };
+            given += p.reclaim_free(room);
+        }
+        if given > 0 {
+            self.shared.reclaimed.fetch_add(given as u64, Ordering::Relaxed);
+        }
+    }
+
     /// Books `size` bytes against the limit, obtains a chunk with `get`
     /// (allocated, or reserved for remapping) and records it.
     fn try_allocate(&self, size: usize, get: impl Fn(&dyn Upstream, usize) -> Result<Chunk>) -> Result<Chunk> {
@@ -363,6 +411,7 @@ impl Upstream for Tracked {
         // Chunks of other shards were offered before the pool grew
         // (`Shards::allocate_elsewhere`).
         let get = |u: &dyn Upstream, n| u.allocate_chunk(n);
+        self.reclaim_idle(size);
         match self.try_allocate(size, get) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_allocate(size, get),
             r => r,
@@ -383,6 +432,7 @@ impl Upstream for Tracked {
     }
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
         let extend = |u: &dyn Upstream, c, n| u.try_extend(c, n);
+        self.reclaim_idle(extra);
         match self.try_extend_once(chunk, extra, extend) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_extend_once(chunk, extra, extend),
             r => r,
@@ -402,6 +452,9 @@ impl Upstream for Tracked {
         self.try_extend_once(chunk, extra, |u, c, n| u.try_extend_reserved(c, n))
     }
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
+        // Kept memory maps first; only the rest is new memory.
+        let bytes: usize = runs.iter().map(|r| r.size).sum();
+        self.reclaim_idle(bytes.saturating_sub(self.inner.kept()));
         // A failed map leaves nothing mapped, so it may be tried again once
         // the other shards gave their free memory back.
         let r = match self.inner.map_runs(runs) {
@@ -465,7 +518,8 @@ mod tests {
     #[test]
     fn the_shard_wrapper_forwards_every_method() {
         let pools: Box<super::ShardPools> = Box::new([]);
-        let shared = Shared::new(&pools, None, PoolKind::Device);
+        let registry = super::Registry::new(1, false);
+        let shared = Shared::new(&pools, registry, None, PoolKind::Device);
         let missed = methods_not_forwarded(|inner| Box::new(Tracked { inner, shared, index: 0 }));
         assert_eq!(missed, Vec::<&str>::new());
     }

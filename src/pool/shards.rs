@@ -165,11 +165,11 @@ impl Shards {
         let primary_remaps = workers && super::would_remap(&*first, &config) && count > 1;
         let count = count + usize::from(primary_remaps);
         let shards: Box<ShardPools> = (0..count).map(|_| InitCell::new()).collect();
-        let shared = Shared::new(&shards, config.max_size, config.kind);
+        let registry = Registry::new(count, primary_remaps);
+        let shared = Shared::new(&shards, registry.clone(), config.max_size, config.kind);
         let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
         // A new cell is empty, so this always sets it.
         let _ = shards[0].init(|| Ok::<_, ()>(pool));
-        let registry = Registry::new(count, primary_remaps);
         Shards {
             shards,
             make,
@@ -235,7 +235,14 @@ impl Shards {
         if crate::sync::thread_pinned() {
             return self.home_by_slot(n);
         }
-        Registry::home(&self.registry, |i| self.shards[i].get().is_some())
+        // A shard claimed by a new thread starts its remap budget afresh
+        // (see the module docs, "Idle shards").
+        let rebase = |i: usize| {
+            if let Some(p) = self.shards[i].get() {
+                p.rebase_budget();
+            }
+        };
+        Registry::home(&self.registry, |i| self.shards[i].get().is_some(), rebase)
     }
 
     /// Threads using shard `i` now (claims; pinned threads are not
@@ -253,6 +260,12 @@ impl Shards {
     /// Chunks taken by one shard from another (no upstream call) so far.
     pub fn chunks_moved(&self) -> u64 {
         self.shared.moved()
+    }
+
+    /// Bytes of free memory shards no thread used gave back for shards
+    /// that grew, so far (see the module docs).
+    pub fn bytes_reclaimed(&self) -> usize {
+        self.shared.reclaimed() as usize
     }
 
     /// Calls that reached the upstreams themselves (allocations, growth in
