@@ -183,6 +183,15 @@ pub struct Config {
     /// with no index work ([`PoolConfig::hot_block`]; on by default).
     /// Placement is best fit's either way.
     pub hot_block: bool,
+    /// Device shards follow the threads that use them now: a shard claimed
+    /// by a new thread starts its remap budget afresh, and shards in use
+    /// give memory above their budget to shards that grow (idle shards,
+    /// whose threads exited, always give their free memory first). Off by
+    /// default: a thread pool that resizes then holds about what its
+    /// threads hold at once, but each new thread moves pages (driver
+    /// calls) where it would reuse what its shard held
+    /// ([`PoolConfig::fresh_thread_budget`](crate::pool::PoolConfig::fresh_thread_budget)).
+    pub fresh_thread_budget: bool,
 }
 
 impl Default for Config {
@@ -212,6 +221,7 @@ impl Default for Config {
             arenas: 0,
             shared_device_arenas: false,
             hot_block: true,
+            fresh_thread_budget: false,
         }
     }
 }
@@ -262,6 +272,7 @@ impl Config {
         pc.thread_cache_bytes = self.thread_cache_bytes;
         pc.cache_exact = true;
         pc.hot_block = self.hot_block;
+        pc.fresh_thread_budget = self.fresh_thread_budget;
         pc
     }
 
@@ -384,6 +395,12 @@ impl Config {
         self.device_thread_cache = on;
         self
     }
+    /// Sets [`Config::fresh_thread_budget`].
+    pub fn fresh_thread_budget(mut self, on: bool) -> Self {
+        self.fresh_thread_budget = on;
+        self
+    }
+
     /// Sets [`Config::hot_block`].
     pub fn hot_block(mut self, on: bool) -> Self {
         self.hot_block = on;
@@ -513,6 +530,7 @@ impl std::str::FromStr for Config {
                 "pinned_thread_cache" => c.pinned_thread_cache = bool_value(key, value)?,
                 "device_thread_cache" => c.device_thread_cache = bool_value(key, value)?,
                 "hot_block" => c.hot_block = bool_value(key, value)?,
+                "fresh_thread_budget" => c.fresh_thread_budget = bool_value(key, value)?,
                 "thread_cache_bytes" => c.thread_cache_bytes = size_value(key, value)?,
                 "arenas" => {
                     c.arenas = value.parse().map_err(|_| Error::Config(format!("arenas: '{value}' is not a count")))?
@@ -550,7 +568,7 @@ impl std::str::FromStr for Config {
                          remap_slack, max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
                          device_thread_cache, hot_block, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
-                         shared_device_arenas, promise_registered_captures)"
+                         shared_device_arenas, fresh_thread_budget, promise_registered_captures)"
                     )))
                 }
             }

@@ -36,8 +36,9 @@
 //!   `shard_registry.rs`) give back as much of their free memory
 //!   ([`Pool`]'s `reclaim_free`, `reclaim.rs`), so the set holds about
 //!   what its live threads need, not the sum of what every thread ever
-//!   needed. Shards in use give only what they hold above their remap
-//!   budget (a shard claimed by a new thread starts its budget afresh). It runs in the growing shard's upstream call, outside every
+//!   needed. With [`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget),
+//!   shards in use give what they hold above their remap budget too (a
+//!   shard claimed by a new thread then starts its budget afresh). It runs in the growing shard's upstream call, outside every
 //!   pool lock (a remapping shard holds its own remap lock; an idle
 //!   shard's is only tried).
 //! - **Out of memory.** When a shard's upstream can't deliver (the set's
@@ -46,7 +47,7 @@
 //!   the growing shard's upstream call, outside every pool lock.
 
 use super::shard_registry::Registry;
-use super::Pool;
+use super::{Pool, PoolConfig};
 
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{fence, lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
@@ -251,6 +252,9 @@ pub(super) struct Shared {
     reclaimed: AtomicU64,
     /// Which threads use which shard (idle shards give first).
     registry: Arc<Registry>,
+    /// Shards in use give what they hold above their budget too
+    /// ([`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget)).
+    follow_threads: bool,
     /// The set's pools (a boxed slice that never moves). Set once, before
     /// any shard is made; read only while an allocation from the set runs.
     pools: *const ShardPools,
@@ -266,7 +270,8 @@ unsafe impl Sync for Shared {}
 impl Shared {
     /// The state for a set whose pools are `pools`, with `limit` for all of
     /// them together.
-    pub(super) fn new(pools: &ShardPools, registry: Arc<Registry>, limit: Option<usize>, kind: PoolKind) -> Arc<Self> {
+    pub(super) fn new(pools: &ShardPools, registry: Arc<Registry>, config: &PoolConfig) -> Arc<Self> {
+        let (limit, kind) = (config.max_size, config.kind);
         Arc::new(Shared {
             directory: Directory::new(),
             total: Total { bytes: AtomicUsize::new(0), limit, kind },
@@ -275,6 +280,7 @@ impl Shared {
             lent: AtomicU64::new(0),
             reclaimed: AtomicU64::new(0),
             registry,
+            follow_threads: config.fresh_thread_budget,
             pools: pools as *const ShardPools,
         })
     }
@@ -366,7 +372,7 @@ impl Tracked {
             let Some(p) = cell.get().filter(|_| j != self.index) else { continue };
             // An idle shard gives any free memory; one in use only what it
             // holds above its budget.
-            let room = if self.shared.registry.users(j) == 0 { need - given } else { p.excess().min(need - given) };
+            let room = if self.shared.registry.users(j) == 0 { need - given } else if self.shared.follow_threads { p.excess().min(need - given) } else { 0 };
             given += p.reclaim_free(room);
         }
         if given > 0 {
@@ -470,7 +476,7 @@ impl Upstream for Tracked {
 
 #[cfg(test)]
 mod tests {
-    use super::{Shared, Tracked};
+    use super::{PoolConfig, Shared, Tracked};
     use crate::error::PoolKind;
     use crate::upstream::forwarding::methods_not_forwarded;
 
@@ -519,7 +525,7 @@ mod tests {
     fn the_shard_wrapper_forwards_every_method() {
         let pools: Box<super::ShardPools> = Box::new([]);
         let registry = super::Registry::new(1, false);
-        let shared = Shared::new(&pools, registry, None, PoolKind::Device);
+        let shared = Shared::new(&pools, registry, &PoolConfig::new(PoolKind::Device));
         let missed = methods_not_forwarded(|inner| Box::new(Tracked { inner, shared, index: 0 }));
         assert_eq!(missed, Vec::<&str>::new());
     }

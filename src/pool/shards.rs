@@ -166,7 +166,7 @@ impl Shards {
         let count = count + usize::from(primary_remaps);
         let shards: Box<ShardPools> = (0..count).map(|_| InitCell::new()).collect();
         let registry = Registry::new(count, primary_remaps);
-        let shared = Shared::new(&shards, registry.clone(), config.max_size, config.kind);
+        let shared = Shared::new(&shards, registry.clone(), &config);
         let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
         // A new cell is empty, so this always sets it.
         let _ = shards[0].init(|| Ok::<_, ()>(pool));
@@ -238,7 +238,7 @@ impl Shards {
         // A shard claimed by a new thread starts its remap budget afresh
         // (see the module docs, "Idle shards").
         let rebase = |i: usize| {
-            if let Some(p) = self.shards[i].get() {
+            if let Some(p) = self.shards[i].get().filter(|_| self.config.fresh_thread_budget) {
                 p.rebase_budget();
             }
         };
