@@ -253,16 +253,20 @@ fn pool() {
     let mut rng = SmallRng::seed_from_u64(seed);
     let t0 = Instant::now();
     let mut sizes = Vec::new();
-    // The whole set's physical memory, sampled while the rounds run.
-    let physical =
-        |mm: &MemoryManager| (mm.device_stats(0).expect("device stats").pool.mapped, mm.pinned_stats().reserved);
-    let (sampled, done) = (Mutex::new((0usize, 0usize)), std::sync::atomic::AtomicBool::new(false));
+    // The whole set's physical memory, sampled while the rounds run, and
+    // the device figure's floor: the pages live blocks touch, summed over
+    // the shards (no shard can hold less and keep its blocks).
+    let physical = |mm: &MemoryManager| {
+        let d = mm.device_stats(0).expect("device stats").pool;
+        (d.mapped, mm.pinned_stats().reserved, d.touched)
+    };
+    let (sampled, done) = (Mutex::new((0usize, 0usize, 0usize)), std::sync::atomic::AtomicBool::new(false));
     std::thread::scope(|watch| {
         watch.spawn(|| {
             while !done.load(Ordering::Relaxed) {
-                let (d, p) = physical(&mm);
+                let (d, p, t) = physical(&mm);
                 let mut s = sampled.lock().unwrap();
-                *s = (s.0.max(d), s.1.max(p));
+                *s = (s.0.max(d), s.1.max(p), s.2.max(t));
                 drop(s);
                 std::thread::sleep(Duration::from_micros(200));
             }
@@ -323,9 +327,9 @@ fn pool() {
                     });
                 }
             });
-            let (d, p) = physical(&mm);
+            let (d, p, t) = physical(&mm);
             let mut s = sampled.lock().unwrap();
-            *s = (s.0.max(d), s.1.max(p));
+            *s = (s.0.max(d), s.1.max(p), s.2.max(t));
         }
         done.store(true, Ordering::Relaxed);
     });
@@ -334,7 +338,7 @@ fn pool() {
     let ds = mm.device_stats(0).expect("device stats").pool;
     let ps = mm.pinned_stats();
     let (dp, pp) = (dev.peak.load(Ordering::Relaxed).max(1) as f64, pin.peak.load(Ordering::Relaxed).max(1) as f64);
-    let (sd, sp) = *sampled.lock().unwrap();
+    let (sd, sp, st) = *sampled.lock().unwrap();
     let mib = |b: usize| b >> 20;
     let device = mm.default_device().expect("device");
     println!(
@@ -342,8 +346,8 @@ fn pool() {
     );
     println!(
         "device: end mapped {} MiB / most held at once {} MiB = {:.3}; peak mapped {} MiB (sampled) = {:.3}, \
-         shards' peaks summed {} MiB = {:.3}; upstream calls {}, map calls {}, unmap calls {}, chunks moved {}, \
-         reclaimed from idle shards {} MiB",
+         shards' peaks summed {} MiB = {:.3}; pages touched by live blocks (the shards' floor, sampled) {} MiB = {:.3}; \
+         upstream calls {}, map calls {}, unmap calls {}, chunks moved {}, reclaimed from idle shards {} MiB",
         mib(ds.mapped),
         mib(dp as usize),
         ds.mapped as f64 / dp,
@@ -351,6 +355,8 @@ fn pool() {
         sd as f64 / dp,
         mib(ds.peak_mapped),
         ds.peak_mapped as f64 / dp,
+        mib(st),
+        st as f64 / dp,
         device.pool().upstream_calls(),
         ds.map_calls,
         ds.unmap_calls,

@@ -32,7 +32,8 @@
 //!   shard's upstream can give a taken chunk back.
 //! - **Idle shards give first.** Before a shard's upstream makes new
 //!   memory (a chunk, growth in place, or pages mapped beyond the memory
-//!   it keeps), the shards no thread uses now (their threads exited:
+//!   it keeps) that would take the set above 120 % of the bytes its
+//!   blocks hold (`RECLAIM_ABOVE_PPM`), the shards no thread uses now (their threads exited:
 //!   `shard_registry.rs`) give back as much of their free memory
 //!   ([`Pool`]'s `reclaim_free`, `reclaim.rs`), so the set holds about
 //!   what its live threads need, not the sum of what every thread ever
@@ -53,6 +54,11 @@ use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{fence, lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
 use crate::tag::StreamTag;
 use crate::upstream::{Chunk, Upstream};
+
+/// A set of shards gives idle memory to a growing shard only when it
+/// would otherwise hold more than this many millionths of the bytes its
+/// blocks hold (120 %): below, growth makes new memory and moves nothing.
+pub(super) const RECLAIM_ABOVE_PPM: u64 = 1_200_000;
 
 /// One chunk of the directory (atomics: readers may read an entry while
 /// a writer rewrites it, and then retry).
@@ -354,9 +360,10 @@ impl Tracked {
         others.filter_map(|(_, cell)| cell.get()).map(|p| p.release_cached().unwrap_or(0)).sum()
     }
 
-    /// Before this shard makes `need` bytes of new memory: the shards no
-    /// thread uses give back free memory, up to `need` in all (see the
-    /// module docs).
+    /// Before this shard makes `need` bytes of new memory: when the set
+    /// would then hold more than [`RECLAIM_ABOVE_PPM`] of the bytes its
+    /// blocks hold, the shards no thread uses give back free memory, up to
+    /// the excess or `need` (see the module docs).
     fn reclaim_idle(&self, need: usize) {
         if need == 0 {
             return;
@@ -364,16 +371,35 @@ impl Tracked {
         // SAFETY: as in `release_others`: an upstream makes memory only
         // for an allocation from its pool, which borrows the set.
         let pools = unsafe { &*self.shared.pools };
+        let (held, live) = pools.iter().filter_map(|c| c.get()).fold((0usize, 0usize), |(h, l), p| {
+            let s = p.stats();
+            (h + s.mapped, l + s.in_use)
+        });
+        let room = (live as u128 * u128::from(RECLAIM_ABOVE_PPM) / 1_000_000) as usize;
+        let need = (held + need).saturating_sub(room).min(need);
+        if need == 0 {
+            return;
+        }
         let mut given = 0;
-        for (j, cell) in pools.iter().enumerate() {
-            if given >= need {
+        // Idle shards first, then (following threads) the excess of
+        // shards in use.
+        for idle in [true, false] {
+            if !idle && !self.shared.follow_threads {
                 break;
             }
-            let Some(p) = cell.get().filter(|_| j != self.index) else { continue };
-            // An idle shard gives any free memory; one in use only what it
-            // holds above its budget.
-            let room = if self.shared.registry.users(j) == 0 { need - given } else if self.shared.follow_threads { p.excess().min(need - given) } else { 0 };
-            given += p.reclaim_free(room);
+            for (j, cell) in pools.iter().enumerate() {
+                if given >= need {
+                    break;
+                }
+                let Some(p) = cell.get().filter(|_| j != self.index) else { continue };
+                if (self.shared.registry.users(j) == 0) != idle {
+                    continue;
+                }
+                // An idle shard gives any free memory; one in use only
+                // what it holds above its budget.
+                let room = if idle { need - given } else { p.excess().min(need - given) };
+                given += p.reclaim_free(room);
+            }
         }
         if given > 0 {
             self.shared.reclaimed.fetch_add(given as u64, Ordering::Relaxed);

@@ -44,6 +44,20 @@
 //!   stream. Only then does the shard grow. A remapping shard neither
 //!   gives nor lends: its free space may be holes, and its address space
 //!   is its own.
+//! - **Idle shards.** A shard whose threads all exited keeps its memory
+//!   for the next thread to claim it, but gives its free memory to a
+//!   shard that grows: before a shard's upstream makes new memory and
+//!   the set would then hold more than 120 % of the bytes its blocks
+//!   hold, idle shards give back free memory (a remapping shard its kept
+//!   memory and whole free pieces, a chunk shard its wholly free chunks)
+//!   up to what the grower makes (`shard_upstream.rs`, `reclaim.rs`), so
+//!   a resizing thread pool holds about what its live threads need rather
+//!   than the sum of what every shard's threads once needed. With
+//!   [`PoolConfig::fresh_thread_budget`] a shard claimed by a new thread
+//!   also starts its remap budget afresh, and shards in use give what
+//!   they hold above it. Memory moves between remapping shards by unmap
+//!   and release in the giver and a new map in the taker (each shard's
+//!   address space is its own).
 //! - **Where a free goes.** Each shard's upstream is wrapped
 //!   (`shard_upstream.rs`) so that every chunk it hands out is recorded in
 //!   a directory shared by the set: a sorted array of chunks published
