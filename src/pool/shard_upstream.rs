@@ -32,8 +32,10 @@
 //!   shard's upstream can give a taken chunk back.
 //! - **Idle shards give first.** Before a shard's upstream makes new
 //!   memory (a chunk, growth in place, or pages mapped beyond the memory
-//!   it keeps) that would take the set above 120 % of the bytes its
-//!   blocks hold (`RECLAIM_ABOVE_PPM`), the shards no thread uses now (their threads exited:
+//!   it keeps) that would take the set above 120 % of the most memory its
+//!   blocks held at once (`RECLAIM_ABOVE_PPM`; pages touched in remapping
+//!   shards; the peak as seen at each growth), the shards no thread uses
+//!   now (their threads exited:
 //!   `shard_registry.rs`) give back as much of their free memory
 //!   ([`Pool`]'s `reclaim_free`, `reclaim.rs`), so the set holds about
 //!   what its live threads need, not the sum of what every thread ever
@@ -56,8 +58,10 @@ use crate::tag::StreamTag;
 use crate::upstream::{Chunk, Upstream};
 
 /// A set of shards gives idle memory to a growing shard only when it
-/// would otherwise hold more than this many millionths of the bytes its
-/// blocks hold (120 %): below, growth makes new memory and moves nothing.
+/// would otherwise hold more than this many millionths of the most memory
+/// its blocks held at once (120 %; in remapping shards the pages the
+/// blocks touch, the least a shard can hold): below, growth makes new
+/// memory and moves nothing.
 pub(super) const RECLAIM_ABOVE_PPM: u64 = 1_200_000;
 
 /// One chunk of the directory (atomics: readers may read an entry while
@@ -256,8 +260,13 @@ pub(super) struct Shared {
     lent: AtomicU64,
     /// Bytes idle shards gave back for a shard that grew.
     reclaimed: AtomicU64,
+    /// The most bytes the shards' blocks held at once, as seen when a
+    /// shard grew (what the set may hold 120 % of before idle shards give).
+    peak_live: AtomicUsize,
     /// Which threads use which shard (idle shards give first).
     registry: Arc<Registry>,
+    /// Idle shards give at all ([`PoolConfig::idle_shards_give`](super::PoolConfig::idle_shards_give)).
+    give: bool,
     /// Shards in use give what they hold above their budget too
     /// ([`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget)).
     follow_threads: bool,
@@ -285,7 +294,9 @@ impl Shared {
             calls: AtomicU64::new(0),
             lent: AtomicU64::new(0),
             reclaimed: AtomicU64::new(0),
+            peak_live: AtomicUsize::new(0),
             registry,
+            give: config.idle_shards_give,
             follow_threads: config.fresh_thread_budget,
             pools: pools as *const ShardPools,
         })
@@ -361,33 +372,40 @@ impl Tracked {
     }
 
     /// Before this shard makes `need` bytes of new memory: when the set
-    /// would then hold more than [`RECLAIM_ABOVE_PPM`] of the bytes its
-    /// blocks hold, the shards no thread uses give back free memory, up to
-    /// the excess or `need` (see the module docs).
+    /// would then hold more than [`RECLAIM_ABOVE_PPM`] of the most memory
+    /// its blocks held at once (as seen at growths; pages touched, in
+    /// remapping shards), the shards no thread
+    /// uses give back free memory, up to the excess or `need` (see the
+    /// module docs).
     fn reclaim_idle(&self, need: usize) {
-        if need == 0 {
+        if need == 0 || !self.shared.give {
             return;
         }
         // SAFETY: as in `release_others`: an upstream makes memory only
         // for an allocation from its pool, which borrows the set.
         let pools = unsafe { &*self.shared.pools };
+        // Live memory as pages: a remapping shard's blocks hold the pages
+        // they touch (no shard can hold less), a chunk shard's the bytes.
         let (held, live) = pools.iter().filter_map(|c| c.get()).fold((0usize, 0usize), |(h, l), p| {
             let s = p.stats();
-            (h + s.mapped, l + s.in_use)
+            (h + s.mapped, l + s.in_use.max(s.touched))
         });
-        let room = (live as u128 * u128::from(RECLAIM_ABOVE_PPM) / 1_000_000) as usize;
+        let peak = self.shared.peak_live.fetch_max(live, Ordering::Relaxed).max(live);
+        let room = (peak as u128 * u128::from(RECLAIM_ABOVE_PPM) / 1_000_000) as usize;
         let need = (held + need).saturating_sub(room).min(need);
         if need == 0 {
             return;
         }
         let mut given = 0;
         // Idle shards first, then (following threads) the excess of
-        // shards in use.
+        // shards in use; the highest-numbered first: a new thread claims
+        // the lowest-numbered idle shard, so memory stays where the next
+        // threads will look for it.
         for idle in [true, false] {
             if !idle && !self.shared.follow_threads {
                 break;
             }
-            for (j, cell) in pools.iter().enumerate() {
+            for (j, cell) in pools.iter().enumerate().rev() {
                 if given >= need {
                     break;
                 }

@@ -47,8 +47,8 @@
 //! - **Idle shards.** A shard whose threads all exited keeps its memory
 //!   for the next thread to claim it, but gives its free memory to a
 //!   shard that grows: before a shard's upstream makes new memory and
-//!   the set would then hold more than 120 % of the bytes its blocks
-//!   hold, idle shards give back free memory (a remapping shard its kept
+//!   the set would then hold more than 120 % of the most bytes its blocks
+//!   held at once, idle shards give back free memory (a remapping shard its kept
 //!   memory and whole free pieces, a chunk shard its wholly free chunks)
 //!   up to what the grower makes (`shard_upstream.rs`, `reclaim.rs`), so
 //!   a resizing thread pool holds about what its live threads need rather

@@ -62,7 +62,8 @@ fn an_idle_shard_gives_its_free_pages_to_a_shard_that_grows() {
 }
 
 /// A shard some thread still uses gives nothing by default: its free
-/// memory is its thread's working set.
+/// memory is its thread's working set. With `idle_arenas_give=false`, an
+/// idle shard gives nothing either.
 #[test]
 fn a_shard_in_use_keeps_its_memory_by_default() {
     let mm = host(Config::new().arenas(2));
@@ -86,6 +87,22 @@ fn a_shard_in_use_keeps_its_memory_by_default() {
         done.wait();
     });
     mm.free_device(first).unwrap();
+
+    let mm = host(Config::new().arenas(2).idle_arenas_give(false));
+    let set = mm.default_device().unwrap().pool();
+    let first = mm.allocate_device(MIB).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let b = mm.allocate_device(32 * MIB).unwrap();
+            mm.free_device(b).unwrap();
+            cumem::pool::release_thread_shards();
+        });
+    });
+    let big = mm.allocate_device(32 * MIB).unwrap();
+    assert_eq!(set.bytes_reclaimed(), 0, "idle shards give nothing when told not to");
+    for p in [first, big] {
+        mm.free_device(p).unwrap();
+    }
 }
 
 /// A resizing thread pool, deterministic: rounds of 1 to 8 new threads,
