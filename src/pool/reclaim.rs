@@ -20,11 +20,77 @@
 //! - **Chunk pools** (pinned memory, `cuMemAlloc` chunks) give wholly
 //!   free chunks whose work is known complete, smallest first.
 //! - Pools that keep their chunks (graph pools) give nothing.
+//! - **When and from whom** (`Tracked::reclaim_idle`, called by a shard's
+//!   upstream before it makes new memory): only when the set would then
+//!   hold more than [`RECLAIM_ABOVE_PPM`] of the most memory its blocks
+//!   held at once, from the highest-numbered idle shards first.
 
 use super::page_map::budget;
+use super::shard_upstream::Tracked;
 use super::{Inner, Pool};
-use crate::sync::try_lock;
+use crate::sync::{try_lock, Ordering};
 use crate::upstream::{Chunk, Upstream};
+
+/// A set of shards gives idle memory to a growing shard only when it
+/// would otherwise hold more than this many millionths of the most memory
+/// its blocks held at once (120 %; in remapping shards the pages the
+/// blocks touch, the least a shard can hold): below, growth makes new
+/// memory and moves nothing.
+pub(super) const RECLAIM_ABOVE_PPM: u64 = 1_200_000;
+
+impl Tracked {
+    /// Before this shard makes `need` bytes of new memory: when the set
+    /// would then hold more than [`RECLAIM_ABOVE_PPM`] of the most memory
+    /// its blocks held at once (as seen at growths; pages touched, in
+    /// remapping shards), the shards no thread uses give back free
+    /// memory, up to the excess or `need` (see the module docs).
+    pub(super) fn reclaim_idle(&self, need: usize) {
+        if need == 0 || !self.shared.give {
+            return;
+        }
+        // SAFETY: as in `release_others`: an upstream makes memory only
+        // for an allocation from its pool, which borrows the set.
+        let pools = unsafe { &*self.shared.pools };
+        // Live memory as pages: a remapping shard's blocks hold the pages
+        // they touch (no shard can hold less), a chunk shard's the bytes.
+        let (held, live) = pools.iter().filter_map(|c| c.get()).fold((0usize, 0usize), |(h, l), p| {
+            let s = p.stats();
+            (h + s.mapped, l + s.in_use.max(s.touched))
+        });
+        let peak = self.shared.peak_live.fetch_max(live, Ordering::Relaxed).max(live);
+        let room = (peak as u128 * u128::from(RECLAIM_ABOVE_PPM) / 1_000_000) as usize;
+        let need = (held + need).saturating_sub(room).min(need);
+        if need == 0 {
+            return;
+        }
+        let mut given = 0;
+        // Idle shards first, then (following threads) the excess of
+        // shards in use; the highest-numbered first: a new thread claims
+        // the lowest-numbered idle shard, so memory stays where the next
+        // threads will look for it.
+        for idle in [true, false] {
+            if !idle && !self.shared.follow_threads {
+                break;
+            }
+            for (j, cell) in pools.iter().enumerate().rev() {
+                if given >= need {
+                    break;
+                }
+                let Some(p) = cell.get().filter(|_| j != self.index) else { continue };
+                if (self.shared.registry.users(j) == 0) != idle {
+                    continue;
+                }
+                // An idle shard gives any free memory; one in use only
+                // what it holds above its budget.
+                let room = if idle { need - given } else { p.excess().min(need - given) };
+                given += p.reclaim_free(room);
+            }
+        }
+        if given > 0 {
+            self.shared.reclaimed.fetch_add(given as u64, Ordering::Relaxed);
+        }
+    }
+}
 
 impl<U: Upstream> Pool<U> {
     /// Gives back up to about `want` bytes of free memory (see the module

@@ -33,7 +33,7 @@
 //! - **Idle shards give first.** Before a shard's upstream makes new
 //!   memory (a chunk, growth in place, or pages mapped beyond the memory
 //!   it keeps) that would take the set above 120 % of the most memory its
-//!   blocks held at once (`RECLAIM_ABOVE_PPM`; pages touched in remapping
+//!   blocks held at once (`reclaim::RECLAIM_ABOVE_PPM`; pages touched in remapping
 //!   shards; the peak as seen at each growth), the shards no thread uses
 //!   now (their threads exited:
 //!   `shard_registry.rs`) give back as much of their free memory
@@ -56,13 +56,6 @@ use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{fence, lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
 use crate::tag::StreamTag;
 use crate::upstream::{Chunk, Upstream};
-
-/// A set of shards gives idle memory to a growing shard only when it
-/// would otherwise hold more than this many millionths of the most memory
-/// its blocks held at once (120 %; in remapping shards the pages the
-/// blocks touch, the least a shard can hold): below, growth makes new
-/// memory and moves nothing.
-pub(super) const RECLAIM_ABOVE_PPM: u64 = 1_200_000;
 
 /// One chunk of the directory (atomics: readers may read an entry while
 /// a writer rewrites it, and then retry).
@@ -259,20 +252,20 @@ pub(super) struct Shared {
     /// Blocks a shard lent from its free memory to another shard's thread.
     lent: AtomicU64,
     /// Bytes idle shards gave back for a shard that grew.
-    reclaimed: AtomicU64,
+    pub(super) reclaimed: AtomicU64,
     /// The most bytes the shards' blocks held at once, as seen when a
     /// shard grew (what the set may hold 120 % of before idle shards give).
-    peak_live: AtomicUsize,
+    pub(super) peak_live: AtomicUsize,
     /// Which threads use which shard (idle shards give first).
-    registry: Arc<Registry>,
+    pub(super) registry: Arc<Registry>,
     /// Idle shards give at all ([`PoolConfig::idle_shards_give`](super::PoolConfig::idle_shards_give)).
-    give: bool,
+    pub(super) give: bool,
     /// Shards in use give what they hold above their budget too
     /// ([`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget)).
-    follow_threads: bool,
+    pub(super) follow_threads: bool,
     /// The set's pools (a boxed slice that never moves). Set once, before
     /// any shard is made; read only while an allocation from the set runs.
-    pools: *const ShardPools,
+    pub(super) pools: *const ShardPools,
 }
 
 // SAFETY: `pools` points at the set's boxed slice of pools, which are
@@ -369,59 +362,6 @@ impl Tracked {
         let pools = unsafe { &*self.shared.pools };
         let others = pools.iter().enumerate().filter(|(i, _)| *i != self.index);
         others.filter_map(|(_, cell)| cell.get()).map(|p| p.release_cached().unwrap_or(0)).sum()
-    }
-
-    /// Before this shard makes `need` bytes of new memory: when the set
-    /// would then hold more than [`RECLAIM_ABOVE_PPM`] of the most memory
-    /// its blocks held at once (as seen at growths; pages touched, in
-    /// remapping shards), the shards no thread
-    /// uses give back free memory, up to the excess or `need` (see the
-    /// module docs).
-    fn reclaim_idle(&self, need: usize) {
-        if need == 0 || !self.shared.give {
-            return;
-        }
-        // SAFETY: as in `release_others`: an upstream makes memory only
-        // for an allocation from its pool, which borrows the set.
-        let pools = unsafe { &*self.shared.pools };
-        // Live memory as pages: a remapping shard's blocks hold the pages
-        // they touch (no shard can hold less), a chunk shard's the bytes.
-        let (held, live) = pools.iter().filter_map(|c| c.get()).fold((0usize, 0usize), |(h, l), p| {
-            let s = p.stats();
-            (h + s.mapped, l + s.in_use.max(s.touched))
-        });
-        let peak = self.shared.peak_live.fetch_max(live, Ordering::Relaxed).max(live);
-        let room = (peak as u128 * u128::from(RECLAIM_ABOVE_PPM) / 1_000_000) as usize;
-        let need = (held + need).saturating_sub(room).min(need);
-        if need == 0 {
-            return;
-        }
-        let mut given = 0;
-        // Idle shards first, then (following threads) the excess of
-        // shards in use; the highest-numbered first: a new thread claims
-        // the lowest-numbered idle shard, so memory stays where the next
-        // threads will look for it.
-        for idle in [true, false] {
-            if !idle && !self.shared.follow_threads {
-                break;
-            }
-            for (j, cell) in pools.iter().enumerate().rev() {
-                if given >= need {
-                    break;
-                }
-                let Some(p) = cell.get().filter(|_| j != self.index) else { continue };
-                if (self.shared.registry.users(j) == 0) != idle {
-                    continue;
-                }
-                // An idle shard gives any free memory; one in use only
-                // what it holds above its budget.
-                let room = if idle { need - given } else { p.excess().min(need - given) };
-                given += p.reclaim_free(room);
-            }
-        }
-        if given > 0 {
-            self.shared.reclaimed.fetch_add(given as u64, Ordering::Relaxed);
-        }
     }
 
     /// Books `size` bytes against the limit, obtains a chunk with `get`
