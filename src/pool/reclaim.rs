@@ -51,6 +51,10 @@ impl Tracked {
         // SAFETY: as in `release_others`: an upstream makes memory only
         // for an allocation from its pool, which borrows the set.
         let pools = unsafe { &*self.shared.pools };
+        // One shard (a single-threaded program): nothing to ask.
+        if pools.iter().filter(|c| c.get().is_some()).nth(1).is_none() {
+            return;
+        }
         // Live memory as pages: a remapping shard's blocks hold the pages
         // they touch (no shard can hold less), a chunk shard's the bytes.
         let (held, live) = pools.iter().filter_map(|c| c.get()).fold((0usize, 0usize), |(h, l), p| {
