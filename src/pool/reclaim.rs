@@ -6,10 +6,10 @@
 //! # Implementation details
 //!
 //! - **Remapping pools** give their kept memory first, then whole pieces
-//!   lying in free blocks, highest first (as the pool's own moves pick
-//!   them), work known complete first; pieces whose stream work may still
-//!   run go only after the upstream waited for the device, and only when
-//!   the rest gave too little. The order is the pool's own move order: the
+//!   lying in free blocks whose stream work is known complete, highest
+//!   first (as the pool's own moves pick them). Pieces whose work may
+//!   still run stay: the growing thread would rather make new memory than
+//!   wait for the device. The order is the pool's own move order: the
 //!   pieces are marked holes under the pool lock *before* it is dropped,
 //!   so no allocation lands on them while they are unmapped; a free that
 //!   arrives meanwhile only makes more space free (the model
@@ -29,7 +29,7 @@ use super::page_map::budget;
 use super::shard_upstream::Tracked;
 use super::{Inner, Pool};
 use crate::sync::{try_lock, Ordering};
-use crate::upstream::{Chunk, Upstream};
+use crate::upstream::Upstream;
 
 /// A set of shards gives idle memory to a growing shard only when it
 /// would otherwise hold more than this many millionths of the most memory
@@ -169,7 +169,7 @@ impl<U: Upstream> Pool<U> {
             given = kept - self.upstream.kept();
         }
         let rest = want.saturating_sub(given);
-        let (settled, pending) = {
+        let spans = {
             let mut inner = self.inner.lock();
             if inner.shut_down {
                 return given;
@@ -180,37 +180,35 @@ impl<U: Upstream> Pool<U> {
             if rest == 0 {
                 return given;
             }
-            let (mut settled, mut pending, mut offered) = (Vec::new(), Vec::new(), 0usize);
+            // Only memory no queued work may use: the grower would rather
+            // make new memory than wait for the device.
+            let (mut spans, mut offered) = (Vec::new(), 0usize);
             for (addr, size, tag) in fit.free_blocks_highest_first(pages.page()) {
                 if offered >= 2 * rest {
                     break;
                 }
-                let spans = if fit.tag_settled(tag) { &mut settled } else { &mut pending };
+                if !fit.tag_settled(tag) {
+                    continue;
+                }
                 for span in pages.mapped_inside(addr, size) {
                     offered += span.size;
                     spans.push(span);
                 }
             }
-            for span in settled.iter().chain(&pending) {
+            for span in &spans {
                 // Holes while they move: no allocation lands there.
                 pages.mark(*span, true);
             }
-            (settled, pending)
+            spans
         };
-        let mut unmapped: Vec<Chunk> = Vec::new();
-        for (spans, waits) in [(&settled, false), (&pending, true)] {
-            let got: usize = unmapped.iter().map(|c| c.size).sum();
-            if got >= rest || spans.is_empty() {
-                continue;
-            }
-            match self.upstream.unmap_within(spans, rest - got, waits, false) {
-                Ok(v) => unmapped.extend(v),
-                Err(_) => break,
-            }
-        }
+        let unmapped = if spans.is_empty() {
+            Vec::new()
+        } else {
+            self.upstream.unmap_within(&spans, rest, false, false).unwrap_or_default()
+        };
         let mut inner = self.inner.lock();
         let pages = &mut inner.pages;
-        for span in settled.iter().chain(&pending) {
+        for span in &spans {
             pages.mark(*span, false);
         }
         for piece in &unmapped {
