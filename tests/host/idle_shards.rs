@@ -204,3 +204,38 @@ fn a_resizing_thread_pool_holds_about_what_its_threads_hold() {
     assert!(on <= 1.75, "end mapped / most held at once {on:.3} with fresh_thread_budget");
     assert!(off <= 2.0, "end mapped / most held at once {off:.3} without fresh_thread_budget");
 }
+
+/// Pinned shards (whole chunks): a thread grows shard 1 by many chunks,
+/// frees everything and ends; a request larger than any of them can't
+/// take one, so shard 0 grows, and the idle shard's free chunks go back
+/// to the upstream first. What the set reserves stays below what it held
+/// plus the new chunk.
+#[test]
+fn an_idle_pinned_shard_gives_its_free_chunks_to_a_shard_that_grows() {
+    let mm = host(Config::new().arenas(2).pinned_thread_cache(false));
+    let set = mm.pinned_pool();
+    let first = mm.allocate_pinned(4096).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let blocks: Vec<_> = (0..24).map(|_| mm.allocate_pinned(2 * MIB).unwrap()).collect();
+            for b in blocks {
+                mm.free_pinned(b.as_ptr()).unwrap();
+            }
+            cumem::pool::release_thread_shards();
+        });
+    });
+    let before = mm.pinned_stats().reserved;
+    assert!(before >= 48 * MIB, "the thread grew its shard: {} MiB", before / MIB);
+    let big = mm.allocate_pinned(96 * MIB).unwrap();
+    let after = mm.pinned_stats().reserved;
+    assert!(set.bytes_reclaimed() > 0, "the idle shard gave nothing");
+    assert!(after < before + 96 * MIB, "reserved {} MiB, then {} MiB", before / MIB, after / MIB);
+    // The memory is usable (host memory): write and read back.
+    // SAFETY: `big` is a live pinned block of 96 MiB this test owns.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(big.as_ptr(), 96 * MIB) };
+    bytes.iter_mut().step_by(4096).for_each(|b| *b = 0x5a);
+    assert!(bytes.iter().step_by(4096).all(|&b| b == 0x5a));
+    set.check_invariants().unwrap();
+    mm.free_pinned(big.as_ptr()).unwrap();
+    mm.free_pinned(first.as_ptr()).unwrap();
+}
