@@ -47,12 +47,13 @@
 //! - **Idle shards.** A shard whose threads all exited keeps its memory
 //!   for the next thread to claim it, but gives its free memory to a
 //!   shard that grows: before a shard's upstream makes new memory and
-//!   the set would then hold more than 120 % of the most bytes its blocks
-//!   held at once, idle shards give back free memory (a remapping shard its kept
-//!   memory and whole free pieces, a chunk shard its wholly free chunks)
-//!   up to what the grower makes (`shard_upstream.rs`, `reclaim.rs`), so
-//!   a resizing thread pool holds about what its live threads need rather
-//!   than the sum of what every shard's threads once needed. With
+//!   the set would then hold more than 120 % of the most memory its
+//!   blocks held at once (pages touched, in remapping shards), idle
+//!   shards give back free memory (a remapping shard its kept memory and
+//!   whole free pieces, a chunk shard its wholly free chunks; only memory
+//!   no queued work may use) up to what the grower makes (`reclaim.rs`),
+//!   so a resizing thread pool holds less than the sum of what every
+//!   shard's threads once needed ([`PoolConfig::idle_shards_give`]). With
 //!   [`PoolConfig::fresh_thread_budget`] a shard claimed by a new thread
 //!   also starts its remap budget afresh, and shards in use give what
 //!   they hold above it. Memory moves between remapping shards by unmap
