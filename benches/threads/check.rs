@@ -23,7 +23,15 @@
 //!   bytes held (as asked) are counted per pool on every step; at the end
 //!   the pools' reserved bytes (device: mapped) over the most bytes held
 //!   at once, per pool. Through `MemoryManager::new` with the default
-//!   configuration (or `CUMEM_CONF`).
+//!   configuration (or `CUMEM_CONF`). `CUMEM_CHECK_SEED` draws other round
+//!   sizes and sequences (default 0x9001). Printed per pool: physical
+//!   memory held at the end (device: mapped and kept; pinned: reserved)
+//!   over the most bytes held at once (the *end* ratio); the most
+//!   physical memory the whole set held at once, sampled every 200 µs by
+//!   a thread of the bench (a lower bound of the true peak), and the sum
+//!   of the shards' own peaks (an upper bound: shards peak at different
+//!   times), each over the most bytes held; and the driver work: upstream
+//!   calls, page maps and unmaps, chunks moved between shards.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Barrier, Mutex};
@@ -238,95 +246,136 @@ fn pool() {
     let stream = Stream::new().expect("cuStreamCreate");
     let (dev, pin) = (Held::default(), Held::default());
     let carried: Mutex<Vec<Block>> = Mutex::new(Vec::new());
-    let mut rng = SmallRng::seed_from_u64(0x9001);
+    let seed: u64 = std::env::var("CUMEM_CHECK_SEED")
+        .ok()
+        .and_then(|v| v.strip_prefix("0x").map_or_else(|| v.parse().ok(), |h| u64::from_str_radix(h, 16).ok()))
+        .unwrap_or(0x9001);
+    let mut rng = SmallRng::seed_from_u64(seed);
     let t0 = Instant::now();
     let mut sizes = Vec::new();
-    for round in 0..ROUNDS {
-        let n = match round {
-            0 => 1,
-            1 => 32,
-            _ => rng.gen_range(1..=32),
-        };
-        sizes.push(n);
-        // The blocks the round before left, shared out among this round.
-        let inherited: Vec<Block> = std::mem::take(&mut *carried.lock().unwrap());
-        let per = inherited.len().div_ceil(n).max(1);
-        let parts: Vec<Vec<Block>> = inherited.chunks(per).map(<[Block]>::to_vec).collect();
-        std::thread::scope(|s| {
-            for id in 0..n {
-                let mine = parts.get(id).cloned().unwrap_or_default();
-                let (mm, stream, dev, pin, carried) = (&mm, &stream, &dev, &pin, &carried);
-                s.spawn(move || {
-                    let free = |b: Block| {
-                        if b.0 {
-                            mm.free_device_on(b.1, stream).expect("device free");
-                            dev.sub(b.2);
-                        } else {
-                            mm.free_pinned(b.1 as *mut u8).expect("pinned free");
-                            pin.sub(b.2);
-                        }
-                    };
-                    for b in mine {
-                        free(b);
-                    }
-                    let mut r = SmallRng::seed_from_u64(((round as u64) << 32) | id as u64);
-                    let mut live: Vec<Block> = Vec::with_capacity(LIVE);
-                    for _ in 0..ops {
-                        if live.len() < LIVE && (live.is_empty() || r.gen_bool(0.5)) {
-                            let size = r.gen_range(1..=4usize << 20);
-                            if r.gen_bool(0.5) {
-                                let p = mm.allocate_device_on(size, stream).expect("device allocation");
-                                dev.add(size);
-                                live.push((true, p, size));
-                            } else {
-                                let p = mm.allocate_pinned(size).expect("pinned allocation").as_ptr() as u64;
-                                pin.add(size);
-                                live.push((false, p, size));
-                            }
-                        } else {
-                            let i = r.gen_range(0..live.len());
-                            free(live.swap_remove(i));
-                        }
-                    }
-                    // Half goes to the next round; the rest is freed here.
-                    let keep = live.split_off(live.len() / 2);
-                    for b in live {
-                        free(b);
-                    }
-                    carried.lock().unwrap().extend(keep);
-                });
+    // The whole set's physical memory, sampled while the rounds run, and
+    // the device figure's floor: the pages live blocks touch, summed over
+    // the shards (no shard can hold less and keep its blocks).
+    let physical = |mm: &MemoryManager| {
+        let d = mm.device_stats(0).expect("device stats").pool;
+        (d.mapped, mm.pinned_stats().reserved, d.touched)
+    };
+    let (sampled, done) = (Mutex::new((0usize, 0usize, 0usize)), std::sync::atomic::AtomicBool::new(false));
+    std::thread::scope(|watch| {
+        watch.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                let (d, p, t) = physical(&mm);
+                let mut s = sampled.lock().unwrap();
+                *s = (s.0.max(d), s.1.max(p), s.2.max(t));
+                drop(s);
+                std::thread::sleep(Duration::from_micros(200));
             }
         });
-    }
+        for round in 0..ROUNDS {
+            let n = match round {
+                0 => 1,
+                1 => 32,
+                _ => rng.gen_range(1..=32),
+            };
+            sizes.push(n);
+            // The blocks the round before left, shared out among this round.
+            let inherited: Vec<Block> = std::mem::take(&mut *carried.lock().unwrap());
+            let per = inherited.len().div_ceil(n).max(1);
+            let parts: Vec<Vec<Block>> = inherited.chunks(per).map(<[Block]>::to_vec).collect();
+            std::thread::scope(|s| {
+                for id in 0..n {
+                    let mine = parts.get(id).cloned().unwrap_or_default();
+                    let (mm, stream, dev, pin, carried) = (&mm, &stream, &dev, &pin, &carried);
+                    s.spawn(move || {
+                        let free = |b: Block| {
+                            if b.0 {
+                                mm.free_device_on(b.1, stream).expect("device free");
+                                dev.sub(b.2);
+                            } else {
+                                mm.free_pinned(b.1 as *mut u8).expect("pinned free");
+                                pin.sub(b.2);
+                            }
+                        };
+                        for b in mine {
+                            free(b);
+                        }
+                        let mut r = SmallRng::seed_from_u64(seed ^ (((round as u64) << 32) | id as u64));
+                        let mut live: Vec<Block> = Vec::with_capacity(LIVE);
+                        for _ in 0..ops {
+                            if live.len() < LIVE && (live.is_empty() || r.gen_bool(0.5)) {
+                                let size = r.gen_range(1..=4usize << 20);
+                                if r.gen_bool(0.5) {
+                                    let p = mm.allocate_device_on(size, stream).expect("device allocation");
+                                    dev.add(size);
+                                    live.push((true, p, size));
+                                } else {
+                                    let p = mm.allocate_pinned(size).expect("pinned allocation").as_ptr() as u64;
+                                    pin.add(size);
+                                    live.push((false, p, size));
+                                }
+                            } else {
+                                let i = r.gen_range(0..live.len());
+                                free(live.swap_remove(i));
+                            }
+                        }
+                        // Half goes to the next round; the rest is freed here.
+                        let keep = live.split_off(live.len() / 2);
+                        for b in live {
+                            free(b);
+                        }
+                        carried.lock().unwrap().extend(keep);
+                    });
+                }
+            });
+            let (d, p, t) = physical(&mm);
+            let mut s = sampled.lock().unwrap();
+            *s = (s.0.max(d), s.1.max(p), s.2.max(t));
+        }
+        done.store(true, Ordering::Relaxed);
+    });
     let took = t0.elapsed();
     stream.synchronize().expect("cuStreamSynchronize");
     let ds = mm.device_stats(0).expect("device stats").pool;
     let ps = mm.pinned_stats();
-    let (dp, pp) = (dev.peak.load(Ordering::Relaxed), pin.peak.load(Ordering::Relaxed));
+    let (dp, pp) = (dev.peak.load(Ordering::Relaxed).max(1) as f64, pin.peak.load(Ordering::Relaxed).max(1) as f64);
+    let (sd, sp, st) = *sampled.lock().unwrap();
+    let mib = |b: usize| b >> 20;
+    let device = mm.default_device().expect("device");
     println!(
-        "\nA resizing thread pool: {ROUNDS} rounds of {sizes:?} fresh threads, {ops} steps each, half carried over"
+        "\nA resizing thread pool (seed {seed:#x}): {ROUNDS} rounds of {sizes:?} fresh threads, {ops} steps each, half carried over"
     );
     println!(
-        "device: mapped {} MiB (peak mapped {} MiB) / most held at once {} MiB = {:.3}; peak mapped / held {:.3}; \
-         upstream calls {}, map calls {}, chunks moved {}",
-        ds.mapped >> 20,
-        ds.peak_mapped >> 20,
-        dp >> 20,
-        ds.mapped as f64 / dp.max(1) as f64,
-        ds.peak_mapped as f64 / dp.max(1) as f64,
-        mm.default_device().expect("device").pool().upstream_calls(),
+        "device: end mapped {} MiB / most held at once {} MiB = {:.3}; peak mapped {} MiB (sampled) = {:.3}, \
+         shards' peaks summed {} MiB = {:.3}; pages touched by live blocks (the shards' floor, sampled) {} MiB = {:.3}; \
+         upstream calls {}, map calls {}, unmap calls {}, chunks moved {}, reclaimed from idle shards {} MiB",
+        mib(ds.mapped),
+        mib(dp as usize),
+        ds.mapped as f64 / dp,
+        mib(sd),
+        sd as f64 / dp,
+        mib(ds.peak_mapped),
+        ds.peak_mapped as f64 / dp,
+        mib(st),
+        st as f64 / dp,
+        device.pool().upstream_calls(),
         ds.map_calls,
-        mm.default_device().expect("device").pool().chunks_moved()
+        ds.unmap_calls,
+        device.pool().chunks_moved(),
+        mib(device.pool().bytes_reclaimed()),
     );
     println!(
-        "pinned: reserved {} MiB (peak {} MiB) / most held at once {} MiB = {:.3}; peak reserved / held {:.3}; \
-         upstream calls {}",
-        ps.reserved >> 20,
-        ps.peak_reserved >> 20,
-        pp >> 20,
-        ps.reserved as f64 / pp.max(1) as f64,
-        ps.peak_reserved as f64 / pp.max(1) as f64,
-        mm.pinned_pool().upstream_calls()
+        "pinned: end reserved {} MiB / most held at once {} MiB = {:.3}; peak reserved {} MiB (sampled) = {:.3}, \
+         shards' peaks summed {} MiB = {:.3}; upstream calls {}, chunks moved {}, reclaimed from idle shards {} MiB",
+        mib(ps.reserved),
+        mib(pp as usize),
+        ps.reserved as f64 / pp,
+        mib(sp),
+        sp as f64 / pp,
+        mib(ps.peak_reserved),
+        ps.peak_reserved as f64 / pp,
+        mm.pinned_pool().upstream_calls(),
+        mm.pinned_pool().chunks_moved(),
+        mib(mm.pinned_pool().bytes_reclaimed()),
     );
     println!("took {:.2} s", took.as_secs_f64());
     for b in std::mem::take(&mut *carried.lock().unwrap()) {

@@ -66,6 +66,20 @@ pub struct PoolConfig {
     /// move (and [`Pool::mapper_step`] runs the mapper's work where a test
     /// wants it).
     pub background_mapper: bool,
+    /// In a set of shards ([`Shards`](super::Shards)), shards whose threads
+    /// all exited give their free memory to a shard that grows when the
+    /// set would otherwise hold more than 120 % of the most memory its
+    /// blocks held at once (on by default;
+    /// [`Config::idle_arenas_give`](crate::Config::idle_arenas_give)).
+    pub idle_shards_give: bool,
+    /// A shard of a set ([`Shards`](super::Shards)) claimed by a new
+    /// thread starts its remap budget from what its live blocks touch
+    /// then, and shards in use give what they hold above their budget to
+    /// a shard that grows, as idle shards give their free memory: memory
+    /// follows the threads that use it now. Off by default: a new thread
+    /// then pays page moves for memory its shard already held
+    /// ([`Config::fresh_thread_budget`](crate::Config::fresh_thread_budget)).
+    pub fresh_thread_budget: bool,
 }
 
 impl PoolConfig {
@@ -86,6 +100,8 @@ impl PoolConfig {
             remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
             hot_block: false,
             background_mapper: false,
+            idle_shards_give: true,
+            fresh_thread_budget: false,
         }
     }
 }

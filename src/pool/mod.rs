@@ -26,6 +26,7 @@ mod mapper;
 mod page_map;
 mod pool_snapshot;
 mod queries;
+mod reclaim;
 mod remap;
 mod shard_registry;
 mod shard_upstream;

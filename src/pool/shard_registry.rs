@@ -63,36 +63,41 @@ impl Registry {
     }
 
     /// The calling thread's shard, claimed on first use; `made(i)` says
-    /// whether shard `i` exists yet.
+    /// whether shard `i` exists yet; `claimed(i)` runs after this thread
+    /// claimed shard `i` (outside the registry's lock).
     #[inline]
-    pub(super) fn home(this: &Arc<Self>, made: impl Fn(usize) -> bool) -> usize {
+    pub(super) fn home(this: &Arc<Self>, made: impl Fn(usize) -> bool, claimed: impl Fn(usize)) -> usize {
         let hit = HOMES.try_with(|h| (h.last_id.get() == this.id).then(|| h.last_shard.get()));
         match hit {
             Ok(Some(i)) => i,
-            Ok(None) => Self::home_slow(this, made),
+            Ok(None) => Self::home_slow(this, made, claimed),
             // Thread-locals torn down: share shard 0 without a claim.
             Err(_) => 0,
         }
     }
 
     #[cold]
-    fn home_slow(this: &Arc<Self>, made: impl Fn(usize) -> bool) -> usize {
-        HOMES
+    fn home_slow(this: &Arc<Self>, made: impl Fn(usize) -> bool, claimed: impl Fn(usize)) -> usize {
+        let (i, fresh) = HOMES
             .try_with(|h| {
                 let known = h.list.borrow().iter().find(|(r, _)| r.id == this.id).map(|(_, i)| *i);
-                let i = match known {
-                    Some(i) => i,
+                let (i, fresh) = match known {
+                    Some(i) => (i, false),
                     None => {
                         let i = this.claim(made);
                         h.list.borrow_mut().push((this.clone(), i));
-                        i
+                        (i, true)
                     }
                 };
                 h.last_id.set(this.id);
                 h.last_shard.set(i);
-                i
+                (i, fresh)
             })
-            .unwrap_or(0)
+            .unwrap_or((0, false));
+        if fresh {
+            claimed(i);
+        }
+        i
     }
 
     /// Claims a shard for a new thread (see the module docs).

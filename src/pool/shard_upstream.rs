@@ -30,12 +30,27 @@
 //!   shard and is refused by both. Only upstreams whose chunks are whole
 //!   allocations (not expandable reservations) trade chunks, so any
 //!   shard's upstream can give a taken chunk back.
+//! - **Idle shards give first.** Before a shard's upstream makes new
+//!   memory (a chunk, growth in place, or pages mapped beyond the memory
+//!   it keeps) that would take the set above 120 % of the most memory its
+//!   blocks held at once (`reclaim::RECLAIM_ABOVE_PPM`; pages touched in remapping
+//!   shards; the peak as seen at each growth), the shards no thread uses
+//!   now (their threads exited:
+//!   `shard_registry.rs`) give back as much of their free memory
+//!   ([`Pool`]'s `reclaim_free`, `reclaim.rs`), so the set holds about
+//!   what its live threads need, not the sum of what every thread ever
+//!   needed. With [`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget),
+//!   shards in use give what they hold above their remap budget too (a
+//!   shard claimed by a new thread then starts its budget afresh). It runs in the growing shard's upstream call, outside every
+//!   pool lock (a remapping shard holds its own remap lock; an idle
+//!   shard's is only tried).
 //! - **Out of memory.** When a shard's upstream can't deliver (the set's
 //!   limit or the driver), the wrapper gives back the free memory of every
 //!   other shard ([`Pool::release_cached`]) and asks once more. It runs in
 //!   the growing shard's upstream call, outside every pool lock.
 
-use super::Pool;
+use super::shard_registry::Registry;
+use super::{Pool, PoolConfig};
 
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{fence, lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
@@ -236,9 +251,21 @@ pub(super) struct Shared {
     calls: AtomicU64,
     /// Blocks a shard lent from its free memory to another shard's thread.
     lent: AtomicU64,
+    /// Bytes idle shards gave back for a shard that grew.
+    pub(super) reclaimed: AtomicU64,
+    /// The most bytes the shards' blocks held at once, as seen when a
+    /// shard grew (what the set may hold 120 % of before idle shards give).
+    pub(super) peak_live: AtomicUsize,
+    /// Which threads use which shard (idle shards give first).
+    pub(super) registry: Arc<Registry>,
+    /// Idle shards give at all ([`PoolConfig::idle_shards_give`](super::PoolConfig::idle_shards_give)).
+    pub(super) give: bool,
+    /// Shards in use give what they hold above their budget too
+    /// ([`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget)).
+    pub(super) follow_threads: bool,
     /// The set's pools (a boxed slice that never moves). Set once, before
     /// any shard is made; read only while an allocation from the set runs.
-    pools: *const ShardPools,
+    pub(super) pools: *const ShardPools,
 }
 
 // SAFETY: `pools` points at the set's boxed slice of pools, which are
@@ -251,13 +278,19 @@ unsafe impl Sync for Shared {}
 impl Shared {
     /// The state for a set whose pools are `pools`, with `limit` for all of
     /// them together.
-    pub(super) fn new(pools: &ShardPools, limit: Option<usize>, kind: PoolKind) -> Arc<Self> {
+    pub(super) fn new(pools: &ShardPools, registry: Arc<Registry>, config: &PoolConfig) -> Arc<Self> {
+        let (limit, kind) = (config.max_size, config.kind);
         Arc::new(Shared {
             directory: Directory::new(),
             total: Total { bytes: AtomicUsize::new(0), limit, kind },
             moved: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             lent: AtomicU64::new(0),
+            reclaimed: AtomicU64::new(0),
+            peak_live: AtomicUsize::new(0),
+            registry,
+            give: config.idle_shards_give,
+            follow_threads: config.fresh_thread_budget,
             pools: pools as *const ShardPools,
         })
     }
@@ -272,6 +305,11 @@ impl Shared {
 
     fn count_call(&self) {
         self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Bytes idle shards gave back for shards that grew.
+    pub(super) fn reclaimed(&self) -> u64 {
+        self.reclaimed.load(Ordering::Relaxed)
     }
 
     /// Blocks one shard lent another out of its own free memory.
@@ -363,6 +401,7 @@ impl Upstream for Tracked {
         // Chunks of other shards were offered before the pool grew
         // (`Shards::allocate_elsewhere`).
         let get = |u: &dyn Upstream, n| u.allocate_chunk(n);
+        self.reclaim_idle(size);
         match self.try_allocate(size, get) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_allocate(size, get),
             r => r,
@@ -383,6 +422,7 @@ impl Upstream for Tracked {
     }
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
         let extend = |u: &dyn Upstream, c, n| u.try_extend(c, n);
+        self.reclaim_idle(extra);
         match self.try_extend_once(chunk, extra, extend) {
             Err(Error::OutOfMemory { .. }) if self.release_others() > 0 => self.try_extend_once(chunk, extra, extend),
             r => r,
@@ -402,6 +442,9 @@ impl Upstream for Tracked {
         self.try_extend_once(chunk, extra, |u, c, n| u.try_extend_reserved(c, n))
     }
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
+        // Kept memory maps first; only the rest is new memory.
+        let bytes: usize = runs.iter().map(|r| r.size).sum();
+        self.reclaim_idle(bytes.saturating_sub(self.inner.kept()));
         // A failed map leaves nothing mapped, so it may be tried again once
         // the other shards gave their free memory back.
         let r = match self.inner.map_runs(runs) {
@@ -417,7 +460,7 @@ impl Upstream for Tracked {
 
 #[cfg(test)]
 mod tests {
-    use super::{Shared, Tracked};
+    use super::{PoolConfig, Shared, Tracked};
     use crate::error::PoolKind;
     use crate::upstream::forwarding::methods_not_forwarded;
 
@@ -465,7 +508,8 @@ mod tests {
     #[test]
     fn the_shard_wrapper_forwards_every_method() {
         let pools: Box<super::ShardPools> = Box::new([]);
-        let shared = Shared::new(&pools, None, PoolKind::Device);
+        let registry = super::Registry::new(1, false);
+        let shared = Shared::new(&pools, registry, &PoolConfig::new(PoolKind::Device));
         let missed = methods_not_forwarded(|inner| Box::new(Tracked { inner, shared, index: 0 }));
         assert_eq!(missed, Vec::<&str>::new());
     }

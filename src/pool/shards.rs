@@ -44,6 +44,21 @@
 //!   stream. Only then does the shard grow. A remapping shard neither
 //!   gives nor lends: its free space may be holes, and its address space
 //!   is its own.
+//! - **Idle shards.** A shard whose threads all exited keeps its memory
+//!   for the next thread to claim it, but gives its free memory to a
+//!   shard that grows: before a shard's upstream makes new memory and
+//!   the set would then hold more than 120 % of the most memory its
+//!   blocks held at once (pages touched, in remapping shards), idle
+//!   shards give back free memory (a remapping shard its kept memory and
+//!   whole free pieces, a chunk shard its wholly free chunks; only memory
+//!   no queued work may use) up to what the grower makes (`reclaim.rs`),
+//!   so a resizing thread pool holds less than the sum of what every
+//!   shard's threads once needed ([`PoolConfig::idle_shards_give`]). With
+//!   [`PoolConfig::fresh_thread_budget`] a shard claimed by a new thread
+//!   also starts its remap budget afresh, and shards in use give what
+//!   they hold above it. Memory moves between remapping shards by unmap
+//!   and release in the giver and a new map in the taker (each shard's
+//!   address space is its own).
 //! - **Where a free goes.** Each shard's upstream is wrapped
 //!   (`shard_upstream.rs`) so that every chunk it hands out is recorded in
 //!   a directory shared by the set: a sorted array of chunks published
@@ -165,11 +180,11 @@ impl Shards {
         let primary_remaps = workers && super::would_remap(&*first, &config) && count > 1;
         let count = count + usize::from(primary_remaps);
         let shards: Box<ShardPools> = (0..count).map(|_| InitCell::new()).collect();
-        let shared = Shared::new(&shards, config.max_size, config.kind);
+        let registry = Registry::new(count, primary_remaps);
+        let shared = Shared::new(&shards, registry.clone(), &config);
         let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
         // A new cell is empty, so this always sets it.
         let _ = shards[0].init(|| Ok::<_, ()>(pool));
-        let registry = Registry::new(count, primary_remaps);
         Shards {
             shards,
             make,
@@ -235,7 +250,14 @@ impl Shards {
         if crate::sync::thread_pinned() {
             return self.home_by_slot(n);
         }
-        Registry::home(&self.registry, |i| self.shards[i].get().is_some())
+        // A shard claimed by a new thread starts its remap budget afresh
+        // (see the module docs, "Idle shards").
+        let rebase = |i: usize| {
+            if let Some(p) = self.shards[i].get().filter(|_| self.config.fresh_thread_budget) {
+                p.rebase_budget();
+            }
+        };
+        Registry::home(&self.registry, |i| self.shards[i].get().is_some(), rebase)
     }
 
     /// Threads using shard `i` now (claims; pinned threads are not
@@ -253,6 +275,12 @@ impl Shards {
     /// Chunks taken by one shard from another (no upstream call) so far.
     pub fn chunks_moved(&self) -> u64 {
         self.shared.moved()
+    }
+
+    /// Bytes of free memory shards no thread used gave back for shards
+    /// that grew, so far (see the module docs).
+    pub fn bytes_reclaimed(&self) -> usize {
+        self.shared.reclaimed() as usize
     }
 
     /// Calls that reached the upstreams themselves (allocations, growth in

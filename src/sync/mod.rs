@@ -44,6 +44,16 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
+/// Locks `mutex` if no one holds it now (a poisoned lock's data is
+/// recovered, as with [`lock`]); `None` when it is held.
+pub(crate) fn try_lock<T>(mutex: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match mutex.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 /// Waits a moment in a spin loop. Spins for the first attempts, then yields
 /// the processor; under loom it always yields, so models of spin loops
 /// terminate.

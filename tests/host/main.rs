@@ -14,6 +14,7 @@ mod fuzz_pool;
 mod graphs;
 mod growable;
 mod hot_block;
+mod idle_shards;
 mod pool_model;
 mod remap_model;
 mod stress;

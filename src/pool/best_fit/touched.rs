@@ -87,6 +87,16 @@ impl BestFit {
         self.note_touched();
     }
 
+    /// Sets the peak that sets the remap budget to the count now: the
+    /// pool passed to a new thread (a shard claimed anew,
+    /// `pool/shards.rs`), whose layout owes nothing to the last one's.
+    pub fn rebase_touched_peak(&mut self) {
+        self.flush_hot();
+        if self.pages.shift != 0 {
+            self.pages.peak_touched = self.touched_now();
+        }
+    }
+
     /// Raises the touched-page peak to the count now (after an operation
     /// that may touch new pages; never inside one, whose steps may leave a
     /// block briefly out of the index).
