@@ -322,12 +322,19 @@ impl BestFit {
 
     /// Allocates `size` bytes at `align` from free block `slot`, which fits.
     fn allocate_slot(&mut self, slot: u32, size: usize, align: usize, requested: usize) -> Allocation {
+        let start = self.blocks[slot as usize].addr.next_multiple_of(align.max(BLOCK_ALIGN));
+        self.allocate_slot_at(slot, start, size, requested)
+    }
+
+    /// Allocates `[start, start + size)` from free block `slot`, which
+    /// holds it (`start` a multiple of [`BLOCK_ALIGN`]).
+    fn allocate_slot_at(&mut self, slot: u32, start: usize, size: usize, requested: usize) -> Allocation {
         self.unindex_free(slot);
         let (addr, bsize, tag) = {
             let b = &self.blocks[slot as usize];
             (b.addr, b.size, b.tag)
         };
-        let start = addr.next_multiple_of(align.max(BLOCK_ALIGN));
+        debug_assert!(start >= addr && start + size <= addr + bsize && start % BLOCK_ALIGN == 0);
         let mut slot = slot;
         if start > addr {
             // The aligned start leaves a free block in front.

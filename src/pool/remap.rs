@@ -12,6 +12,14 @@
 //!   touches no hole wins; only when none does is the exact best fit taken
 //!   and its holes mapped. A pool whose mapped set fits its work therefore
 //!   maps nothing: steady-state iterations move nothing.
+//! - **Mapped runs inside free blocks**: when mapping the exact best fit's
+//!   holes would take the pool above its budget (a move), placement first
+//!   looks for a run of mapped pages inside a free block that holds the
+//!   request ([`BestFit::allocate_in_spans`](super::BestFit::allocate_in_spans):
+//!   the smallest such run among the best fits and the largest blocks) and
+//!   places it at the run's start. A large free block whose first page is
+//!   a hole often has hundreds of mapped pages further in; without this the
+//!   request went to a smaller block and memory moved to it.
 //! - **Mapping** happens under the pool's remap lock, never under the pool
 //!   lock: the allocation is undone, the remap lock taken, the placement
 //!   made again, the touched holes mapped (one map call per piece of
@@ -50,7 +58,7 @@
 //! - Pools with [`PoolConfig::keep_chunks`](super::PoolConfig::keep_chunks)
 //!   never remap (their graphs replay later into free-looking blocks).
 
-use super::page_map::budget;
+use super::page_map::{budget, Pages};
 use super::{Allocation, Inner, Pool};
 use crate::error::{Error, Result};
 use crate::sync::lock;
@@ -71,6 +79,14 @@ struct Plan {
     want: usize,
 }
 
+/// Whether mapping the holes of `a` would take the pool above `budget`
+/// (physical pages), so that memory would have to move: kept memory maps
+/// without raising what is held.
+fn would_move(pages: &Pages, a: &Allocation, budget: usize) -> bool {
+    let needed: usize = pages.holes_in(a.addr, a.size).iter().map(|r| r.size >> pages.shift()).sum();
+    pages.physical() + needed.saturating_sub(pages.kept) > budget
+}
+
 impl<U: Upstream> Pool<U> {
     /// Allocates from the shared pool with page remapping: mapped space
     /// first; holes the placement touches are mapped under the remap lock.
@@ -87,7 +103,19 @@ impl<U: Upstream> Pool<U> {
             match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
                 None => return Ok(None),
                 Some((a, true)) => return Ok(Some(a)),
-                Some((a, false)) => fit.undo_allocate(&a),
+                Some((a, false)) => {
+                    let moves = would_move(pages, &a, budget(fit, pages, self.config.remap_slack_ppm));
+                    fit.undo_allocate(&a);
+                    // No candidate is mapped where it starts, and mapping
+                    // would move memory: mapped memory inside a free
+                    // block, if some holds the request.
+                    if moves {
+                        let spans = |at, len| pages.mapped_inside(at, len);
+                        if let Some(a) = fit.allocate_in_spans(rounded, align, size, spans) {
+                            return Ok(Some(a));
+                        }
+                    }
+                }
             }
         }
         self.map_for(rounded, align, size)
@@ -109,6 +137,20 @@ impl<U: Upstream> Pool<U> {
                 None => return Ok(None),
                 Some((a, true)) => return Ok(Some(a)),
                 Some((a, false)) => a,
+            };
+            // Mapped memory may have been freed since the look above.
+            let a = if would_move(pages, &a, budget(fit, pages, self.config.remap_slack_ppm)) {
+                fit.undo_allocate(&a);
+                let spans = |at, len| pages.mapped_inside(at, len);
+                if let Some(a) = fit.allocate_in_spans(rounded, align, size, spans) {
+                    return Ok(Some(a));
+                }
+                match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
+                    None => return Ok(None),
+                    Some((a, _)) => a,
+                }
+            } else {
+                a
             };
             let runs = pages.holes_in(a.addr, a.size);
             let needed: usize = runs.iter().map(|r| r.size >> pages.shift()).sum();
