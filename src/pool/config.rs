@@ -66,6 +66,13 @@ pub struct PoolConfig {
     /// move (and [`Pool::mapper_step`] runs the mapper's work where a test
     /// wants it).
     pub background_mapper: bool,
+    /// With page remapping, learn the sequence of allocations the program
+    /// repeats (a training or serving loop) and place the next
+    /// repetitions by a plan made knowing every block's lifetime, inside
+    /// the memory the pool holds, so that the layout stops shifting and
+    /// memory stops moving (`learn.rs`); best fit places what the plan
+    /// did not foresee. Off by default.
+    pub learn_placement: bool,
 }
 
 impl PoolConfig {
@@ -86,6 +93,7 @@ impl PoolConfig {
             remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
             hot_block: false,
             background_mapper: false,
+            learn_placement: false,
         }
     }
 }

@@ -97,17 +97,63 @@ impl BestFit {
         self.flush_hot();
         // (span size, start, slot) of the best span so far.
         let mut best: Option<(usize, usize, u32)> = None;
-        // The first candidates in best-fit order and the largest blocks
-        // (where large mapped runs lie), a bounded look.
-        let near = self.free_index.at_least(size).take(SPAN_LIMIT);
-        let large = self.free_index.largest_first().take_while(|k| k.0 >= size).take(SPAN_LIMIT);
-        for &(bsize, addr, slot) in near.chain(large) {
+        for (bsize, addr, slot) in self.span_candidates(size) {
             for span in spans(addr, bsize) {
                 let start = span.addr.next_multiple_of(align);
                 if start + size > span.end() || best.is_some_and(|b| (span.size, start) >= (b.0, b.1)) {
                     continue;
                 }
                 best = Some((span.size, start, slot));
+            }
+        }
+        let (_, start, slot) = best?;
+        Some(self.allocate_slot_at(slot, start, size, requested))
+    }
+
+    /// The free blocks placement looks into for spans: the first
+    /// [`SPAN_LIMIT`] in best-fit order and the [`SPAN_LIMIT`] largest
+    /// (where large mapped runs lie), as `(size, addr, slot)`.
+    fn span_candidates(&self, size: usize) -> impl Iterator<Item = (usize, usize, u32)> + '_ {
+        let near = self.free_index.at_least(size).take(SPAN_LIMIT);
+        let large = self.free_index.largest_first().take_while(move |k| k.0 >= size).take(SPAN_LIMIT);
+        near.chain(large).copied()
+    }
+
+    /// An allocation of `size` bytes at `align` that touches fewer than
+    /// `worst` pages `holes` counts (`holes(addr, size)`), the fewest
+    /// found, or `None`. Looked at: the same free blocks as
+    /// [`allocate_in_spans`](Self::allocate_in_spans), each at its start
+    /// and at the start and the end of every span `spans` reports in it.
+    /// (A remapping pool: the placement that needs the fewest pages mapped
+    /// when none needs none, so the fewest pieces move.)
+    pub fn allocate_fewest_holes(
+        &mut self,
+        size: usize,
+        align: usize,
+        requested: usize,
+        worst: usize,
+        mut spans: impl FnMut(usize, usize) -> Vec<Chunk>,
+        mut holes: impl FnMut(usize, usize) -> usize,
+    ) -> Option<Allocation> {
+        debug_assert!(size % BLOCK_ALIGN == 0 && size > 0);
+        let align = align.max(BLOCK_ALIGN);
+        self.flush_hot();
+        // (holes, start, slot) of the best placement so far.
+        let mut best: Option<(usize, usize, u32)> = None;
+        for (bsize, addr, slot) in self.span_candidates(size) {
+            let end = addr + bsize;
+            let mut consider = |start: usize| {
+                if start < addr || start + size > end {
+                    return;
+                }
+                let n = holes(start, size);
+                if n < worst && best.is_none_or(|b| n < b.0) {
+                    best = Some((n, start, slot));
+                }
+            };
+            consider(addr.next_multiple_of(align));
+            for span in spans(addr, bsize) {
+                consider(span.addr.next_multiple_of(align));
             }
         }
         let (_, start, slot) = best?;
