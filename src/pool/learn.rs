@@ -325,6 +325,7 @@ impl Learner {
     }
 
     /// Gives up the window being planned.
+    #[cfg_attr(loom, allow(dead_code))]
     pub(super) fn abandon(&mut self) {
         self.planning = false;
     }
