@@ -13,9 +13,14 @@
 //! | `kv_cache` | generation: overlapping requests of different batch sizes, each with a KV cache that grows by reallocation every 32 tokens, and small temporaries per token |
 //! | `moe` | mixture-of-experts training: tokens per step vary, and so do the per-expert buffers, with a heavy-tailed load across experts |
 //! | `two_streams` | `pinned_top` with a data loader: its buffers are allocated on stream 1 (thread 1) two iterations ahead and freed on stream 0 by the compute |
+//! | `loop_fixed` | a 6-layer transformer trained for 60 iterations of one shape: a loop that repeats exactly |
+//! | `loop_change` | `loop_fixed` whose sequence length changes halfway |
+//! | `loop_two` | `loop_fixed` with an evaluation pass (forward only, another shape) after every second step: two loops interleaved |
+//! | `loop_lengths` | `loop_fixed` with one of four sequence lengths per iteration, drawn at random (prompts of varying length) |
+//! | `loop_depart` | `loop_fixed` with an extra block now and then (a quarter of the iterations, living 0 to 3 of them) and an extra temporary (a tenth) |
 //!
 //! Every workload has a few tens of thousands of operations and a peak live
-//! of a few GiB, so that 2 MiB pages matter; sizes are multiples of 512 B.
+//! of one to a few GiB, so that 2 MiB pages matter; sizes are multiples of 512 B.
 //!
 //! # Guarantees
 //! - The same workload and seed give the same trace, on any machine.
@@ -52,8 +57,10 @@ use cumem::{Error, Result};
 
 use crate::trace::{Action, Record, Trace};
 
+mod loops;
 mod workloads;
 
+use loops::{training_loop, Kind};
 use workloads::{kv_cache, moe, training};
 
 /// A synthetic workload (see the [module docs](self)).
@@ -69,11 +76,31 @@ pub enum Workload {
     /// `PinnedTop` with data-loader buffers allocated on stream 1 and
     /// freed on stream 0.
     TwoStreams,
+    /// A training loop of one shape, repeated exactly.
+    LoopFixed,
+    /// A training loop whose shape changes halfway.
+    LoopChange,
+    /// A training loop with an evaluation pass after every second step.
+    LoopTwo,
+    /// A training loop with one of four sequence lengths per iteration.
+    LoopLengths,
+    /// A training loop that departs from its sequence now and then.
+    LoopDepart,
 }
 
 impl Workload {
     /// Every workload, in report order.
-    pub const ALL: [Workload; 4] = [Workload::PinnedTop, Workload::KvCache, Workload::Moe, Workload::TwoStreams];
+    pub const ALL: [Workload; 9] = [
+        Workload::PinnedTop,
+        Workload::KvCache,
+        Workload::Moe,
+        Workload::TwoStreams,
+        Workload::LoopFixed,
+        Workload::LoopChange,
+        Workload::LoopTwo,
+        Workload::LoopLengths,
+        Workload::LoopDepart,
+    ];
 
     /// The name in `synth:NAME` and in trace names.
     pub fn name(self) -> &'static str {
@@ -82,6 +109,11 @@ impl Workload {
             Workload::KvCache => "kv_cache",
             Workload::Moe => "moe",
             Workload::TwoStreams => "two_streams",
+            Workload::LoopFixed => "loop_fixed",
+            Workload::LoopChange => "loop_change",
+            Workload::LoopTwo => "loop_two",
+            Workload::LoopLengths => "loop_lengths",
+            Workload::LoopDepart => "loop_depart",
         }
     }
 }
@@ -181,6 +213,11 @@ pub fn generate(workload: Workload, seed: u64) -> Trace {
         Workload::KvCache => kv_cache(&mut r),
         Workload::Moe => moe(&mut r),
         Workload::TwoStreams => training(&mut r, true),
+        Workload::LoopFixed => training_loop(&mut r, Kind::Fixed),
+        Workload::LoopChange => training_loop(&mut r, Kind::Change),
+        Workload::LoopTwo => training_loop(&mut r, Kind::Two),
+        Workload::LoopLengths => training_loop(&mut r, Kind::Lengths),
+        Workload::LoopDepart => training_loop(&mut r, Kind::Depart),
     }
     Trace::from_records(&Spec { workload, seed }.name(), r.records)
 }

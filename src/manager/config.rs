@@ -101,6 +101,11 @@ pub struct Config {
     /// mapper thread (`background_mapper=true`; off by default). See
     /// [`PoolConfig::background_mapper`].
     pub background_mapper: bool,
+    /// Whether a remapping device pool learns the sequence its program
+    /// repeats and places the next repetitions by a plan
+    /// (`learn_placement=true`; off by default). See
+    /// [`PoolConfig::learn_placement`].
+    pub learn_placement: bool,
     /// The most pinned memory the pool may reserve.
     pub max_pinned_pool_size: Option<usize>,
     /// The most device memory the sync pool may reserve.
@@ -215,6 +220,7 @@ impl Default for Config {
             min_chunk: 2 << 20,
             remap_slack_ppm: crate::pool::DEFAULT_REMAP_SLACK_PPM,
             background_mapper: false,
+            learn_placement: false,
             max_pinned_pool_size: None,
             max_device_pool_size: None,
             release_threshold: u64::MAX,
@@ -279,6 +285,7 @@ impl Config {
         pc.min_chunk = self.min_chunk;
         pc.remap_slack_ppm = self.remap_slack_ppm;
         pc.background_mapper = self.background_mapper;
+        pc.learn_placement = self.learn_placement;
         pc.max_size = self.max_device_pool_size;
         pc.expandable = self.expandable;
         pc.thread_cache = self.device_thread_cache;
@@ -340,6 +347,11 @@ impl Config {
     /// Sets [`Config::background_mapper`].
     pub fn background_mapper(mut self, on: bool) -> Self {
         self.background_mapper = on;
+        self
+    }
+    /// Sets [`Config::learn_placement`].
+    pub fn learn_placement(mut self, on: bool) -> Self {
+        self.learn_placement = on;
         self
     }
     /// Sets [`Config::max_pinned_pool_size`].
@@ -524,6 +536,7 @@ impl std::str::FromStr for Config {
                 "min_chunk" => c.min_chunk = size_value(key, value)?,
                 "remap_slack" => c.remap_slack_ppm = fraction_ppm(key, value)?,
                 "background_mapper" => c.background_mapper = bool_value(key, value)?,
+                "learn_placement" => c.learn_placement = bool_value(key, value)?,
                 "max_pinned_pool_size" => c.max_pinned_pool_size = Some(size_value(key, value)?),
                 "max_device_pool_size" => c.max_device_pool_size = Some(size_value(key, value)?),
                 "release_threshold" => {
@@ -586,7 +599,7 @@ impl std::str::FromStr for Config {
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
-                         remap_slack, max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
+                         remap_slack, background_mapper, learn_placement, max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
                          device_thread_cache, hot_block, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
                          shared_device_arenas, idle_arenas_give, fresh_thread_budget, promise_registered_captures)"

@@ -48,6 +48,7 @@
 
 use std::collections::BTreeMap;
 
+mod at;
 mod hot;
 mod inspect;
 mod ranked;
@@ -150,6 +151,9 @@ pub struct BestFit {
     hot: HotSlot,
     /// Whether frees leave the freed block hot.
     hot_enabled: bool,
+    /// The free blocks (indexed ones) by address, while placement at an
+    /// address may be asked (`at.rs`); `None` otherwise.
+    by_addr: Option<BTreeMap<usize, u32>>,
 }
 
 /// The slot of the hot block (`NIL`, the default: none).
@@ -215,6 +219,9 @@ impl BestFit {
         let b = &self.blocks[slot as usize];
         self.pages.free_pages += self.pages.whole(b.addr, b.size);
         self.free_index.insert((b.size, b.addr, slot));
+        if let Some(by_addr) = &mut self.by_addr {
+            by_addr.insert(b.addr, slot);
+        }
     }
 
     fn unindex_free(&mut self, slot: u32) {
@@ -222,6 +229,9 @@ impl BestFit {
         self.pages.free_pages -= self.pages.whole(b.addr, b.size);
         let removed = self.free_index.remove(&(b.size, b.addr, slot));
         debug_assert!(removed, "free block missing from the index");
+        if let Some(by_addr) = &mut self.by_addr {
+            by_addr.remove(&b.addr);
+        }
     }
 
     /// Adds a chunk from the upstream as one free block.
@@ -322,12 +332,19 @@ impl BestFit {
 
     /// Allocates `size` bytes at `align` from free block `slot`, which fits.
     fn allocate_slot(&mut self, slot: u32, size: usize, align: usize, requested: usize) -> Allocation {
+        let start = self.blocks[slot as usize].addr.next_multiple_of(align.max(BLOCK_ALIGN));
+        self.allocate_slot_at(slot, start, size, requested)
+    }
+
+    /// Allocates `[start, start + size)` from free block `slot`, which
+    /// holds it (`start` a multiple of [`BLOCK_ALIGN`]).
+    fn allocate_slot_at(&mut self, slot: u32, start: usize, size: usize, requested: usize) -> Allocation {
         self.unindex_free(slot);
         let (addr, bsize, tag) = {
             let b = &self.blocks[slot as usize];
             (b.addr, b.size, b.tag)
         };
-        let start = addr.next_multiple_of(align.max(BLOCK_ALIGN));
+        debug_assert!(start >= addr && start + size <= addr + bsize && start % BLOCK_ALIGN == 0);
         let mut slot = slot;
         if start > addr {
             // The aligned start leaves a free block in front.

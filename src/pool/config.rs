@@ -80,6 +80,13 @@ pub struct PoolConfig {
     /// then pays page moves for memory its shard already held
     /// ([`Config::fresh_thread_budget`](crate::Config::fresh_thread_budget)).
     pub fresh_thread_budget: bool,
+    /// With page remapping, learn the sequence of allocations the program
+    /// repeats (a training or serving loop) and place the next
+    /// repetitions by a plan made knowing every block's lifetime, inside
+    /// the memory the pool holds, so that the layout stops shifting and
+    /// memory stops moving (`learn.rs`); best fit places what the plan
+    /// did not foresee. Off by default.
+    pub learn_placement: bool,
 }
 
 impl PoolConfig {
@@ -102,6 +109,7 @@ impl PoolConfig {
             background_mapper: false,
             idle_shards_give: true,
             fresh_thread_budget: false,
+            learn_placement: false,
         }
     }
 }

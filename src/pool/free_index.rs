@@ -256,6 +256,18 @@ impl FreeIndex {
         self.bins[c].last()
     }
 
+    /// Every free block, largest first (ties: the highest address first).
+    pub(super) fn largest_first(&self) -> impl Iterator<Item = &Key> + '_ {
+        (0..CLASSES).rev().filter(move |&c| (self.nonempty[c / 64] >> (c % 64)) & 1 == 1).flat_map(move |c| {
+            let bin = &self.bins[c];
+            let (small, large) = match bin {
+                Bin::Small(v) => (Some(v.iter().rev()), None),
+                Bin::Large(set) => (None, Some(set.iter().rev())),
+            };
+            small.into_iter().flatten().chain(large.into_iter().flatten())
+        })
+    }
+
     /// Every free block, in `(size, addr)` order.
     pub(super) fn iter(&self) -> impl Iterator<Item = &Key> + '_ {
         self.at_least(0)

@@ -22,6 +22,7 @@ mod classes;
 mod config;
 mod free_index;
 mod growth;
+mod learn;
 mod mapper;
 mod page_map;
 mod pool_snapshot;
@@ -42,6 +43,7 @@ pub use crate::upstream::BLOCK_ALIGN;
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
 pub use config::{PoolConfig, DEFAULT_REMAP_SLACK_PPM, MAX_ALIGN};
+pub use learn::LearnStats;
 pub use pool_snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use remap::RANK_LIMIT;
 pub use shard_registry::release_thread_shards;
@@ -88,6 +90,8 @@ struct Inner {
     initial_size: Option<usize>,
     /// Which pages have memory mapped (page remapping; `page_map.rs`).
     pages: page_map::Pages,
+    /// The learned placement's state (`learn.rs`), when it is on.
+    learn: Option<Box<learn::Learner>>,
 }
 
 /// A thread-safe best-fit pool over an upstream.
@@ -177,8 +181,12 @@ impl<U: Upstream> Pool<U> {
             fit.count_pages(page);
         }
         fit.set_hot_block(config.hot_block);
+        let learns = remap && config.learn_placement;
+        fit.index_addresses(learns);
         let whole_free = fit.whole_free_flag();
-        let inner = Arc::new(SpinLock::new(Inner { fit, pages: page_map::Pages::new(page), ..Inner::default() }));
+        let learn = learns.then(Box::default);
+        let inner =
+            Arc::new(SpinLock::new(Inner { fit, pages: page_map::Pages::new(page), learn, ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
         let upstream = Arc::new(upstream);
@@ -202,6 +210,12 @@ impl<U: Upstream> Pool<U> {
     /// is known complete ([`BestFit::tag_settled`]; takes the pool lock).
     pub(crate) fn tag_settled(&self, tag: StreamTag) -> bool {
         tag == StreamTag::NONE || self.inner.lock().fit.tag_settled(tag)
+    }
+
+    /// What learned placement did (`learn.rs`), when it is on
+    /// ([`PoolConfig::learn_placement`] in a pool that remaps).
+    pub fn learn_stats(&self) -> Option<LearnStats> {
+        self.inner.lock().learn.as_ref().map(|l| l.stats)
     }
 
     /// Whether the pool remaps pages (`remap.rs`): expandable, over an
@@ -485,6 +499,9 @@ impl<U: Upstream> Pool<U> {
         };
         let mut inner = self.inner.lock();
         let freed = inner.fit.free(addr, tag).map_err(|e| self.free_error(addr, e))?;
+        if let Some(learn) = &mut inner.learn {
+            learn.freed(addr);
+        }
         let freed = lent.unwrap_or(freed);
         if let (Some(job), true) = (&self.mapper, self.config.background_mapper && freed.size >= self.remap_page) {
             // A large free may give the mapper memory to unmap ahead.

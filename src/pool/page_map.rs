@@ -81,6 +81,25 @@ impl Pages {
         self.runs(first, last + 1, true).next().is_none()
     }
 
+    /// How many pages `[addr, addr + size)` touches are holes (a word at a
+    /// time, no allocation).
+    pub(super) fn hole_count(&self, addr: usize, size: usize) -> usize {
+        if self.hole_count == 0 || addr < self.base || size == 0 {
+            return 0;
+        }
+        let (first, end) = (self.index(addr), self.index(addr + size - 1) + 1);
+        let mut n = 0;
+        let mut p = first;
+        while p < end {
+            let Some(&w) = self.holes.get(p / 64) else { break };
+            let bits = (64 - p % 64).min(end - p);
+            let mask = if bits == 64 { u64::MAX } else { ((1u64 << bits) - 1) << (p % 64) };
+            n += (w & mask).count_ones() as usize;
+            p += bits;
+        }
+        n
+    }
+
     /// The runs `[start, end)` of pages in `[first, end)` that are holes
     /// (`holes`) or mapped (`!holes`), in order, a word at a time.
     fn runs(&self, first: usize, end: usize, holes: bool) -> impl Iterator<Item = (usize, usize)> + '_ {
@@ -244,6 +263,7 @@ mod tests {
             let got: usize = p.holes_in(addr, size).iter().map(|c| c.size / page).sum();
             assert_eq!(got, want_holes, "holes in {start}+{len}");
             assert_eq!(p.clear(addr, size), want_holes == 0, "clear {start}+{len}");
+            assert_eq!(p.hole_count(addr, size), want_holes, "hole count {start}+{len}");
             // Whole pages inside: the first and last are cut by the 256 B.
             let inner = (start + 1..start + len - 1).filter(|&i| mapped[i]).count();
             let got: usize = p.mapped_inside(addr, size).iter().map(|c| c.size / page).sum();

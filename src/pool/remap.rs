@@ -12,6 +12,14 @@
 //!   touches no hole wins; only when none does is the exact best fit taken
 //!   and its holes mapped. A pool whose mapped set fits its work therefore
 //!   maps nothing: steady-state iterations move nothing.
+//! - **Mapped runs inside free blocks**: when mapping the exact best fit's
+//!   holes would take the pool above its budget (a move), placement first
+//!   looks for a run of mapped pages inside a free block that holds the
+//!   request ([`BestFit::allocate_in_spans`](super::BestFit::allocate_in_spans):
+//!   the smallest such run among the best fits and the largest blocks) and
+//!   places it at the run's start. A large free block whose first page is
+//!   a hole often has hundreds of mapped pages further in; without this the
+//!   request went to a smaller block and memory moved to it.
 //! - **Mapping** happens under the pool's remap lock, never under the pool
 //!   lock: the allocation is undone, the remap lock taken, the placement
 //!   made again, the touched holes mapped (one map call per piece of
@@ -50,11 +58,11 @@
 //! - Pools with [`PoolConfig::keep_chunks`](super::PoolConfig::keep_chunks)
 //!   never remap (their graphs replay later into free-looking blocks).
 
-use super::page_map::budget;
-use super::{Allocation, Inner, Pool};
+use super::page_map::{budget, Pages};
+use super::{Allocation, Inner, Pool, SpinLock};
 use crate::error::{Error, Result};
 use crate::sync::lock;
-use crate::upstream::{Chunk, Upstream};
+use crate::upstream::{Chunk, Upstream, BLOCK_ALIGN};
 
 /// How many best-fit candidates placement looks at for one that touches
 /// only mapped pages.
@@ -71,6 +79,18 @@ struct Plan {
     want: usize,
 }
 
+/// Whether mapping the holes of `a` would take the pool above `budget`
+/// (physical pages), so that memory would have to move: kept memory maps
+/// without raising what is held.
+fn would_move(pages: &Pages, a: &Allocation, budget: usize) -> bool {
+    pages.physical() + hole_pages(pages, a.addr, a.size).saturating_sub(pages.kept) > budget
+}
+
+/// The pages of `[addr, addr + size)` with no memory mapped.
+fn hole_pages(pages: &Pages, addr: usize, size: usize) -> usize {
+    pages.hole_count(addr, size)
+}
+
 impl<U: Upstream> Pool<U> {
     /// Allocates from the shared pool with page remapping: mapped space
     /// first; holes the placement touches are mapped under the remap lock.
@@ -83,14 +103,111 @@ impl<U: Upstream> Pool<U> {
                 return Err(Error::ShutDown("allocation"));
             }
             inner.used = true;
+            if inner.learn.is_some() {
+                drop(inner);
+                return self.allocate_learned(rounded, align, size);
+            }
             let Inner { fit, pages, .. } = &mut *inner;
             match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
                 None => return Ok(None),
                 Some((a, true)) => return Ok(Some(a)),
-                Some((a, false)) => fit.undo_allocate(&a),
+                Some((a, false)) => {
+                    let moves = would_move(pages, &a, budget(fit, pages, self.config.remap_slack_ppm));
+                    fit.undo_allocate(&a);
+                    // No candidate is mapped where it starts, and mapping
+                    // would move memory: mapped memory inside a free
+                    // block, if some holds the request.
+                    if moves {
+                        let spans = |at, len| pages.mapped_inside(at, len);
+                        if let Some(a) = fit.allocate_in_spans(rounded, align, size, spans) {
+                            return Ok(Some(a));
+                        }
+                    }
+                }
             }
         }
         self.map_for(rounded, align, size)
+    }
+
+    /// [`allocate_remapping`](Self::allocate_remapping) with learned
+    /// placement (`learn.rs`): at the planned address when the plan
+    /// expects this size and the range there is free and mapped, else as
+    /// without; then the allocation is recorded, and a repeat found is
+    /// planned (outside the pool lock).
+    fn allocate_learned(&self, rounded: usize, align: usize, size: usize) -> Result<Option<Allocation>> {
+        let placed = {
+            let mut inner = self.inner.lock();
+            if inner.shut_down {
+                return Err(Error::ShutDown("allocation"));
+            }
+            let Inner { fit, pages, learn, .. } = &mut *inner;
+            let Some(learn) = learn.as_deref_mut() else {
+                return Err(Error::InvalidState("learned placement without a learner".into()));
+            };
+            let e = learn.expect(rounded);
+            let at = e.filter(|&at| at % align.max(BLOCK_ALIGN) == 0 && pages.clear(at, rounded));
+            match at.and_then(|at| fit.allocate_at(at, rounded, size)) {
+                Some(a) => Some(a),
+                None => match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))
+                {
+                    None => return Ok(None),
+                    Some((a, true)) => Some(a),
+                    Some((a, false)) => {
+                        let moves = would_move(pages, &a, budget(fit, pages, self.config.remap_slack_ppm));
+                        fit.undo_allocate(&a);
+                        let spans = |at, len| pages.mapped_inside(at, len);
+                        moves.then(|| fit.allocate_in_spans(rounded, align, size, spans)).flatten()
+                    }
+                },
+            }
+        };
+        let a = match placed {
+            Some(a) => a,
+            None => match self.map_for(rounded, align, size)? {
+                Some(a) => a,
+                None => return Ok(None),
+            },
+        };
+        self.learned(a);
+        Ok(Some(a))
+    }
+
+    /// Records allocation `a` in the learner; a repeat it finds is
+    /// planned on a thread of its own (the window is taken under the pool
+    /// lock; the plan, milliseconds for a window of thousands of blocks,
+    /// is made with no lock held and installed under it).
+    fn learned(&self, a: Allocation) {
+        let window = {
+            let mut inner = self.inner.lock();
+            let Inner { fit, pages, learn, .. } = &mut *inner;
+            let Some(learn) = learn.as_deref_mut() else { return };
+            let Some(q) = learn.allocated(a.addr, a.size) else { return };
+            let chunks: Vec<(usize, usize)> = fit.chunks().iter().map(|c| (c.addr, c.size)).collect();
+            let holes = chunks.iter().flat_map(|&(at, len)| pages.holes_in(at, len)).map(|c| (c.addr, c.end()));
+            let live = fit.live_blocks().into_iter().map(|(at, len, _)| (at, len)).collect();
+            learn.window(q, live, holes.collect(), chunks)
+        };
+        let inner = self.inner.clone();
+        let install = move |inner: &SpinLock<Inner>, planned| {
+            if let Some(learn) = &mut inner.lock().learn {
+                learn.install(planned);
+            }
+        };
+        #[cfg(not(loom))]
+        {
+            let spawned = std::thread::Builder::new().name("cumem-plan".into()).spawn(move || {
+                let planned = window.plan();
+                install(&inner, planned);
+            });
+            if spawned.is_err() {
+                // No thread: no plan this time (placement stays best fit's).
+                if let Some(learn) = &mut self.inner.lock().learn {
+                    learn.abandon();
+                }
+            }
+        }
+        #[cfg(loom)]
+        install(&inner, window.plan());
     }
 
     /// The slow path of [`allocate_remapping`](Self::allocate_remapping):
@@ -109,6 +226,29 @@ impl<U: Upstream> Pool<U> {
                 None => return Ok(None),
                 Some((a, true)) => return Ok(Some(a)),
                 Some((a, false)) => a,
+            };
+            // Mapped memory may have been freed since the look above.
+            let a = if would_move(pages, &a, budget(fit, pages, self.config.remap_slack_ppm)) {
+                let worst = hole_pages(pages, a.addr, a.size);
+                fit.undo_allocate(&a);
+                let spans = |at, len| pages.mapped_inside(at, len);
+                if let Some(a) = fit.allocate_in_spans(rounded, align, size, spans) {
+                    return Ok(Some(a));
+                }
+                // Else the placement that maps the fewest pages.
+                let spans = |at, len| pages.mapped_inside(at, len);
+                let holes = |at, len| hole_pages(pages, at, len);
+                match fit.allocate_fewest_holes(rounded, align, size, worst, spans, holes) {
+                    Some(a) => a,
+                    None => match fit
+                        .allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))
+                    {
+                        None => return Ok(None),
+                        Some((a, _)) => a,
+                    },
+                }
+            } else {
+                a
             };
             let runs = pages.holes_in(a.addr, a.size);
             let needed: usize = runs.iter().map(|r| r.size >> pages.shift()).sum();

@@ -49,6 +49,10 @@ fn good_strings() {
         assert_eq!(text.parse::<Config>().unwrap().remap_slack_ppm, ppm, "{text}");
         assert_eq!(text.parse::<Config>().unwrap().device_pool_config().remap_slack_ppm, ppm, "{text}");
     }
+
+    assert!(!Config::default().learn_placement && !Config::default().device_pool_config().learn_placement);
+    let c: Config = "learn_placement=true".parse().unwrap();
+    assert!(c.learn_placement && c.device_pool_config().learn_placement);
 }
 
 fn config_error(s: &str) -> String {
@@ -66,6 +70,7 @@ fn bad_strings_name_the_problem() {
     assert!(config_error("pinned_pool_size").contains("'pinned_pool_size' is not key=value"));
     assert!(config_error("device=-1").contains("device: '-1'"));
     assert!(config_error("expandable=maybe").contains("expandable: 'maybe'"));
+    assert!(config_error("learn_placement=sometimes").contains("learn_placement: 'sometimes'"));
     assert!(config_error("backend=tpu").contains("backend: 'tpu'"));
     assert!(config_error("device_pool_size=99999999999TiB").contains("device_pool_size"));
     assert!(config_error("min_chunk=0").contains("min_chunk"));

@@ -18,6 +18,7 @@ use cumem::upstream::{Chunk, Upstream};
 use cumem::{PoolKind, Result};
 
 mod budget;
+mod learn;
 
 const PAGE: usize = 64 << 10;
 const BASE: usize = 1 << 36;
@@ -265,6 +266,52 @@ fn check(model: &Model, pool: &Pool<Model>, step: usize) {
     pool.with_fit(|f| f.check_invariants()).unwrap_or_else(|e| panic!("step {step}: {e}"));
 }
 
+/// The host takes block `a` into use: recorded live, and it waits for the
+/// work of the tag the block carries (as the device allocator does), so
+/// that work no longer counts as queued on the block's pages.
+fn reuse(w: &mut World, a: &cumem::pool::Allocation) {
+    w.live.insert(a.addr, a.size);
+    if a.tag != StreamTag::NONE {
+        for page in World::pages(a.addr, a.size) {
+            if let Some(&(s, q)) = w.queued.get(&page) {
+                if a.tag == StreamTag::MIXED || (a.tag.stream == s && a.tag.seq >= q) {
+                    w.queued.remove(&page);
+                }
+            }
+        }
+    }
+}
+
+/// Frees the block at `addr` on a random stream (none a quarter of the
+/// time): its last use is work queued there.
+fn free_on_a_stream(
+    pool: &Pool<Model>,
+    model: &Model,
+    rng: &mut Rng,
+    seqs: &mut HashMap<u64, u64>,
+    addr: usize,
+    size: usize,
+) {
+    let stream = rng.below(4);
+    let tag = if stream == 0 {
+        StreamTag::NONE
+    } else {
+        let seq = seqs.entry(stream).or_default();
+        *seq += 1;
+        StreamTag { stream, seq: *seq }
+    };
+    {
+        let mut w = model.world();
+        w.live.remove(&addr);
+        if tag != StreamTag::NONE {
+            for page in World::pages(addr, size) {
+                w.queued.insert(page, (tag.stream, tag.seq));
+            }
+        }
+    }
+    pool.deallocate(addr, tag).unwrap();
+}
+
 /// With `oracle`, the pool knows which frees' work completed (as the
 /// device allocator's stream registry tells it), so moving their pages
 /// needs no wait; a wrong answer shows as a violation at the unmap.
@@ -290,44 +337,12 @@ fn run_seed(seed: u64, steps: usize, oracle: bool) {
                 256usize << rng.below(12)
             };
             let a = pool.allocate(size, 256).expect("the model never runs out of memory");
-            let mut w = model.world();
-            w.live.insert(a.addr, a.size);
-            // The host reuses the block: it waits for the work of the tag
-            // the block carries (as the device allocator does), so that
-            // work no longer counts as queued on the block's pages.
-            if a.tag != StreamTag::NONE {
-                for page in World::pages(a.addr, a.size) {
-                    if let Some(&(s, q)) = w.queued.get(&page) {
-                        if a.tag == StreamTag::MIXED || (a.tag.stream == s && a.tag.seq >= q) {
-                            w.queued.remove(&page);
-                        }
-                    }
-                }
-            }
-            drop(w);
+            reuse(&mut model.world(), &a);
             held.push((a.addr, a.size));
         } else if r < 95 {
             let i = rng.below(held.len() as u64) as usize;
             let (addr, size) = held.swap_remove(i);
-            let stream = rng.below(4);
-            let tag = if stream == 0 {
-                StreamTag::NONE
-            } else {
-                let seq = seqs.entry(stream).or_default();
-                *seq += 1;
-                StreamTag { stream, seq: *seq }
-            };
-            {
-                let mut w = model.world();
-                w.live.remove(&addr);
-                if tag != StreamTag::NONE {
-                    // The block's last use is work queued on the stream.
-                    for page in World::pages(addr, size) {
-                        w.queued.insert(page, (tag.stream, tag.seq));
-                    }
-                }
-            }
-            pool.deallocate(addr, tag).unwrap();
+            free_on_a_stream(&pool, &model, &mut rng, &mut seqs, addr, size);
         } else if r < 98 {
             // Some stream's work completes.
             let stream = 1 + rng.below(3);

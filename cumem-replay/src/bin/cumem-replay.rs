@@ -21,7 +21,7 @@ use serde::Serialize;
 struct Args {
     /// Trace files (RMM log CSV: Thread,Time,Action,Pointer,Size,Stream),
     /// gzip-compressed or plain, or synthetic traces `synth:NAME[:SEED]`
-    /// (NAME: pinned_top, kv_cache, moe, two_streams; SEED defaults to 1).
+    /// (NAME: pinned_top, kv_cache, moe, two_streams, loop_fixed, loop_change, loop_two, loop_lengths, loop_depart; SEED defaults to 1).
     #[arg(required = true)]
     traces: Vec<PathBuf>,
     /// Targets, comma-separated (`all` names every one but sim_device): sync_pool, async_stream_ordered,

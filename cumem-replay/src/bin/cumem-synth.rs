@@ -14,7 +14,8 @@ use cumem_replay::synth::{Spec, Workload};
 #[command(name = "cumem-synth", version, about)]
 struct Args {
     /// Traces to write: `NAME`, `NAME:SEED` or `synth:NAME[:SEED]` (NAME:
-    /// pinned_top, kv_cache, moe, two_streams; SEED defaults to 1).
+    /// pinned_top, kv_cache, moe, two_streams, loop_fixed, loop_change, loop_two,
+    /// loop_lengths, loop_depart; SEED defaults to 1).
     #[arg(required_unless_present = "list")]
     specs: Vec<String>,
     /// The folder the files go to, each named after its trace

@@ -6,7 +6,11 @@ use super::{Allocation, BestFit};
 
 use crate::tag::StreamTag;
 
-use crate::upstream::BLOCK_ALIGN;
+use crate::upstream::{Chunk, BLOCK_ALIGN};
+
+/// How many free blocks [`BestFit::allocate_in_spans`] looks into, among
+/// the best fits and again among the largest.
+pub const SPAN_LIMIT: usize = 32;
 
 impl BestFit {
     /// As [`allocate`](BestFit::allocate), but among the first `limit`
@@ -70,6 +74,90 @@ impl BestFit {
         let hit = chosen.is_some();
         let slot = chosen.or(first)?;
         Some((self.allocate_slot(slot, size, align, requested), hit))
+    }
+
+    /// An allocation of `size` bytes at `align` inside a span that
+    /// `spans` reports for a free block (`spans(addr, size)`: the spans of
+    /// the free block at `addr` a placement may use, in address order),
+    /// or `None` when no span of any free block holds it. The smallest
+    /// such span wins (ties: the lowest address), and the block is placed
+    /// at its start: best fit over the spans instead of over the blocks.
+    /// (A remapping pool: the mapped runs inside free blocks, so a request
+    /// that fits in mapped memory somewhere in the middle of a large free
+    /// block is placed there instead of mapping pages at a block's start.)
+    pub fn allocate_in_spans(
+        &mut self,
+        size: usize,
+        align: usize,
+        requested: usize,
+        mut spans: impl FnMut(usize, usize) -> Vec<Chunk>,
+    ) -> Option<Allocation> {
+        debug_assert!(size % BLOCK_ALIGN == 0 && size > 0);
+        let align = align.max(BLOCK_ALIGN);
+        self.flush_hot();
+        // (span size, start, slot) of the best span so far.
+        let mut best: Option<(usize, usize, u32)> = None;
+        for (bsize, addr, slot) in self.span_candidates(size) {
+            for span in spans(addr, bsize) {
+                let start = span.addr.next_multiple_of(align);
+                if start + size > span.end() || best.is_some_and(|b| (span.size, start) >= (b.0, b.1)) {
+                    continue;
+                }
+                best = Some((span.size, start, slot));
+            }
+        }
+        let (_, start, slot) = best?;
+        Some(self.allocate_slot_at(slot, start, size, requested))
+    }
+
+    /// The free blocks placement looks into for spans: the first
+    /// [`SPAN_LIMIT`] in best-fit order and the [`SPAN_LIMIT`] largest
+    /// (where large mapped runs lie), as `(size, addr, slot)`.
+    fn span_candidates(&self, size: usize) -> impl Iterator<Item = (usize, usize, u32)> + '_ {
+        let near = self.free_index.at_least(size).take(SPAN_LIMIT);
+        let large = self.free_index.largest_first().take_while(move |k| k.0 >= size).take(SPAN_LIMIT);
+        near.chain(large).copied()
+    }
+
+    /// An allocation of `size` bytes at `align` that touches fewer than
+    /// `worst` pages `holes` counts (`holes(addr, size)`), the fewest
+    /// found, or `None`. Looked at: the same free blocks as
+    /// [`allocate_in_spans`](Self::allocate_in_spans), each at its start
+    /// and at the start and the end of every span `spans` reports in it.
+    /// (A remapping pool: the placement that needs the fewest pages mapped
+    /// when none needs none, so the fewest pieces move.)
+    pub fn allocate_fewest_holes(
+        &mut self,
+        size: usize,
+        align: usize,
+        requested: usize,
+        worst: usize,
+        mut spans: impl FnMut(usize, usize) -> Vec<Chunk>,
+        mut holes: impl FnMut(usize, usize) -> usize,
+    ) -> Option<Allocation> {
+        debug_assert!(size % BLOCK_ALIGN == 0 && size > 0);
+        let align = align.max(BLOCK_ALIGN);
+        self.flush_hot();
+        // (holes, start, slot) of the best placement so far.
+        let mut best: Option<(usize, usize, u32)> = None;
+        for (bsize, addr, slot) in self.span_candidates(size) {
+            let end = addr + bsize;
+            let mut consider = |start: usize| {
+                if start < addr || start + size > end {
+                    return;
+                }
+                let n = holes(start, size);
+                if n < worst && best.is_none_or(|b| n < b.0) {
+                    best = Some((n, start, slot));
+                }
+            };
+            consider(addr.next_multiple_of(align));
+            for span in spans(addr, bsize) {
+                consider(span.addr.next_multiple_of(align));
+            }
+        }
+        let (_, start, slot) = best?;
+        Some(self.allocate_slot_at(slot, start, size, requested))
     }
 
     /// Takes back an allocation just made (a caller that can't use its
