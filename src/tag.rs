@@ -48,6 +48,14 @@ impl StreamTag {
 /// call and not block for long: it runs under the pool's lock.
 pub type TagOracle = std::sync::Arc<dyn Fn(StreamTag) -> bool + Send + Sync>;
 
+/// Asks the streams with frees not known complete whether their work is
+/// done now, so that a [`TagOracle`] answers yes for the frees it saw
+/// finished. Unlike the oracle it may make driver calls (a query per
+/// stream, never a wait); it runs with no pool lock held, before idle
+/// shards give memory to a shard that grows (they give only memory no
+/// queued work may use).
+pub type StreamPoll = std::sync::Arc<dyn Fn() + Send + Sync>;
+
 /// [`StreamTag::merge`], asking `done` first when the merge would lose
 /// order (two streams, or one stream's numbers from different threads):
 /// a tag whose work is known complete counts as [`StreamTag::NONE`].

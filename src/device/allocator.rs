@@ -127,6 +127,13 @@ impl DeviceAllocator {
         // blocks that wait for every stream).
         let streams = a.streams.clone();
         a.pool.set_tag_oracle(Arc::new(move |t| streams.completed(t)));
+        // Idle shards give only memory no queued work may use: before they
+        // give, streams with pending frees are asked whether they are idle
+        // (threads that free on a shared stream rarely synchronise it).
+        let streams = a.streams.clone();
+        a.pool.set_stream_poll(Arc::new(move || {
+            streams.poll_pending();
+        }));
         a.set_mode(mode);
         a
     }

@@ -67,6 +67,11 @@ impl Tracked {
         if need == 0 {
             return;
         }
+        // Frees on streams that are idle now need no wait: ask once (no
+        // pool lock is held here) before the shards pick what to give.
+        if let Some(poll) = self.shared.poll.get() {
+            poll();
+        }
         let mut given = 0;
         // Idle shards first, then (following threads) the excess of
         // shards in use; the highest-numbered first: a new thread claims

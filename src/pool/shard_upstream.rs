@@ -263,6 +263,10 @@ pub(super) struct Shared {
     /// Shards in use give what they hold above their budget too
     /// ([`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget)).
     pub(super) follow_threads: bool,
+    /// Asked before idle shards give, so that memory freed on streams
+    /// that are idle now counts as free of queued work
+    /// ([`Shards::set_stream_poll`](super::Shards::set_stream_poll)).
+    pub(super) poll: once_cell::sync::OnceCell<crate::tag::StreamPoll>,
     /// The set's pools (a boxed slice that never moves). Set once, before
     /// any shard is made; read only while an allocation from the set runs.
     pub(super) pools: *const ShardPools,
@@ -291,6 +295,7 @@ impl Shared {
             registry,
             give: config.idle_shards_give,
             follow_threads: config.fresh_thread_budget,
+            poll: once_cell::sync::OnceCell::new(),
             pools: pools as *const ShardPools,
         })
     }

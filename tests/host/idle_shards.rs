@@ -239,3 +239,55 @@ fn an_idle_pinned_shard_gives_its_free_chunks_to_a_shard_that_grows() {
     mm.free_pinned(big.as_ptr()).unwrap();
     mm.free_pinned(first.as_ptr()).unwrap();
 }
+
+/// Memory an idle shard's thread freed on a stream counts as in use by
+/// that stream's queued work until someone learns the work is done: the
+/// set's stream poll (on a GPU, `cuStreamQuery` of each stream with
+/// pending frees) is asked before idle shards give, and what it learns
+/// lets them give. Without a poll the same memory stays where it is.
+#[test]
+fn the_stream_poll_lets_idle_shards_give_memory_freed_on_a_stream() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use cumem::pool::{PoolConfig, Shards, StreamTag};
+    use cumem::upstream::{Host, Upstream};
+    use cumem::PoolKind;
+
+    let run = |with_poll: bool| -> (usize, usize) {
+        let make = || -> cumem::Result<Box<dyn Upstream>> { Ok(Box::new(Host::new())) };
+        let set = Shards::new(make().unwrap(), Some(Box::new(make)), PoolConfig::new(PoolKind::Standalone), 2);
+        let idle_stream_done = Arc::new(AtomicBool::new(false));
+        let polls = Arc::new(AtomicUsize::new(0));
+        let done = idle_stream_done.clone();
+        set.set_tag_oracle(Arc::new(move |t| t.stream == 7 && done.load(Ordering::Acquire)));
+        if with_poll {
+            let (done, polls) = (idle_stream_done.clone(), polls.clone());
+            set.set_stream_poll(Arc::new(move || {
+                polls.fetch_add(1, Ordering::Relaxed);
+                done.store(true, Ordering::Release);
+            }));
+        }
+        let first = set.allocate(4096, 256).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let blocks: Vec<_> = (0..8).map(|_| set.allocate(8 * MIB, 256).unwrap()).collect();
+                for (i, b) in blocks.iter().enumerate() {
+                    set.deallocate(b.addr, StreamTag { stream: 7, seq: i as u64 + 1 }).unwrap();
+                }
+                cumem::pool::release_thread_shards();
+            });
+        });
+        assert_eq!(set.threads_on(1), 0, "the thread handed its shard back");
+        let big = set.allocate(48 * MIB, 256).unwrap();
+        set.check_invariants().unwrap();
+        set.deallocate(big.addr, StreamTag::NONE).unwrap();
+        set.deallocate(first.addr, StreamTag::NONE).unwrap();
+        (set.bytes_reclaimed(), polls.load(Ordering::Relaxed))
+    };
+    let (without, _) = run(false);
+    assert_eq!(without, 0, "memory freed on a stream not known idle was given");
+    let (with, polls) = run(true);
+    assert!(polls > 0, "the poll was never asked");
+    assert!(with >= 8 * MIB, "the idle shard gave {with} B after the poll");
+}
