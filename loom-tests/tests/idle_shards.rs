@@ -171,6 +171,7 @@ fn idle_shard_gives_pages_while_a_free_is_in_flight() {
         c.thread_cache = false;
         c.min_chunk = PAGE;
         c.remap_slack_ppm = 0;
+        c.idle_shards_give = true;
         let more = dev.clone();
         let make: UpstreamFactory = Box::new(move || Ok(Box::new(more.clone()) as Box<dyn Upstream>));
         let set = Arc::new(Shards::new(Box::new(dev.clone()), Some(make), c, 2));

@@ -2,6 +2,7 @@
 //! shutdown.
 
 mod config;
+mod config_text;
 mod copies;
 mod devices;
 mod graphs;
@@ -13,7 +14,8 @@ mod tracking;
 
 #[doc(hidden)]
 pub use crate::sync::{InitCell, InitError};
-pub use config::{parse_size, BackendChoice, Config, PeerAccess};
+pub use config::{BackendChoice, Config, PeerAccess};
+pub use config_text::parse_size;
 pub use graphs::{CaptureScope, CapturedGraph, GraphCapture};
 pub use summary::{human_bytes, LiveAllocation, ShutdownReport};
 pub use tables::TableSizes;

@@ -69,7 +69,7 @@ pub struct PoolConfig {
     /// In a set of shards ([`Shards`](super::Shards)), shards whose threads
     /// all exited give their free memory to a shard that grows when the
     /// set would otherwise hold more than 120 % of the most memory its
-    /// blocks held at once (on by default;
+    /// blocks held at once (off by default;
     /// [`Config::idle_arenas_give`](crate::Config::idle_arenas_give)).
     pub idle_shards_give: bool,
     /// A shard of a set ([`Shards`](super::Shards)) claimed by a new
@@ -107,7 +107,7 @@ impl PoolConfig {
             remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
             hot_block: false,
             background_mapper: false,
-            idle_shards_give: true,
+            idle_shards_give: false,
             fresh_thread_budget: false,
             learn_placement: false,
         }

@@ -53,7 +53,8 @@
 //!   whole free pieces, a chunk shard its wholly free chunks; only memory
 //!   no queued work may use) up to what the grower makes (`reclaim.rs`),
 //!   so a resizing thread pool holds less than the sum of what every
-//!   shard's threads once needed ([`PoolConfig::idle_shards_give`]). With
+//!   shard's threads once needed ([`PoolConfig::idle_shards_give`], off by
+//!   default: new threads map again what idle shards gave). With
 //!   [`PoolConfig::fresh_thread_budget`] a shard claimed by a new thread
 //!   also starts its remap budget afresh, and shards in use give what
 //!   they hold above it. Memory moves between remapping shards by unmap

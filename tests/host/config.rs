@@ -31,9 +31,9 @@ fn good_strings() {
     let c: Config = "fresh_thread_budget=true".parse().unwrap();
     assert!(c.fresh_thread_budget && c.device_pool_config().fresh_thread_budget);
     assert!("fresh_thread_budget=2".parse::<Config>().is_err());
-    assert!(Config::default().idle_arenas_give);
-    let c: Config = "idle_arenas_give=false".parse().unwrap();
-    assert!(!c.device_pool_config().idle_shards_give && !c.pinned_pool_config().idle_shards_give);
+    assert!(!Config::default().idle_arenas_give);
+    let c: Config = "idle_arenas_give=true".parse().unwrap();
+    assert!(c.device_pool_config().idle_shards_give && c.pinned_pool_config().idle_shards_give);
 
     assert!(!Config::default().exportable_native_pool);
     let c: Config = "exportable_native_pool=true".parse().unwrap();

@@ -33,7 +33,7 @@ fn assert_mapped(mm: &MemoryManager, live: &[(u64, usize)]) {
 /// still holds keeps its memory.
 #[test]
 fn an_idle_shard_gives_its_free_pages_to_a_shard_that_grows() {
-    let mm = host(Config::new().arenas(2));
+    let mm = host(Config::new().arenas(2).idle_arenas_give(true));
     let set = mm.default_device().unwrap().pool();
     let first = mm.allocate_device(MIB).unwrap();
     let kept = std::thread::scope(|s| {
@@ -61,12 +61,13 @@ fn an_idle_shard_gives_its_free_pages_to_a_shard_that_grows() {
     }
 }
 
-/// A shard some thread still uses gives nothing by default: its free
-/// memory is its thread's working set. With `idle_arenas_give=false`, an
-/// idle shard gives nothing either.
+/// With idle shards giving, a shard some thread still uses gives nothing
+/// (without `fresh_thread_budget`): its free memory is its thread's
+/// working set. With `idle_arenas_give=false` (the default), an idle
+/// shard gives nothing either.
 #[test]
 fn a_shard_in_use_keeps_its_memory_by_default() {
-    let mm = host(Config::new().arenas(2));
+    let mm = host(Config::new().arenas(2).idle_arenas_give(true));
     let set = mm.default_device().unwrap().pool();
     let first = mm.allocate_device(MIB).unwrap();
     let (go, done) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
@@ -117,7 +118,7 @@ fn a_shard_in_use_keeps_its_memory_by_default() {
 #[test]
 fn a_resizing_thread_pool_holds_about_what_its_threads_hold() {
     let run = |fresh: bool| {
-        let mm = host(Config::new().arenas(8).fresh_thread_budget(fresh));
+        let mm = host(Config::new().arenas(8).idle_arenas_give(true).fresh_thread_budget(fresh));
         let stream = Stream::host();
         let held = Mutex::new((0usize, 0usize));
         let mut carried: Vec<(u64, usize)> = Vec::new();
@@ -212,7 +213,7 @@ fn a_resizing_thread_pool_holds_about_what_its_threads_hold() {
 /// plus the new chunk.
 #[test]
 fn an_idle_pinned_shard_gives_its_free_chunks_to_a_shard_that_grows() {
-    let mm = host(Config::new().arenas(2).pinned_thread_cache(false));
+    let mm = host(Config::new().arenas(2).idle_arenas_give(true).pinned_thread_cache(false));
     let set = mm.pinned_pool();
     let first = mm.allocate_pinned(4096).unwrap();
     std::thread::scope(|s| {
@@ -256,7 +257,9 @@ fn the_stream_poll_lets_idle_shards_give_memory_freed_on_a_stream() {
 
     let run = |with_poll: bool| -> (usize, usize) {
         let make = || -> cumem::Result<Box<dyn Upstream>> { Ok(Box::new(Host::new())) };
-        let set = Shards::new(make().unwrap(), Some(Box::new(make)), PoolConfig::new(PoolKind::Standalone), 2);
+        let mut config = PoolConfig::new(PoolKind::Standalone);
+        config.idle_shards_give = true;
+        let set = Shards::new(make().unwrap(), Some(Box::new(make)), config, 2);
         let idle_stream_done = Arc::new(AtomicBool::new(false));
         let polls = Arc::new(AtomicUsize::new(0));
         let done = idle_stream_done.clone();
