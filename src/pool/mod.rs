@@ -38,7 +38,7 @@ mod stats;
 // Names of lower layers that a program of pools needs, kept here for
 // programs (cumem's own code imports them from their owners).
 pub use crate::sync::set_thread_slot;
-pub use crate::tag::{StreamTag, TagOracle};
+pub use crate::tag::{StreamPoll, StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};

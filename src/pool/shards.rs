@@ -215,7 +215,7 @@ impl Shards {
     }
 
     /// Sets what the set asks before idle shards give memory to a shard
-    /// that grows ([`StreamPoll`](crate::tag::StreamPoll)): without it,
+    /// that grows ([`StreamPoll`](crate::pool::StreamPoll)): without it,
     /// memory freed on a stream counts as free of queued work only after
     /// a host synchronisation saw it. Only the first call has an effect.
     pub fn set_stream_poll(&self, poll: crate::tag::StreamPoll) {

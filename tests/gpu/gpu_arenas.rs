@@ -205,3 +205,64 @@ fn come_and_go(name: &str, shared: bool) {
     pool.check_invariants().unwrap();
     assert_eq!(pool.stats().in_use, 0);
 }
+
+/// Idle arenas give (`idle_arenas_give=true`) only memory no queued work
+/// may use. A thread fills eight blocks with kernels that spin on its
+/// stream, frees them on that stream without synchronising, and ends.
+/// While the kernels still run, another arena grows: the idle arena's
+/// memory is asked about (`cuStreamQuery`), found busy, and kept (the
+/// control: giving it would unmap pages under running kernels, a fault
+/// or changed values). Once the device is idle, the next growth finds the
+/// stream idle and takes the idle arena's memory. Every kernel checks
+/// that its values stayed.
+#[test]
+fn idle_arenas_give_memory_freed_on_a_stream_only_once_its_work_is_done() {
+    let name = "idle_arenas_give_memory_freed_on_a_stream_only_once_its_work_is_done";
+    let Some(ctx) = gpu_for_test(name) else { return };
+    const MIB: usize = 1 << 20;
+    let device = Config::from_env().map_or(0, |c| c.device);
+    let mm = MemoryManager::new(Config::new().device(device).arenas(2).idle_arenas_give(true)).unwrap();
+    let ptx = cudarc::nvrtc::compile_ptx(CHECK).expect("NVRTC compiles the check kernel");
+    let f = ctx.load_module(ptx).expect("module loads").load_function("fill_spin_check").expect("kernel");
+    // This thread takes arena 0.
+    let errors = mm.allocate_device(8).unwrap();
+    // SAFETY: `errors` is an 8-byte device allocation.
+    unsafe { cudarc::driver::sys::cuMemsetD8_v2(errors, 0, 8) }.result().unwrap();
+    ctx.synchronize().unwrap();
+    let check = Check { f, errors };
+    let pool = mm.default_device().unwrap().pool();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            ctx.bind_to_thread().expect("cuCtxSetCurrent");
+            let stream = Stream::new().expect("cuStreamCreate");
+            let blocks: Vec<u64> = (0..8).map(|_| mm.allocate_device_on(8 * MIB, &stream).unwrap()).collect();
+            for (i, &p) in blocks.iter().enumerate() {
+                // One wave of threads over each block's first 256 KiB,
+                // about 40 ms of spinning per kernel, in stream order.
+                check.launch(&stream, p, 1 << 16, 0x1000 + i as u32, 80_000_000);
+            }
+            for p in blocks {
+                mm.free_device_on(p, &stream).unwrap();
+            }
+            cumem::pool::release_thread_shards();
+        });
+    });
+    assert_eq!(pool.threads_on(1), 0, "the thread handed its arena back");
+    let busy = mm.allocate_device(48 * MIB).unwrap();
+    assert_eq!(pool.bytes_reclaimed(), 0, "memory under running kernels was given");
+    ctx.synchronize().unwrap();
+    let idle = mm.allocate_device(48 * MIB).unwrap();
+    assert!(
+        pool.bytes_reclaimed() >= 8 * MIB,
+        "the idle arena gave {} B once its stream was idle",
+        pool.bytes_reclaimed()
+    );
+    pool.check_invariants().unwrap();
+    let mut count = 0u64;
+    // SAFETY: `count` is 8 writable bytes; the device is idle.
+    unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2((&mut count as *mut u64).cast(), errors, 8) }.result().unwrap();
+    assert_eq!(count, 0, "{count} elements changed under a running kernel");
+    for p in [busy, idle, errors] {
+        mm.free_device(p).unwrap();
+    }
+}
