@@ -7,6 +7,8 @@
 
 #![cfg(loom)]
 
+pub mod pages;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cumem::pool::{Arenas, Pool, PoolConfig, UpstreamFactory};

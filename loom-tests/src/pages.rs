@@ -1,0 +1,146 @@
+//! A modelled device for remapping pools: address space handed out by a
+//! bump pointer, pieces mapped and unmapped page by page, kept memory,
+//! and the live blocks a model's threads hold, so a model can check that
+//! no page under a live block is ever unmapped.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex as StdMutex;
+
+use cumem::upstream::{Chunk, Upstream};
+
+/// The modelled page.
+pub const PAGE: usize = 4096;
+/// Where the modelled address space starts.
+const BASE: usize = 1 << 32;
+
+/// Mapped pieces, kept memory and the live blocks the threads hold: plain
+/// std state, not part of what is modelled (every access is one short
+/// critical section that makes no loom call).
+#[derive(Default)]
+pub struct Device {
+    pub top: usize,
+    pub pieces: BTreeMap<usize, usize>,
+    pub spare: Vec<usize>,
+    pub live: BTreeSet<(usize, usize)>,
+    pub violations: Vec<String>,
+}
+
+impl Device {
+    /// Whether `page` lies in a mapped piece.
+    pub fn mapped(&self, page: usize) -> bool {
+        self.pieces.range(..=page).next_back().is_some_and(|(&a, &s)| page < a + s)
+    }
+}
+
+/// An upstream over a modelled device's pages (clones share the device).
+#[derive(Default, Clone)]
+pub struct PageUpstream(std::sync::Arc<StdMutex<Device>>);
+
+impl PageUpstream {
+    /// The device's state.
+    pub fn dev(&self) -> std::sync::MutexGuard<'_, Device> {
+        self.0.lock().unwrap()
+    }
+}
+
+impl Upstream for PageUpstream {
+    fn allocate_chunk(&self, _: usize) -> cumem::Result<Chunk> {
+        Err(cumem::Error::InvalidState("the model only remaps".into()))
+    }
+    fn deallocate_chunk(&self, chunk: Chunk) -> cumem::Result<()> {
+        let mut d = self.dev();
+        let inside: Vec<usize> = d.pieces.range(chunk.addr..chunk.end()).map(|(&a, _)| a).collect();
+        for a in inside {
+            d.pieces.remove(&a);
+        }
+        Ok(())
+    }
+    fn granularity(&self) -> usize {
+        PAGE
+    }
+    fn name(&self) -> &'static str {
+        "pages"
+    }
+    fn host_accessible(&self) -> bool {
+        false
+    }
+    fn can_extend(&self) -> bool {
+        true
+    }
+    fn can_remap(&self) -> bool {
+        true
+    }
+    fn reserve_chunk(&self, size: usize) -> cumem::Result<Chunk> {
+        let mut d = self.dev();
+        let addr = BASE.max(d.top);
+        d.top = addr + size;
+        Ok(Chunk { addr, size })
+    }
+    fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> cumem::Result<bool> {
+        let mut d = self.dev();
+        if d.top != chunk.end() {
+            return Ok(false);
+        }
+        d.top += extra;
+        Ok(true)
+    }
+    fn map_runs(&self, runs: &[Chunk]) -> cumem::Result<u64> {
+        let mut d = self.dev();
+        let mut calls = 0;
+        for run in runs {
+            let mut at = run.addr;
+            while at < run.end() {
+                if d.mapped(at) {
+                    d.violations.push(format!("page {at:#x} mapped twice"));
+                }
+                let len = match d.spare.pop() {
+                    Some(s) if s <= run.end() - at => s,
+                    Some(s) => {
+                        d.spare.push(s);
+                        PAGE
+                    }
+                    None => PAGE,
+                };
+                d.pieces.insert(at, len);
+                at += len;
+                calls += 1;
+            }
+        }
+        Ok(calls)
+    }
+    fn unmap_within(&self, spans: &[Chunk], want: usize, _pending: bool, keep: bool) -> cumem::Result<Vec<Chunk>> {
+        let mut d = self.dev();
+        let mut out = Vec::new();
+        let mut got = 0;
+        for span in spans {
+            let inside: Vec<(usize, usize)> = d
+                .pieces
+                .range(span.addr..span.end())
+                .filter(|(&a, &s)| a + s <= span.end())
+                .map(|(&a, &s)| (a, s))
+                .collect();
+            for (a, s) in inside {
+                if got >= want {
+                    break;
+                }
+                let hits: Vec<_> = d.live.iter().filter(|&&(la, ls)| la < a + s && a < la + ls).copied().collect();
+                for (la, ls) in hits {
+                    d.violations.push(format!("piece {a:#x}+{s} of live block {la:#x}+{ls} unmapped"));
+                }
+                d.pieces.remove(&a);
+                if keep {
+                    d.spare.push(s);
+                }
+                got += s;
+                out.push(Chunk { addr: a, size: s });
+            }
+        }
+        Ok(out)
+    }
+    fn release_kept(&self) {
+        self.dev().spare.clear();
+    }
+    fn kept(&self) -> usize {
+        self.dev().spare.iter().sum()
+    }
+}
