@@ -4,7 +4,7 @@
 //! or nearly: what a plan learned from one iteration can place.
 
 use super::{Block, Recorder, SIZE_STEP};
-use crate::synth::workloads::MIB;
+use crate::synth::workloads::{adam_step, MIB};
 
 /// Which loop (see [`Workload`](super::Workload)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,13 +124,5 @@ fn backward(r: &mut Recorder, weights: &[Block], adam: &mut Vec<Block>, tokens: 
     }
     r.free_all(saved.into_iter().flatten());
     r.free(grad_x);
-    if adam.is_empty() {
-        for i in 0..2 * weights.len() {
-            adam.push(r.allocate(weights[i / 2].size));
-        }
-    }
-    for size in weights.iter().map(|w| w.size).collect::<Vec<_>>() {
-        r.temporary(size);
-    }
-    r.free_all(grads);
+    adam_step(r, weights, adam, grads);
 }

@@ -127,15 +127,7 @@ pub(super) fn training(r: &mut Recorder, loader: bool) {
 
         // Adam: its state appears at the first step; one temporary per
         // parameter; gradients are set to None.
-        if adam.is_empty() {
-            for i in 0..2 * weights.len() {
-                adam.push(r.allocate(weights[i / 2].size));
-            }
-        }
-        for size in weights.iter().map(|w| w.size).collect::<Vec<_>>() {
-            r.temporary(size);
-        }
-        r.free_all(grads);
+        adam_step(r, &weights, &mut adam, grads);
         let (due, rest): (Vec<_>, Vec<_>) = cached.into_iter().partition(|&(until, _)| until <= it);
         cached = rest;
         r.free_all(due.into_iter().map(|(_, b)| b));
@@ -282,4 +274,18 @@ pub(super) fn moe(r: &mut Recorder) {
         r.free(grad);
     }
     r.free_all(weights);
+}
+
+/// Adam's step: its state (two tensors per weight) appears at the first
+/// step, one temporary per parameter, then the gradients are set to None.
+pub(super) fn adam_step(r: &mut Recorder, weights: &[Block], adam: &mut Vec<Block>, grads: Vec<Block>) {
+    if adam.is_empty() {
+        for i in 0..2 * weights.len() {
+            adam.push(r.allocate(weights[i / 2].size));
+        }
+    }
+    for size in weights.iter().map(|w| w.size).collect::<Vec<_>>() {
+        r.temporary(size);
+    }
+    r.free_all(grads);
 }
