@@ -229,6 +229,16 @@ pub enum Error {
     /// before `release_all()`, or not assigned yet.
     #[error("arena handle rejected: {0}")]
     InvalidHandle(String),
+    /// A memory tag's request that its state or kind forbids: allocating
+    /// in a tag that sleeps, sleeping twice, waking a tag that is awake,
+    /// memory that can't sleep (the message says why). Nothing changed.
+    #[error("memory tag '{tag}': {why}")]
+    Tag {
+        /// The tag.
+        tag: String,
+        /// What is wrong.
+        why: String,
+    },
 }
 
 impl fmt::Display for OomState {

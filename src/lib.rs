@@ -25,12 +25,12 @@ pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};
 pub use arena::{ArenaPlan, DeviceHandle, HostHandle, PlanReport};
 pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, TrackedPinnedVec, VmBackend};
 pub use cuda::Stream;
-pub use device::{DeviceAllocatorMode, GraphPool, GraphStats};
+pub use device::{DeviceAllocatorMode, GraphPool, GraphStats, TagScope, TagState, TagUsage};
 pub use error::{Error, OomState, PoolKind, Result};
 pub use managed::{ManagedAlloc, ManagedBox, ManagedVec};
 pub use manager::{
     Backend, BackendChoice, CaptureScope, CapturedGraph, Config, GraphCapture, MemoryManager, PeerAccess,
-    ShutdownReport, TableSizes,
+    ShutdownReport, SleepReport, TableSizes, WakeReport,
 };
 pub use snapshot::{MemorySnapshot, PoolPicture};
 

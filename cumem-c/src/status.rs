@@ -57,10 +57,14 @@ pub enum CumemStatus {
     /// Sharing memory with another process failed: memory that can't be
     /// exported, a malformed handle, an unknown export, a closed socket.
     Ipc = 17,
+    /// A memory tag's state forbids the request (allocating in a tag that
+    /// sleeps, sleeping twice, waking a tag that is awake), or its memory
+    /// can't sleep; nothing changed.
+    Tag = 18,
 }
 
 /// Every status, in the order of their values.
-const ALL: [CumemStatus; 18] = [
+const ALL: [CumemStatus; 19] = [
     CumemStatus::Ok,
     CumemStatus::InvalidArgument,
     CumemStatus::OutOfMemory,
@@ -79,6 +83,7 @@ const ALL: [CumemStatus; 18] = [
     CumemStatus::Panic,
     CumemStatus::Other,
     CumemStatus::Ipc,
+    CumemStatus::Tag,
 ];
 
 impl CumemStatus {
@@ -99,6 +104,7 @@ impl CumemStatus {
             Error::Capture(_) => CumemStatus::Capture,
             Error::NeedsGpu(_) => CumemStatus::NeedsGpu,
             Error::Ipc(_) => CumemStatus::Ipc,
+            Error::Tag { .. } => CumemStatus::Tag,
             _ => CumemStatus::Other,
         }
     }
@@ -124,6 +130,7 @@ impl CumemStatus {
             CumemStatus::Panic => c"CUMEM_STATUS_PANIC",
             CumemStatus::Other => c"CUMEM_STATUS_OTHER",
             CumemStatus::Ipc => c"CUMEM_STATUS_IPC",
+            CumemStatus::Tag => c"CUMEM_STATUS_TAG",
         }
     }
 }

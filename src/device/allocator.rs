@@ -27,6 +27,7 @@ use super::native_pool::{self, NativePool, NativePoolOptions};
 use super::pins::Pins;
 use super::reuse::StreamRegistry;
 use super::stats::{AsyncStats, DeviceStats};
+use super::tags::{self, TagArenas, TagPoolFactory};
 use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
 use crate::pool::{self, LiveBlock, Pool, Shards};
@@ -56,7 +57,7 @@ const PARKED_MAX: usize = 8;
 /// The allocator of one device (or of the host fallback's stand-in device).
 pub struct DeviceAllocator {
     ordinal: usize,
-    ctx: Option<Arc<CudaContext>>,
+    pub(super) ctx: Option<Arc<CudaContext>>,
     pub(super) pool: Shards,
     supports_async: bool,
     requested: AtomicU8,
@@ -71,11 +72,13 @@ pub struct DeviceAllocator {
     /// How many stream-ordered allocations are live: frees skip the book's
     /// lock while it is 0 (the sync pool's frees, most of the time).
     async_live: AtomicUsize,
-    streams: Arc<StreamRegistry>,
+    pub(super) streams: Arc<StreamRegistry>,
     /// Graph-private pools and the captures routed into them (captures.rs).
     pub(super) graphs: Graphs,
     /// Blocks exported to other processes, pinned (pins.rs, exports.rs).
     pub(super) exports: Pins,
+    /// The arenas of memory tags (tags.rs, tagged.rs).
+    pub(super) tags: TagArenas,
 }
 
 impl std::fmt::Debug for DeviceAllocator {
@@ -95,7 +98,9 @@ impl DeviceAllocator {
     /// asks whether the stream captures a graph, and a capture cumem was not
     /// told of gets a private pool made by `make_graph_pool`, unless
     /// `promise_registered_captures` is set (then only registered captures
-    /// are routed).
+    /// are routed). Tagged allocations go to arenas made by
+    /// `make_tag_pool`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         ordinal: usize,
         ctx: Option<Arc<CudaContext>>,
@@ -104,6 +109,7 @@ impl DeviceAllocator {
         native_options: NativePoolOptions,
         promise_registered_captures: bool,
         make_graph_pool: Option<GraphPoolFactory>,
+        make_tag_pool: Option<TagPoolFactory>,
     ) -> Self {
         let supports_async = ctx.as_ref().is_some_and(|c| c.has_async_alloc());
         let a = DeviceAllocator {
@@ -120,6 +126,7 @@ impl DeviceAllocator {
             streams: Arc::new(StreamRegistry::default()),
             graphs: Graphs::new(!promise_registered_captures, make_graph_pool),
             exports: Pins::default(),
+            tags: TagArenas::new(make_tag_pool),
         };
         // A block merged from blocks freed on a stream whose work is known
         // complete and one freed on another stream keeps only the latter's
@@ -257,6 +264,9 @@ impl DeviceAllocator {
             }
         }
         self.settle_graph_releases();
+        if tags::tagged() {
+            return self.allocate_tagged(size, stream);
+        }
         self.mode(self.effective_mode()).allocate(self, size, stream, None)
     }
 
@@ -421,8 +431,14 @@ impl DeviceAllocator {
         };
         match self.pool.deallocate(addr, tag) {
             Ok(freed) => Ok(freed.size),
-            Err(e @ Error::UnknownPointer { .. }) if self.graphs.has_pools() => {
-                self.free_into_private(addr, stream)?.ok_or(e)
+            Err(e @ Error::UnknownPointer { .. }) => {
+                if let Some(size) = self.free_tagged(addr, tag)? {
+                    return Ok(size);
+                }
+                if self.graphs.has_pools() {
+                    return self.free_into_private(addr, stream)?.ok_or(e);
+                }
+                Err(e)
             }
             Err(e) => Err(e),
         }
@@ -506,7 +522,10 @@ impl DeviceAllocator {
                 s.synchronize()?;
             }
         }
-        let released = self.pool.release_cached()?;
+        let mut released = self.pool.release_cached()?;
+        for a in self.tags.all() {
+            released += a.pool.release_cached()?;
+        }
         for p in self.driver_pools() {
             p.trim_to(0)?;
         }
@@ -528,6 +547,7 @@ impl DeviceAllocator {
             stream_waits: self.streams.waits().0,
             stream_wait_ns: self.streams.waits().1,
             stream_waits_elided: self.streams.waits_elided(),
+            tags: self.tags.all().iter().map(|a| a.usage(self.ordinal)).collect(),
         }
     }
 
@@ -554,6 +574,9 @@ impl DeviceAllocator {
             self.streams.synchronize_all()?;
         }
         let mut live = self.pool.shutdown()?;
+        for a in self.tags.all() {
+            live.extend(a.pool.shutdown()?);
+        }
         for p in self.driver_pools() {
             p.trim_to(0)?;
         }

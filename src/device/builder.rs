@@ -14,6 +14,7 @@ use super::allocator::DeviceAllocator;
 use super::captures::GraphPoolFactory;
 use super::mode::DeviceAllocatorMode;
 use super::native_pool::NativePoolOptions;
+use super::tags::TagPoolFactory;
 use crate::error::Result;
 use crate::pool::{Pool, PoolConfig, Shards, UpstreamFactory};
 use crate::upstream::{Geometric, Host, HostExpandable, SharedChunks, Taken, Upstream};
@@ -56,6 +57,21 @@ impl DeviceSetup {
     pub(crate) fn build(self, ordinal: usize, ctx: Option<Arc<CudaContext>>) -> Result<DeviceAllocator> {
         let expandable = self.expandable;
         let upstream = device_upstream(ctx.as_ref(), expandable)?;
+        // Memory tags' arenas: the sync pool's settings over address space
+        // of their own that can always remap pages (sleep unmaps them all),
+        // with no thread cache, background mapper or learned placement.
+        let mut tag_pc = self.pool.clone();
+        tag_pc.initial_size = 0;
+        tag_pc.expandable = true;
+        tag_pc.keep_chunks = false;
+        tag_pc.thread_cache = false;
+        tag_pc.background_mapper = false;
+        tag_pc.learn_placement = false;
+        tag_pc.idle_shards_give = false;
+        tag_pc.fresh_thread_budget = false;
+        let tag_ctx = ctx.clone();
+        let tag_pools: TagPoolFactory =
+            Box::new(move || Ok(Pool::new(device_upstream(tag_ctx.as_ref(), true)?, tag_pc.clone())));
         let shards = if self.shared_shards {
             // The worker shards take whole chunks of one address space
             // shared by them all (made on the first one's first use): a
@@ -93,6 +109,7 @@ impl DeviceSetup {
             self.native,
             self.promise_registered_captures,
             Some(graph_pools),
+            Some(tag_pools),
         ))
     }
 }

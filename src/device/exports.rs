@@ -43,7 +43,12 @@ impl DeviceAllocator {
                 )));
             }
             Some((size, mode, _)) => (size, Some(mode)),
-            None => (self.pool.check_live(addr)?, None),
+            None => match self.pool.check_live(addr) {
+                Err(Error::UnknownPointer { .. }) if self.refuse_tagged_export(addr).is_err() => {
+                    return Err(self.refuse_tagged_export(addr).unwrap_err());
+                }
+                r => (r?, None),
+            },
         };
         self.exports.pin(addr, size)?;
         // The handle reports what was asked for: an importer reading

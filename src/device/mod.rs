@@ -20,6 +20,8 @@ mod native_pool;
 mod pins;
 mod reuse;
 mod stats;
+mod tagged;
+mod tags;
 
 pub use allocator::DeviceAllocator;
 pub(crate) use builder::DeviceSetup;
@@ -28,6 +30,8 @@ pub use graph_pool::GraphPool;
 pub use mode::DeviceAllocatorMode;
 pub use native_pool::{NativePool, NativePoolAttributes, NativePoolOptions};
 pub use stats::{AsyncStats, DeviceStats, ModeMemory};
+pub(crate) use tags::TagArenaRef;
+pub use tags::{check_tag_name, current_tag, set_thread_tag, TagScope, TagState, TagUsage, MAX_TAG_LEN};
 
 // Older paths, for programs (cumem's own code imports from the owners).
 pub use crate::cuda::{

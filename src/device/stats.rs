@@ -4,6 +4,7 @@
 use super::captures::GraphStats;
 use super::mode::DeviceAllocatorMode;
 use super::native_pool::NativePoolAttributes;
+use super::tags::TagUsage;
 use crate::pool::PoolStats;
 
 /// Figures of the stream-ordered modes (counted by cumem).
@@ -45,6 +46,9 @@ pub struct DeviceStats {
     /// Cross-stream reuses that needed no wait because the using stream had
     /// already waited for a later point of the freeing stream.
     pub stream_waits_elided: u64,
+    /// Every memory tag's arena on this device (`MemoryManager::tag`),
+    /// in the order they were made: not counted in `pool`.
+    pub tags: Vec<TagUsage>,
 }
 
 /// What one mode holds from the driver and served, from a

@@ -8,6 +8,7 @@ mod devices;
 mod graphs;
 mod heap;
 mod logging;
+mod sleep;
 mod summary;
 mod tables;
 mod tracking;
@@ -17,6 +18,7 @@ pub use crate::sync::{InitCell, InitError};
 pub use config::{BackendChoice, Config, PeerAccess};
 pub use config_text::parse_size;
 pub use graphs::{CaptureScope, CapturedGraph, GraphCapture};
+pub use sleep::{SleepReport, WakeReport};
 pub use summary::{human_bytes, LiveAllocation, ShutdownReport};
 pub use tables::TableSizes;
 
@@ -102,6 +104,9 @@ pub struct MemoryManager {
     /// The event log, when `Config::log_path` is set (accessors in
     /// `crate::log`).
     pub(crate) log: Option<EventLog>,
+    /// What sleeping memory tags left behind; held through a sleep or a
+    /// wake (`sleep.rs`).
+    sleep_book: crate::sync::Mutex<sleep::SleepBook>,
 }
 
 impl std::fmt::Debug for MemoryManager {
@@ -220,6 +225,7 @@ impl MemoryManager {
             log: config.log_path.as_ref().map(EventLog::create).transpose()?,
             config,
             shut_down: AtomicBool::new(false),
+            sleep_book: crate::sync::Mutex::new(sleep::SleepBook::default()),
         })
     }
 
@@ -506,6 +512,7 @@ impl MemoryManager {
     /// A driver error while releasing memory (what could be released, was).
     pub fn shutdown(&self) -> Result<ShutdownReport> {
         self.shut_down.store(true, Ordering::Release);
+        self.drop_offloaded();
         let mut report = ShutdownReport::default();
         let before = self.pinned.stats().reserved;
         for b in self.pinned.shutdown()? {

@@ -32,6 +32,7 @@ mod remap;
 mod shard_registry;
 mod shard_upstream;
 mod shards;
+mod sleep;
 mod spin;
 mod stats;
 

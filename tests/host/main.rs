@@ -17,5 +17,6 @@ mod hot_block;
 mod idle_shards;
 mod pool_model;
 mod remap_model;
+mod sleep;
 mod stress;
 mod thread_cache;

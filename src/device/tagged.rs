@@ -1,0 +1,105 @@
+//! The device allocator's side of memory tags (`tags.rs`): allocating and
+//! freeing in a tag's arena, and what sleep and wake ask of the device.
+
+use super::allocator::DeviceAllocator;
+use super::tags::{current_tag, TagArena};
+use crate::cuda::Stream;
+use crate::error::{Error, Result};
+use crate::sync::Arc;
+use crate::tag::StreamTag;
+use crate::upstream::BLOCK_ALIGN;
+
+impl DeviceAllocator {
+    /// Allocates in the arena of this thread's tag, as the sync pool does
+    /// (stream order included); the arena is made on the tag's first use
+    /// on this device.
+    ///
+    /// # Errors
+    /// [`Error::Tag`] when the tag sleeps or the device can't remap pages;
+    /// the sync pool's errors.
+    pub(super) fn allocate_tagged(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
+        let Some(name) = current_tag() else {
+            return Err(Error::InvalidState("a tagged allocation with no tag set".into()));
+        };
+        let arena = self.tags.arena(&name)?;
+        let _entered = arena.enter()?;
+        let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
+        let a = match arena.pool.allocate_for(size, BLOCK_ALIGN, want) {
+            Err(Error::OutOfMemory { .. }) if self.ctx.is_some() && !self.capture_under_way()? => {
+                // Memory may sit in the sync pool, the native pools or
+                // other tags: release it (after the streams' work), retry.
+                self.release_cached()?;
+                arena.pool.allocate_for(size, BLOCK_ALIGN, want)?
+            }
+            other => other?,
+        };
+        if let Some(ctx) = &self.ctx {
+            if let Err(e) = self.streams.order_reuse(a.tag, stream, ctx, self.graphs.active() > 0) {
+                // Keep the block out of the caller's reach, its tag intact.
+                let _ = arena.pool.deallocate(a.addr, a.tag);
+                return Err(e);
+            }
+        }
+        Ok(a.addr as u64)
+    }
+
+    /// Frees `addr` into the tag arena that holds it (in any state: a
+    /// block freed while its tag sleeps is not copied back); `None` when
+    /// no arena holds it.
+    ///
+    /// # Errors
+    /// The arena's bad-pointer errors ([`Error::DoubleFree`],
+    /// [`Error::InteriorPointer`]); nothing changes then.
+    pub(super) fn free_tagged(&self, addr: usize, tag: StreamTag) -> Result<Option<usize>> {
+        let Some(arena) = self.tags.owner(addr) else { return Ok(None) };
+        arena.pool.deallocate(addr, tag).map(|f| Some(f.size))
+    }
+
+    /// The arena of tag `name` on this device, if the tag was used here.
+    pub(crate) fn tag_arena(&self, name: &str) -> Option<Arc<TagArena>> {
+        self.tags.find(name)
+    }
+
+    /// Every tag arena of this device.
+    pub(crate) fn tag_arenas(&self) -> Vec<Arc<TagArena>> {
+        self.tags.all()
+    }
+
+    /// Refuses to share a tagged block with another process: its pages
+    /// may be given back while the importer maps them.
+    ///
+    /// # Errors
+    /// [`Error::Tag`] when `addr` lies in a tag's arena.
+    pub(super) fn refuse_tagged_export(&self, addr: usize) -> Result<()> {
+        match self.tags.owner(addr) {
+            Some(a) => Err(Error::Tag {
+                tag: a.name.to_string(),
+                why: format!(
+                    "block {addr:#x} can't be exported to another process: a tag's memory can sleep, and an \
+                     importer would keep mapping pages given back"
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until all work on this device is complete (sleep and wake
+    /// copy and unmap memory that queued work may still use).
+    ///
+    /// # Errors
+    /// [`Error::Capture`] while a capture is under way on the device; a
+    /// driver error.
+    pub(crate) fn synchronize_for_tags(&self) -> Result<()> {
+        if self.capture_under_way()? {
+            return Err(Error::Capture(
+                "a memory tag can't sleep or wake while a graph capture is under way (it would synchronize \
+                 capturing streams)"
+                    .into(),
+            ));
+        }
+        if let Some(ctx) = &self.ctx {
+            ctx.synchronize().map_err(crate::cuda::driver_err("cuCtxSynchronize"))?;
+        }
+        Ok(())
+    }
+}

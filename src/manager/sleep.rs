@@ -1,0 +1,493 @@
+//! Sleep and wake: a tag's device memory gives its physical pages back
+//! and gets new ones at the same addresses, its contents offloaded to
+//! pinned host memory (or discarded) in between.
+//!
+//! # Implementation details
+//!
+//! - **One at a time.** Sleep and wake hold the manager's sleep book
+//!   (a lock of their own, never a pool lock) from start to end; the
+//!   book keeps what each sleeping tag left behind ([`Away`]).
+//! - **Sleep**, for every device where a named tag has an arena:
+//!   1. every arena goes Awake → Sleeping and waits for the allocations
+//!      under way in it (`device/tags.rs`); a tag that is not awake
+//!      refuses, and nothing changes;
+//!   2. the devices are synchronised (work queued on any stream may still
+//!      use the memory; a capture under way refuses);
+//!   3. for the offloaded tags, one block of pinned memory per arena is
+//!      taken for all its live blocks (too little pinned memory refuses
+//!      here, before anything is released);
+//!   4. the live blocks are copied to it, spread over two streams per
+//!      device, and the streams synchronised;
+//!   5. every page of every arena is unmapped and its memory released
+//!      ([`Pool::unmap_all`](crate::pool::Pool::unmap_all)); the arenas
+//!      go Asleep.
+//!
+//!   A failure in steps 1-4 puts every arena back Awake and gives the
+//!   pinned memory back: nothing was released. A failure in step 5 leaves
+//!   the arena Asleep with its contents offloaded: wake restores it.
+//! - **Wake**: every named arena goes Asleep → Waking; pages are mapped
+//!   under the blocks still live ([`Pool::map_ranges`](crate::pool::Pool::map_ranges);
+//!   blocks freed while asleep stay unmapped, and are not copied back);
+//!   the offloaded contents are copied back and the pinned memory given
+//!   back; the arenas go Awake. Running out of memory, or any failure,
+//!   unmaps what this wake mapped and leaves every arena Asleep with its
+//!   contents kept: nothing is lost, and wake can be called again.
+//! - **Shutdown** while tags sleep gives their offloaded contents back to
+//!   the pinned pool first (the program is ending; its blocks are
+//!   reported live as usual).
+
+use std::time::Instant;
+
+use super::MemoryManager;
+use crate::cuda::{driver_err, Stream};
+use crate::device::TagArenaRef;
+use crate::device::{DeviceAllocator, TagScope, TagUsage};
+use crate::error::{Error, Result};
+use crate::sync::lock;
+use crate::upstream::BLOCK_ALIGN;
+
+/// One block's contents, offloaded.
+#[derive(Debug, Clone, Copy)]
+struct Saved {
+    addr: usize,
+    /// Bytes copied (the bytes asked for, rounded up to 256).
+    len: usize,
+    /// Its place in the pinned block.
+    offset: usize,
+}
+
+/// What a sleeping tag left behind on one device.
+#[derive(Debug)]
+pub(crate) struct Away {
+    device: usize,
+    tag: String,
+    /// The pinned block holding the contents (`None`: discarded, or no
+    /// live block).
+    pinned: Option<usize>,
+    saved: Vec<Saved>,
+}
+
+/// The sleep book: what each sleeping tag left behind.
+#[derive(Debug, Default)]
+pub(crate) struct SleepBook {
+    away: Vec<Away>,
+}
+
+/// What [`MemoryManager::sleep`] did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SleepReport {
+    /// The tags put to sleep (each on every device where it has memory).
+    pub tags: Vec<String>,
+    /// Bytes of live blocks copied to pinned host memory.
+    pub offloaded: usize,
+    /// Bytes of live blocks whose contents were discarded.
+    pub discarded: usize,
+    /// Bytes of physical device memory given back.
+    pub released: usize,
+    /// Seconds spent copying (queued to done).
+    pub copy_seconds: f64,
+    /// Seconds the whole call took.
+    pub seconds: f64,
+}
+
+/// What [`MemoryManager::wake`] did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WakeReport {
+    /// The tags woken.
+    pub tags: Vec<String>,
+    /// Bytes of contents copied back.
+    pub restored: usize,
+    /// Bytes of physical device memory mapped under live blocks.
+    pub mapped: usize,
+    /// Seconds spent copying (queued to done).
+    pub copy_seconds: f64,
+    /// Seconds the whole call took.
+    pub seconds: f64,
+}
+
+/// One arena taking part in a sleep or a wake.
+struct Part<'a> {
+    device: &'a DeviceAllocator,
+    arena: TagArenaRef,
+    offload: bool,
+}
+
+impl MemoryManager {
+    /// Sets `name` as this thread's memory tag until the returned scope is
+    /// dropped: the thread's device allocations (outside graph captures)
+    /// then come from the tag's own address space, which can
+    /// [`sleep`](Self::sleep) and [`wake`](Self::wake) as one. Scopes nest;
+    /// the previous tag comes back when a scope ends.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a name that is empty, longer than
+    /// [`MAX_TAG_LEN`](crate::device::MAX_TAG_LEN) bytes or holds a NUL.
+    ///
+    /// # Examples
+    /// ```
+    /// let mm = cumem::MemoryManager::new(cumem::Config::new().backend(cumem::BackendChoice::Host))?;
+    /// let weights = {
+    ///     let _tag = mm.tag("weights")?;
+    ///     mm.allocate_device(1 << 20)?
+    /// };
+    /// mm.sleep(&["weights"], &[])?; // contents to pinned memory, pages released
+    /// mm.wake(&["weights"])?; // new pages, same address, contents back
+    /// mm.free_device(weights)?;
+    /// # Ok::<(), cumem::Error>(())
+    /// ```
+    pub fn tag(&self, name: &str) -> Result<TagScope> {
+        TagScope::enter(name)
+    }
+
+    /// Puts tags to sleep: the live blocks of each tag in `offload` are
+    /// copied to pinned host memory, those of each tag in `discard` are
+    /// not; then every physical page of these tags (live and free) is given
+    /// back to the driver. Their addresses stay reserved: pointers held by
+    /// the program stay valid names for memory that is away, and
+    /// [`wake`](Self::wake) puts memory back at the same addresses.
+    ///
+    /// The program must not use the tags' memory (on the host or in work
+    /// it queues) from the call until `wake` returns; work queued before
+    /// the call is waited for. While a tag sleeps, allocating in it fails
+    /// with [`Error::Tag`]; freeing its blocks is fine (a freed block is
+    /// not copied back).
+    ///
+    /// # Errors
+    /// Nothing is released when the call fails:
+    /// - [`Error::Config`]: a bad or repeated name, or a tag in both lists;
+    /// - [`Error::Tag`]: a tag that never allocated, or that is not awake
+    ///   (sleeping twice);
+    /// - [`Error::Capture`]: a graph capture under way;
+    /// - [`Error::OutOfMemory`] (pinned): not enough pinned memory to hold
+    ///   the offloaded contents;
+    /// - [`Error::ShutDown`], driver errors.
+    pub fn sleep(&self, offload: &[&str], discard: &[&str]) -> Result<SleepReport> {
+        let start = Instant::now();
+        self.check_running("sleep")?;
+        check_names(offload.iter().chain(discard))?;
+        let mut book = lock(&self.sleep_book);
+        let parts = self.parts(offload, discard)?;
+        // 1. No allocation in the arenas from here on.
+        for (i, p) in parts.iter().enumerate() {
+            if let Err(e) = p.arena.begin_sleep() {
+                parts[..i].iter().for_each(|p| p.arena.end_sleep(false));
+                return Err(e);
+            }
+        }
+        let undo = |e: Error, pinned: &[Option<usize>]| {
+            for &addr in pinned.iter().flatten() {
+                let _ = self.free_pinned(addr as *mut u8);
+            }
+            parts.iter().for_each(|p| p.arena.end_sleep(false));
+            e
+        };
+        // 2. No queued work uses the memory.
+        if let Err(e) = each_device(&parts, |d| d.synchronize_for_tags()) {
+            return Err(undo(e, &[]));
+        }
+        // 3. Pinned memory for every offloaded arena, before anything goes.
+        let mut report = SleepReport::default();
+        let mut plans = Vec::with_capacity(parts.len());
+        let mut pinned = Vec::with_capacity(parts.len());
+        for p in &parts {
+            let (saved, total) = plan_copies(&p.arena.pool.live_blocks());
+            if !p.offload || total == 0 {
+                report.discarded += if p.offload { 0 } else { total };
+                plans.push(Vec::new());
+                pinned.push(None);
+                continue;
+            }
+            match self.allocate_pinned_block(total, BLOCK_ALIGN) {
+                Ok(a) => pinned.push(Some(a.addr)),
+                Err(e) => {
+                    let e = Error::Tag {
+                        tag: p.arena.name.to_string(),
+                        why: format!(
+                            "sleep needs {total} B of pinned host memory to offload it and could not get them \
+                             ({e}); nothing was released"
+                        ),
+                    };
+                    return Err(undo(e, &pinned));
+                }
+            }
+            report.offloaded += total;
+            plans.push(saved);
+        }
+        // 4. Copy out.
+        let copy_start = Instant::now();
+        if let Err(e) = self.copy_all(&parts, &plans, &pinned, Direction::Out) {
+            return Err(undo(e, &pinned));
+        }
+        report.copy_seconds = copy_start.elapsed().as_secs_f64();
+        // 5. Release every page.
+        let mut first_error = None;
+        for ((p, saved), pinned) in parts.iter().zip(plans).zip(pinned) {
+            match p.arena.pool.unmap_all() {
+                Ok(bytes) => report.released += bytes,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+            p.arena.end_sleep(true);
+            book.away.push(Away { device: p.device.ordinal(), tag: p.arena.name.to_string(), pinned, saved });
+            if !report.tags.iter().any(|t| **t == *p.arena.name) {
+                report.tags.push(p.arena.name.to_string());
+            }
+        }
+        report.seconds = start.elapsed().as_secs_f64();
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    /// Wakes tags put to sleep by [`sleep`](Self::sleep) (an empty list:
+    /// every sleeping tag): new physical memory is mapped under their live
+    /// blocks at the same addresses, the offloaded contents are copied
+    /// back (a discarded tag's blocks hold no defined contents), and
+    /// allocation in them works again. CUDA graphs captured before the
+    /// sleep that use the memory replay as before.
+    ///
+    /// # Errors
+    /// Nothing changes when the call fails (the tags stay asleep, their
+    /// contents kept): [`Error::Config`] for a bad name; [`Error::Tag`]
+    /// for a tag that never allocated or is not asleep (waking an awake
+    /// tag); [`Error::OutOfMemory`] when the device can't give the memory;
+    /// [`Error::Capture`]; [`Error::ShutDown`]; driver errors.
+    pub fn wake(&self, tags: &[&str]) -> Result<WakeReport> {
+        let start = Instant::now();
+        self.check_running("wake")?;
+        check_names(tags.iter())?;
+        let mut book = lock(&self.sleep_book);
+        let named: Vec<String> = if tags.is_empty() {
+            let mut all: Vec<String> = book.away.iter().map(|a| a.tag.clone()).collect();
+            all.sort();
+            all.dedup();
+            all
+        } else {
+            tags.iter().map(|t| t.to_string()).collect()
+        };
+        let names: Vec<&str> = named.iter().map(String::as_str).collect();
+        let parts = self.parts(&names, &[])?;
+        for (i, p) in parts.iter().enumerate() {
+            if let Err(e) = p.arena.begin_wake() {
+                parts[..i].iter().for_each(|p| p.arena.end_wake(false));
+                return Err(e);
+            }
+        }
+        let give_up = |e: Error, mapped: &[TagArenaRef]| {
+            for a in mapped {
+                if let Err(e) = a.pool.unmap_all() {
+                    eprintln!("cumem: unmapping tag '{}' again after a failed wake failed: {e}", a.name);
+                }
+            }
+            parts.iter().for_each(|p| p.arena.end_wake(false));
+            e
+        };
+        if let Err(e) = each_device(&parts, |d| d.synchronize_for_tags()) {
+            return Err(give_up(e, &[]));
+        }
+        // Pages under the blocks still live.
+        let mut report = WakeReport { tags: named.clone(), ..WakeReport::default() };
+        let mut mapped = Vec::new();
+        let mut plans = Vec::with_capacity(parts.len());
+        let mut pinned = Vec::with_capacity(parts.len());
+        for p in &parts {
+            let live = p.arena.pool.live_blocks();
+            let ranges: Vec<(usize, usize)> = live.iter().map(|&(addr, size, _)| (addr, size)).collect();
+            match p.arena.pool.map_ranges(&ranges) {
+                Ok(bytes) => report.mapped += bytes,
+                Err(e) => return Err(give_up(e, &mapped)),
+            }
+            mapped.push(p.arena.clone());
+            let away = book.away.iter().find(|a| a.device == p.device.ordinal() && a.tag == *p.arena.name);
+            // Only blocks still live, at the size they had, come back.
+            let saved: Vec<Saved> = away
+                .map(|a| {
+                    a.saved
+                        .iter()
+                        .filter(|s| live.binary_search_by_key(&s.addr, |b| b.0).is_ok_and(|i| live[i].1 >= s.len))
+                        .copied()
+                        .collect()
+                })
+                .unwrap_or_default();
+            report.restored += saved.iter().map(|s| s.len).sum::<usize>();
+            pinned.push(away.and_then(|a| a.pinned));
+            plans.push(saved);
+        }
+        let copy_start = Instant::now();
+        if let Err(e) = self.copy_all(&parts, &plans, &pinned, Direction::In) {
+            return Err(give_up(e, &mapped));
+        }
+        report.copy_seconds = copy_start.elapsed().as_secs_f64();
+        for p in &parts {
+            let ordinal = p.device.ordinal();
+            if let Some(i) = book.away.iter().position(|a| a.device == ordinal && a.tag == *p.arena.name) {
+                if let Some(addr) = book.away.swap_remove(i).pinned {
+                    let _ = self.free_pinned(addr as *mut u8);
+                }
+            }
+            p.arena.end_wake(true);
+        }
+        report.seconds = start.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    /// Every memory tag on every initialised device: its state, its
+    /// arena's figures, and the bytes it has offloaded while asleep.
+    pub fn tag_usage(&self) -> Vec<TagUsage> {
+        let book = lock(&self.sleep_book);
+        let mut out = Vec::new();
+        for d in self.initialised_devices() {
+            for a in d.tag_arenas() {
+                let mut u = a.usage(d.ordinal());
+                u.offloaded = book
+                    .away
+                    .iter()
+                    .filter(|w| w.device == d.ordinal() && w.tag == u.name)
+                    .flat_map(|w| w.saved.iter().map(|s| s.len))
+                    .sum();
+                out.push(u);
+            }
+        }
+        out
+    }
+
+    /// Gives the offloaded contents of sleeping tags back to the pinned
+    /// pool (shutdown: the program is ending).
+    pub(crate) fn drop_offloaded(&self) {
+        let mut book = lock(&self.sleep_book);
+        for a in book.away.drain(..) {
+            if let Some(addr) = a.pinned {
+                let _ = self.free_pinned(addr as *mut u8);
+            }
+        }
+    }
+
+    /// The arenas of `offload` and `discard` on every initialised device.
+    ///
+    /// # Errors
+    /// [`Error::Tag`] for a tag with no arena anywhere.
+    fn parts(&self, offload: &[&str], discard: &[&str]) -> Result<Vec<Part<'_>>> {
+        let mut parts = Vec::new();
+        for (names, off) in [(offload, true), (discard, false)] {
+            for &name in names {
+                let before = parts.len();
+                for d in self.initialised_devices() {
+                    if let Some(arena) = d.tag_arena(name) {
+                        parts.push(Part { device: d, arena, offload: off });
+                    }
+                }
+                if parts.len() == before {
+                    return Err(Error::Tag {
+                        tag: name.to_string(),
+                        why: "no device memory was ever allocated under this tag".into(),
+                    });
+                }
+            }
+        }
+        Ok(parts)
+    }
+
+    /// Copies every plan's blocks between the device and its pinned block
+    /// (`Out`: to the host), on two streams per device, and waits.
+    fn copy_all(
+        &self,
+        parts: &[Part<'_>],
+        plans: &[Vec<Saved>],
+        pinned: &[Option<usize>],
+        dir: Direction,
+    ) -> Result<()> {
+        let mut streams: Vec<(usize, [Stream; 2])> = Vec::new();
+        let mut k = 0usize;
+        for ((p, saved), host) in parts.iter().zip(plans).zip(pinned) {
+            let Some(host) = *host else { continue };
+            if saved.is_empty() {
+                continue;
+            }
+            let ordinal = p.device.ordinal();
+            if !streams.iter().any(|(o, _)| *o == ordinal) {
+                streams.push((ordinal, [copy_stream(p.device)?, copy_stream(p.device)?]));
+            }
+            let pair = &streams.iter().find(|(o, _)| *o == ordinal).expect("made above").1;
+            for s in saved {
+                let stream = &pair[k % 2];
+                k += 1;
+                let at = host + s.offset;
+                // SAFETY: `at..at + len` lies in the pinned block taken for
+                // this arena (offsets were planned within its size) and
+                // nothing else uses it; `s.addr..+len` lies in a live block
+                // of the arena (len is at most the block's size), which no
+                // allocation can reach while the arena sleeps or wakes, and
+                // the device was synchronised, so no queued work uses it.
+                // Both stay valid until the streams are synchronised below.
+                unsafe {
+                    match dir {
+                        Direction::Out => self.copy_to_host_async(at as *mut u8, s.addr as u64, s.len, stream)?,
+                        Direction::In => self.copy_to_device_async(s.addr as u64, at as *const u8, s.len, stream)?,
+                    }
+                }
+            }
+        }
+        for (_, pair) in &streams {
+            for s in pair {
+                s.synchronize()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Direction {
+    Out,
+    In,
+}
+
+/// A stream for sleep's copies on `d` (a host queue on the fallback).
+fn copy_stream(d: &DeviceAllocator) -> Result<Stream> {
+    match d.context() {
+        Some(ctx) => Ok(Stream::from_cudarc(ctx.new_stream().map_err(driver_err("cuStreamCreate"))?)),
+        None => Ok(Stream::host()),
+    }
+}
+
+/// Where each live block's contents go in one pinned block, and its size.
+fn plan_copies(live: &[(usize, usize, usize)]) -> (Vec<Saved>, usize) {
+    let mut offset = 0;
+    let saved = live
+        .iter()
+        .map(|&(addr, size, requested)| {
+            let len = requested.next_multiple_of(BLOCK_ALIGN).min(size);
+            let s = Saved { addr, len, offset };
+            offset += len;
+            s
+        })
+        .collect();
+    (saved, offset)
+}
+
+/// Runs `f` once for every device among `parts`.
+fn each_device(parts: &[Part<'_>], mut f: impl FnMut(&DeviceAllocator) -> Result<()>) -> Result<()> {
+    let mut done: Vec<usize> = Vec::new();
+    for p in parts {
+        if !done.contains(&p.device.ordinal()) {
+            f(p.device)?;
+            done.push(p.device.ordinal());
+        }
+    }
+    Ok(())
+}
+
+/// Checks every name, and that none appears twice.
+fn check_names<'a>(names: impl Iterator<Item = &'a &'a str>) -> Result<()> {
+    let mut seen: Vec<&str> = Vec::new();
+    for &n in names {
+        crate::device::check_tag_name(n)?;
+        if seen.contains(&n) {
+            return Err(Error::Config(format!("memory tag '{n}' is named twice")));
+        }
+        seen.push(n);
+    }
+    Ok(())
+}
