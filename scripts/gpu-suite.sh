@@ -110,7 +110,7 @@ run() {
             # is left out, and the test that breaks a capture on purpose
             # (API errors).
             local t="$BIN/tests/test-gpu" m
-            for m in gpu_ipc multi_gpu gpu_graphs cudarc_interop managed_alloc gpu_remap gpu_arenas gpu_dropped_streams staged_copy; do
+            for m in gpu_ipc multi_gpu gpu_graphs cudarc_interop managed_alloc gpu_remap gpu_arenas gpu_dropped_streams staged_copy sleep; do
                 local names
                 names=$(module_tests "$t" "$m" | grep -v -e gpu_without_peer_access -e a_failed_cudarc_capture_releases_its_pool)
                 if [ -z "$names" ]; then

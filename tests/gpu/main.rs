@@ -23,4 +23,5 @@ mod pinned_alloc;
 // CI runs it with `--features allocator-api2-04 --test gpu -- pinned_alloc_04::`.
 #[cfg(feature = "allocator-api2-04")]
 mod pinned_alloc_04;
+mod sleep;
 mod staged_copy;
