@@ -168,7 +168,7 @@ fn exports_and_captures_are_refused() {
         let _tag = mm.tag("shared").unwrap();
         mm.allocate_device_on(1 << 20, &s).unwrap()
     };
-    let e = mm.export_device(p).err().expect("a tagged block is not exported");
+    let Err(e) = mm.export_device(p) else { panic!("a tagged block was exported") };
     assert!(matches!(e, Error::Tag { .. }), "{e}");
     // A capture under way: sleep refuses and the tag stays awake.
     let pool = mm.graph_pool().unwrap();
