@@ -27,7 +27,7 @@ use super::native_pool::{self, NativePool, NativePoolOptions};
 use super::pins::Pins;
 use super::reuse::StreamRegistry;
 use super::stats::{AsyncStats, DeviceStats};
-use super::tags::{self, TagArenas, TagPoolFactory};
+use super::tags::{self, TagPoolFactory, TagPools};
 use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
 use crate::pool::{self, LiveBlock, Pool, Shards};
@@ -77,8 +77,8 @@ pub struct DeviceAllocator {
     pub(super) graphs: Graphs,
     /// Blocks exported to other processes, pinned (pins.rs, exports.rs).
     pub(super) exports: Pins,
-    /// The arenas of memory tags (tags.rs, tagged.rs).
-    pub(super) tags: TagArenas,
+    /// The pools of memory tags (tags.rs, tagged.rs).
+    pub(super) tags: TagPools,
 }
 
 impl std::fmt::Debug for DeviceAllocator {
@@ -98,7 +98,7 @@ impl DeviceAllocator {
     /// asks whether the stream captures a graph, and a capture cumem was not
     /// told of gets a private pool made by `make_graph_pool`, unless
     /// `promise_registered_captures` is set (then only registered captures
-    /// are routed). Tagged allocations go to arenas made by
+    /// are routed). Tagged allocations go to pools made by
     /// `make_tag_pool`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
@@ -126,7 +126,7 @@ impl DeviceAllocator {
             streams: Arc::new(StreamRegistry::default()),
             graphs: Graphs::new(!promise_registered_captures, make_graph_pool),
             exports: Pins::default(),
-            tags: TagArenas::new(make_tag_pool),
+            tags: TagPools::new(make_tag_pool),
         };
         // A block merged from blocks freed on a stream whose work is known
         // complete and one freed on another stream keeps only the latter's

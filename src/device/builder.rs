@@ -57,7 +57,7 @@ impl DeviceSetup {
     pub(crate) fn build(self, ordinal: usize, ctx: Option<Arc<CudaContext>>) -> Result<DeviceAllocator> {
         let expandable = self.expandable;
         let upstream = device_upstream(ctx.as_ref(), expandable)?;
-        // Memory tags' arenas: the sync pool's settings over address space
+        // Memory tags' pools: the sync pool's settings over address space
         // of their own that can always remap pages (sleep unmaps them all),
         // with no thread cache, background mapper or learned placement.
         let mut tag_pc = self.pool.clone();

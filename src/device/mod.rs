@@ -30,8 +30,10 @@ pub use graph_pool::GraphPool;
 pub use mode::DeviceAllocatorMode;
 pub use native_pool::{NativePool, NativePoolAttributes, NativePoolOptions};
 pub use stats::{AsyncStats, DeviceStats, ModeMemory};
-pub(crate) use tags::TagArenaRef;
-pub use tags::{check_tag_name, current_tag, set_thread_tag, TagScope, TagState, TagUsage, MAX_TAG_LEN};
+pub(crate) use tags::TagPoolRef;
+pub use tags::{
+    check_tag_name, current_tag, set_thread_tag, Entered, TagPool, TagScope, TagState, TagUsage, MAX_TAG_LEN,
+};
 
 // Older paths, for programs (cumem's own code imports from the owners).
 pub use crate::cuda::{

@@ -46,7 +46,7 @@ pub struct DeviceStats {
     /// Cross-stream reuses that needed no wait because the using stream had
     /// already waited for a later point of the freeing stream.
     pub stream_waits_elided: u64,
-    /// Every memory tag's arena on this device (`MemoryManager::tag`),
+    /// Every memory tag's pool on this device (`MemoryManager::tag`),
     /// in the order they were made: not counted in `pool`.
     pub tags: Vec<TagUsage>,
 }

@@ -1,8 +1,8 @@
 //! The device allocator's side of memory tags (`tags.rs`): allocating and
-//! freeing in a tag's arena, and what sleep and wake ask of the device.
+//! freeing in a tag's pool, and what sleep and wake ask of the device.
 
 use super::allocator::DeviceAllocator;
-use super::tags::{current_tag, TagArena};
+use super::tags::{current_tag, TagPool};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::sync::Arc;
@@ -10,8 +10,8 @@ use crate::tag::StreamTag;
 use crate::upstream::BLOCK_ALIGN;
 
 impl DeviceAllocator {
-    /// Allocates in the arena of this thread's tag, as the sync pool does
-    /// (stream order included); the arena is made on the tag's first use
+    /// Allocates in the pool of this thread's tag, as the sync pool does
+    /// (stream order included); the pool is made on the tag's first use
     /// on this device.
     ///
     /// # Errors
@@ -21,47 +21,47 @@ impl DeviceAllocator {
         let Some(name) = current_tag() else {
             return Err(Error::InvalidState("a tagged allocation with no tag set".into()));
         };
-        let arena = self.tags.arena(&name)?;
-        let _entered = arena.enter()?;
+        let tp = self.tags.pool(&name)?;
+        let _entered = tp.enter()?;
         let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
-        let a = match arena.pool.allocate_for(size, BLOCK_ALIGN, want) {
+        let a = match tp.pool.allocate_for(size, BLOCK_ALIGN, want) {
             Err(Error::OutOfMemory { .. }) if self.ctx.is_some() && !self.capture_under_way()? => {
                 // Memory may sit in the sync pool, the native pools or
                 // other tags: release it (after the streams' work), retry.
                 self.release_cached()?;
-                arena.pool.allocate_for(size, BLOCK_ALIGN, want)?
+                tp.pool.allocate_for(size, BLOCK_ALIGN, want)?
             }
             other => other?,
         };
         if let Some(ctx) = &self.ctx {
             if let Err(e) = self.streams.order_reuse(a.tag, stream, ctx, self.graphs.active() > 0) {
                 // Keep the block out of the caller's reach, its tag intact.
-                let _ = arena.pool.deallocate(a.addr, a.tag);
+                let _ = tp.pool.deallocate(a.addr, a.tag);
                 return Err(e);
             }
         }
         Ok(a.addr as u64)
     }
 
-    /// Frees `addr` into the tag arena that holds it (in any state: a
+    /// Frees `addr` into the tag pool that holds it (in any state: a
     /// block freed while its tag sleeps is not copied back); `None` when
-    /// no arena holds it.
+    /// no pool holds it.
     ///
     /// # Errors
-    /// The arena's bad-pointer errors ([`Error::DoubleFree`],
+    /// The pool's bad-pointer errors ([`Error::DoubleFree`],
     /// [`Error::InteriorPointer`]); nothing changes then.
     pub(super) fn free_tagged(&self, addr: usize, tag: StreamTag) -> Result<Option<usize>> {
-        let Some(arena) = self.tags.owner(addr) else { return Ok(None) };
-        arena.pool.deallocate(addr, tag).map(|f| Some(f.size))
+        let Some(tp) = self.tags.owner(addr) else { return Ok(None) };
+        tp.pool.deallocate(addr, tag).map(|f| Some(f.size))
     }
 
-    /// The arena of tag `name` on this device, if the tag was used here.
-    pub(crate) fn tag_arena(&self, name: &str) -> Option<Arc<TagArena>> {
+    /// The pool of tag `name` on this device, if the tag was used here.
+    pub(crate) fn tag_pool(&self, name: &str) -> Option<Arc<TagPool>> {
         self.tags.find(name)
     }
 
-    /// Every tag arena of this device.
-    pub(crate) fn tag_arenas(&self) -> Vec<Arc<TagArena>> {
+    /// Every tag pool of this device.
+    pub(crate) fn tag_pools(&self) -> Vec<Arc<TagPool>> {
         self.tags.all()
     }
 
@@ -69,7 +69,7 @@ impl DeviceAllocator {
     /// may be given back while the importer maps them.
     ///
     /// # Errors
-    /// [`Error::Tag`] when `addr` lies in a tag's arena.
+    /// [`Error::Tag`] when `addr` lies in a tag's pool.
     pub(super) fn refuse_tagged_export(&self, addr: usize) -> Result<()> {
         match self.tags.owner(addr) {
             Some(a) => Err(Error::Tag {

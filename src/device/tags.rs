@@ -7,22 +7,22 @@
 //! - **The thread's tag.** A thread sets a tag ([`TagScope`], made by
 //!   `MemoryManager::tag`); while it is set, every device allocation of the
 //!   thread that is not routed into a graph-private pool (a capture's
-//!   allocations belong to its graph) goes to the tag's arena on the
+//!   allocations belong to its graph) goes to the tag's pool on the
 //!   allocation's device. The check on the untagged path is one read of a
 //!   thread-local flag.
-//! - **One arena per tag and device.** A [`TagArena`] is a best-fit pool of
+//! - **One pool per tag and device.** A [`TagPool`] is a best-fit pool of
 //!   its own over CUDA virtual memory (the host fallback's reserved address
 //!   space), remapping pages like the sync pool's shards, with no thread
 //!   cache and no background mapper: its address space is the tag's alone,
 //!   so sleep can unmap every page of it and wake can map pages at the same
-//!   addresses. Frees find the arena by address after the sync pool did
+//!   addresses. Frees find the pool by address after the sync pool did
 //!   not know the pointer.
 //! - **States.** Awake → Sleeping → Asleep → Waking → Awake. An allocation
 //!   counts itself in (`inflight`) and then reads the state; sleep moves
 //!   the state to Sleeping and then waits until no allocation is in flight
 //!   (both sequentially consistent, so either the allocation sees Sleeping
 //!   and backs out, or sleep sees it in flight and waits for it). Only an
-//!   Awake arena allocates; frees work in every state (a freed block is
+//!   Awake pool allocates; frees work in every state (a freed block is
 //!   not copied back).
 //! - What sleep copies, where, and when the device is synchronised is the
 //!   manager's part (`manager/sleep.rs`); this file moves the states and
@@ -171,7 +171,7 @@ pub struct TagUsage {
     pub device: usize,
     /// Where its memory is.
     pub state: TagState,
-    /// The arena's figures: live blocks and bytes (`in_use`, `requested`),
+    /// The pool's figures: live blocks and bytes (`in_use`, `requested`),
     /// physical memory mapped (`mapped`, 0 while asleep), address space
     /// (`reserved`).
     pub pool: PoolStats,
@@ -180,26 +180,31 @@ pub struct TagUsage {
     pub offloaded: usize,
 }
 
-/// A shared handle to a tag's arena.
-pub(crate) type TagArenaRef = Arc<TagArena>;
+/// A shared handle to a tag's pool.
+pub(crate) type TagPoolRef = Arc<TagPool>;
 
-/// The arena of one tag on one device.
-pub(crate) struct TagArena {
+/// The pool of one tag on one device: its pool and the state machine of
+/// sleep and wake (the manager drives it; public for the loom models and
+/// for programs that build a tag's pool over an upstream of their own).
+pub struct TagPool {
     pub(crate) name: StdArc<str>,
-    pub(crate) pool: Pool<Box<dyn Upstream>>,
+    /// The tag's pool (remapping pages).
+    pub pool: Pool<Box<dyn Upstream>>,
     state: AtomicU8,
     /// Allocations under way (see the module docs).
     inflight: AtomicUsize,
 }
 
-impl std::fmt::Debug for TagArena {
+impl std::fmt::Debug for TagPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TagArena").field("name", &self.name).field("state", &self.state()).finish()
+        f.debug_struct("TagPool").field("name", &self.name).field("state", &self.state()).finish()
     }
 }
 
-/// An allocation counted in (the arena was awake when it looked).
-pub(crate) struct Entered<'a>(&'a TagArena);
+/// An allocation counted in (the pool was awake when it looked); sleep
+/// waits until it is dropped.
+#[derive(Debug)]
+pub struct Entered<'a>(&'a TagPool);
 
 impl Drop for Entered<'_> {
     fn drop(&mut self) {
@@ -207,20 +212,27 @@ impl Drop for Entered<'_> {
     }
 }
 
-impl TagArena {
-    pub(crate) fn new(name: StdArc<str>, pool: Pool<Box<dyn Upstream>>) -> Self {
-        TagArena { name, pool, state: AtomicU8::new(AWAKE), inflight: AtomicUsize::new(0) }
+impl TagPool {
+    /// An awake pool of tag `name` over `pool`.
+    pub fn new(name: &str, pool: Pool<Box<dyn Upstream>>) -> Self {
+        TagPool { name: StdArc::from(name), pool, state: AtomicU8::new(AWAKE), inflight: AtomicUsize::new(0) }
     }
 
-    pub(crate) fn state(&self) -> TagState {
+    /// The tag's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Where the pool's memory is.
+    pub fn state(&self) -> TagState {
         TagState::from_u8(self.state.load(Ordering::SeqCst))
     }
 
-    /// Counts an allocation in while the arena is awake.
+    /// Counts an allocation in while the pool is awake.
     ///
     /// # Errors
     /// [`Error::Tag`] when it is not awake.
-    pub(crate) fn enter(&self) -> Result<Entered<'_>> {
+    pub fn enter(&self) -> Result<Entered<'_>> {
         self.inflight.fetch_add(1, Ordering::SeqCst);
         let entered = Entered(self);
         match self.state.load(Ordering::SeqCst) {
@@ -235,8 +247,8 @@ impl TagArena {
     /// Awake → Sleeping, then waits for the allocations under way.
     ///
     /// # Errors
-    /// [`Error::Tag`] when the arena is not awake (sleeping twice).
-    pub(crate) fn begin_sleep(&self) -> Result<()> {
+    /// [`Error::Tag`] when the pool is not awake (sleeping twice).
+    pub fn begin_sleep(&self) -> Result<()> {
         self.transition(AWAKE, SLEEPING, "put to sleep")?;
         let mut attempt = 0;
         while self.inflight.load(Ordering::SeqCst) != 0 {
@@ -250,17 +262,17 @@ impl TagArena {
     ///
     /// # Errors
     /// [`Error::Tag`] when it is not asleep (waking a tag that is awake).
-    pub(crate) fn begin_wake(&self) -> Result<()> {
+    pub fn begin_wake(&self) -> Result<()> {
         self.transition(ASLEEP, WAKING, "woken")
     }
 
     /// Ends a sleep (`Sleeping → Asleep`) or undoes one (`→ Awake`).
-    pub(crate) fn end_sleep(&self, slept: bool) {
+    pub fn end_sleep(&self, slept: bool) {
         self.state.store(if slept { ASLEEP } else { AWAKE }, Ordering::SeqCst);
     }
 
     /// Ends a wake (`Waking → Awake`) or undoes one (`→ Asleep`).
-    pub(crate) fn end_wake(&self, woke: bool) {
+    pub fn end_wake(&self, woke: bool) {
         self.state.store(if woke { AWAKE } else { ASLEEP }, Ordering::SeqCst);
     }
 
@@ -286,38 +298,38 @@ impl TagArena {
 /// reserved address space).
 pub(crate) type TagPoolFactory = Box<dyn Fn() -> Result<Pool<Box<dyn Upstream>>> + Send + Sync>;
 
-/// The tag arenas of one device.
-pub(crate) struct TagArenas {
-    arenas: Mutex<Vec<Arc<TagArena>>>,
-    /// How many arenas exist: frees of unknown pointers skip the lock at 0.
+/// The tag pools of one device.
+pub(crate) struct TagPools {
+    pools: Mutex<Vec<Arc<TagPool>>>,
+    /// How many pools exist: frees of unknown pointers skip the lock at 0.
     count: AtomicUsize,
     make: Option<TagPoolFactory>,
 }
 
-impl std::fmt::Debug for TagArenas {
+impl std::fmt::Debug for TagPools {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TagArenas").field("count", &self.count.load(Ordering::Relaxed)).finish()
+        f.debug_struct("TagPools").field("count", &self.count.load(Ordering::Relaxed)).finish()
     }
 }
 
-impl TagArenas {
+impl TagPools {
     pub(crate) fn new(make: Option<TagPoolFactory>) -> Self {
-        TagArenas { arenas: Mutex::new(Vec::new()), count: AtomicUsize::new(0), make }
+        TagPools { pools: Mutex::new(Vec::new()), count: AtomicUsize::new(0), make }
     }
 
-    /// The arena of `name`, made on first use (with no lock held while
+    /// The pool of `name`, made on first use (with no lock held while
     /// its pool is made).
     ///
     /// # Errors
     /// [`Error::Tag`] when this device can't remap pages; the
     /// error making the pool.
-    pub(crate) fn arena(&self, name: &StdArc<str>) -> Result<Arc<TagArena>> {
+    pub(crate) fn pool(&self, name: &StdArc<str>) -> Result<Arc<TagPool>> {
         if let Some(a) = self.find(name) {
             return Ok(a);
         }
         let make = self.make.as_ref().ok_or_else(|| Error::Tag {
             tag: name.to_string(),
-            why: "this device allocator has no tag arenas".into(),
+            why: "this device allocator has no tag pools".into(),
         })?;
         let pool = make()?;
         if !pool.remaps() {
@@ -328,35 +340,35 @@ impl TagArenas {
                     .into(),
             });
         }
-        let mut arenas = lock(&self.arenas);
-        if let Some(a) = arenas.iter().find(|a| a.name == *name) {
+        let mut pools = lock(&self.pools);
+        if let Some(a) = pools.iter().find(|a| a.name == *name) {
             // Another thread made it meanwhile; ours was never used.
             return Ok(a.clone());
         }
-        let a = Arc::new(TagArena::new(name.clone(), pool));
-        arenas.push(a.clone());
-        self.count.store(arenas.len(), Ordering::Release);
+        let a = Arc::new(TagPool::new(name, pool));
+        pools.push(a.clone());
+        self.count.store(pools.len(), Ordering::Release);
         Ok(a)
     }
 
-    /// The arena of `name`, if it was made.
-    pub(crate) fn find(&self, name: &str) -> Option<Arc<TagArena>> {
+    /// The pool of `name`, if it was made.
+    pub(crate) fn find(&self, name: &str) -> Option<Arc<TagPool>> {
         if self.count.load(Ordering::Acquire) == 0 {
             return None;
         }
-        lock(&self.arenas).iter().find(|a| &*a.name == name).cloned()
+        lock(&self.pools).iter().find(|a| &*a.name == name).cloned()
     }
 
-    /// Every arena, in the order they were made.
-    pub(crate) fn all(&self) -> Vec<Arc<TagArena>> {
+    /// Every pool, in the order they were made.
+    pub(crate) fn all(&self) -> Vec<Arc<TagPool>> {
         if self.count.load(Ordering::Acquire) == 0 {
             return Vec::new();
         }
-        lock(&self.arenas).clone()
+        lock(&self.pools).clone()
     }
 
-    /// The arena whose address space holds `addr`.
-    pub(crate) fn owner(&self, addr: usize) -> Option<Arc<TagArena>> {
+    /// The pool whose address space holds `addr`.
+    pub(crate) fn owner(&self, addr: usize) -> Option<Arc<TagPool>> {
         self.all().into_iter().find(|a| a.pool.contains(addr))
     }
 }

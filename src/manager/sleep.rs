@@ -7,30 +7,30 @@
 //! - **One at a time.** Sleep and wake hold the manager's sleep book
 //!   (a lock of their own, never a pool lock) from start to end; the
 //!   book keeps what each sleeping tag left behind ([`Away`]).
-//! - **Sleep**, for every device where a named tag has an arena:
-//!   1. every arena goes Awake → Sleeping and waits for the allocations
+//! - **Sleep**, for every device where a named tag has a pool:
+//!   1. every pool goes Awake → Sleeping and waits for the allocations
 //!      under way in it (`device/tags.rs`); a tag that is not awake
 //!      refuses, and nothing changes;
 //!   2. the devices are synchronised (work queued on any stream may still
 //!      use the memory; a capture under way refuses);
-//!   3. for the offloaded tags, one block of pinned memory per arena is
+//!   3. for the offloaded tags, one block of pinned memory per pool is
 //!      taken for all its live blocks (too little pinned memory refuses
 //!      here, before anything is released);
 //!   4. the live blocks are copied to it, spread over two streams per
 //!      device, and the streams synchronised;
-//!   5. every page of every arena is unmapped and its memory released
-//!      ([`Pool::unmap_all`](crate::pool::Pool::unmap_all)); the arenas
+//!   5. every page of every pool is unmapped and its memory released
+//!      ([`Pool::unmap_all`](crate::pool::Pool::unmap_all)); the pools
 //!      go Asleep.
 //!
-//!   A failure in steps 1-4 puts every arena back Awake and gives the
+//!   A failure in steps 1-4 puts every pool back Awake and gives the
 //!   pinned memory back: nothing was released. A failure in step 5 leaves
-//!   the arena Asleep with its contents offloaded: wake restores it.
-//! - **Wake**: every named arena goes Asleep → Waking; pages are mapped
+//!   the pool Asleep with its contents offloaded: wake restores it.
+//! - **Wake**: every named pool goes Asleep → Waking; pages are mapped
 //!   under the blocks still live ([`Pool::map_ranges`](crate::pool::Pool::map_ranges);
 //!   blocks freed while asleep stay unmapped, and are not copied back);
 //!   the offloaded contents are copied back and the pinned memory given
-//!   back; the arenas go Awake. Running out of memory, or any failure,
-//!   unmaps what this wake mapped and leaves every arena Asleep with its
+//!   back; the pools go Awake. Running out of memory, or any failure,
+//!   unmaps what this wake mapped and leaves every pool Asleep with its
 //!   contents kept: nothing is lost, and wake can be called again.
 //! - **Shutdown** while tags sleep gives their offloaded contents back to
 //!   the pinned pool first (the program is ending; its blocks are
@@ -40,7 +40,7 @@ use std::time::Instant;
 
 use super::MemoryManager;
 use crate::cuda::{driver_err, Stream};
-use crate::device::TagArenaRef;
+use crate::device::TagPoolRef;
 use crate::device::{DeviceAllocator, TagScope, TagUsage};
 use crate::error::{Error, Result};
 use crate::sync::lock;
@@ -105,10 +105,10 @@ pub struct WakeReport {
     pub seconds: f64,
 }
 
-/// One arena taking part in a sleep or a wake.
+/// One pool taking part in a sleep or a wake.
 struct Part<'a> {
     device: &'a DeviceAllocator,
-    arena: TagArenaRef,
+    tag: TagPoolRef,
     offload: bool,
 }
 
@@ -167,10 +167,10 @@ impl MemoryManager {
         check_names(offload.iter().chain(discard))?;
         let mut book = lock(&self.sleep_book);
         let parts = self.parts(offload, discard)?;
-        // 1. No allocation in the arenas from here on.
+        // 1. No allocation in the pools from here on.
         for (i, p) in parts.iter().enumerate() {
-            if let Err(e) = p.arena.begin_sleep() {
-                parts[..i].iter().for_each(|p| p.arena.end_sleep(false));
+            if let Err(e) = p.tag.begin_sleep() {
+                parts[..i].iter().for_each(|p| p.tag.end_sleep(false));
                 return Err(e);
             }
         }
@@ -178,19 +178,19 @@ impl MemoryManager {
             for &addr in pinned.iter().flatten() {
                 let _ = self.free_pinned(addr as *mut u8);
             }
-            parts.iter().for_each(|p| p.arena.end_sleep(false));
+            parts.iter().for_each(|p| p.tag.end_sleep(false));
             e
         };
         // 2. No queued work uses the memory.
         if let Err(e) = each_device(&parts, |d| d.synchronize_for_tags()) {
             return Err(undo(e, &[]));
         }
-        // 3. Pinned memory for every offloaded arena, before anything goes.
+        // 3. Pinned memory for every offloaded pool, before anything goes.
         let mut report = SleepReport::default();
         let mut plans = Vec::with_capacity(parts.len());
         let mut pinned = Vec::with_capacity(parts.len());
         for p in &parts {
-            let (saved, total) = plan_copies(&p.arena.pool.live_blocks());
+            let (saved, total) = plan_copies(&p.tag.pool.live_blocks());
             if !p.offload || total == 0 {
                 report.discarded += if p.offload { 0 } else { total };
                 plans.push(Vec::new());
@@ -201,7 +201,7 @@ impl MemoryManager {
                 Ok(a) => pinned.push(Some(a.addr)),
                 Err(e) => {
                     let e = Error::Tag {
-                        tag: p.arena.name.to_string(),
+                        tag: p.tag.name.to_string(),
                         why: format!(
                             "sleep needs {total} B of pinned host memory to offload it and could not get them \
                              ({e}); nothing was released"
@@ -222,16 +222,16 @@ impl MemoryManager {
         // 5. Release every page.
         let mut first_error = None;
         for ((p, saved), pinned) in parts.iter().zip(plans).zip(pinned) {
-            match p.arena.pool.unmap_all() {
+            match p.tag.pool.unmap_all() {
                 Ok(bytes) => report.released += bytes,
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
             }
-            p.arena.end_sleep(true);
-            book.away.push(Away { device: p.device.ordinal(), tag: p.arena.name.to_string(), pinned, saved });
-            if !report.tags.iter().any(|t| **t == *p.arena.name) {
-                report.tags.push(p.arena.name.to_string());
+            p.tag.end_sleep(true);
+            book.away.push(Away { device: p.device.ordinal(), tag: p.tag.name.to_string(), pinned, saved });
+            if !report.tags.iter().any(|t| **t == *p.tag.name) {
+                report.tags.push(p.tag.name.to_string());
             }
         }
         report.seconds = start.elapsed().as_secs_f64();
@@ -270,18 +270,18 @@ impl MemoryManager {
         let names: Vec<&str> = named.iter().map(String::as_str).collect();
         let parts = self.parts(&names, &[])?;
         for (i, p) in parts.iter().enumerate() {
-            if let Err(e) = p.arena.begin_wake() {
-                parts[..i].iter().for_each(|p| p.arena.end_wake(false));
+            if let Err(e) = p.tag.begin_wake() {
+                parts[..i].iter().for_each(|p| p.tag.end_wake(false));
                 return Err(e);
             }
         }
-        let give_up = |e: Error, mapped: &[TagArenaRef]| {
+        let give_up = |e: Error, mapped: &[TagPoolRef]| {
             for a in mapped {
                 if let Err(e) = a.pool.unmap_all() {
                     eprintln!("cumem: unmapping tag '{}' again after a failed wake failed: {e}", a.name);
                 }
             }
-            parts.iter().for_each(|p| p.arena.end_wake(false));
+            parts.iter().for_each(|p| p.tag.end_wake(false));
             e
         };
         if let Err(e) = each_device(&parts, |d| d.synchronize_for_tags()) {
@@ -293,14 +293,14 @@ impl MemoryManager {
         let mut plans = Vec::with_capacity(parts.len());
         let mut pinned = Vec::with_capacity(parts.len());
         for p in &parts {
-            let live = p.arena.pool.live_blocks();
+            let live = p.tag.pool.live_blocks();
             let ranges: Vec<(usize, usize)> = live.iter().map(|&(addr, size, _)| (addr, size)).collect();
-            match p.arena.pool.map_ranges(&ranges) {
+            match p.tag.pool.map_ranges(&ranges) {
                 Ok(bytes) => report.mapped += bytes,
                 Err(e) => return Err(give_up(e, &mapped)),
             }
-            mapped.push(p.arena.clone());
-            let away = book.away.iter().find(|a| a.device == p.device.ordinal() && a.tag == *p.arena.name);
+            mapped.push(p.tag.clone());
+            let away = book.away.iter().find(|a| a.device == p.device.ordinal() && a.tag == *p.tag.name);
             // Only blocks still live, at the size they had, come back.
             let saved: Vec<Saved> = away
                 .map(|a| {
@@ -322,24 +322,24 @@ impl MemoryManager {
         report.copy_seconds = copy_start.elapsed().as_secs_f64();
         for p in &parts {
             let ordinal = p.device.ordinal();
-            if let Some(i) = book.away.iter().position(|a| a.device == ordinal && a.tag == *p.arena.name) {
+            if let Some(i) = book.away.iter().position(|a| a.device == ordinal && a.tag == *p.tag.name) {
                 if let Some(addr) = book.away.swap_remove(i).pinned {
                     let _ = self.free_pinned(addr as *mut u8);
                 }
             }
-            p.arena.end_wake(true);
+            p.tag.end_wake(true);
         }
         report.seconds = start.elapsed().as_secs_f64();
         Ok(report)
     }
 
     /// Every memory tag on every initialised device: its state, its
-    /// arena's figures, and the bytes it has offloaded while asleep.
+    /// pool's figures, and the bytes it has offloaded while asleep.
     pub fn tag_usage(&self) -> Vec<TagUsage> {
         let book = lock(&self.sleep_book);
         let mut out = Vec::new();
         for d in self.initialised_devices() {
-            for a in d.tag_arenas() {
+            for a in d.tag_pools() {
                 let mut u = a.usage(d.ordinal());
                 u.offloaded = book
                     .away
@@ -364,18 +364,18 @@ impl MemoryManager {
         }
     }
 
-    /// The arenas of `offload` and `discard` on every initialised device.
+    /// The pools of `offload` and `discard` on every initialised device.
     ///
     /// # Errors
-    /// [`Error::Tag`] for a tag with no arena anywhere.
+    /// [`Error::Tag`] for a tag with no pool anywhere.
     fn parts(&self, offload: &[&str], discard: &[&str]) -> Result<Vec<Part<'_>>> {
         let mut parts = Vec::new();
         for (names, off) in [(offload, true), (discard, false)] {
             for &name in names {
                 let before = parts.len();
                 for d in self.initialised_devices() {
-                    if let Some(arena) = d.tag_arena(name) {
-                        parts.push(Part { device: d, arena, offload: off });
+                    if let Some(pool) = d.tag_pool(name) {
+                        parts.push(Part { device: d, tag: pool, offload: off });
                     }
                 }
                 if parts.len() == before {
@@ -415,10 +415,10 @@ impl MemoryManager {
                 k += 1;
                 let at = host + s.offset;
                 // SAFETY: `at..at + len` lies in the pinned block taken for
-                // this arena (offsets were planned within its size) and
+                // this pool (offsets were planned within its size) and
                 // nothing else uses it; `s.addr..+len` lies in a live block
-                // of the arena (len is at most the block's size), which no
-                // allocation can reach while the arena sleeps or wakes, and
+                // of the pool (len is at most the block's size), which no
+                // allocation can reach while the pool sleeps or wakes, and
                 // the device was synchronised, so no queued work uses it.
                 // Both stay valid until the streams are synchronised below.
                 unsafe {

@@ -2,7 +2,7 @@
 //! mapped pages ahead of unmapped ones), and the views of free space a
 //! remapping pool needs.
 
-use super::{Allocation, BestFit};
+use super::{Allocation, BestFit, NIL};
 
 use crate::tag::StreamTag;
 
@@ -29,9 +29,15 @@ impl BestFit {
     ) -> Option<(Allocation, bool)> {
         debug_assert!(size % BLOCK_ALIGN == 0 && size > 0);
         let align = align.max(BLOCK_ALIGN);
-        // The hot block was live until its free: its pages are all there.
-        if let Some(a) = self.take_hot(size, align, requested) {
-            return Some((a, true));
+        // The hot block was live until its free, so its pages are there,
+        // unless they were given back meanwhile (a memory tag's sleep
+        // unmaps live blocks' pages, and a block freed while asleep comes
+        // here with holes): it is taken only where it is preferred.
+        let hot = self.hot.0;
+        if hot != NIL && preferred(self.blocks[hot as usize].addr, size) {
+            if let Some(a) = self.take_hot(size, align, requested) {
+                return Some((a, true));
+            }
         }
         self.flush_hot();
         if align == BLOCK_ALIGN {
