@@ -33,18 +33,42 @@ fn sleep_races_a_free_and_an_allocation() {
         let dev = PageUpstream::default();
         let mut c = PoolConfig::new(PoolKind::Device);
         c.thread_cache = false;
-        c.min_chunk = 4 * PAGE;
+        c.min_chunk = PAGE;
         c.remap_slack_ppm = 0;
+        // The block freed while the tag sleeps waits hot, with no pages.
+        c.hot_block = true;
         let tp = Arc::new(TagPool::new("t", Pool::new(Box::new(dev.clone()) as Box<dyn Upstream>, c)));
         let kept = tp.pool.allocate(PAGE, 256).unwrap();
         let freed = tp.pool.allocate(PAGE, 256).unwrap();
 
+        assert!(
+            on_mapped_pages(&dev.dev(), kept.addr, PAGE) && on_mapped_pages(&dev.dev(), freed.addr, PAGE),
+            "setup: pieces {:x?} kept {:#x} freed {:#x} mapped {}",
+            dev.dev().pieces,
+            kept.addr,
+            freed.addr,
+            tp.pool.stats().mapped
+        );
         let (a, d) = (tp.clone(), dev.clone());
+        let kept_addr = kept.addr;
         let other = thread::spawn(move || {
             a.pool.deallocate(freed.addr, StreamTag::NONE).unwrap();
             let entered = a.enter().ok()?;
             let b = a.pool.allocate(PAGE, 256).unwrap();
-            assert!(on_mapped_pages(&d.dev(), b.addr, b.size), "an allocation lands on mapped pages");
+            {
+                let dv = d.dev();
+                assert!(
+                    on_mapped_pages(&dv, b.addr, b.size),
+                    "an allocation lands on mapped pages: {:#x}+{} pieces {:x?} kept {:#x} freed {:#x} state {:?} mapped {}",
+                    b.addr,
+                    b.size,
+                    dv.pieces,
+                    kept_addr,
+                    freed.addr,
+                    a.state(),
+                    a.pool.stats().mapped
+                );
+            }
             drop(entered);
             Some(b)
         });

@@ -20,8 +20,9 @@
 //! - **States.** Awake → Sleeping → Asleep → Waking → Awake. An allocation
 //!   counts itself in (`inflight`) and then reads the state; sleep moves
 //!   the state to Sleeping and then waits until no allocation is in flight
-//!   (both sequentially consistent, so either the allocation sees Sleeping
-//!   and backs out, or sleep sees it in flight and waits for it). Only an
+//!   (each write followed by a sequentially consistent fence before the
+//!   read, so either the allocation sees Sleeping and backs out, or sleep
+//!   sees it in flight and waits for it). Only an
 //!   Awake pool allocates; frees work in every state (a freed block is
 //!   not copied back).
 //! - What sleep copies, where, and when the device is synchronised is the
@@ -33,7 +34,7 @@ use std::sync::Arc as StdArc;
 
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PoolStats};
-use crate::sync::{backoff, lock, Arc, AtomicU8, AtomicUsize, Mutex, Ordering};
+use crate::sync::{backoff, fence, lock, Arc, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::upstream::Upstream;
 
 /// The longest tag name accepted.
@@ -234,6 +235,9 @@ impl TagPool {
     /// [`Error::Tag`] when it is not awake.
     pub fn enter(&self) -> Result<Entered<'_>> {
         self.inflight.fetch_add(1, Ordering::SeqCst);
+        // Pairs with the fence in `begin_sleep`: of the two threads, at
+        // least one sees the other's write.
+        fence(Ordering::SeqCst);
         let entered = Entered(self);
         match self.state.load(Ordering::SeqCst) {
             AWAKE => Ok(entered),
@@ -250,6 +254,8 @@ impl TagPool {
     /// [`Error::Tag`] when the pool is not awake (sleeping twice).
     pub fn begin_sleep(&self) -> Result<()> {
         self.transition(AWAKE, SLEEPING, "put to sleep")?;
+        // Pairs with the fence in `enter`.
+        fence(Ordering::SeqCst);
         let mut attempt = 0;
         while self.inflight.load(Ordering::SeqCst) != 0 {
             backoff(attempt);
