@@ -1,5 +1,6 @@
 //! Builds and runs the C test of every entry point (tests/c/test_cumem.c,
-//! against the shared library) and the C++ seed example
+//! against the shared library), the C++ wrapper's memory tags
+//! (tests/c/test_tags.cpp, shared library) and the C++ seed example
 //! (examples/seed_usage.cpp, against the static library), each in a
 //! process of its own. Where no C or C++ compiler is present the test
 //! prints why and passes without them; `CUMEM_REQUIRE_CC=1` makes that a
@@ -132,6 +133,31 @@ fn the_c_test_of_every_entry_point_passes() {
     // older build may sit) would win over the rpath: name these libraries.
     let out = run(Command::new(&exe).env_remove("CUMEM_CONF").env("LD_LIBRARY_PATH", &libs), "tests/c/test_cumem.c");
     assert!(out.contains("all") && out.contains("checks passed"), "the C test did not finish:\n{out}");
+}
+
+#[test]
+fn the_cpp_tag_scope_sleeps_and_wakes() {
+    let cxx = match compiler("CXX", &["c++", "g++", "clang++"]) {
+        Ok(cxx) => cxx,
+        Err(why) => return skip("the C++ tags test", &why),
+    };
+    let libs = build_libraries();
+    let exe = out_dir().join("test_tags");
+    run(
+        Command::new(&cxx)
+            .args(["-std=c++17", "-Wall", "-Wextra", "-Werror", "-O1"])
+            .arg("-I")
+            .arg(crate_dir().join("include"))
+            .arg(crate_dir().join("tests/c/test_tags.cpp"))
+            .arg("-L")
+            .arg(&libs)
+            .arg(format!("-Wl,-rpath,{}", libs.display()))
+            .args(["-lcumem_c", "-o"])
+            .arg(&exe),
+        "compiling tests/c/test_tags.cpp",
+    );
+    let out = run(Command::new(&exe).env_remove("CUMEM_CONF").env("LD_LIBRARY_PATH", &libs), "tests/c/test_tags.cpp");
+    assert!(out.contains("cumem C++ tags test: ok"), "the C++ tags test did not finish:\n{out}");
 }
 
 #[test]
