@@ -21,7 +21,8 @@ allocations go to the graph's private pool, untagged). Then:
    tokens are checked again at the end.
 
 Prints one JSON line of figures (sizes in bytes, times in seconds, copy
-speeds in GB/s) and exits non-zero on any failure. Without PyTorch, a GPU
+speeds in GB/s, with plain pinned copies of the same size in the same run
+as their baseline) and exits non-zero on any failure. Without PyTorch, a GPU
 or transformers it prints why and exits 0 (1 under CUMEM_REQUIRE_GPU=1).
 
 On the device machine, with the wheel built here (`scripts/gpu-suite.sh
@@ -70,7 +71,7 @@ ap.add_argument("--rss-slack-mib", type=float, default=32.0,
 args = ap.parse_args()
 
 failures = []
-fig = {"smoke_sleep": "cumem_torch", "device": torch.cuda.get_device_name(0)}
+fig = {"smoke_sleep": "cumem_torch"}
 
 
 def check(cond, what):
@@ -97,7 +98,10 @@ def usage(names=("weights", "kv_cache")):
     return {u["name"]: u for u in cumem_torch.tag_usage() if u["name"] in names}
 
 
+# Before anything initialises CUDA in PyTorch (its allocator can't be
+# swapped after).
 fig["backend"] = cumem_torch.install()
+fig["device"] = torch.cuda.get_device_name(0)
 native = fig["backend"] == "native"
 if not native:
     fig["native_error"] = cumem_torch.native_error()
@@ -226,7 +230,7 @@ if native:
     try:
         with cumem_torch.tag("weights"):
             torch.empty(1024, device="cuda")
-        check(False, "allocating under a sleeping tag raised")
+        check(False, "allocating under a sleeping tag did not raise")
     except RuntimeError as e:
         check("CUMEM_STATUS_TAG" in str(e), f"the error names the tag's state: {e}")
 
@@ -273,6 +277,27 @@ check(all(u["offloaded"] == 0 and u["state"] == "awake" for u in usage().values(
 check(graph_same(), "the graph still replays identically after the cycles")
 final, kept = generate()
 check(final == tokens, "the same tokens after the cycles")
+
+# The baseline of the copy speeds above, in the same run: plain pinned
+# host-to-device and device-to-host copies of the offloaded size (PyTorch's
+# pinned memory, untagged device memory), best of three.
+n = max(slept["offloaded"], MIB)
+host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+for direction, (dst, src) in (("h2d", (dev, host)), ("d2h", (host, dev))):
+    best = None
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        secs = start.elapsed_time(end) / 1e3
+        best = secs if best is None else min(best, secs)
+    fig[f"pinned_{direction}_gbps"] = n / best / 1e9
+del host, dev
+fig["restore_vs_h2d"] = fig["restore_gbps"] / fig["pinned_h2d_gbps"]
+fig["offload_vs_d2h"] = fig["offload_gbps"] / fig["pinned_d2h_gbps"]
 
 fig["failures"] = failures
 print(json.dumps(fig, sort_keys=True))
