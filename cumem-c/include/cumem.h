@@ -6,6 +6,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The longest tag name in bytes, without its NUL.
+#define CUMEM_MAX_TAG_LEN 128
+
+// Bytes of `CumemTagUsage::name`: the longest name and its NUL.
+#define CUMEM_TAG_NAME_CAP (CUMEM_MAX_TAG_LEN + 1)
+
 // What a cumem call returned. `CUMEM_STATUS_OK` is 0; every other value
 // is a failure whose message [`cumem_last_error`] gives, and which left
 // the pools as they were.
@@ -53,6 +59,10 @@ typedef enum {
   // Sharing memory with another process failed: memory that can't be
   // exported, a malformed handle, an unknown export, a closed socket.
   CUMEM_STATUS_IPC = 17,
+  // A memory tag's state forbids the request (allocating in a tag that
+  // sleeps, sleeping twice, waking a tag that is awake), or its memory
+  // can't sleep; nothing changed.
+  CUMEM_STATUS_TAG = 18,
 } CumemStatus;
 
 // A device allocator mode (`cumem_set_device_allocator_mode` takes its
@@ -65,6 +75,18 @@ typedef enum {
   // A dedicated native CUDA memory pool (`cuMemPoolCreate`).
   CUMEM_MODE_CUDA_ASYNC_POOL = 2,
 } CumemMode;
+
+// Where a tag's memory is (`CumemTagUsage::state`).
+typedef enum {
+  // Mapped and usable: allocations are served.
+  CUMEM_TAG_STATE_AWAKE = 0,
+  // Being put to sleep (contents being copied out).
+  CUMEM_TAG_STATE_SLEEPING = 1,
+  // Its pages are given back; its addresses stay reserved.
+  CUMEM_TAG_STATE_ASLEEP = 2,
+  // Getting pages again (contents being copied back).
+  CUMEM_TAG_STATE_WAKING = 3,
+} CumemTagState;
 
 // A raw CUDA stream (`cudaStream_t`, `CUstream`); NULL is the device's
 // legacy default stream. On the host fallback any value names a host
@@ -124,6 +146,14 @@ typedef struct {
   uint64_t stream_waits;
   // Cross-stream reuses that needed no new wait.
   uint64_t stream_waits_elided;
+  // Bytes in live blocks of the memory tags' arenas (not in `pool`;
+  // per tag: `cumem_tag_usage`).
+  size_t tagged_in_use;
+  // Physical bytes mapped for the memory tags (0 for a tag while it
+  // sleeps).
+  size_t tagged_mapped;
+  // The sum of the tags' largest `mapped` since the last peak reset.
+  size_t tagged_peak_mapped;
 } CumemDeviceStats;
 
 // What `cumem_shutdown` found.
@@ -135,6 +165,58 @@ typedef struct {
   // Bytes returned to the driver.
   size_t released_bytes;
 } CumemShutdownReport;
+
+// What `cumem_sleep` did.
+typedef struct {
+  // How many tags were put to sleep.
+  size_t tags;
+  // Bytes of live blocks copied to pinned host memory.
+  size_t offloaded;
+  // Bytes of live blocks whose contents were discarded.
+  size_t discarded;
+  // Bytes of physical device memory given back.
+  size_t released;
+  // Seconds spent copying.
+  double copy_seconds;
+  // Seconds the whole call took.
+  double seconds;
+} CumemSleepReport;
+
+// What `cumem_wake` did.
+typedef struct {
+  // How many tags were woken.
+  size_t tags;
+  // Bytes of contents copied back.
+  size_t restored;
+  // Bytes of physical device memory mapped under live blocks.
+  size_t mapped;
+  // Seconds spent copying.
+  double copy_seconds;
+  // Seconds the whole call took.
+  double seconds;
+} CumemWakeReport;
+
+// One tag on one device (`cumem_tag_usage`).
+typedef struct {
+  // The tag, NUL-terminated.
+  char name[CUMEM_TAG_NAME_CAP];
+  // The device.
+  int device;
+  // Where its memory is.
+  CumemTagState state;
+  // Bytes in its live blocks.
+  size_t in_use;
+  // Bytes its live allocations asked for.
+  size_t requested;
+  // Bytes of physical device memory mapped for it now (0 while asleep).
+  size_t mapped;
+  // Bytes of address space reserved for it (kept while asleep).
+  size_t reserved;
+  // Its live blocks.
+  size_t live_blocks;
+  // Bytes of its contents held in pinned host memory while it sleeps.
+  size_t offloaded;
+} CumemTagUsage;
 
 // Counters of the PyTorch entry points, which can't return a status.
 typedef struct {
@@ -150,7 +232,8 @@ typedef struct {
 // One device's figures for PyTorch's statistics.
 typedef struct {
   // Physical bytes held from the driver: the sync pool's mapped pages,
-  // the driver pools' reservation and the graph pools' chunks.
+  // the memory tags' mapped pages (0 for a tag while it sleeps), the
+  // driver pools' reservation and the graph pools' chunks.
   uint64_t reserved;
   // The largest `reserved` since the last peak reset (the sum of the
   // parts' peaks).
@@ -171,6 +254,13 @@ typedef struct {
   // Physical bytes free in the sync pool (mapped, not in use, not
   // parked in thread caches).
   uint64_t free_bytes;
+  // Bytes in live blocks of the memory tags' arenas (counted in
+  // neither the sync pool's figures nor `free_bytes`; asleep or not).
+  uint64_t tagged_in_use;
+  // Bytes the live allocations of the memory tags asked for.
+  uint64_t tagged_requested;
+  // Physical bytes mapped for the memory tags (part of `reserved`).
+  uint64_t tagged_mapped;
 } CumemTorchFigures;
 
 #ifdef __cplusplus
@@ -533,6 +623,102 @@ CumemStatus cumem_stream_forget(CumemStream stream);
 // `out` must be NULL (an error) or valid for a write of one `size_t`.
 CumemStatus cumem_stream_table_size(size_t *out);
 
+// Sets `name` as the calling thread's memory tag (NULL clears it): the
+// thread's device allocations from now on come from the tag's own address
+// space, which `cumem_sleep` and `cumem_wake` put away and bring back as
+// one. Allocations during a graph capture cumem routes into a private
+// pool are not tagged. Frees need no tag.
+//
+// # Errors
+// `CUMEM_STATUS_CONFIG`: a name that is empty, longer than
+// `CUMEM_MAX_TAG_LEN` bytes or not UTF-8 (the thread's tag is unchanged).
+//
+// # Safety
+// `name` must be NULL or a NUL-terminated string.
+CumemStatus cumem_tag_set(const char *name);
+
+// Writes the calling thread's memory tag into `buf` (`len` bytes),
+// NUL-terminated: "" when none is set. `*needed` (when not NULL) gets the
+// bytes the name needs with its NUL (at most `CUMEM_TAG_NAME_CAP`). A
+// buffer too small gets as much as fits and
+// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
+// valid for a write.
+CumemStatus cumem_tag_get(char *buf, size_t len, size_t *needed);
+
+// Stores 1 in `*out` when the calling thread has a memory tag set, else
+// 0 (one read of a thread-local: cheap enough for every allocation).
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_tag_is_set(int *out);
+
+// Puts memory tags to sleep: the live blocks of the `n_offload` tags in
+// `offload` are copied to pinned host memory, those of the `n_discard`
+// tags in `discard` are not; then every physical page of these tags is
+// given back to the driver (no tag named: nothing to do). Their addresses stay reserved, and
+// `cumem_wake` brings memory back at the same addresses. The program must
+// not use the tags' memory from the call until `cumem_wake` returns (work
+// queued before the call is waited for); allocating in a sleeping tag
+// fails with `CUMEM_STATUS_TAG`, freeing its blocks is fine. Stores what
+// was done in `*out` when it is not NULL.
+//
+// # Errors
+// Nothing is released when the call fails:
+// `CUMEM_STATUS_INVALID_ARGUMENT` (a NULL list with names, a NULL name);
+// `CUMEM_STATUS_CONFIG` (a bad or repeated name, a tag in both lists);
+// `CUMEM_STATUS_TAG` (a tag that never allocated, or that is not awake;
+// too little pinned memory for the offloaded contents);
+// `CUMEM_STATUS_CAPTURE` (a graph capture under way);
+// `CUMEM_STATUS_SHUT_DOWN`, `CUMEM_STATUS_DRIVER`.
+//
+// # Safety
+// `offload` must be NULL (only with `n_offload` 0) or valid for reads of
+// `n_offload` pointers, each a NUL-terminated string; `discard` likewise;
+// `out` NULL or valid for a write.
+CumemStatus cumem_sleep(const char *const *offload,
+                        size_t n_offload,
+                        const char *const *discard,
+                        size_t n_discard,
+                        CumemSleepReport *out);
+
+// Wakes the `n` tags in `tags` put to sleep by `cumem_sleep` (`n` 0:
+// every sleeping tag): new physical memory is mapped under their live
+// blocks at the same addresses and the offloaded contents are copied back
+// (a discarded tag's blocks hold no defined contents). CUDA graphs
+// captured before the sleep replay as before. Stores what was done in
+// `*out` when it is not NULL.
+//
+// # Errors
+// Nothing changes when the call fails (the tags stay asleep, their
+// contents kept): `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_CONFIG`
+// as for `cumem_sleep`; `CUMEM_STATUS_TAG` (a tag that never allocated or
+// is not asleep); `CUMEM_STATUS_OUT_OF_MEMORY`; `CUMEM_STATUS_CAPTURE`;
+// `CUMEM_STATUS_SHUT_DOWN`; `CUMEM_STATUS_DRIVER`.
+//
+// # Safety
+// `tags` must be NULL (only with `n` 0) or valid for reads of `n`
+// pointers, each a NUL-terminated string; `out` NULL or valid for a
+// write.
+CumemStatus cumem_wake(const char *const *tags, size_t n, CumemWakeReport *out);
+
+// Writes the figures of every memory tag on every device in use (one
+// entry per tag and device, in the order they were made) into `out`, an
+// array of `cap` entries, and their number into `*count`. Call with `out`
+// NULL and `cap` 0 to learn the number. An array too small gets the
+// first `cap` entries and `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (`count` NULL, `out` NULL with `cap`
+// above 0), `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `out` must be NULL or valid for writes of `cap` entries; `count` NULL
+// (an error) or valid for a write.
+CumemStatus cumem_tag_usage(CumemTagUsage *out, size_t cap, size_t *count);
+
 // PyTorch's allocation entry point: `size` bytes of device memory on
 // `device` for work on `stream`. Returns NULL for size 0, and NULL on
 // failure (the message is the thread's last error, and the first few are
@@ -587,6 +773,10 @@ CumemStatus cumem_torch_allocate(size_t size, int device, CumemStream stream, vo
 
 // Allocates `size` bytes on device `device`, usable at once by the host
 // and by any stream (no stream order), storing the pointer in `*out`.
+// For the backend's private pools (CUDA graphs, MemPool), which hand a
+// block to any allocation routed to the pool whatever its memory tag:
+// the block is never in a tag's arena, whatever tag the calling thread
+// has set (`cumem_tag_set`), and never sleeps.
 //
 // # Errors
 // As `cumem_torch_allocate`.

@@ -105,6 +105,36 @@ class MemoryManager {
   std::string backend() const { return text(cumem_backend); }
   std::string memorySummary() const { return text(cumem_memory_summary); }
 
+  // Memory tags (see TagScope): puts tags to sleep (offloaded to pinned
+  // memory, or discarded; their pages go back to the driver) and wakes
+  // them at the same addresses (no names: every sleeping tag).
+  CumemSleepReport sleep(const std::vector<std::string>& offload, const std::vector<std::string>& discard) {
+    std::vector<const char*> o = c_names(offload), d = c_names(discard);
+    CumemSleepReport r{};
+    check(cumem_sleep(o.data(), o.size(), d.data(), d.size(), &r));
+    return r;
+  }
+  CumemWakeReport wake(const std::vector<std::string>& tags = {}) {
+    std::vector<const char*> t = c_names(tags);
+    CumemWakeReport r{};
+    check(cumem_wake(t.data(), t.size(), &r));
+    return r;
+  }
+  // Every tag on every device in use.
+  std::vector<CumemTagUsage> tagUsage() const {
+    size_t count = 0;
+    CumemStatus s = cumem_tag_usage(nullptr, 0, &count);
+    if (s != CUMEM_STATUS_BUFFER_TOO_SMALL) check(s);
+    for (;;) {
+      std::vector<CumemTagUsage> v(count + 4);
+      s = cumem_tag_usage(v.data(), v.size(), &count);
+      if (s == CUMEM_STATUS_BUFFER_TOO_SMALL) continue;  // tags were made meanwhile
+      check(s);
+      v.resize(count);
+      return v;
+    }
+  }
+
   // Cleanup: releases what is free; live memory stays valid.
   CumemShutdownReport shutdown() {
     CumemShutdownReport r{};
@@ -115,6 +145,12 @@ class MemoryManager {
  private:
   MemoryManager() = default;
 
+  static std::vector<const char*> c_names(const std::vector<std::string>& names) {
+    std::vector<const char*> out;
+    for (const auto& n : names) out.push_back(n.c_str());
+    return out;
+  }
+
   template <typename F>
   static std::string text(F f) {
     size_t needed = 0;
@@ -124,6 +160,28 @@ class MemoryManager {
     check(f(buf.data(), buf.size(), nullptr));
     return std::string(buf.data());
   }
+};
+
+// Sets a memory tag on the calling thread until the scope ends, when the
+// tag set before comes back (scopes nest): the thread's device allocations
+// meanwhile come from the tag's memory, which MemoryManager::sleep and
+// wake put away and bring back as one.
+class TagScope {
+ public:
+  explicit TagScope(const std::string& name) : previous_(current()) { check(cumem_tag_set(name.c_str())); }
+  ~TagScope() { (void)cumem_tag_set(previous_.empty() ? nullptr : previous_.c_str()); }
+  TagScope(const TagScope&) = delete;
+  TagScope& operator=(const TagScope&) = delete;
+
+  // The calling thread's tag ("" when none is set).
+  static std::string current() {
+    char buf[CUMEM_TAG_NAME_CAP];
+    check(cumem_tag_get(buf, sizeof buf, nullptr));
+    return std::string(buf);
+  }
+
+ private:
+  std::string previous_;
 };
 
 }  // namespace cumem

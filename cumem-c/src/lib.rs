@@ -1,6 +1,7 @@
 //! cumem's C ABI: the seed's `MemoryManager` API in C form, PyTorch's
-//! pluggable-allocator entry points, statistics, and a thread-local last
-//! error. Built as `libcumem_c.so` and `libcumem_c.a`; the header is
+//! pluggable-allocator entry points, statistics, memory tags with sleep
+//! and wake, and a thread-local last error. Built as `libcumem_c.so` and
+//! `libcumem_c.a`; the header is
 //! `include/cumem.h` (generated from this crate by cbindgen, checked by
 //! `tests/header.rs`), with a C++ wrapper in `include/cumem.hpp`.
 //!
@@ -24,6 +25,7 @@ mod recorded;
 mod stats;
 mod status;
 mod streams;
+mod tags;
 mod torch;
 mod torch_native;
 
@@ -32,5 +34,6 @@ pub use ipc::*;
 pub use stats::*;
 pub use status::{cumem_last_error, cumem_status_name, CumemStatus};
 pub use streams::*;
+pub use tags::*;
 pub use torch::*;
 pub use torch_native::*;

@@ -85,6 +85,14 @@ pub struct CumemDeviceStats {
     pub stream_waits: u64,
     /// Cross-stream reuses that needed no new wait.
     pub stream_waits_elided: u64,
+    /// Bytes in live blocks of the memory tags' arenas (not in `pool`;
+    /// per tag: `cumem_tag_usage`).
+    pub tagged_in_use: usize,
+    /// Physical bytes mapped for the memory tags (0 for a tag while it
+    /// sleeps).
+    pub tagged_mapped: usize,
+    /// The sum of the tags' largest `mapped` since the last peak reset.
+    pub tagged_peak_mapped: usize,
 }
 
 /// What `cumem_shutdown` found.
@@ -140,6 +148,9 @@ pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDevice
             graph_peak_reserved: d.graphs.peak_reserved,
             stream_waits: d.stream_waits,
             stream_waits_elided: d.stream_waits_elided,
+            tagged_in_use: d.tags.iter().map(|t| t.pool.in_use).sum(),
+            tagged_mapped: d.tags.iter().map(|t| t.pool.mapped).sum(),
+            tagged_peak_mapped: d.tags.iter().map(|t| t.pool.peak_mapped).sum(),
         };
         // SAFETY: the caller's promise about `out`.
         unsafe { put(out, "out", s) }

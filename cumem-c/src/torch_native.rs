@@ -61,6 +61,10 @@ unsafe fn allocate_into(out: *mut *mut c_void, allocate: impl FnOnce() -> Outcom
 
 /// Allocates `size` bytes on device `device`, usable at once by the host
 /// and by any stream (no stream order), storing the pointer in `*out`.
+/// For the backend's private pools (CUDA graphs, MemPool), which hand a
+/// block to any allocation routed to the pool whatever its memory tag:
+/// the block is never in a tag's arena, whatever tag the calling thread
+/// has set (`cumem_tag_set`), and never sleeps.
 ///
 /// # Errors
 /// As `cumem_torch_allocate`.
@@ -74,7 +78,12 @@ pub unsafe extern "C" fn cumem_torch_allocate_unordered(
     out: *mut *mut c_void,
 ) -> CumemStatus {
     // SAFETY: the caller's promise about `out`.
-    unsafe { allocate_into(out, || Ok(manager()?.allocate_device_for(ordinal(device)?, size)?)) }
+    unsafe {
+        allocate_into(out, || {
+            let _untagged = cumem::TagScope::untagged();
+            Ok(manager()?.allocate_device_for(ordinal(device)?, size)?)
+        })
+    }
 }
 
 /// Frees `ptr` in the order of `stream` of device `device` (work queued on
@@ -102,7 +111,8 @@ pub unsafe extern "C" fn cumem_torch_release(ptr: *mut c_void, device: c_int, st
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CumemTorchFigures {
     /// Physical bytes held from the driver: the sync pool's mapped pages,
-    /// the driver pools' reservation and the graph pools' chunks.
+    /// the memory tags' mapped pages (0 for a tag while it sleeps), the
+    /// driver pools' reservation and the graph pools' chunks.
     pub reserved: u64,
     /// The largest `reserved` since the last peak reset (the sum of the
     /// parts' peaks).
@@ -123,6 +133,13 @@ pub struct CumemTorchFigures {
     /// Physical bytes free in the sync pool (mapped, not in use, not
     /// parked in thread caches).
     pub free_bytes: u64,
+    /// Bytes in live blocks of the memory tags' arenas (counted in
+    /// neither the sync pool's figures nor `free_bytes`; asleep or not).
+    pub tagged_in_use: u64,
+    /// Bytes the live allocations of the memory tags asked for.
+    pub tagged_requested: u64,
+    /// Physical bytes mapped for the memory tags (part of `reserved`).
+    pub tagged_mapped: u64,
 }
 
 /// Stores device `device`'s figures for PyTorch's statistics in `*out`.
@@ -141,10 +158,11 @@ pub unsafe extern "C" fn cumem_torch_figures(device: c_int, out: *mut CumemTorch
         let d = manager()?.device_stats(ordinal(device)?)?;
         let natives = [d.native_pool.as_ref(), d.default_pool.as_ref()];
         let p = &d.pool;
+        let tags = |f: fn(&cumem::pool::PoolStats) -> usize| d.tags.iter().map(|t| f(&t.pool)).sum::<usize>();
         let f = CumemTorchFigures {
-            reserved: (p.mapped + d.graphs.reserved) as u64
+            reserved: (p.mapped + tags(|t| t.mapped) + d.graphs.reserved) as u64
                 + natives.iter().flatten().map(|a| a.reserved_current).sum::<u64>(),
-            peak_reserved: (p.peak_mapped + d.graphs.peak_reserved) as u64
+            peak_reserved: (p.peak_mapped + tags(|t| t.peak_mapped) + d.graphs.peak_reserved) as u64
                 + natives.iter().flatten().map(|a| a.reserved_high).sum::<u64>(),
             device_allocs: p.map_calls,
             device_frees: p.unmap_calls,
@@ -152,6 +170,9 @@ pub unsafe extern "C" fn cumem_torch_figures(device: c_int, out: *mut CumemTorch
             chunks: p.chunks as u64,
             largest_free: p.largest_free as u64,
             free_bytes: p.mapped.saturating_sub(p.in_use + p.cached) as u64,
+            tagged_in_use: tags(|t| t.in_use) as u64,
+            tagged_requested: tags(|t| t.requested) as u64,
+            tagged_mapped: tags(|t| t.mapped) as u64,
         };
         // SAFETY: the caller's promise about `out`.
         unsafe { put(out, "out", f) }

@@ -1,5 +1,6 @@
 //! Builds and runs the C test of every entry point (tests/c/test_cumem.c,
-//! against the shared library) and the C++ seed example
+//! against the shared library), the C++ wrapper's memory tags
+//! (tests/c/test_tags.cpp, shared library) and the C++ seed example
 //! (examples/seed_usage.cpp, against the static library), each in a
 //! process of its own. Where no C or C++ compiler is present the test
 //! prints why and passes without them; `CUMEM_REQUIRE_CC=1` makes that a
@@ -106,32 +107,53 @@ fn out_dir() -> PathBuf {
     dir
 }
 
+/// Compiles `source` (under tests/c/) with `compiler` and `flags` against
+/// the shared library, runs it in a process of its own and returns its
+/// output.
+fn run_against_shared_library(compiler: &str, flags: &[&str], source: &str) -> String {
+    let libs = build_libraries();
+    assert!(libs.join("libcumem_c.so").exists(), "libcumem_c.so is missing in {}", libs.display());
+    let exe = out_dir().join(Path::new(source).file_stem().expect("a file name"));
+    run(
+        Command::new(compiler)
+            .args(flags)
+            .arg("-I")
+            .arg(crate_dir().join("include"))
+            .arg(crate_dir().join("tests/c").join(source))
+            .arg("-L")
+            .arg(&libs)
+            .arg(format!("-Wl,-rpath,{}", libs.display()))
+            .args(["-lcumem_c", "-o"])
+            .arg(&exe),
+        &format!("compiling tests/c/{source}"),
+    );
+    // LD_LIBRARY_PATH (which cargo sets to the target folders, where an
+    // older build may sit) would win over the rpath: name these libraries.
+    run(Command::new(&exe).env_remove("CUMEM_CONF").env("LD_LIBRARY_PATH", &libs), &format!("tests/c/{source}"))
+}
+
 #[test]
 fn the_c_test_of_every_entry_point_passes() {
     let cc = match compiler("CC", &["cc", "gcc", "clang"]) {
         Ok(cc) => cc,
         Err(why) => return skip("the C test", &why),
     };
-    let libs = build_libraries();
-    assert!(libs.join("libcumem_c.so").exists(), "libcumem_c.so is missing in {}", libs.display());
-    let exe = out_dir().join("test_cumem");
-    run(
-        Command::new(&cc)
-            .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", "-O1"])
-            .arg("-I")
-            .arg(crate_dir().join("include"))
-            .arg(crate_dir().join("tests/c/test_cumem.c"))
-            .arg("-L")
-            .arg(&libs)
-            .arg(format!("-Wl,-rpath,{}", libs.display()))
-            .args(["-lcumem_c", "-o"])
-            .arg(&exe),
-        "compiling tests/c/test_cumem.c",
+    let out = run_against_shared_library(
+        &cc,
+        &["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", "-O1"],
+        "test_cumem.c",
     );
-    // LD_LIBRARY_PATH (which cargo sets to the target folders, where an
-    // older build may sit) would win over the rpath: name these libraries.
-    let out = run(Command::new(&exe).env_remove("CUMEM_CONF").env("LD_LIBRARY_PATH", &libs), "tests/c/test_cumem.c");
     assert!(out.contains("all") && out.contains("checks passed"), "the C test did not finish:\n{out}");
+}
+
+#[test]
+fn the_cpp_tag_scope_sleeps_and_wakes() {
+    let cxx = match compiler("CXX", &["c++", "g++", "clang++"]) {
+        Ok(cxx) => cxx,
+        Err(why) => return skip("the C++ tags test", &why),
+    };
+    let out = run_against_shared_library(&cxx, &["-std=c++17", "-Wall", "-Wextra", "-Werror", "-O1"], "test_tags.cpp");
+    assert!(out.contains("cumem C++ tags test: ok"), "the C++ tags test did not finish:\n{out}");
 }
 
 #[test]

@@ -20,6 +20,12 @@ snapshots, `record_stream`, graph pools, MemPool, the memory fraction and
 cudnn's benchmark mode do not work (`cumem_torch.record_stream`,
 `stats()` and `empty_cache()` stand in for some of them).
 
+Sleep and wake (`tag`, `sleep`, `wake_up`, `tag_usage`; see `_sleep`):
+tensors allocated inside `with cumem_torch.tag("weights"):` can give
+their GPU memory back (`sleep(offload_tags=("weights",))`, contents kept in
+pinned host memory, or dropped with `discard_tags`) and get it back at the
+same addresses (`wake_up()`), so CUDA graphs captured before still replay.
+
 Configuration is `CUMEM_CONF` (as for Rust programs), or `install(conf=...)`
 with the same syntax. The native backend adds `arenas=1` (one pool per
 device for all of PyTorch's threads: autograd's backward pass runs on a
@@ -35,12 +41,13 @@ import sys
 
 from . import _lib
 from ._lib import CumemError, library_path
+from ._sleep import current_tag, sleep, tag, tag_usage, wake_up
 
 __all__ = [
     "install", "is_installed", "backend_kind", "native_error", "native_conf", "init", "MemPool", "record_stream",
     "current_device", "stats", "pinned_stats",
     "torch_counters", "memory_summary", "backend", "empty_cache", "reset_peak_stats",
-    "shutdown", "library_path", "CumemError",
+    "shutdown", "library_path", "CumemError", "tag", "current_tag", "sleep", "wake_up", "tag_usage",
 ]
 
 ALLOC_FN = "cumem_torch_alloc"
@@ -206,8 +213,9 @@ def current_device():
 def stats(device=None):
     """Device `device`'s figures (bytes, counts) as a dict: "pool" (the
     sync pool: in_use, peak_in_use, reserved, peak_reserved, ...), the
-    stream-ordered modes' and the graph pools' figures. No device:
-    `current_device()`."""
+    stream-ordered modes', the graph pools' and the memory tags' figures
+    (tagged_in_use, tagged_mapped: not in "pool"; per tag: `tag_usage()`).
+    No device: `current_device()`."""
     if device is None:
         device = current_device()
     s = _lib.DeviceStats()
@@ -218,9 +226,10 @@ def stats(device=None):
 def peak_reserved(device=None):
     """The most device memory cumem held from the driver since the last
     `reset_peak_stats()`: the sync pool's physical peak, plus the driver
-    pools' and the graph pools' peaks."""
+    pools', the graph pools' and the memory tags' peaks."""
     s = stats(device)
-    return s["pool"]["peak_reserved"] + s["native_peak_reserved"] + s["graph_peak_reserved"]
+    return (s["pool"]["peak_reserved"] + s["native_peak_reserved"] + s["graph_peak_reserved"]
+            + s["tagged_peak_mapped"])
 
 
 def pinned_stats():

@@ -39,7 +39,30 @@ class DeviceStats(ctypes.Structure):
         ("graph_peak_reserved", ctypes.c_size_t),
         ("stream_waits", ctypes.c_uint64),
         ("stream_waits_elided", ctypes.c_uint64),
+        ("tagged_in_use", ctypes.c_size_t),
+        ("tagged_mapped", ctypes.c_size_t),
+        ("tagged_peak_mapped", ctypes.c_size_t),
     ]
+
+# CUMEM_TAG_NAME_CAP (cumem.h): the longest tag name and its NUL.
+TAG_NAME_CAP = 129
+# CumemTagState values, by name.
+TAG_STATES = ("awake", "sleeping", "asleep", "waking")
+
+
+class TagUsage(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char * TAG_NAME_CAP), ("device", ctypes.c_int), ("state", ctypes.c_int)] + [
+        (n, ctypes.c_size_t) for n in ("in_use", "requested", "mapped", "reserved", "live_blocks", "offloaded")]
+
+
+class SleepReport(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("tags", "offloaded", "discarded", "released")] + [
+        ("copy_seconds", ctypes.c_double), ("seconds", ctypes.c_double)]
+
+
+class WakeReport(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("tags", "restored", "mapped")] + [
+        ("copy_seconds", ctypes.c_double), ("seconds", ctypes.c_double)]
 
 
 class TorchCounters(ctypes.Structure):
@@ -72,6 +95,12 @@ def _declare(lib):
         "cumem_ipc_release": [ctypes.c_uint64],
         "cumem_ipc_import": [c_int, c_int, P(vp), P(c_size), P(ctypes.c_uint64)],
         "cumem_ipc_close": [vp, c_int],
+        "cumem_tag_set": [cp],
+        "cumem_tag_get": [cp, c_size, P(c_size)],
+        "cumem_tag_is_set": [P(c_int)],
+        "cumem_sleep": [P(cp), c_size, P(cp), c_size, P(SleepReport)],
+        "cumem_wake": [P(cp), c_size, P(WakeReport)],
+        "cumem_tag_usage": [P(TagUsage), c_size, P(c_size)],
     }
     for name, args in sigs.items():
         f = getattr(lib, name)
@@ -123,5 +152,25 @@ def as_dict(s):
     out = {}
     for name, _ in s._fields_:
         v = getattr(s, name)
-        out[name] = as_dict(v) if isinstance(v, ctypes.Structure) else int(v)
+        if isinstance(v, ctypes.Structure):
+            out[name] = as_dict(v)
+        elif isinstance(v, bytes):
+            out[name] = v.decode(errors="replace")
+        else:
+            out[name] = v if isinstance(v, float) else int(v)
     return out
+
+
+def names(tags, what):
+    """A C array of tag names (NUL-terminated UTF-8) from a string or an
+    iterable of strings, and its length."""
+    if isinstance(tags, (str, bytes)):
+        tags = (tags,)
+    encoded = []
+    for t in tags:
+        if not isinstance(t, str):
+            raise TypeError(f"{what}: a memory tag's name is a str (got {type(t).__name__})")
+        if "\0" in t:
+            raise ValueError(f"{what}: a memory tag's name holds no NUL (got {t!r})")
+        encoded.append(t.encode())
+    return (ctypes.c_char_p * max(len(encoded), 1))(*encoded), len(encoded)

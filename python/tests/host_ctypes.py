@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """cumem_torch's ctypes side without PyTorch or a GPU (CI runs it on the
-host fallback): statistics, the summary, errors as CumemError, shutdown.
+host fallback): statistics, the summary, errors as CumemError, memory
+tags with sleep and wake, shutdown.
 The library is CUMEM_TORCH_LIB's, else the installed package's."""
 
 import ctypes
@@ -79,6 +80,99 @@ assert cumem_torch.peak_reserved() >= 1 << 20
 cumem_torch.reset_peak_stats()
 assert "device 0" in cumem_torch.memory_summary()
 assert cumem_torch.pinned_stats()["in_use"] == 0
+
+# Memory tags, sleep and wake (cumem_torch's API; here over the host
+# fallback, whose committed pages stand in for the device's memory).
+to_dev = lib.cumem_copy_to_device_async
+to_dev.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+to_host = lib.cumem_copy_to_host_async
+to_host.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+MIB = 1 << 20
+assert cumem_torch.current_tag() is None
+with cumem_torch.tag("weights") as t:
+    assert t == "weights" and cumem_torch.current_tag() == "weights"
+    w = alloc(3 * MIB, 0, None)
+    with cumem_torch.tag("kv_cache"):
+        assert cumem_torch.current_tag() == "kv_cache"
+        kv = alloc(MIB, 0, None)
+    assert cumem_torch.current_tag() == "weights", "nesting restores the tag before"
+    with cumem_torch.tag(None):
+        assert cumem_torch.current_tag() is None
+        plain = alloc(4096, 0, None)
+assert cumem_torch.current_tag() is None
+assert w and kv and plain
+for bad, err in (("", cumem_torch.CumemError), ("x" * 129, cumem_torch.CumemError), ("a\0b", ValueError),
+                 (5, TypeError)):
+    try:
+        with cumem_torch.tag(bad):
+            raise AssertionError(f"tag({bad!r}) was accepted")
+    except err as e:
+        assert not isinstance(e, cumem_torch.CumemError) or e.status == "CUMEM_STATUS_CONFIG", e
+    assert cumem_torch.current_tag() is None
+try:
+    with cumem_torch.tag("weights"):
+        raise KeyError("inside")
+except KeyError:
+    assert cumem_torch.current_tag() is None, "an exception in the block restores the tag"
+
+data = bytes((i * 31 + 7) & 0xFF for i in range(3 * MIB))
+assert lib.cumem_copy_to_device_async(w, data, len(data), None) == 0
+usage = {u["name"]: u for u in cumem_torch.tag_usage()}
+assert set(usage) == {"weights", "kv_cache"}, usage
+u = usage["weights"]
+assert u["state"] == "awake" and u["in_use"] == 3 * MIB and u["live_blocks"] == 1 and u["device"] == 0, u
+assert u["mapped"] >= 3 * MIB and u["reserved"] >= u["mapped"] and u["offloaded"] == 0, u
+s = cumem_torch.stats()
+assert s["tagged_in_use"] == 4 * MIB and s["pool"]["live_blocks"] == 1, s  # the plain block only
+mapped_before = s["tagged_mapped"]
+assert mapped_before == usage["weights"]["mapped"] + usage["kv_cache"]["mapped"]
+
+r = cumem_torch.sleep(offload_tags=("weights",), discard_tags="kv_cache")
+assert r["tags"] == ["weights", "kv_cache"], r
+assert r["offloaded"] == 3 * MIB and r["discarded"] == MIB and r["released"] == mapped_before, r
+assert r["seconds"] >= r["copy_seconds"] >= 0.0
+usage = {u["name"]: u for u in cumem_torch.tag_usage()}
+assert usage["weights"]["state"] == "asleep" and usage["weights"]["mapped"] == 0, usage
+assert usage["weights"]["offloaded"] == 3 * MIB and usage["kv_cache"]["offloaded"] == 0, usage
+assert cumem_torch.stats()["tagged_mapped"] == 0
+assert cumem_torch.pinned_stats()["in_use"] == 3 * MIB, "the offloaded copy is in pinned memory"
+for call, status in ((lambda: cumem_torch.sleep("weights"), "CUMEM_STATUS_TAG"),
+                     (lambda: cumem_torch.sleep(("never_used",)), "CUMEM_STATUS_TAG"),
+                     (lambda: cumem_torch.sleep(("weights",), ("weights",)), "CUMEM_STATUS_CONFIG"),
+                     (lambda: cumem_torch.wake_up(["kv_cache", "kv_cache"]), "CUMEM_STATUS_CONFIG")):
+    try:
+        call()
+        raise AssertionError("a bad sleep or wake was accepted")
+    except cumem_torch.CumemError as e:
+        assert e.status == status, e
+failures = cumem_torch.torch_counters()["alloc_failures"]
+with cumem_torch.tag("weights"):
+    assert not alloc(4096, 0, None), "allocating in a sleeping tag fails"
+assert cumem_torch.torch_counters()["alloc_failures"] == failures + 1
+assert "weights" in _lib.lib().cumem_last_error().decode()
+
+r = cumem_torch.wake_up(["weights"])
+assert r["tags"] == ["weights"] and r["restored"] == 3 * MIB and r["mapped"] >= 3 * MIB, r
+back = ctypes.create_string_buffer(3 * MIB)
+assert lib.cumem_copy_to_host_async(back, w, 3 * MIB, None) == 0
+assert back.raw == data, "the weights came back whole"
+assert cumem_torch.tag_usage()[0]["state"] == "awake"
+r = cumem_torch.wake_up()
+assert r["tags"] == ["kv_cache"] and r["restored"] == 0, r
+r = cumem_torch.wake_up()
+assert (r["tags"], r["restored"], r["mapped"]) == ([], 0, 0), "nothing asleep: nothing to do"
+try:
+    cumem_torch.wake_up("weights")
+    raise AssertionError("waking an awake tag was accepted")
+except cumem_torch.CumemError as e:
+    assert e.status == "CUMEM_STATUS_TAG", e
+assert cumem_torch.pinned_stats()["in_use"] == 0
+for p in (w, kv, plain):
+    free(p, 0, 0, None)
+assert cumem_torch.torch_counters()["free_failures"] == 1  # the double free above
+assert cumem_torch.stats()["tagged_in_use"] == 0
+print("tags, sleep and wake: ok")
+
 cumem_torch.empty_cache()
 r = cumem_torch.shutdown()
 assert r["live_count"] == 0, r

@@ -333,6 +333,78 @@ static void torch_native_entry_points(void) {
   EXPECT(cumem_stream_destroy(a), CUMEM_STATUS_OK);
 }
 
+/* Memory tags: the thread's tag, a tagged block through sleep (offloaded)
+ * and wake (same address, same bytes), the per-tag figures, bad input. */
+static void tags(void) {
+  const char *weights[] = {"c_weights"};
+  const char *both[] = {"c_weights", "c_kv"};
+  const char *with_null[] = {"c_weights", NULL};
+  char name[CUMEM_TAG_NAME_CAP];
+  unsigned char data[4096], back[4096];
+  CumemTagUsage u[8];
+  CumemSleepReport sr;
+  CumemWakeReport wr;
+  CumemTorchFigures f0, f1;
+  CumemStream st = NULL;
+  void *w = NULL, *kv = NULL, *x = NULL;
+  size_t n = 0, i, needed = 0;
+  int set = -1, found = 0;
+  for (i = 0; i < sizeof data; i++) data[i] = (unsigned char)(i * 7 + 3);
+  EXPECT(cumem_stream_create(&st), CUMEM_STATUS_OK);
+  EXPECT(cumem_tag_get(name, sizeof name, &needed), CUMEM_STATUS_OK);
+  CHECK(name[0] == '\0' && needed == 1);
+  EXPECT(cumem_tag_set(""), CUMEM_STATUS_CONFIG);
+  EXPECT(cumem_tag_set("c_kv"), CUMEM_STATUS_OK);
+  EXPECT(cumem_allocate_device(1 << 20, &kv), CUMEM_STATUS_OK);
+  EXPECT(cumem_tag_set("c_weights"), CUMEM_STATUS_OK);
+  EXPECT(cumem_tag_is_set(&set), CUMEM_STATUS_OK);
+  CHECK(set == 1);
+  EXPECT(cumem_tag_get(name, sizeof name, NULL), CUMEM_STATUS_OK);
+  CHECK(strcmp(name, "c_weights") == 0);
+  EXPECT(cumem_allocate_device(sizeof data, &w), CUMEM_STATUS_OK);
+  EXPECT(cumem_tag_set(NULL), CUMEM_STATUS_OK);
+  EXPECT(cumem_tag_is_set(&set), CUMEM_STATUS_OK);
+  CHECK(set == 0);
+  EXPECT(cumem_copy_to_device_async(w, data, sizeof data, st), CUMEM_STATUS_OK);
+  EXPECT(cumem_stream_synchronize(st), CUMEM_STATUS_OK);
+  EXPECT(cumem_torch_figures(0, &f0), CUMEM_STATUS_OK);
+  CHECK(f0.tagged_in_use >= sizeof data + (1 << 20) && f0.reserved >= f0.tagged_mapped);
+
+  EXPECT(cumem_sleep(NULL, 1, NULL, 0, NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_sleep(with_null, 2, NULL, 0, NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_sleep(both, 2, weights, 1, NULL), CUMEM_STATUS_CONFIG);
+  EXPECT(cumem_wake(weights, 1, NULL), CUMEM_STATUS_TAG); /* awake */
+  EXPECT(cumem_sleep(weights, 1, both + 1, 1, &sr), CUMEM_STATUS_OK);
+  CHECK(sr.tags == 2 && sr.offloaded >= sizeof data && sr.discarded >= (1 << 20));
+  EXPECT(cumem_sleep(weights, 1, NULL, 0, NULL), CUMEM_STATUS_TAG); /* twice */
+  EXPECT(cumem_torch_figures(0, &f1), CUMEM_STATUS_OK);
+  CHECK(f1.tagged_mapped == 0 && f1.reserved + f0.tagged_mapped == f0.reserved);
+  EXPECT(cumem_tag_usage(NULL, 0, NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_tag_usage(u, 8, &n), CUMEM_STATUS_OK);
+  CHECK(n == 2);
+  for (i = 0; i < n; i++) {
+    CHECK(u[i].state == CUMEM_TAG_STATE_ASLEEP && u[i].mapped == 0 && u[i].device == 0);
+    if (strcmp(u[i].name, "c_weights") == 0) {
+      found = 1;
+      CHECK(u[i].offloaded == sr.offloaded && u[i].live_blocks == 1 && u[i].reserved > 0);
+    }
+  }
+  CHECK(found);
+  EXPECT(cumem_tag_set("c_weights"), CUMEM_STATUS_OK);
+  EXPECT(cumem_allocate_device(256, &x), CUMEM_STATUS_TAG);
+  EXPECT(cumem_tag_set(NULL), CUMEM_STATUS_OK);
+
+  EXPECT(cumem_wake(NULL, 0, &wr), CUMEM_STATUS_OK); /* every sleeping tag */
+  CHECK(wr.tags == 2 && wr.restored == sr.offloaded && wr.mapped >= sizeof data + (1 << 20));
+  memset(back, 0, sizeof back);
+  EXPECT(cumem_copy_to_host_async(back, w, sizeof back, st), CUMEM_STATUS_OK);
+  EXPECT(cumem_stream_synchronize(st), CUMEM_STATUS_OK);
+  CHECK(memcmp(back, data, sizeof data) == 0);
+  EXPECT(cumem_free_device(w), CUMEM_STATUS_OK);
+  EXPECT(cumem_free_device(kv), CUMEM_STATUS_OK);
+  EXPECT(cumem_stream_destroy(st), CUMEM_STATUS_OK);
+}
+
 static void summary_and_release(void) {
   size_t needed = 0, released = 0;
   char small[8];
@@ -380,6 +452,7 @@ int main(void) {
   modes();
   torch_entry_points();
   torch_native_entry_points();
+  tags();
   summary_and_release();
   shut_down();
   printf("cumem C test: all %d checks passed\n", checks);

@@ -205,7 +205,11 @@ void* CumemAllocator::malloc(size_t size, c10::DeviceIndex device, cudaStream_t 
   // Raised with no lock held: PyTorch's out-of-memory observers take the GIL.
   if (over_limit) raise_oom(size, device, "the request would pass the limit set with set_per_process_memory_fraction");
   if (pool && !p) raise_oom(size, device, nullptr);
-  if (!pool) p = take_kept(size, rounded, device, stream);
+  // Under a memory tag the block comes from the tag's arena (cumem reads
+  // the thread's tag), never from the untagged kept blocks.
+  int tagged = 0;
+  if (!pool && cumem_tag_is_set(&tagged) != CUMEM_STATUS_OK) tagged = 0;
+  if (!pool && !tagged) p = take_kept(size, rounded, device, stream);
   if (!pool && !p) {
     int st = cumem_torch_allocate(size, device, stream, &p);
     if (st == CUMEM_STATUS_OUT_OF_MEMORY) {
@@ -235,6 +239,7 @@ void* CumemAllocator::malloc(size_t size, c10::DeviceIndex device, cudaStream_t 
   b.device = device;
   b.stream = stream;
   b.pool = pool;
+  b.tagged = tagged != 0;
   b.context = ctx;
   {
     std::lock_guard<std::recursive_mutex> g(mutex_);
@@ -389,6 +394,25 @@ void CumemAllocator::process_pending() {
     pending_count_.store(pending_.size(), std::memory_order_release);
   }
   for (auto& pf : done) finish_free(pf.ptr, pf.block);
+}
+
+void CumemAllocator::drain_pending_frees() {
+  std::vector<PendingFree> all;
+  {
+    std::lock_guard<std::recursive_mutex> g(mutex_);
+    all.swap(pending_);
+    pending_count_.store(0, std::memory_order_release);
+  }
+  for (auto& pf : all) {
+    // Waited for with no lock held; the events then go back to the pool.
+    for (auto e : pf.events) C10_CUDA_CHECK(cudaEventSynchronize(e));
+    {
+      std::lock_guard<std::recursive_mutex> g(mutex_);
+      dev(pf.block.device);
+      for (auto e : pf.events) events_[pf.block.device].push_back(e);
+    }
+    finish_free(pf.ptr, pf.block);
+  }
 }
 
 void CumemAllocator::flush_deferred(bool all_captures_over) {

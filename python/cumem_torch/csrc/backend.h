@@ -34,6 +34,10 @@ struct Block {
   c10::DeviceIndex device = 0;
   cudaStream_t stream = nullptr; // the allocation's stream
   PrivatePool* pool = nullptr; // nullptr: cumem's own pools
+  // Allocated while the thread had a memory tag set (cumem_tag_set): the
+  // block lives in the tag's arena and is never kept for another
+  // allocation (stream_cache.cpp), which could be under another tag.
+  bool tagged = false;
   std::vector<cudaStream_t> uses; // record_stream's other streams
   std::shared_ptr<c10::GatheredContext> context;
 };
@@ -59,7 +63,8 @@ struct PrivatePool {
 
 // A block a side stream allocated and other streams used through
 // record_stream, kept for that stream's next allocation of the same size
-// once the other streams' work is done (stream_cache.cpp).
+// once the other streams' work is done (stream_cache.cpp). Never a tagged
+// block, and never handed to an allocation made under a memory tag.
 struct KeptBlock {
   void* ptr = nullptr;
   size_t size = 0; // rounded
@@ -149,6 +154,11 @@ class CumemAllocator final : public cca::CUDAAllocator {
 
   // The deleter of every DataPtr this allocator makes.
   void free_from_deleter(void* ptr) noexcept;
+
+  // Completes every free waiting for record_stream's events, waiting for
+  // those events (before a memory tag sleeps: its blocks freed by the
+  // program then go back to cumem instead of being offloaded as live).
+  void drain_pending_frees();
 
  private:
   void* malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream);

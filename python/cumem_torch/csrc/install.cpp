@@ -52,6 +52,20 @@ __attribute__((visibility("default"))) int cumem_torch_native_active() {
   return a && c10::cuda::CUDACachingAllocator::get() == a.get() ? 1 : 0;
 }
 
+// Completes the frees waiting for record_stream's events (waiting for
+// them), so that a memory tag about to sleep offloads no block the program
+// freed already. Returns 0, or 1 with the reason in `err`.
+__attribute__((visibility("default"))) int cumem_torch_native_drain_frees(char* err, size_t len) {
+  try {
+    auto& a = installed();
+    if (a) a->drain_pending_frees();
+    return 0;
+  } catch (const std::exception& e) {
+    put_message(e.what(), err, len);
+    return 1;
+  }
+}
+
 // The PyTorch version this library was built against ("2.11.0").
 __attribute__((visibility("default"))) const char* cumem_torch_native_torch_version() {
 #ifdef CUMEM_TORCH_VERSION

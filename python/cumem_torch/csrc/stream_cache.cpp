@@ -14,6 +14,12 @@
 // the same size, at most kKeptPerStream per stream. Its stream's own order
 // makes the reuse safe with no wait. empty_cache and an out-of-memory retry
 // give kept blocks back to cumem.
+//
+// Memory tags: a block allocated under a tag lives in the tag's arena,
+// which sleeps and wakes as one; kept and handed to an allocation under
+// another tag (or none), it would sleep with the wrong tag. Tagged blocks
+// are never kept, and an allocation made under a tag never takes a kept
+// block (malloc asks cumem_tag_is_set).
 #include "backend.h"
 
 #include <c10/cuda/CUDAStream.h>
@@ -37,7 +43,7 @@ void give_back(const KeptBlock& k) {
 } // namespace
 
 bool CumemAllocator::keep_for_stream(void* ptr, const Block& b) {
-  if (b.pool || b.uses.empty() || context_count_.load(std::memory_order_acquire) > 0) return false;
+  if (b.pool || b.tagged || b.uses.empty() || context_count_.load(std::memory_order_acquire) > 0) return false;
   if (b.stream == c10::cuda::getDefaultCUDAStream(b.device).stream()) return false;
   KeptBlock evicted;
   {
