@@ -44,8 +44,10 @@ impl DeviceAllocator {
             }
             Some((size, mode, _)) => (size, Some(mode)),
             None => match self.pool.check_live(addr) {
-                Err(Error::UnknownPointer { .. }) if self.refuse_tagged_export(addr).is_err() => {
-                    return Err(self.refuse_tagged_export(addr).unwrap_err());
+                Err(e @ Error::UnknownPointer { .. }) => {
+                    // Not the sync pool's: a tag's block is refused by name.
+                    self.refuse_tagged_export(addr)?;
+                    return Err(e);
                 }
                 r => (r?, None),
             },
