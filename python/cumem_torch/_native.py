@@ -8,7 +8,9 @@ Where it comes from, first found wins:
 2. a copy compiled on first use into `CUMEM_TORCH_CACHE` (default
    `~/.cache/cumem_torch`), one per PyTorch version, from the sources
    installed with the package (`csrc/`), with the C++ compiler (`CXX`,
-   else `c++`) and the headers and libraries PyTorch ships.
+   else `c++`, else `g++`; the first whose library shares the process's
+   libstdc++ instead of carrying a static copy) and the headers and
+   libraries PyTorch ships.
 """
 
 import ctypes
@@ -79,8 +81,8 @@ def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cum
     the library finds libcumem_c.so at run time (default: beside itself):
     it must be the very file Python loads, or there would be two cumem
     managers."""
-    cxx = cxx or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
+    compilers = _compilers(cxx)
+    if not compilers:
         raise NativeUnavailable("no C++ compiler (set CXX)")
     src = pathlib.Path(sources_dir or HERE / "csrc")
     cudart = sorted(pathlib.Path(cudart_dir).glob("libcudart.so.*"))
@@ -90,8 +92,9 @@ def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cum
     # cuda_runtime.h without the crt/ headers it includes, which the
     # toolkit (CUDA_HOME) has.
     cuda_includes = [cuda_include] if isinstance(cuda_include, (str, os.PathLike)) else list(cuda_include)
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
+    cmd = ["CXX", "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
            f'-DCUMEM_TORCH_VERSION="{torch_version}"',
+           f"-D_GLIBCXX_USE_CXX11_ABI={_cxx11_abi()}",
            f"-I{torch_include}", f"-I{torch_include}/torch/csrc/api/include"]
     cmd += [f"-I{d}" for d in cuda_includes]
     cmd += [f"-I{cumem_include}"]
@@ -99,9 +102,56 @@ def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cum
     cmd += [f"-L{torch_lib}", "-lc10", "-lc10_cuda", "-ltorch_cuda", f"-L{cudart_dir}", f"-l:{cudart[0].name}",
             f"-L{cumem_lib_dir}", "-lcumem_c", "-Wl,--no-undefined", f"-Wl,-rpath,{rpath or '$ORIGIN'}",
             "-o", str(out)]
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if r.returncode != 0:
-        raise NativeUnavailable(f"compiling the native backend failed ({' '.join(cmd)}):\n{r.stdout[-4000:]}")
+    failures = []
+    for compiler in compilers:
+        cmd[0] = compiler
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if r.returncode != 0:
+            failures.append(f"compiling the native backend failed ({' '.join(cmd)}):\n{r.stdout[-4000:]}")
+        elif not _shares_libstdcxx(out):
+            # A toolchain whose libstdc++ is only static (a private GCC)
+            # puts a second C++ runtime in the library: its streams then
+            # meet PyTorch's locale and the first number formatted into an
+            # error message faults. Another compiler, or none.
+            failures.append(f"{compiler} linked libstdc++ into the library statically instead of sharing PyTorch's")
+        else:
+            return
+    raise NativeUnavailable("\n".join(failures))
+
+
+def _compilers(cxx=None):
+    """The C++ compilers to try, in order: `cxx`, $CXX, then `c++` and
+    `g++` on PATH (the system's, whose libstdc++ PyTorch loads)."""
+    out = []
+    for c in (cxx, os.environ.get("CXX"), shutil.which("c++"), shutil.which("g++")):
+        if c and c not in out:
+            out.append(c)
+    return out
+
+
+def _shares_libstdcxx(lib):
+    """Whether `lib` loads the shared libstdc++ (names it as a needed
+    library) rather than carrying its own copy."""
+    try:
+        return b"libstdc++.so.6" in pathlib.Path(lib).read_bytes()
+    except OSError:
+        return False
+
+
+def _cxx11_abi():
+    """The libstdc++ string ABI PyTorch was built with (1 unless PyTorch
+    says otherwise). The library must use PyTorch's: with the other, a
+    std::string or stream crossing into c10 (every error message PyTorch's
+    checks format) is read with the wrong layout and the process faults."""
+    try:
+        import torch
+        return int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    except (ImportError, AttributeError):
+        return 1
+
+
+# Part of the cache key: a change of the compiler flags compiles again.
+BUILD_FLAGS = "O2 c++17 hidden cxx11-abi-from-torch shared-libstdc++"
 
 
 def _cache_dir():
@@ -116,6 +166,7 @@ def _build_here():
     lib = pathlib.Path(_lib.library_path())
     key = hashlib.sha256()
     key.update(torch.__version__.encode())
+    key.update(BUILD_FLAGS.encode())
     for s in SOURCES + ("backend.h",):
         key.update((HERE / "csrc" / s).read_bytes())
     key.update(lib.read_bytes()[:1 << 20])

@@ -74,6 +74,10 @@ failures = []
 fig = {"smoke_sleep": "cumem_torch"}
 
 
+def step(what):
+    print("step:", what, file=sys.stderr, flush=True)
+
+
 def check(cond, what):
     if not cond:
         failures.append(what)
@@ -147,6 +151,7 @@ def generate():
 
 
 tokens, kept = generate()
+step("generated")
 check(len(tokens[0]) > ids.shape[1], "generation made tokens")
 
 # A CUDA graph of one forward pass, captured before any sleep.
@@ -172,12 +177,16 @@ def capture(fn):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    with torch.no_grad(), cumem_torch.tag("capture_probe"), torch.cuda.graph(g):
+    # The tag is set inside the capture only: PyTorch makes the graph's
+    # RNG seed and offset tensors as the capture begins, outside it, and
+    # those would rightly be tagged.
+    with torch.no_grad(), torch.cuda.graph(g), cumem_torch.tag("capture_probe"):
         out = fn()
     return g, out
 
 
 graph = None
+step("capture")
 for name, fn in (("full_model", forward_full), ("mlp_and_head", forward_part)):
     try:
         graph, static_out = capture(fn)
@@ -191,8 +200,8 @@ if graph is not None:
     graph.replay()
     torch.cuda.synchronize()
     graph_ref = static_out.clone()
-    check(not any(u["name"] == "capture_probe" for u in cumem_torch.tag_usage()),
-          "allocations during capture are untagged (the graph's private pool)")
+    probe = [u for u in cumem_torch.tag_usage() if u["name"] == "capture_probe"]
+    check(not probe, f"allocations during capture are untagged (the graph's private pool): {probe}")
 
 
 def graph_same():
@@ -205,6 +214,7 @@ def graph_same():
 
 
 # 1. Sleep.
+step("sleep")
 before = usage()
 mapped_before = sum(u["mapped"] for u in before.values())
 fig["mapped_before"] = mapped_before
@@ -235,6 +245,7 @@ if native:
         check("CUMEM_STATUS_TAG" in str(e), f"the error names the tag's state: {e}")
 
 # 2. Wake: the weights first, then the rest.
+step("wake")
 t0 = time.perf_counter()
 woke = cumem_torch.wake_up(["weights"])
 fig["wake_weights_s"] = time.perf_counter() - t0
@@ -251,6 +262,7 @@ fig["tokens_equal"] = again == tokens
 check(again == tokens, "the same tokens after sleep and wake")
 
 # 3. Cycles: nothing grows after the first.
+step("cycles")
 series = {"rss": [], "pinned_reserved": [], "tags_reserved": [], "torch_reserved": [], "sleep_s": [], "wake_s": []}
 for i in range(args.cycles):
     t0 = time.perf_counter()
