@@ -39,35 +39,81 @@ impl<U: Upstream> Pool<U> {
     /// upstream error (pieces it unmapped before stay unmapped and are
     /// counted; the others stay mapped).
     pub fn unmap_all(&self) -> Result<usize> {
-        if !self.remap {
-            return Err(Error::InvalidState("only a pool that remaps pages can unmap its live blocks' memory".into()));
-        }
+        self.require_remap("unmap its live blocks' memory")?;
         let _remap = lock(&self.remap_lock);
+        let kept = self.upstream.kept();
+        self.upstream.release_kept();
+        self.inner.lock().pages.set_kept(0);
+        let unmapped = self.unmap_spans(|fit, pages| {
+            fit.chunks().iter().flat_map(|c| pages.mapped_inside(c.addr, c.size)).collect()
+        })?;
+        Ok(unmapped + kept)
+    }
+
+    /// Unmaps the pieces of memory lying wholly inside `ranges`
+    /// (`(addr, size)`, live blocks included), as [`unmap_all`](Self::unmap_all)
+    /// does for the whole pool: a sleep gives back the pages of the blocks
+    /// whose contents are copied out while later blocks still copy.
+    /// Returns the bytes unmapped. Neighbouring ranges are merged first, so
+    /// a piece under several blocks goes when all of them are given.
+    ///
+    /// The caller guarantees what [`unmap_all`](Self::unmap_all) needs, for
+    /// these ranges.
+    ///
+    /// # Errors
+    /// As [`unmap_all`](Self::unmap_all).
+    pub fn unmap_ranges(&self, ranges: &[(usize, usize)]) -> Result<usize> {
+        self.require_remap("unmap its live blocks' memory")?;
+        let runs = merge(ranges.iter().filter(|r| r.1 > 0).map(|&(addr, size)| Chunk { addr, size }).collect());
+        let _remap = lock(&self.remap_lock);
+        self.unmap_spans(|_, pages| runs.iter().flat_map(|r| pages.mapped_inside(r.addr, r.size)).collect())
+    }
+
+    /// Unmaps every piece of memory lying wholly in free blocks and
+    /// releases the kept memory (what [`release_cached`](Self::release_cached)
+    /// does to pages, without giving chunks back); the bytes released.
+    ///
+    /// # Errors
+    /// As [`unmap_all`](Self::unmap_all).
+    pub fn unmap_free(&self) -> Result<usize> {
+        self.require_remap("unmap its free pages")?;
+        let _remap = lock(&self.remap_lock);
+        self.unmap_free_pages()
+    }
+
+    fn require_remap(&self, what: &str) -> Result<()> {
+        if self.remap {
+            Ok(())
+        } else {
+            Err(Error::InvalidState(format!("only a pool that remaps pages can {what}")))
+        }
+    }
+
+    /// Unmaps the mapped spans `pick` chooses (under the pool lock), with
+    /// no pool lock held while the upstream unmaps (the caller holds the
+    /// remap lock); returns the bytes unmapped.
+    fn unmap_spans(&self, pick: impl FnOnce(&super::BestFit, &super::page_map::Pages) -> Vec<Chunk>) -> Result<usize> {
         let spans = {
             let mut inner = self.inner.lock();
             let Inner { fit, pages, .. } = &mut *inner;
-            let spans: Vec<Chunk> = fit.chunks().iter().flat_map(|c| pages.mapped_inside(c.addr, c.size)).collect();
+            let spans = pick(fit, pages);
             for span in &spans {
                 // Holes while they go: nothing lands on them meanwhile.
                 pages.mark(*span, true);
             }
             spans
         };
-        let kept = self.upstream.kept();
-        self.upstream.release_kept();
-        let r = if spans.is_empty() {
-            Ok(Vec::new())
-        } else {
-            self.upstream.unmap_within(&spans, usize::MAX, false, false)
-        };
+        if spans.is_empty() {
+            return Ok(0);
+        }
+        let r = self.upstream.unmap_within(&spans, usize::MAX, false, false);
         let mut inner = self.inner.lock();
         let pages = &mut inner.pages;
-        pages.set_kept(0);
         for span in &spans {
             pages.mark(*span, false);
         }
         let unmapped = r.as_ref().map_or(&[][..], |v| &v[..]);
-        let mut bytes = kept;
+        let mut bytes = 0;
         for piece in unmapped {
             pages.mark(*piece, true);
             pages.mapped -= piece.size >> pages.shift();
@@ -86,9 +132,7 @@ impl<U: Upstream> Pool<U> {
     /// range outside its chunks; [`Error::OutOfMemory`] or a driver error
     /// from the upstream.
     pub fn map_ranges(&self, ranges: &[(usize, usize)]) -> Result<usize> {
-        if !self.remap {
-            return Err(Error::InvalidState("only a pool that remaps pages can map pages under its blocks".into()));
-        }
+        self.require_remap("map pages under its blocks")?;
         let _remap = lock(&self.remap_lock);
         let runs = {
             let inner = self.inner.lock();

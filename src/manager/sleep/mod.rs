@@ -38,8 +38,11 @@
 
 use std::time::Instant;
 
+mod pipeline;
+
+use pipeline::{batches, Direction, LaneSet, Mark};
+
 use super::MemoryManager;
-use crate::cuda::{driver_err, Stream};
 use crate::device::TagPoolRef;
 use crate::device::{DeviceAllocator, TagScope, TagUsage};
 use crate::error::{Error, Result};
@@ -84,7 +87,8 @@ pub struct SleepReport {
     pub discarded: usize,
     /// Bytes of physical device memory given back.
     pub released: usize,
-    /// Seconds spent copying (queued to done).
+    /// Seconds from the first copy queued to the last page given back
+    /// (the pages of each batch go as soon as its copies are done).
     pub copy_seconds: f64,
     /// Seconds the whole call took.
     pub seconds: f64,
@@ -99,7 +103,8 @@ pub struct WakeReport {
     pub restored: usize,
     /// Bytes of physical device memory mapped under live blocks.
     pub mapped: usize,
-    /// Seconds spent copying (queued to done).
+    /// Seconds from the first page mapped to the last copy done (each
+    /// batch's pages are mapped while the batch before copies).
     pub copy_seconds: f64,
     /// Seconds the whole call took.
     pub seconds: f64,
@@ -213,21 +218,60 @@ impl MemoryManager {
             report.offloaded += total;
             plans.push(saved);
         }
-        // 4. Copy out.
+        // 4. Copy out, a batch at a time.
         let copy_start = Instant::now();
-        if let Err(e) = self.copy_all(&parts, &plans, &pinned, Direction::Out) {
-            return Err(undo(e, &pinned));
-        }
-        report.copy_seconds = copy_start.elapsed().as_secs_f64();
-        // 5. Release every page.
-        let mut first_error = None;
-        for ((p, saved), pinned) in parts.iter().zip(plans).zip(pinned) {
-            match p.tag.pool.unmap_all() {
-                Ok(bytes) => report.released += bytes,
-                Err(e) => {
-                    first_error.get_or_insert(e);
+        let mut lanes = LaneSet::default();
+        let mut queued: Vec<(usize, Vec<(usize, usize)>, Mark)> = Vec::new();
+        let q = (|| -> Result<()> {
+            for (i, ((p, saved), host)) in parts.iter().zip(&plans).zip(&pinned).enumerate() {
+                let Some(host) = *host else { continue };
+                for batch in batches(saved) {
+                    // SAFETY: `host` is the pinned block taken for this
+                    // pool, which the plan's offsets fit; the blocks are
+                    // live blocks of a pool that sleeps (nothing allocates
+                    // there) on a synchronised device; both stay so until
+                    // the marks are waited for or the lanes synchronised
+                    // (below, on every path).
+                    let mark = unsafe { lanes.copy(self, p.device, Direction::Out, host, batch)? };
+                    queued.push((i, batch.iter().map(|s| (s.addr, s.len)).collect(), mark));
                 }
             }
+            Ok(())
+        })();
+        if let Err(e) = q {
+            let _ = lanes.synchronize();
+            return Err(undo(e, &pinned));
+        }
+        // 5. Release every page: free space and the discarded tags' at
+        // once, each batch's blocks as soon as its copies are done, then
+        // what is left (pieces shared by blocks of two batches).
+        let mut first_error = None;
+        let mut note = |r: Result<usize>| match r {
+            Ok(bytes) => report.released += bytes,
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        };
+        for p in &parts {
+            note(if p.offload { p.tag.pool.unmap_free() } else { p.tag.pool.unmap_all() });
+        }
+        for (i, ranges, mark) in &queued {
+            // A copy that fails leaves its blocks mapped (nothing more is
+            // given back behind it).
+            match mark.wait() {
+                Ok(()) => note(parts[*i].tag.pool.unmap_ranges(ranges)),
+                Err(e) => {
+                    note(Err(e));
+                    break;
+                }
+            }
+        }
+        if let Err(e) = lanes.synchronize() {
+            note(Err(e));
+        }
+        report.copy_seconds = copy_start.elapsed().as_secs_f64();
+        for ((p, saved), pinned) in parts.iter().zip(plans).zip(pinned) {
+            note(p.tag.pool.unmap_all());
             p.tag.end_sleep(true);
             book.away.push(Away { device: p.device.ordinal(), tag: p.tag.name.to_string(), pinned, saved });
             if !report.tags.iter().any(|t| **t == *p.tag.name) {
@@ -287,21 +331,14 @@ impl MemoryManager {
         if let Err(e) = each_device(&parts, |d| d.synchronize_for_tags()) {
             return Err(give_up(e, &[]));
         }
-        // Pages under the blocks still live.
+        // What comes back: the blocks still live, at the size they had.
         let mut report = WakeReport { tags: named.clone(), ..WakeReport::default() };
-        let mut mapped = Vec::new();
         let mut plans = Vec::with_capacity(parts.len());
         let mut pinned = Vec::with_capacity(parts.len());
+        let mut lives = Vec::with_capacity(parts.len());
         for p in &parts {
             let live = p.tag.pool.live_blocks();
-            let ranges: Vec<(usize, usize)> = live.iter().map(|&(addr, size, _)| (addr, size)).collect();
-            match p.tag.pool.map_ranges(&ranges) {
-                Ok(bytes) => report.mapped += bytes,
-                Err(e) => return Err(give_up(e, &mapped)),
-            }
-            mapped.push(p.tag.clone());
             let away = book.away.iter().find(|a| a.device == p.device.ordinal() && a.tag == *p.tag.name);
-            // Only blocks still live, at the size they had, come back.
             let saved: Vec<Saved> = away
                 .map(|a| {
                     a.saved
@@ -314,9 +351,40 @@ impl MemoryManager {
             report.restored += saved.iter().map(|s| s.len).sum::<usize>();
             pinned.push(away.and_then(|a| a.pinned));
             plans.push(saved);
+            lives.push(live);
         }
+        // Pages under them, a batch at a time, each batch copied back
+        // while the next one maps.
         let copy_start = Instant::now();
-        if let Err(e) = self.copy_all(&parts, &plans, &pinned, Direction::In) {
+        let mut lanes = LaneSet::default();
+        let mut mapped = Vec::new();
+        let r = (|| -> Result<()> {
+            for (((p, saved), host), live) in parts.iter().zip(&plans).zip(&pinned).zip(&lives) {
+                mapped.push(p.tag.clone());
+                let size_of = |addr: usize| live.binary_search_by_key(&addr, |b| b.0).map_or(0, |i| live[i].1);
+                // Blocks with nothing to copy back (a discarded tag's).
+                let bare: Vec<(usize, usize)> = live
+                    .iter()
+                    .filter(|b| saved.binary_search_by_key(&b.0, |s| s.addr).is_err())
+                    .map(|&(addr, size, _)| (addr, size))
+                    .collect();
+                report.mapped += p.tag.pool.map_ranges(&bare)?;
+                let Some(host) = *host else { continue };
+                for batch in batches(saved) {
+                    let ranges: Vec<(usize, usize)> = batch.iter().map(|s| (s.addr, size_of(s.addr))).collect();
+                    report.mapped += p.tag.pool.map_ranges(&ranges)?;
+                    // SAFETY: the pinned block holds the sleep's copies at
+                    // the planned offsets and is freed only after the
+                    // lanes are synchronised (below, on every path); the
+                    // blocks are live blocks of a pool that wakes (nothing
+                    // allocates there), now mapped.
+                    unsafe { lanes.copy(self, p.device, Direction::In, host, batch)? };
+                }
+            }
+            lanes.synchronize()
+        })();
+        if let Err(e) = r {
+            let _ = lanes.synchronize();
             return Err(give_up(e, &mapped));
         }
         report.copy_seconds = copy_start.elapsed().as_secs_f64();
@@ -387,68 +455,6 @@ impl MemoryManager {
             }
         }
         Ok(parts)
-    }
-
-    /// Copies every plan's blocks between the device and its pinned block
-    /// (`Out`: to the host), on two streams per device, and waits.
-    fn copy_all(
-        &self,
-        parts: &[Part<'_>],
-        plans: &[Vec<Saved>],
-        pinned: &[Option<usize>],
-        dir: Direction,
-    ) -> Result<()> {
-        let mut streams: Vec<(usize, [Stream; 2])> = Vec::new();
-        let mut k = 0usize;
-        for ((p, saved), host) in parts.iter().zip(plans).zip(pinned) {
-            let Some(host) = *host else { continue };
-            if saved.is_empty() {
-                continue;
-            }
-            let ordinal = p.device.ordinal();
-            if !streams.iter().any(|(o, _)| *o == ordinal) {
-                streams.push((ordinal, [copy_stream(p.device)?, copy_stream(p.device)?]));
-            }
-            let pair = &streams.iter().find(|(o, _)| *o == ordinal).expect("made above").1;
-            for s in saved {
-                let stream = &pair[k % 2];
-                k += 1;
-                let at = host + s.offset;
-                // SAFETY: `at..at + len` lies in the pinned block taken for
-                // this pool (offsets were planned within its size) and
-                // nothing else uses it; `s.addr..+len` lies in a live block
-                // of the pool (len is at most the block's size), which no
-                // allocation can reach while the pool sleeps or wakes, and
-                // the device was synchronised, so no queued work uses it.
-                // Both stay valid until the streams are synchronised below.
-                unsafe {
-                    match dir {
-                        Direction::Out => self.copy_to_host_async(at as *mut u8, s.addr as u64, s.len, stream)?,
-                        Direction::In => self.copy_to_device_async(s.addr as u64, at as *const u8, s.len, stream)?,
-                    }
-                }
-            }
-        }
-        for (_, pair) in &streams {
-            for s in pair {
-                s.synchronize()?;
-            }
-        }
-        Ok(())
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Direction {
-    Out,
-    In,
-}
-
-/// A stream for sleep's copies on `d` (a host queue on the fallback).
-fn copy_stream(d: &DeviceAllocator) -> Result<Stream> {
-    match d.context() {
-        Some(ctx) => Ok(Stream::from_cudarc(ctx.new_stream().map_err(driver_err("cuStreamCreate"))?)),
-        None => Ok(Stream::host()),
     }
 }
 
