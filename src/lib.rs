@@ -23,7 +23,7 @@ pub mod upstream;
 
 pub use alloc::{PinnedAlloc, PinnedBox, PinnedVec};
 pub use arena::{ArenaPlan, DeviceHandle, HostHandle, PlanReport};
-pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, TrackedPinnedVec, VmBackend};
+pub use buffer::{DeviceBuffer, GrowPath, GrowStats, GrowableBuffer, MemoryTag, TrackedPinnedVec, VmBackend};
 pub use cuda::Stream;
 pub use device::{DeviceAllocatorMode, GraphPool, GraphStats, TagScope, TagState, TagUsage};
 pub use error::{Error, OomState, PoolKind, Result};

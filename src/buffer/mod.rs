@@ -8,9 +8,11 @@
 mod device_buffer;
 mod growable;
 mod interop;
+mod tagged;
 mod tracked_pinned;
 
 pub use crate::upstream::{GrowPath, VmBackend};
 pub use device_buffer::DeviceBuffer;
 pub use growable::{GrowStats, GrowableBuffer};
+pub use tagged::MemoryTag;
 pub use tracked_pinned::TrackedPinnedVec;

@@ -110,6 +110,14 @@ pub struct WakeReport {
     pub seconds: f64,
 }
 
+/// One batch of a sleep's copies: the part it copies, its blocks' ranges,
+/// and the mark its copies reach.
+struct Queued {
+    part: usize,
+    ranges: Vec<(usize, usize)>,
+    mark: Mark,
+}
+
 /// One pool taking part in a sleep or a wake.
 struct Part<'a> {
     device: &'a DeviceAllocator,
@@ -221,7 +229,7 @@ impl MemoryManager {
         // 4. Copy out, a batch at a time.
         let copy_start = Instant::now();
         let mut lanes = LaneSet::default();
-        let mut queued: Vec<(usize, Vec<(usize, usize)>, Mark)> = Vec::new();
+        let mut queued: Vec<Queued> = Vec::new();
         let q = (|| -> Result<()> {
             for (i, ((p, saved), host)) in parts.iter().zip(&plans).zip(&pinned).enumerate() {
                 let Some(host) = *host else { continue };
@@ -233,7 +241,7 @@ impl MemoryManager {
                     // the marks are waited for or the lanes synchronised
                     // (below, on every path).
                     let mark = unsafe { lanes.copy(self, p.device, Direction::Out, host, batch)? };
-                    queued.push((i, batch.iter().map(|s| (s.addr, s.len)).collect(), mark));
+                    queued.push(Queued { part: i, ranges: batch.iter().map(|s| (s.addr, s.len)).collect(), mark });
                 }
             }
             Ok(())
@@ -255,11 +263,11 @@ impl MemoryManager {
         for p in &parts {
             note(if p.offload { p.tag.pool.unmap_free() } else { p.tag.pool.unmap_all() });
         }
-        for (i, ranges, mark) in &queued {
+        for q in &queued {
             // A copy that fails leaves its blocks mapped (nothing more is
             // given back behind it).
-            match mark.wait() {
-                Ok(()) => note(parts[*i].tag.pool.unmap_ranges(ranges)),
+            match q.mark.wait() {
+                Ok(()) => note(parts[q.part].tag.pool.unmap_ranges(&q.ranges)),
                 Err(e) => {
                     note(Err(e));
                     break;
