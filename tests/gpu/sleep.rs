@@ -188,3 +188,47 @@ fn exports_and_captures_are_refused() {
     mm.wake(&["shared"]).unwrap();
     mm.free_device(p).unwrap();
 }
+
+#[test]
+fn gpu_two_devices_sleep_together_and_a_peer_reads_woken_memory() {
+    let name = "gpu_two_devices_sleep_together_and_a_peer_reads_woken_memory";
+    let Some(ctxs) = cumem::device::gpus_for_test(2, name) else { return };
+    let _serial = serial();
+    let k: Vec<Kernels> = ctxs.iter().map(kernels).collect();
+    let mm = MemoryManager::new(Config::from_env().expect("CUMEM_CONF parses")).unwrap();
+    // Device 1's kernels read device 0's memory: the pages wake maps must
+    // be given to the peer too.
+    mm.enable_peer_access(1, 0).unwrap();
+    let s: Vec<Stream> = (0..2).map(|d| Stream::new_on(d).unwrap()).collect();
+    let blocks: Vec<u64> = {
+        let _tag = mm.tag("weights").unwrap();
+        s.iter().map(|s| mm.allocate_device_on(N * 4, s).unwrap()).collect()
+    };
+    let out = mm.allocate_device_on(N * 4, &s[1]).unwrap();
+    for (d, &p) in blocks.iter().enumerate() {
+        pattern(&k[d], &s[d], p, 0x5EED_0000 + d as u32);
+        s[d].synchronize().unwrap();
+    }
+    let usage = mm.tag_usage();
+    assert_eq!(usage.iter().map(|u| u.device).collect::<Vec<_>>(), vec![0, 1], "one pool per device");
+
+    let slept = mm.sleep(&["weights"], &[]).unwrap();
+    assert_eq!(slept.offloaded, 2 * N * 4);
+    assert!(mm.tag_usage().iter().all(|u| u.state == TagState::Asleep && u.pool.mapped == 0));
+    mm.wake(&["weights"]).unwrap();
+
+    for (d, &p) in blocks.iter().enumerate() {
+        ctxs[d].bind_to_thread().unwrap();
+        let seed = 0x5EED_0000 + d as u32;
+        let want: Vec<u32> = (0..N).map(|i| ((i as u64).wrapping_mul(2654435761) as u32) ^ seed).collect();
+        assert!(read(p) == want, "device {d}'s block came back whole at its address");
+    }
+    // A kernel on device 1 reads device 0's woken block (and device 1's).
+    mix(&k[1], &s[1], out, blocks[0], blocks[1]);
+    s[1].synchronize().unwrap();
+    ctxs[1].bind_to_thread().unwrap();
+    assert!(read(out) == expected(0x5EED_0000, 0x5EED_0001), "the peer reads the woken memory");
+    for p in blocks.into_iter().chain([out]) {
+        mm.free_device(p).unwrap();
+    }
+}
