@@ -296,3 +296,28 @@ fn allocations_racing_a_sleep_either_land_before_it_or_are_refused() {
         assert!(holds(&mm, p, 64 * 1024, i as u8), "blocks live at once don't overlap");
     }
 }
+
+#[test]
+fn a_tag_sleeps_on_every_device_where_it_has_memory() {
+    let mm = MemoryManager::new(Config::new().backend(BackendChoice::Host).host_devices(2)).unwrap();
+    let on0 = tagged_blocks(&mm, "w", &[2 * MIB])[0].0;
+    mm.sleep(&["w"], &[]).unwrap();
+    // The tag's first memory on device 1 comes while it sleeps on device 0:
+    // a pool of its own, awake, which the next sleep takes.
+    let on1 = {
+        let _tag = mm.tag("w").unwrap();
+        mm.allocate_device_for(1, MIB).unwrap()
+    };
+    fill(&mm, on1, MIB, 9);
+    let states = |mm: &MemoryManager| mm.tag_usage().iter().map(|u| (u.device, u.state)).collect::<Vec<_>>();
+    assert_eq!(states(&mm), vec![(0, TagState::Asleep), (1, TagState::Awake)]);
+    let slept = mm.sleep(&["w"], &[]).unwrap();
+    assert_eq!(slept.offloaded, MIB, "only the awake pool sleeps now");
+    assert!(tag_error(mm.sleep(&["w"], &[])), "every pool asleep: sleeping twice");
+    let woke = mm.wake(&["w"]).unwrap();
+    assert_eq!(woke.restored, 3 * MIB, "both pools wake");
+    assert_eq!(states(&mm), vec![(0, TagState::Awake), (1, TagState::Awake)]);
+    assert!(holds(&mm, on0, 2 * MIB, 0));
+    assert!(holds(&mm, on1, MIB, 9));
+    assert!(tag_error(mm.wake(&["w"])), "waking a tag that is awake");
+}

@@ -43,8 +43,8 @@ mod pipeline;
 use pipeline::{batches, Direction, LaneSet, Mark};
 
 use super::MemoryManager;
-use crate::device::TagPoolRef;
 use crate::device::{DeviceAllocator, TagScope, TagUsage};
+use crate::device::{TagPoolRef, TagState};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::upstream::BLOCK_ALIGN;
@@ -179,7 +179,7 @@ impl MemoryManager {
         self.check_running("sleep")?;
         check_names(offload.iter().chain(discard))?;
         let mut book = lock(&self.sleep_book);
-        let parts = self.parts(offload, discard)?;
+        let parts = self.parts(offload, discard, TagState::Awake)?;
         // 1. No allocation in the pools from here on.
         for (i, p) in parts.iter().enumerate() {
             if let Err(e) = p.tag.begin_sleep() {
@@ -320,7 +320,7 @@ impl MemoryManager {
             tags.iter().map(|t| t.to_string()).collect()
         };
         let names: Vec<&str> = named.iter().map(String::as_str).collect();
-        let parts = self.parts(&names, &[])?;
+        let parts = self.parts(&names, &[], TagState::Asleep)?;
         for (i, p) in parts.iter().enumerate() {
             if let Err(e) = p.tag.begin_wake() {
                 parts[..i].iter().for_each(|p| p.tag.end_wake(false));
@@ -440,26 +440,37 @@ impl MemoryManager {
         }
     }
 
-    /// The pools of `offload` and `discard` on every initialised device.
+    /// The pools of `offload` and `discard` on every initialised device
+    /// that are in state `from` (sleep takes the awake ones, wake the
+    /// asleep ones: a tag that first allocated on a device while it slept
+    /// elsewhere has an awake pool there, which the next sleep takes).
     ///
     /// # Errors
-    /// [`Error::Tag`] for a tag with no pool anywhere.
-    fn parts(&self, offload: &[&str], discard: &[&str]) -> Result<Vec<Part<'_>>> {
+    /// [`Error::Tag`] for a tag with no pool anywhere, or none in `from`
+    /// (sleeping twice, waking a tag that is awake).
+    fn parts(&self, offload: &[&str], discard: &[&str], from: TagState) -> Result<Vec<Part<'_>>> {
         let mut parts = Vec::new();
         for (names, off) in [(offload, true), (discard, false)] {
             for &name in names {
-                let before = parts.len();
+                let mut states = Vec::new();
                 for d in self.initialised_devices() {
                     if let Some(pool) = d.tag_pool(name) {
-                        parts.push(Part { device: d, tag: pool, offload: off });
+                        let state = pool.state();
+                        if state == from {
+                            parts.push(Part { device: d, tag: pool, offload: off });
+                        } else {
+                            states.push(state);
+                        }
                     }
                 }
-                if parts.len() == before {
-                    return Err(Error::Tag {
-                        tag: name.to_string(),
-                        why: "no device memory was ever allocated under this tag".into(),
-                    });
+                if parts.iter().any(|p| *p.tag.name == *name) {
+                    continue;
                 }
+                let why = match states.first() {
+                    None => "no device memory was ever allocated under this tag".to_string(),
+                    Some(now) => format!("its memory is {now}, not {from} (sleeping twice, or waking an awake tag)"),
+                };
+                return Err(Error::Tag { tag: name.to_string(), why });
             }
         }
         Ok(parts)
