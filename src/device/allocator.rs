@@ -26,7 +26,7 @@ use super::modes::{self, Machinery, Mode, Routed};
 use super::native_pool::{self, NativePool, NativePoolOptions};
 use super::pins::Pins;
 use super::reuse::StreamRegistry;
-use super::stats::{AsyncStats, DeviceStats};
+use super::stats::AsyncStats;
 use super::tags::{self, TagPoolFactory, TagPools};
 use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
@@ -45,9 +45,9 @@ struct AsyncBlock {
 }
 
 #[derive(Debug, Default)]
-struct AsyncBook {
+pub(super) struct AsyncBook {
     live: hashbrown::HashMap<usize, AsyncBlock>,
-    stats: AsyncStats,
+    pub(super) stats: AsyncStats,
 }
 
 /// How many blocks an allocation sets aside because their last use is
@@ -68,7 +68,7 @@ pub struct DeviceAllocator {
     internal_stream: OnceCell<Stream>,
     /// Stream-ordered allocations (address → size and mode) and their
     /// figures, under one lock.
-    async_book: Mutex<AsyncBook>,
+    pub(super) async_book: Mutex<AsyncBook>,
     /// How many stream-ordered allocations are live: frees skip the book's
     /// lock while it is 0 (the sync pool's frees, most of the time).
     async_live: AtomicUsize,
@@ -200,7 +200,7 @@ impl DeviceAllocator {
     }
 
     /// The driver pools of the modes, those that exist.
-    fn driver_pools(&self) -> impl Iterator<Item = &NativePool> {
+    pub(super) fn driver_pools(&self) -> impl Iterator<Item = &NativePool> {
         self.modes.iter().filter_map(|m| m.made_pool())
     }
 
@@ -530,36 +530,6 @@ impl DeviceAllocator {
             p.trim_to(0)?;
         }
         Ok(released)
-    }
-
-    /// Statistics of every mode.
-    pub fn stats(&self) -> DeviceStats {
-        self.settle_graph_releases();
-        DeviceStats {
-            pool: self.pool.stats(),
-            stream_ordered: lock(&self.async_book).stats.clone(),
-            native_pool: self.mode(DeviceAllocatorMode::CudaAsyncPool).made_pool().and_then(|p| p.attributes().ok()),
-            default_pool: self
-                .mode(DeviceAllocatorMode::AsyncStreamOrdered)
-                .made_pool()
-                .and_then(|p| p.attributes().ok()),
-            graphs: self.graphs_stats(),
-            stream_waits: self.streams.waits().0,
-            stream_wait_ns: self.streams.waits().1,
-            stream_waits_elided: self.streams.waits_elided(),
-            tags: self.tags.all().iter().map(|a| a.usage(self.ordinal)).collect(),
-        }
-    }
-
-    /// Sets every peak to its current value.
-    pub fn reset_peaks(&self) {
-        self.pool.reset_peaks();
-        let mut book = lock(&self.async_book);
-        book.stats.peak_in_use = book.stats.in_use;
-        drop(book);
-        for p in self.driver_pools() {
-            let _ = p.reset_high_watermarks();
-        }
     }
 
     /// Releases what is free and lists what is live (sync pool blocks and

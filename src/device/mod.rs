@@ -13,6 +13,7 @@ mod allocator;
 mod builder;
 mod captures;
 mod exports;
+mod figures;
 mod graph_pool;
 mod mode;
 mod modes;

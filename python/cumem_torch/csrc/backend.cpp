@@ -396,25 +396,6 @@ void CumemAllocator::process_pending() {
   for (auto& pf : done) finish_free(pf.ptr, pf.block);
 }
 
-void CumemAllocator::drain_pending_frees() {
-  std::vector<PendingFree> all;
-  {
-    std::lock_guard<std::recursive_mutex> g(mutex_);
-    all.swap(pending_);
-    pending_count_.store(0, std::memory_order_release);
-  }
-  for (auto& pf : all) {
-    // Waited for with no lock held; the events then go back to the pool.
-    for (auto e : pf.events) C10_CUDA_CHECK(cudaEventSynchronize(e));
-    {
-      std::lock_guard<std::recursive_mutex> g(mutex_);
-      dev(pf.block.device);
-      for (auto e : pf.events) events_[pf.block.device].push_back(e);
-    }
-    finish_free(pf.ptr, pf.block);
-  }
-}
-
 void CumemAllocator::flush_deferred(bool all_captures_over) {
   std::vector<std::pair<void*, Block>> ready;
   {

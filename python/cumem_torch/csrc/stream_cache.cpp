@@ -22,6 +22,7 @@
 // block (malloc asks cumem_tag_is_set).
 #include "backend.h"
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
@@ -90,6 +91,27 @@ void CumemAllocator::release_kept(c10::DeviceIndex device, bool all_devices) {
     kept_count_.store(kept_.size(), std::memory_order_release);
   }
   for (const auto& k : out) give_back(k);
+}
+
+// Before a memory tag sleeps (install.cpp): the frees waiting for
+// record_stream's events, completed.
+void CumemAllocator::drain_pending_frees() {
+  std::vector<PendingFree> all;
+  {
+    std::lock_guard<std::recursive_mutex> g(mutex_);
+    all.swap(pending_);
+    pending_count_.store(0, std::memory_order_release);
+  }
+  for (auto& pf : all) {
+    // Waited for with no lock held; the events then go back to the pool.
+    for (auto e : pf.events) C10_CUDA_CHECK(cudaEventSynchronize(e));
+    {
+      std::lock_guard<std::recursive_mutex> g(mutex_);
+      dev(pf.block.device);
+      for (auto e : pf.events) events_[pf.block.device].push_back(e);
+    }
+    finish_free(pf.ptr, pf.block);
+  }
 }
 
 } // namespace cumem_torch
