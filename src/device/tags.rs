@@ -22,12 +22,11 @@
 //!   the state to Sleeping and then waits until no allocation is in flight
 //!   (each write followed by a sequentially consistent fence before the
 //!   read, so either the allocation sees Sleeping and backs out, or sleep
-//!   sees it in flight and waits for it). Only an
-//!   Awake pool allocates; frees work in every state (a freed block is
+//!   sees it in flight and waits for it). Only an Awake pool allocates; frees work in every state (a freed block is
 //!   not copied back).
 //! - What sleep copies, where, and when the device is synchronised is the
-//!   manager's part (`manager/sleep.rs`); this file moves the states and
-//!   the pages ([`Pool::unmap_all`], [`Pool::map_ranges`]).
+//!   manager's part (`manager/sleep/`); this file moves the states, and
+//!   the pool the pages ([`Pool::unmap_all`], [`Pool::map_ranges`]).
 
 use std::cell::RefCell;
 use std::sync::Arc as StdArc;

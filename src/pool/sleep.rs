@@ -11,7 +11,10 @@
 //!   piece inside the chunks. The caller has made sure no work queued on a
 //!   stream still uses the memory (it synchronised the device), so the
 //!   upstream is told nothing is pending. Live blocks stay live: their
-//!   addresses are still theirs; only their pages are gone.
+//!   addresses are still theirs; only their pages are gone. A sleep that
+//!   copies contents out gives pages back in parts while its copies run:
+//!   [`Pool::unmap_free`] (the free space) and [`Pool::unmap_ranges`] (the
+//!   pieces wholly inside given blocks), then `unmap_all` for the rest.
 //! - **Wake** ([`Pool::map_ranges`]) takes the remap lock, collects the
 //!   holes under the given ranges (merged: neighbouring blocks share
 //!   pages), and maps them with one [`Upstream::map_runs`] call, which

@@ -7,31 +7,35 @@
 //! - **One at a time.** Sleep and wake hold the manager's sleep book
 //!   (a lock of their own, never a pool lock) from start to end; the
 //!   book keeps what each sleeping tag left behind ([`Away`]).
-//! - **Sleep**, for every device where a named tag has a pool:
+//! - **Sleep** takes the named tags' awake pools, on every device where
+//!   a tag has one (a tag with none awake refuses: sleeping twice):
 //!   1. every pool goes Awake → Sleeping and waits for the allocations
-//!      under way in it (`device/tags.rs`); a tag that is not awake
-//!      refuses, and nothing changes;
+//!      under way in it (`device/tags.rs`);
 //!   2. the devices are synchronised (work queued on any stream may still
 //!      use the memory; a capture under way refuses);
 //!   3. for the offloaded tags, one block of pinned memory per pool is
 //!      taken for all its live blocks (too little pinned memory refuses
 //!      here, before anything is released);
-//!   4. the live blocks are copied to it, spread over two streams per
-//!      device, and the streams synchronised;
-//!   5. every page of every pool is unmapped and its memory released
-//!      ([`Pool::unmap_all`](crate::pool::Pool::unmap_all)); the pools
-//!      go Asleep.
+//!   4. the live blocks are copied to it in batches of 256 MiB on two
+//!      streams per device (`pipeline.rs`), an event after each batch;
+//!   5. pages go back while the copies run: free space and the discarded
+//!      tags' pages at once, each batch's blocks as soon as its event is
+//!      reached ([`Pool::unmap_ranges`](crate::pool::Pool::unmap_ranges)),
+//!      then what is left ([`Pool::unmap_all`](crate::pool::Pool::unmap_all));
+//!      the pools go Asleep.
 //!
 //!   A failure in steps 1-4 puts every pool back Awake and gives the
 //!   pinned memory back: nothing was released. A failure in step 5 leaves
 //!   the pool Asleep with its contents offloaded: wake restores it.
-//! - **Wake**: every named pool goes Asleep → Waking; pages are mapped
-//!   under the blocks still live ([`Pool::map_ranges`](crate::pool::Pool::map_ranges);
-//!   blocks freed while asleep stay unmapped, and are not copied back);
-//!   the offloaded contents are copied back and the pinned memory given
-//!   back; the pools go Awake. Running out of memory, or any failure,
-//!   unmaps what this wake mapped and leaves every pool Asleep with its
-//!   contents kept: nothing is lost, and wake can be called again.
+//! - **Wake** takes the named tags' asleep pools (none: waking an awake
+//!   tag): each goes Asleep → Waking; pages are mapped under the blocks
+//!   still live ([`Pool::map_ranges`](crate::pool::Pool::map_ranges);
+//!   blocks freed while asleep stay unmapped, and are not copied back), a
+//!   batch at a time while the batch before copies back; the pinned memory
+//!   goes back to the pinned pool; the pools go Awake. Running out of
+//!   memory, or any failure, unmaps what this wake mapped and leaves every
+//!   pool Asleep with its contents kept: nothing is lost, and wake can be
+//!   called again.
 //! - **Shutdown** while tags sleep gives their offloaded contents back to
 //!   the pinned pool first (the program is ending; its blocks are
 //!   reported live as usual).
