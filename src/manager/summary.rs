@@ -3,6 +3,7 @@
 use std::fmt::{self, Write as _};
 
 use super::MemoryManager;
+use crate::device::TagState;
 use crate::error::PoolKind;
 use crate::pool::{LiveBlock, PoolStats};
 
@@ -155,9 +156,25 @@ pub(super) fn render(mm: &MemoryManager) -> String {
     if let Some(s) = mm.managed_stats() {
         row(&mut out, "managed", &s);
     }
+    let tags = mm.tag_usage();
     for d in mm.initialised_devices() {
         let st = d.stats();
         row(&mut out, &format!("device {} pool", d.ordinal()), &st.pool);
+        for u in tags.iter().filter(|u| u.device == d.ordinal()) {
+            // A memory tag's pool: its own row, and where its memory is.
+            let name: String = u.name.chars().take(12).collect();
+            row(&mut out, &format!("tag {name}"), &u.pool);
+            if u.state != TagState::Awake || u.offloaded > 0 {
+                let _ = writeln!(
+                    out,
+                    "| device {} tag {}: {}, {} offloaded to pinned memory",
+                    d.ordinal(),
+                    u.name,
+                    u.state,
+                    human_bytes(u.offloaded)
+                );
+            }
+        }
         let a = &st.stream_ordered;
         if a.allocations > 0 {
             let _ = writeln!(

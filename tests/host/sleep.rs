@@ -72,6 +72,8 @@ fn offloaded_contents_come_back_at_the_same_addresses() {
     assert_eq!(slept.released, before.pool.mapped, "every mapped byte goes");
     let asleep = usage(&mm, "weights");
     assert_eq!(asleep.state, TagState::Asleep);
+    let summary = mm.memory_summary();
+    assert!(summary.contains("| tag weights") && summary.contains("tag weights: asleep"), "{summary}");
     assert_eq!(asleep.pool.mapped, 0);
     assert_eq!(asleep.pool.reserved, before.pool.reserved, "the address space stays");
     assert_eq!(asleep.offloaded, slept.offloaded);
