@@ -11,7 +11,7 @@ use crate::pool::{PoolSnapshot, PoolStats};
 /// See [`MemorySnapshot`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolPicture {
-    /// "pinned", "managed" or "device N".
+    /// "pinned", "managed", "device N" or "device N tag NAME".
     pub name: String,
     /// Where its chunks come from (the upstream's name).
     pub upstream: &'static str,
@@ -22,8 +22,9 @@ pub struct PoolPicture {
 }
 
 /// Every pool's chunks and blocks: the pinned pool, the managed pool once
-/// used, and each device's sync pool once used (memory of the
-/// stream-ordered modes lives in the driver's pools and is not listed).
+/// used, each device's sync pool once used, and each memory tag's pool on
+/// each device ("device N tag NAME"; memory of the stream-ordered modes
+/// lives in the driver's pools and is not listed).
 ///
 /// # Examples
 /// ```
@@ -71,6 +72,14 @@ impl MemoryManager {
                 snapshot: p.snapshot(),
                 stats: p.stats(),
             });
+            for t in d.tag_pools() {
+                pools.push(PoolPicture {
+                    name: format!("device {} tag {}", d.ordinal(), t.name()),
+                    upstream: t.pool.upstream().name(),
+                    snapshot: t.pool.snapshot(),
+                    stats: t.pool.stats(),
+                });
+            }
         }
         MemorySnapshot { pools }
     }

@@ -74,6 +74,9 @@ fn offloaded_contents_come_back_at_the_same_addresses() {
     assert_eq!(asleep.state, TagState::Asleep);
     let summary = mm.memory_summary();
     assert!(summary.contains("| tag weights") && summary.contains("tag weights: asleep"), "{summary}");
+    let snap = mm.memory_snapshot();
+    let tag = snap.pools.iter().find(|p| p.name == "device 0 tag weights").expect("the tag's pool is pictured");
+    assert_eq!(tag.stats.live_blocks, SIZES.len());
     assert_eq!(asleep.pool.mapped, 0);
     assert_eq!(asleep.pool.reserved, before.pool.reserved, "the address space stays");
     assert_eq!(asleep.offloaded, slept.offloaded);
