@@ -170,14 +170,16 @@ impl MemoryManager {
     /// not copied back).
     ///
     /// # Errors
-    /// Nothing is released when the call fails:
+    /// Nothing is released when the call fails before its copies start:
     /// - [`Error::Config`]: a bad or repeated name, or a tag in both lists;
-    /// - [`Error::Tag`]: a tag that never allocated, or that is not awake
-    ///   (sleeping twice);
+    /// - [`Error::Tag`]: a tag that never allocated, or none of whose
+    ///   pools is awake (sleeping twice), or too little pinned memory to
+    ///   hold the offloaded contents (the message says how much);
     /// - [`Error::Capture`]: a graph capture under way;
-    /// - [`Error::OutOfMemory`] (pinned): not enough pinned memory to hold
-    ///   the offloaded contents;
     /// - [`Error::ShutDown`], driver errors.
+    ///
+    /// A device fault while the contents are copied or the pages given
+    /// back leaves the tags asleep with what was copied (wake restores it).
     pub fn sleep(&self, offload: &[&str], discard: &[&str]) -> Result<SleepReport> {
         let start = Instant::now();
         self.check_running("sleep")?;
