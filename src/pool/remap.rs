@@ -59,7 +59,7 @@
 //!   never remap (their graphs replay later into free-looking blocks).
 
 use super::page_map::{budget, Pages};
-use super::{Allocation, Inner, Pool, SpinLock};
+use super::{Allocation, BestFit, Inner, Pool, SpinLock};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::upstream::{Chunk, Upstream, BLOCK_ALIGN};
@@ -387,12 +387,14 @@ impl<U: Upstream> Pool<U> {
         (out, None)
     }
 
-    /// Unmaps every wholly free piece of memory (release and out-of-memory
-    /// paths; the caller holds the remap lock); returns the bytes unmapped.
+    /// Unmaps every wholly free piece of memory and releases the kept
+    /// memory (release and out-of-memory paths; the caller holds the remap
+    /// lock); returns the bytes given back.
     pub(super) fn unmap_free_pages(&self) -> Result<usize> {
-        let (spans, pending) = {
-            let mut inner = self.inner.lock();
-            let Inner { fit, pages, .. } = &mut *inner;
+        let kept = self.upstream.kept();
+        self.upstream.release_kept();
+        self.inner.lock().pages.set_kept(0);
+        let unmapped = self.unmap_spans(|fit, pages| {
             let mut spans = Vec::new();
             let mut pending = false;
             for (addr, bsize, tag) in fit.free_blocks_highest_first(pages.page()) {
@@ -401,21 +403,32 @@ impl<U: Upstream> Pool<U> {
                     spans.push(span);
                 }
             }
+            (spans, pending)
+        })?;
+        Ok(unmapped + kept)
+    }
+
+    /// Unmaps the whole pieces inside the mapped spans `pick` chooses under
+    /// the pool lock (with whether queued work may still use them), with no
+    /// pool lock held while the upstream unmaps (the caller holds the remap
+    /// lock), and records what went; returns the bytes unmapped.
+    pub(super) fn unmap_spans(&self, pick: impl FnOnce(&mut BestFit, &Pages) -> (Vec<Chunk>, bool)) -> Result<usize> {
+        let (spans, pending) = {
+            let mut inner = self.inner.lock();
+            let Inner { fit, pages, .. } = &mut *inner;
+            let (spans, pending) = pick(fit, pages);
             for span in &spans {
+                // Holes while they go: nothing lands on them meanwhile.
                 pages.mark(*span, true);
             }
             (spans, pending)
         };
-        let kept = self.upstream.kept();
-        self.upstream.release_kept();
         if spans.is_empty() {
-            self.inner.lock().pages.set_kept(0);
-            return Ok(kept);
+            return Ok(0);
         }
         let r = self.upstream.unmap_within(&spans, usize::MAX, pending, false);
         let mut inner = self.inner.lock();
         let pages = &mut inner.pages;
-        pages.set_kept(0);
         for span in &spans {
             pages.mark(*span, false);
         }
@@ -427,6 +440,6 @@ impl<U: Upstream> Pool<U> {
             bytes += piece.size;
         }
         pages.unmap_calls += unmapped.len() as u64;
-        r.map(|_| bytes + kept)
+        r.map(|_| bytes)
     }
 }

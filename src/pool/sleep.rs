@@ -22,7 +22,7 @@
 //!   changes nothing.
 //! - Both keep the pool's figures true: mapped pages, map and unmap calls.
 
-use super::{Inner, Pool};
+use super::Pool;
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::upstream::{Chunk, Upstream};
@@ -47,8 +47,9 @@ impl<U: Upstream> Pool<U> {
         let kept = self.upstream.kept();
         self.upstream.release_kept();
         self.inner.lock().pages.set_kept(0);
+        // The caller synchronised the device: nothing is pending.
         let unmapped = self.unmap_spans(|fit, pages| {
-            fit.chunks().iter().flat_map(|c| pages.mapped_inside(c.addr, c.size)).collect()
+            (fit.chunks().iter().flat_map(|c| pages.mapped_inside(c.addr, c.size)).collect(), false)
         })?;
         Ok(unmapped + kept)
     }
@@ -69,7 +70,7 @@ impl<U: Upstream> Pool<U> {
         self.require_remap("unmap its live blocks' memory")?;
         let runs = merge(ranges.iter().filter(|r| r.1 > 0).map(|&(addr, size)| Chunk { addr, size }).collect());
         let _remap = lock(&self.remap_lock);
-        self.unmap_spans(|_, pages| runs.iter().flat_map(|r| pages.mapped_inside(r.addr, r.size)).collect())
+        self.unmap_spans(|_, pages| (runs.iter().flat_map(|r| pages.mapped_inside(r.addr, r.size)).collect(), false))
     }
 
     /// Unmaps every piece of memory lying wholly in free blocks and
@@ -90,40 +91,6 @@ impl<U: Upstream> Pool<U> {
         } else {
             Err(Error::InvalidState(format!("only a pool that remaps pages can {what}")))
         }
-    }
-
-    /// Unmaps the mapped spans `pick` chooses (under the pool lock), with
-    /// no pool lock held while the upstream unmaps (the caller holds the
-    /// remap lock); returns the bytes unmapped.
-    fn unmap_spans(&self, pick: impl FnOnce(&super::BestFit, &super::page_map::Pages) -> Vec<Chunk>) -> Result<usize> {
-        let spans = {
-            let mut inner = self.inner.lock();
-            let Inner { fit, pages, .. } = &mut *inner;
-            let spans = pick(fit, pages);
-            for span in &spans {
-                // Holes while they go: nothing lands on them meanwhile.
-                pages.mark(*span, true);
-            }
-            spans
-        };
-        if spans.is_empty() {
-            return Ok(0);
-        }
-        let r = self.upstream.unmap_within(&spans, usize::MAX, false, false);
-        let mut inner = self.inner.lock();
-        let pages = &mut inner.pages;
-        for span in &spans {
-            pages.mark(*span, false);
-        }
-        let unmapped = r.as_ref().map_or(&[][..], |v| &v[..]);
-        let mut bytes = 0;
-        for piece in unmapped {
-            pages.mark(*piece, true);
-            pages.mapped -= piece.size >> pages.shift();
-            bytes += piece.size;
-        }
-        pages.unmap_calls += unmapped.len() as u64;
-        r.map(|_| bytes)
     }
 
     /// Maps memory under every page of `ranges` (`(addr, size)`, inside the
