@@ -17,7 +17,7 @@ use super::native_pool::NativePoolOptions;
 use super::tags::TagPoolFactory;
 use crate::error::Result;
 use crate::pool::{Pool, PoolConfig, Shards, UpstreamFactory};
-use crate::upstream::{Geometric, Host, HostExpandable, SharedChunks, Taken, Upstream};
+use crate::upstream::{CudaVmm, Geometric, Host, HostExpandable, SharedChunks, Taken, Upstream};
 
 /// Address space reserved up front for a device pool on the host fallback
 /// with expandable segments (committed as the pool grows).
@@ -69,6 +69,7 @@ impl DeviceSetup {
         tag_pc.learn_placement = false;
         tag_pc.idle_shards_give = false;
         tag_pc.fresh_thread_budget = false;
+        tag_pc.hand_over_ranges = false;
         let tag_ctx = ctx.clone();
         let tag_pools: TagPoolFactory =
             Box::new(move || Ok(Pool::new(device_upstream(tag_ctx.as_ref(), true)?, tag_pc.clone())));
@@ -88,6 +89,13 @@ impl DeviceSetup {
                 Ok(Box::new(Geometric::new(whole, Taken::new(), limit)) as Box<dyn Upstream>)
             });
             Shards::with_workers(upstream, make_worker, self.pool, self.shards)
+        } else if let Some(space) = self.space(ctx.as_ref())? {
+            // Every shard remaps pages in one address space, each through
+            // a view of its own: a mapped free range passes from one shard
+            // to another with no driver call (pool/handover.rs).
+            let first = space.view();
+            let make: UpstreamFactory = Box::new(move || Ok(space.view()));
+            Shards::sharing_space(first, make, self.pool, self.shards)
         } else {
             // Each further shard takes its chunks the same way as the first
             // (on CUDA, a reservation of its own, registered for peer
@@ -111,6 +119,37 @@ impl DeviceSetup {
             Some(graph_pools),
             Some(tag_pools),
         ))
+    }
+}
+
+/// One address space shared by a device's remapping shards.
+enum Space {
+    Cuda(CudaVmm),
+    Host(HostExpandable),
+}
+
+impl Space {
+    /// A shard's upstream: a view of the space.
+    fn view(&self) -> Box<dyn Upstream> {
+        match self {
+            Space::Cuda(s) => Box::new(s.view()),
+            Space::Host(s) => Box::new(s.view()),
+        }
+    }
+}
+
+impl DeviceSetup {
+    /// The address space the sync pool's shards share, when they remap
+    /// pages, hand ranges over ([`PoolConfig::hand_over_ranges`]) and are
+    /// more than one (else each shard's upstream is its own, as before).
+    fn space(&self, ctx: Option<&Arc<CudaContext>>) -> Result<Option<Space>> {
+        if self.shards < 2 || !self.expandable || !self.pool.hand_over_ranges || self.pool.keep_chunks {
+            return Ok(None);
+        }
+        Ok(match ctx {
+            Some(ctx) => crate::upstream::device_space(ctx.clone(), true, self.shards)?.map(Space::Cuda),
+            None => Some(Space::Host(HostExpandable::new(HOST_DEVICE_RESERVATION * self.shards.clamp(1, 4))?)),
+        })
     }
 }
 

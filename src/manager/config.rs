@@ -213,6 +213,15 @@ pub struct Config {
     /// reuse what their shard held
     /// ([`PoolConfig::fresh_thread_budget`](crate::pool::PoolConfig::fresh_thread_budget)).
     pub fresh_thread_budget: bool,
+    /// A device's remapping arenas share one address space (each maps
+    /// through a view of one reservation), and an arena that would map
+    /// new memory first takes a mapped free range of another arena, with
+    /// no driver call, when the arenas together would otherwise hold more
+    /// than 102 % of the most pages their blocks touched at once. On by
+    /// default; off, each arena reserves address space of its own and
+    /// device memory moves between arenas only by unmap and map
+    /// ([`PoolConfig::hand_over_ranges`](crate::pool::PoolConfig::hand_over_ranges)).
+    pub arenas_hand_over: bool,
 }
 
 impl Default for Config {
@@ -245,6 +254,7 @@ impl Default for Config {
             hot_block: true,
             idle_arenas_give: false,
             fresh_thread_budget: false,
+            arenas_hand_over: true,
         }
     }
 }
@@ -299,6 +309,7 @@ impl Config {
         pc.hot_block = self.hot_block;
         pc.fresh_thread_budget = self.fresh_thread_budget;
         pc.idle_shards_give = self.idle_arenas_give;
+        pc.hand_over_ranges = self.arenas_hand_over;
         pc
     }
 
@@ -429,6 +440,12 @@ impl Config {
     /// Sets [`Config::idle_arenas_give`].
     pub fn idle_arenas_give(mut self, on: bool) -> Self {
         self.idle_arenas_give = on;
+        self
+    }
+
+    /// Sets [`Config::arenas_hand_over`].
+    pub fn arenas_hand_over(mut self, on: bool) -> Self {
+        self.arenas_hand_over = on;
         self
     }
 

@@ -49,6 +49,7 @@
 use std::collections::BTreeMap;
 
 mod at;
+mod carve;
 mod hot;
 mod inspect;
 mod ranked;

@@ -80,6 +80,14 @@ pub struct PoolConfig {
     /// then pays page moves for memory its shard already held
     /// ([`Config::fresh_thread_budget`](crate::Config::fresh_thread_budget)).
     pub fresh_thread_budget: bool,
+    /// In a set of remapping shards that share one address space (a
+    /// device's sync pool: [`Shards::sharing_space`](super::Shards::sharing_space)),
+    /// a shard that would map new memory first takes a mapped free range
+    /// of another shard, with no driver call, when the set would otherwise
+    /// hold more than 102 % of the most pages its blocks touched at once
+    /// (`handover.rs`). On by default
+    /// ([`Config::arenas_hand_over`](crate::Config::arenas_hand_over)).
+    pub hand_over_ranges: bool,
     /// With page remapping, learn the sequence of allocations the program
     /// repeats (a training or serving loop) and place the next
     /// repetitions by a plan made knowing every block's lifetime, inside
@@ -109,6 +117,7 @@ impl PoolConfig {
             background_mapper: false,
             idle_shards_give: false,
             fresh_thread_budget: false,
+            hand_over_ranges: true,
             learn_placement: false,
         }
     }

@@ -22,6 +22,7 @@ mod classes;
 mod config;
 mod free_index;
 mod growth;
+mod handover;
 mod learn;
 mod mapper;
 mod page_map;

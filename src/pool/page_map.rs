@@ -214,6 +214,15 @@ impl Pages {
         self.mark(Chunk { addr, size }, true);
     }
 
+    /// Adds a chunk whose pages are all mapped (a range another pool of
+    /// the same address space gave, `handover.rs`).
+    pub(super) fn add_mapped(&mut self, addr: usize, size: usize) {
+        self.cover(addr, addr + size);
+        self.mark(Chunk { addr, size }, false);
+        self.mapped += size >> self.shift;
+        self.peak = self.peak.max(self.physical());
+    }
+
     /// Forgets the pages of `[addr, addr + size)` (given back to the
     /// upstream); returns how many of them were mapped.
     pub(super) fn forget(&mut self, addr: usize, size: usize) -> usize {

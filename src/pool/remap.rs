@@ -216,6 +216,11 @@ impl<U: Upstream> Pool<U> {
     #[cold]
     fn map_for(&self, rounded: usize, align: usize, size: usize) -> Result<Option<Allocation>> {
         let _remap = lock(&self.remap_lock);
+        // Another shard's mapped free range, with no driver call, before
+        // new memory is made (`handover.rs`).
+        if let Some(a) = self.adopt_for(rounded, align, size) {
+            return Ok(Some(a));
+        }
         let plan = {
             let mut inner = self.inner.lock();
             if inner.shut_down {

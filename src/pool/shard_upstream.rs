@@ -55,7 +55,7 @@ use super::{Pool, PoolConfig};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{fence, lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
 use crate::tag::StreamTag;
-use crate::upstream::{Chunk, Upstream};
+use crate::upstream::{Chunk, MappedGift, Upstream};
 
 /// One chunk of the directory (atomics: readers may read an entry while
 /// a writer rewrites it, and then retry).
@@ -182,6 +182,29 @@ impl Directory {
         self.publish(&mut tables, &next);
     }
 
+    /// Records that `shard` holds `[start, end)`, a range cut out of
+    /// other chunks (handed over, `handover.rs`): the entries it overlaps
+    /// keep what lies outside it, under their own shards.
+    pub(super) fn carve(&self, start: usize, end: usize, shard: usize) {
+        let mut tables = lock(&self.tables);
+        let mut next = Vec::new();
+        for (s, e, owner) in Self::entries(&tables) {
+            if e <= start || end <= s {
+                next.push((s, e, owner));
+                continue;
+            }
+            if s < start {
+                next.push((s, start, owner));
+            }
+            if end < e {
+                next.push((end, e, owner));
+            }
+        }
+        let at = next.partition_point(|&(s, _, _)| s < start);
+        next.insert(at, (start, end, shard));
+        self.publish(&mut tables, &next);
+    }
+
     /// Forgets the chunk that starts at `start` (given back upstream).
     fn remove(&self, start: usize) {
         let mut tables = lock(&self.tables);
@@ -260,6 +283,12 @@ pub(super) struct Shared {
     pub(super) registry: Arc<Registry>,
     /// Idle shards give at all ([`PoolConfig::idle_shards_give`](super::PoolConfig::idle_shards_give)).
     pub(super) give: bool,
+    /// Remapping shards of one address space hand mapped free ranges to a
+    /// shard that would map new memory (`handover.rs`).
+    pub(super) hand_over: bool,
+    /// Ranges handed over, and their bytes.
+    pub(super) handed: AtomicU64,
+    pub(super) handed_bytes: AtomicU64,
     /// Shards in use give what they hold above their budget too
     /// ([`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget)).
     pub(super) follow_threads: bool,
@@ -282,7 +311,7 @@ unsafe impl Sync for Shared {}
 impl Shared {
     /// The state for a set whose pools are `pools`, with `limit` for all of
     /// them together.
-    pub(super) fn new(pools: &ShardPools, registry: Arc<Registry>, config: &PoolConfig) -> Arc<Self> {
+    pub(super) fn new(pools: &ShardPools, registry: Arc<Registry>, config: &PoolConfig, one_space: bool) -> Arc<Self> {
         let (limit, kind) = (config.max_size, config.kind);
         Arc::new(Shared {
             directory: Directory::new(),
@@ -294,6 +323,9 @@ impl Shared {
             peak_live: AtomicUsize::new(0),
             registry,
             give: config.idle_shards_give,
+            hand_over: one_space && config.hand_over_ranges,
+            handed: AtomicU64::new(0),
+            handed_bytes: AtomicU64::new(0),
             follow_threads: config.fresh_thread_budget,
             poll: once_cell::sync::OnceCell::new(),
             pools: pools as *const ShardPools,
@@ -446,6 +478,9 @@ impl Upstream for Tracked {
     fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> Result<bool> {
         self.try_extend_once(chunk, extra, |u, c, n| u.try_extend_reserved(c, n))
     }
+    fn take_mapped(&self, size: usize, align: usize, requested: usize, lend: bool) -> Option<MappedGift> {
+        self.hand_over(size, align, requested, lend)
+    }
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         // Kept memory maps first; only the rest is new memory.
         let bytes: usize = runs.iter().map(|r| r.size).sum();
@@ -514,7 +549,7 @@ mod tests {
     fn the_shard_wrapper_forwards_every_method() {
         let pools: Box<super::ShardPools> = Box::new([]);
         let registry = super::Registry::new(1, false);
-        let shared = Shared::new(&pools, registry, &PoolConfig::new(PoolKind::Device));
+        let shared = Shared::new(&pools, registry, &PoolConfig::new(PoolKind::Device), false);
         let missed = methods_not_forwarded(|inner| Box::new(Tracked { inner, shared, index: 0 }));
         assert_eq!(missed, Vec::<&str>::new());
     }

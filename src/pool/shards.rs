@@ -159,7 +159,17 @@ impl Shards {
     /// 0 over `first`, the others made on first use with `make` (`None`:
     /// one shard only).
     pub fn new(first: Box<dyn Upstream>, make: Option<UpstreamFactory>, config: PoolConfig, count: usize) -> Self {
-        Self::build(first, make, config, count, false)
+        Self::build(first, make, config, count, false, false)
+    }
+
+    /// As [`new`](Self::new), for shards whose upstreams are views of one
+    /// address space (each maps and unmaps anywhere in it, as
+    /// [`CudaVmm::view`](crate::upstream::CudaVmm::view) gives): a
+    /// remapping shard that would map new memory may then take a mapped
+    /// free range of another shard instead, with no driver call
+    /// ([`PoolConfig::hand_over_ranges`]; see the module docs).
+    pub fn sharing_space(first: Box<dyn Upstream>, make: UpstreamFactory, config: PoolConfig, count: usize) -> Self {
+        Self::build(first, Some(make), config, count, false, true)
     }
 
     /// A set whose shard 0 remaps pages and is kept for the first thread,
@@ -167,7 +177,7 @@ impl Shards {
     /// can change shard: see the module docs). Without remapping in shard
     /// 0, or with `count` 1, as [`new`](Self::new).
     pub fn with_workers(first: Box<dyn Upstream>, make: UpstreamFactory, config: PoolConfig, count: usize) -> Self {
-        Self::build(first, Some(make), config, count, true)
+        Self::build(first, Some(make), config, count, true, false)
     }
 
     fn build(
@@ -176,13 +186,14 @@ impl Shards {
         config: PoolConfig,
         count: usize,
         workers: bool,
+        one_space: bool,
     ) -> Self {
         let count = if make.is_some() { count.clamp(1, MAX_SHARDS) } else { 1 };
         let primary_remaps = workers && super::would_remap(&*first, &config) && count > 1;
         let count = count + usize::from(primary_remaps);
         let shards: Box<ShardPools> = (0..count).map(|_| InitCell::new()).collect();
         let registry = Registry::new(count, primary_remaps);
-        let shared = Shared::new(&shards, registry.clone(), &config);
+        let shared = Shared::new(&shards, registry.clone(), &config, one_space);
         let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
         // A new cell is empty, so this always sets it.
         let _ = shards[0].init(|| Ok::<_, ()>(pool));
@@ -290,6 +301,13 @@ impl Shards {
     /// that grew, so far (see the module docs).
     pub fn bytes_reclaimed(&self) -> usize {
         self.shared.reclaimed() as usize
+    }
+
+    /// Mapped free ranges one shard handed to another (no driver call)
+    /// so far, and their bytes (see the module docs).
+    pub fn ranges_handed_over(&self) -> (u64, usize) {
+        let bytes = self.shared.handed_bytes.load(Ordering::Relaxed) as usize;
+        (self.shared.handed.load(Ordering::Relaxed), bytes)
     }
 
     /// Calls that reached the upstreams themselves (allocations, growth in

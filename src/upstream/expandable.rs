@@ -11,9 +11,11 @@ use super::region::{Region, SharedRegion, VmBackend};
 use super::{Chunk, Upstream};
 use crate::cuda::{captures_under_way, device_context, driver_err, follow_active_peers, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::{lock, Mutex};
+use crate::sync::{lock, Arc, Mutex};
 
-/// The state both expandable upstreams share: one reserved region.
+/// The state both expandable upstreams share: one reserved region, seen
+/// through one view of it (several pools may share the region, each
+/// through a view of its own: [`CudaVmm::view`]).
 #[derive(Debug)]
 struct Expandable {
     region: SharedRegion,
@@ -21,8 +23,12 @@ struct Expandable {
     reserved: usize,
     granularity: usize,
     /// The end (offset) of the address space handed out as chunks with
-    /// nothing mapped ([`Upstream::reserve_chunk`]; page remapping).
-    reserved_top: Mutex<usize>,
+    /// nothing mapped ([`Upstream::reserve_chunk`]; page remapping),
+    /// shared by every view.
+    reserved_top: Arc<Mutex<usize>>,
+    /// Which view of the region this is: the memory it unmaps and keeps
+    /// is its own ([`Upstream::kept`]).
+    view: usize,
     /// Whether the region maps device memory (peers are followed before
     /// each map: `cuda/peer.rs`).
     cuda: bool,
@@ -36,7 +42,24 @@ impl Expandable {
             (r.base(), r.reserved(), r.granularity())
         };
         let cuda = matches!(backend, VmBackend::Cuda(_));
-        Ok(Expandable { base, reserved, granularity, region, reserved_top: Mutex::new(0), cuda })
+        let reserved_top = Arc::new(Mutex::new(0));
+        Ok(Expandable { base, reserved, granularity, region, reserved_top, view: 0, cuda })
+    }
+
+    /// Another view of the same region: address space handed out by any
+    /// view is never handed out again by another, and any view maps and
+    /// unmaps anywhere in the region; kept memory is the view's own.
+    fn view(&self) -> Self {
+        let view = lock(&self.region).new_view();
+        Expandable {
+            region: self.region.clone(),
+            reserved_top: self.reserved_top.clone(),
+            view,
+            base: self.base,
+            reserved: self.reserved,
+            granularity: self.granularity,
+            cuda: self.cuda,
+        }
     }
 
     /// Gives peers that became active access before a map, with no lock of
@@ -191,7 +214,7 @@ impl Expandable {
         let mut calls = 0;
         for (i, run) in runs.iter().enumerate() {
             let r = match self.offset_of(*run) {
-                Some(offset) => region.map_run(offset, run.size),
+                Some(offset) => region.map_run(self.view, offset, run.size),
                 None => Err(Error::InvalidState(format!("run {:#x}+{} is outside the segment", run.addr, run.size))),
             };
             match r {
@@ -202,7 +225,7 @@ impl Expandable {
                             let _ = region.unmap_inside(offset, done.size);
                         }
                     }
-                    region.release_spare();
+                    region.release_spare(self.view);
                     return Err(if vmm::is_out_of_memory(&e) { self.oom(run.size, e.to_string(), kind) } else { e });
                 }
             }
@@ -223,20 +246,20 @@ impl Expandable {
                 }
             }
         }
-        let out = region.unmap_within(&offsets, want, pending, keep)?;
+        let out = region.unmap_within(self.view, &offsets, want, pending, keep)?;
         Ok(out.into_iter().map(|(offset, size)| Chunk { addr: self.base + offset, size }).collect())
     }
 
     fn release_kept(&self) {
-        lock(&self.region).release_spare();
+        lock(&self.region).release_spare(self.view);
     }
 
     fn kept(&self) -> usize {
-        lock(&self.region).spare_bytes()
+        lock(&self.region).spare_bytes(self.view)
     }
 
     fn trim_kept(&self, keep: usize) {
-        lock(&self.region).release_spare_over(keep);
+        lock(&self.region).release_spare_over(self.view, keep);
     }
 
     fn mapped(&self) -> usize {
@@ -316,6 +339,15 @@ impl CudaVmm {
         self
     }
 
+    /// Another upstream over the same reserved range (one address space
+    /// per device, shared by the pools of a device's shards): chunks
+    /// either hands out never overlap, either maps and unmaps anywhere in
+    /// the range (so a mapped range can pass from one pool to another with
+    /// no driver call), and the memory each unmaps and keeps is its own.
+    pub fn view(&self) -> Self {
+        CudaVmm { inner: self.inner.view(), ctx: self.ctx.clone() }
+    }
+
     /// The first address of the reserved range.
     pub fn base(&self) -> u64 {
         self.inner.base as u64
@@ -326,7 +358,7 @@ impl CudaVmm {
         self.inner.reserved
     }
 
-    /// The bytes of device memory mapped now.
+    /// The bytes of device memory mapped now (by every view).
     pub fn mapped(&self) -> usize {
         self.inner.mapped()
     }
@@ -425,6 +457,12 @@ impl HostExpandable {
         Ok(HostExpandable { inner: Expandable::new(&VmBackend::Host, bytes)? })
     }
 
+    /// Another upstream over the same reservation, as
+    /// [`CudaVmm::view`].
+    pub fn view(&self) -> Self {
+        HostExpandable { inner: self.inner.view() }
+    }
+
     /// The first address of the reserved range.
     pub fn base(&self) -> usize {
         self.inner.base
@@ -435,7 +473,7 @@ impl HostExpandable {
         self.inner.reserved
     }
 
-    /// The bytes committed now.
+    /// The bytes committed now (by every view).
     pub fn mapped(&self) -> usize {
         self.inner.mapped()
     }

@@ -17,7 +17,7 @@ mod host_vm;
 pub(crate) mod region;
 mod shared;
 
-pub(crate) use cuda::{device_upstream, graph_upstream};
+pub(crate) use cuda::{device_space, device_upstream, graph_upstream};
 pub use cuda::{CudaDeviceMemory, CudaPinnedMemory};
 pub use expandable::{CudaVmm, HostExpandable};
 pub use geometric::{Geometric, Taken};
@@ -64,6 +64,18 @@ pub fn remap_piece(mapped: usize) -> usize {
         MAX.store(max as u64, Ordering::Relaxed);
     }
     (mapped / 32).next_power_of_two().clamp(REMAP_PIECE, max)
+}
+
+/// Mapped memory another pool of the same address space gave up
+/// ([`Upstream::take_mapped`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MappedGift {
+    /// A free range that leaves the other pool: the taker adds it as a
+    /// chunk (all its pages mapped).
+    Range(Chunk),
+    /// A block the other pool allocated for the request: it stays that
+    /// pool's, and its free goes back there.
+    Block(Chunk),
 }
 
 /// An address range an upstream handed out.
@@ -267,6 +279,19 @@ pub trait Upstream: Send + Sync + 'static {
     /// mapped.
     fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
         self.inner().and_then(|u| u.mapped_pieces(addr, size))
+    }
+
+    /// Mapped free memory that another pool sharing this upstream's
+    /// address space gives up for a request of `size` bytes (a multiple
+    /// of 256) at `align` (`requested` asked), with no driver call (the
+    /// shards of one device, `pool/handover.rs`): a range the caller's
+    /// pool adds as a chunk whose pages are all mapped, or, with `lend`,
+    /// a block the other pool allocated for the request and takes back
+    /// when it is freed. Its queued work is known complete. `None` (the
+    /// default) where no other pool shares the address space, or none
+    /// gives.
+    fn take_mapped(&self, size: usize, align: usize, requested: usize, lend: bool) -> Option<MappedGift> {
+        self.inner().and_then(|u| u.take_mapped(size, align, requested, lend))
     }
 }
 

@@ -172,8 +172,12 @@ pub(crate) struct Region {
     /// piece back (graph-private pools): no device-wide wait here.
     owner_settles: bool,
     /// Memory unmapped by page remapping and kept for the next map
-    /// (`pages.rs`): `(size, backing)`.
-    spare: Vec<(usize, Backing)>,
+    /// (`pages.rs`): `(size, backing, view)`. Each view of the region
+    /// (the pools that share one address space, `expandable.rs`) keeps
+    /// its own: kept memory counts as held by the pool that unmapped it.
+    spare: Vec<(usize, Backing, usize)>,
+    /// Views handed out so far (view 0 is the region's first owner).
+    views: usize,
     /// How shrinking, remapping and dropping wait for the work that may
     /// use the memory (`settle.rs`).
     waiter: Waiter,
@@ -216,6 +220,7 @@ impl Region {
             headroom,
             guard: None,
             spare: Vec::new(),
+            views: 1,
             waiter: Waiter::None,
         };
         if let Space::Cuda { ctx, .. } = &region.space {
@@ -480,6 +485,13 @@ impl Region {
     /// giving it back, and unmapping waits for no device.
     pub(crate) fn set_owner_settles(&mut self) {
         self.owner_settles = true;
+    }
+
+    /// A new view of the region: another pool that maps and unmaps in
+    /// it, with spare memory of its own (`pages.rs`).
+    pub(crate) fn new_view(&mut self) -> usize {
+        self.views += 1;
+        self.views - 1
     }
 
     pub(crate) fn peers(&self) -> &[usize] {

@@ -1,6 +1,9 @@
 //! Shards whose threads are gone give their free memory to a shard that
 //! grows (`pool/reclaim.rs`, `pool/shard_upstream.rs`), on the host
-//! fallback's device pool (page remapping over committed host memory).
+//! fallback's device pool (page remapping over committed host memory),
+//! with the device's shards each in address space of its own
+//! (`arenas_hand_over=false`: `hand_over.rs` tests ranges that change
+//! shard in one address space).
 //! The oracle is the pool's own map of the memory under each live block
 //! (`mapped_pieces`): no live block ever loses a mapped page, and the
 //! physical memory held is compared with the bytes held, counted by the
@@ -12,12 +15,12 @@ use cumem::{BackendChoice, Config, MemoryManager, Stream};
 
 const MIB: usize = 1 << 20;
 
-fn host(config: Config) -> MemoryManager {
+pub(crate) fn host(config: Config) -> MemoryManager {
     MemoryManager::new(config.backend(BackendChoice::Host)).unwrap()
 }
 
 /// Every live block lies on mapped memory.
-fn assert_mapped(mm: &MemoryManager, live: &[(u64, usize)]) {
+pub(crate) fn assert_mapped(mm: &MemoryManager, live: &[(u64, usize)]) {
     let set = mm.default_device().unwrap().pool();
     for &(p, size) in live {
         let pieces = set.mapped_pieces(p as usize, size).unwrap_or_default();
@@ -33,7 +36,7 @@ fn assert_mapped(mm: &MemoryManager, live: &[(u64, usize)]) {
 /// still holds keeps its memory.
 #[test]
 fn an_idle_shard_gives_its_free_pages_to_a_shard_that_grows() {
-    let mm = host(Config::new().arenas(2).idle_arenas_give(true));
+    let mm = host(Config::new().arenas(2).idle_arenas_give(true).arenas_hand_over(false));
     let set = mm.default_device().unwrap().pool();
     let first = mm.allocate_device(MIB).unwrap();
     let kept = std::thread::scope(|s| {
@@ -67,7 +70,7 @@ fn an_idle_shard_gives_its_free_pages_to_a_shard_that_grows() {
 /// shard gives nothing either.
 #[test]
 fn a_shard_in_use_keeps_its_memory_by_default() {
-    let mm = host(Config::new().arenas(2).idle_arenas_give(true));
+    let mm = host(Config::new().arenas(2).idle_arenas_give(true).arenas_hand_over(false));
     let set = mm.default_device().unwrap().pool();
     let first = mm.allocate_device(MIB).unwrap();
     let (go, done) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
@@ -89,7 +92,7 @@ fn a_shard_in_use_keeps_its_memory_by_default() {
     });
     mm.free_device(first).unwrap();
 
-    let mm = host(Config::new().arenas(2).idle_arenas_give(false));
+    let mm = host(Config::new().arenas(2).idle_arenas_give(false).arenas_hand_over(false));
     let set = mm.default_device().unwrap().pool();
     let first = mm.allocate_device(MIB).unwrap();
     std::thread::scope(|s| {
@@ -108,98 +111,103 @@ fn a_shard_in_use_keeps_its_memory_by_default() {
 
 /// A resizing thread pool, deterministic: rounds of 1 to 8 new threads,
 /// each claiming a shard of its own in turn, then working one after
-/// another and ending (its shard goes idle) before the next works, each allocating and freeing device blocks of 1 B..4 MiB and
-/// leaving half of what it holds to the next round. With
-/// `fresh_thread_budget`, the physical memory held at the end is at most
-/// 1.75 times the most bytes held at once (1.57 measured; the 1.25
-/// is not reached); without it, idle shards still give, at most 2.0 (1.61
-/// measured; 3.77 when no shard gives). Live blocks stay on mapped memory
-/// throughout.
+/// another and ending (its shard goes idle) before the next works, each
+/// allocating and freeing device blocks of 1 B..4 MiB and leaving half of
+/// what it holds to the next round. Live blocks stay on mapped memory
+/// throughout. Returns the physical memory held at the end over the most
+/// bytes held at once, and the bytes idle shards gave back.
+pub(crate) fn resizing_pool(config: Config) -> (f64, usize) {
+    let mm = host(config.arenas(8));
+    let stream = Stream::host();
+    let held = Mutex::new((0usize, 0usize));
+    let mut carried: Vec<(u64, usize)> = Vec::new();
+    for round in 0..16usize {
+        let threads = [1, 8, 3, 6, 2, 8, 5, 1][round % 8];
+        let inherited = std::mem::take(&mut carried);
+        let per = inherited.len().div_ceil(threads).max(1);
+        let parts: Vec<Vec<(u64, usize)>> = inherited.chunks(per).map(<[_]>::to_vec).collect();
+        let (turn, wake) = (Mutex::new(0usize), Condvar::new());
+        let kept: Vec<Vec<(u64, usize)>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|id| {
+                    let mine = parts.get(id).cloned().unwrap_or_default();
+                    let (mm, stream, held, turn, wake) = (&mm, &stream, &held, &turn, &wake);
+                    s.spawn(move || {
+                        // The threads claim their shards in turn, one
+                        // each, then work in turn.
+                        let mut t = wake.wait_while(turn.lock().unwrap(), |t| *t != id).unwrap();
+                        let claim = mm.allocate_device_on(1, stream).unwrap();
+                        mm.free_device_on(claim, stream).unwrap();
+                        *t += 1;
+                        drop(t);
+                        wake.notify_all();
+                        let mut t = wake.wait_while(turn.lock().unwrap(), |t| *t != threads + id).unwrap();
+                        let add = |n: isize| {
+                            let mut h = held.lock().unwrap();
+                            h.0 = h.0.wrapping_add_signed(n);
+                            h.1 = h.1.max(h.0);
+                        };
+                        for (p, size) in mine {
+                            mm.free_device_on(p, stream).unwrap();
+                            add(-(size as isize));
+                        }
+                        let mut r = ((round * 64 + id) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                        let mut live: Vec<(u64, usize)> = Vec::new();
+                        for _ in 0..300 {
+                            r ^= r << 13;
+                            r ^= r >> 7;
+                            r ^= r << 17;
+                            if live.len() < 60 && (live.is_empty() || r % 2 == 0) {
+                                let size = 1 + (r >> 8) as usize % (4 * MIB);
+                                live.push((mm.allocate_device_on(size, stream).unwrap(), size));
+                                add(size as isize);
+                            } else {
+                                let (p, size) = live.swap_remove((r >> 20) as usize % live.len());
+                                mm.free_device_on(p, stream).unwrap();
+                                add(-(size as isize));
+                            }
+                        }
+                        let keep = live.split_off(live.len() / 2);
+                        for (p, size) in live {
+                            mm.free_device_on(p, stream).unwrap();
+                            add(-(size as isize));
+                        }
+                        // The thread's work is done: it ends (its shard
+                        // goes idle) before the next one works.
+                        cumem::pool::release_thread_shards();
+                        *t += 1;
+                        drop(t);
+                        wake.notify_all();
+                        keep
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        carried = kept.concat();
+        assert_mapped(&mm, &carried);
+    }
+    let set = mm.default_device().unwrap().pool();
+    set.check_invariants().unwrap();
+    assert!(set.made() > 4, "the rounds used several shards ({})", set.made());
+    let mapped = mm.device_stats(0).unwrap().pool.mapped;
+    for (p, _) in carried {
+        mm.free_device_on(p, &stream).unwrap();
+    }
+    let peak = held.lock().unwrap().1;
+    (mapped as f64 / peak as f64, set.bytes_reclaimed())
+}
+
+/// The resizing thread pool with each shard in address space of its own:
+/// with `fresh_thread_budget`, the physical memory held at the end is at
+/// most 1.75 times the most bytes held at once (1.57 measured); without
+/// it, idle shards still give, at most 2.0 (1.61 measured; 3.77 when no
+/// shard gives).
 #[test]
 fn a_resizing_thread_pool_holds_about_what_its_threads_hold() {
-    let run = |fresh: bool| {
-        let mm = host(Config::new().arenas(8).idle_arenas_give(true).fresh_thread_budget(fresh));
-        let stream = Stream::host();
-        let held = Mutex::new((0usize, 0usize));
-        let mut carried: Vec<(u64, usize)> = Vec::new();
-        for round in 0..16usize {
-            let threads = [1, 8, 3, 6, 2, 8, 5, 1][round % 8];
-            let inherited = std::mem::take(&mut carried);
-            let per = inherited.len().div_ceil(threads).max(1);
-            let parts: Vec<Vec<(u64, usize)>> = inherited.chunks(per).map(<[_]>::to_vec).collect();
-            let (turn, wake) = (Mutex::new(0usize), Condvar::new());
-            let kept: Vec<Vec<(u64, usize)>> = std::thread::scope(|s| {
-                let handles: Vec<_> = (0..threads)
-                    .map(|id| {
-                        let mine = parts.get(id).cloned().unwrap_or_default();
-                        let (mm, stream, held, turn, wake) = (&mm, &stream, &held, &turn, &wake);
-                        s.spawn(move || {
-                            // The threads claim their shards in turn, one
-                            // each, then work in turn.
-                            let mut t = wake.wait_while(turn.lock().unwrap(), |t| *t != id).unwrap();
-                            let claim = mm.allocate_device_on(1, stream).unwrap();
-                            mm.free_device_on(claim, stream).unwrap();
-                            *t += 1;
-                            drop(t);
-                            wake.notify_all();
-                            let mut t = wake.wait_while(turn.lock().unwrap(), |t| *t != threads + id).unwrap();
-                            let add = |n: isize| {
-                                let mut h = held.lock().unwrap();
-                                h.0 = h.0.wrapping_add_signed(n);
-                                h.1 = h.1.max(h.0);
-                            };
-                            for (p, size) in mine {
-                                mm.free_device_on(p, stream).unwrap();
-                                add(-(size as isize));
-                            }
-                            let mut r = ((round * 64 + id) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-                            let mut live: Vec<(u64, usize)> = Vec::new();
-                            for _ in 0..300 {
-                                r ^= r << 13;
-                                r ^= r >> 7;
-                                r ^= r << 17;
-                                if live.len() < 60 && (live.is_empty() || r % 2 == 0) {
-                                    let size = 1 + (r >> 8) as usize % (4 * MIB);
-                                    live.push((mm.allocate_device_on(size, stream).unwrap(), size));
-                                    add(size as isize);
-                                } else {
-                                    let (p, size) = live.swap_remove((r >> 20) as usize % live.len());
-                                    mm.free_device_on(p, stream).unwrap();
-                                    add(-(size as isize));
-                                }
-                            }
-                            let keep = live.split_off(live.len() / 2);
-                            for (p, size) in live {
-                                mm.free_device_on(p, stream).unwrap();
-                                add(-(size as isize));
-                            }
-                            // The thread's work is done: it ends (its shard
-                            // goes idle) before the next one works.
-                            cumem::pool::release_thread_shards();
-                            *t += 1;
-                            drop(t);
-                            wake.notify_all();
-                            keep
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
-            });
-            carried = kept.concat();
-            assert_mapped(&mm, &carried);
-        }
-        let set = mm.default_device().unwrap().pool();
-        set.check_invariants().unwrap();
-        assert!(set.made() > 4, "the rounds used several shards ({})", set.made());
-        let mapped = mm.device_stats(0).unwrap().pool.mapped;
-        for (p, _) in carried {
-            mm.free_device_on(p, &stream).unwrap();
-        }
-        let peak = held.lock().unwrap().1;
-        (mapped as f64 / peak as f64, set.bytes_reclaimed())
-    };
-    let (on, reclaimed_on) = run(true);
-    let (off, reclaimed_off) = run(false);
+    let config = |fresh| Config::new().idle_arenas_give(true).fresh_thread_budget(fresh).arenas_hand_over(false);
+    let (on, reclaimed_on) = resizing_pool(config(true));
+    let (off, reclaimed_off) = resizing_pool(config(false));
     eprintln!("end mapped / most held at once: {on:.3} with fresh_thread_budget, {off:.3} without");
     assert!(reclaimed_on > 0 && reclaimed_off > 0, "idle shards gave memory ({reclaimed_on}, {reclaimed_off})");
     assert!(on <= 1.75, "end mapped / most held at once {on:.3} with fresh_thread_budget");

@@ -13,6 +13,7 @@ mod figures;
 mod fuzz_pool;
 mod graphs;
 mod growable;
+mod hand_over;
 mod hot_block;
 mod idle_shards;
 mod pool_model;

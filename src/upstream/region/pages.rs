@@ -23,10 +23,10 @@ use crate::error::{Error, Result};
 
 impl Region {
     /// Maps memory over `[offset, offset + size)` (granularity multiples,
-    /// unmapped, inside one segment): spares first, new memory for the
-    /// rest. Returns the number of map calls. On failure nothing new stays
-    /// mapped (spares used go back to the spares).
-    pub(crate) fn map_run(&mut self, offset: usize, size: usize) -> Result<u64> {
+    /// unmapped, inside one segment): spares of `view` first, new memory
+    /// for the rest. Returns the number of map calls. On failure nothing
+    /// new stays mapped (spares used go back to the view's spares).
+    pub(crate) fn map_run(&mut self, view: usize, offset: usize, size: usize) -> Result<u64> {
         let gran = self.granularity();
         let end = offset.checked_add(size).filter(|e| *e <= self.reserved() && size > 0);
         let Some(end) = end.filter(|_| offset % gran == 0 && size % gran == 0) else {
@@ -52,9 +52,14 @@ impl Region {
         let mut failure = None;
         while cursor < end {
             let rem = end - cursor;
-            let pick = (0..self.spare.len()).filter(|&i| self.spare[i].0 <= rem).max_by_key(|&i| self.spare[i].0);
+            let pick = (0..self.spare.len())
+                .filter(|&i| self.spare[i].0 <= rem && self.spare[i].2 == view)
+                .max_by_key(|&i| self.spare[i].0);
             let (len, backing) = match pick {
-                Some(i) => self.spare.swap_remove(i),
+                Some(i) => {
+                    let (len, backing, _) = self.spare.swap_remove(i);
+                    (len, backing)
+                }
                 None => match self.new_backing(rem.min(piece_cap)) {
                     Ok(b) => (rem.min(piece_cap), b),
                     Err(e) => {
@@ -65,7 +70,7 @@ impl Region {
             };
             let piece = Piece { offset: cursor, size: len, backing };
             if let Err(e) = self.map_backing(&piece, cursor - seg_off) {
-                self.spare.push((piece.size, piece.backing));
+                self.spare.push((piece.size, piece.backing, view));
                 failure = Some(e);
                 break;
             }
@@ -81,7 +86,7 @@ impl Region {
         if let Some(e) = failure {
             for piece in new {
                 self.unmap_piece(&piece);
-                self.spare.push((piece.size, piece.backing));
+                self.spare.push((piece.size, piece.backing, view));
             }
             return Err(e);
         }
@@ -111,10 +116,11 @@ impl Region {
     /// order given, until at least `want` bytes are unmapped; returns them
     /// as `(offset, size)`. Within a span, pieces no larger than what is
     /// still wanted go first. With `sync`, waits for the device first.
-    /// With `keep`, their memory becomes spare for [`map_run`](Self::map_run);
-    /// else it is released.
+    /// With `keep`, their memory becomes spare of `view` for
+    /// [`map_run`](Self::map_run); else it is released.
     pub(crate) fn unmap_within(
         &mut self,
+        view: usize,
         spans: &[(usize, usize)],
         want: usize,
         sync: bool,
@@ -135,7 +141,7 @@ impl Region {
             self.unmap_piece(&piece);
             out.push((piece.offset, piece.size));
             if keep {
-                self.spare.push((piece.size, piece.backing));
+                self.spare.push((piece.size, piece.backing, view));
             }
         }
         out.reverse();
@@ -166,25 +172,32 @@ impl Region {
         Ok(Some(bytes))
     }
 
-    /// Releases the spare memory (`cuMemRelease` on CUDA).
-    pub(crate) fn release_spare(&mut self) {
-        self.spare.clear();
+    /// Releases the spare memory of `view` (`cuMemRelease` on CUDA).
+    pub(crate) fn release_spare(&mut self, view: usize) {
+        self.spare.retain(|s| s.2 != view);
     }
 
-    /// Releases spare memory, largest first, until at most `keep` bytes
-    /// remain.
-    pub(crate) fn release_spare_over(&mut self, keep: usize) {
-        let mut total = self.spare_bytes();
-        self.spare.sort_by_key(|(size, _)| *size);
+    /// Releases spare memory of `view`, largest first, until at most
+    /// `keep` bytes of it remain.
+    pub(crate) fn release_spare_over(&mut self, view: usize, keep: usize) {
+        let mut total = self.spare_bytes(view);
+        // The view's largest last; the other views' stay in front.
+        self.spare.sort_by_key(|&(size, _, v)| (v == view, size));
         while total > keep {
-            let Some((size, _)) = self.spare.pop() else { break };
-            total -= size;
+            match self.spare.last() {
+                Some(&(size, _, v)) if v == view => {
+                    self.spare.pop();
+                    total -= size;
+                }
+                _ => break,
+            }
         }
     }
 
-    /// The bytes of spare memory (unmapped, kept for the next map).
-    pub(crate) fn spare_bytes(&self) -> usize {
-        self.spare.iter().map(|(size, _)| size).sum()
+    /// The bytes of spare memory of `view` (unmapped, kept for its next
+    /// map).
+    pub(crate) fn spare_bytes(&self, view: usize) -> usize {
+        self.spare.iter().filter(|s| s.2 == view).map(|s| s.0).sum()
     }
 }
 

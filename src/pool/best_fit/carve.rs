@@ -1,0 +1,202 @@
+//! A free range leaves the allocator: the chunk that held it is cut in
+//! two around it (page remapping pools that share one address space hand
+//! mapped free ranges to each other, `pool/handover.rs`).
+//!
+//! ```text
+//!  before:  chunk [ used | free ..................... | used ]
+//!  take:                    [ range ]
+//!  after:   chunk [ used | free ]      chunk [ free ..| used ]
+//! ```
+//!
+//! The blocks before the range stay in the chunk (it ends where the range
+//! starts); those after it form a new chunk. Nothing else moves: live
+//! blocks keep their addresses and slots.
+
+use super::{BestFit, ChunkInfo, NIL};
+use crate::tag::StreamTag;
+use crate::upstream::{Chunk, BLOCK_ALIGN};
+
+impl BestFit {
+    /// The free block that holds all of `[addr, addr + size)`, if one does
+    /// (the hot block is coalesced first).
+    fn free_slot_holding(&mut self, addr: usize, size: usize) -> Option<u32> {
+        self.flush_hot();
+        let end = addr.checked_add(size)?;
+        let (_, &id) = self.chunks_by_addr.range(..=addr).next_back()?;
+        let info = self.chunk_info(id);
+        if end > info.chunk.end() {
+            return None;
+        }
+        let mut slot = info.first;
+        while slot != NIL {
+            let b = &self.blocks[slot as usize];
+            if addr < b.addr + b.size {
+                return (b.free && end <= b.addr + b.size).then_some(slot);
+            }
+            slot = b.next;
+        }
+        None
+    }
+
+    /// The stream tag of the free block that holds all of `[addr, addr +
+    /// size)`, or `None` when no free block holds it.
+    pub fn free_range_tag(&mut self, addr: usize, size: usize) -> Option<StreamTag> {
+        let slot = self.free_slot_holding(addr, size)?;
+        Some(self.blocks[slot as usize].tag)
+    }
+
+    /// Takes `[addr, addr + size)` out of the allocator when one free block
+    /// holds all of it (both ends multiples of [`BLOCK_ALIGN`]): the chunk
+    /// that held it is cut in two around it (see the module docs). Returns
+    /// the free block's stream tag; `None` (and nothing changes) when the
+    /// range is not wholly free.
+    pub fn take_free_range(&mut self, addr: usize, size: usize) -> Option<StreamTag> {
+        if size == 0 || addr % BLOCK_ALIGN != 0 || size % BLOCK_ALIGN != 0 {
+            return None;
+        }
+        let slot = self.free_slot_holding(addr, size)?;
+        self.unindex_free(slot);
+        let mut mid = slot;
+        if self.blocks[slot as usize].addr < addr {
+            let front = addr - self.blocks[slot as usize].addr;
+            mid = self.split_off_tail(slot, front);
+            self.index_free(slot);
+        }
+        if self.blocks[mid as usize].size > size {
+            let rest = self.split_off_tail(mid, size);
+            self.index_free(rest);
+        }
+        let m = self.blocks[mid as usize].clone();
+        let id = m.chunk;
+        let info = self.chunk_info(id).clone();
+        self.chunks_by_addr.remove(&info.chunk.addr);
+        // The blocks before the range keep the chunk's id.
+        let left = (m.prev != NIL).then(|| {
+            self.blocks[m.prev as usize].next = NIL;
+            let chunk = Chunk { addr: info.chunk.addr, size: addr - info.chunk.addr };
+            ChunkInfo { chunk, first: info.first, last: m.prev }
+        });
+        // The blocks after it go to a chunk of their own.
+        let right = (m.next != NIL).then(|| {
+            self.blocks[m.next as usize].prev = NIL;
+            let chunk = Chunk { addr: addr + size, size: info.chunk.end() - (addr + size) };
+            ChunkInfo { chunk, first: m.next, last: info.last }
+        });
+        self.chunks[id as usize] = None;
+        self.vacant_chunks.push(id);
+        let mut parts = 0;
+        for part in [left, right].into_iter().flatten() {
+            let pid = match self.vacant_chunks.pop() {
+                Some(pid) => pid,
+                None => {
+                    self.chunks.push(None);
+                    (self.chunks.len() - 1) as u32
+                }
+            };
+            let mut s = part.first;
+            while s != NIL {
+                self.blocks[s as usize].chunk = pid;
+                s = self.blocks[s as usize].next;
+            }
+            self.chunks_by_addr.insert(part.chunk.addr, pid);
+            self.chunks[pid as usize] = Some(part);
+            parts += 1;
+        }
+        self.retire_slot(mid);
+        self.stats.reserved -= size;
+        self.stats.chunks = self.stats.chunks + parts - 1;
+        // A part may be wholly free now.
+        self.whole_free.store(true, crate::sync::Ordering::Relaxed);
+        Some(m.tag)
+    }
+
+    /// Allocates `size` bytes at the start of the chunk that starts at
+    /// `addr` when its first block is free and holds them (a range just
+    /// taken from another pool, `pool/handover.rs`).
+    pub fn allocate_at_chunk_start(&mut self, addr: usize, size: usize, requested: usize) -> Option<super::Allocation> {
+        self.flush_hot();
+        let &id = self.chunks_by_addr.get(&addr)?;
+        let slot = self.chunk_info(id).first;
+        let b = &self.blocks[slot as usize];
+        if !b.free || b.size < size {
+            return None;
+        }
+        let a = self.allocate_slot_at(slot, addr, size, requested);
+        Some(a)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::BestFit;
+    use crate::tag::StreamTag;
+    use crate::upstream::Chunk;
+
+    const MB: usize = 1 << 20;
+
+    /// A range taken from the middle of a chunk leaves two chunks whose
+    /// blocks still free, coalesce and allocate; ranges not wholly free
+    /// are refused and change nothing.
+    #[test]
+    fn a_free_range_leaves_and_the_chunk_is_cut_around_it() {
+        let mut f = BestFit::new();
+        f.set_hot_block(true);
+        let base = 1 << 30;
+        assert!(f.add_chunk(Chunk { addr: base, size: 64 * MB }));
+        let a = f.allocate(4 * MB, 256, 4 * MB).unwrap();
+        let b = f.allocate(40 * MB, 256, 40 * MB).unwrap();
+        let c = f.allocate(8 * MB, 256, 8 * MB).unwrap();
+        f.free(b.addr, StreamTag::NONE).unwrap();
+        assert!(f.take_free_range(a.addr, MB).is_none(), "live");
+        assert!(f.take_free_range(b.addr + 39 * MB, 2 * MB).is_none(), "runs into a live block");
+        assert!(f.take_free_range(b.addr + 100, MB).is_none(), "misaligned");
+        f.check_invariants().unwrap();
+        let before = f.stats();
+        let tag = f.take_free_range(b.addr + 8 * MB, 16 * MB);
+        assert_eq!(tag, Some(StreamTag::NONE));
+        f.check_invariants().unwrap();
+        let after = f.stats();
+        assert_eq!(after.reserved, before.reserved - 16 * MB);
+        assert_eq!(after.chunks, 2);
+        assert!(!f.contains(b.addr + 10 * MB));
+        assert!(f.contains(b.addr + 7 * MB) && f.contains(b.addr + 30 * MB));
+        // The blocks on both sides still work: frees find their chunk and
+        // coalesce within it.
+        f.free(c.addr, StreamTag::NONE).unwrap();
+        f.free(a.addr, StreamTag::NONE).unwrap();
+        f.check_invariants().unwrap();
+        let big = f.allocate(8 * MB + 4 * MB, 256, 1).unwrap();
+        assert_eq!(big.addr, base, "the left part coalesced whole");
+        f.free(big.addr, StreamTag::NONE).unwrap();
+        assert!(f.allocate(40 * MB, 256, 1).is_none(), "no part holds 40 MiB");
+        // The whole left chunk leaves; the right stays.
+        assert!(f.take_free_range(base, 12 * MB).is_some());
+        f.check_invariants().unwrap();
+        assert_eq!(f.stats().chunks, 1);
+        let r = f.take_free_range(base + 28 * MB, 36 * MB);
+        assert!(r.is_some());
+        assert_eq!((f.stats().chunks, f.stats().reserved), (0, 0));
+        f.check_invariants().unwrap();
+        // A range taken by another pool comes back as a chunk of its own.
+        assert!(f.add_chunk(Chunk { addr: base + 8 * MB, size: 16 * MB }));
+        let d = f.allocate_at_chunk_start(base + 8 * MB, MB, 1).unwrap();
+        assert_eq!(d.addr, base + 8 * MB);
+        assert!(f.allocate_at_chunk_start(base + 8 * MB, MB, 1).is_none(), "its first block is live");
+        f.check_invariants().unwrap();
+    }
+
+    /// The tag of the free block goes with the range.
+    #[test]
+    fn the_range_keeps_its_stream_tag() {
+        let mut f = BestFit::new();
+        let base = 1 << 30;
+        assert!(f.add_chunk(Chunk { addr: base, size: 8 * MB }));
+        let a = f.allocate(8 * MB, 256, 1).unwrap();
+        let tag = StreamTag { stream: 7, seq: 3 };
+        f.free(a.addr, tag).unwrap();
+        assert_eq!(f.free_range_tag(base + MB, MB), Some(tag));
+        assert_eq!(f.take_free_range(base + MB, MB), Some(tag));
+        f.check_invariants().unwrap();
+        assert_eq!(f.stats().chunks, 2);
+    }
+}

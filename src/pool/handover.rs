@@ -1,0 +1,286 @@
+//! Mapped memory changes shard with no driver call: the remapping shards
+//! of a device share one address space (each shard's upstream is a view
+//! of one reservation), so a free range with memory mapped under it can
+//! leave one shard's pool and join another's as it is.
+//!
+//! # Implementation details
+//!
+//! - **When.** A remapping shard about to map new memory for a request
+//!   (`remap.rs`, `map_for`: the placement touches holes that its kept
+//!   memory does not cover) first asks the set for a range
+//!   ([`Upstream::take_mapped_range`], answered by the shard's `Tracked`
+//!   wrapper). The set hands one over only when it would otherwise hold
+//!   more than [`HAND_OVER_ABOVE_PPM`] of the most pages its blocks
+//!   touched at once (the set's page floor, as seen at each such ask):
+//!   below that, new memory is made and nothing moves, so shards keep
+//!   what their own threads come back to.
+//! - **Who gives.** Shards no thread uses first, then shards in use, which
+//!   give only what they hold above their remap budget (their threads'
+//!   working set stays); the highest-numbered first (new threads claim
+//!   the lowest idle shard).
+//!   A shard busy remapping (its remap lock taken) is passed over: two
+//!   shards that ask each other can't wait on each other.
+//! - **What.** The giver picks free blocks whose queued work is known
+//!   complete (the set's stream poll runs first) and, inside them, spans
+//!   of mapped pages at least as large as the request, the smallest
+//!   first. The spans are marked holes under its pool lock before it is
+//!   dropped, so no allocation lands there meanwhile; the upstream then
+//!   says where its pieces lie (a piece is mapped and unmapped whole), and
+//!   the range is the run of whole pieces at the top of the first span
+//!   that holds the request. Under the pool lock again the marks go, the
+//!   range (still free: nothing could land there) leaves the giver's
+//!   allocator, which cuts its chunk around it
+//!   ([`BestFit::take_free_range`](super::BestFit::take_free_range)), and
+//!   its pages leave the giver's page book.
+//! - **Ownership.** The chunk directory records the taker as the range's
+//!   owner before the taker's pool adds it as a chunk whose pages are all
+//!   mapped and places the request at its start. No block of the range is
+//!   live while it moves, so no free can be in flight for it; a stale
+//!   free (a double free) finds one of the two shards and is refused. The
+//!   pieces under it are the address space's, not a shard's: whichever
+//!   shard holds the range later unmaps them through its own view.
+//! - **Budgets.** The giver's physical pages drop and the taker's rise by
+//!   the range; the touched-page floors don't change (the range was free
+//!   and joins as free), so each shard's remap budget goes with the pages
+//!   its blocks touch, and the memory with the shard that needs it.
+
+use super::page_map::budget;
+use super::remap::RANK_LIMIT;
+use super::shard_upstream::Tracked;
+use super::{Inner, Pool};
+use crate::sync::{try_lock, Ordering};
+use crate::tag::StreamTag;
+use crate::upstream::{Chunk, MappedGift, Upstream};
+
+/// A set of shards hands a mapped range to a shard that would map new
+/// memory only when it would otherwise hold more than this many
+/// millionths of the most pages its blocks touched at once (102 %): a
+/// hand-over costs no driver call, so the set holds close to its floor.
+pub(super) const HAND_OVER_ABOVE_PPM: u64 = 1_020_000;
+
+/// How many spans a giver offers at most for one hand-over.
+const CANDIDATES: usize = 8;
+
+impl Tracked {
+    /// Mapped memory of another shard for a request of `size` bytes at
+    /// `align` (see the module docs): a range recorded in the directory as
+    /// this shard's, or with `lend` and no range to be had, a block lent
+    /// out of another shard's mapped free memory.
+    pub(super) fn hand_over(&self, size: usize, align: usize, requested: usize, lend: bool) -> Option<MappedGift> {
+        if !self.shared.hand_over || size == 0 {
+            return None;
+        }
+        // SAFETY: as in `release_others`: a shard asks only while an
+        // allocation from its pool runs, which borrows the set that owns
+        // the boxed slice `pools` points at.
+        let pools = unsafe { &*self.shared.pools };
+        // One shard (a single-threaded program): nothing to ask.
+        pools.iter().filter(|c| c.get().is_some()).nth(1)?;
+        let (held, live) = pools.iter().filter_map(|c| c.get()).fold((0usize, 0usize), |(h, l), p| {
+            let s = p.stats();
+            (h + s.mapped, l + s.in_use.max(s.touched))
+        });
+        let peak = self.shared.peak_live.fetch_max(live, Ordering::Relaxed).max(live);
+        let room = (peak as u128 * u128::from(HAND_OVER_ABOVE_PPM) / 1_000_000) as usize;
+        let range = size.next_multiple_of(self.inner.granularity());
+        if held + range <= room {
+            return None;
+        }
+        // Frees on streams that are idle now need no wait: ask once (no
+        // pool lock is held here) before the shards look at their tags.
+        if let Some(poll) = self.shared.poll.get() {
+            poll();
+        }
+        // Idle shards first, then shards in use (only what they hold
+        // above their budget: their threads' working set stays); the
+        // highest-numbered first.
+        let givers = || {
+            [true, false].into_iter().flat_map(move |idle| {
+                pools.iter().enumerate().rev().filter_map(move |(j, cell)| {
+                    let p = cell.get().filter(|_| j != self.index)?;
+                    ((self.shared.registry.users(j) == 0) == idle && (idle || p.excess() >= range)).then_some(p)
+                })
+            })
+        };
+        if let Some(r) = givers().find_map(|p| p.give_range(range)) {
+            // Recorded before the taker's pool holds it, so every block it
+            // hands out is found here.
+            self.shared.directory.carve(r.addr, r.end(), self.index);
+            self.shared.handed.fetch_add(1, Ordering::Relaxed);
+            self.shared.handed_bytes.fetch_add(r.size as u64, Ordering::Relaxed);
+            return Some(MappedGift::Range(r));
+        }
+        if !lend {
+            return None;
+        }
+        let a = givers().find_map(|p| p.lend_mapped(size, align, requested))?;
+        self.shared.count_lent();
+        Some(MappedGift::Block(Chunk { addr: a.addr, size: a.size }))
+    }
+}
+
+/// The run of whole pieces at the top of `span` (the pieces mapped over
+/// it, in address order, the first and last possibly reaching past it)
+/// that holds at least `size` bytes.
+fn top_pieces(pieces: &[Chunk], span: Chunk, size: usize) -> Option<Chunk> {
+    let inside = pieces.iter().filter(|p| p.addr >= span.addr && p.end() <= span.end());
+    let mut start = None;
+    let mut end = None;
+    for p in inside.rev() {
+        // Pieces tile the mapped span: each ends where the next starts.
+        if start.is_some_and(|s| p.end() != s) {
+            break;
+        }
+        end.get_or_insert(p.end());
+        start = Some(p.addr);
+        if end? - p.addr >= size {
+            return Some(Chunk { addr: p.addr, size: end? - p.addr });
+        }
+    }
+    None
+}
+
+impl<U: Upstream> Pool<U> {
+    /// Gives up a mapped free range of at least `size` bytes whose queued
+    /// work is known complete (see the module docs); `None` when none is
+    /// free, or the pool is busy remapping.
+    pub(super) fn give_range(&self, size: usize) -> Option<Chunk> {
+        if !self.remap || self.config.keep_chunks {
+            return None;
+        }
+        let _remap = try_lock(&self.remap_lock)?;
+        let spans = {
+            let mut inner = self.inner.lock();
+            if inner.shut_down {
+                return None;
+            }
+            let Inner { fit, pages, .. } = &mut *inner;
+            let mut spans = Vec::new();
+            for (addr, bsize, tag) in fit.free_blocks_highest_first(size) {
+                if !fit.tag_settled(tag) {
+                    continue;
+                }
+                spans.extend(pages.mapped_inside(addr, bsize).into_iter().filter(|s| s.size >= size));
+                if spans.len() >= 4 * CANDIDATES {
+                    break;
+                }
+            }
+            spans.sort_unstable_by_key(|s| s.size);
+            spans.truncate(CANDIDATES);
+            for span in &spans {
+                // Holes while the pieces are looked up: no allocation
+                // lands there.
+                pages.mark(*span, true);
+            }
+            spans
+        };
+        if spans.is_empty() {
+            return None;
+        }
+        let chosen = spans.iter().find_map(|s| top_pieces(&self.upstream.mapped_pieces(s.addr, s.size)?, *s, size));
+        let mut inner = self.inner.lock();
+        let Inner { fit, pages, .. } = &mut *inner;
+        for span in &spans {
+            pages.mark(*span, false);
+        }
+        let range = chosen?;
+        // Still free (nothing could land on it), and frees merged into its
+        // block meanwhile must not make it wait for queued work.
+        if !fit.free_range_tag(range.addr, range.size).is_some_and(|t| fit.tag_settled(t)) {
+            return None;
+        }
+        fit.take_free_range(range.addr, range.size)?;
+        pages.forget(range.addr, range.size);
+        Some(range)
+    }
+
+    /// Lends a block of `size` bytes at `align` for another shard's
+    /// thread out of mapped free memory whose queued work is known
+    /// complete; its free comes back here through the directory.
+    pub(super) fn lend_mapped(&self, size: usize, align: usize, requested: usize) -> Option<super::Allocation> {
+        if !self.remap || self.config.keep_chunks {
+            return None;
+        }
+        let mut inner = self.inner.lock();
+        if inner.shut_down {
+            return None;
+        }
+        let Inner { fit, pages, .. } = &mut *inner;
+        let a = fit.allocate_in_spans(size, align, requested, |at, len| pages.mapped_inside(at, len))?;
+        if !fit.tag_settled(a.tag) {
+            fit.undo_allocate(&a);
+            return None;
+        }
+        Some(super::Allocation { tag: StreamTag::NONE, ..a })
+    }
+
+    /// Before a remapping pool maps new memory for a request of `rounded`
+    /// bytes at `align`: mapped memory of another pool of the same address
+    /// space, when the upstream gives some (see the module docs): a range
+    /// added as a chunk, the request placed at its start, or a block lent
+    /// (only without a thread cache, which would keep the block here).
+    /// `None` when the placement needs no new memory or nothing came.
+    pub(super) fn adopt_for(&self, rounded: usize, align: usize, size: usize) -> Option<super::Allocation> {
+        if align > self.remap_page || !self.config.hand_over_ranges {
+            return None;
+        }
+        {
+            let mut inner = self.inner.lock();
+            if inner.shut_down {
+                return None;
+            }
+            let Inner { fit, pages, .. } = &mut *inner;
+            let (a, clear) =
+                fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))?;
+            let holes = pages.hole_count(a.addr, a.size);
+            let moves =
+                pages.physical() + holes.saturating_sub(pages.kept) > budget(fit, pages, self.config.remap_slack_ppm);
+            fit.undo_allocate(&a);
+            // Mapped already, or kept memory covers the holes and nothing
+            // moves: no new memory is made.
+            if clear || (holes <= pages.kept && !moves) {
+                return None;
+            }
+        }
+        match self.upstream.take_mapped(rounded, align, size, self.cache.is_none())? {
+            MappedGift::Block(b) => Some(super::Allocation { addr: b.addr, size: b.size, tag: StreamTag::NONE }),
+            MappedGift::Range(range) => {
+                let mut inner = self.inner.lock();
+                let Inner { fit, pages, .. } = &mut *inner;
+                if !fit.add_chunk(range) {
+                    // Address space of one reservation never overlaps: a
+                    // broken upstream. The range stays out of every pool
+                    // (its pages stay mapped) rather than in two.
+                    return None;
+                }
+                pages.add_mapped(range.addr, range.size);
+                fit.allocate_at_chunk_start(range.addr, rounded, size)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top_pieces;
+    use crate::upstream::Chunk;
+
+    const MB: usize = 1 << 20;
+
+    fn c(addr: usize, size: usize) -> Chunk {
+        Chunk { addr: addr * MB, size: size * MB }
+    }
+
+    /// The range is the whole pieces at the top of the span, as few as
+    /// hold the request; pieces reaching past the span don't count.
+    #[test]
+    fn a_range_is_whole_pieces_from_the_top_of_its_span() {
+        let pieces = [c(0, 8), c(8, 8), c(16, 32), c(48, 8)];
+        assert_eq!(top_pieces(&pieces, c(4, 48), 8 * MB), Some(c(16, 32)), "the piece at 48 reaches past");
+        assert_eq!(top_pieces(&pieces, c(0, 56), 4 * MB), Some(c(48, 8)));
+        assert_eq!(top_pieces(&pieces, c(0, 56), 16 * MB), Some(c(16, 40)));
+        assert_eq!(top_pieces(&pieces, c(0, 56), 56 * MB), Some(c(0, 56)));
+        assert_eq!(top_pieces(&pieces, c(0, 56), 57 * MB), None);
+        assert_eq!(top_pieces(&pieces, c(1, 6), MB), None, "no whole piece inside");
+    }
+}
