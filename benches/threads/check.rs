@@ -137,7 +137,7 @@ fn counts(mm: &MemoryManager) -> Counts {
         dev_calls: pool.upstream_calls(),
         dev_maps: ds.pool.map_calls,
         waits: ds.stream_waits,
-        moved: pool.chunks_moved() + mm.pinned_pool().chunks_moved(),
+        moved: pool.chunks_moved() + pool.ranges_handed_over().0 + mm.pinned_pool().chunks_moved(),
         pinned_calls: mm.pinned_pool().upstream_calls(),
     }
 }
@@ -347,7 +347,8 @@ fn pool() {
     println!(
         "device: end mapped {} MiB / most held at once {} MiB = {:.3}; peak mapped {} MiB (sampled) = {:.3}, \
          shards' peaks summed {} MiB = {:.3}; pages touched by live blocks (the shards' floor, sampled) {} MiB = {:.3}; \
-         upstream calls {}, map calls {}, unmap calls {}, chunks moved {}, reclaimed from idle shards {} MiB",
+         upstream calls {}, map calls {}, unmap calls {}, chunks moved {}, reclaimed from idle shards {} MiB, \
+         ranges handed over {} ({} MiB), blocks lent {}",
         mib(ds.mapped),
         mib(dp as usize),
         ds.mapped as f64 / dp,
@@ -362,6 +363,9 @@ fn pool() {
         ds.unmap_calls,
         device.pool().chunks_moved(),
         mib(device.pool().bytes_reclaimed()),
+        device.pool().ranges_handed_over().0,
+        mib(device.pool().ranges_handed_over().1),
+        device.pool().blocks_lent(),
     );
     println!(
         "pinned: end reserved {} MiB / most held at once {} MiB = {:.3}; peak reserved {} MiB (sampled) = {:.3}, \

@@ -137,6 +137,24 @@ impl Upstream for PageUpstream {
         }
         Ok(out)
     }
+    fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
+        let d = self.dev();
+        let end = addr + size;
+        let mut pieces = Vec::new();
+        let mut covered = addr;
+        let first = d.pieces.range(..=addr).next_back().map_or(addr, |(&a, _)| a);
+        for (&a, &s) in d.pieces.range(first..end) {
+            if a + s <= addr {
+                continue;
+            }
+            if a > covered {
+                return None;
+            }
+            pieces.push(Chunk { addr: a, size: s });
+            covered = a + s;
+        }
+        (size > 0 && covered >= end).then_some(pieces)
+    }
     fn release_kept(&self) {
         self.dev().spare.clear();
     }

@@ -21,17 +21,27 @@
 //!   A shard busy remapping (its remap lock taken) is passed over: two
 //!   shards that ask each other can't wait on each other.
 //! - **What.** The giver picks free blocks whose queued work is known
-//!   complete (the set's stream poll runs first) and, inside them, spans
-//!   of mapped pages at least as large as the request, the smallest
-//!   first. The spans are marked holes under its pool lock before it is
-//!   dropped, so no allocation lands there meanwhile; the upstream then
-//!   says where its pieces lie (a piece is mapped and unmapped whole), and
-//!   the range is the run of whole pieces at the top of the first span
-//!   that holds the request. Under the pool lock again the marks go, the
-//!   range (still free: nothing could land there) leaves the giver's
-//!   allocator, which cuts its chunk around it
+//!   complete or was queued on the request's stream (stream order then
+//!   covers it, and the range or block carries that stream's tag) and,
+//!   inside them, spans of mapped pages at least as large as the request,
+//!   the largest first. The spans are marked holes under its pool lock
+//!   before it is dropped, so no allocation lands there meanwhile; the
+//!   upstream then says where its pieces lie (a piece is mapped and
+//!   unmapped whole), and the range is the run of whole pieces at the top
+//!   of the first span that holds [`RANGE_PREFERRED`] (else the request).
+//!   Under the pool lock again the marks go, the range (still free:
+//!   nothing could land on it) leaves the giver's allocator, which cuts
+//!   its chunk around it
 //!   ([`BestFit::take_free_range`](super::BestFit::take_free_range)), and
-//!   its pages leave the giver's page book.
+//!   its pages leave the giver's page book. When no range holds the
+//!   request, a giver lends a block placed inside its mapped free memory
+//!   (only to a shard with no thread cache, which would keep the block):
+//!   the block stays the giver's, and its free goes back there.
+//! - **Asking costs.** Only when the first look finds nothing does the set
+//!   run its stream poll (`cuStreamQuery` of the streams with pending
+//!   frees, no pool lock held) and look once more; an ask that found
+//!   nothing makes the set's asks map new memory without looking for
+//!   [`QUIET_NS`], unless a thread handed its shard back meanwhile.
 //! - **Ownership.** The chunk directory records the taker as the range's
 //!   owner before the taker's pool adds it as a chunk whose pages are all
 //!   mapped and places the request at its start. No block of the range is
@@ -58,16 +68,55 @@ use crate::upstream::{Chunk, MappedGift, Upstream};
 /// hand-over costs no driver call, so the set holds close to its floor.
 pub(super) const HAND_OVER_ABOVE_PPM: u64 = 1_020_000;
 
+/// A range handed over is at least the request and, where a span holds
+/// it, this large: a shard that needs memory now will likely need more
+/// soon, and every hand-over costs a look at the other shards.
+const RANGE_PREFERRED: usize = 64 << 20;
+
+/// After an ask that found nothing to take, asks of the set map new
+/// memory without looking for this long (nanoseconds), unless a shard
+/// went idle meanwhile: the others' memory rarely frees up from one
+/// allocation to the next, and a look locks every shard.
+const QUIET_NS: u64 = 1_000_000;
+
+/// Nanoseconds since the first look of the process (the quiet period's
+/// clock).
+#[cfg(not(loom))]
+fn now_ns() -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    EPOCH.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64
+}
+
+/// Under loom every ask looks (no clock in a model).
+#[cfg(loom)]
+fn now_ns() -> u64 {
+    u64::MAX
+}
+
 /// How many spans a giver offers at most for one hand-over.
 const CANDIDATES: usize = 8;
 
 impl Tracked {
     /// Mapped memory of another shard for a request of `size` bytes at
-    /// `align` (see the module docs): a range recorded in the directory as
-    /// this shard's, or with `lend` and no range to be had, a block lent
-    /// out of another shard's mapped free memory.
-    pub(super) fn hand_over(&self, size: usize, align: usize, requested: usize, lend: bool) -> Option<MappedGift> {
+    /// `align` on `stream` (see the module docs): a range recorded in the
+    /// directory as this shard's, or with `lend` and no range to be had,
+    /// a block lent out of another shard's mapped free memory.
+    pub(super) fn hand_over(
+        &self,
+        size: usize,
+        align: usize,
+        requested: usize,
+        stream: u64,
+        lend: bool,
+    ) -> Option<MappedGift> {
         if !self.shared.hand_over || size == 0 {
+            return None;
+        }
+        let idle_now = self.shared.registry.handed_back();
+        let now = now_ns();
+        if now < self.shared.quiet_until.load(Ordering::Relaxed)
+            && self.shared.quiet_since.load(Ordering::Relaxed) == idle_now
+        {
             return None;
         }
         // SAFETY: as in `release_others`: a shard asks only while an
@@ -86,11 +135,6 @@ impl Tracked {
         if held + range <= room {
             return None;
         }
-        // Frees on streams that are idle now need no wait: ask once (no
-        // pool lock is held here) before the shards look at their tags.
-        if let Some(poll) = self.shared.poll.get() {
-            poll();
-        }
         // Idle shards first, then shards in use (only what they hold
         // above their budget: their threads' working set stays); the
         // highest-numbered first.
@@ -102,20 +146,32 @@ impl Tracked {
                 })
             })
         };
-        if let Some(r) = givers().find_map(|p| p.give_range(range)) {
-            // Recorded before the taker's pool holds it, so every block it
-            // hands out is found here.
-            self.shared.directory.carve(r.addr, r.end(), self.index);
-            self.shared.handed.fetch_add(1, Ordering::Relaxed);
-            self.shared.handed_bytes.fetch_add(r.size as u64, Ordering::Relaxed);
-            return Some(MappedGift::Range(r));
+        // First what the request's stream or finished work freed; then,
+        // once the set's stream poll has said which streams are idle now
+        // (no pool lock is held here), once more.
+        for polled in [false, true] {
+            if polled {
+                let Some(poll) = self.shared.poll.get() else { break };
+                poll();
+            }
+            if let Some((r, tag)) = givers().find_map(|p| p.give_range(range, RANGE_PREFERRED, stream)) {
+                // Recorded before the taker's pool holds it, so every
+                // block it hands out is found here.
+                self.shared.directory.carve(r.addr, r.end(), self.index);
+                self.shared.handed.fetch_add(1, Ordering::Relaxed);
+                self.shared.handed_bytes.fetch_add(r.size as u64, Ordering::Relaxed);
+                return Some(MappedGift::Range(r, tag));
+            }
+            if lend {
+                if let Some(a) = givers().find_map(|p| p.lend_mapped(size, align, requested, stream)) {
+                    self.shared.count_lent();
+                    return Some(MappedGift::Block(Chunk { addr: a.addr, size: a.size }, a.tag));
+                }
+            }
         }
-        if !lend {
-            return None;
-        }
-        let a = givers().find_map(|p| p.lend_mapped(size, align, requested))?;
-        self.shared.count_lent();
-        Some(MappedGift::Block(Chunk { addr: a.addr, size: a.size }))
+        self.shared.quiet_since.store(idle_now, Ordering::Relaxed);
+        self.shared.quiet_until.store(now.saturating_add(QUIET_NS), Ordering::Relaxed);
+        None
     }
 }
 
@@ -141,10 +197,12 @@ fn top_pieces(pieces: &[Chunk], span: Chunk, size: usize) -> Option<Chunk> {
 }
 
 impl<U: Upstream> Pool<U> {
-    /// Gives up a mapped free range of at least `size` bytes whose queued
-    /// work is known complete (see the module docs); `None` when none is
-    /// free, or the pool is busy remapping.
-    pub(super) fn give_range(&self, size: usize) -> Option<Chunk> {
+    /// Gives up a mapped free range of at least `size` bytes (up to
+    /// `preferred` where a span holds that much) whose queued work is known
+    /// complete or was queued on `stream` (see the module docs), with the
+    /// tag that orders its reuse; `None` when none is free, or the pool is
+    /// busy remapping.
+    pub(super) fn give_range(&self, size: usize, preferred: usize, stream: u64) -> Option<(Chunk, StreamTag)> {
         if !self.remap || self.config.keep_chunks {
             return None;
         }
@@ -157,7 +215,7 @@ impl<U: Upstream> Pool<U> {
             let Inner { fit, pages, .. } = &mut *inner;
             let mut spans = Vec::new();
             for (addr, bsize, tag) in fit.free_blocks_highest_first(size) {
-                if !fit.tag_settled(tag) {
+                if !fit.usable_on(tag, stream) {
                     continue;
                 }
                 spans.extend(pages.mapped_inside(addr, bsize).into_iter().filter(|s| s.size >= size));
@@ -165,7 +223,9 @@ impl<U: Upstream> Pool<U> {
                     break;
                 }
             }
-            spans.sort_unstable_by_key(|s| s.size);
+            // The largest first: a range as large as preferred comes from
+            // one span.
+            spans.sort_unstable_by_key(|s| std::cmp::Reverse(s.size));
             spans.truncate(CANDIDATES);
             for span in &spans {
                 // Holes while the pieces are looked up: no allocation
@@ -177,27 +237,36 @@ impl<U: Upstream> Pool<U> {
         if spans.is_empty() {
             return None;
         }
-        let chosen = spans.iter().find_map(|s| top_pieces(&self.upstream.mapped_pieces(s.addr, s.size)?, *s, size));
+        let chosen = spans.iter().find_map(|s| {
+            let pieces = self.upstream.mapped_pieces(s.addr, s.size)?;
+            top_pieces(&pieces, *s, preferred.min(s.size)).or_else(|| top_pieces(&pieces, *s, size))
+        });
         let mut inner = self.inner.lock();
         let Inner { fit, pages, .. } = &mut *inner;
         for span in &spans {
             pages.mark(*span, false);
         }
         let range = chosen?;
-        // Still free (nothing could land on it), and frees merged into its
-        // block meanwhile must not make it wait for queued work.
-        if !fit.free_range_tag(range.addr, range.size).is_some_and(|t| fit.tag_settled(t)) {
-            return None;
-        }
+        // Still free (nothing could land on it); frees merged into its
+        // block meanwhile may have changed the tag.
+        let tag = fit.free_range_tag(range.addr, range.size).filter(|&t| fit.usable_on(t, stream))?;
+        let tag = if fit.tag_settled(tag) { StreamTag::NONE } else { tag };
         fit.take_free_range(range.addr, range.size)?;
         pages.forget(range.addr, range.size);
-        Some(range)
+        Some((range, tag))
     }
 
     /// Lends a block of `size` bytes at `align` for another shard's
     /// thread out of mapped free memory whose queued work is known
-    /// complete; its free comes back here through the directory.
-    pub(super) fn lend_mapped(&self, size: usize, align: usize, requested: usize) -> Option<super::Allocation> {
+    /// complete or was queued on `stream`; its free comes back here
+    /// through the directory.
+    pub(super) fn lend_mapped(
+        &self,
+        size: usize,
+        align: usize,
+        requested: usize,
+        stream: u64,
+    ) -> Option<super::Allocation> {
         if !self.remap || self.config.keep_chunks {
             return None;
         }
@@ -207,11 +276,12 @@ impl<U: Upstream> Pool<U> {
         }
         let Inner { fit, pages, .. } = &mut *inner;
         let a = fit.allocate_in_spans(size, align, requested, |at, len| pages.mapped_inside(at, len))?;
-        if !fit.tag_settled(a.tag) {
+        if !fit.usable_on(a.tag, stream) {
             fit.undo_allocate(&a);
             return None;
         }
-        Some(super::Allocation { tag: StreamTag::NONE, ..a })
+        let tag = if fit.tag_settled(a.tag) { StreamTag::NONE } else { a.tag };
+        Some(super::Allocation { tag, ..a })
     }
 
     /// Before a remapping pool maps new memory for a request of `rounded`
@@ -220,7 +290,13 @@ impl<U: Upstream> Pool<U> {
     /// added as a chunk, the request placed at its start, or a block lent
     /// (only without a thread cache, which would keep the block here).
     /// `None` when the placement needs no new memory or nothing came.
-    pub(super) fn adopt_for(&self, rounded: usize, align: usize, size: usize) -> Option<super::Allocation> {
+    pub(super) fn adopt_for(
+        &self,
+        rounded: usize,
+        align: usize,
+        size: usize,
+        stream: u64,
+    ) -> Option<super::Allocation> {
         if align > self.remap_page || !self.config.hand_over_ranges {
             return None;
         }
@@ -242,12 +318,12 @@ impl<U: Upstream> Pool<U> {
                 return None;
             }
         }
-        match self.upstream.take_mapped(rounded, align, size, self.cache.is_none())? {
-            MappedGift::Block(b) => Some(super::Allocation { addr: b.addr, size: b.size, tag: StreamTag::NONE }),
-            MappedGift::Range(range) => {
+        match self.upstream.take_mapped(rounded, align, size, stream, self.cache.is_none())? {
+            MappedGift::Block(b, tag) => Some(super::Allocation { addr: b.addr, size: b.size, tag }),
+            MappedGift::Range(range, tag) => {
                 let mut inner = self.inner.lock();
                 let Inner { fit, pages, .. } = &mut *inner;
-                if !fit.add_chunk(range) {
+                if !fit.add_chunk_tagged(range, tag) {
                     // Address space of one reservation never overlaps: a
                     // broken upstream. The range stays out of every pool
                     // (its pages stay mapped) rather than in two.

@@ -322,7 +322,7 @@ impl<U: Upstream> Pool<U> {
     pub(crate) fn allocate_uncached_within(&self, size: usize, align: usize) -> Result<Option<Allocation>> {
         debug_assert!(!self.remap, "a remapping pool grows by mapping pages");
         let rounded = validate(size, align)?;
-        self.allocate_exact(rounded, align, size, false)
+        self.allocate_exact(rounded, align, size, 0, false)
     }
 
     /// [`allocate_for`](Pool::allocate_for); with `grow` unset, `Ok(None)`
@@ -331,7 +331,7 @@ impl<U: Upstream> Pool<U> {
     fn allocate_growing(&self, size: usize, align: usize, stream: u64, grow: bool) -> Result<Option<Allocation>> {
         let rounded = validate(size, align)?;
         let Some(cache) = &self.cache else {
-            return self.allocate_exact(rounded, align, size, grow);
+            return self.allocate_exact(rounded, align, size, stream, grow);
         };
         // The thread cache (cache.rs): a hit takes no pool lock; a miss
         // allocates the class size (or the exact size) here and lends the
@@ -345,11 +345,11 @@ impl<U: Upstream> Pool<U> {
             }
         }
         let exact = class.map_or(rounded, |(_, block_size)| block_size);
-        let a = match self.allocate_exact(exact, align, size, grow) {
+        let a = match self.allocate_exact(exact, align, size, stream, grow) {
             // Memory parked in thread caches counts as used: flush it all
             // and try once more.
             Err(Error::OutOfMemory { .. }) if cache.drain_all(false) > 0 => {
-                self.allocate_exact(exact, align, size, grow)?
+                self.allocate_exact(exact, align, size, stream, grow)?
             }
             r => r?,
         };
@@ -362,12 +362,19 @@ impl<U: Upstream> Pool<U> {
     /// [`allocate`](Pool::allocate) from the shared pool, `rounded` being
     /// the validated size; with `grow` unset, `Ok(None)` where the pool
     /// would grow.
-    fn allocate_exact(&self, rounded: usize, align: usize, size: usize, grow: bool) -> Result<Option<Allocation>> {
+    fn allocate_exact(
+        &self,
+        rounded: usize,
+        align: usize,
+        size: usize,
+        stream: u64,
+        grow: bool,
+    ) -> Result<Option<Allocation>> {
         let mut released_once = false;
         let mut drained = false;
         loop {
             if self.remap {
-                match self.allocate_remapping(rounded, align, size) {
+                match self.allocate_remapping(rounded, align, size, stream) {
                     Ok(Some(a)) => return Ok(Some(a)),
                     Ok(None) => {}
                     Err(Error::OutOfMemory { .. }) if !released_once => {

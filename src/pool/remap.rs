@@ -95,8 +95,16 @@ impl<U: Upstream> Pool<U> {
     /// Allocates from the shared pool with page remapping: mapped space
     /// first; holes the placement touches are mapped under the remap lock.
     /// `Ok(None)` when no free block fits (the caller grows the pool).
+    /// `stream` is the request's (0: none): memory another shard freed on
+    /// it may come here with no wait (`handover.rs`).
     #[inline]
-    pub(super) fn allocate_remapping(&self, rounded: usize, align: usize, size: usize) -> Result<Option<Allocation>> {
+    pub(super) fn allocate_remapping(
+        &self,
+        rounded: usize,
+        align: usize,
+        size: usize,
+        stream: u64,
+    ) -> Result<Option<Allocation>> {
         {
             let mut inner = self.inner.lock();
             if inner.shut_down {
@@ -105,7 +113,7 @@ impl<U: Upstream> Pool<U> {
             inner.used = true;
             if inner.learn.is_some() {
                 drop(inner);
-                return self.allocate_learned(rounded, align, size);
+                return self.allocate_learned(rounded, align, size, stream);
             }
             let Inner { fit, pages, .. } = &mut *inner;
             match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
@@ -126,7 +134,7 @@ impl<U: Upstream> Pool<U> {
                 }
             }
         }
-        self.map_for(rounded, align, size)
+        self.map_for(rounded, align, size, stream)
     }
 
     /// [`allocate_remapping`](Self::allocate_remapping) with learned
@@ -134,7 +142,7 @@ impl<U: Upstream> Pool<U> {
     /// expects this size and the range there is free and mapped, else as
     /// without; then the allocation is recorded, and a repeat found is
     /// planned (outside the pool lock).
-    fn allocate_learned(&self, rounded: usize, align: usize, size: usize) -> Result<Option<Allocation>> {
+    fn allocate_learned(&self, rounded: usize, align: usize, size: usize, stream: u64) -> Result<Option<Allocation>> {
         let placed = {
             let mut inner = self.inner.lock();
             if inner.shut_down {
@@ -163,7 +171,7 @@ impl<U: Upstream> Pool<U> {
         };
         let a = match placed {
             Some(a) => a,
-            None => match self.map_for(rounded, align, size)? {
+            None => match self.map_for(rounded, align, size, stream)? {
                 Some(a) => a,
                 None => return Ok(None),
             },
@@ -214,11 +222,11 @@ impl<U: Upstream> Pool<U> {
     /// under the remap lock, place again and map the holes the placement
     /// touches.
     #[cold]
-    fn map_for(&self, rounded: usize, align: usize, size: usize) -> Result<Option<Allocation>> {
+    fn map_for(&self, rounded: usize, align: usize, size: usize, stream: u64) -> Result<Option<Allocation>> {
         let _remap = lock(&self.remap_lock);
         // Another shard's mapped free range, with no driver call, before
         // new memory is made (`handover.rs`).
-        if let Some(a) = self.adopt_for(rounded, align, size) {
+        if let Some(a) = self.adopt_for(rounded, align, size, stream) {
             return Ok(Some(a));
         }
         let plan = {

@@ -45,6 +45,9 @@ pub(super) struct Registry {
     primary_first_only: bool,
     /// Whether any thread claimed yet; held while a thread claims.
     claimed: Mutex<bool>,
+    /// Shards handed back so far (a shard may have gone idle since a
+    /// count was read: `handover.rs` looks again then).
+    handed_back: AtomicUsize,
 }
 
 impl Registry {
@@ -54,6 +57,7 @@ impl Registry {
             users: (0..count).map(|_| AtomicUsize::new(0)).collect(),
             primary_first_only,
             claimed: Mutex::new(false),
+            handed_back: AtomicUsize::new(0),
         })
     }
 
@@ -120,6 +124,12 @@ impl Registry {
 
     fn hand_back(&self, i: usize) {
         self.users[i].fetch_sub(1, Ordering::AcqRel);
+        self.handed_back.fetch_add(1, Ordering::Release);
+    }
+
+    /// Shards handed back by exiting threads so far.
+    pub(super) fn handed_back(&self) -> usize {
+        self.handed_back.load(Ordering::Acquire)
     }
 }
 

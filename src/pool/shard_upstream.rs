@@ -289,6 +289,12 @@ pub(super) struct Shared {
     /// Ranges handed over, and their bytes.
     pub(super) handed: AtomicU64,
     pub(super) handed_bytes: AtomicU64,
+    /// After an ask for mapped memory that found none, asks pass over
+    /// until this time (`handover.rs`, nanoseconds on its clock) unless a
+    /// shard went idle since: the registry's count of shards handed back
+    /// then.
+    pub(super) quiet_until: AtomicU64,
+    pub(super) quiet_since: AtomicUsize,
     /// Shards in use give what they hold above their budget too
     /// ([`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget)).
     pub(super) follow_threads: bool,
@@ -326,6 +332,8 @@ impl Shared {
             hand_over: one_space && config.hand_over_ranges,
             handed: AtomicU64::new(0),
             handed_bytes: AtomicU64::new(0),
+            quiet_until: AtomicU64::new(0),
+            quiet_since: AtomicUsize::new(0),
             follow_threads: config.fresh_thread_budget,
             poll: once_cell::sync::OnceCell::new(),
             pools: pools as *const ShardPools,
@@ -478,8 +486,8 @@ impl Upstream for Tracked {
     fn try_extend_reserved(&self, chunk: Chunk, extra: usize) -> Result<bool> {
         self.try_extend_once(chunk, extra, |u, c, n| u.try_extend_reserved(c, n))
     }
-    fn take_mapped(&self, size: usize, align: usize, requested: usize, lend: bool) -> Option<MappedGift> {
-        self.hand_over(size, align, requested, lend)
+    fn take_mapped(&self, size: usize, align: usize, requested: usize, stream: u64, lend: bool) -> Option<MappedGift> {
+        self.hand_over(size, align, requested, stream, lend)
     }
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         // Kept memory maps first; only the rest is new memory.

@@ -41,9 +41,17 @@
 //!   (or, idle, to a request on no stream): a block lent to another
 //!   stream comes back tagged with it, and merged with the lender's
 //!   pending free space it makes blocks whose reuse waits for every
-//!   stream. Only then does the shard grow. A remapping shard neither
-//!   gives nor lends: its free space may be holes, and its address space
-//!   is its own.
+//!   stream. Only then does the shard grow. Remapping shards trade
+//!   otherwise (next item).
+//! - **One address space per device** ([`Shards::sharing_space`]: a
+//!   device's sync pool). The remapping shards' upstreams are views of
+//!   one reservation, so a range of mapped pages can leave one shard and
+//!   join another as it is. A shard about to map new memory, while the
+//!   set holds more than 102 % of the most pages its blocks touched at
+//!   once, takes a mapped free range of whole pieces from an idle shard
+//!   (or what a shard in use holds above its budget) with no driver call,
+//!   or, failing a range, a block lent out of such memory (`handover.rs`,
+//!   [`PoolConfig::hand_over_ranges`]).
 //! - **Idle shards.** A shard whose threads all exited keeps its memory
 //!   for the next thread to claim it, but gives its free memory to a
 //!   shard that grows: before a shard's upstream makes new memory and
@@ -57,9 +65,9 @@
 //!   default: new threads map again what idle shards gave). With
 //!   [`PoolConfig::fresh_thread_budget`] a shard claimed by a new thread
 //!   also starts its remap budget afresh, and shards in use give what
-//!   they hold above it. Memory moves between remapping shards by unmap
-//!   and release in the giver and a new map in the taker (each shard's
-//!   address space is its own).
+//!   they hold above it. Giving unmaps and releases in the giver, and
+//!   the taker maps new memory; in one address space ranges change shard
+//!   without either (previous item), before idle shards give.
 //! - **Where a free goes.** Each shard's upstream is wrapped
 //!   (`shard_upstream.rs`) so that every chunk it hands out is recorded in
 //!   a directory shared by the set: a sorted array of chunks published

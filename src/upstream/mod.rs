@@ -67,15 +67,15 @@ pub fn remap_piece(mapped: usize) -> usize {
 }
 
 /// Mapped memory another pool of the same address space gave up
-/// ([`Upstream::take_mapped`]).
+/// ([`Upstream::take_mapped`]), with the stream tag that orders its reuse.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MappedGift {
     /// A free range that leaves the other pool: the taker adds it as a
     /// chunk (all its pages mapped).
-    Range(Chunk),
+    Range(Chunk, crate::tag::StreamTag),
     /// A block the other pool allocated for the request: it stays that
     /// pool's, and its free goes back there.
-    Block(Chunk),
+    Block(Chunk, crate::tag::StreamTag),
 }
 
 /// An address range an upstream handed out.
@@ -283,15 +283,16 @@ pub trait Upstream: Send + Sync + 'static {
 
     /// Mapped free memory that another pool sharing this upstream's
     /// address space gives up for a request of `size` bytes (a multiple
-    /// of 256) at `align` (`requested` asked), with no driver call (the
-    /// shards of one device, `pool/handover.rs`): a range the caller's
-    /// pool adds as a chunk whose pages are all mapped, or, with `lend`,
-    /// a block the other pool allocated for the request and takes back
-    /// when it is freed. Its queued work is known complete. `None` (the
+    /// of 256) at `align` (`requested` asked) on `stream` (0: none), with
+    /// no driver call (the shards of one device, `pool/handover.rs`): a
+    /// range the caller's pool adds as a chunk whose pages are all mapped,
+    /// or, with `lend`, a block the other pool allocated for the request
+    /// and takes back when it is freed. Its queued work is known complete
+    /// or was queued on `stream` (the gift's tag says which). `None` (the
     /// default) where no other pool shares the address space, or none
     /// gives.
-    fn take_mapped(&self, size: usize, align: usize, requested: usize, lend: bool) -> Option<MappedGift> {
-        self.inner().and_then(|u| u.take_mapped(size, align, requested, lend))
+    fn take_mapped(&self, size: usize, align: usize, requested: usize, stream: u64, lend: bool) -> Option<MappedGift> {
+        self.inner().and_then(|u| u.take_mapped(size, align, requested, stream, lend))
     }
 }
 

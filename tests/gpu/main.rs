@@ -15,6 +15,7 @@ mod cudarc_interop;
 mod gpu_arenas;
 mod gpu_dropped_streams;
 mod gpu_graphs;
+mod gpu_hand_over;
 mod gpu_ipc;
 mod gpu_remap;
 mod managed_alloc;

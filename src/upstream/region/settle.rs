@@ -189,6 +189,12 @@ impl Remains {
 
     /// Waits with `waiter` and releases, or defers, or leaks on an error.
     pub(super) fn settle_and_release(self, waiter: Waiter) {
+        // Nothing was mapped (a reservation alone, or one that failed to
+        // grow): no work can use memory that is not there, so nothing is
+        // waited for (a wait would break a capture under way).
+        if self.maps.is_empty() && self.backings.is_empty() {
+            return self.release();
+        }
         // Deferred device-wide waits come back only through a device wait
         // (see `release_deferred_where`).
         release_deferred_where(matches!(waiter, Waiter::Device(_)));

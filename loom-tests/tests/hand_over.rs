@@ -1,0 +1,98 @@
+//! One address space per device (`pool/handover.rs`): a shard whose
+//! thread ended is idle; the first thread's shard needs memory and takes
+//! the idle shard's mapped free range (its chunk is cut around the range,
+//! the directory records the new owner, no page is mapped or unmapped),
+//! while a new thread claims the idle shard, frees a block into it (a free
+//! in flight) and allocates there. In every interleaving no page under a
+//! live block is unmapped or mapped twice, every block handed out sits on
+//! mapped pages, every free finds its block's shard, and the pages the
+//! shards count as mapped are the device's.
+//!
+//! Both shards' upstreams are one device model (one address space).
+
+#![cfg(loom)]
+
+use cumem::pool::{release_thread_shards, PoolConfig, Shards, StreamTag, UpstreamFactory};
+use cumem::upstream::Upstream;
+use cumem::PoolKind;
+use cumem_loom_tests::model;
+use cumem_loom_tests::pages::{Device, PageUpstream, PAGE};
+use loom::sync::Arc;
+use loom::thread;
+
+fn assert_mapped(d: &Device, addr: usize, size: usize) {
+    for page in (addr / PAGE * PAGE..addr + size).step_by(PAGE) {
+        assert!(d.mapped(page), "block {addr:#x}+{size} on unmapped page {page:#x}");
+    }
+}
+
+/// Model runs in which a range changed shard.
+static HANDED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[test]
+fn a_mapped_range_changes_shard_while_a_free_is_in_flight() {
+    model(|| {
+        let dev = PageUpstream::default();
+        let mut c = PoolConfig::new(PoolKind::Standalone);
+        c.thread_cache = false;
+        c.min_chunk = PAGE;
+        c.remap_slack_ppm = 0;
+        let more = dev.clone();
+        let make: UpstreamFactory = Box::new(move || Ok(Box::new(more.clone()) as Box<dyn Upstream>));
+        let set = Arc::new(Shards::sharing_space(Box::new(dev.clone()), make, c, 2));
+        // This thread takes shard 0.
+        let first = set.allocate(256, 256).unwrap();
+        dev.dev().live.insert((first.addr, first.size));
+        // A thread grows shard 1, keeps two blocks and ends.
+        let s = set.clone();
+        let (b, c) = thread::spawn(move || {
+            let a = s.allocate(3 * PAGE, 256).unwrap();
+            let b = s.allocate(PAGE, 256).unwrap();
+            let c = s.allocate(PAGE, 256).unwrap();
+            s.deallocate(a.addr, StreamTag::NONE).unwrap();
+            release_thread_shards();
+            (b, c)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(set.made(), 2);
+        dev.dev().live.extend([(b.addr, b.size), (c.addr, c.size)]);
+        // A new thread takes the idle shard: frees a block there (in
+        // flight while the range moves) and allocates.
+        let (s, d2) = (set.clone(), dev.clone());
+        let user = thread::spawn(move || {
+            d2.dev().live.remove(&(c.addr, c.size));
+            s.deallocate(c.addr, StreamTag::NONE).unwrap();
+            let d = s.allocate(PAGE, 256).unwrap();
+            d2.dev().live.insert((d.addr, d.size));
+            assert_mapped(&d2.dev(), d.addr, d.size);
+            release_thread_shards();
+            d
+        });
+        // Shard 0 needs three pages: the idle shard's free range moves.
+        let g = set.allocate(3 * PAGE, 256).unwrap();
+        dev.dev().live.insert((g.addr, g.size));
+        let d = user.join().unwrap();
+        let dv = dev.dev();
+        assert!(dv.violations.is_empty(), "{:?}", dv.violations);
+        for (addr, size) in [(g.addr, g.size), (d.addr, d.size), (b.addr, b.size), (first.addr, first.size)] {
+            assert_mapped(&dv, addr, size);
+        }
+        let pieces: usize = dv.pieces.values().sum();
+        drop(dv);
+        let mapped: usize = set.pools().map(|(_, p)| p.stats().mapped - p.stats().kept).sum();
+        assert_eq!(mapped, pieces, "the shards' mapped pages drifted from the device's");
+        set.check_invariants().expect("best-fit invariants");
+        if set.ranges_handed_over().0 > 0 {
+            HANDED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        // Every block frees in its shard, whichever thread made it.
+        for x in [g, d, b, first] {
+            set.deallocate(x.addr, StreamTag::NONE).unwrap();
+        }
+        assert!(set.deallocate(g.addr, StreamTag::NONE).is_err(), "a second free is refused");
+        set.check_invariants().expect("best-fit invariants");
+        release_thread_shards();
+    });
+    assert!(HANDED.load(std::sync::atomic::Ordering::Relaxed) > 0, "no run handed a range over");
+}
