@@ -23,8 +23,9 @@
 //! - **What.** The giver picks free blocks whose queued work is known
 //!   complete or was queued on the request's stream (stream order then
 //!   covers it, and the range or block carries that stream's tag) and,
-//!   inside them, spans of mapped pages at least as large as the request,
-//!   the largest first. The spans are marked holes under its pool lock
+//!   inside them (a look at its largest free blocks only), spans of mapped
+//!   pages at least as large as the request, the largest first; a shard
+//!   in use gives at most what it holds above its budget. The spans are marked holes under its pool lock
 //!   before it is dropped, so no allocation lands there meanwhile; the
 //!   upstream then says where its pieces lie (a piece is mapped and
 //!   unmapped whole), and the range is the run of whole pieces at the top
@@ -125,10 +126,7 @@ impl Tracked {
         let pools = unsafe { &*self.shared.pools };
         // One shard (a single-threaded program): nothing to ask.
         pools.iter().filter(|c| c.get().is_some()).nth(1)?;
-        let (held, live) = pools.iter().filter_map(|c| c.get()).fold((0usize, 0usize), |(h, l), p| {
-            let s = p.stats();
-            (h + s.mapped, l + s.in_use.max(s.touched))
-        });
+        let (held, live) = self.set_footprint(pools);
         let peak = self.shared.peak_live.fetch_max(live, Ordering::Relaxed).max(live);
         let room = (peak as u128 * u128::from(HAND_OVER_ABOVE_PPM) / 1_000_000) as usize;
         let range = size.next_multiple_of(self.inner.granularity());
@@ -142,7 +140,12 @@ impl Tracked {
             [true, false].into_iter().flat_map(move |idle| {
                 pools.iter().enumerate().rev().filter_map(move |(j, cell)| {
                     let p = cell.get().filter(|_| j != self.index)?;
-                    ((self.shared.registry.users(j) == 0) == idle && (idle || p.excess() >= range)).then_some(p)
+                    if (self.shared.registry.users(j) == 0) != idle {
+                        return None;
+                    }
+                    // What the shard may give: anything free when idle.
+                    let most = if idle { usize::MAX } else { p.excess() };
+                    (most >= range).then_some((p, most))
                 })
             })
         };
@@ -154,7 +157,9 @@ impl Tracked {
                 let Some(poll) = self.shared.poll.get() else { break };
                 poll();
             }
-            if let Some((r, tag)) = givers().find_map(|p| p.give_range(range, RANGE_PREFERRED, stream)) {
+            let give =
+                |(p, most): (&Pool<Box<dyn Upstream>>, usize)| p.give_range(range, RANGE_PREFERRED.min(most), stream);
+            if let Some((r, tag)) = givers().find_map(give) {
                 // Recorded before the taker's pool holds it, so every
                 // block it hands out is found here.
                 self.shared.directory.carve(r.addr, r.end(), self.index);
@@ -162,8 +167,12 @@ impl Tracked {
                 self.shared.handed_bytes.fetch_add(r.size as u64, Ordering::Relaxed);
                 return Some(MappedGift::Range(r, tag));
             }
+            // Loans come from idle shards only: a loan is made for one
+            // block, and a shard in use would take its owner's lock for
+            // each.
             if lend {
-                if let Some(a) = givers().find_map(|p| p.lend_mapped(size, align, requested, stream)) {
+                let idle = givers().filter(|&(_, most)| most == usize::MAX);
+                if let Some(a) = idle.map(|(p, _)| p).find_map(|p| p.lend_mapped(size, align, requested, stream)) {
                     self.shared.count_lent();
                     return Some(MappedGift::Block(Chunk { addr: a.addr, size: a.size }, a.tag));
                 }
@@ -174,6 +183,28 @@ impl Tracked {
         None
     }
 }
+
+impl Tracked {
+    /// The physical memory the set holds and what its live blocks hold
+    /// ([`Pool::footprint`] of every shard), looked at afresh at most
+    /// every [`FOOTPRINT_NS`]: every ask needs it, and a look locks every
+    /// shard.
+    fn set_footprint(&self, pools: &super::shard_upstream::ShardPools) -> (usize, usize) {
+        let now = now_ns();
+        let cached = &self.shared.footprint;
+        let (at, held, live) = *crate::sync::lock(cached);
+        if now != u64::MAX && now.saturating_sub(at) < FOOTPRINT_NS && at != 0 {
+            return (held, live);
+        }
+        let (held, live) =
+            pools.iter().filter_map(|c| c.get()).map(Pool::footprint).fold((0, 0), |(h, l), (ph, pl)| (h + ph, l + pl));
+        *crate::sync::lock(cached) = (now.max(1), held, live);
+        (held, live)
+    }
+}
+
+/// How long the set's footprint may be reused (nanoseconds).
+const FOOTPRINT_NS: u64 = 100_000;
 
 /// The run of whole pieces at the top of `span` (the pieces mapped over
 /// it, in address order, the first and last possibly reaching past it)
@@ -197,6 +228,19 @@ fn top_pieces(pieces: &[Chunk], span: Chunk, size: usize) -> Option<Chunk> {
 }
 
 impl<U: Upstream> Pool<U> {
+    /// The physical memory the pool holds and what its live blocks hold
+    /// (the pages they touch, in a remapping pool), in bytes: a short look
+    /// under the lock that leaves the hot block as it is (asked of every
+    /// shard before a hand-over).
+    pub(super) fn footprint(&self) -> (usize, usize) {
+        let mut inner = self.inner.lock();
+        let Inner { fit, pages, .. } = &mut *inner;
+        let (touched, _) = fit.touched_pages();
+        let s = fit.stats_mut();
+        let held = if self.remap { pages.physical() << pages.shift() } else { s.reserved };
+        (held, s.in_use.max(touched << pages.shift()))
+    }
+
     /// Gives up a mapped free range of at least `size` bytes (up to
     /// `preferred` where a span holds that much) whose queued work is known
     /// complete or was queued on `stream` (see the module docs), with the
@@ -214,13 +258,9 @@ impl<U: Upstream> Pool<U> {
             }
             let Inner { fit, pages, .. } = &mut *inner;
             let mut spans = Vec::new();
-            for (addr, bsize, tag) in fit.free_blocks_highest_first(size) {
-                if !fit.usable_on(tag, stream) {
-                    continue;
-                }
-                spans.extend(pages.mapped_inside(addr, bsize).into_iter().filter(|s| s.size >= size));
-                if spans.len() >= 4 * CANDIDATES {
-                    break;
+            for (addr, bsize, tag) in fit.largest_free_blocks(4 * CANDIDATES, size) {
+                if fit.usable_on(tag, stream) {
+                    spans.extend(pages.mapped_inside(addr, bsize).into_iter().filter(|s| s.size >= size));
                 }
             }
             // The largest first: a range as large as preferred comes from
@@ -330,7 +370,11 @@ impl<U: Upstream> Pool<U> {
                     return None;
                 }
                 pages.add_mapped(range.addr, range.size);
-                fit.allocate_at_chunk_start(range.addr, rounded, size)
+                // A range next to the pool's own chunks (often one it gave
+                // before) joins them: chunk boundaries would keep free
+                // blocks apart.
+                fit.join_neighbours(range.addr);
+                fit.allocate_free_at(range.addr, rounded, size)
             }
         }
     }

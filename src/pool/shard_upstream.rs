@@ -170,16 +170,12 @@ impl Directory {
         self.seq.store(seq + 2, Ordering::Release);
     }
 
-    /// Records that `shard` holds `[start, end)`: a chunk grown in place
-    /// keeps its start and gets the longer end; entries the chunk overlaps
-    /// (ranges given back and handed out again) go.
+    /// Records that `shard` holds `[start, end)`: a new chunk, a chunk
+    /// grown in place (same start, longer end) or one moved to another
+    /// shard; what other entries hold outside it stays theirs
+    /// ([`carve`](Self::carve)).
     fn insert(&self, start: usize, end: usize, shard: usize) {
-        let mut tables = lock(&self.tables);
-        let mut next = Self::entries(&tables);
-        next.retain(|&(s, e, _)| e <= start || end <= s);
-        let at = next.partition_point(|&(s, _, _)| s < start);
-        next.insert(at, (start, end, shard));
-        self.publish(&mut tables, &next);
+        self.carve(start, end, shard);
     }
 
     /// Records that `shard` holds `[start, end)`, a range cut out of
@@ -202,16 +198,38 @@ impl Directory {
         }
         let at = next.partition_point(|&(s, _, _)| s < start);
         next.insert(at, (start, end, shard));
+        // Neighbours of one shard become one entry: ranges that change
+        // shard would otherwise cut the table into ever more entries.
+        next.dedup_by(|b, a| {
+            let joins = a.1 == b.0 && a.2 == b.2;
+            if joins {
+                a.1 = b.1;
+            }
+            joins
+        });
         self.publish(&mut tables, &next);
     }
 
-    /// Forgets the chunk that starts at `start` (given back upstream).
-    fn remove(&self, start: usize) {
+    /// Forgets `[start, end)` (a chunk given back upstream); an entry that
+    /// reaches past it (neighbours of one shard joined by
+    /// [`carve`](Self::carve)) keeps the rest.
+    fn remove_range(&self, start: usize, end: usize) {
         let mut tables = lock(&self.tables);
-        let mut next = Self::entries(&tables);
-        let before = next.len();
-        next.retain(|&(s, _, _)| s != start);
-        if next.len() != before {
+        let before = Self::entries(&tables);
+        let mut next = Vec::with_capacity(before.len() + 1);
+        for (s, e, owner) in before.iter().copied() {
+            if e <= start || end <= s {
+                next.push((s, e, owner));
+                continue;
+            }
+            if s < start {
+                next.push((s, start, owner));
+            }
+            if end < e {
+                next.push((end, e, owner));
+            }
+        }
+        if next != before {
             self.publish(&mut tables, &next);
         }
     }
@@ -295,6 +313,10 @@ pub(super) struct Shared {
     /// then.
     pub(super) quiet_until: AtomicU64,
     pub(super) quiet_since: AtomicUsize,
+    /// The set's footprint as last looked at: when (nanoseconds on the
+    /// hand-over clock, 0: never), the memory held and what the live
+    /// blocks hold (`handover.rs`).
+    pub(super) footprint: Mutex<(u64, usize, usize)>,
     /// Shards in use give what they hold above their budget too
     /// ([`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget)).
     pub(super) follow_threads: bool,
@@ -334,6 +356,7 @@ impl Shared {
             handed_bytes: AtomicU64::new(0),
             quiet_until: AtomicU64::new(0),
             quiet_since: AtomicUsize::new(0),
+            footprint: Mutex::new((0, 0, 0)),
             follow_threads: config.fresh_thread_budget,
             poll: once_cell::sync::OnceCell::new(),
             pools: pools as *const ShardPools,
@@ -455,7 +478,7 @@ impl Upstream for Tracked {
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
         self.inner.deallocate_chunk(chunk)?;
         // The chunk had no live block: no free can look for it.
-        self.shared.directory.remove(chunk.addr);
+        self.shared.directory.remove_range(chunk.addr, chunk.end());
         self.shared.total.unbook(chunk.size);
         Ok(())
     }
@@ -523,13 +546,23 @@ mod tests {
         assert_eq!(d.find(0x28000), Some(3), "grown in place");
         d.insert(0x50000, 0x60000, 2);
         assert_eq!((d.find(0x58000), d.find(0x18000)), (Some(2), Some(3)));
-        // A different range at the same start (given back, handed out
-        // again) replaces the entry.
+        // Given back, then a different range at the same start handed out
+        // again.
+        d.remove_range(0x10000, 0x30000);
         d.insert(0x10000, 0x18000, 1);
         assert_eq!((d.find(0x14000), d.find(0x28000)), (Some(1), None));
         assert_eq!(d.find(0x5000), None);
-        d.remove(0x10000);
+        d.remove_range(0x10000, 0x18000);
         assert_eq!((d.find(0x14000), d.find(0x58000), d.sizes().0), (None, Some(2), 1));
+        // A range cut out of a chunk for another shard: the rest stays;
+        // neighbours of one shard join, and giving back one chunk of a
+        // joined entry leaves the other.
+        d.insert(0x60000, 0x70000, 2);
+        d.carve(0x64000, 0x68000, 3);
+        assert_eq!((d.find(0x62000), d.find(0x66000), d.find(0x6a000)), (Some(2), Some(3), Some(2)));
+        assert_eq!(d.sizes().0, 3, "[0x50000, 0x64000) of shard 2 joined");
+        d.remove_range(0x50000, 0x60000);
+        assert_eq!((d.find(0x58000), d.find(0x62000)), (None, Some(2)));
     }
 
     #[test]
@@ -539,7 +572,7 @@ mod tests {
             let start = 0x1000_0000 + i * 0x10_0000;
             d.insert(start, start + 0x8000, i % 4);
             if i >= 8 {
-                d.remove(start - 8 * 0x10_0000);
+                d.remove_range(start - 8 * 0x10_0000, start - 8 * 0x10_0000 + 0x8000);
             }
             assert_eq!(d.find(start + 1), Some(i % 4));
         }

@@ -27,11 +27,24 @@ impl BestFit {
         if end > info.chunk.end() {
             return None;
         }
+        // Walk from the nearer end of the chunk.
+        let holds = |b: &super::Block| b.free && b.addr <= addr && end <= b.addr + b.size;
+        if addr - info.chunk.addr > info.chunk.end() - end {
+            let mut slot = info.last;
+            while slot != NIL {
+                let b = &self.blocks[slot as usize];
+                if b.addr <= addr {
+                    return holds(b).then_some(slot);
+                }
+                slot = b.prev;
+            }
+            return None;
+        }
         let mut slot = info.first;
         while slot != NIL {
             let b = &self.blocks[slot as usize];
             if addr < b.addr + b.size {
-                return (b.free && end <= b.addr + b.size).then_some(slot);
+                return holds(b).then_some(slot);
             }
             slot = b.next;
         }
@@ -110,19 +123,57 @@ impl BestFit {
         Some(m.tag)
     }
 
-    /// Allocates `size` bytes at the start of the chunk that starts at
-    /// `addr` when its first block is free and holds them (a range just
-    /// taken from another pool, `pool/handover.rs`).
-    pub fn allocate_at_chunk_start(&mut self, addr: usize, size: usize, requested: usize) -> Option<super::Allocation> {
-        self.flush_hot();
-        let &id = self.chunks_by_addr.get(&addr)?;
-        let slot = self.chunk_info(id).first;
-        let b = &self.blocks[slot as usize];
-        if !b.free || b.size < size {
+    /// Allocates `[addr, addr + size)` when one free block holds it (the
+    /// start of a range just taken from another pool, `pool/handover.rs`).
+    pub fn allocate_free_at(&mut self, addr: usize, size: usize, requested: usize) -> Option<super::Allocation> {
+        if addr % BLOCK_ALIGN != 0 {
             return None;
         }
-        let a = self.allocate_slot_at(slot, addr, size, requested);
-        Some(a)
+        let slot = self.free_slot_holding(addr, size)?;
+        Some(self.allocate_slot_at(slot, addr, size, requested))
+    }
+
+    /// Joins the chunk that starts at `addr` with the chunks that end
+    /// where it starts and start where it ends, where the pool holds
+    /// them (a range handed back next to where it was cut out): one chunk,
+    /// whose free blocks that now touch coalesce.
+    pub fn join_neighbours(&mut self, addr: usize) {
+        self.flush_hot();
+        let Some(&id) = self.chunks_by_addr.get(&addr) else { return };
+        let end = self.chunk_info(id).chunk.end();
+        if let Some(&next) = self.chunks_by_addr.get(&end) {
+            self.join(id, next);
+        }
+        let before = self.chunks_by_addr.range(..addr).next_back().map(|(_, &p)| p);
+        if let Some(prev) = before.filter(|&p| self.chunk_info(p).chunk.end() == addr) {
+            self.join(prev, id);
+        }
+    }
+
+    /// Chunk `b`, which starts where chunk `a` ends, becomes part of `a`.
+    fn join(&mut self, a: u32, b: u32) {
+        let Some(bi) = self.chunks[b as usize].take() else { return };
+        self.vacant_chunks.push(b);
+        self.chunks_by_addr.remove(&bi.chunk.addr);
+        let mut s = bi.first;
+        while s != NIL {
+            self.blocks[s as usize].chunk = a;
+            s = self.blocks[s as usize].next;
+        }
+        let a_last = self.chunk_info(a).last;
+        self.blocks[a_last as usize].next = bi.first;
+        self.blocks[bi.first as usize].prev = a_last;
+        let ai = self.chunk_info_mut(a);
+        ai.chunk.size += bi.chunk.size;
+        ai.last = bi.last;
+        self.stats.chunks -= 1;
+        if self.blocks[a_last as usize].free && self.blocks[bi.first as usize].free {
+            self.unindex_free(a_last);
+            self.unindex_free(bi.first);
+            self.absorb_next(a_last);
+            self.index_free(a_last);
+        }
+        self.whole_free.store(true, crate::sync::Ordering::Relaxed);
     }
 }
 
@@ -179,10 +230,25 @@ mod tests {
         f.check_invariants().unwrap();
         // A range taken by another pool comes back as a chunk of its own.
         assert!(f.add_chunk(Chunk { addr: base + 8 * MB, size: 16 * MB }));
-        let d = f.allocate_at_chunk_start(base + 8 * MB, MB, 1).unwrap();
+        let d = f.allocate_free_at(base + 8 * MB, MB, 1).unwrap();
         assert_eq!(d.addr, base + 8 * MB);
-        assert!(f.allocate_at_chunk_start(base + 8 * MB, MB, 1).is_none(), "its first block is live");
+        assert!(f.allocate_free_at(base + 8 * MB, MB, 1).is_none(), "its first block is live");
         f.check_invariants().unwrap();
+        f.free(d.addr, StreamTag::NONE).unwrap();
+        // Ranges that meet join one chunk, whose free blocks coalesce.
+        assert!(f.add_chunk(Chunk { addr: base + 24 * MB, size: 8 * MB }));
+        let e = f.allocate(8 * MB, 256, 1).unwrap();
+        assert_eq!(e.addr, base + 24 * MB);
+        assert!(f.add_chunk(Chunk { addr: base, size: 8 * MB }));
+        f.join_neighbours(base + 8 * MB);
+        f.check_invariants().unwrap();
+        assert_eq!(f.stats().chunks, 1, "three chunks joined");
+        let whole = f.allocate(24 * MB, 256, 1).unwrap();
+        assert_eq!(whole.addr, base, "the first two coalesced");
+        f.free(e.addr, StreamTag::NONE).unwrap();
+        f.free(whole.addr, StreamTag::NONE).unwrap();
+        f.check_invariants().unwrap();
+        assert_eq!(f.allocate(32 * MB, 256, 1).map(|a| a.addr), Some(base));
     }
 
     /// The tag of the free block goes with the range.
