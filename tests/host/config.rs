@@ -27,10 +27,14 @@ fn good_strings() {
     let c: Config = "shared_device_arenas=true, arenas=8".parse().unwrap();
     assert!(c.shared_device_arenas && c.arenas == 8);
     assert!("shared_device_arenas=maybe".parse::<Config>().is_err());
-    assert!(!Config::default().fresh_thread_budget);
-    let c: Config = "fresh_thread_budget=true".parse().unwrap();
-    assert!(c.fresh_thread_budget && c.device_pool_config().fresh_thread_budget);
+    assert!(Config::default().fresh_thread_budget);
+    let c: Config = "fresh_thread_budget=false".parse().unwrap();
+    assert!(!c.fresh_thread_budget && !c.device_pool_config().fresh_thread_budget);
     assert!("fresh_thread_budget=2".parse::<Config>().is_err());
+    assert!(Config::default().arenas_hand_over && Config::default().device_pool_config().hand_over_ranges);
+    let c: Config = "arenas_hand_over=false".parse().unwrap();
+    assert!(!c.arenas_hand_over && !c.device_pool_config().hand_over_ranges);
+    assert!("arenas_hand_over=sometimes".parse::<Config>().is_err());
     assert!(!Config::default().idle_arenas_give);
     let c: Config = "idle_arenas_give=true".parse().unwrap();
     assert!(c.device_pool_config().idle_shards_give && c.pinned_pool_config().idle_shards_give);
