@@ -5,8 +5,10 @@
 //! while a new thread claims the idle shard, frees a block into it (a free
 //! in flight) and allocates there. In every interleaving no page under a
 //! live block is unmapped or mapped twice, every block handed out sits on
-//! mapped pages, every free finds its block's shard, and the pages the
-//! shards count as mapped are the device's.
+//! mapped pages, no two live blocks overlap, every free finds its block's
+//! shard, and the pages the shards count as mapped are the device's. (It
+//! fails when the directory does not record the taker as the range's
+//! owner: the taker's block is then freed into the giver, which refuses.)
 //!
 //! Both shards' upstreams are one device model (one address space).
 
@@ -15,7 +17,6 @@
 use cumem::pool::{release_thread_shards, PoolConfig, Shards, StreamTag, UpstreamFactory};
 use cumem::upstream::Upstream;
 use cumem::PoolKind;
-use cumem_loom_tests::model;
 use cumem_loom_tests::pages::{Device, PageUpstream, PAGE};
 use loom::sync::Arc;
 use loom::thread;
@@ -31,7 +32,12 @@ static HANDED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::
 
 #[test]
 fn a_mapped_range_changes_shard_while_a_free_is_in_flight() {
-    model(|| {
+    // A hand-over looks at every shard under its lock: more steps than
+    // loom's default bound on one execution's branches.
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(2);
+    b.max_branches = 20_000;
+    b.check(|| {
         let dev = PageUpstream::default();
         let mut c = PoolConfig::new(PoolKind::Standalone);
         c.thread_cache = false;
@@ -57,15 +63,18 @@ fn a_mapped_range_changes_shard_while_a_free_is_in_flight() {
         .unwrap();
         assert_eq!(set.made(), 2);
         dev.dev().live.extend([(b.addr, b.size), (c.addr, c.size)]);
-        // A new thread takes the idle shard: frees a block there (in
-        // flight while the range moves) and allocates.
+        // A new thread takes the idle shard: allocates there (where the
+        // range may be leaving) and frees a block (in flight while the
+        // range moves).
         let (s, d2) = (set.clone(), dev.clone());
         let user = thread::spawn(move || {
-            d2.dev().live.remove(&(c.addr, c.size));
-            s.deallocate(c.addr, StreamTag::NONE).unwrap();
+            // The free span is the best fit: this lands where the range
+            // may be leaving.
             let d = s.allocate(PAGE, 256).unwrap();
             d2.dev().live.insert((d.addr, d.size));
             assert_mapped(&d2.dev(), d.addr, d.size);
+            d2.dev().live.remove(&(c.addr, c.size));
+            s.deallocate(c.addr, StreamTag::NONE).unwrap();
             release_thread_shards();
             d
         });
@@ -77,6 +86,12 @@ fn a_mapped_range_changes_shard_while_a_free_is_in_flight() {
         assert!(dv.violations.is_empty(), "{:?}", dv.violations);
         for (addr, size) in [(g.addr, g.size), (d.addr, d.size), (b.addr, b.size), (first.addr, first.size)] {
             assert_mapped(&dv, addr, size);
+        }
+        // No two live blocks share a byte, whichever shard placed them.
+        let mut live = [g, d, b, first].map(|x| (x.addr, x.size));
+        live.sort_unstable();
+        for w in live.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "live blocks overlap: {:?}", w);
         }
         let pieces: usize = dv.pieces.values().sum();
         drop(dv);
