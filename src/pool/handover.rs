@@ -143,8 +143,10 @@ impl Tracked {
                     if (self.shared.registry.users(j) == 0) != idle {
                         return None;
                     }
-                    // What the shard may give: anything free when idle.
-                    let most = if idle { usize::MAX } else { p.excess() };
+                    // What the shard may give: anything free when idle,
+                    // else its excess as last looked at (the look under
+                    // its lock that gives says what is free now).
+                    let most = if idle { usize::MAX } else { self.shared.excess[j].load(Ordering::Relaxed) };
                     (most >= range).then_some((p, most))
                 })
             })
@@ -186,8 +188,9 @@ impl Tracked {
 
 impl Tracked {
     /// The physical memory the set holds and what its live blocks hold
-    /// ([`Pool::footprint`] of every shard), looked at afresh at most
-    /// every [`FOOTPRINT_NS`]: every ask needs it, and a look locks every
+    /// ([`Pool::footprint`] of every shard, whose excess over its budget
+    /// is kept for the choice of givers), looked at afresh at most every
+    /// [`FOOTPRINT_NS`]: every ask needs it, and a look locks every
     /// shard.
     fn set_footprint(&self, pools: &super::shard_upstream::ShardPools) -> (usize, usize) {
         let now = now_ns();
@@ -196,8 +199,13 @@ impl Tracked {
         if now != u64::MAX && now.saturating_sub(at) < FOOTPRINT_NS && at != 0 {
             return (held, live);
         }
-        let (held, live) =
-            pools.iter().filter_map(|c| c.get()).map(Pool::footprint).fold((0, 0), |(h, l), (ph, pl)| (h + ph, l + pl));
+        let (mut held, mut live) = (0, 0);
+        for (j, p) in pools.iter().enumerate().filter_map(|(j, c)| Some((j, c.get()?))) {
+            let (h, l, over) = p.footprint();
+            held += h;
+            live += l;
+            self.shared.excess[j].store(over, Ordering::Relaxed);
+        }
         *crate::sync::lock(cached) = (now.max(1), held, live);
         (held, live)
     }
@@ -228,17 +236,23 @@ fn top_pieces(pieces: &[Chunk], span: Chunk, size: usize) -> Option<Chunk> {
 }
 
 impl<U: Upstream> Pool<U> {
-    /// The physical memory the pool holds and what its live blocks hold
-    /// (the pages they touch, in a remapping pool), in bytes: a short look
-    /// under the lock that leaves the hot block as it is (asked of every
-    /// shard before a hand-over).
-    pub(super) fn footprint(&self) -> (usize, usize) {
+    /// The physical memory the pool holds, what its live blocks hold (the
+    /// pages they touch, in a remapping pool) and what it holds above its
+    /// remap budget (0 for other pools), in bytes: a short look under the
+    /// lock that leaves the hot block as it is (asked of every shard
+    /// before a hand-over).
+    pub(super) fn footprint(&self) -> (usize, usize, usize) {
         let mut inner = self.inner.lock();
         let Inner { fit, pages, .. } = &mut *inner;
         let (touched, _) = fit.touched_pages();
+        let over = if self.remap {
+            pages.physical().saturating_sub(budget(fit, pages, self.config.remap_slack_ppm)) << pages.shift()
+        } else {
+            0
+        };
         let s = fit.stats_mut();
         let held = if self.remap { pages.physical() << pages.shift() } else { s.reserved };
-        (held, s.in_use.max(touched << pages.shift()))
+        (held, s.in_use.max(touched << pages.shift()), over)
     }
 
     /// Gives up a mapped free range of at least `size` bytes (up to

@@ -317,6 +317,8 @@ pub(super) struct Shared {
     /// hand-over clock, 0: never), the memory held and what the live
     /// blocks hold (`handover.rs`).
     pub(super) footprint: Mutex<(u64, usize, usize)>,
+    /// Per shard, what it held above its remap budget at that look.
+    pub(super) excess: Box<[AtomicUsize]>,
     /// Shards in use give what they hold above their budget too
     /// ([`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget)).
     pub(super) follow_threads: bool,
@@ -357,6 +359,7 @@ impl Shared {
             quiet_until: AtomicU64::new(0),
             quiet_since: AtomicUsize::new(0),
             footprint: Mutex::new((0, 0, 0)),
+            excess: (0..pools.len()).map(|_| AtomicUsize::new(0)).collect(),
             follow_threads: config.fresh_thread_budget,
             poll: once_cell::sync::OnceCell::new(),
             pools: pools as *const ShardPools,
