@@ -40,7 +40,8 @@
 //!   the block stays the giver's, and its free goes back there.
 //! - **Asking costs.** Only when the first look finds nothing does the set
 //!   run its stream poll (`cuStreamQuery` of the streams with pending
-//!   frees, no pool lock held) and look once more; an ask that found
+//!   frees, no pool lock held; at most once a millisecond) and look once
+//!   more; an ask that found
 //!   nothing makes the set's asks map new memory without looking for
 //!   [`QUIET_NS`], unless a thread handed its shard back meanwhile.
 //! - **Ownership.** The chunk directory records the taker as the range's
@@ -156,7 +157,12 @@ impl Tracked {
         // (no pool lock is held here), once more.
         for polled in [false, true] {
             if polled {
-                let Some(poll) = self.shared.poll.get() else { break };
+                // At most one poll a millisecond: a poll asks the driver
+                // about every stream with pending frees.
+                let last = self.shared.polled_at.load(Ordering::Relaxed);
+                let due = now == u64::MAX || now.saturating_sub(last) >= QUIET_NS || last == 0;
+                let Some(poll) = self.shared.poll.get().filter(|_| due) else { break };
+                self.shared.polled_at.store(now.max(1), Ordering::Relaxed);
                 poll();
             }
             let give =

@@ -313,6 +313,8 @@ pub(super) struct Shared {
     /// then.
     pub(super) quiet_until: AtomicU64,
     pub(super) quiet_since: AtomicUsize,
+    /// When an ask last ran the stream poll (`handover.rs`).
+    pub(super) polled_at: AtomicU64,
     /// The set's footprint as last looked at: when (nanoseconds on the
     /// hand-over clock, 0: never), the memory held and what the live
     /// blocks hold (`handover.rs`).
@@ -358,6 +360,7 @@ impl Shared {
             handed_bytes: AtomicU64::new(0),
             quiet_until: AtomicU64::new(0),
             quiet_since: AtomicUsize::new(0),
+            polled_at: AtomicU64::new(0),
             footprint: Mutex::new((0, 0, 0)),
             excess: (0..pools.len()).map(|_| AtomicUsize::new(0)).collect(),
             follow_threads: config.fresh_thread_budget,
