@@ -25,14 +25,13 @@
 //!   covers it, and the range or block carries that stream's tag) and,
 //!   inside them (a look at its largest free blocks only), spans of mapped
 //!   pages at least as large as the request, the largest first; a shard
-//!   in use gives at most what it holds above its budget. The spans are marked holes under its pool lock
-//!   before it is dropped, so no allocation lands there meanwhile; the
-//!   upstream then says where its pieces lie (a piece is mapped and
-//!   unmapped whole), and the range is the run of whole pieces at the top
-//!   of the first span that holds [`RANGE_PREFERRED`] (else the request).
-//!   Under the pool lock again the marks go, the range (still free:
-//!   nothing could land on it) leaves the giver's allocator, which cuts
-//!   its chunk around it
+//!   in use gives at most what it holds above its budget. With the pool
+//!   lock dropped, the upstream says where its pieces lie (a piece is
+//!   mapped and unmapped whole), and the range is the run of whole pieces
+//!   at the top of the first span that holds [`RANGE_PREFERRED`] (else
+//!   the request). Under the pool lock again, a range still free and
+//!   mapped (an allocation may have landed there meanwhile: then nothing
+//!   moves) leaves the giver's allocator, which cuts its chunk around it
 //!   ([`BestFit::take_free_range`](super::BestFit::take_free_range)), and
 //!   its pages leave the giver's page book. When no range holds the
 //!   request, a giver lends a block placed inside its mapped free memory
@@ -41,8 +40,7 @@
 //! - **Asking costs.** Only when the first look finds nothing does the set
 //!   run its stream poll (`cuStreamQuery` of the streams with pending
 //!   frees, no pool lock held; at most once a millisecond) and look once
-//!   more; an ask that found
-//!   nothing makes the set's asks map new memory without looking for
+//!   more; an ask that found nothing makes the set's asks map new memory without looking for
 //!   [`QUIET_NS`], unless a thread handed its shard back meanwhile.
 //! - **Ownership.** The chunk directory records the taker as the range's
 //!   owner before the taker's pool adds it as a chunk whose pages are all
@@ -287,11 +285,6 @@ impl<U: Upstream> Pool<U> {
             // one span.
             spans.sort_unstable_by_key(|s| std::cmp::Reverse(s.size));
             spans.truncate(CANDIDATES);
-            for span in &spans {
-                // Holes while the pieces are looked up: no allocation
-                // lands there.
-                pages.mark(*span, true);
-            }
             spans
         };
         if spans.is_empty() {
@@ -301,14 +294,15 @@ impl<U: Upstream> Pool<U> {
             let pieces = self.upstream.mapped_pieces(s.addr, s.size)?;
             top_pieces(&pieces, *s, preferred.min(s.size)).or_else(|| top_pieces(&pieces, *s, size))
         });
+        let range = chosen?;
         let mut inner = self.inner.lock();
         let Inner { fit, pages, .. } = &mut *inner;
-        for span in &spans {
-            pages.mark(*span, false);
+        // The lock was dropped while the upstream looked: the range must
+        // still be free and mapped (an allocation may have landed on it),
+        // and frees merged into its block may have changed the tag.
+        if !pages.clear(range.addr, range.size) {
+            return None;
         }
-        let range = chosen?;
-        // Still free (nothing could land on it); frees merged into its
-        // block meanwhile may have changed the tag.
         let tag = fit.free_range_tag(range.addr, range.size).filter(|&t| fit.usable_on(t, stream))?;
         let tag = if fit.tag_settled(tag) { StreamTag::NONE } else { tag };
         fit.take_free_range(range.addr, range.size)?;

@@ -8,9 +8,9 @@
 //!  after:   chunk [ used | free ]      chunk [ free ..| used ]
 //! ```
 //!
-//! The blocks before the range stay in the chunk (it ends where the range
-//! starts); those after it form a new chunk. Nothing else moves: live
-//! blocks keep their addresses and slots.
+//! The side with more blocks keeps the chunk's id; the other side's
+//! blocks get a new one. Nothing else moves: live blocks keep their
+//! addresses and slots.
 
 use super::{BestFit, ChunkInfo, NIL};
 use crate::tag::StreamTag;
@@ -83,22 +83,35 @@ impl BestFit {
         let id = m.chunk;
         let info = self.chunk_info(id).clone();
         self.chunks_by_addr.remove(&info.chunk.addr);
-        // The blocks before the range keep the chunk's id.
         let left = (m.prev != NIL).then(|| {
             self.blocks[m.prev as usize].next = NIL;
             let chunk = Chunk { addr: info.chunk.addr, size: addr - info.chunk.addr };
             ChunkInfo { chunk, first: info.first, last: m.prev }
         });
-        // The blocks after it go to a chunk of their own.
         let right = (m.next != NIL).then(|| {
             self.blocks[m.next as usize].prev = NIL;
             let chunk = Chunk { addr: addr + size, size: info.chunk.end() - (addr + size) };
             ChunkInfo { chunk, first: m.next, last: info.last }
         });
+        // The side with more blocks keeps the chunk's id; the other's
+        // blocks are relabelled (walked side by side, the shorter found
+        // in as many steps as it has blocks).
+        let (mut l, mut r) = (m.prev, m.next);
+        while l != NIL && r != NIL {
+            l = self.blocks[l as usize].prev;
+            r = self.blocks[r as usize].next;
+        }
+        let (keep, other) = if l == NIL { (right, left) } else { (left, right) };
         self.chunks[id as usize] = None;
-        self.vacant_chunks.push(id);
         let mut parts = 0;
-        for part in [left, right].into_iter().flatten() {
+        if let Some(part) = keep {
+            self.chunks_by_addr.insert(part.chunk.addr, id);
+            self.chunks[id as usize] = Some(part);
+            parts += 1;
+        } else {
+            self.vacant_chunks.push(id);
+        }
+        if let Some(part) = other {
             let pid = match self.vacant_chunks.pop() {
                 Some(pid) => pid,
                 None => {
