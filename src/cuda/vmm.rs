@@ -308,6 +308,16 @@ impl AddressRange {
         &self.ctx
     }
 
+    /// The same range under another name that never frees it, to map and
+    /// set access with the owner's lock dropped.
+    ///
+    /// # Safety
+    /// The alias must not be used after this range is dropped (its
+    /// addresses may then be another reservation's).
+    pub(crate) unsafe fn alias(&self) -> RangeAlias {
+        RangeAlias(std::mem::ManuallyDrop::new(AddressRange { ctx: self.ctx.clone(), ptr: self.ptr, size: self.size }))
+    }
+
     fn check_inside(&self, offset: usize, size: usize) -> Result<()> {
         match offset.checked_add(size) {
             Some(end) if size > 0 && end <= self.size => Ok(()),
@@ -383,6 +393,27 @@ impl AddressRange {
         // SAFETY: the span lies inside this reservation; unmapping device
         // memory invalidates no host reference (none are ever made to it).
         check("cuMemUnmap", unsafe { sys::cuMemUnmap(self.ptr + offset as u64, size) })
+    }
+}
+
+/// An [`AddressRange`] under another name ([`AddressRange::alias`]):
+/// dropping it frees no address, only its hold on the context.
+pub(crate) struct RangeAlias(std::mem::ManuallyDrop<AddressRange>);
+
+impl std::ops::Deref for RangeAlias {
+    type Target = AddressRange;
+    fn deref(&self) -> &AddressRange {
+        &self.0
+    }
+}
+
+impl Drop for RangeAlias {
+    fn drop(&mut self) {
+        // SAFETY: the inner range is never dropped (it is wrapped in
+        // `ManuallyDrop`, so its addresses stay the owner's); its context
+        // handle is read out exactly once, here, and dropped, which gives
+        // back the reference the alias took.
+        drop(unsafe { std::ptr::read(&self.0.ctx) });
     }
 }
 

@@ -210,16 +210,16 @@ impl Expandable {
 
     fn map_runs(&self, runs: &[Chunk], kind: PoolKind) -> Result<u64> {
         self.follow_peers()?;
-        let mut region = lock(&self.region);
         let mut calls = 0;
         for (i, run) in runs.iter().enumerate() {
             let r = match self.offset_of(*run) {
-                Some(offset) => region.map_run(self.view, offset, run.size),
+                Some(offset) => self.map_one_run(offset, run.size),
                 None => Err(Error::InvalidState(format!("run {:#x}+{} is outside the segment", run.addr, run.size))),
             };
             match r {
                 Ok(n) => calls += n,
                 Err(e) => {
+                    let mut region = lock(&self.region);
                     for done in &runs[..i] {
                         if let Some(offset) = self.offset_of(*done) {
                             let _ = region.unmap_inside(offset, done.size);
@@ -232,6 +232,21 @@ impl Expandable {
         }
         // Unused spares stay for the next map (`kept`).
         Ok(calls)
+    }
+
+    /// Maps one run. On CUDA the driver calls run with the region's lock
+    /// dropped (other pools map through views of the same region at the
+    /// same time: `RunMap`); host memory maps under the lock.
+    fn map_one_run(&self, offset: usize, size: usize) -> Result<u64> {
+        let plan = {
+            let mut region = lock(&self.region);
+            match region.plan_run(self.view, offset, size)? {
+                Some(plan) => plan,
+                None => return region.map_run(self.view, offset, size),
+            }
+        };
+        let done = plan.execute();
+        lock(&self.region).finish_run(done)
     }
 
     fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {

@@ -178,6 +178,9 @@ pub(crate) struct Region {
     spare: Vec<(usize, Backing, usize)>,
     /// Views handed out so far (view 0 is the region's first owner).
     views: usize,
+    /// Runs being mapped with the lock dropped (`pages.rs`): `(offset,
+    /// size)`, kept off other maps until they are recorded.
+    in_flight: Vec<(usize, usize)>,
     /// How shrinking, remapping and dropping wait for the work that may
     /// use the memory (`settle.rs`).
     waiter: Waiter,
@@ -221,6 +224,7 @@ impl Region {
             guard: None,
             spare: Vec::new(),
             views: 1,
+            in_flight: Vec::new(),
             waiter: Waiter::None,
         };
         if let Space::Cuda { ctx, .. } = &region.space {

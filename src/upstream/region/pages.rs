@@ -18,8 +18,99 @@
 //! of the region.
 
 use super::{Backing, Piece, Region, Reservation};
-use crate::cuda::vmm::PhysicalChunk;
+use crate::cuda::vmm::{PhysicalChunk, RangeAlias};
 use crate::error::{Error, Result};
+
+/// A run of pages being mapped with the region's lock dropped
+/// ([`Region::plan_run`]): the driver calls (`cuMemCreate`, `cuMemMap`,
+/// `cuMemSetAccess`) of one pool's map then don't hold up the other pools
+/// that map through views of the same region. Its pieces, spares taken
+/// for it and all, are the region's again in [`Region::finish_run`].
+pub(crate) struct RunMap {
+    view: usize,
+    offset: usize,
+    size: usize,
+    /// The run's segment: its first offset, and its reservation under a
+    /// name that never frees it.
+    seg_off: usize,
+    range: RangeAlias,
+    /// The pieces in address order: offset, size, and the view's spare
+    /// memory to map there (`None`: new memory of that size).
+    pieces: Vec<(usize, usize, Option<Backing>)>,
+    /// The peers given access when the run was planned.
+    peers: Vec<usize>,
+}
+
+/// What [`RunMap::execute`] leaves for [`Region::finish_run`].
+pub(crate) struct RunDone {
+    view: usize,
+    offset: usize,
+    size: usize,
+    mapped: Vec<Piece>,
+    spare: Vec<(usize, Backing)>,
+    peers: Vec<usize>,
+    seg_off: usize,
+    result: Result<u64>,
+}
+
+impl RunMap {
+    /// Creates the new memory, maps every piece and gives access, with no
+    /// lock held. On failure nothing stays mapped, and every piece's
+    /// memory goes back to the view's spares.
+    pub(crate) fn execute(self) -> RunDone {
+        let RunMap { view, offset, size, seg_off, range, pieces, peers } = self;
+        let mut mapped = Vec::with_capacity(pieces.len());
+        let mut spare = Vec::new();
+        let mut failure = None;
+        let ctx = range.context().clone();
+        for (at, len, backing) in pieces {
+            if failure.is_some() {
+                if let Some(b) = backing {
+                    spare.push((len, b));
+                }
+                continue;
+            }
+            let backing = match backing {
+                Some(b) => b,
+                None => match PhysicalChunk::create(&ctx, len) {
+                    Ok(c) => Backing::Cuda(c),
+                    Err(e) => {
+                        failure = Some(e);
+                        continue;
+                    }
+                },
+            };
+            let mapped_ok = match &backing {
+                Backing::Cuda(chunk) => range.map(at - seg_off, chunk),
+                Backing::Host => super::unreachable_backing(),
+            };
+            match mapped_ok {
+                Ok(()) => mapped.push(Piece { offset: at, size: len, backing }),
+                Err(e) => {
+                    spare.push((len, backing));
+                    failure = Some(e);
+                }
+            }
+        }
+        if failure.is_none() {
+            failure = range.set_access(offset - seg_off, size, &peers).err();
+        }
+        let calls = mapped.len() as u64;
+        let result = match failure {
+            None => Ok(calls),
+            Some(e) => {
+                for piece in mapped.drain(..) {
+                    if let Err(u) = range.unmap(piece.offset - seg_off, piece.size) {
+                        eprintln!("cumem: unmapping {} B at offset {}: {u}", piece.size, piece.offset);
+                    }
+                    spare.push((piece.size, piece.backing));
+                }
+                Err(e)
+            }
+        };
+        RunDone { view, offset, size, mapped, spare, peers, seg_off, result }
+    }
+}
 
 impl Region {
     /// Maps memory over `[offset, offset + size)` (granularity multiples,
@@ -91,6 +182,80 @@ impl Region {
             return Err(e);
         }
         self.pieces.splice(at..at, new);
+        Ok(calls)
+    }
+
+    /// With the lock held: plans the map of `[offset, offset + size)` (as
+    /// [`map_run`](Self::map_run) would map it: the view's spares first,
+    /// largest first, new memory in pieces for the rest) for
+    /// [`RunMap::execute`] to carry out with the lock dropped, and keeps
+    /// other maps off the run meanwhile. `Ok(None)` where the run must be
+    /// mapped under the lock ([`map_run`](Self::map_run)): host memory, or
+    /// a run across segments.
+    pub(crate) fn plan_run(&mut self, view: usize, offset: usize, size: usize) -> Result<Option<RunMap>> {
+        let gran = self.granularity();
+        let end = offset.checked_add(size).filter(|e| *e <= self.reserved() && size > 0);
+        let Some(end) = end.filter(|_| offset % gran == 0 && size % gran == 0) else {
+            return Err(Error::InvalidState(format!("can't map a run of {size} B at offset {offset}")));
+        };
+        let s = self.segment_of(offset);
+        let seg_off = self.segments[s].offset;
+        let Reservation::Cuda(range) = &self.segments[s].res else { return Ok(None) };
+        if seg_off + range.size() < end {
+            return Ok(None);
+        }
+        let at = self.pieces.partition_point(|p| p.offset < offset);
+        let overlaps_prev = at > 0 && self.pieces[at - 1].offset + self.pieces[at - 1].size > offset;
+        let in_flight = self.in_flight.iter().any(|&(o, l)| o < end && offset < o + l);
+        if overlaps_prev || self.pieces.get(at).is_some_and(|p| p.offset < end) || in_flight {
+            return Err(Error::InvalidState(format!("offset {offset} (+{size} B) is already mapped")));
+        }
+        // SAFETY: the alias is used only by this map, while the caller
+        // holds a view of the region, which keeps its reservation.
+        let range = unsafe { range.alias() };
+        let mapped: usize = self.pieces.iter().map(|p| p.size).sum();
+        let piece_cap = crate::upstream::remap_piece(mapped).next_multiple_of(gran);
+        let mut pieces = Vec::new();
+        let mut cursor = offset;
+        while cursor < end {
+            let rem = end - cursor;
+            let pick = (0..self.spare.len())
+                .filter(|&i| self.spare[i].0 <= rem && self.spare[i].2 == view)
+                .max_by_key(|&i| self.spare[i].0);
+            let (len, backing) = match pick {
+                Some(i) => {
+                    let (len, backing, _) = self.spare.swap_remove(i);
+                    (len, Some(backing))
+                }
+                None => (rem.min(piece_cap), None),
+            };
+            pieces.push((cursor, len, backing));
+            cursor += len;
+        }
+        self.in_flight.push((offset, size));
+        Ok(Some(RunMap { view, offset, size, seg_off, range, pieces, peers: self.peers.clone() }))
+    }
+
+    /// With the lock held again: records what [`RunMap::execute`] mapped
+    /// (and gives access to peers granted meanwhile), or takes the memory
+    /// of a failed run back as spares. Returns the map calls made.
+    ///
+    /// # Errors
+    /// The run's error (nothing of it stays mapped).
+    pub(crate) fn finish_run(&mut self, done: RunDone) -> Result<u64> {
+        let RunDone { view, offset, size, mapped, spare, peers, seg_off, result } = done;
+        self.in_flight.retain(|&r| r != (offset, size));
+        self.spare.extend(spare.into_iter().map(|(len, b)| (len, b, view)));
+        let calls = result?;
+        let at = self.pieces.partition_point(|p| p.offset < offset);
+        self.pieces.splice(at..at, mapped);
+        if self.peers != peers {
+            let s = self.segment_of(offset);
+            debug_assert_eq!(self.segments[s].offset, seg_off);
+            if let Reservation::Cuda(range) = &self.segments[s].res {
+                range.set_access(offset - seg_off, size, &self.peers)?;
+            }
+        }
         Ok(calls)
     }
 
