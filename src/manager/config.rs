@@ -209,9 +209,9 @@ pub struct Config {
     /// other arenas may take: with [`arenas_hand_over`](Config::arenas_hand_over),
     /// mapped ranges with no driver call; with
     /// [`idle_arenas_give`](Config::idle_arenas_give), given back. On by
-    /// default: on an H100 a resizing thread pool held 1.28–1.42 of the
+    /// default: on an H100 a resizing thread pool held 1.28–1.33 of the
     /// most bytes it held at once with it (and hand-over), against
-    /// 1.99–2.16 without, at the same speed of the peers' fresh-thread
+    /// 1.78–2.33 without, at the same speed of the peers' fresh-thread
     /// workload
     /// ([`PoolConfig::fresh_thread_budget`](crate::pool::PoolConfig::fresh_thread_budget)).
     pub fresh_thread_budget: bool,
