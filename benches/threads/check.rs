@@ -128,6 +128,7 @@ struct Counts {
     waits: u64,
     moved: u64,
     pinned_calls: u64,
+    asks: (u64, u64),
 }
 
 fn counts(mm: &MemoryManager) -> Counts {
@@ -139,6 +140,7 @@ fn counts(mm: &MemoryManager) -> Counts {
         waits: ds.stream_waits,
         moved: pool.chunks_moved() + pool.ranges_handed_over().0 + mm.pinned_pool().chunks_moved(),
         pinned_calls: mm.pinned_pool().upstream_calls(),
+        asks: pool.hand_over_asks(),
     }
 }
 
@@ -184,7 +186,10 @@ fn peers() {
                 if r == 2 {
                     format!("  pinned calls {}", after.pinned_calls - before.pinned_calls)
                 } else {
-                    String::new()
+                    // Asks for another arena's mapped memory: how many, and
+                    // their time summed over the row's threads.
+                    let (asks, ns) = (after.asks.0 - before.asks.0, after.asks.1 - before.asks.1);
+                    format!("  asks {asks} ({:.1} ms)", ns as f64 / 1e6)
                 }
             );
         }

@@ -112,6 +112,18 @@ impl Tracked {
         if !self.shared.hand_over || size == 0 {
             return None;
         }
+        let t0 = now_ns();
+        let r = self.ask(size, align, requested, stream, lend);
+        if t0 != u64::MAX {
+            self.shared.asks.fetch_add(1, Ordering::Relaxed);
+            self.shared.ask_ns.fetch_add(now_ns().saturating_sub(t0), Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// [`hand_over`](Self::hand_over) itself (that one counts the asks
+    /// and their time).
+    fn ask(&self, size: usize, align: usize, requested: usize, stream: u64, lend: bool) -> Option<MappedGift> {
         let idle_now = self.shared.registry.handed_back();
         let now = now_ns();
         if now < self.shared.quiet_until.load(Ordering::Relaxed)

@@ -307,6 +307,9 @@ pub(super) struct Shared {
     /// Ranges handed over, and their bytes.
     pub(super) handed: AtomicU64,
     pub(super) handed_bytes: AtomicU64,
+    /// Asks for mapped memory, and the nanoseconds they took.
+    pub(super) asks: AtomicU64,
+    pub(super) ask_ns: AtomicU64,
     /// After an ask for mapped memory that found none, asks pass over
     /// until this time (`handover.rs`, nanoseconds on its clock) unless a
     /// shard went idle since: the registry's count of shards handed back
@@ -358,6 +361,8 @@ impl Shared {
             hand_over: one_space && config.hand_over_ranges,
             handed: AtomicU64::new(0),
             handed_bytes: AtomicU64::new(0),
+            asks: AtomicU64::new(0),
+            ask_ns: AtomicU64::new(0),
             quiet_until: AtomicU64::new(0),
             quiet_since: AtomicUsize::new(0),
             polled_at: AtomicU64::new(0),

@@ -318,6 +318,13 @@ impl Shards {
         (self.shared.handed.load(Ordering::Relaxed), bytes)
     }
 
+    /// Asks of a shard about to map new memory for another shard's mapped
+    /// memory so far, and the nanoseconds they took in all (see the
+    /// module docs).
+    pub fn hand_over_asks(&self) -> (u64, u64) {
+        (self.shared.asks.load(Ordering::Relaxed), self.shared.ask_ns.load(Ordering::Relaxed))
+    }
+
     /// Calls that reached the upstreams themselves (allocations, growth in
     /// place, mappings) so far; chunks moved between shards are not counted.
     pub fn upstream_calls(&self) -> u64 {
