@@ -30,6 +30,14 @@ impl Device {
     pub fn mapped(&self, page: usize) -> bool {
         self.pieces.range(..=page).next_back().is_some_and(|(&a, &s)| page < a + s)
     }
+
+    /// Panics unless every page of the block `[addr, addr + size)` is
+    /// mapped.
+    pub fn assert_mapped(&self, addr: usize, size: usize) {
+        for page in (addr / PAGE * PAGE..addr + size).step_by(PAGE) {
+            assert!(self.mapped(page), "block {addr:#x}+{size} on unmapped page {page:#x}");
+        }
+    }
 }
 
 /// An upstream over a modelled device's pages (clones share the device).

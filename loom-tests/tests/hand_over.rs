@@ -17,15 +17,9 @@
 use cumem::pool::{release_thread_shards, PoolConfig, Shards, StreamTag, UpstreamFactory};
 use cumem::upstream::Upstream;
 use cumem::PoolKind;
-use cumem_loom_tests::pages::{Device, PageUpstream, PAGE};
+use cumem_loom_tests::pages::{PageUpstream, PAGE};
 use loom::sync::Arc;
 use loom::thread;
-
-fn assert_mapped(d: &Device, addr: usize, size: usize) {
-    for page in (addr / PAGE * PAGE..addr + size).step_by(PAGE) {
-        assert!(d.mapped(page), "block {addr:#x}+{size} on unmapped page {page:#x}");
-    }
-}
 
 /// Model runs in which a range changed shard.
 static HANDED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -72,7 +66,7 @@ fn a_mapped_range_changes_shard_while_a_free_is_in_flight() {
             // may be leaving.
             let d = s.allocate(PAGE, 256).unwrap();
             d2.dev().live.insert((d.addr, d.size));
-            assert_mapped(&d2.dev(), d.addr, d.size);
+            d2.dev().assert_mapped(d.addr, d.size);
             d2.dev().live.remove(&(c.addr, c.size));
             s.deallocate(c.addr, StreamTag::NONE).unwrap();
             release_thread_shards();
@@ -85,7 +79,7 @@ fn a_mapped_range_changes_shard_while_a_free_is_in_flight() {
         let dv = dev.dev();
         assert!(dv.violations.is_empty(), "{:?}", dv.violations);
         for (addr, size) in [(g.addr, g.size), (d.addr, d.size), (b.addr, b.size), (first.addr, first.size)] {
-            assert_mapped(&dv, addr, size);
+            dv.assert_mapped(addr, size);
         }
         // No two live blocks share a byte, whichever shard placed them.
         let mut live = [g, d, b, first].map(|x| (x.addr, x.size));

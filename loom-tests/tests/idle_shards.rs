@@ -15,15 +15,9 @@ use cumem::pool::{release_thread_shards, PoolConfig, Shards, StreamTag, Upstream
 use cumem::upstream::Upstream;
 use cumem::PoolKind;
 use cumem_loom_tests::model;
-use cumem_loom_tests::pages::{Device, PageUpstream, PAGE};
+use cumem_loom_tests::pages::{PageUpstream, PAGE};
 use loom::sync::Arc;
 use loom::thread;
-
-fn assert_mapped(d: &Device, addr: usize, size: usize) {
-    for page in (addr / PAGE * PAGE..addr + size).step_by(PAGE) {
-        assert!(d.mapped(page), "block {addr:#x}+{size} on unmapped page {page:#x}");
-    }
-}
 
 /// Model runs in which the idle shard gave pages (the others had the new
 /// thread claim it first).
@@ -66,7 +60,7 @@ fn idle_shard_gives_pages_while_a_free_is_in_flight() {
             s.deallocate(c.addr, StreamTag::NONE).unwrap();
             let d = s.allocate(2 * PAGE, 256).unwrap();
             d2.dev().live.insert((d.addr, d.size));
-            assert_mapped(&d2.dev(), d.addr, d.size);
+            d2.dev().assert_mapped(d.addr, d.size);
             release_thread_shards();
             d
         });
@@ -77,7 +71,7 @@ fn idle_shard_gives_pages_while_a_free_is_in_flight() {
         let dv = dev.dev();
         assert!(dv.violations.is_empty(), "{:?}", dv.violations);
         for (addr, size) in [(g.addr, g.size), (d.addr, d.size), (b.addr, b.size), (first.addr, first.size)] {
-            assert_mapped(&dv, addr, size);
+            dv.assert_mapped(addr, size);
         }
         let held: usize = dv.pieces.values().sum::<usize>() + dv.spare.iter().sum::<usize>();
         drop(dv);

@@ -10,7 +10,7 @@
 use cumem::pool::{Pool, PoolConfig, StreamTag};
 use cumem::PoolKind;
 use cumem_loom_tests::model;
-use cumem_loom_tests::pages::{Device, PageUpstream, PAGE};
+use cumem_loom_tests::pages::{PageUpstream, PAGE};
 use loom::sync::Arc;
 use loom::thread;
 
@@ -27,10 +27,7 @@ fn pool() -> Pool<PageUpstream> {
 
 /// Checks that `addr+size`'s pages are all mapped.
 fn assert_mapped(pool: &Pool<PageUpstream>, addr: usize, size: usize) {
-    let d = pool.upstream().dev();
-    for page in (addr / PAGE * PAGE..addr + size).step_by(PAGE) {
-        assert!(d.mapped(page), "block {addr:#x}+{size} handed out on unmapped page {page:#x}");
-    }
+    pool.upstream().dev().assert_mapped(addr, size);
 }
 
 /// One block freed earlier gives the mapper memory to take; while the
@@ -95,14 +92,8 @@ fn a_shutdown_during_a_step_leaves_nothing_kept_or_moving() {
         assert_eq!(d.pieces, after, "the mapper moved memory after shutdown returned");
         assert!(d.spare.is_empty(), "memory kept after shutdown");
         assert!(d.violations.is_empty(), "{:?}", d.violations);
-        assert_mapped_locked(&d, b.addr, b.size);
+        d.assert_mapped(b.addr, b.size);
         drop(d);
         assert_eq!(pool.stats().kept, 0);
     });
-}
-
-fn assert_mapped_locked(d: &Device, addr: usize, size: usize) {
-    for page in (addr / PAGE * PAGE..addr + size).step_by(PAGE) {
-        assert!(d.mapped(page), "live block {addr:#x}+{size} on unmapped page {page:#x}");
-    }
 }

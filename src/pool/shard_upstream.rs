@@ -178,13 +178,11 @@ impl Directory {
         self.carve(start, end, shard);
     }
 
-    /// Records that `shard` holds `[start, end)`, a range cut out of
-    /// other chunks (handed over, `handover.rs`): the entries it overlaps
-    /// keep what lies outside it, under their own shards.
-    pub(super) fn carve(&self, start: usize, end: usize, shard: usize) {
-        let mut tables = lock(&self.tables);
-        let mut next = Vec::new();
-        for (s, e, owner) in Self::entries(&tables) {
+    /// `entries` with `[start, end)` cut out: an entry it overlaps keeps
+    /// what lies outside it.
+    fn without(entries: &[(usize, usize, usize)], start: usize, end: usize) -> Vec<(usize, usize, usize)> {
+        let mut next = Vec::with_capacity(entries.len() + 1);
+        for &(s, e, owner) in entries {
             if e <= start || end <= s {
                 next.push((s, e, owner));
                 continue;
@@ -196,6 +194,15 @@ impl Directory {
                 next.push((end, e, owner));
             }
         }
+        next
+    }
+
+    /// Records that `shard` holds `[start, end)`, a range cut out of
+    /// other chunks (handed over, `handover.rs`): the entries it overlaps
+    /// keep what lies outside it, under their own shards.
+    pub(super) fn carve(&self, start: usize, end: usize, shard: usize) {
+        let mut tables = lock(&self.tables);
+        let mut next = Self::without(&Self::entries(&tables), start, end);
         let at = next.partition_point(|&(s, _, _)| s < start);
         next.insert(at, (start, end, shard));
         // Neighbours of one shard become one entry: ranges that change
@@ -216,19 +223,7 @@ impl Directory {
     fn remove_range(&self, start: usize, end: usize) {
         let mut tables = lock(&self.tables);
         let before = Self::entries(&tables);
-        let mut next = Vec::with_capacity(before.len() + 1);
-        for (s, e, owner) in before.iter().copied() {
-            if e <= start || end <= s {
-                next.push((s, e, owner));
-                continue;
-            }
-            if s < start {
-                next.push((s, start, owner));
-            }
-            if end < e {
-                next.push((end, e, owner));
-            }
-        }
+        let next = Self::without(&before, start, end);
         if next != before {
             self.publish(&mut tables, &next);
         }

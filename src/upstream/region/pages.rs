@@ -118,11 +118,7 @@ impl Region {
     /// for the rest. Returns the number of map calls. On failure nothing
     /// new stays mapped (spares used go back to the view's spares).
     pub(crate) fn map_run(&mut self, view: usize, offset: usize, size: usize) -> Result<u64> {
-        let gran = self.granularity();
-        let end = offset.checked_add(size).filter(|e| *e <= self.reserved() && size > 0);
-        let Some(end) = end.filter(|_| offset % gran == 0 && size % gran == 0) else {
-            return Err(Error::InvalidState(format!("can't map a run of {size} B at offset {offset}")));
-        };
+        let end = self.run_end(offset, size)?;
         let s = self.segment_of(offset);
         let seg_off = self.segments[s].offset;
         if seg_off + self.segments[s].res.size() < end {
@@ -131,26 +127,15 @@ impl Region {
             self.map(offset, size)?;
             return Ok(1);
         }
-        let at = self.pieces.partition_point(|p| p.offset < offset);
-        let overlaps_prev = at > 0 && self.pieces[at - 1].offset + self.pieces[at - 1].size > offset;
-        if overlaps_prev || self.pieces.get(at).is_some_and(|p| p.offset < end) {
-            return Err(Error::InvalidState(format!("offset {offset} (+{size} B) is already mapped")));
-        }
-        let mapped: usize = self.pieces.iter().map(|p| p.size).sum();
-        let piece_cap = crate::upstream::remap_piece(mapped).next_multiple_of(gran);
+        let at = self.check_unmapped(offset, end)?;
+        let piece_cap = self.piece_cap();
         let mut new: Vec<Piece> = Vec::new();
         let mut cursor = offset;
         let mut failure = None;
         while cursor < end {
             let rem = end - cursor;
-            let pick = (0..self.spare.len())
-                .filter(|&i| self.spare[i].0 <= rem && self.spare[i].2 == view)
-                .max_by_key(|&i| self.spare[i].0);
-            let (len, backing) = match pick {
-                Some(i) => {
-                    let (len, backing, _) = self.spare.swap_remove(i);
-                    (len, backing)
-                }
+            let (len, backing) = match self.take_spare(view, rem) {
+                Some(spare) => spare,
                 None => match self.new_backing(rem.min(piece_cap)) {
                     Ok(b) => (rem.min(piece_cap), b),
                     Err(e) => {
@@ -193,40 +178,24 @@ impl Region {
     /// mapped under the lock ([`map_run`](Self::map_run)): host memory, or
     /// a run across segments.
     pub(crate) fn plan_run(&mut self, view: usize, offset: usize, size: usize) -> Result<Option<RunMap>> {
-        let gran = self.granularity();
-        let end = offset.checked_add(size).filter(|e| *e <= self.reserved() && size > 0);
-        let Some(end) = end.filter(|_| offset % gran == 0 && size % gran == 0) else {
-            return Err(Error::InvalidState(format!("can't map a run of {size} B at offset {offset}")));
-        };
+        let end = self.run_end(offset, size)?;
         let s = self.segment_of(offset);
         let seg_off = self.segments[s].offset;
         let Reservation::Cuda(range) = &self.segments[s].res else { return Ok(None) };
         if seg_off + range.size() < end {
             return Ok(None);
         }
-        let at = self.pieces.partition_point(|p| p.offset < offset);
-        let overlaps_prev = at > 0 && self.pieces[at - 1].offset + self.pieces[at - 1].size > offset;
-        let in_flight = self.in_flight.iter().any(|&(o, l)| o < end && offset < o + l);
-        if overlaps_prev || self.pieces.get(at).is_some_and(|p| p.offset < end) || in_flight {
-            return Err(Error::InvalidState(format!("offset {offset} (+{size} B) is already mapped")));
-        }
+        self.check_unmapped(offset, end)?;
         // SAFETY: the alias is used only by this map, while the caller
         // holds a view of the region, which keeps its reservation.
         let range = unsafe { range.alias() };
-        let mapped: usize = self.pieces.iter().map(|p| p.size).sum();
-        let piece_cap = crate::upstream::remap_piece(mapped).next_multiple_of(gran);
+        let piece_cap = self.piece_cap();
         let mut pieces = Vec::new();
         let mut cursor = offset;
         while cursor < end {
             let rem = end - cursor;
-            let pick = (0..self.spare.len())
-                .filter(|&i| self.spare[i].0 <= rem && self.spare[i].2 == view)
-                .max_by_key(|&i| self.spare[i].0);
-            let (len, backing) = match pick {
-                Some(i) => {
-                    let (len, backing, _) = self.spare.swap_remove(i);
-                    (len, Some(backing))
-                }
+            let (len, backing) = match self.take_spare(view, rem) {
+                Some((len, backing)) => (len, Some(backing)),
                 None => (rem.min(piece_cap), None),
             };
             pieces.push((cursor, len, backing));
@@ -257,6 +226,42 @@ impl Region {
             }
         }
         Ok(calls)
+    }
+
+    /// The end of a run of `size` bytes at `offset`: granularity
+    /// multiples, not empty, inside the reservation.
+    fn run_end(&self, offset: usize, size: usize) -> Result<usize> {
+        let gran = self.granularity();
+        let end = offset.checked_add(size).filter(|e| *e <= self.reserved() && size > 0);
+        end.filter(|_| offset % gran == 0 && size % gran == 0)
+            .ok_or_else(|| Error::InvalidState(format!("can't map a run of {size} B at offset {offset}")))
+    }
+
+    /// Where a run `[offset, end)` goes among the pieces, when nothing is
+    /// mapped there nor being mapped.
+    fn check_unmapped(&self, offset: usize, end: usize) -> Result<usize> {
+        let at = self.pieces.partition_point(|p| p.offset < offset);
+        let overlaps_prev = at > 0 && self.pieces[at - 1].offset + self.pieces[at - 1].size > offset;
+        let in_flight = self.in_flight.iter().any(|&(o, l)| o < end && offset < o + l);
+        if overlaps_prev || self.pieces.get(at).is_some_and(|p| p.offset < end) || in_flight {
+            return Err(Error::InvalidState(format!("offset {offset} (+{} B) is already mapped", end - offset)));
+        }
+        Ok(at)
+    }
+
+    /// The largest piece of new memory a map makes now.
+    fn piece_cap(&self) -> usize {
+        let mapped: usize = self.pieces.iter().map(|p| p.size).sum();
+        crate::upstream::remap_piece(mapped).next_multiple_of(self.granularity())
+    }
+
+    /// The largest spare of `view` of at most `rem` bytes, taken.
+    fn take_spare(&mut self, view: usize, rem: usize) -> Option<(usize, Backing)> {
+        let pick = (0..self.spare.len())
+            .filter(|&i| self.spare[i].0 <= rem && self.spare[i].2 == view)
+            .max_by_key(|&i| self.spare[i].0)?;
+        let (len, backing, _) = self.spare.swap_remove(pick);
+        Some((len, backing))
     }
 
     fn new_backing(&self, size: usize) -> Result<Backing> {
