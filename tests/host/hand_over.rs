@@ -8,7 +8,7 @@
 
 use cumem::{Config, Stream};
 
-use super::idle_shards::{assert_mapped, host, resizing_pool};
+use super::idle_shards::{assert_mapped, grow_idle_shard, host, resizing_pool};
 
 const MIB: usize = 1 << 20;
 
@@ -33,18 +33,7 @@ fn an_idle_shard_hands_its_mapped_range_over_with_no_map_call() {
     let mm = host(Config::new().arenas(2));
     let set = mm.default_device().unwrap().pool();
     let first = mm.allocate_device(MIB).unwrap();
-    let kept = std::thread::scope(|s| {
-        s.spawn(|| {
-            let blocks: Vec<u64> = (0..8).map(|_| mm.allocate_device(8 * MIB).unwrap()).collect();
-            for &b in &blocks[1..] {
-                mm.free_device(b).unwrap();
-            }
-            cumem::pool::release_thread_shards();
-            blocks[0]
-        })
-        .join()
-        .unwrap()
-    });
+    let kept = grow_idle_shard(&mm);
     assert_eq!(set.threads_on(1), 0, "the thread handed its shard back");
     let before = mm.device_stats(0).unwrap().pool;
     let big = mm.allocate_device(48 * MIB).unwrap();

@@ -30,16 +30,10 @@ pub(crate) fn assert_mapped(mm: &MemoryManager, live: &[(u64, usize)]) {
     }
 }
 
-/// A thread grows shard 1, frees most of it and ends; the first thread's
-/// shard then grows and takes that memory (given back by the idle shard)
-/// instead of adding to what the set holds. The block the idle shard
-/// still holds keeps its memory.
-#[test]
-fn an_idle_shard_gives_its_free_pages_to_a_shard_that_grows() {
-    let mm = host(Config::new().arenas(2).idle_arenas_give(true).arenas_hand_over(false));
-    let set = mm.default_device().unwrap().pool();
-    let first = mm.allocate_device(MIB).unwrap();
-    let kept = std::thread::scope(|s| {
+/// A new thread grows its shard by eight blocks of 8 MiB, frees all but
+/// the first and ends (its shard goes idle); returns the block it kept.
+pub(crate) fn grow_idle_shard(mm: &MemoryManager) -> u64 {
+    std::thread::scope(|s| {
         s.spawn(|| {
             let blocks: Vec<u64> = (0..8).map(|_| mm.allocate_device(8 * MIB).unwrap()).collect();
             for &b in &blocks[1..] {
@@ -50,7 +44,19 @@ fn an_idle_shard_gives_its_free_pages_to_a_shard_that_grows() {
         })
         .join()
         .unwrap()
-    });
+    })
+}
+
+/// A thread grows shard 1, frees most of it and ends; the first thread's
+/// shard then grows and takes that memory (given back by the idle shard)
+/// instead of adding to what the set holds. The block the idle shard
+/// still holds keeps its memory.
+#[test]
+fn an_idle_shard_gives_its_free_pages_to_a_shard_that_grows() {
+    let mm = host(Config::new().arenas(2).idle_arenas_give(true).arenas_hand_over(false));
+    let set = mm.default_device().unwrap().pool();
+    let first = mm.allocate_device(MIB).unwrap();
+    let kept = grow_idle_shard(&mm);
     assert_eq!(set.threads_on(1), 0, "the thread handed its shard back");
     let before = mm.device_stats(0).unwrap().pool.mapped;
     let big = mm.allocate_device(48 * MIB).unwrap();
