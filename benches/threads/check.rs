@@ -13,7 +13,10 @@
 //!   frees and stream synchronisation included; `CUMEM_CHECK_NOSYNC=1`
 //!   leaves the synchronisation out). Beside each figure: the
 //!   upstream calls (device: chunks and page maps), the cross-stream waits
-//!   and the chunks moved between arenas during that row.
+//!   and the chunks moved between arenas during that row; for the device
+//!   rows also the asks for another arena's mapped memory, the page
+//!   unmaps, and the time the row's threads spent asking and moving pages
+//!   (summed over the threads).
 //! - `pool`: a resizing thread pool. Rounds of fresh OS threads, from 1 to
 //!   32 a round (a seeded draw, the first rounds 1 and 32), each thread a
 //!   mix of device work (one shared stream) and pinned work (a fair coin
@@ -129,6 +132,11 @@ struct Counts {
     moved: u64,
     pinned_calls: u64,
     asks: (u64, u64),
+    /// Page unmaps, and the time the allocating threads spent moving pages.
+    dev_unmaps: u64,
+    move_ns: u64,
+    /// Pinned bytes reserved.
+    pinned_reserved: usize,
 }
 
 fn counts(mm: &MemoryManager) -> Counts {
@@ -141,6 +149,9 @@ fn counts(mm: &MemoryManager) -> Counts {
         moved: pool.chunks_moved() + pool.ranges_handed_over().0 + mm.pinned_pool().chunks_moved(),
         pinned_calls: mm.pinned_pool().upstream_calls(),
         asks: pool.hand_over_asks(),
+        dev_unmaps: ds.pool.unmap_calls,
+        move_ns: ds.pool.page_move_ns,
+        pinned_reserved: mm.pinned_stats().reserved,
     }
 }
 
@@ -184,12 +195,21 @@ fn peers() {
                 after.waits - before.waits,
                 after.moved - before.moved,
                 if r == 2 {
-                    format!("  pinned calls {}", after.pinned_calls - before.pinned_calls)
+                    format!(
+                        "  pinned calls {}, reserved {} -> {} MiB",
+                        after.pinned_calls - before.pinned_calls,
+                        before.pinned_reserved >> 20,
+                        after.pinned_reserved >> 20
+                    )
                 } else {
                     // Asks for another arena's mapped memory: how many, and
                     // their time summed over the row's threads.
                     let (asks, ns) = (after.asks.0 - before.asks.0, after.asks.1 - before.asks.1);
-                    format!("  asks {asks} ({:.1} ms)", ns as f64 / 1e6)
+                    // Page moves on the allocating threads: unmaps, and
+                    // the time in maps and unmaps summed over the threads.
+                    let unmaps = after.dev_unmaps - before.dev_unmaps;
+                    let moves = (after.move_ns - before.move_ns) as f64 / 1e6;
+                    format!("  asks {asks} ({:.1} ms); unmaps {unmaps}, moving pages {moves:.1} ms", ns as f64 / 1e6)
                 }
             );
         }

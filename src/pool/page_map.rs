@@ -29,6 +29,8 @@ pub(super) struct Pages {
     /// Map calls (one per piece mapped) and unmap calls (one per piece).
     pub(super) map_calls: u64,
     pub(super) unmap_calls: u64,
+    /// Nanoseconds allocating threads spent moving pages for the pool.
+    pub(super) move_ns: u64,
 }
 
 impl Pages {
@@ -189,6 +191,7 @@ impl Pages {
             s.peak_mapped = self.peak << self.shift;
             s.map_calls = self.map_calls;
             s.unmap_calls = self.unmap_calls;
+            s.page_move_ns = self.move_ns;
         } else {
             s.mapped = s.reserved;
             s.peak_mapped = s.peak_reserved;

@@ -344,6 +344,7 @@ impl<U: Upstream> Pool<U> {
     /// Unmaps what `plan` reclaims and maps its runs (no pool lock held),
     /// then records the result.
     fn carry_out(&self, plan: Plan) -> Result<Allocation> {
+        let t0 = std::time::Instant::now();
         let (unmapped, unmap_err) = self.unmap_settled_first(&plan.settled, &plan.pending, plan.want);
         let mapped = match unmap_err {
             Some(e) => Err(e),
@@ -353,8 +354,10 @@ impl<U: Upstream> Pool<U> {
             self.upstream.release_kept();
         }
         let kept = self.upstream.kept();
+        let took = t0.elapsed().as_nanos() as u64;
         let mut inner = self.inner.lock();
         let Inner { fit, pages, .. } = &mut *inner;
+        pages.move_ns += took;
         for span in plan.settled.iter().chain(&plan.pending) {
             pages.mark(*span, false);
         }

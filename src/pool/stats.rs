@@ -51,6 +51,11 @@ pub struct PoolStats {
     /// Unmap calls (one per piece unmapped; without remapping, the upstream
     /// frees).
     pub unmap_calls: u64,
+    /// Nanoseconds the pool's allocating threads spent moving pages (page
+    /// remapping): unmapping and mapping for their requests, with the
+    /// waits for the device and for the address space those need (the
+    /// background mapper's work is not counted). 0 without remapping.
+    pub page_move_ns: u64,
     /// Of `mapped`, the bytes of memory unmapped and kept for the next map
     /// (page remapping: the background mapper's reserve), held with no
     /// address.
@@ -123,6 +128,7 @@ impl PoolStats {
         self.peak_touched += o.peak_touched;
         self.map_calls += o.map_calls;
         self.unmap_calls += o.unmap_calls;
+        self.page_move_ns += o.page_move_ns;
         self.kept += o.kept;
         self.cached += o.cached;
         self.live_blocks += o.live_blocks;
