@@ -7,7 +7,7 @@
 //! without a GPU. Both keep the list of mapped pieces (offset, physical
 //! memory) so shrinking and freeing unmap exactly what was mapped.
 
-use super::region::{Region, SharedRegion, VmBackend};
+use super::region::{Planned, Region, SharedRegion, VmBackend};
 use super::{Chunk, Upstream};
 use crate::cuda::{captures_under_way, device_context, driver_err, follow_active_peers, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
@@ -219,13 +219,16 @@ impl Expandable {
             match r {
                 Ok(n) => calls += n,
                 Err(e) => {
-                    let mut region = lock(&self.region);
-                    for done in &runs[..i] {
-                        if let Some(offset) = self.offset_of(*done) {
-                            let _ = region.unmap_inside(offset, done.size);
+                    let released = {
+                        let mut region = lock(&self.region);
+                        for done in &runs[..i] {
+                            if let Some(offset) = self.offset_of(*done) {
+                                let _ = region.unmap_inside(offset, done.size);
+                            }
                         }
-                    }
-                    region.release_spare(self.view);
+                        region.release_spare(self.view)
+                    };
+                    drop(released);
                     return Err(if vmm::is_out_of_memory(&e) { self.oom(run.size, e.to_string(), kind) } else { e });
                 }
             }
@@ -252,21 +255,45 @@ impl Expandable {
     fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
         let offsets: Vec<(usize, usize)> =
             spans.iter().filter_map(|c| self.offset_of(*c).map(|o| (o, c.size))).collect();
-        let mut region = lock(&self.region);
-        if pending {
-            // Work on a peer's streams may use the memory too.
-            for &peer in region.peers() {
+        // Work on a peer's streams may use the memory too.
+        let wait_for_peers = |peers: &[usize]| -> Result<()> {
+            for &peer in peers.iter().filter(|_| pending) {
                 if let Some(ctx) = device_context(peer)? {
                     vmm::synchronize(&ctx)?;
                 }
             }
-        }
-        let out = region.unmap_within(self.view, &offsets, want, pending, keep)?;
-        Ok(out.into_iter().map(|(offset, size)| Chunk { addr: self.base + offset, size }).collect())
+            Ok(())
+        };
+        // On CUDA the waits and driver calls run with the region's lock
+        // dropped (other pools unmap and map through views of the same
+        // region meanwhile: `RunUnmap`); host memory unmaps under the lock.
+        let plan = {
+            let mut region = lock(&self.region);
+            match region.plan_unmap(self.view, &offsets, want, pending, keep) {
+                Planned::Nothing => return Ok(Vec::new()),
+                Planned::Unlocked(plan) => plan,
+                Planned::Locked => {
+                    wait_for_peers(region.peers())?;
+                    let out = region.unmap_within(self.view, &offsets, want, pending, keep)?;
+                    return Ok(self.chunks_at(out));
+                }
+            }
+        };
+        let peers = plan.peers.clone();
+        let done = plan.execute(|| wait_for_peers(&peers));
+        let (out, released) = lock(&self.region).finish_unmap(done)?;
+        drop(released);
+        Ok(self.chunks_at(out))
+    }
+
+    /// Chunks at region offsets `(offset, size)`.
+    fn chunks_at(&self, spans: Vec<(usize, usize)>) -> Vec<Chunk> {
+        spans.into_iter().map(|(offset, size)| Chunk { addr: self.base + offset, size }).collect()
     }
 
     fn release_kept(&self) {
-        lock(&self.region).release_spare(self.view);
+        let released = lock(&self.region).release_spare(self.view);
+        drop(released);
     }
 
     fn kept(&self) -> usize {
@@ -274,11 +301,16 @@ impl Expandable {
     }
 
     fn trim_kept(&self, keep: usize) {
-        lock(&self.region).release_spare_over(self.view, keep);
+        let released = lock(&self.region).release_spare_over(self.view, keep);
+        drop(released);
     }
 
     fn mapped(&self) -> usize {
         lock(&self.region).piece_bounds().map(|(_, len)| len).sum()
+    }
+
+    fn address_space(&self) -> Chunk {
+        Chunk { addr: self.base, size: self.reserved }
     }
 
     fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
@@ -447,6 +479,9 @@ impl Upstream for CudaVmm {
     fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
         self.inner.mapped_pieces(addr, size)
     }
+    fn address_space(&self) -> Option<Chunk> {
+        Some(self.inner.address_space())
+    }
 }
 
 /// An expandable-segments upstream over host address space: the fallback
@@ -547,5 +582,8 @@ impl Upstream for HostExpandable {
     }
     fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
         self.inner.mapped_pieces(addr, size)
+    }
+    fn address_space(&self) -> Option<Chunk> {
+        Some(self.inner.address_space())
     }
 }

@@ -281,6 +281,15 @@ pub trait Upstream: Send + Sync + 'static {
         self.inner().and_then(|u| u.mapped_pieces(addr, size))
     }
 
+    /// The one reservation every chunk of this upstream (and of every
+    /// other view of its address space) lies in, each chunk starting and
+    /// ending on [`granularity`](Upstream::granularity) (expandable
+    /// segments); `None` (the default) for an upstream whose chunks come
+    /// from anywhere.
+    fn address_space(&self) -> Option<Chunk> {
+        self.inner().and_then(|u| u.address_space())
+    }
+
     /// Mapped free memory that another pool sharing this upstream's
     /// address space gives up for a request of `size` bytes (a multiple
     /// of 256) at `align` (`requested` asked) on `stream` (0: none), with

@@ -42,6 +42,7 @@ mod pages;
 mod settle;
 
 pub use pages::choose_pieces;
+pub(crate) use pages::Planned;
 pub(crate) use settle::{deferred_and_leaked, release_deferred, Settled, Waiter};
 
 /// Where a virtual region's memory lives.

@@ -17,9 +17,11 @@
 //! peer, so remapped memory is reachable from the same devices as the rest
 //! of the region.
 
-use super::{Backing, Piece, Region, Reservation};
-use crate::cuda::vmm::{PhysicalChunk, RangeAlias};
+use super::{Backing, Piece, Region, Reservation, Space};
+use crate::cuda::vmm::{self, PhysicalChunk, RangeAlias};
 use crate::error::{Error, Result};
+use cudarc::driver::CudaContext;
+use std::sync::Arc;
 
 /// A run of pages being mapped with the region's lock dropped
 /// ([`Region::plan_run`]): the driver calls (`cuMemCreate`, `cuMemMap`,
@@ -109,6 +111,64 @@ impl RunMap {
             }
         };
         RunDone { view, offset, size, mapped, spare, peers, seg_off, result }
+    }
+}
+
+/// What [`Region::plan_unmap`] decided.
+pub(crate) enum Planned {
+    /// No whole piece lies in the spans.
+    Nothing,
+    /// The unmap must run under the lock ([`Region::unmap_within`]).
+    Locked,
+    /// Pieces to unmap with the lock dropped.
+    Unlocked(RunUnmap),
+}
+
+/// Pieces being unmapped with the region's lock dropped
+/// ([`Region::plan_unmap`]). They are off the region's list, and maps
+/// keep off their addresses, until [`Region::finish_unmap`].
+pub(crate) struct RunUnmap {
+    view: usize,
+    seg_off: usize,
+    range: RangeAlias,
+    pieces: Vec<Piece>,
+    /// The context to wait for first (work queued on it may use the
+    /// memory).
+    sync: Option<Arc<CudaContext>>,
+    keep: bool,
+    /// The devices given access to the region when the unmap was planned.
+    pub(crate) peers: Vec<usize>,
+}
+
+/// What [`RunUnmap::execute`] leaves for [`Region::finish_unmap`].
+pub(crate) struct UnmapDone {
+    view: usize,
+    pieces: Vec<Piece>,
+    keep: bool,
+    result: Result<()>,
+}
+
+/// Memory taken out of a region, released (`cuMemRelease`) when this is
+/// dropped: by the caller, once the region's lock is dropped.
+#[must_use = "dropping it releases the memory: drop it with the region's lock released"]
+pub(crate) struct Released(Vec<Backing>);
+
+impl RunUnmap {
+    /// Runs `wait_first` (the caller's waits for peers), waits for the
+    /// device if the plan says so, then unmaps every piece, with no lock
+    /// held. A failed wait unmaps nothing. An unmap that fails is logged:
+    /// the piece is gone either way, as under the lock.
+    pub(crate) fn execute(self, wait_first: impl FnOnce() -> Result<()>) -> UnmapDone {
+        let RunUnmap { view, seg_off, range, pieces, sync, keep, .. } = self;
+        let waited = wait_first().and_then(|()| sync.map_or(Ok(()), |ctx| vmm::synchronize(&ctx)));
+        if waited.is_ok() {
+            for piece in &pieces {
+                if let Err(e) = range.unmap(piece.offset - seg_off, piece.size) {
+                    eprintln!("cumem: unmapping {} B at offset {}: {e}", piece.size, piece.offset);
+                }
+            }
+        }
+        UnmapDone { view, pieces, keep, result: waited }
     }
 }
 
@@ -318,6 +378,72 @@ impl Region {
         Ok(out)
     }
 
+    /// With the lock held: chooses the pieces [`unmap_within`](Self::unmap_within)
+    /// would unmap, takes them off the region's list and keeps maps off
+    /// their addresses, for [`RunUnmap::execute`] to unmap with the lock
+    /// dropped (a pool's unmaps, and the wait for the device before them,
+    /// then don't hold up the other pools of the region).
+    /// `Ok(Planned::Nothing)` when no whole piece lies in the spans;
+    /// `Ok(Planned::Locked)` where the unmap must run under the lock (host
+    /// memory, several segments).
+    pub(crate) fn plan_unmap(
+        &mut self,
+        view: usize,
+        spans: &[(usize, usize)],
+        want: usize,
+        sync: bool,
+        keep: bool,
+    ) -> Planned {
+        let Space::Cuda { ctx, .. } = &self.space else { return Planned::Locked };
+        let [seg] = &self.segments[..] else { return Planned::Locked };
+        let Reservation::Cuda(range) = &seg.res else { return Planned::Locked };
+        let bounds: Vec<(usize, usize)> = self.pieces.iter().map(|p| (p.offset, p.size)).collect();
+        let mut chosen = choose_pieces(&bounds, spans, want);
+        if chosen.is_empty() {
+            return Planned::Nothing;
+        }
+        let (seg_off, ctx) = (seg.offset, ctx.clone());
+        // SAFETY: the alias is used only by this unmap, while the caller
+        // holds a view of the region, which keeps its reservation.
+        let range = unsafe { range.alias() };
+        chosen.sort_unstable();
+        let mut pieces: Vec<Piece> = chosen.into_iter().rev().map(|i| self.pieces.remove(i)).collect();
+        pieces.reverse();
+        self.in_flight.extend(pieces.iter().map(|p| (p.offset, p.size)));
+        let sync = (sync && !self.owner_settles).then_some(ctx);
+        Planned::Unlocked(RunUnmap { view, seg_off, range, pieces, sync, keep, peers: self.peers.clone() })
+    }
+
+    /// With the lock held again: records what [`RunUnmap::execute`] did.
+    /// The pieces' memory becomes spare of the view (`keep`), or is
+    /// returned for the caller to release with the lock dropped. After a
+    /// failed wait nothing was unmapped, and the pieces are the region's
+    /// again.
+    ///
+    /// # Errors
+    /// The wait's error.
+    pub(crate) fn finish_unmap(&mut self, done: UnmapDone) -> Result<(Vec<(usize, usize)>, Released)> {
+        let UnmapDone { view, pieces, keep, result } = done;
+        self.in_flight.retain(|r| !pieces.iter().any(|p| (p.offset, p.size) == *r));
+        if let Err(e) = result {
+            for piece in pieces {
+                let at = self.pieces.partition_point(|p| p.offset < piece.offset);
+                self.pieces.insert(at, piece);
+            }
+            return Err(e);
+        }
+        let out = pieces.iter().map(|p| (p.offset, p.size)).collect();
+        let mut released = Released(Vec::new());
+        for piece in pieces {
+            if keep {
+                self.spare.push((piece.size, piece.backing, view));
+            } else {
+                released.0.push(piece.backing);
+            }
+        }
+        Ok((out, released))
+    }
+
     /// Unmaps and releases every piece inside `[offset, offset + size)`
     /// after waiting for the device; returns the bytes unmapped. Nothing
     /// changes when a piece crosses the span's edge.
@@ -342,26 +468,32 @@ impl Region {
         Ok(Some(bytes))
     }
 
-    /// Releases the spare memory of `view` (`cuMemRelease` on CUDA).
-    pub(crate) fn release_spare(&mut self, view: usize) {
-        self.spare.retain(|s| s.2 != view);
+    /// Takes the spare memory of `view` out of the region, for the caller
+    /// to release (`cuMemRelease` on CUDA) once the lock is dropped.
+    pub(crate) fn release_spare(&mut self, view: usize) -> Released {
+        let (gone, stay) = std::mem::take(&mut self.spare).into_iter().partition(|s| s.2 == view);
+        self.spare = stay;
+        Released(gone.into_iter().map(|(_, b, _)| b).collect())
     }
 
-    /// Releases spare memory of `view`, largest first, until at most
-    /// `keep` bytes of it remain.
-    pub(crate) fn release_spare_over(&mut self, view: usize, keep: usize) {
+    /// Takes spare memory of `view` out of the region, largest first,
+    /// until at most `keep` bytes of it remain, for the caller to release
+    /// once the lock is dropped.
+    pub(crate) fn release_spare_over(&mut self, view: usize, keep: usize) -> Released {
         let mut total = self.spare_bytes(view);
+        let mut released = Released(Vec::new());
         // The view's largest last; the other views' stay in front.
         self.spare.sort_by_key(|&(size, _, v)| (v == view, size));
         while total > keep {
             match self.spare.last() {
                 Some(&(size, _, v)) if v == view => {
-                    self.spare.pop();
+                    released.0.extend(self.spare.pop().map(|s| s.1));
                     total -= size;
                 }
                 _ => break,
             }
         }
+        released
     }
 
     /// The bytes of spare memory of `view` (unmapped, kept for its next
