@@ -9,12 +9,15 @@
 //!   shard with a few loads and a binary search, takes no lock and writes
 //!   nothing, and retries only when a writer changed the table meanwhile.
 //!   Writers (a chunk added, grown in place, moved to another shard or
-//!   given back upstream: rare) rewrite the table under a lock: entries a
-//!   new chunk overlaps go (a range given back and handed out again), a
-//!   chunk given back leaves. A table that is too small is replaced by one
-//!   twice as large; replaced tables stay allocated until the set is
-//!   dropped (a reader may still look at one), so all of them together are
-//!   no larger than the current one, however long the program runs. An
+//!   given back upstream) write the new table under a lock into a table
+//!   other than the current one, then publish it, so readers never wait
+//!   for a writer (with 16 threads and ranges changing shard a thousand
+//!   times a second they did): entries a new chunk overlaps go (a range
+//!   given back and handed out again), a chunk given back leaves. When no
+//!   other table has room, a new one twice as large is made; tables stay
+//!   allocated until the set is dropped (a reader may still look at one),
+//!   so all of them together stay within a few times the largest, however
+//!   long the program runs. An
 //!   entry is written before the chunk's blocks can be handed out, and
 //!   whoever frees a block learned of it after that, so the entry is
 //!   always found.
@@ -53,7 +56,7 @@ use super::shard_registry::Registry;
 use super::{Pool, PoolConfig};
 
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::{fence, lock, Arc, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::sync::{fence, lock, Arc, AtomicU64, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::tag::StreamTag;
 use crate::upstream::{Chunk, MappedGift, Upstream};
 
@@ -76,18 +79,105 @@ struct Table {
 /// The least capacity of a table.
 const TABLE_MIN: usize = 16;
 
+/// The owners of an address space's granules, for a set whose chunks all
+/// lie in one reservation and start and end on its granularity (one
+/// address space per device): a free finds its shard with one load, and
+/// a range that changes shard rewrites only its own granules.
+#[derive(Debug)]
+struct Granules {
+    base: usize,
+    shift: u32,
+    /// Per granule, its shard + 1 (0: recorded in the table, if anywhere).
+    owners: Box<[AtomicU8]>,
+}
+
+/// The most granules a map holds (bytes of address space, allocated
+/// zeroed: the pages no chunk reached are never touched).
+const GRANULES_MAX: usize = 1 << 26;
+
+impl Granules {
+    /// A map of `space` at `granularity` (a power of two), if it is small
+    /// enough.
+    fn new(space: Chunk, granularity: usize) -> Option<Self> {
+        if !granularity.is_power_of_two() || space.addr % granularity != 0 {
+            return None;
+        }
+        let count = space.size / granularity;
+        if count == 0 || count > GRANULES_MAX {
+            return None;
+        }
+        Some(Granules { base: space.addr, shift: granularity.trailing_zeros(), owners: zeroed_owners(count) })
+    }
+
+    /// The granules `[start, end)` covers exactly, if it lies inside the
+    /// map on granule edges.
+    fn covering(&self, start: usize, end: usize) -> Option<std::ops::Range<usize>> {
+        let mask = (1usize << self.shift) - 1;
+        let (a, b) = (start.checked_sub(self.base)?, end.checked_sub(self.base)?);
+        let fits = a < b && a & mask == 0 && b & mask == 0 && (b >> self.shift) <= self.owners.len();
+        fits.then(|| (a >> self.shift)..(b >> self.shift))
+    }
+
+    /// The granules `[start, end)` touches inside the map.
+    fn touching(&self, start: usize, end: usize) -> std::ops::Range<usize> {
+        let first = (start.saturating_sub(self.base) >> self.shift).min(self.owners.len());
+        let last = end.saturating_sub(self.base).div_ceil(1 << self.shift).min(self.owners.len());
+        first..last.max(first)
+    }
+
+    fn set(&self, granules: std::ops::Range<usize>, owner: u8) {
+        for g in &self.owners[granules] {
+            g.store(owner, Ordering::Release);
+        }
+    }
+
+    /// The shard recorded for `addr`, if any.
+    #[inline]
+    fn find(&self, addr: usize) -> Option<usize> {
+        let i = addr.checked_sub(self.base)? >> self.shift;
+        let owner = self.owners.get(i)?.load(Ordering::Acquire);
+        (owner != 0).then(|| usize::from(owner) - 1)
+    }
+}
+
+/// `count` owners, all 0, in memory that stays untouched until written.
+#[cfg(not(loom))]
+fn zeroed_owners(count: usize) -> Box<[AtomicU8]> {
+    let layout = std::alloc::Layout::array::<AtomicU8>(count).expect("at most GRANULES_MAX bytes");
+    // SAFETY: `layout` is not empty (count > 0); all-zero bytes are valid
+    // `AtomicU8`s (0), and the box takes ownership of exactly this
+    // allocation, with this layout, as a slice of `count` of them.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut AtomicU8;
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, count))
+    }
+}
+
+/// Loom's atomics are made one by one (models use small spaces).
+#[cfg(loom)]
+fn zeroed_owners(count: usize) -> Box<[AtomicU8]> {
+    (0..count).map(|_| AtomicU8::new(0)).collect()
+}
+
 /// Address → shard (see the module docs).
 #[derive(Debug)]
 pub(super) struct Directory {
-    /// Odd while a writer changes the current table (a sequence lock:
-    /// readers retry when it moved under them).
+    /// Chunks on the granules of the set's one address space, when it has
+    /// one; the table holds the rest.
+    granules: Option<Granules>,
+    /// Moves (by 2) before and after a writer fills a table (a sequence
+    /// lock: readers retry when it moved under them).
     seq: AtomicUsize,
     /// The current table: the address of the last of `tables` (0: none).
     current: AtomicUsize,
-    /// Every table made, the current one last. Writers hold this lock;
-    /// tables are never freed while the directory lives (a reader may
-    /// still look at an old one), but each is twice the size of the one
-    /// before, so together the old ones are no larger than the current.
+    /// Every table made. Writers hold this lock and fill a table other
+    /// than the current one; tables are never freed while the directory
+    /// lives (a reader may still look at an old one), but a new one is
+    /// made only when no other has room, twice the size needed, so
+    /// together they stay within a few times the largest.
     // Boxed: a table's address is what `current` publishes, so it must
     // not move when the list grows.
     #[allow(clippy::vec_box)]
@@ -95,33 +185,41 @@ pub(super) struct Directory {
 }
 
 impl Directory {
-    fn new() -> Self {
-        Directory { seq: AtomicUsize::new(0), current: AtomicUsize::new(0), tables: Mutex::new(Vec::new()) }
+    /// A directory; with `space`, chunks on its granules (of
+    /// `granularity` bytes) are recorded per granule.
+    fn new(space: Option<(Chunk, usize)>) -> Self {
+        Directory {
+            granules: space.and_then(|(space, granularity)| Granules::new(space, granularity)),
+            seq: AtomicUsize::new(0),
+            current: AtomicUsize::new(0),
+            tables: Mutex::new(Vec::new()),
+        }
     }
 
     /// The shard whose chunk holds `addr`.
     #[inline]
     pub(super) fn find(&self, addr: usize) -> Option<usize> {
+        if let Some(shard) = self.granules.as_ref().and_then(|g| g.find(addr)) {
+            return Some(shard);
+        }
         let mut attempt = 0;
         loop {
             let before = self.seq.load(Ordering::Acquire);
-            if before & 1 == 0 {
-                let ptr = self.current.load(Ordering::Acquire) as *const Table;
-                if ptr.is_null() {
-                    return None;
-                }
-                // SAFETY: `ptr` is the address of one of `tables`' boxes,
-                // published with Release after the box was made; boxes are
-                // never freed or moved while the directory lives, and
-                // `&self` keeps it alive. Its entries are atomics, so a
-                // writer changing them meanwhile is no data race (the
-                // sequence check below discards what it read then).
-                let table: &Table = unsafe { &*ptr };
-                let found = table.find(addr);
-                fence(Ordering::Acquire);
-                if self.seq.load(Ordering::Relaxed) == before {
-                    return found;
-                }
+            let ptr = self.current.load(Ordering::Acquire) as *const Table;
+            if ptr.is_null() {
+                return None;
+            }
+            // SAFETY: `ptr` is the address of one of `tables`' boxes,
+            // published with Release after the box was made; boxes are
+            // never freed or moved while the directory lives, and `&self`
+            // keeps it alive. Its entries are atomics, so a writer
+            // changing them meanwhile is no data race (the sequence check
+            // below discards what it read then).
+            let table: &Table = unsafe { &*ptr };
+            let found = table.find(addr);
+            fence(Ordering::Acquire);
+            if self.seq.load(Ordering::Relaxed) == before {
+                return found;
             }
             crate::sync::backoff(attempt);
             attempt += 1;
@@ -132,33 +230,50 @@ impl Directory {
     /// ones it replaced).
     pub(super) fn sizes(&self) -> (usize, usize) {
         let tables = lock(&self.tables);
-        (tables.last().map_or(0, |t| t.len.load(Ordering::Relaxed)), tables.len())
+        (self.current_of(&tables).map_or(0, |t| t.len.load(Ordering::Relaxed)), tables.len())
+    }
+
+    /// The current table among `tables` (the lock on them held).
+    fn current_of<'a>(&self, tables: &'a [Box<Table>]) -> Option<&'a Table> {
+        let current = self.current.load(Ordering::Relaxed);
+        tables.iter().map(|t| &**t).find(|t| *t as *const Table as usize == current)
     }
 
     /// The current entries as `(start, end, shard)` (writers only: the
     /// lock on `tables` is held, so nothing changes them meanwhile).
-    fn entries(tables: &[Box<Table>]) -> Vec<(usize, usize, usize)> {
-        let Some(t) = tables.last() else { return Vec::new() };
+    fn entries(&self, tables: &[Box<Table>]) -> Vec<(usize, usize, usize)> {
+        let Some(t) = self.current_of(tables) else { return Vec::new() };
         let len = t.len.load(Ordering::Relaxed);
         let load = |a: &AtomicUsize| a.load(Ordering::Relaxed);
         t.entries[..len].iter().map(|e| (load(&e.start), load(&e.end), load(&e.shard))).collect()
     }
 
-    /// Makes `next` the directory's entries: in the current table when it
-    /// has room, else in a new one twice as large.
+    /// Makes `next` the directory's entries: written into a table other
+    /// than the current one (the newest with room, else a new one twice
+    /// as large), which then becomes current. Readers of the current
+    /// table never wait for a writer; a reader still looking at the table
+    /// being rewritten (current two changes ago) sees the count move and
+    /// looks again.
     #[allow(clippy::vec_box)]
     fn publish(&self, tables: &mut Vec<Box<Table>>, next: &[(usize, usize, usize)]) {
-        if tables.last().is_none_or(|t| t.entries.len() < next.len()) {
-            let capacity = (next.len() * 2).max(TABLE_MIN);
-            tables.push(Box::new(Table {
-                len: AtomicUsize::new(0),
-                entries: (0..capacity).map(|_| Entry::default()).collect(),
-            }));
-        }
-        let Some(table) = tables.last() else { return };
+        let current = self.current.load(Ordering::Relaxed);
+        let address = |t: &Table| t as *const Table as usize;
+        let target = match tables.iter().rposition(|t| address(t) != current && t.entries.len() >= next.len()) {
+            Some(i) => i,
+            None => {
+                let capacity = (next.len() * 2).max(TABLE_MIN);
+                tables.push(Box::new(Table {
+                    len: AtomicUsize::new(0),
+                    entries: (0..capacity).map(|_| Entry::default()).collect(),
+                }));
+                tables.len() - 1
+            }
+        };
+        let table = &tables[target];
         let seq = self.seq.load(Ordering::Relaxed);
-        self.seq.store(seq + 1, Ordering::Relaxed);
-        // Readers that see any store below also see the odd count.
+        self.seq.store(seq + 2, Ordering::Release);
+        // A reader that sees any store below to a table it looks at also
+        // sees the count moved.
         fence(Ordering::Release);
         for (e, &(start, end, shard)) in table.entries.iter().zip(next) {
             e.start.store(start, Ordering::Relaxed);
@@ -166,8 +281,8 @@ impl Directory {
             e.shard.store(shard, Ordering::Relaxed);
         }
         table.len.store(next.len(), Ordering::Relaxed);
-        self.current.store(&**table as *const Table as usize, Ordering::Release);
-        self.seq.store(seq + 2, Ordering::Release);
+        self.current.store(address(table), Ordering::Release);
+        self.seq.store(seq + 4, Ordering::Release);
     }
 
     /// Records that `shard` holds `[start, end)`: a new chunk, a chunk
@@ -202,7 +317,24 @@ impl Directory {
     /// keep what lies outside it, under their own shards.
     pub(super) fn carve(&self, start: usize, end: usize, shard: usize) {
         let mut tables = lock(&self.tables);
-        let mut next = Self::without(&Self::entries(&tables), start, end);
+        let before = self.entries(&tables);
+        if let Some(granules) = self.granules.as_ref().and_then(|g| Some((g, g.covering(start, end)?))) {
+            // On granule edges: the granules record it (the table keeps
+            // nothing of it).
+            let (g, range) = granules;
+            g.set(range, u8::try_from(shard + 1).expect("at most MAX_SHARDS shards"));
+            let next = Self::without(&before, start, end);
+            if next != before {
+                self.publish(&mut tables, &next);
+            }
+            return;
+        }
+        if let Some(g) = &self.granules {
+            // Off the granules' edges (no chunk of one address space is):
+            // granules it touches look in the table.
+            g.set(g.touching(start, end), 0);
+        }
+        let mut next = Self::without(&before, start, end);
         let at = next.partition_point(|&(s, _, _)| s < start);
         next.insert(at, (start, end, shard));
         // Neighbours of one shard become one entry: ranges that change
@@ -222,7 +354,15 @@ impl Directory {
     /// [`carve`](Self::carve)) keeps the rest.
     fn remove_range(&self, start: usize, end: usize) {
         let mut tables = lock(&self.tables);
-        let before = Self::entries(&tables);
+        if let Some(g) = &self.granules {
+            match g.covering(start, end) {
+                Some(range) => g.set(range, 0),
+                // Granules it touches partly record the rest of their
+                // chunk in the table, or nowhere.
+                None => g.set(g.touching(start, end), 0),
+            }
+        }
+        let before = self.entries(&tables);
         let next = Self::without(&before, start, end);
         if next != before {
             self.publish(&mut tables, &next);
@@ -341,10 +481,18 @@ unsafe impl Sync for Shared {}
 impl Shared {
     /// The state for a set whose pools are `pools`, with `limit` for all of
     /// them together.
-    pub(super) fn new(pools: &ShardPools, registry: Arc<Registry>, config: &PoolConfig, one_space: bool) -> Arc<Self> {
+    /// `space`: the one address space every shard's chunks lie in, and its
+    /// granularity (see [`Upstream::address_space`]), if there is one.
+    pub(super) fn new(
+        pools: &ShardPools,
+        registry: Arc<Registry>,
+        config: &PoolConfig,
+        one_space: bool,
+        space: Option<(Chunk, usize)>,
+    ) -> Arc<Self> {
         let (limit, kind) = (config.max_size, config.kind);
         Arc::new(Shared {
-            directory: Directory::new(),
+            directory: Directory::new(space),
             total: Total { bytes: AtomicUsize::new(0), limit, kind },
             moved: AtomicU64::new(0),
             calls: AtomicU64::new(0),
@@ -537,13 +685,13 @@ impl Upstream for Tracked {
 
 #[cfg(test)]
 mod tests {
-    use super::{PoolConfig, Shared, Tracked};
+    use super::{Chunk, PoolConfig, Shared, Tracked};
     use crate::error::PoolKind;
     use crate::upstream::forwarding::methods_not_forwarded;
 
     #[test]
     fn chunks_that_move_grow_or_go_change_their_entries() {
-        let d = super::Directory::new();
+        let d = super::Directory::new(None);
         d.insert(0x10000, 0x20000, 1);
         assert_eq!(d.find(0x18000), Some(1));
         d.insert(0x10000, 0x20000, 3);
@@ -573,7 +721,7 @@ mod tests {
 
     #[test]
     fn a_directory_of_chunks_that_come_and_go_stays_small() {
-        let d = super::Directory::new();
+        let d = super::Directory::new(None);
         for i in 0..10_000usize {
             let start = 0x1000_0000 + i * 0x10_0000;
             d.insert(start, start + 0x8000, i % 4);
@@ -582,21 +730,105 @@ mod tests {
             }
             assert_eq!(d.find(start + 1), Some(i % 4));
         }
-        assert_eq!(d.sizes(), (8, 1), "eight chunks in one table");
-        // Many chunks at once: tables double, few are made.
+        assert_eq!(d.sizes(), (8, 2), "eight chunks, two tables used in turn");
+        // Many chunks at once: tables double (two of each size, used in
+        // turn), few are made.
         for i in 0..1000usize {
             d.insert(0x9000_0000 + i * 0x1000, 0x9000_0000 + i * 0x1000 + 0x800, 0);
         }
         let (entries, tables) = d.sizes();
         assert_eq!(entries, 1008);
-        assert!(tables <= 8, "{tables} tables");
+        assert!(tables <= 16, "{tables} tables");
+    }
+
+    /// Readers never wait for writers and never see a torn table: while
+    /// one thread adds, carves and removes chunks (tables filled in turn,
+    /// and grown), others look up chunks that stay and always find them.
+    #[test]
+    fn lookups_during_rewrites_find_the_chunks_that_stay() {
+        let d = super::Directory::new(None);
+        let stay: Vec<usize> = (0..64).map(|i| 0x4000_0000 + i * 0x100_0000).collect();
+        for (i, &s) in stay.iter().enumerate() {
+            d.insert(s, s + 0x8000, i % 7);
+        }
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            for _ in 0..2 {
+                scope.spawn(|| {
+                    let mut looks = 0u64;
+                    while !done.load(std::sync::atomic::Ordering::Relaxed) || looks < 10_000 {
+                        for (i, &s) in stay.iter().enumerate() {
+                            assert_eq!(d.find(s + 0x4000), Some(i % 7), "chunk {i}");
+                            assert_eq!(d.find(s + 0x9000), None, "past chunk {i}");
+                        }
+                        looks += 1;
+                    }
+                });
+            }
+            for round in 0..2_000usize {
+                // Chunks between the ones that stay come, change shard
+                // and go; some rounds add many, so tables grow.
+                let n = if round % 100 == 0 { 300 } else { 3 };
+                let base = |k: usize| 0x4000_0000 + (k % 64) * 0x100_0000 + 0x10_0000 + (k / 64) * 0x1_0000;
+                for k in 0..n {
+                    d.insert(base(k), base(k) + 0x8000, k % 5);
+                }
+                d.carve(base(0), base(0) + 0x4000, 9);
+                for k in 0..n {
+                    d.remove_range(base(k), base(k) + 0x8000);
+                }
+            }
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        let (entries, tables) = d.sizes();
+        assert_eq!(entries, 64);
+        assert!(tables <= 16, "{tables} tables");
+    }
+
+    /// In one address space, chunks on granule edges are found by granule
+    /// (the table stays empty), ranges carved out change only their own
+    /// granules, and a chunk off the edges goes to the table.
+    #[test]
+    fn chunks_of_one_address_space_are_found_by_granule() {
+        const G: usize = 0x20_0000;
+        let space = Chunk { addr: 0x7000_0000_0000, size: 64 * G };
+        let d = super::Directory::new(Some((space, G)));
+        let at = |g: usize| space.addr + g * G;
+        d.insert(at(0), at(8), 1);
+        d.insert(at(8), at(12), 2);
+        assert_eq!(
+            (d.find(at(0)), d.find(at(8) - 1), d.find(at(8)), d.find(at(12))),
+            (Some(1), Some(1), Some(2), None)
+        );
+        assert_eq!(d.sizes().0, 0, "nothing in the table");
+        // A range handed over from shard 1 to shard 3.
+        d.carve(at(2), at(4), 3);
+        assert_eq!(
+            (d.find(at(1)), d.find(at(2)), d.find(at(4) - 1), d.find(at(4))),
+            (Some(1), Some(3), Some(3), Some(1))
+        );
+        d.remove_range(at(2), at(4));
+        assert_eq!((d.find(at(2)), d.find(at(1)), d.find(at(4))), (None, Some(1), Some(1)));
+        // Off the edges: the table, and the granules it touches look there.
+        d.insert(at(20) + 0x1000, at(21), 5);
+        assert_eq!((d.find(at(20) + 0x1000), d.find(at(20)), d.sizes().0), (Some(5), None, 1));
+        // A chunk on the edges over it cuts it out of the table.
+        d.insert(at(20), at(22), 6);
+        assert_eq!((d.find(at(20) + 0x1000), d.find(at(21) + 1), d.sizes().0), (Some(6), Some(6), 0));
+        // Outside the space: the table.
+        d.insert(space.end(), space.end() + G, 7);
+        assert_eq!((d.find(space.end()), d.sizes().0), (Some(7), 1));
+        // A space too large for a map: the table does everything.
+        let huge = super::Directory::new(Some((Chunk { addr: 0, size: usize::MAX / 2 }, 4096)));
+        huge.insert(G, 2 * G, 1);
+        assert_eq!((huge.find(G), huge.sizes().0), (Some(1), 1));
     }
 
     #[test]
     fn the_shard_wrapper_forwards_every_method() {
         let pools: Box<super::ShardPools> = Box::new([]);
         let registry = super::Registry::new(1, false);
-        let shared = Shared::new(&pools, registry, &PoolConfig::new(PoolKind::Device), false);
+        let shared = Shared::new(&pools, registry, &PoolConfig::new(PoolKind::Device), false, None);
         let missed = methods_not_forwarded(|inner| Box::new(Tracked { inner, shared, index: 0 }));
         assert_eq!(missed, Vec::<&str>::new());
     }

@@ -201,7 +201,10 @@ impl Shards {
         let count = count + usize::from(primary_remaps);
         let shards: Box<ShardPools> = (0..count).map(|_| InitCell::new()).collect();
         let registry = Registry::new(count, primary_remaps);
-        let shared = Shared::new(&shards, registry.clone(), &config, one_space);
+        // Every shard's chunks lie in the first's address space: frees find
+        // their shard by granule.
+        let space = one_space.then(|| first.address_space().map(|s| (s, first.granularity()))).flatten();
+        let shared = Shared::new(&shards, registry.clone(), &config, one_space, space);
         let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
         // A new cell is empty, so this always sets it.
         let _ = shards[0].init(|| Ok::<_, ()>(pool));
