@@ -16,7 +16,8 @@
 //!   and the chunks moved between arenas during that row; for the device
 //!   rows also the asks for another arena's mapped memory, the page
 //!   unmaps, and the time the row's threads spent asking and moving pages
-//!   (summed over the threads).
+//!   (summed over the threads). `CUMEM_CHECK_ROWS=one,each,pinned` (any
+//!   of them) runs only those rows, after the same warm-up.
 //! - `pool`: a resizing thread pool. Rounds of fresh OS threads, from 1 to
 //!   32 a round (a seeded draw, the first rounds 1 and 32), each thread a
 //!   mix of device work (one shared stream) and pinned work (a fair coin
@@ -171,9 +172,13 @@ fn peers() {
     );
     let mut table: Vec<(&str, Vec<f64>)> =
         ["device, one shared stream", "device, a stream per thread", "pinned"].map(|n| (n, Vec::new())).into();
+    // `CUMEM_CHECK_ROWS=one,each,pinned` (any of them) runs only those
+    // rows (a profile of one row), after the same warm-up.
+    let rows = std::env::var("CUMEM_CHECK_ROWS").unwrap_or_else(|_| "one,each,pinned".into());
+    let wanted = |r: usize| rows.split(',').any(|w| w.trim() == ["one", "each", "pinned"][r]);
     for n in THREADS {
         let ops = ops_per_thread(n, false);
-        for (r, (name, rates)) in table.iter_mut().enumerate() {
+        for (r, (name, rates)) in table.iter_mut().enumerate().filter(|(r, _)| wanted(*r)) {
             let seed = 0x5eed_0000 + (n as u64) * 1000 + (r as u64) * 100;
             let before = counts(mm);
             let took = match r {
@@ -220,7 +225,7 @@ fn peers() {
         print!("{:>9}", format!("{n} thr"));
     }
     println!("{:>9}", "16/8");
-    for (name, rates) in &table {
+    for (name, rates) in table.iter().filter(|(_, rates)| rates.len() == THREADS.len()) {
         print!("{name:<34}");
         for r in rates {
             print!("{r:>9.2}");
