@@ -162,9 +162,16 @@ impl<U: Upstream> Pool<U> {
         match plan {
             Growth::Extend { chunk, extra, need } => {
                 // With page remapping the pool grows by address space only;
-                // pages are mapped where allocations land (remap.rs).
+                // pages are mapped where allocations land (remap.rs). The
+                // remap lock keeps hand-overs (`handover.rs`) off while the
+                // chunk grows: a range given from its top meanwhile would
+                // leave the pool without the chunk it extends, and the
+                // extension recorded over the range's new owner. The
+                // chunk must still be the pool's last, as planned.
+                let remapping = self.remap.then(|| lock(&self.remap_lock));
                 let extended = if self.remap {
-                    self.upstream.try_extend_reserved(chunk, extra)?
+                    let still = self.inner.lock().fit.last_chunk().is_some_and(|(c, _)| c == chunk);
+                    still && self.upstream.try_extend_reserved(chunk, extra)?
                 } else {
                     self.upstream.try_extend(chunk, extra)?
                 };
@@ -179,6 +186,7 @@ impl<U: Upstream> Pool<U> {
                     inner.fit.stats_mut().upstream_allocs += 1;
                     return Ok(());
                 }
+                drop(remapping);
                 // The upstream can't extend (another thread of this pool
                 // extended the chunk first, or the reservation is full):
                 // take a new chunk instead, in whole pages when the pool
