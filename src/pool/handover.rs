@@ -217,10 +217,20 @@ impl Tracked {
         }
         let (mut held, mut live) = (0, 0);
         for (j, p) in pools.iter().enumerate().filter_map(|(j, c)| Some((j, c.get()?))) {
-            let (h, l, over) = p.footprint();
+            // A shard busy now (its lock taken) counts as last seen: an
+            // ask never waits for a shard's thread, which may have been
+            // descheduled holding its lock (asks then took hundreds of
+            // microseconds with 16 threads on 16 processors).
+            let (h, l) = match p.try_footprint() {
+                Some((h, l, over)) => {
+                    self.shared.excess[j].store(over, Ordering::Relaxed);
+                    self.shared.seen[j].store(h, l);
+                    (h, l)
+                }
+                None => self.shared.seen[j].load(),
+            };
             held += h;
             live += l;
-            self.shared.excess[j].store(over, Ordering::Relaxed);
         }
         *crate::sync::lock(cached) = (now.max(1), held, live);
         (held, live)
@@ -256,9 +266,9 @@ impl<U: Upstream> Pool<U> {
     /// pages they touch, in a remapping pool) and what it holds above its
     /// remap budget (0 for other pools), in bytes: a short look under the
     /// lock that leaves the hot block as it is (asked of every shard
-    /// before a hand-over).
-    pub(super) fn footprint(&self) -> (usize, usize, usize) {
-        let mut inner = self.inner.lock();
+    /// before a hand-over); `None` when another thread holds the lock.
+    pub(super) fn try_footprint(&self) -> Option<(usize, usize, usize)> {
+        let mut inner = self.inner.try_lock()?;
         let Inner { fit, pages, .. } = &mut *inner;
         let (touched, _) = fit.touched_pages();
         let over = if self.remap {
@@ -268,7 +278,7 @@ impl<U: Upstream> Pool<U> {
         };
         let s = fit.stats_mut();
         let held = if self.remap { pages.physical() << pages.shift() } else { s.reserved };
-        (held, s.in_use.max(touched << pages.shift()), over)
+        Some((held, s.in_use.max(touched << pages.shift()), over))
     }
 
     /// Gives up a mapped free range of at least `size` bytes (up to
@@ -282,7 +292,8 @@ impl<U: Upstream> Pool<U> {
         }
         let _remap = try_lock(&self.remap_lock)?;
         let spans = {
-            let mut inner = self.inner.lock();
+            // A giver busy now is passed over (its thread holds the lock).
+            let mut inner = self.inner.try_lock()?;
             if inner.shut_down {
                 return None;
             }

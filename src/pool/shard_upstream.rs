@@ -417,6 +417,24 @@ impl Total {
 /// The shard pools of a set, as the upstream wrappers reach them.
 pub(super) type ShardPools = [crate::sync::InitCell<Pool<Box<dyn Upstream>>>];
 
+/// A shard's footprint as last seen by an ask (`handover.rs`): the
+/// memory it held and what its live blocks held, in bytes.
+pub(super) struct Seen {
+    held: AtomicUsize,
+    live: AtomicUsize,
+}
+
+impl Seen {
+    pub(super) fn store(&self, held: usize, live: usize) {
+        self.held.store(held, Ordering::Relaxed);
+        self.live.store(live, Ordering::Relaxed);
+    }
+
+    pub(super) fn load(&self) -> (usize, usize) {
+        (self.held.load(Ordering::Relaxed), self.live.load(Ordering::Relaxed))
+    }
+}
+
 /// What the shards of one set share.
 pub(super) struct Shared {
     pub(super) directory: Directory,
@@ -459,6 +477,9 @@ pub(super) struct Shared {
     pub(super) footprint: Mutex<(u64, usize, usize)>,
     /// Per shard, what it held above its remap budget at that look.
     pub(super) excess: Box<[AtomicUsize]>,
+    /// Per shard, what it held and what its live blocks held at the last
+    /// look that found it free (a busy shard counts as last seen).
+    pub(super) seen: Box<[Seen]>,
     /// Shards in use give what they hold above their budget too
     /// ([`PoolConfig::fresh_thread_budget`](super::PoolConfig::fresh_thread_budget)).
     pub(super) follow_threads: bool,
@@ -511,6 +532,7 @@ impl Shared {
             polled_at: AtomicU64::new(0),
             footprint: Mutex::new((0, 0, 0)),
             excess: (0..pools.len()).map(|_| AtomicUsize::new(0)).collect(),
+            seen: (0..pools.len()).map(|_| Seen { held: AtomicUsize::new(0), live: AtomicUsize::new(0) }).collect(),
             follow_threads: config.fresh_thread_budget,
             poll: once_cell::sync::OnceCell::new(),
             pools: pools as *const ShardPools,

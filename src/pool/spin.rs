@@ -65,6 +65,19 @@ impl<T> SpinLock<T> {
     }
 }
 
+impl<T> SpinLock<T> {
+    /// Takes the lock if it is free now; `None` if another thread holds it.
+    #[inline]
+    pub(super) fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
+        self.locked.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).ok()?;
+        Some(SpinGuard {
+            lock: self,
+            #[cfg(loom)]
+            access: Some(self.value.get_mut()),
+        })
+    }
+}
+
 /// Access to a [`SpinLock`]'s value; unlocks when dropped.
 pub(super) struct SpinGuard<'a, T> {
     lock: &'a SpinLock<T>,
