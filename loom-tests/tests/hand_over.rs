@@ -105,3 +105,69 @@ fn a_mapped_range_changes_shard_while_a_free_is_in_flight() {
     });
     assert!(HANDED.load(std::sync::atomic::Ordering::Relaxed) > 0, "no run handed a range over");
 }
+
+/// Model runs in which a range left a shard in use.
+static FROM_BUSY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A shard in use gives what it holds above its budget (a new thread's
+/// shard starts its budget afresh) while its own thread grows that same
+/// chunk in place: a range taken from the chunk's top meanwhile must not
+/// leave the thread extending a chunk its pool no longer holds (the
+/// extension would be recorded over the range's new owner, whose frees
+/// would then go to the wrong shard). In every interleaving both blocks
+/// sit on mapped pages, don't overlap, and free in their shards.
+#[test]
+fn a_shard_gives_from_the_top_of_a_chunk_its_thread_extends() {
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(2);
+    b.max_branches = 20_000;
+    b.check(|| {
+        let dev = PageUpstream::default();
+        let mut c = PoolConfig::new(PoolKind::Standalone);
+        c.thread_cache = false;
+        c.min_chunk = PAGE;
+        c.remap_slack_ppm = 0;
+        c.fresh_thread_budget = true;
+        let more = dev.clone();
+        let make: UpstreamFactory = Box::new(move || Ok(Box::new(more.clone()) as Box<dyn Upstream>));
+        let set = Arc::new(Shards::sharing_space(Box::new(dev.clone()), make, c, 2));
+        let first = set.allocate(256, 256).unwrap();
+        // A thread grows shard 1 to three mapped pages, frees them and ends.
+        let s = set.clone();
+        thread::spawn(move || {
+            let a = s.allocate(3 * PAGE, 256).unwrap();
+            s.deallocate(a.addr, StreamTag::NONE).unwrap();
+            release_thread_shards();
+        })
+        .join()
+        .unwrap();
+        // A new thread claims shard 1 and needs four pages: its chunk of
+        // three grows in place.
+        let (s, d2) = (set.clone(), dev.clone());
+        let user = thread::spawn(move || {
+            let u = s.allocate(4 * PAGE, 256).unwrap();
+            d2.dev().assert_mapped(u.addr, u.size);
+            release_thread_shards();
+            u
+        });
+        // Shard 0 needs two pages: shard 1 holds three above its fresh
+        // budget, and may give the top two.
+        let g = set.allocate(2 * PAGE, 256).unwrap();
+        dev.dev().assert_mapped(g.addr, g.size);
+        let u = user.join().unwrap();
+        let (lo, hi) = if g.addr < u.addr { (g, u) } else { (u, g) };
+        assert!(lo.addr + lo.size <= hi.addr, "live blocks overlap: {lo:?} {hi:?}");
+        if set.ranges_handed_over().0 > 0 {
+            FROM_BUSY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        for x in [g, u, first] {
+            set.deallocate(x.addr, StreamTag::NONE).unwrap();
+        }
+        set.check_invariants().expect("best-fit invariants");
+        let dv = dev.dev();
+        assert!(dv.violations.is_empty(), "{:?}", dv.violations);
+        drop(dv);
+        release_thread_shards();
+    });
+    assert!(FROM_BUSY.load(std::sync::atomic::Ordering::Relaxed) > 0, "no run handed a range over");
+}
