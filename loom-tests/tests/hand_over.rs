@@ -21,25 +21,38 @@ use cumem_loom_tests::pages::{PageUpstream, PAGE};
 use loom::sync::Arc;
 use loom::thread;
 
+/// A hand-over looks at every shard under its lock: more steps than
+/// loom's default bound on one execution's branches.
+fn builder() -> loom::model::Builder {
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(2);
+    b.max_branches = 20_000;
+    b
+}
+
+/// A set of two shards sharing one modelled device's address space, pages
+/// mapped as blocks need them, no thread caches; with `fresh`, a shard
+/// claimed by a new thread starts its remap budget afresh.
+fn two_shards(fresh: bool) -> (PageUpstream, Arc<Shards>) {
+    let dev = PageUpstream::default();
+    let mut c = PoolConfig::new(PoolKind::Standalone);
+    c.thread_cache = false;
+    c.min_chunk = PAGE;
+    c.remap_slack_ppm = 0;
+    c.fresh_thread_budget = fresh;
+    let more = dev.clone();
+    let make: UpstreamFactory = Box::new(move || Ok(Box::new(more.clone()) as Box<dyn Upstream>));
+    let set = Arc::new(Shards::sharing_space(Box::new(dev.clone()), make, c, 2));
+    (dev, set)
+}
+
 /// Model runs in which a range changed shard.
 static HANDED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 #[test]
 fn a_mapped_range_changes_shard_while_a_free_is_in_flight() {
-    // A hand-over looks at every shard under its lock: more steps than
-    // loom's default bound on one execution's branches.
-    let mut b = loom::model::Builder::new();
-    b.preemption_bound = Some(2);
-    b.max_branches = 20_000;
-    b.check(|| {
-        let dev = PageUpstream::default();
-        let mut c = PoolConfig::new(PoolKind::Standalone);
-        c.thread_cache = false;
-        c.min_chunk = PAGE;
-        c.remap_slack_ppm = 0;
-        let more = dev.clone();
-        let make: UpstreamFactory = Box::new(move || Ok(Box::new(more.clone()) as Box<dyn Upstream>));
-        let set = Arc::new(Shards::sharing_space(Box::new(dev.clone()), make, c, 2));
+    builder().check(|| {
+        let (dev, set) = two_shards(false);
         // This thread takes shard 0.
         let first = set.allocate(256, 256).unwrap();
         dev.dev().live.insert((first.addr, first.size));
@@ -118,19 +131,8 @@ static FROM_BUSY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsiz
 /// sit on mapped pages, don't overlap, and free in their shards.
 #[test]
 fn a_shard_gives_from_the_top_of_a_chunk_its_thread_extends() {
-    let mut b = loom::model::Builder::new();
-    b.preemption_bound = Some(2);
-    b.max_branches = 20_000;
-    b.check(|| {
-        let dev = PageUpstream::default();
-        let mut c = PoolConfig::new(PoolKind::Standalone);
-        c.thread_cache = false;
-        c.min_chunk = PAGE;
-        c.remap_slack_ppm = 0;
-        c.fresh_thread_budget = true;
-        let more = dev.clone();
-        let make: UpstreamFactory = Box::new(move || Ok(Box::new(more.clone()) as Box<dyn Upstream>));
-        let set = Arc::new(Shards::sharing_space(Box::new(dev.clone()), make, c, 2));
+    builder().check(|| {
+        let (dev, set) = two_shards(true);
         let first = set.allocate(256, 256).unwrap();
         // A thread grows shard 1 to three mapped pages, frees them and ends.
         let s = set.clone();

@@ -356,26 +356,39 @@ impl Region {
         sync: bool,
         keep: bool,
     ) -> Result<Vec<(usize, usize)>> {
-        let bounds: Vec<(usize, usize)> = self.pieces.iter().map(|p| (p.offset, p.size)).collect();
-        let mut chosen = choose_pieces(&bounds, spans, want);
+        let chosen = self.chosen_pieces(spans, want);
         if chosen.is_empty() {
             return Ok(Vec::new());
         }
         if sync {
             self.synchronize()?;
         }
-        chosen.sort_unstable();
         let mut out = Vec::with_capacity(chosen.len());
-        for i in chosen.into_iter().rev() {
-            let piece = self.pieces.remove(i);
+        for piece in self.take_pieces(chosen) {
             self.unmap_piece(&piece);
             out.push((piece.offset, piece.size));
             if keep {
                 self.spare.push((piece.size, piece.backing, view));
             }
         }
-        out.reverse();
         Ok(out)
+    }
+
+    /// The indexes of the pieces [`choose_pieces`] picks among the
+    /// region's, in address order.
+    fn chosen_pieces(&self, spans: &[(usize, usize)], want: usize) -> Vec<usize> {
+        let bounds: Vec<(usize, usize)> = self.pieces.iter().map(|p| (p.offset, p.size)).collect();
+        let mut chosen = choose_pieces(&bounds, spans, want);
+        chosen.sort_unstable();
+        chosen
+    }
+
+    /// Takes the pieces at `chosen` (indexes in address order) off the
+    /// region's list, in address order.
+    fn take_pieces(&mut self, chosen: Vec<usize>) -> Vec<Piece> {
+        let mut pieces: Vec<Piece> = chosen.into_iter().rev().map(|i| self.pieces.remove(i)).collect();
+        pieces.reverse();
+        pieces
     }
 
     /// With the lock held: chooses the pieces [`unmap_within`](Self::unmap_within)
@@ -383,8 +396,8 @@ impl Region {
     /// their addresses, for [`RunUnmap::execute`] to unmap with the lock
     /// dropped (a pool's unmaps, and the wait for the device before them,
     /// then don't hold up the other pools of the region).
-    /// `Ok(Planned::Nothing)` when no whole piece lies in the spans;
-    /// `Ok(Planned::Locked)` where the unmap must run under the lock (host
+    /// [`Planned::Nothing`] when no whole piece lies in the spans;
+    /// [`Planned::Locked`] where the unmap must run under the lock (host
     /// memory, several segments).
     pub(crate) fn plan_unmap(
         &mut self,
@@ -397,8 +410,7 @@ impl Region {
         let Space::Cuda { ctx, .. } = &self.space else { return Planned::Locked };
         let [seg] = &self.segments[..] else { return Planned::Locked };
         let Reservation::Cuda(range) = &seg.res else { return Planned::Locked };
-        let bounds: Vec<(usize, usize)> = self.pieces.iter().map(|p| (p.offset, p.size)).collect();
-        let mut chosen = choose_pieces(&bounds, spans, want);
+        let chosen = self.chosen_pieces(spans, want);
         if chosen.is_empty() {
             return Planned::Nothing;
         }
@@ -406,9 +418,7 @@ impl Region {
         // SAFETY: the alias is used only by this unmap, while the caller
         // holds a view of the region, which keeps its reservation.
         let range = unsafe { range.alias() };
-        chosen.sort_unstable();
-        let mut pieces: Vec<Piece> = chosen.into_iter().rev().map(|i| self.pieces.remove(i)).collect();
-        pieces.reverse();
+        let pieces = self.take_pieces(chosen);
         self.in_flight.extend(pieces.iter().map(|p| (p.offset, p.size)));
         let sync = (sync && !self.owner_settles).then_some(ctx);
         Planned::Unlocked(RunUnmap { view, seg_off, range, pieces, sync, keep, peers: self.peers.clone() })
