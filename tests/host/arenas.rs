@@ -44,26 +44,33 @@ fn cross_thread_device_frees_reach_the_owning_arena() {
         for (id, inbox) in rx.into_iter().enumerate() {
             let (mm, tx, done) = (&mm, &tx, &done);
             s.spawn(move || {
-                let stream = Stream::host();
-                let mut live = Vec::new();
-                for i in 0..2000usize {
-                    live.push(mm.allocate_device_on(1 + (i * 7919 + id * 104_729) % (4 * MIB), &stream).unwrap());
-                    if live.len() > 20 {
-                        let p = live.swap_remove(i % live.len());
-                        if i % 3 == 0 {
-                            tx[(id + 1) % THREADS].send(p).unwrap();
-                        } else {
+                // A thread that fails still reaches the barrier (the others
+                // would wait there for ever), then fails the test.
+                let work = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let stream = Stream::host();
+                    let mut live = Vec::new();
+                    for i in 0..2000usize {
+                        live.push(mm.allocate_device_on(1 + (i * 7919 + id * 104_729) % (4 * MIB), &stream).unwrap());
+                        if live.len() > 20 {
+                            let p = live.swap_remove(i % live.len());
+                            if i % 3 == 0 {
+                                tx[(id + 1) % THREADS].send(p).unwrap();
+                            } else {
+                                mm.free_device_on(p, &stream).unwrap();
+                            }
+                        }
+                        while let Ok(p) = inbox.try_recv() {
                             mm.free_device_on(p, &stream).unwrap();
                         }
                     }
-                    while let Ok(p) = inbox.try_recv() {
-                        mm.free_device_on(p, &stream).unwrap();
+                    for p in live {
+                        mm.free_device(p).unwrap();
                     }
-                }
-                for p in live {
-                    mm.free_device(p).unwrap();
-                }
+                }));
                 done.wait();
+                if let Err(panic) = work {
+                    std::panic::resume_unwind(panic);
+                }
                 while let Ok(p) = inbox.try_recv() {
                     mm.free_device(p).unwrap();
                     // Freed already (it may have coalesced with a free
