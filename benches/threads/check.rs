@@ -1,5 +1,7 @@
 //! Two workloads the way an outside check runs them, each in a process of
-//! its own (`CUMEM_BENCH_CHECK=peers` or `=pool`; nothing else runs).
+//! its own (`CUMEM_BENCH_CHECK=peers` or `=pool`; nothing else runs), and
+//! pinned growth alone (`=pin`: a pinned pool grown to 4 GiB by one
+//! thread, then by 16 at once; the time and the upstream calls).
 //!
 //! - `peers`: the peers' random workload (`ANCHORS.md`) exactly as their
 //!   harness runs it. One process, one manager: `MemoryManager::global()`
@@ -421,11 +423,49 @@ fn pool() {
     }
 }
 
+/// Pinned growth: a fresh manager's pinned pool grown to 4 GiB by one
+/// thread, then another's by 16 threads at once (each to a sixteenth),
+/// in the peers' sizes (1 B..4 MiB, nothing freed); the time and the
+/// upstream calls.
+fn pin() {
+    const TARGET: usize = 4 << 30;
+    for threads in [1usize, 16] {
+        let mm = MemoryManager::new(Config::from_env().expect("CUMEM_CONF")).expect("a manager");
+        let go = Barrier::new(threads);
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            for id in 0..threads {
+                let (mm, go) = (&mm, &go);
+                s.spawn(move || {
+                    let mut rng = SmallRng::seed_from_u64(0x9140 + id as u64);
+                    let (mut held, mut live) = (0, Vec::new());
+                    go.wait();
+                    while held < TARGET / threads {
+                        let size = rng.gen_range(1..=4 << 20);
+                        live.push(mm.allocate_pinned(size).expect("pinned allocation").as_ptr() as usize);
+                        held += size;
+                    }
+                    // Kept live until the manager drops: nothing is freed.
+                    drop(live);
+                });
+            }
+        });
+        let s = mm.pinned_stats();
+        println!(
+            "pinned growth to {} MiB by {threads} thread(s): {:.1} ms, {} upstream calls",
+            s.reserved >> 20,
+            t0.elapsed().as_secs_f64() * 1e3,
+            s.upstream_allocs
+        );
+    }
+}
+
 /// Runs the workload `CUMEM_BENCH_CHECK` names; returns whether it ran one.
 pub fn main() -> bool {
     match std::env::var("CUMEM_BENCH_CHECK").as_deref() {
         Ok("peers") => peers(),
         Ok("pool") => pool(),
+        Ok("pin") => pin(),
         _ => return false,
     }
     true
