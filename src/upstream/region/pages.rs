@@ -16,6 +16,15 @@
 //! whole run gets one `cuMemSetAccess` for the owner and every granted
 //! peer, so remapped memory is reachable from the same devices as the rest
 //! of the region.
+//!
+//! On CUDA the driver calls of a map ([`RunMap`]) and of an unmap
+//! ([`RunUnmap`], with the wait for the device before it) run with the
+//! region's lock dropped, so the pools that map through views of one
+//! region don't wait for each other's calls. Under the lock, a map's run
+//! or an unmap's pieces are recorded in flight first (no other map takes
+//! their addresses meanwhile), and the outcome is recorded after. Memory
+//! released (`cuMemRelease`) leaves the region as [`Released`], dropped by
+//! the caller once the lock is.
 
 use super::{Backing, Piece, Region, Reservation, Space};
 use crate::cuda::vmm::{self, PhysicalChunk, RangeAlias};
