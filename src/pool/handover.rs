@@ -8,7 +8,7 @@
 //! - **When.** A remapping shard about to map new memory for a request
 //!   (`remap.rs`, `map_for`: the placement touches holes that its kept
 //!   memory does not cover) first asks the set for a range
-//!   ([`Upstream::take_mapped_range`], answered by the shard's `Tracked`
+//!   ([`Upstream::take_mapped`], answered by the shard's `Tracked`
 //!   wrapper). The set hands one over only when it would otherwise hold
 //!   more than [`HAND_OVER_ABOVE_PPM`] of the most pages its blocks
 //!   touched at once (the set's page floor, as seen at each such ask):
@@ -18,8 +18,10 @@
 //!   give only what they hold above their remap budget (their threads'
 //!   working set stays); the highest-numbered first (new threads claim
 //!   the lowest idle shard).
-//!   A shard busy remapping (its remap lock taken) is passed over: two
-//!   shards that ask each other can't wait on each other.
+//!   A shard busy remapping (its remap lock taken) or allocating (its
+//!   pool lock taken) is passed over: two shards that ask each other
+//!   can't wait on each other, and an ask never waits for a thread
+//!   descheduled while it holds its shard's lock.
 //! - **What.** The giver picks free blocks whose queued work is known
 //!   complete or was queued on the request's stream (stream order then
 //!   covers it, and the range or block carries that stream's tag) and,
@@ -76,7 +78,7 @@ const RANGE_PREFERRED: usize = 64 << 20;
 /// After an ask that found nothing to take, asks of the set map new
 /// memory without looking for this long (nanoseconds), unless a shard
 /// went idle meanwhile: the others' memory rarely frees up from one
-/// allocation to the next, and a look locks every shard.
+/// allocation to the next, and a look takes every free shard's lock.
 const QUIET_NS: u64 = 1_000_000;
 
 /// Nanoseconds since the first look of the process (the quiet period's
@@ -204,10 +206,11 @@ impl Tracked {
 
 impl Tracked {
     /// The physical memory the set holds and what its live blocks hold
-    /// ([`Pool::footprint`] of every shard, whose excess over its budget
-    /// is kept for the choice of givers), looked at afresh at most every
-    /// [`FOOTPRINT_NS`]: every ask needs it, and a look locks every
-    /// shard.
+    /// ([`Pool::try_footprint`] of every shard not busy now, whose excess
+    /// over its budget is kept for the choice of givers; a busy shard
+    /// counts as last seen), looked at afresh at most every
+    /// [`FOOTPRINT_NS`]: every ask needs it, and a look takes every free
+    /// shard's lock.
     fn set_footprint(&self, pools: &super::shard_upstream::ShardPools) -> (usize, usize) {
         let now = now_ns();
         let cached = &self.shared.footprint;

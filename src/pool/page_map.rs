@@ -19,7 +19,7 @@ pub(super) struct Pages {
     pub(super) mapped: usize,
     pub(super) peak: usize,
     /// Pages of memory unmapped and kept by the upstream for the next map
-    /// ([`Upstream::kept`]): held, with no address.
+    /// ([`Upstream::kept`](crate::upstream::Upstream::kept)): held, with no address.
     pub(super) kept: usize,
     /// Pages the pool holds at least once mapped: its explicit initial
     /// size ([`Pool::set_initial_size`](super::Pool::set_initial_size)),
