@@ -63,9 +63,7 @@ impl<T> SpinLock<T> {
             access: Some(self.value.get_mut()),
         }
     }
-}
 
-impl<T> SpinLock<T> {
     /// Takes the lock if it is free now; `None` if another thread holds it.
     #[inline]
     pub(super) fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
