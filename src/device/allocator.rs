@@ -267,7 +267,12 @@ impl DeviceAllocator {
         if tags::tagged() {
             return self.allocate_tagged(size, stream);
         }
-        self.mode(self.effective_mode()).allocate(self, size, stream, None)
+        match self.effective_mode() {
+            // The default mode, called directly (no dynamic dispatch, so
+            // the pool's path inlines into this one).
+            DeviceAllocatorMode::SyncPool => self.allocate_sync_pool(size, stream),
+            mode => self.mode(mode).allocate(self, size, stream, None),
+        }
     }
 
     /// Allocates for work on capturing stream `s` from a graph-private pool

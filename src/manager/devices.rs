@@ -182,7 +182,11 @@ impl MemoryManager {
     /// # Errors
     /// [`Error::NoSuchDevice`]; a driver error creating its context.
     pub fn device(&self, ordinal: usize) -> Result<&DeviceAllocator> {
-        let cell = self.devices.get(ordinal).ok_or(Error::NoSuchDevice { ordinal, count: self.devices.len() })?;
+        // Not `ok_or`: the error is built only when it is returned (this
+        // runs on every allocation and free).
+        let Some(cell) = self.devices.get(ordinal) else {
+            return Err(Error::NoSuchDevice { ordinal, count: self.devices.len() });
+        };
         cell.get_or_try_init(|| self.make_device(ordinal))
     }
 

@@ -30,6 +30,9 @@ const SUB_BITS: u32 = 5;
 /// Enough classes for blocks up to 2^64 bytes.
 const CLASSES: usize = EXACT_UNITS + (64 - 8 - 7) * (1 << SUB_BITS);
 const WORDS: usize = CLASSES.div_ceil(64);
+// One bit of `FreeIndex::words` per word of classes (and `w + 1` shifts
+// below 64).
+const _: () = assert!(WORDS < 64);
 
 /// A free block's key: size, address, slab slot.
 pub(super) type Key = (usize, usize, u32);
@@ -122,6 +125,14 @@ impl Bin {
         }
     }
 
+    /// The first block after `key` (which need not be in the bin).
+    fn first_after(&self, key: &Key) -> Option<&Key> {
+        match self {
+            Bin::Small(v) => v.get(v.partition_point(|k| k <= key)),
+            Bin::Large(set) => set.range((std::ops::Bound::Excluded(*key), std::ops::Bound::Unbounded)).next(),
+        }
+    }
+
     /// The first block of at least `size` bytes.
     fn first_at_least(&self, size: usize) -> Option<&Key> {
         match self {
@@ -154,12 +165,15 @@ impl<'a> Iterator for BinIter<'a> {
 pub(super) struct FreeIndex {
     bins: Vec<Bin>,
     nonempty: [u64; WORDS],
+    /// Bit `w` set where `nonempty[w]` is not zero: a search for the next
+    /// non-empty class reads two words, not every word up to it.
+    words: u64,
     len: usize,
 }
 
 impl Default for FreeIndex {
     fn default() -> Self {
-        FreeIndex { bins: (0..CLASSES).map(|_| Bin::default()).collect(), nonempty: [0; WORDS], len: 0 }
+        FreeIndex { bins: (0..CLASSES).map(|_| Bin::default()).collect(), nonempty: [0; WORDS], words: 0, len: 0 }
     }
 }
 
@@ -181,6 +195,7 @@ impl FreeIndex {
         let added = self.bins[c].insert(key);
         if added {
             self.nonempty[c / 64] |= 1 << (c % 64);
+            self.words |= 1 << (c / 64);
             self.len += 1;
         }
         added
@@ -194,6 +209,9 @@ impl FreeIndex {
             self.len -= 1;
             if self.bins[c].is_empty() {
                 self.nonempty[c / 64] &= !(1 << (c % 64));
+                if self.nonempty[c / 64] == 0 {
+                    self.words &= !(1 << (c / 64));
+                }
             }
         }
         removed
@@ -212,21 +230,21 @@ impl FreeIndex {
     /// The first non-empty class after `c`.
     fn next_nonempty(&self, c: usize) -> Option<usize> {
         let start = c + 1;
-        let mut w = start / 64;
+        let w = start / 64;
         if w >= WORDS {
             return None;
         }
-        let mut bits = self.nonempty[w] & (!0u64 << (start % 64));
-        loop {
-            if bits != 0 {
-                return Some(w * 64 + bits.trailing_zeros() as usize);
-            }
-            w += 1;
-            if w >= WORDS {
-                return None;
-            }
-            bits = self.nonempty[w];
+        let bits = self.nonempty[w] & (!0u64 << (start % 64));
+        if bits != 0 {
+            return Some(w * 64 + bits.trailing_zeros() as usize);
         }
+        // The next word with a class in it (`w + 1 < 64`: WORDS ≤ 64).
+        let later = self.words & (!0u64 << (w + 1));
+        if later == 0 {
+            return None;
+        }
+        let w = later.trailing_zeros() as usize;
+        Some(w * 64 + self.nonempty[w].trailing_zeros() as usize)
     }
 
     /// The smallest block of at least `size` bytes, ties to the lowest
@@ -240,6 +258,27 @@ impl FreeIndex {
         self.bins[next].first().copied()
     }
 
+    /// The smallest block of at least `size` bytes other than `skip`,
+    /// ties to the lowest address: [`best_fit`](Self::best_fit) that
+    /// passes over one block. At most two keys of a bin are looked at, and
+    /// the bitmap is read from `size`'s class on, as far as the first
+    /// non-empty class past it (no iterator over the bins).
+    pub(super) fn best_fit_except(&self, size: usize, skip: Option<Key>) -> Option<Key> {
+        let c = class_of(size);
+        let mut found = self.bins[c].first_at_least(size).copied();
+        let mut class = c;
+        loop {
+            match found {
+                Some(k) if Some(k) == skip => found = self.bins[class].first_after(&k).copied(),
+                Some(k) => return Some(k),
+                None => {
+                    class = self.next_nonempty(class)?;
+                    found = self.bins[class].first().copied();
+                }
+            }
+        }
+    }
+
     /// Every block of at least `size` bytes, in `(size, addr)` order.
     pub(super) fn at_least(&self, size: usize) -> impl Iterator<Item = &Key> + '_ {
         let c = class_of(size);
@@ -251,7 +290,10 @@ impl FreeIndex {
 
     /// The largest free block.
     pub(super) fn last(&self) -> Option<&Key> {
-        let w = self.nonempty.iter().rposition(|&bits| bits != 0)?;
+        if self.words == 0 {
+            return None;
+        }
+        let w = 63 - self.words.leading_zeros() as usize;
         let c = w * 64 + 63 - self.nonempty[w].leading_zeros() as usize;
         self.bins[c].last()
     }
@@ -331,5 +373,35 @@ mod tests {
         let addrs: Vec<usize> = ix.iter().map(|k| k.1).collect();
         assert!(addrs.windows(2).all(|w| w[0] < w[1]));
         assert_eq!(ix.best_fit(4096).map(|k| k.1), addrs.first().copied());
+    }
+
+    /// `best_fit_except` is the first block of the ordered walk from
+    /// `size` on that is not the one passed over, in small bins, large
+    /// bins (one size class holding over `SMALL_BIN` blocks) and across
+    /// classes.
+    #[test]
+    fn best_fit_except_passes_over_one_block() {
+        use rand::rngs::SmallRng;
+        use rand::{Rng, SeedableRng};
+        for seed in 0..20 {
+            let mut rng = SmallRng::seed_from_u64(seed);
+            let mut ix = FreeIndex::default();
+            let mut keys = Vec::new();
+            for slot in 0..rng.gen_range(0..120u32) {
+                // Sizes from a few classes, often equal (ties by address).
+                let size = [256, 4096, 40 << 10, 1 << 20, 3 << 20][rng.gen_range(0..5)] + 256 * rng.gen_range(0..2);
+                let key = (size, rng.gen_range(0..1 << 20) * 256, slot);
+                if ix.insert(key) {
+                    keys.push(key);
+                }
+            }
+            for _ in 0..200 {
+                let size = rng.gen_range(1..(4usize << 12)) * 256;
+                let skip =
+                    if keys.is_empty() || rng.gen_bool(0.2) { None } else { Some(keys[rng.gen_range(0..keys.len())]) };
+                let walk = ix.at_least(size).find(|&&k| Some(k) != skip).copied();
+                assert_eq!(ix.best_fit_except(size, skip), walk, "seed {seed}, size {size}, skip {skip:?}");
+            }
+        }
     }
 }

@@ -159,7 +159,10 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
     if size > isize::MAX as usize / 2 {
         return Err(Error::InvalidSize { size, reason: "larger than any memory this machine can have" });
     }
-    round_size(size).ok_or(Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" })
+    match round_size(size) {
+        Some(rounded) => Ok(rounded),
+        None => Err(Error::InvalidSize { size, reason: "overflows when rounded to 256 bytes" }),
+    }
 }
 
 /// Whether a pool over `upstream` with `config` remaps pages (`remap.rs`):
@@ -498,6 +501,7 @@ impl<U: Upstream> Pool<U> {
     /// # Errors
     /// [`Error::DoubleFree`], [`Error::InteriorPointer`] or
     /// [`Error::UnknownPointer`]; the pool is unchanged then.
+    #[inline]
     pub fn deallocate(&self, addr: usize, tag: StreamTag) -> Result<Freed> {
         // Lent blocks go back to a thread cache (cache.rs) when they can.
         let lent = match self.cache.as_ref().map(|c| ThreadCaches::deallocate(c, addr, tag)) {

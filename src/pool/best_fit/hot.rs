@@ -61,8 +61,8 @@ impl BestFit {
             (n.size, n.addr, b.next)
         });
         let merged = size + next.map_or(0, |n| n.0);
-        let rival = self.free_index.at_least(size).find(|&&k| Some(k) != next);
-        if rival.is_some_and(|&(rsize, raddr, _)| rsize < merged || (rsize == merged && raddr < b.addr)) {
+        let rival = self.free_index.best_fit_except(size, next);
+        if rival.is_some_and(|(rsize, raddr, _)| rsize < merged || (rsize == merged && raddr < b.addr)) {
             return None;
         }
         let b = &mut self.blocks[slot as usize];
