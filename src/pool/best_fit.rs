@@ -57,7 +57,7 @@ mod resize;
 mod tags;
 mod touched;
 
-use super::free_index::FreeIndex;
+use super::free_index::{FreeIndex, Key};
 
 use super::stats::PoolStats;
 use crate::tag::StreamTag;
@@ -152,6 +152,10 @@ pub struct BestFit {
     hot: HotSlot,
     /// Whether frees leave the freed block hot.
     hot_enabled: bool,
+    /// The last hot-block check that found no rival, as (index changes,
+    /// size, free successor, address): asked again with the index
+    /// unchanged, it has the same answer.
+    hot_clear: Option<(u64, usize, Option<Key>, usize)>,
     /// The free blocks (indexed ones) by address, while placement at an
     /// address may be asked (`at.rs`); `None` otherwise.
     by_addr: Option<BTreeMap<usize, u32>>,

@@ -169,11 +169,20 @@ pub(super) struct FreeIndex {
     /// non-empty class reads two words, not every word up to it.
     words: u64,
     len: usize,
+    /// Inserts and removals so far: two looks at an index with the same
+    /// count see the same blocks.
+    changes: u64,
 }
 
 impl Default for FreeIndex {
     fn default() -> Self {
-        FreeIndex { bins: (0..CLASSES).map(|_| Bin::default()).collect(), nonempty: [0; WORDS], words: 0, len: 0 }
+        FreeIndex {
+            bins: (0..CLASSES).map(|_| Bin::default()).collect(),
+            nonempty: [0; WORDS],
+            words: 0,
+            len: 0,
+            changes: 0,
+        }
     }
 }
 
@@ -197,6 +206,7 @@ impl FreeIndex {
             self.nonempty[c / 64] |= 1 << (c % 64);
             self.words |= 1 << (c / 64);
             self.len += 1;
+            self.changes += 1;
         }
         added
     }
@@ -207,6 +217,7 @@ impl FreeIndex {
         let removed = self.bins[c].remove(key);
         if removed {
             self.len -= 1;
+            self.changes += 1;
             if self.bins[c].is_empty() {
                 self.nonempty[c / 64] &= !(1 << (c % 64));
                 if self.nonempty[c / 64] == 0 {
@@ -225,6 +236,12 @@ impl FreeIndex {
     /// The number of free blocks.
     pub(super) fn len(&self) -> usize {
         self.len
+    }
+
+    /// Inserts and removals so far: two looks at an index with the same
+    /// count see the same blocks.
+    pub(super) fn changes(&self) -> u64 {
+        self.changes
     }
 
     /// The first non-empty class after `c`.

@@ -61,9 +61,15 @@ impl BestFit {
             (n.size, n.addr, b.next)
         });
         let merged = size + next.map_or(0, |n| n.0);
-        let rival = self.free_index.best_fit_except(size, next);
-        if rival.is_some_and(|(rsize, raddr, _)| rsize < merged || (rsize == merged && raddr < b.addr)) {
-            return None;
+        // An allocation and a free of one size, repeated, leave the index
+        // as it was: the last answer stands.
+        let check = (self.free_index.changes(), size, next, b.addr);
+        if self.hot_clear != Some(check) {
+            let rival = self.free_index.best_fit_except(size, next);
+            if rival.is_some_and(|(rsize, raddr, _)| rsize < merged || (rsize == merged && raddr < b.addr)) {
+                return None;
+            }
+            self.hot_clear = Some(check);
         }
         let b = &mut self.blocks[slot as usize];
         self.hot = HotSlot(NIL);
