@@ -365,7 +365,49 @@ impl<U: Upstream> Pool<U> {
     /// [`allocate`](Pool::allocate) from the shared pool, `rounded` being
     /// the validated size; with `grow` unset, `Ok(None)` where the pool
     /// would grow.
+    #[inline]
     fn allocate_exact(
+        &self,
+        rounded: usize,
+        align: usize,
+        size: usize,
+        stream: u64,
+        grow: bool,
+    ) -> Result<Option<Allocation>> {
+        match self.place_in_held(rounded, align, size) {
+            Some(a) => Ok(Some(a)),
+            None => self.allocate_exact_slow(rounded, align, size, stream, grow),
+        }
+    }
+
+    /// The common case of [`allocate_exact`](Self::allocate_exact), in a
+    /// frame of its own: a placement in memory the pool holds (for a
+    /// remapping pool, on mapped pages), with nothing to map, move, learn
+    /// or release. `None` leaves the request, and the pool as it was, to
+    /// the full path, which looks again.
+    #[inline]
+    fn place_in_held(&self, rounded: usize, align: usize, size: usize) -> Option<Allocation> {
+        let mut inner = self.inner.lock();
+        if inner.shut_down || inner.learn.is_some() {
+            return None;
+        }
+        inner.used = true;
+        if !self.remap {
+            return inner.fit.allocate(rounded, align, size);
+        }
+        let Inner { fit, pages, .. } = &mut *inner;
+        match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))? {
+            (a, true) => Some(a),
+            (a, false) => {
+                fit.undo_allocate(&a);
+                None
+            }
+        }
+    }
+
+    /// [`allocate_exact`](Self::allocate_exact) past its common case.
+    #[inline(never)]
+    fn allocate_exact_slow(
         &self,
         rounded: usize,
         align: usize,
