@@ -5,13 +5,15 @@
 //! Free blocks are binned by size class and, within a bin, kept ordered by
 //! `(size, addr)`. Classes are exact for blocks under 32 KiB (one class per
 //! 256-byte step) and above that split each doubling into 32 classes. A
-//! bitmap marks the non-empty bins. Classes are ordered like sizes: every
-//! block in a higher class is larger than every block in a lower one. So the
-//! best fit for `size` is the first block at or after `(size, 0)` in the
-//! bin of `size`'s class, or else the first block of the next non-empty bin
-//! (found with the bitmap): the smallest block that fits, ties to the lowest
-//! address, as with one ordered set over all free blocks, but each search
-//! and update touches only one small set.
+//! bitmap marks the non-empty bins, and a summary word the bitmap's
+//! non-empty words, so the next non-empty bin is two reads away. Classes
+//! are ordered like sizes: every block in a higher class is larger than
+//! every block in a lower one. So the best fit for `size` is the first
+//! block at or after `(size, 0)` in the bin of `size`'s class, or else the
+//! first block of the next non-empty bin (found with the bitmap): the
+//! smallest block that fits, ties to the lowest address, as with one
+//! ordered set over all free blocks, but each search and update touches
+//! only one small set.
 //!
 //! A bin is a sorted vector while it holds at most [`SMALL_BIN`] blocks
 //! (binary search, a short move on insert and remove, and no allocation
