@@ -40,8 +40,10 @@
 //! would place the request at its address too (`hot.rs`); any other
 //! operation first coalesces and indexes it ([`BestFit::flush_hot`]). So
 //! placement is exactly best fit's, and a hot allocate + free pair of one
-//! size touches no index entry and splits and merges nothing. All of it
-//! runs under the pool's lock, like everything here.
+//! size touches no index entry and splits and merges nothing. Since such
+//! a pair leaves the index as it was, the look for a better block is kept
+//! with the index's count of changes and not repeated while the count
+//! holds. All of it runs under the pool's lock, like everything here.
 //!
 //! Splitting and coalescing never cross a chunk boundary, because links
 //! never do.
