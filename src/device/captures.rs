@@ -268,6 +268,7 @@ impl Graphs {
     }
 
     /// Whether `addr` is a held block.
+    #[inline]
     pub(super) fn is_held(&self, addr: usize) -> bool {
         self.held.load(Ordering::Acquire) > 0 && lock(&self.state).held.contains(&addr)
     }

@@ -121,10 +121,18 @@ impl DeviceAllocator {
     /// A free of a pinned block: `Some(size)` when it is recorded for the
     /// last release, or, during a capture, handed to the capture's private
     /// pool like any block captured work freed (see the module docs).
+    #[inline]
     pub(super) fn defer_exported_free(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
         if !self.exports.is_pinned(addr) {
             return Ok(None);
         }
+        self.defer_pinned_free(addr, stream)
+    }
+
+    /// [`defer_exported_free`](Self::defer_exported_free) of a block that
+    /// is pinned.
+    #[cold]
+    fn defer_pinned_free(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
         let capture = match stream {
             Some(s) if self.graphs.watching() => self.capture_for(s)?,
             _ => None,

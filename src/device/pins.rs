@@ -99,6 +99,7 @@ impl Pins {
     }
 
     /// Whether `addr` is pinned (one atomic load while nothing is).
+    #[inline]
     pub(super) fn is_pinned(&self, addr: usize) -> bool {
         self.pinned.load(Ordering::Acquire) > 0 && lock(&self.book).contains_key(&addr)
     }
