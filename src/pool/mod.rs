@@ -382,9 +382,9 @@ impl<U: Upstream> Pool<U> {
 
     /// The common case of [`allocate_exact`](Self::allocate_exact), in a
     /// frame of its own: a placement in memory the pool holds (for a
-    /// remapping pool, on mapped pages), with nothing to map, move, learn
-    /// or release. `None` leaves the request, and the pool as it was, to
-    /// the full path, which looks again.
+    /// remapping pool, on mapped pages: [`remap::place_mapped`]), with
+    /// nothing to map, move, learn or release. `None` leaves the request
+    /// to the full path, which grows or maps (and looks again first).
     #[inline]
     fn place_in_held(&self, rounded: usize, align: usize, size: usize) -> Option<Allocation> {
         let mut inner = self.inner.lock();
@@ -396,12 +396,9 @@ impl<U: Upstream> Pool<U> {
             return inner.fit.allocate(rounded, align, size);
         }
         let Inner { fit, pages, .. } = &mut *inner;
-        match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))? {
-            (a, true) => Some(a),
-            (a, false) => {
-                fit.undo_allocate(&a);
-                None
-            }
+        match remap::place_mapped(fit, pages, self.config.remap_slack_ppm, rounded, align, size) {
+            remap::Placed::Mapped(a) => Some(a),
+            remap::Placed::NoFit | remap::Placed::NeedsMap => None,
         }
     }
 

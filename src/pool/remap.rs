@@ -79,6 +79,44 @@ struct Plan {
     want: usize,
 }
 
+/// Where [`place_mapped`] put a request.
+pub(super) enum Placed {
+    /// On mapped pages: nothing to map.
+    Mapped(Allocation),
+    /// No free block fits: the pool must grow.
+    NoFit,
+    /// A free block fits, but pages must be mapped there first.
+    NeedsMap,
+}
+
+/// The placement of a remapping pool that needs no map (under the pool's
+/// lock): best fit preferring mapped pages; where no candidate is mapped
+/// where it starts and mapping would move memory, mapped memory inside a
+/// free block, if some holds the request.
+#[inline]
+pub(super) fn place_mapped(
+    fit: &mut BestFit,
+    pages: &Pages,
+    slack_ppm: u32,
+    rounded: usize,
+    align: usize,
+    size: usize,
+) -> Placed {
+    match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
+        None => Placed::NoFit,
+        Some((a, true)) => Placed::Mapped(a),
+        Some((a, false)) => {
+            let moves = would_move(pages, &a, budget(fit, pages, slack_ppm));
+            fit.undo_allocate(&a);
+            let spans = |at, len| pages.mapped_inside(at, len);
+            match moves.then(|| fit.allocate_in_spans(rounded, align, size, spans)).flatten() {
+                Some(a) => Placed::Mapped(a),
+                None => Placed::NeedsMap,
+            }
+        }
+    }
+}
+
 /// Whether mapping the holes of `a` would take the pool above `budget`
 /// (physical pages), so that memory would have to move: kept memory maps
 /// without raising what is held.
@@ -116,22 +154,10 @@ impl<U: Upstream> Pool<U> {
                 return self.allocate_learned(rounded, align, size, stream);
             }
             let Inner { fit, pages, .. } = &mut *inner;
-            match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
-                None => return Ok(None),
-                Some((a, true)) => return Ok(Some(a)),
-                Some((a, false)) => {
-                    let moves = would_move(pages, &a, budget(fit, pages, self.config.remap_slack_ppm));
-                    fit.undo_allocate(&a);
-                    // No candidate is mapped where it starts, and mapping
-                    // would move memory: mapped memory inside a free
-                    // block, if some holds the request.
-                    if moves {
-                        let spans = |at, len| pages.mapped_inside(at, len);
-                        if let Some(a) = fit.allocate_in_spans(rounded, align, size, spans) {
-                            return Ok(Some(a));
-                        }
-                    }
-                }
+            match place_mapped(fit, pages, self.config.remap_slack_ppm, rounded, align, size) {
+                Placed::Mapped(a) => return Ok(Some(a)),
+                Placed::NoFit => return Ok(None),
+                Placed::NeedsMap => {}
             }
         }
         self.map_for(rounded, align, size, stream)
