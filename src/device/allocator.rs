@@ -30,7 +30,7 @@ use super::stats::AsyncStats;
 use super::tags::{self, TagPoolFactory, TagPools};
 use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{self, LiveBlock, Pool, Shards};
+use crate::pool::{self, Allocation, LiveBlock, Pool, Shards};
 use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::tag::StreamTag;
 use crate::upstream::Upstream;
@@ -296,9 +296,27 @@ impl DeviceAllocator {
         Ok(a.addr as u64)
     }
 
+    #[inline]
     fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
-        let a = match self.pool.allocate_for(size, BLOCK_ALIGN, want) {
+        let a = match self.pool.allocate_quick(size, BLOCK_ALIGN, want) {
+            Some(a) => a,
+            None => self.allocate_sync_pool_slow(size, want)?,
+        };
+        match &self.ctx {
+            Some(ctx) if !StreamRegistry::reuse_is_ordered(a.tag, stream) => {
+                self.order_reuse_or_park(a, size, want, stream, ctx)
+            }
+            _ => Ok(a.addr as u64),
+        }
+    }
+
+    /// [`allocate_sync_pool`](Self::allocate_sync_pool) past the pool's
+    /// common case: growth, and out of memory, the release of what the
+    /// device caches elsewhere and one more try.
+    #[inline(never)]
+    fn allocate_sync_pool_slow(&self, size: usize, want: u64) -> Result<Allocation> {
+        match self.pool.allocate_past_quick(size, BLOCK_ALIGN, want) {
             Err(Error::OutOfMemory { .. })
                 if self.ctx.is_some() && !self.capture_under_way()? && self.holds_cached_memory() =>
             {
@@ -307,14 +325,25 @@ impl DeviceAllocator {
                 // were waiting on streams. Release all of it (after the
                 // streams' work), then try once more.
                 self.release_cached()?;
-                self.pool.allocate_for(size, BLOCK_ALIGN, want)?
+                self.pool.allocate_for(size, BLOCK_ALIGN, want)
             }
-            other => other?,
-        };
-        let Some(ctx) = &self.ctx else { return Ok(a.addr as u64) };
-        // A block whose last use is queued on a stream that captures now
-        // can't be waited for: park it (keep it allocated) and take
-        // another, a few times, then give the parked ones back.
+            other => other,
+        }
+    }
+
+    /// Orders the reuse of block `a` after the work of the stream that
+    /// freed it. A block whose last use is queued on a stream that
+    /// captures now can't be waited for: it is parked (kept allocated) and
+    /// another taken, a few times, then the parked ones go back.
+    #[inline(never)]
+    fn order_reuse_or_park(
+        &self,
+        a: Allocation,
+        size: usize,
+        want: u64,
+        stream: Option<&Stream>,
+        ctx: &CudaContext,
+    ) -> Result<u64> {
         let mut a = a;
         let mut parked = Vec::new();
         let result = loop {

@@ -106,6 +106,15 @@ impl StreamRegistry {
         known.retired.contains(&tag.stream) || known.live.get(&tag.stream).is_some_and(|s| s.completed(tag))
     }
 
+    /// Whether a block tagged `tag` needs no ordering before `user` uses
+    /// it: no stream's work uses it, or `user` freed it (its own queue
+    /// orders the reuse). The first look of
+    /// [`order_reuse`](Self::order_reuse), with no lock and no driver call.
+    #[inline]
+    pub(crate) fn reuse_is_ordered(tag: StreamTag, user: Option<&Stream>) -> bool {
+        tag == StreamTag::NONE || user.is_some_and(|u| u.id() == tag.stream)
+    }
+
     /// Makes a block last freed under `tag` safe for work on `user` (or, with
     /// `None`, for the host and any stream): nothing to do when the free's
     /// work is known complete or `user` is the freeing stream; otherwise
@@ -130,7 +139,7 @@ impl StreamRegistry {
         ctx: &CudaContext,
         captures: bool,
     ) -> Result<()> {
-        if tag == StreamTag::NONE || user.is_some_and(|u| u.id() == tag.stream) {
+        if Self::reuse_is_ordered(tag, user) {
             return Ok(());
         }
         let sources: Vec<Stream> = {

@@ -77,6 +77,56 @@ impl MemoryManager {
         stream.device().unwrap_or(self.config.device)
     }
 
+    /// Bookkeeping after a device allocation on device `ordinal`; an error
+    /// names the device. The result is matched, not moved whole: an
+    /// allocation's common case carries no error through.
+    #[inline]
+    pub(super) fn device_allocated(&self, r: Result<u64>, ordinal: usize, size: usize, stream: u64) -> Result<u64> {
+        let addr = match r {
+            Ok(addr) => addr,
+            Err(e) => return self.device_allocation_failed(e, ordinal, size, stream),
+        };
+        self.note_allocation(PoolKind::Device, &Ok::<u64, ()>(addr), size, stream);
+        Ok(addr)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn device_allocation_failed(&self, e: Error, ordinal: usize, size: usize, stream: u64) -> Result<u64> {
+        let r = Err(e.on_device(ordinal));
+        self.note_allocation(PoolKind::Device, &r, size, stream);
+        r
+    }
+
+    /// Bookkeeping after a free on device `ordinal`: a pointer that device
+    /// does not know is tried on the others.
+    #[inline]
+    pub(super) fn device_freed(
+        &self,
+        r: Result<usize>,
+        ptr: u64,
+        stream: Option<&Stream>,
+        ordinal: usize,
+    ) -> Result<()> {
+        let size = match r {
+            Ok(size) => size,
+            Err(e) => return self.device_free_failed(e, ptr, stream, ordinal),
+        };
+        self.note_free(PoolKind::Device, &Ok::<usize, ()>(size), ptr, stream.map_or(0, |s| s.cu_stream() as u64));
+        Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn device_free_failed(&self, e: Error, ptr: u64, stream: Option<&Stream>, ordinal: usize) -> Result<()> {
+        let r = match e {
+            e @ Error::UnknownPointer { .. } if self.devices.len() > 1 => self.free_on_owner(ptr, stream, ordinal, e),
+            e => Err(e),
+        };
+        self.note_free(PoolKind::Device, &r, ptr, stream.map_or(0, |s| s.cu_stream() as u64));
+        r.map(|_| ())
+    }
+
     /// After device `tried` did not know `ptr`: frees it on the initialised
     /// device that does. Returns the first answer other than "unknown
     /// pointer", else `unknown`.

@@ -281,7 +281,7 @@ impl MemoryManager {
 
     /// Bookkeeping after every allocation attempt: the event log (when on)
     /// and allocation-site tracking (when on).
-    fn note_allocation<E>(&self, kind: PoolKind, r: &std::result::Result<u64, E>, size: usize, stream: u64) {
+    pub(super) fn note_allocation<E>(&self, kind: PoolKind, r: &std::result::Result<u64, E>, size: usize, stream: u64) {
         EventLog::note_allocation(&self.log, r, size, stream);
         if let (Some(t), Ok(addr)) = (&self.sites, r) {
             t.record(kind, *addr as usize);
@@ -289,7 +289,7 @@ impl MemoryManager {
     }
 
     /// Bookkeeping after every free attempt (`r` holds the freed size).
-    fn note_free<E>(&self, kind: PoolKind, r: &std::result::Result<usize, E>, ptr: u64, stream: u64) {
+    pub(super) fn note_free<E>(&self, kind: PoolKind, r: &std::result::Result<usize, E>, ptr: u64, stream: u64) {
         EventLog::note_free(&self.log, r, ptr, stream);
         if let (Some(t), Ok(_)) = (&self.sites, r) {
             t.forget(kind, ptr as usize);
@@ -345,9 +345,8 @@ impl MemoryManager {
     pub fn allocate_device(&self, size: usize) -> Result<u64> {
         self.check_running("device allocation")?;
         let ordinal = self.config.device;
-        let r = self.device(ordinal)?.allocate(size, None).map_err(|e| e.on_device(ordinal));
-        self.note_allocation(PoolKind::Device, &r, size, 0);
-        r
+        let r = self.device(ordinal)?.allocate(size, None);
+        self.device_allocated(r, ordinal, size, 0)
     }
 
     /// Allocates `size` bytes of device memory for work on `stream`: safe to
@@ -360,9 +359,8 @@ impl MemoryManager {
     pub fn allocate_device_on(&self, size: usize, stream: &Stream) -> Result<u64> {
         self.check_running("device allocation")?;
         let ordinal = self.ordinal_of(stream);
-        let r = self.device(ordinal)?.allocate(size, Some(stream)).map_err(|e| e.on_device(ordinal));
-        self.note_allocation(PoolKind::Device, &r, size, stream.cu_stream() as u64);
-        r
+        let r = self.device(ordinal)?.allocate(size, Some(stream));
+        self.device_allocated(r, ordinal, size, stream.cu_stream() as u64)
     }
 
     /// Frees device memory at once. The caller guarantees that no work
@@ -377,14 +375,8 @@ impl MemoryManager {
     /// then.
     pub fn free_device(&self, ptr: u64) -> Result<()> {
         let ordinal = self.config.device;
-        let r = match self.device(ordinal)?.free(ptr, None) {
-            Err(e @ Error::UnknownPointer { .. }) if self.devices.len() > 1 => {
-                self.free_on_owner(ptr, None, ordinal, e)
-            }
-            r => r,
-        };
-        self.note_free(PoolKind::Device, &r, ptr, 0);
-        r.map(|_| ())
+        let r = self.device(ordinal)?.free(ptr, None);
+        self.device_freed(r, ptr, None, ordinal)
     }
 
     /// Frees device memory in stream order: work queued on `stream` before
@@ -396,14 +388,8 @@ impl MemoryManager {
     /// As [`free_device`](Self::free_device).
     pub fn free_device_on(&self, ptr: u64, stream: &Stream) -> Result<()> {
         let ordinal = self.ordinal_of(stream);
-        let r = match self.device(ordinal)?.free(ptr, Some(stream)) {
-            Err(e @ Error::UnknownPointer { .. }) if self.devices.len() > 1 => {
-                self.free_on_owner(ptr, Some(stream), ordinal, e)
-            }
-            r => r,
-        };
-        self.note_free(PoolKind::Device, &r, ptr, stream.cu_stream() as u64);
-        r.map(|_| ())
+        let r = self.device(ordinal)?.free(ptr, Some(stream));
+        self.device_freed(r, ptr, Some(stream), ordinal)
     }
 
     /// Sets the bytes the first device allocation of the sync pool reserves.

@@ -165,6 +165,21 @@ pub fn validate(size: usize, align: usize) -> Result<usize> {
     }
 }
 
+/// The error of an allocation allowed to grow that came back without a
+/// block (a broken upstream's doing).
+#[cold]
+pub(super) fn no_growth_miss() -> Error {
+    Error::InvalidState(NO_GROWTH_MISS.into())
+}
+
+/// The thread cache's class of a validated request and the size of the
+/// block a hit returns and a miss allocates (`None`: not cached).
+#[inline]
+fn cache_class(cache: &ThreadCaches, rounded: usize, align: usize) -> Option<(usize, usize)> {
+    let (class, class_size) = if align <= BLOCK_ALIGN { classes::class_of(rounded) } else { None }?;
+    Some((class, if cache.exact() { rounded } else { class_size }))
+}
+
 /// Whether a pool over `upstream` with `config` remaps pages (`remap.rs`):
 /// expandable, over an upstream that can remap, and not `keep_chunks`.
 pub(crate) fn would_remap(upstream: &dyn Upstream, config: &PoolConfig) -> bool {
@@ -295,7 +310,10 @@ impl<U: Upstream> Pool<U> {
     /// As [`allocate`](Pool::allocate).
     #[inline]
     pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
-        self.allocate_growing(size, align, stream, true)?.ok_or_else(|| Error::InvalidState(NO_GROWTH_MISS.into()))
+        match self.allocate_quick(size, align, stream) {
+            Some(a) => Ok(a),
+            None => self.allocate_past_quick(size, align, stream, true)?.ok_or_else(no_growth_miss),
+        }
     }
 
     /// [`allocate_for`](Pool::allocate_for) from the memory the pool holds:
@@ -307,7 +325,72 @@ impl<U: Upstream> Pool<U> {
     #[inline]
     pub(crate) fn allocate_within(&self, size: usize, align: usize, stream: u64) -> Result<Option<Allocation>> {
         debug_assert!(!self.remap, "a remapping pool grows by mapping pages");
-        self.allocate_growing(size, align, stream, false)
+        match self.allocate_quick(size, align, stream) {
+            Some(a) => Ok(Some(a)),
+            None => self.allocate_past_quick(size, align, stream, false),
+        }
+    }
+
+    /// The common case of [`allocate_for`](Pool::allocate_for), with no
+    /// error to carry: a valid request served by the thread cache or
+    /// placed in memory the pool holds, with nothing to grow, map, move,
+    /// learn or release. `None` leaves the request to
+    /// [`allocate_past_quick`](Pool::allocate_past_quick), which reports
+    /// what is wrong with it or does the rest.
+    #[inline]
+    pub(crate) fn allocate_quick(&self, size: usize, align: usize, stream: u64) -> Option<Allocation> {
+        let rounded = validate(size, align).ok()?;
+        let Some(cache) = &self.cache else {
+            return self.place_in_held(rounded, align, size);
+        };
+        // The thread cache (cache.rs): a hit takes no pool lock; a miss
+        // allocates the class size (or the exact size) here and lends the
+        // block to the cache.
+        let Some((class, block_size)) = cache_class(cache, rounded, align) else {
+            return self.place_in_held(rounded, align, size);
+        };
+        if let Some(a) = ThreadCaches::allocate(cache, class, block_size, size, stream) {
+            return Some(a);
+        }
+        let a = self.place_in_held(block_size, align, size)?;
+        ThreadCaches::lend(cache, &a, size);
+        Some(a)
+    }
+
+    /// [`allocate_for`](Pool::allocate_for) after
+    /// [`allocate_quick`](Pool::allocate_quick) gave `None`: validation's
+    /// error, the placement again, growth (with `grow` set; `Ok(None)`
+    /// where the pool would grow otherwise) and the retries out of memory.
+    ///
+    /// # Errors
+    /// As [`allocate`](Pool::allocate).
+    #[inline(never)]
+    pub(crate) fn allocate_past_quick(
+        &self,
+        size: usize,
+        align: usize,
+        stream: u64,
+        grow: bool,
+    ) -> Result<Option<Allocation>> {
+        let rounded = validate(size, align)?;
+        let Some(cache) = &self.cache else {
+            return self.allocate_exact_slow(rounded, align, size, stream, grow);
+        };
+        // The cache missed, or the class is not cached: no second look.
+        let class = cache_class(cache, rounded, align);
+        let exact = class.map_or(rounded, |(_, block_size)| block_size);
+        let a = match self.allocate_exact_slow(exact, align, size, stream, grow) {
+            // Memory parked in thread caches counts as used: flush it all
+            // and try once more.
+            Err(Error::OutOfMemory { .. }) if cache.drain_all(false) > 0 => {
+                self.allocate_exact_slow(exact, align, size, stream, grow)?
+            }
+            r => r?,
+        };
+        if let (Some(a), Some(_)) = (&a, class) {
+            ThreadCaches::lend(cache, a, size);
+        }
+        Ok(a)
     }
 
     /// Flushes every thread's cache of this pool back into it (their blocks
@@ -326,40 +409,6 @@ impl<U: Upstream> Pool<U> {
         debug_assert!(!self.remap, "a remapping pool grows by mapping pages");
         let rounded = validate(size, align)?;
         self.allocate_exact(rounded, align, size, 0, false)
-    }
-
-    /// [`allocate_for`](Pool::allocate_for); with `grow` unset, `Ok(None)`
-    /// instead of growing.
-    #[inline]
-    fn allocate_growing(&self, size: usize, align: usize, stream: u64, grow: bool) -> Result<Option<Allocation>> {
-        let rounded = validate(size, align)?;
-        let Some(cache) = &self.cache else {
-            return self.allocate_exact(rounded, align, size, stream, grow);
-        };
-        // The thread cache (cache.rs): a hit takes no pool lock; a miss
-        // allocates the class size (or the exact size) here and lends the
-        // block to the cache.
-        let class = if align <= BLOCK_ALIGN { classes::class_of(rounded) } else { None };
-        // `(class, block size)`: what a hit returns and a miss allocates.
-        let class = class.map(|(c, class_size)| (c, if cache.exact() { rounded } else { class_size }));
-        if let Some((class, block_size)) = class {
-            if let Some(a) = ThreadCaches::allocate(cache, class, block_size, size, stream) {
-                return Ok(Some(a));
-            }
-        }
-        let exact = class.map_or(rounded, |(_, block_size)| block_size);
-        let a = match self.allocate_exact(exact, align, size, stream, grow) {
-            // Memory parked in thread caches counts as used: flush it all
-            // and try once more.
-            Err(Error::OutOfMemory { .. }) if cache.drain_all(false) > 0 => {
-                self.allocate_exact(exact, align, size, stream, grow)?
-            }
-            r => r?,
-        };
-        if let (Some(a), Some(_)) = (&a, class) {
-            ThreadCaches::lend(cache, a, size);
-        }
-        Ok(a)
     }
 
     /// [`allocate`](Pool::allocate) from the shared pool, `rounded` being

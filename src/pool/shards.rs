@@ -396,6 +396,26 @@ impl Shards {
     /// As [`Pool::allocate_for`].
     #[inline]
     pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
+        match self.allocate_quick(size, align, stream) {
+            Some(a) => Ok(a),
+            None => self.allocate_past_quick(size, align, stream),
+        }
+    }
+
+    /// [`Pool::allocate_quick`] in the calling thread's shard: the common
+    /// case of [`allocate_for`](Self::allocate_for), with no error to carry.
+    #[inline]
+    pub(crate) fn allocate_quick(&self, size: usize, align: usize, stream: u64) -> Option<Allocation> {
+        self.home_shard().1.allocate_quick(size, align, stream)
+    }
+
+    /// [`allocate_for`](Self::allocate_for) after
+    /// [`allocate_quick`](Self::allocate_quick) gave `None`.
+    ///
+    /// # Errors
+    /// As [`Pool::allocate_for`].
+    #[inline(never)]
+    pub(crate) fn allocate_past_quick(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
         let (i, home) = self.home_shard();
         // Memory moves between shards only where chunks are whole
         // allocations (not page remapping, not kept for graphs, not one
@@ -404,9 +424,9 @@ impl Shards {
             // Out of memory, the shard's upstream takes the other shards'
             // free memory first (shard_upstream.rs): the result needs no
             // second look here.
-            return home.allocate_for(size, align, stream);
+            return home.allocate_past_quick(size, align, stream, true)?.ok_or_else(super::no_growth_miss);
         }
-        match home.allocate_within(size, align, stream)? {
+        match home.allocate_past_quick(size, align, stream, false)? {
             Some(a) => Ok(a),
             None => self.allocate_elsewhere(i, home, size, align, stream),
         }
