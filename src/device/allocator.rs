@@ -423,32 +423,10 @@ impl DeviceAllocator {
         if let Some(size) = self.defer_exported_free(addr, stream)? {
             return Ok(size);
         }
-        let async_block =
-            if self.async_live.load(Ordering::Acquire) > 0 { lock(&self.async_book).live.remove(&addr) } else { None };
-        if let Some(block) = async_block {
-            // Freed during a capture that did not make it: the graph keeps it.
-            match self.hold_stream_ordered(addr, block.size, block.mode, block.capture, stream) {
-                Ok(StreamOrderedFree::Held) => return Ok(block.size),
-                Ok(StreamOrderedFree::InCapture) => {}
-                Ok(StreamOrderedFree::Eager) => self.settle_graph_releases(),
-                Err(e) => {
-                    lock(&self.async_book).live.insert(addr, block);
-                    return Err(e);
-                }
+        if self.async_live.load(Ordering::Acquire) > 0 {
+            if let Some(r) = self.free_if_stream_ordered(ptr, stream) {
+                return r;
             }
-            let r = self.ordering_stream(stream).and_then(|on| {
-                if let Some(s) = stream.filter(|s| !s.is_host() && s.id() != on.id()) {
-                    // Another device's stream: the free waits for its work.
-                    on.wait_for(s)?;
-                }
-                self.free_stream_ordered(ptr, on)
-            });
-            if let Err(e) = r {
-                lock(&self.async_book).live.insert(addr, block);
-                return Err(e);
-            }
-            self.count_stream_ordered_free(block.size);
-            return Ok(block.size);
         }
         if self.graphs.routes_frees() {
             if let Some(size) = self.free_routed(addr, stream)? {
@@ -465,17 +443,56 @@ impl DeviceAllocator {
         };
         match self.pool.deallocate(addr, tag) {
             Ok(freed) => Ok(freed.size),
-            Err(e @ Error::UnknownPointer { .. }) => {
-                if let Some(size) = self.free_tagged(addr, tag)? {
-                    return Ok(size);
-                }
-                if self.graphs.has_pools() {
-                    return self.free_into_private(addr, stream)?.ok_or(e);
-                }
-                Err(e)
-            }
-            Err(e) => Err(e),
+            Err(e) => self.free_outside_pool(addr, stream, tag, e),
         }
+    }
+
+    /// [`free`](Self::free) of a live stream-ordered allocation (`None`:
+    /// `ptr` is not one).
+    #[inline(never)]
+    fn free_if_stream_ordered(&self, ptr: u64, stream: Option<&Stream>) -> Option<Result<usize>> {
+        let addr = ptr as usize;
+        let block = lock(&self.async_book).live.remove(&addr)?;
+        // Freed during a capture that did not make it: the graph keeps it.
+        match self.hold_stream_ordered(addr, block.size, block.mode, block.capture, stream) {
+            Ok(StreamOrderedFree::Held) => return Some(Ok(block.size)),
+            Ok(StreamOrderedFree::InCapture) => {}
+            Ok(StreamOrderedFree::Eager) => self.settle_graph_releases(),
+            Err(e) => {
+                lock(&self.async_book).live.insert(addr, block);
+                return Some(Err(e));
+            }
+        }
+        let r = self.ordering_stream(stream).and_then(|on| {
+            if let Some(s) = stream.filter(|s| !s.is_host() && s.id() != on.id()) {
+                // Another device's stream: the free waits for its work.
+                on.wait_for(s)?;
+            }
+            self.free_stream_ordered(ptr, on)
+        });
+        if let Err(e) = r {
+            lock(&self.async_book).live.insert(addr, block);
+            return Some(Err(e));
+        }
+        self.count_stream_ordered_free(block.size);
+        Some(Ok(block.size))
+    }
+
+    /// [`free`](Self::free) of a pointer the device pool refused with
+    /// `e`: a tagged pool's or a graph-private pool's block, else `e`.
+    #[cold]
+    #[inline(never)]
+    fn free_outside_pool(&self, addr: usize, stream: Option<&Stream>, tag: StreamTag, e: Error) -> Result<usize> {
+        if !matches!(e, Error::UnknownPointer { .. }) {
+            return Err(e);
+        }
+        if let Some(size) = self.free_tagged(addr, tag)? {
+            return Ok(size);
+        }
+        if self.graphs.has_pools() {
+            return self.free_into_private(addr, stream)?.ok_or(e);
+        }
+        Err(e)
     }
 
     /// The size, mode and capture of the live stream-ordered allocation at

@@ -100,8 +100,23 @@ impl DeviceAllocator {
     /// [`Error::Capture`] when the stream's capture was invalidated, or it
     /// is unknown and the program promised to register its captures, or
     /// its pool can't be tied to its graph; a driver error.
+    #[inline]
     pub(super) fn capture_for(&self, stream: &Stream) -> Result<Option<(u64, Arc<PrivatePool>)>> {
-        let Some((id, graph)) = cuda::capture_info(stream)? else { return Ok(None) };
+        match cuda::capture_info(stream)? {
+            None => Ok(None),
+            Some((id, graph)) => self.capture_pool(stream, id, graph),
+        }
+    }
+
+    /// The private pool of capture `id` (recording into `graph`), which
+    /// `stream` takes part in: see [`capture_for`](Self::capture_for).
+    #[inline(never)]
+    fn capture_pool(
+        &self,
+        stream: &Stream,
+        id: u64,
+        graph: cuda::CaptureGraph,
+    ) -> Result<Option<(u64, Arc<PrivatePool>)>> {
         if let Some(p) = self.graphs.routed(id) {
             return Ok(Some((id, p)));
         }

@@ -62,7 +62,7 @@ use crate::error::{Error, OomState, Result};
 use crate::sync::{Arc, Mutex};
 use crate::upstream::Upstream;
 use cache::{CacheFree, ThreadCaches};
-use spin::SpinLock;
+use spin::{SpinGuard, SpinLock};
 
 /// Why a pool setting is refused once the pool has allocated
 /// ([`Error::ConfigTooLate`]).
@@ -599,11 +599,28 @@ impl<U: Upstream> Pool<U> {
             Some(CacheFree::NotLent) | None => None,
         };
         let mut inner = self.inner.lock();
-        let freed = inner.fit.free(addr, tag).map_err(|e| self.free_error(addr, e))?;
+        let freed = match inner.fit.free(addr, tag) {
+            Ok(freed) => lent.unwrap_or(freed),
+            Err(e) => {
+                drop(inner);
+                return Err(self.free_error(addr, e));
+            }
+        };
+        if inner.learn.is_none() && !inner.shut_down && !(self.config.background_mapper && self.mapper.is_some()) {
+            return Ok(freed);
+        }
+        self.after_free(inner, addr, freed)
+    }
+
+    /// What a free does past its common case, with the pool lock `inner`
+    /// held: the placement learner hears of it, the background mapper may
+    /// wake, and after shutdown the block's chunk goes back once wholly
+    /// free.
+    #[inline(never)]
+    fn after_free(&self, mut inner: SpinGuard<'_, Inner>, addr: usize, freed: Freed) -> Result<Freed> {
         if let Some(learn) = &mut inner.learn {
             learn.freed(addr);
         }
-        let freed = lent.unwrap_or(freed);
         if let (Some(job), true) = (&self.mapper, self.config.background_mapper && freed.size >= self.remap_page) {
             // A large free may give the mapper memory to unmap ahead.
             if job.wants_room(&inner) {
