@@ -54,6 +54,7 @@ mod at;
 mod carve;
 mod hot;
 mod inspect;
+mod live_map;
 mod ranked;
 mod resize;
 mod tags;
@@ -65,6 +66,7 @@ use super::stats::PoolStats;
 use crate::tag::StreamTag;
 use crate::upstream::Chunk;
 use crate::upstream::BLOCK_ALIGN;
+use live_map::LiveMap;
 use tags::Oracle;
 use touched::PageCount;
 
@@ -138,7 +140,7 @@ pub struct BestFit {
     vacant_chunks: Vec<u32>,
     chunks_by_addr: BTreeMap<usize, u32>,
     free_index: FreeIndex,
-    live: hashbrown::HashMap<usize, u32>,
+    live: LiveMap,
     stats: PoolStats,
     /// Asked when blocks freed on different streams merge.
     oracle: Oracle,
@@ -415,7 +417,7 @@ impl BestFit {
     /// A [`FreeError`] saying why `addr` is not a live block; nothing
     /// changes then.
     pub fn free(&mut self, addr: usize, tag: StreamTag) -> Result<Freed, FreeError> {
-        let Some(slot) = self.live.remove(&addr) else {
+        let Some(slot) = self.live.remove(addr) else {
             return Err(self.classify(addr));
         };
         // The block freed before goes where it belongs first (while this
@@ -508,12 +510,12 @@ impl BestFit {
 
     /// The size of the live block starting at `addr`.
     pub fn block_size(&self, addr: usize) -> Option<usize> {
-        self.live.get(&addr).map(|&slot| self.blocks[slot as usize].size)
+        self.live.get(addr).map(|slot| self.blocks[slot as usize].size)
     }
 
     /// The bytes asked for the live block at `addr`, if there is one.
     pub fn requested_of(&self, addr: usize) -> Option<usize> {
-        self.live.get(&addr).map(|&slot| self.blocks[slot as usize].requested)
+        self.live.get(addr).map(|slot| self.blocks[slot as usize].requested)
     }
 
     /// Whether `addr` lies in one of the pool's chunks.

@@ -157,7 +157,7 @@ impl BestFit {
                         return Err(format!("free block at {:#x} follows a free block", b.addr));
                     }
                     if hot {
-                        if self.free_index.contains(&(b.size, b.addr, slot)) || self.live.contains_key(&b.addr) {
+                        if self.free_index.contains(&(b.size, b.addr, slot)) || self.live.contains(b.addr) {
                             return Err(format!("hot block at {:#x} is indexed or live", b.addr));
                         }
                     } else if !self.free_index.contains(&(b.size, b.addr, slot)) {
@@ -168,7 +168,7 @@ impl BestFit {
                 } else if hot {
                     return Err(format!("hot block at {:#x} is in use", b.addr));
                 } else {
-                    if self.live.get(&b.addr) != Some(&slot) {
+                    if self.live.get(b.addr) != Some(slot) {
                         return Err(format!("used block at {:#x} is not in the live map", b.addr));
                     }
                     live_seen += 1;

@@ -13,7 +13,7 @@ impl BestFit {
     /// taking the front of the free block after it. Returns whether it did.
     pub fn grow_in_place(&mut self, addr: usize, new_size: usize) -> bool {
         self.flush_hot();
-        let Some(&slot) = self.live.get(&addr) else { return false };
+        let Some(slot) = self.live.get(addr) else { return false };
         let b = &self.blocks[slot as usize];
         let size = b.size;
         if new_size <= size {
@@ -47,7 +47,7 @@ impl BestFit {
     /// in place; the tail is freed and coalesced. Returns whether it did.
     pub fn shrink_in_place(&mut self, addr: usize, new_size: usize) -> bool {
         self.flush_hot();
-        let Some(&slot) = self.live.get(&addr) else { return false };
+        let Some(slot) = self.live.get(addr) else { return false };
         let size = self.blocks[slot as usize].size;
         if new_size == 0 || new_size > size {
             return false;
@@ -66,7 +66,7 @@ impl BestFit {
     /// Sets the requested size recorded for the live block at `addr`
     /// (after an in-place resize).
     pub fn set_requested(&mut self, addr: usize, requested: usize) {
-        if let Some(&slot) = self.live.get(&addr) {
+        if let Some(slot) = self.live.get(addr) {
             let b = &mut self.blocks[slot as usize];
             self.stats.requested = self.stats.requested - b.requested + requested;
             self.stats.peak_requested = self.stats.peak_requested.max(self.stats.requested);
