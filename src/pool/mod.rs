@@ -337,7 +337,7 @@ impl<U: Upstream> Pool<U> {
     /// learn or release. `None` leaves the request to
     /// [`allocate_past_quick`](Pool::allocate_past_quick), which reports
     /// what is wrong with it or does the rest.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn allocate_quick(&self, size: usize, align: usize, stream: u64) -> Option<Allocation> {
         let rounded = validate(size, align).ok()?;
         let Some(cache) = &self.cache else {
@@ -589,7 +589,7 @@ impl<U: Upstream> Pool<U> {
     /// # Errors
     /// [`Error::DoubleFree`], [`Error::InteriorPointer`] or
     /// [`Error::UnknownPointer`]; the pool is unchanged then.
-    #[inline]
+    #[inline(always)]
     pub fn deallocate(&self, addr: usize, tag: StreamTag) -> Result<Freed> {
         // Lent blocks go back to a thread cache (cache.rs) when they can.
         let lent = match self.cache.as_ref().map(|c| ThreadCaches::deallocate(c, addr, tag)) {

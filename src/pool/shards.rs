@@ -447,14 +447,12 @@ impl Shards {
     ///
     /// # Errors
     /// As [`Pool::deallocate`].
-    #[inline]
+    #[inline(always)]
     pub fn deallocate(&self, addr: usize, tag: StreamTag) -> Result<Freed> {
         // One shard (a single thread so far): nothing to look up. A block
         // of a later shard was handed out after the count rose.
-        if self.made.load(Ordering::Acquire) == 1 {
-            return self.primary().deallocate(addr, tag);
-        }
-        match self.owner(addr) {
+        let owner = if self.made.load(Ordering::Acquire) == 1 { Some(self.primary()) } else { self.owner(addr) };
+        match owner {
             Some(p) => p.deallocate(addr, tag),
             None => Err(self.unknown(addr)),
         }
