@@ -256,6 +256,11 @@ impl DeviceAllocator {
     ///
     /// # Errors
     /// Invalid sizes, [`Error::OutOfMemory`], driver errors.
+    // Inlined into the manager's entry points, with the sync pool's path
+    // and the pool's placement: the common case then returns its address
+    // in a register instead of a result written to memory and copied
+    // back, which stalled the caller's loads (see docs/results.md).
+    #[inline(always)]
     pub fn allocate(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         if let Some(s) = stream.filter(|_| self.graphs.watching()) {
             if let Some((capture, p)) = self.capture_for(s)? {
@@ -296,7 +301,7 @@ impl DeviceAllocator {
         Ok(a.addr as u64)
     }
 
-    #[inline]
+    #[inline(always)]
     fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
         let a = match self.pool.allocate_quick(size, BLOCK_ALIGN, want) {

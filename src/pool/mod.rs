@@ -434,7 +434,7 @@ impl<U: Upstream> Pool<U> {
     /// remapping pool, on mapped pages: [`remap::place_mapped`]), with
     /// nothing to map, move, learn or release. `None` leaves the request
     /// to the full path, which grows or maps (and looks again first).
-    #[inline]
+    #[inline(always)]
     fn place_in_held(&self, rounded: usize, align: usize, size: usize) -> Option<Allocation> {
         let mut inner = self.inner.lock();
         if inner.shut_down || inner.learn.is_some() {

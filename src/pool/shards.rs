@@ -404,7 +404,7 @@ impl Shards {
 
     /// [`Pool::allocate_quick`] in the calling thread's shard: the common
     /// case of [`allocate_for`](Self::allocate_for), with no error to carry.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn allocate_quick(&self, size: usize, align: usize, stream: u64) -> Option<Allocation> {
         self.home_shard().1.allocate_quick(size, align, stream)
     }
