@@ -21,7 +21,8 @@
 //!   best fit is the first entry at or after `(size, 0)`: the smallest block
 //!   that fits, ties to the lowest address. O(log n); binned by size class
 //!   so each search touches one small set (see `free_index.rs`).
-//! - `live`: start address → slot of every allocated block, for `free`.
+//! - `live`: start address → slot of every allocated block, for `free`
+//!   (`live_map.rs`: open addressing, no general hash map).
 //! - `chunks_by_addr`: chunk start → chunk, for classifying bad pointers.
 //!
 //! Invariants (checked by [`BestFit::check_invariants`]):

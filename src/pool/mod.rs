@@ -429,11 +429,13 @@ impl<U: Upstream> Pool<U> {
         }
     }
 
-    /// The common case of [`allocate_exact`](Self::allocate_exact), in a
-    /// frame of its own: a placement in memory the pool holds (for a
-    /// remapping pool, on mapped pages: [`remap::place_mapped`]), with
-    /// nothing to map, move, learn or release. `None` leaves the request
-    /// to the full path, which grows or maps (and looks again first).
+    /// The common case of [`allocate_exact`](Self::allocate_exact) and
+    /// [`allocate_quick`](Self::allocate_quick): a placement in memory the
+    /// pool holds (for a remapping pool, on mapped pages:
+    /// [`remap::place_mapped`]), with nothing to map, move, learn or
+    /// release. `None` leaves the request to the full path, which grows or
+    /// maps (and looks again first). Inlined, so that its result reaches
+    /// the caller in registers rather than through memory.
     #[inline(always)]
     fn place_in_held(&self, rounded: usize, align: usize, size: usize) -> Option<Allocation> {
         let mut inner = self.inner.lock();
