@@ -424,7 +424,7 @@ impl Shards {
             // Out of memory, the shard's upstream takes the other shards'
             // free memory first (shard_upstream.rs): the result needs no
             // second look here.
-            return home.allocate_past_quick(size, align, stream, true)?.ok_or_else(super::no_growth_miss);
+            return home.allocate_past_quick(size, align, stream, true)?.ok_or_else(super::allocate::no_growth_miss);
         }
         match home.allocate_past_quick(size, align, stream, false)? {
             Some(a) => Ok(a),
