@@ -20,35 +20,21 @@ use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
 use super::captures::PrivatePool;
-use super::captures::{GraphPoolFactory, Graphs, StreamOrderedFree};
+use super::captures::{GraphPoolFactory, Graphs};
 use super::mode::DeviceAllocatorMode;
 use super::modes::{self, Machinery, Mode, Routed};
-use super::native_pool::{self, NativePool, NativePoolOptions};
+use super::native_pool::{NativePool, NativePoolOptions};
 use super::pins::Pins;
 use super::reuse::StreamRegistry;
-use super::stats::AsyncStats;
+use super::stream_ordered::AsyncBook;
 use super::tags::{self, TagPoolFactory, TagPools};
 use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{self, Allocation, LiveBlock, Pool, Shards};
+use crate::pool::{Allocation, LiveBlock, Pool, Shards};
 use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::tag::StreamTag;
 use crate::upstream::Upstream;
 use crate::upstream::BLOCK_ALIGN;
-
-#[derive(Debug, Clone, Copy)]
-struct AsyncBlock {
-    size: usize,
-    mode: DeviceAllocatorMode,
-    /// The capture that made it (0: none).
-    capture: u64,
-}
-
-#[derive(Debug, Default)]
-pub(super) struct AsyncBook {
-    live: hashbrown::HashMap<usize, AsyncBlock>,
-    pub(super) stats: AsyncStats,
-}
 
 /// How many blocks an allocation sets aside because their last use is
 /// queued on a capturing stream before it gives up (`Error::Capture`).
@@ -71,7 +57,7 @@ pub struct DeviceAllocator {
     pub(super) async_book: Mutex<AsyncBook>,
     /// How many stream-ordered allocations are live: frees skip the book's
     /// lock while it is 0 (the sync pool's frees, most of the time).
-    async_live: AtomicUsize,
+    pub(super) async_live: AtomicUsize,
     pub(super) streams: Arc<StreamRegistry>,
     /// Graph-private pools and the captures routed into them (captures.rs).
     pub(super) graphs: Graphs,
@@ -204,7 +190,7 @@ impl DeviceAllocator {
         self.modes.iter().filter_map(|m| m.made_pool())
     }
 
-    fn require_ctx(&self) -> Result<&Arc<CudaContext>> {
+    pub(super) fn require_ctx(&self) -> Result<&Arc<CudaContext>> {
         self.ctx.as_ref().ok_or(Error::NeedsGpu("stream-ordered allocation"))
     }
 
@@ -223,7 +209,7 @@ impl DeviceAllocator {
     /// The stream a stream-ordered call runs on: `stream` when it is a
     /// CUDA stream of this device, else the device's internal stream
     /// (which callers order against another device's stream with events).
-    fn ordering_stream<'a>(&'a self, stream: Option<&'a Stream>) -> Result<&'a Stream> {
+    pub(super) fn ordering_stream<'a>(&'a self, stream: Option<&'a Stream>) -> Result<&'a Stream> {
         match stream {
             Some(s) if !s.is_host() && s.device() == Some(self.ordinal) => Ok(s),
             _ => self.internal_stream(),
@@ -375,47 +361,6 @@ impl DeviceAllocator {
         result
     }
 
-    /// See [`Machinery::allocate_stream_ordered`] (the driver makes an
-    /// allocation in a capture a graph memory node).
-    fn allocate_stream_ordered(
-        &self,
-        size: usize,
-        stream: Option<&Stream>,
-        mode: DeviceAllocatorMode,
-        capture: u64,
-        attempt: &dyn Fn(&Stream) -> Result<u64>,
-    ) -> Result<u64> {
-        pool::validate(size, BLOCK_ALIGN)?;
-        self.require_ctx()?;
-        let on = self.ordering_stream(stream)?;
-        let attempt = || attempt(on);
-        let ptr = match attempt() {
-            Ok(p) => p,
-            Err(Error::OutOfMemory { .. }) if !self.capture_under_way()? => {
-                // Release what is cached everywhere on this device, then
-                // try once more.
-                lock(&self.async_book).stats.oom_retries += 1;
-                self.release_cached()?;
-                attempt()?
-            }
-            Err(e) => return Err(e),
-        };
-        match stream {
-            Some(s) if !s.is_host() && s.id() != on.id() => s.wait_for(on)?,
-            Some(s) if !s.is_host() => {}
-            _ => on.synchronize()?,
-        }
-        let mut book = lock(&self.async_book);
-        book.live.insert(ptr as usize, AsyncBlock { size, mode, capture });
-        self.async_live.fetch_add(1, Ordering::Release);
-        let st = &mut book.stats;
-        st.in_use += size;
-        st.peak_in_use = st.peak_in_use.max(st.in_use);
-        st.live += 1;
-        st.allocations += 1;
-        Ok(ptr)
-    }
-
     /// Frees `ptr` after the work queued on `stream` (`None`: the caller
     /// guarantees no queued work uses it any more).
     ///
@@ -452,37 +397,6 @@ impl DeviceAllocator {
         }
     }
 
-    /// [`free`](Self::free) of a live stream-ordered allocation (`None`:
-    /// `ptr` is not one).
-    #[inline(never)]
-    fn free_if_stream_ordered(&self, ptr: u64, stream: Option<&Stream>) -> Option<Result<usize>> {
-        let addr = ptr as usize;
-        let block = lock(&self.async_book).live.remove(&addr)?;
-        // Freed during a capture that did not make it: the graph keeps it.
-        match self.hold_stream_ordered(addr, block.size, block.mode, block.capture, stream) {
-            Ok(StreamOrderedFree::Held) => return Some(Ok(block.size)),
-            Ok(StreamOrderedFree::InCapture) => {}
-            Ok(StreamOrderedFree::Eager) => self.settle_graph_releases(),
-            Err(e) => {
-                lock(&self.async_book).live.insert(addr, block);
-                return Some(Err(e));
-            }
-        }
-        let r = self.ordering_stream(stream).and_then(|on| {
-            if let Some(s) = stream.filter(|s| !s.is_host() && s.id() != on.id()) {
-                // Another device's stream: the free waits for its work.
-                on.wait_for(s)?;
-            }
-            self.free_stream_ordered(ptr, on)
-        });
-        if let Err(e) = r {
-            lock(&self.async_book).live.insert(addr, block);
-            return Some(Err(e));
-        }
-        self.count_stream_ordered_free(block.size);
-        Some(Ok(block.size))
-    }
-
     /// [`free`](Self::free) of a pointer the device pool refused with
     /// `e`: a tagged pool's or a graph-private pool's block, else `e`.
     #[cold]
@@ -498,57 +412,6 @@ impl DeviceAllocator {
             return self.free_into_private(addr, stream)?.ok_or(e);
         }
         Err(e)
-    }
-
-    /// The size, mode and capture of the live stream-ordered allocation at
-    /// `addr`, if there is one.
-    pub(super) fn stream_ordered_block(&self, addr: usize) -> Option<(usize, DeviceAllocatorMode, u64)> {
-        if self.async_live.load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        lock(&self.async_book).live.get(&addr).map(|b| (b.size, b.mode, b.capture))
-    }
-
-    /// Takes the live stream-ordered allocation at `addr` out of the book
-    /// for a graph to hold (its size and mode; it still counts as live
-    /// until [`free_stream_ordered_now`](Self::free_stream_ordered_now)).
-    pub(super) fn take_stream_ordered(&self, addr: usize) -> Option<(usize, DeviceAllocatorMode)> {
-        if self.async_live.load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        lock(&self.async_book).live.remove(&addr).map(|b| (b.size, b.mode))
-    }
-
-    /// Puts a stream-ordered allocation taken with
-    /// [`take_stream_ordered`](Self::take_stream_ordered) back in the book,
-    /// live and made outside any capture.
-    pub(super) fn restore_stream_ordered(&self, addr: usize, size: usize, mode: DeviceAllocatorMode) {
-        lock(&self.async_book).live.insert(addr, AsyncBlock { size, mode, capture: 0 });
-    }
-
-    /// `cuMemFreeAsync` of a stream-ordered allocation on `on`.
-    fn free_stream_ordered(&self, ptr: u64, on: &Stream) -> Result<()> {
-        let ctx = self.require_ctx()?;
-        // SAFETY: `ptr` was allocated stream-ordered on this context and has
-        // just been taken out of the live map, so it is freed once; the
-        // caller guarantees work after this free on `on` does not use it.
-        unsafe { native_pool::free_async(ctx, ptr, on) }
-    }
-
-    fn count_stream_ordered_free(&self, size: usize) {
-        self.async_live.fetch_sub(1, Ordering::Release);
-        let st = &mut lock(&self.async_book).stats;
-        st.in_use -= size;
-        st.live -= 1;
-        st.frees += 1;
-    }
-
-    /// Frees a stream-ordered allocation a graph held, once the device is
-    /// idle (captures.rs).
-    pub(super) fn free_stream_ordered_now(&self, addr: usize, size: usize, _mode: DeviceAllocatorMode) -> Result<()> {
-        self.free_stream_ordered(addr as u64, self.internal_stream()?)?;
-        self.count_stream_ordered_free(size);
-        Ok(())
     }
 
     fn holds_cached_memory(&self) -> bool {

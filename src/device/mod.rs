@@ -21,6 +21,7 @@ mod native_pool;
 mod pins;
 mod reuse;
 mod stats;
+mod stream_ordered;
 mod tagged;
 mod tags;
 
