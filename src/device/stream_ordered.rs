@@ -31,8 +31,10 @@ pub(super) struct AsyncBook {
 }
 
 impl DeviceAllocator {
-    /// See [`Machinery::allocate_stream_ordered`](super::modes::Machinery::allocate_stream_ordered) (the driver makes an
+    /// See [`Machinery::allocate_stream_ordered`] (the driver makes an
     /// allocation in a capture a graph memory node).
+    ///
+    /// [`Machinery::allocate_stream_ordered`]: super::modes::Machinery::allocate_stream_ordered
     pub(super) fn allocate_stream_ordered(
         &self,
         size: usize,
