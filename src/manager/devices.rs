@@ -41,9 +41,8 @@ impl MemoryManager {
     /// ```
     pub fn allocate_device_for(&self, ordinal: usize, size: usize) -> Result<u64> {
         self.check_running("device allocation")?;
-        let r = self.device(ordinal)?.allocate(size, None).map_err(|e| e.on_device(ordinal));
-        self.note_allocation(PoolKind::Device, &r, size, 0);
-        r
+        let r = self.device(ordinal)?.allocate(size, None);
+        self.device_allocated(r, ordinal, size, 0)
     }
 
     /// Exports the device block at `ptr` (a live block's start, on any
