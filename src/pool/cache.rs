@@ -32,6 +32,12 @@
 //!   owner's cache (the owner reuses it, or it is flushed).
 //! - A bin over [`BIN_MAX`] blocks, or a cache over its byte budget, flushes
 //!   its oldest blocks (largest classes first for the budget) to the pool.
+//! - Every [`LOOK_EVERY`] frees into a cache, each bin gives three quarters
+//!   of the blocks it held throughout since the last look (its low-water
+//!   mark: the oldest blocks, which no hit took) back to the pool, so a
+//!   cache holds about what its thread reuses, not its whole budget of
+//!   blocks of sizes it no longer asks for, which other threads could
+//!   use.
 //! - A thread's exit flushes its cache (a thread-local destructor); its live
 //!   blocks stay lent to the dead cache and go straight back to the pool
 //!   when freed.
@@ -79,6 +85,9 @@ use crate::sync::{lock, Arc, Mutex};
 
 /// Blocks one bin holds before its older half is flushed.
 pub const BIN_MAX: usize = 32;
+/// Frees into a cache between two looks at which of its blocks no hit
+/// took ([`Local::collect`](bins::Local::collect)).
+pub const LOOK_EVERY: u32 = 256;
 const LENT_SHARDS: usize = 16;
 /// Larger classes a miss may take a cached block from.
 const NEIGHBOURS: usize = 2;
@@ -235,7 +244,8 @@ impl ThreadCaches {
     }
 
     fn register(this: &Arc<Self>) -> Option<Arc<ThreadCache>> {
-        let local = Local { bins: (0..CLASSES).map(|_| Vec::new()).collect(), ..Local::default() };
+        let local =
+            Local { bins: (0..CLASSES).map(|_| Vec::new()).collect(), low: vec![0; CLASSES], ..Local::default() };
         let tc = Arc::new(ThreadCache { shared: this.clone(), local: SpinLock::new(local) });
         let mut reg = lock(&this.registry);
         if reg.closed {
@@ -365,7 +375,8 @@ impl ThreadCaches {
             pool_requested: e.pool_requested as usize,
             tag,
         });
-        if l.bins[class].len() > BIN_MAX || l.cached_bytes > self.max_bytes {
+        l.frees_since_look += 1;
+        if l.bins[class].len() > BIN_MAX || l.cached_bytes > self.max_bytes || l.frees_since_look >= LOOK_EVERY {
             self.trim(l, class);
         }
         CacheFree::Cached(freed)
@@ -380,11 +391,15 @@ impl ThreadCaches {
         CacheFree::Return(freed)
     }
 
-    /// Under the owner's lock: flushes the older half of a full bin, and the
-    /// largest classes while the cache is over its budget.
+    /// Under the owner's lock: flushes the older half of a full bin, the
+    /// largest classes while the cache is over its budget, and every
+    /// [`LOOK_EVERY`] frees most of what no hit took since the last look.
     #[cold]
     fn trim(&self, l: &mut Local, class: usize) {
         let mut out = Vec::new();
+        if l.frees_since_look >= LOOK_EVERY {
+            l.collect(&mut out);
+        }
         if l.bins[class].len() > BIN_MAX {
             l.take_oldest(class, BIN_MAX / 2, &mut out);
         }

@@ -44,7 +44,7 @@ pub use crate::sync::set_thread_slot;
 pub use crate::tag::{StreamPoll, StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
-pub use cache::{release_thread_caches, BIN_MAX, MAX_CACHED_BLOCK};
+pub use cache::{release_thread_caches, BIN_MAX, LOOK_EVERY, MAX_CACHED_BLOCK};
 pub use config::{PoolConfig, DEFAULT_REMAP_SLACK_PPM, MAX_ALIGN};
 pub use learn::LearnStats;
 pub use pool_snapshot::{BlockState, PoolSnapshot, SnapshotBlock};

@@ -287,6 +287,30 @@ fn caches_are_bounded_and_drained_on_out_of_memory() {
 }
 
 #[test]
+fn blocks_no_hit_takes_go_back_within_a_few_looks() {
+    use cumem::pool::LOOK_EVERY;
+    let p = pool(true);
+    // Twenty blocks of one size, parked and never asked for again.
+    let idle: Vec<_> = (0..20).map(|_| p.allocate(100_000, 256).unwrap()).collect();
+    let idle_size = idle[0].size;
+    for b in &idle {
+        p.deallocate(b.addr, StreamTag::NONE).unwrap();
+    }
+    assert_eq!(p.stats().cached, 20 * idle_size);
+    // Another size, taken and freed again and again: always the same block.
+    let busy = p.allocate(30_000, 256).unwrap();
+    p.deallocate(busy.addr, StreamTag::NONE).unwrap();
+    for _ in 0..3 * LOOK_EVERY {
+        let b = p.allocate(30_000, 256).unwrap();
+        assert_eq!(b.addr, busy.addr, "the block in use stays cached");
+        p.deallocate(b.addr, StreamTag::NONE).unwrap();
+    }
+    let cached = p.stats().cached - busy.size;
+    assert!(cached <= 2 * idle_size, "{} idle blocks still cached after three looks", cached / idle_size);
+    check(&p);
+}
+
+#[test]
 fn off_means_exact_sizes_and_no_cache() {
     let p = pool(false);
     let a = p.allocate(5000, 256).unwrap();

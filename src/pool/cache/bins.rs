@@ -94,6 +94,12 @@ pub(super) struct Local {
     pub(super) live: AddrMap<LiveEntry>,
     pub(super) bins: Vec<Vec<CachedBlock>>,
     pub(super) cached_bytes: usize,
+    /// Per bin, the fewest blocks it held since the last look
+    /// ([`collect`](Local::collect)): its oldest blocks that many no hit
+    /// took meanwhile.
+    pub(super) low: Vec<u32>,
+    /// Frees into the cache since the last look.
+    pub(super) frees_since_look: u32,
     pub(super) delta: Delta,
     /// The pool shut down or was dropped: cache nothing any more.
     pub(super) closed: bool,
@@ -122,12 +128,35 @@ impl Local {
     pub(super) fn pop(&mut self, class: usize, size: usize, want: u64, exact: bool) -> Option<CachedBlock> {
         let bin = &mut self.bins[class];
         let last = bin.last()?;
-        if last.usable_by(want) && (!exact || last.size == size) {
-            return bin.pop();
+        let b = if last.usable_by(want) && (!exact || last.size == size) {
+            bin.pop()?
+        } else {
+            let i = bin.iter().rev().take(SCAN).position(|b| b.usable_by(want) && (!exact || b.size == size))?;
+            bin.remove(bin.len() - 1 - i)
+        };
+        let left = bin.len() as u32;
+        let low = &mut self.low[class];
+        if left < *low {
+            *low = left;
         }
-        let i = bin.iter().rev().take(SCAN).position(|b| b.usable_by(want) && (!exact || b.size == size))?;
-        let i = bin.len() - 1 - i;
-        Some(bin.remove(i))
+        Some(b)
+    }
+
+    /// The look every [`LOOK_EVERY`](super::LOOK_EVERY) frees: of the
+    /// blocks each bin held throughout since the last look (its oldest,
+    /// which no hit took), three quarters go back to the pool, so a cache
+    /// keeps what its thread reuses and lets the rest go within a few
+    /// looks, whatever its byte budget.
+    pub(super) fn collect(&mut self, out: &mut Vec<CachedBlock>) {
+        for c in 0..self.bins.len() {
+            let idle = (self.low[c] as usize).min(self.bins[c].len());
+            let n = idle - idle / 4;
+            if n > 0 {
+                self.take_oldest(c, n, out);
+            }
+            self.low[c] = self.bins[c].len() as u32;
+        }
+        self.frees_since_look = 0;
     }
 
     /// On a miss in bin `class`: a block of the next [`NEIGHBOURS`] larger
@@ -148,6 +177,8 @@ impl Local {
             self.unpark(b, out);
         }
         self.bins[class].drain(..n);
+        // They were the bin's oldest: among those no hit took, if any.
+        self.low[class] = self.low[class].saturating_sub(n as u32);
     }
 
     /// A block leaves its bin for the pool: the statistics count it as the
