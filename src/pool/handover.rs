@@ -14,10 +14,20 @@
 //!   touched at once (the set's page floor, as seen at each such ask):
 //!   below that, new memory is made and nothing moves, so shards keep
 //!   what their own threads come back to.
-//! - **Who gives.** Shards no thread uses first, then shards in use, which
-//!   give only what they hold above their remap budget (their threads'
-//!   working set stays); the highest-numbered first (new threads claim
-//!   the lowest idle shard).
+//! - **Who gives.** Shards no thread uses first; then shards in use,
+//!   first what they hold above their remap budget (the most pages their
+//!   live blocks touched, with the slack), then, when the set would
+//!   otherwise hold more than [`OVER_LIVE_ABOVE_PPM`] of its page floor,
+//!   what they hold above the pages their live blocks touch now (with
+//!   the slack): no shard keeps memory for a peak of its own that the
+//!   set's peak doesn't reach (shards' peaks rarely coincide, and their
+//!   sum is what a set of busy shards would otherwise hold). Below that
+//!   the set's threads keep their working sets: a shard that gives below
+//!   its own peak asks again when its thread returns to it, and with 16
+//!   threads on a stream each, handing memory back and forth below 110 %
+//!   halved the workload's speed in some passes.
+//!   The highest-numbered first (new threads claim the lowest idle
+//!   shard).
 //!   A shard busy remapping (its remap lock taken) or allocating (its
 //!   pool lock taken) is passed over: two shards that ask each other
 //!   can't wait on each other, and an ask never waits for a thread
@@ -56,7 +66,7 @@
 //!   and joins as free), so each shard's remap budget goes with the pages
 //!   its blocks touch, and the memory with the shard that needs it.
 
-use super::page_map::budget;
+use super::page_map::{budget, live_need};
 use super::remap::RANK_LIMIT;
 use super::shard_upstream::Tracked;
 use super::{Inner, Pool};
@@ -69,6 +79,13 @@ use crate::upstream::{Chunk, MappedGift, Upstream};
 /// millionths of the most pages its blocks touched at once (102 %): a
 /// hand-over costs no driver call, so the set holds close to its floor.
 pub(super) const HAND_OVER_ABOVE_PPM: u64 = 1_020_000;
+
+/// Shards in use give what they hold above the pages their live blocks
+/// touch now only when the set would otherwise hold more than this many
+/// millionths of the most pages its blocks touched at once (110 %): a
+/// shard that gives below its own peak asks again when its thread
+/// returns to it, so this costs hand-overs back and forth.
+pub(super) const OVER_LIVE_ABOVE_PPM: u64 = 1_100_000;
 
 /// A range handed over is at least the request and, where a span holds
 /// it, this large: a shard that needs memory now will likely need more
@@ -93,6 +110,18 @@ fn now_ns() -> u64 {
 #[cfg(loom)]
 fn now_ns() -> u64 {
     u64::MAX
+}
+
+/// Which shards give, in turn (see the module docs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Giver {
+    /// Shards no thread uses: any mapped free range.
+    Idle,
+    /// Shards in use: what they hold above their remap budget.
+    OverBudget,
+    /// Shards in use: what they hold above the pages their live blocks
+    /// touch now, with the slack.
+    OverLive,
 }
 
 /// How many spans a giver offers at most for one hand-over.
@@ -146,20 +175,33 @@ impl Tracked {
         if held + range <= room {
             return None;
         }
-        // Idle shards first, then shards in use (only what they hold
-        // above their budget: their threads' working set stays); the
-        // highest-numbered first.
+        // Idle shards first, then shards in use: first what they hold
+        // above their budget, then what they hold above the pages their
+        // live blocks touch now (the set is short, so no shard keeps
+        // memory for a peak of its own that the set's peak doesn't
+        // reach); the highest-numbered first.
+        let short = (peak as u128 * u128::from(OVER_LIVE_ABOVE_PPM) / 1_000_000) as usize;
+        let tiers: &[Giver] = if held + range > short {
+            &[Giver::Idle, Giver::OverBudget, Giver::OverLive]
+        } else {
+            &[Giver::Idle, Giver::OverBudget]
+        };
         let givers = || {
-            [true, false].into_iter().flat_map(move |idle| {
+            tiers.iter().copied().flat_map(move |tier| {
                 pools.iter().enumerate().rev().filter_map(move |(j, cell)| {
                     let p = cell.get().filter(|_| j != self.index)?;
-                    if (self.shared.registry.users(j) == 0) != idle {
+                    if (self.shared.registry.users(j) == 0) != (tier == Giver::Idle) {
                         return None;
                     }
                     // What the shard may give: anything free when idle,
-                    // else its excess as last looked at (the look under
+                    // else what it held above its budget or its live
+                    // blocks' pages as last looked at (the look under
                     // its lock that gives says what is free now).
-                    let most = if idle { usize::MAX } else { self.shared.excess[j].load(Ordering::Relaxed) };
+                    let most = match tier {
+                        Giver::Idle => usize::MAX,
+                        Giver::OverBudget => self.shared.excess[j].load(Ordering::Relaxed),
+                        Giver::OverLive => self.shared.above_live[j].load(Ordering::Relaxed),
+                    };
                     (most >= range).then_some((p, most))
                 })
             })
@@ -225,8 +267,9 @@ impl Tracked {
             // descheduled holding its lock (asks then took hundreds of
             // microseconds with 16 threads on 16 processors).
             let (h, l) = match p.try_footprint() {
-                Some((h, l, over)) => {
+                Some((h, l, over, over_live)) => {
                     self.shared.excess[j].store(over, Ordering::Relaxed);
+                    self.shared.above_live[j].store(over_live, Ordering::Relaxed);
                     self.shared.seen[j].store(h, l);
                     (h, l)
                 }
@@ -266,22 +309,26 @@ fn top_pieces(pieces: &[Chunk], span: Chunk, size: usize) -> Option<Chunk> {
 
 impl<U: Upstream> Pool<U> {
     /// The physical memory the pool holds, what its live blocks hold (the
-    /// pages they touch, in a remapping pool) and what it holds above its
-    /// remap budget (0 for other pools), in bytes: a short look under the
-    /// lock that leaves the hot block as it is (asked of every shard
-    /// before a hand-over); `None` when another thread holds the lock.
-    pub(super) fn try_footprint(&self) -> Option<(usize, usize, usize)> {
+    /// pages they touch, in a remapping pool), and what it holds above its
+    /// remap budget and above what its live blocks need now
+    /// ([`live_need`]; both 0 for other pools), in bytes: a short look
+    /// under the lock that leaves the hot block as it is (asked of every
+    /// shard before a hand-over); `None` when another thread holds the
+    /// lock.
+    pub(super) fn try_footprint(&self) -> Option<(usize, usize, usize, usize)> {
         let mut inner = self.inner.try_lock()?;
         let Inner { fit, pages, .. } = &mut *inner;
         let (touched, _) = fit.touched_pages();
-        let over = if self.remap {
-            pages.physical().saturating_sub(budget(fit, pages, self.config.remap_slack_ppm)) << pages.shift()
+        let slack = self.config.remap_slack_ppm;
+        let (over, over_live) = if self.remap {
+            let above = |keep: usize| pages.physical().saturating_sub(keep) << pages.shift();
+            (above(budget(fit, pages, slack)), above(live_need(fit, pages, slack)))
         } else {
-            0
+            (0, 0)
         };
         let s = fit.stats_mut();
         let held = if self.remap { pages.physical() << pages.shift() } else { s.reserved };
-        Some((held, s.in_use.max(touched << pages.shift()), over))
+        Some((held, s.in_use.max(touched << pages.shift()), over, over_live))
     }
 
     /// Gives up a mapped free range of at least `size` bytes (up to

@@ -242,8 +242,19 @@ impl Pages {
 /// than the pool's explicit size ([`Pages::floor`]).
 pub(super) fn budget(fit: &BestFit, pages: &Pages, slack_ppm: u32) -> usize {
     let (_, floor) = fit.touched_pages();
-    let placed = floor + (floor as u128 * u128::from(slack_ppm)).div_ceil(1_000_000) as usize;
-    placed.max(pages.floor)
+    with_slack(floor, slack_ppm).max(pages.floor)
+}
+
+/// The physical pages the pool's live blocks need now: the pages they
+/// touch plus the slack, and never less than the pool's explicit size
+/// (what a shard in use keeps when the set of shards is short).
+pub(super) fn live_need(fit: &BestFit, pages: &Pages, slack_ppm: u32) -> usize {
+    let (now, _) = fit.touched_pages();
+    with_slack(now, slack_ppm).max(pages.floor)
+}
+
+fn with_slack(pages: usize, slack_ppm: u32) -> usize {
+    pages + (pages as u128 * u128::from(slack_ppm)).div_ceil(1_000_000) as usize
 }
 
 #[cfg(test)]

@@ -477,6 +477,10 @@ pub(super) struct Shared {
     pub(super) footprint: Mutex<(u64, usize, usize)>,
     /// Per shard, what it held above its remap budget at that look.
     pub(super) excess: Box<[AtomicUsize]>,
+    /// Per shard, what it held above the pages its live blocks touched
+    /// then, with the slack (`handover.rs`: what a shard in use gives
+    /// when no shard holds memory above its budget).
+    pub(super) above_live: Box<[AtomicUsize]>,
     /// Per shard, what it held and what its live blocks held at the last
     /// look that found it free (a busy shard counts as last seen).
     pub(super) seen: Box<[Seen]>,
@@ -532,6 +536,7 @@ impl Shared {
             polled_at: AtomicU64::new(0),
             footprint: Mutex::new((0, 0, 0)),
             excess: (0..pools.len()).map(|_| AtomicUsize::new(0)).collect(),
+            above_live: (0..pools.len()).map(|_| AtomicUsize::new(0)).collect(),
             seen: (0..pools.len()).map(|_| Seen { held: AtomicUsize::new(0), live: AtomicUsize::new(0) }).collect(),
             follow_threads: config.fresh_thread_budget,
             poll: once_cell::sync::OnceCell::new(),

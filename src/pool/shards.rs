@@ -49,7 +49,8 @@
 //!   join another as it is. A shard about to map new memory, while the
 //!   set holds more than 102 % of the most pages its blocks touched at
 //!   once, takes a mapped free range of whole pieces from an idle shard
-//!   (or what a shard in use holds above its budget) with no driver call,
+//!   (or what a shard in use holds above its budget, and past 110 % what
+//!   it holds above the pages its live blocks touch now) with no driver call,
 //!   or, failing a range, a block lent out of such memory (`handover.rs`,
 //!   [`PoolConfig::hand_over_ranges`]).
 //! - **Idle shards.** A shard whose threads all exited keeps its memory
