@@ -86,7 +86,7 @@ use crate::sync::{lock, Arc, Mutex};
 /// Blocks one bin holds before its older half is flushed.
 pub const BIN_MAX: usize = 32;
 /// Frees into a cache between two looks at which of its blocks no hit
-/// took ([`Local::collect`](bins::Local::collect)).
+/// took (see the module docs).
 pub const LOOK_EVERY: u32 = 256;
 const LENT_SHARDS: usize = 16;
 /// Larger classes a miss may take a cached block from.
