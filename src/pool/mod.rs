@@ -208,6 +208,16 @@ impl<U: Upstream> Pool<U> {
         self.inner.lock().fit.set_tag_oracle(oracle);
     }
 
+    /// Sets what the background mapper asks when the free memory it could
+    /// unmap may still be used by queued stream work
+    /// ([`StreamPoll`](crate::tag::StreamPoll)); no effect without the
+    /// mapper. Only the first call has an effect.
+    pub fn set_stream_poll(&self, poll: StreamPoll) {
+        if let Some(job) = &self.mapper {
+            let _ = job.poll.set(poll);
+        }
+    }
+
     /// Whether work queued before the free that tagged a block with `tag`
     /// is known complete ([`BestFit::tag_settled`]; takes the pool lock).
     pub(crate) fn tag_settled(&self, tag: StreamTag) -> bool {

@@ -238,11 +238,15 @@ impl Shards {
     }
 
     /// Sets what the set asks before idle shards give memory to a shard
-    /// that grows ([`StreamPoll`](crate::pool::StreamPoll)): without it,
-    /// memory freed on a stream counts as free of queued work only after
-    /// a host synchronisation saw it. Only the first call has an effect.
+    /// that grows, and what each shard's background mapper asks
+    /// ([`StreamPoll`](crate::pool::StreamPoll)): without it, memory
+    /// freed on a stream counts as free of queued work only after a host
+    /// synchronisation saw it. Only the first call has an effect.
     pub fn set_stream_poll(&self, poll: crate::tag::StreamPoll) {
-        let _ = self.shared.poll.set(poll);
+        if self.shared.poll.set(poll).is_ok() {
+            let poll = self.shared.poll.get().expect("just set");
+            self.pools().for_each(|(_, p)| p.set_stream_poll(poll.clone()));
+        }
     }
 
     /// How many shards the set may hold.
@@ -369,6 +373,9 @@ impl Shards {
             let pool = make().map(|u| Pool::new(Self::track(u, &self.shared, i), self.config.clone()));
             if let (Ok(p), Some(o)) = (&pool, self.oracle.get()) {
                 p.set_tag_oracle(o.clone());
+            }
+            if let (Ok(p), Some(poll)) = (&pool, self.shared.poll.get()) {
+                p.set_stream_poll(poll.clone());
             }
             if pool.is_ok() {
                 self.made.fetch_add(1, Ordering::AcqRel);
