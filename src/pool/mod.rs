@@ -210,7 +210,7 @@ impl<U: Upstream> Pool<U> {
 
     /// Sets what the background mapper asks when the free memory it could
     /// unmap may still be used by queued stream work
-    /// ([`StreamPoll`](crate::tag::StreamPoll)); no effect without the
+    /// ([`StreamPoll`]); no effect without the
     /// mapper. Only the first call has an effect.
     pub fn set_stream_poll(&self, poll: StreamPoll) {
         if let Some(job) = &self.mapper {
