@@ -65,7 +65,7 @@ pub struct PoolConfig {
     /// replays on an H200 it cut the allocating thread's calls on
     /// kv_cache (331–357 a pass against 459) and raised them on
     /// llama_train (125–131 against 35), pinned_top and two_streams, with
-    /// physical peaks up to 0.02 higher: its reserve is room that
+    /// physical peaks up to 0.021 higher: its reserve is room that
     /// placement then finds unmapped. Off, the allocating thread makes
     /// every page move (and [`Pool::mapper_step`] runs the mapper's work
     /// where a test wants it).
