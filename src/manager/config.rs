@@ -219,8 +219,10 @@ pub struct Config {
     /// through a view of one reservation), and an arena that would map
     /// new memory first takes a mapped free range of another arena, with
     /// no driver call, when the arenas together would otherwise hold more
-    /// than 102 % of the most pages their blocks touched at once. On by
-    /// default; off, each arena reserves address space of its own and
+    /// than 102 % of the most pages their blocks touched at once (from an
+    /// idle arena, or what an arena in use holds above its remap budget,
+    /// and past 110 % what it holds above the pages its live blocks touch
+    /// now). On by default; off, each arena reserves address space of its own and
     /// device memory moves between arenas only by unmap and map
     /// ([`PoolConfig::hand_over_ranges`](crate::pool::PoolConfig::hand_over_ranges)).
     pub arenas_hand_over: bool,

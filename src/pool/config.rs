@@ -89,7 +89,9 @@ pub struct PoolConfig {
     /// a shard that would map new memory first takes a mapped free range
     /// of another shard, with no driver call, when the set would otherwise
     /// hold more than 102 % of the most pages its blocks touched at once
-    /// (`handover.rs`). On by default
+    /// (`handover.rs`: idle shards give any free range, shards in use
+    /// what they hold above their remap budget, and past 110 % what they
+    /// hold above the pages their live blocks touch now). On by default
     /// ([`Config::arenas_hand_over`](crate::Config::arenas_hand_over)).
     pub hand_over_ranges: bool,
     /// With page remapping, learn the sequence of allocations the program
