@@ -467,23 +467,14 @@ fn threads_never_see_an_unmapped_page() {
     assert_eq!(pool.stats().mapped, w.held_bytes());
 }
 
-/// Free memory on a stream nobody synchronises: the mapper asks the
-/// pool's stream poll when it finds only such memory, and once the poll
-/// has found the stream idle, its next step moves memory. Without a
-/// poll it would wait for a synchronisation that never comes.
-#[test]
-fn the_mapper_asks_the_stream_poll_when_free_memory_waits_for_a_stream() {
+/// A pool with no slack whose 32 blocks of 4 pages were allocated and
+/// every other one freed on stream 1, whose work the model has not
+/// completed yet (the mapper's tests).
+fn half_freed_on_a_stream() -> (Model, Pool<Model>) {
     let model = Model::default();
     let pool = pool_with_slack(&model, 0);
     let m = model.clone();
     pool.set_tag_oracle(Arc::new(move |t: StreamTag| m.world().complete.get(&t.stream).is_some_and(|&c| c >= t.seq)));
-    let polls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (m, p) = (model.clone(), polls.clone());
-    pool.set_stream_poll(Arc::new(move || {
-        p.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // The stream's queue is empty: its frees so far are complete.
-        m.world().complete.insert(1, u64::MAX);
-    }));
     let blocks: Vec<_> = (0..32).map(|_| pool.allocate(4 * PAGE, 256).unwrap()).collect();
     for (i, b) in blocks.iter().enumerate().filter(|(i, _)| i % 2 == 1) {
         model.world().live.remove(&b.addr);
@@ -492,6 +483,23 @@ fn the_mapper_asks_the_stream_poll_when_free_memory_waits_for_a_stream() {
     for b in blocks.iter().step_by(2) {
         model.world().live.insert(b.addr, b.size);
     }
+    (model, pool)
+}
+
+/// Free memory on a stream nobody synchronises: the mapper asks the
+/// pool's stream poll when it finds only such memory, and once the poll
+/// has found the stream idle, its next step moves memory. Without a
+/// poll it would wait for a synchronisation that never comes.
+#[test]
+fn the_mapper_asks_the_stream_poll_when_free_memory_waits_for_a_stream() {
+    let (model, pool) = half_freed_on_a_stream();
+    let polls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (m, p) = (model.clone(), polls.clone());
+    pool.set_stream_poll(Arc::new(move || {
+        p.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // The stream's queue is empty: its frees so far are complete.
+        m.world().complete.insert(1, u64::MAX);
+    }));
     assert!(!pool.mapper_step(), "the first step finds nothing settled");
     assert_eq!(polls.load(std::sync::atomic::Ordering::Relaxed), 1, "and asks the poll");
     while pool.mapper_step() {}
@@ -506,18 +514,7 @@ fn the_mapper_asks_the_stream_poll_when_free_memory_waits_for_a_stream() {
 /// nothing itself; what the pool holds never rises above its budget.
 #[test]
 fn the_mapper_unmaps_ahead_so_an_allocation_only_maps() {
-    let model = Model::default();
-    let pool = pool_with_slack(&model, 0);
-    let m = model.clone();
-    pool.set_tag_oracle(Arc::new(move |t: StreamTag| m.world().complete.get(&t.stream).is_some_and(|&c| c >= t.seq)));
-    let blocks: Vec<_> = (0..32).map(|_| pool.allocate(4 * PAGE, 256).unwrap()).collect();
-    for (i, b) in blocks.iter().enumerate().filter(|(i, _)| i % 2 == 1) {
-        model.world().live.remove(&b.addr);
-        pool.deallocate(b.addr, StreamTag { stream: 1, seq: i as u64 }).unwrap();
-    }
-    for b in blocks.iter().step_by(2) {
-        model.world().live.insert(b.addr, b.size);
-    }
+    let (model, pool) = half_freed_on_a_stream();
     // Nothing settled yet: the mapper may move nothing (it never waits).
     assert!(!pool.mapper_step(), "the mapper moved memory whose stream work may run");
     assert_eq!(model.world().unmaps, 0);
