@@ -68,6 +68,7 @@ use crate::tag::StreamTag;
 use crate::upstream::Chunk;
 use crate::upstream::BLOCK_ALIGN;
 use live_map::LiveMap;
+pub(crate) use ranked::Preferred;
 use tags::Oracle;
 use touched::PageCount;
 

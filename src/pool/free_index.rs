@@ -317,9 +317,30 @@ impl FreeIndex {
         self.bins[c].last()
     }
 
+    /// The last non-empty class before `c` (`CLASSES`: the last of all).
+    fn prev_nonempty(&self, c: usize) -> Option<usize> {
+        let end = c.checked_sub(1)?;
+        let w = end / 64;
+        // Classes `w * 64 ..= end` of word `w` (`end % 64 < 64`).
+        let bits = self.nonempty[w] & (!0u64 >> (63 - end % 64));
+        if bits != 0 {
+            return Some(w * 64 + 63 - bits.leading_zeros() as usize);
+        }
+        // The previous word with a class in it.
+        let earlier = self.words & ((1u64 << w) - 1);
+        if earlier == 0 {
+            return None;
+        }
+        let w = 63 - earlier.leading_zeros() as usize;
+        Some(w * 64 + 63 - self.nonempty[w].leading_zeros() as usize)
+    }
+
     /// Every free block, largest first (ties: the highest address first).
+    /// The bitmap leads from one non-empty class to the next, so a look
+    /// at the few largest blocks reads no empty class.
     pub(super) fn largest_first(&self) -> impl Iterator<Item = &Key> + '_ {
-        (0..CLASSES).rev().filter(move |&c| (self.nonempty[c / 64] >> (c % 64)) & 1 == 1).flat_map(move |c| {
+        let classes = std::iter::successors(self.prev_nonempty(CLASSES), move |&c| self.prev_nonempty(c));
+        classes.flat_map(move |c| {
             let bin = &self.bins[c];
             let (small, large) = match bin {
                 Bin::Small(v) => (Some(v.iter().rev()), None),
@@ -422,6 +443,9 @@ mod tests {
                 let walk = ix.at_least(size).find(|&&k| Some(k) != skip).copied();
                 assert_eq!(ix.best_fit_except(size, skip), walk, "seed {seed}, size {size}, skip {skip:?}");
             }
+            let mut backwards: Vec<Key> = ix.iter().copied().collect();
+            backwards.reverse();
+            assert!(ix.largest_first().copied().eq(backwards), "seed {seed}: largest first is the walk reversed");
             large |= ix.bins.iter().any(|b| matches!(b, Bin::Large(_)));
         }
         assert!(large, "some seed fills a bin past SMALL_BIN");

@@ -66,6 +66,7 @@
 //!   and joins as free), so each shard's remap budget goes with the pages
 //!   its blocks touch, and the memory with the shard that needs it.
 
+use super::best_fit::Preferred;
 use super::page_map::{budget, live_need};
 use super::remap::RANK_LIMIT;
 use super::shard_upstream::Tracked;
@@ -433,15 +434,20 @@ impl<U: Upstream> Pool<U> {
                 return None;
             }
             let Inner { fit, pages, .. } = &mut *inner;
-            let (a, clear) =
-                fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))?;
-            let holes = pages.hole_count(a.addr, a.size);
+            let at = match fit.place_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))? {
+                Preferred::Taken(a) => {
+                    // Mapped already: no new memory is made.
+                    fit.undo_allocate(&a);
+                    return None;
+                }
+                Preferred::BestFit(at) => at,
+            };
+            let holes = pages.hole_count(at.addr, rounded);
             let moves =
                 pages.physical() + holes.saturating_sub(pages.kept) > budget(fit, pages, self.config.remap_slack_ppm);
-            fit.undo_allocate(&a);
-            // Mapped already, or kept memory covers the holes and nothing
-            // moves: no new memory is made.
-            if clear || (holes <= pages.kept && !moves) {
+            // Kept memory covers the holes and nothing moves: no new
+            // memory is made.
+            if holes <= pages.kept && !moves {
                 return None;
             }
         }

@@ -58,6 +58,7 @@
 //! - Pools with [`PoolConfig::keep_chunks`](super::PoolConfig::keep_chunks)
 //!   never remap (their graphs replay later into free-looking blocks).
 
+use super::best_fit::Preferred;
 use super::page_map::{budget, Pages};
 use super::{Allocation, BestFit, Inner, Pool, SpinLock};
 use crate::error::{Error, Result};
@@ -102,12 +103,12 @@ pub(super) fn place_mapped(
     align: usize,
     size: usize,
 ) -> Placed {
-    match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
+    match fit.place_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
         None => Placed::NoFit,
-        Some((a, true)) => Placed::Mapped(a),
-        Some((a, false)) => {
-            let moves = would_move(pages, &a, budget(fit, pages, slack_ppm));
-            fit.undo_allocate(&a);
+        Some(Preferred::Taken(a)) => Placed::Mapped(a),
+        Some(Preferred::BestFit(at)) => {
+            // Looked at where it lies, not allocated: nothing to undo.
+            let moves = would_move(pages, at.addr, rounded, budget(fit, pages, slack_ppm));
             let spans = |at, len| pages.mapped_inside(at, len);
             match moves.then(|| fit.allocate_in_spans(rounded, align, size, spans)).flatten() {
                 Some(a) => Placed::Mapped(a),
@@ -120,8 +121,8 @@ pub(super) fn place_mapped(
 /// Whether mapping the holes of `a` would take the pool above `budget`
 /// (physical pages), so that memory would have to move: kept memory maps
 /// without raising what is held.
-fn would_move(pages: &Pages, a: &Allocation, budget: usize) -> bool {
-    pages.physical() + hole_pages(pages, a.addr, a.size).saturating_sub(pages.kept) > budget
+fn would_move(pages: &Pages, addr: usize, size: usize, budget: usize) -> bool {
+    pages.physical() + hole_pages(pages, addr, size).saturating_sub(pages.kept) > budget
 }
 
 /// The pages of `[addr, addr + size)` with no memory mapped.
@@ -182,16 +183,10 @@ impl<U: Upstream> Pool<U> {
             let at = e.filter(|&at| at % align.max(BLOCK_ALIGN) == 0 && pages.clear(at, rounded));
             match at.and_then(|at| fit.allocate_at(at, rounded, size)) {
                 Some(a) => Some(a),
-                None => match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))
-                {
-                    None => return Ok(None),
-                    Some((a, true)) => Some(a),
-                    Some((a, false)) => {
-                        let moves = would_move(pages, &a, budget(fit, pages, self.config.remap_slack_ppm));
-                        fit.undo_allocate(&a);
-                        let spans = |at, len| pages.mapped_inside(at, len);
-                        moves.then(|| fit.allocate_in_spans(rounded, align, size, spans)).flatten()
-                    }
+                None => match place_mapped(fit, pages, self.config.remap_slack_ppm, rounded, align, size) {
+                    Placed::Mapped(a) => Some(a),
+                    Placed::NoFit => return Ok(None),
+                    Placed::NeedsMap => None,
                 },
             }
         };
@@ -261,33 +256,28 @@ impl<U: Upstream> Pool<U> {
                 return Err(Error::ShutDown("allocation"));
             }
             let Inner { fit, pages, .. } = &mut *inner;
-            let a = match fit.allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
+            let at = match fit.place_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len)) {
                 None => return Ok(None),
-                Some((a, true)) => return Ok(Some(a)),
-                Some((a, false)) => a,
+                Some(Preferred::Taken(a)) => return Ok(Some(a)),
+                Some(Preferred::BestFit(at)) => at,
             };
             // Mapped memory may have been freed since the look above.
-            let a = if would_move(pages, &a, budget(fit, pages, self.config.remap_slack_ppm)) {
-                let worst = hole_pages(pages, a.addr, a.size);
-                fit.undo_allocate(&a);
+            let a = if would_move(pages, at.addr, rounded, budget(fit, pages, self.config.remap_slack_ppm)) {
+                let worst = hole_pages(pages, at.addr, rounded);
                 let spans = |at, len| pages.mapped_inside(at, len);
                 if let Some(a) = fit.allocate_in_spans(rounded, align, size, spans) {
                     return Ok(Some(a));
                 }
-                // Else the placement that maps the fewest pages.
+                // Else the placement that maps the fewest pages. (Neither
+                // look changes the blocks when it finds nothing.)
                 let spans = |at, len| pages.mapped_inside(at, len);
                 let holes = |at, len| hole_pages(pages, at, len);
                 match fit.allocate_fewest_holes(rounded, align, size, worst, spans, holes) {
                     Some(a) => a,
-                    None => match fit
-                        .allocate_preferring(rounded, align, size, RANK_LIMIT, |at, len| pages.clear(at, len))
-                    {
-                        None => return Ok(None),
-                        Some((a, _)) => a,
-                    },
+                    None => fit.allocate_best_fit(at, rounded, size),
                 }
             } else {
-                a
+                fit.allocate_best_fit(at, rounded, size)
             };
             let runs = pages.holes_in(a.addr, a.size);
             let needed: usize = runs.iter().map(|r| r.size >> pages.shift()).sum();

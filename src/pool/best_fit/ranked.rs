@@ -12,6 +12,23 @@ use crate::upstream::{Chunk, BLOCK_ALIGN};
 /// the best fits and again among the largest.
 pub const SPAN_LIMIT: usize = 32;
 
+/// Where [`BestFit::place_preferring`] found room.
+pub(crate) enum Preferred {
+    /// A preferred placement, allocated.
+    Taken(Allocation),
+    /// None preferred: the exact best fit, not allocated.
+    BestFit(BestFitAt),
+}
+
+/// The exact best fit of a request, found but not allocated: the free
+/// block's slot and the aligned start in it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BestFitAt {
+    slot: u32,
+    /// Where the placement would start.
+    pub(crate) addr: usize,
+}
+
 impl BestFit {
     /// As [`allocate`](BestFit::allocate), but among the first `limit`
     /// candidates in best-fit order (smallest fitting block, then lowest
@@ -25,8 +42,28 @@ impl BestFit {
         align: usize,
         requested: usize,
         limit: usize,
-        mut preferred: impl FnMut(usize, usize) -> bool,
+        preferred: impl FnMut(usize, usize) -> bool,
     ) -> Option<(Allocation, bool)> {
+        Some(match self.place_preferring(size, align, requested, limit, preferred)? {
+            Preferred::Taken(a) => (a, true),
+            Preferred::BestFit(fit) => (self.allocate_slot_at(fit.slot, fit.addr, size, requested), false),
+        })
+    }
+
+    /// [`allocate_preferring`](Self::allocate_preferring) that allocates
+    /// only a preferred placement: when none is, it says where the exact
+    /// best fit lies and leaves the blocks as they were, for a caller that
+    /// looks further before it decides ([`allocate_best_fit`](Self::allocate_best_fit)
+    /// takes it). `None`: no free block fits.
+    #[inline]
+    pub(crate) fn place_preferring(
+        &mut self,
+        size: usize,
+        align: usize,
+        requested: usize,
+        limit: usize,
+        mut preferred: impl FnMut(usize, usize) -> bool,
+    ) -> Option<Preferred> {
         debug_assert!(size % BLOCK_ALIGN == 0 && size > 0);
         let align = align.max(BLOCK_ALIGN);
         // The hot block was live until its free, so its pages are there,
@@ -36,7 +73,7 @@ impl BestFit {
         let hot = self.hot.0;
         if hot != NIL && preferred(self.blocks[hot as usize].addr, size) {
             if let Some(a) = self.take_hot(size, align, requested) {
-                return Some((a, true));
+                return Some(Preferred::Taken(a));
             }
         }
         self.flush_hot();
@@ -44,23 +81,30 @@ impl BestFit {
             // The common case: the exact best fit is preferred.
             let (_, addr, slot) = self.free_index.best_fit(size)?;
             if preferred(addr, size) {
-                return Some((self.allocate_slot(slot, size, align, requested), true));
+                return Some(Preferred::Taken(self.allocate_slot_at(slot, addr, size, requested)));
             }
         }
-        self.allocate_ranked(size, align, requested, limit, preferred)
+        self.place_ranked(size, align, requested, limit, preferred)
     }
 
-    /// The scan of [`allocate_preferring`](Self::allocate_preferring) past
-    /// the exact best fit.
+    /// Allocates at the exact best fit [`place_preferring`](Self::place_preferring)
+    /// found, with no change to the blocks since.
+    pub(crate) fn allocate_best_fit(&mut self, fit: BestFitAt, size: usize, requested: usize) -> Allocation {
+        debug_assert!(self.blocks[fit.slot as usize].free);
+        self.allocate_slot_at(fit.slot, fit.addr, size, requested)
+    }
+
+    /// The scan of [`place_preferring`](Self::place_preferring) past the
+    /// exact best fit.
     #[cold]
-    fn allocate_ranked(
+    fn place_ranked(
         &mut self,
         size: usize,
         align: usize,
         requested: usize,
         limit: usize,
         mut preferred: impl FnMut(usize, usize) -> bool,
-    ) -> Option<(Allocation, bool)> {
+    ) -> Option<Preferred> {
         let mut first = None;
         let mut chosen = None;
         for (seen, &(bsize, addr, slot)) in self.free_index.at_least(size).enumerate() {
@@ -68,18 +112,19 @@ impl BestFit {
             if start - addr + size > bsize {
                 continue;
             }
-            first.get_or_insert(slot);
+            first.get_or_insert(BestFitAt { slot, addr: start });
             if preferred(start, size) {
-                chosen = Some(slot);
+                chosen = Some((slot, start));
                 break;
             }
             if seen + 1 >= limit {
                 break;
             }
         }
-        let hit = chosen.is_some();
-        let slot = chosen.or(first)?;
-        Some((self.allocate_slot(slot, size, align, requested), hit))
+        match chosen {
+            Some((slot, start)) => Some(Preferred::Taken(self.allocate_slot_at(slot, start, size, requested))),
+            None => first.map(Preferred::BestFit),
+        }
     }
 
     /// An allocation of `size` bytes at `align` inside a span that
@@ -204,5 +249,83 @@ impl BestFit {
             .take(n)
             .map(|&(size, addr, slot)| (addr, size, self.blocks[slot as usize].tag))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::BestFit;
+    use super::Preferred;
+    use crate::tag::StreamTag;
+    use crate::upstream::Chunk;
+
+    /// `place_preferring` takes the first of the first `limit` candidates
+    /// in best-fit order that the predicate accepts; when none does, it
+    /// leaves the blocks untouched and names the exact best fit, which
+    /// `allocate_best_fit` then takes where plain best fit would.
+    #[test]
+    fn a_look_that_finds_nothing_preferred_changes_nothing() {
+        use rand::rngs::SmallRng;
+        use rand::{Rng, SeedableRng};
+        const LIMIT: usize = 4;
+        let (mut preferred_seen, mut fallback_seen) = (0, 0);
+        for seed in 0..20 {
+            let mut rng = SmallRng::seed_from_u64(seed);
+            let mut fits = [(); 2].map(|_| {
+                let mut f = BestFit::new();
+                assert!(f.add_chunk(Chunk { addr: 1 << 30, size: 64 << 20 }));
+                f
+            });
+            // The twin follows preferred placements by address.
+            fits[1].index_addresses(true);
+            let mut live: Vec<usize> = Vec::new();
+            for step in 0..3000 {
+                if live.is_empty() || rng.gen_bool(0.55) {
+                    let size = rng.gen_range(1..=256usize) * 256;
+                    // A different set of accepted addresses every time.
+                    let (m, r) = (rng.gen_range(2..7usize), rng.gen_range(0..7usize));
+                    let accepts = move |at: usize, _len: usize| (at >> 8) % m == r % m;
+                    let mut candidates = fits[0].free_list();
+                    candidates.retain(|&(_, s)| s >= size);
+                    candidates.sort_by_key(|&(a, s)| (s, a));
+                    let expected = candidates.iter().take(LIMIT).map(|&(a, _)| a).find(|&a| accepts(a, size));
+                    let before = fits[0].free_list();
+                    let got = match fits[0].place_preferring(size, 256, size, LIMIT, accepts) {
+                        None => None,
+                        Some(Preferred::Taken(a)) => {
+                            preferred_seen += 1;
+                            assert_eq!(Some(a.addr), expected, "seed {seed} step {step}");
+                            Some(a.addr)
+                        }
+                        Some(Preferred::BestFit(at)) => {
+                            fallback_seen += 1;
+                            assert_eq!(expected, None, "seed {seed} step {step}");
+                            assert_eq!(fits[0].free_list(), before, "seed {seed} step {step}: the look changed blocks");
+                            Some(fits[0].allocate_best_fit(at, size, size).addr)
+                        }
+                    };
+                    let plain = fits[1].allocate(size, 256, size).map(|a| a.addr);
+                    if expected.is_none() {
+                        assert_eq!(got, plain, "seed {seed} step {step}: the fallback is plain best fit");
+                    } else {
+                        // Keep the twin's layout equal to the first's.
+                        let p = plain.unwrap();
+                        fits[1].free(p, StreamTag::NONE).unwrap();
+                        fits[1].flush_hot();
+                        assert_eq!(fits[1].allocate_at(got.unwrap(), size, size).map(|a| a.addr), got);
+                    }
+                    live.extend(got);
+                } else {
+                    let addr = live.swap_remove(rng.gen_range(0..live.len()));
+                    for f in &mut fits {
+                        f.free(addr, StreamTag::NONE).unwrap();
+                        f.flush_hot();
+                    }
+                }
+                fits[0].check_invariants().unwrap();
+                assert_eq!(fits[0].free_list(), fits[1].free_list(), "seed {seed} step {step}");
+            }
+        }
+        assert!(preferred_seen > 1000 && fallback_seen > 1000, "{preferred_seen} preferred, {fallback_seen} fallbacks");
     }
 }
