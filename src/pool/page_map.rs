@@ -75,12 +75,16 @@ impl Pages {
             return true;
         }
         let (first, last) = (self.index(addr), self.index(addr + size - 1));
-        if first / 64 == last / 64 {
-            let w = self.holes.get(first / 64).copied().unwrap_or(0);
-            let mask = (u64::MAX >> (63 - (last % 64))) & (u64::MAX << (first % 64));
-            return w & mask == 0;
+        // A word at a time, the first and last words masked to the range.
+        for w in first / 64..=last / 64 {
+            let Some(&bits) = self.holes.get(w) else { return true };
+            let low = if w == first / 64 { u64::MAX << (first % 64) } else { u64::MAX };
+            let high = if w == last / 64 { u64::MAX >> (63 - last % 64) } else { u64::MAX };
+            if bits & low & high != 0 {
+                return false;
+            }
         }
-        self.runs(first, last + 1, true).next().is_none()
+        true
     }
 
     /// How many pages `[addr, addr + size)` touches are holes (a word at a
@@ -292,5 +296,22 @@ mod tests {
             let got: usize = p.mapped_inside(addr, size).iter().map(|c| c.size / page).sum();
             assert_eq!(got, inner, "mapped inside {start}+{len}");
         }
+        // A mapped run across two word edges, then every range near it:
+        // clear ones that span words, and ones a hole ends or starts.
+        p.mark(Chunk { addr: base + 120 * page, size: 130 * page }, false);
+        mapped[120..250].iter_mut().for_each(|m| *m = true);
+        let mut spanning = 0;
+        for start in (100..260).step_by(3) {
+            for len in [1, 2, 7, 63, 64, 65, 100, 129] {
+                if start + len > 300 {
+                    continue;
+                }
+                let holes = (start..start + len).filter(|&i| !mapped[i]).count();
+                let (addr, size) = (base + start * page, len * page);
+                assert_eq!(p.clear(addr, size), holes == 0, "clear {start}+{len}");
+                spanning += usize::from(holes == 0 && start / 64 != (start + len - 1) / 64);
+            }
+        }
+        assert!(spanning > 10, "clear ranges across word edges: {spanning}");
     }
 }

@@ -77,14 +77,16 @@ impl BestFit {
             }
         }
         self.flush_hot();
+        let mut asked = None;
         if align == BLOCK_ALIGN {
             // The common case: the exact best fit is preferred.
             let (_, addr, slot) = self.free_index.best_fit(size)?;
             if preferred(addr, size) {
                 return Some(Preferred::Taken(self.allocate_slot_at(slot, addr, size, requested)));
             }
+            asked = Some(slot);
         }
-        self.place_ranked(size, align, requested, limit, preferred)
+        self.place_ranked(size, align, requested, limit, asked, preferred)
     }
 
     /// Allocates at the exact best fit [`place_preferring`](Self::place_preferring)
@@ -95,7 +97,8 @@ impl BestFit {
     }
 
     /// The scan of [`place_preferring`](Self::place_preferring) past the
-    /// exact best fit.
+    /// exact best fit (`asked`: the block whose start `preferred` already
+    /// turned down, not asked again).
     #[cold]
     fn place_ranked(
         &mut self,
@@ -103,6 +106,7 @@ impl BestFit {
         align: usize,
         requested: usize,
         limit: usize,
+        asked: Option<u32>,
         mut preferred: impl FnMut(usize, usize) -> bool,
     ) -> Option<Preferred> {
         let mut first = None;
@@ -113,7 +117,7 @@ impl BestFit {
                 continue;
             }
             first.get_or_insert(BestFitAt { slot, addr: start });
-            if preferred(start, size) {
+            if Some(slot) != asked && preferred(start, size) {
                 chosen = Some((slot, start));
                 break;
             }
