@@ -21,9 +21,11 @@
 //!   a hole often has hundreds of mapped pages further in; without this the
 //!   request went to a smaller block and memory moved to it.
 //! - **Mapping** happens under the pool's remap lock, never under the pool
-//!   lock: the allocation is undone, the remap lock taken, the placement
-//!   made again, the touched holes mapped (one map call per piece of
-//!   memory, one access call per run), and the allocation kept.
+//!   lock: a placement that needs pages mapped is only looked at, not
+//!   allocated ([`BestFit::place_preferring`]); the remap lock is taken,
+//!   the placement made again and allocated, the touched holes mapped
+//!   (one map call per piece of memory, one access call per run), and
+//!   the allocation kept.
 //! - **Budget**: a remapping pool keeps its physical memory within
 //!   `(1 + slack)` times the most pages its live blocks have touched at
 //!   once ([`BestFit::touched_pages`](super::BestFit::touched_pages)),
