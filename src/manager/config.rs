@@ -188,6 +188,12 @@ pub struct Config {
     /// with no index work ([`PoolConfig::hot_block`]; on by default).
     /// Placement is best fit's either way.
     pub hot_block: bool,
+    /// The device pools that remap pages place a request into the free
+    /// tail of their highest chunk only when no other free block holds
+    /// it: the tail is the edge of address space that grows in place, so
+    /// it counts as the largest block ([`PoolConfig::tail_last`]; on by
+    /// default).
+    pub tail_last: bool,
     /// Arenas whose threads all exited give their free memory (a device
     /// arena: whole free pieces of pages, unmapped and released; a pinned
     /// arena: wholly free chunks) to an arena that must grow, when the set
@@ -256,6 +262,7 @@ impl Default for Config {
             arenas: 0,
             shared_device_arenas: false,
             hot_block: true,
+            tail_last: true,
             idle_arenas_give: false,
             fresh_thread_budget: true,
             arenas_hand_over: true,
@@ -311,6 +318,7 @@ impl Config {
         pc.thread_cache_bytes = self.thread_cache_bytes;
         pc.cache_exact = true;
         pc.hot_block = self.hot_block;
+        pc.tail_last = self.tail_last;
         pc.fresh_thread_budget = self.fresh_thread_budget;
         pc.idle_shards_give = self.idle_arenas_give;
         pc.hand_over_ranges = self.arenas_hand_over;
@@ -462,6 +470,12 @@ impl Config {
     /// Sets [`Config::hot_block`].
     pub fn hot_block(mut self, on: bool) -> Self {
         self.hot_block = on;
+        self
+    }
+
+    /// Sets [`Config::tail_last`].
+    pub fn tail_last(mut self, on: bool) -> Self {
+        self.tail_last = on;
         self
     }
     /// Sets [`Config::track_allocations`].

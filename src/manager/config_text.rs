@@ -104,6 +104,7 @@ impl std::str::FromStr for Config {
                 "pinned_thread_cache" => c.pinned_thread_cache = bool_value(key, value)?,
                 "device_thread_cache" => c.device_thread_cache = bool_value(key, value)?,
                 "hot_block" => c.hot_block = bool_value(key, value)?,
+                "tail_last" => c.tail_last = bool_value(key, value)?,
                 "fresh_thread_budget" => c.fresh_thread_budget = bool_value(key, value)?,
                 "idle_arenas_give" => c.idle_arenas_give = bool_value(key, value)?,
                 "arenas_hand_over" => c.arenas_hand_over = bool_value(key, value)?,
@@ -143,7 +144,7 @@ impl std::str::FromStr for Config {
                         "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
                          remap_slack, background_mapper, learn_placement, max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
-                         device_thread_cache, hot_block, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
+                         device_thread_cache, hot_block, tail_last, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
                          shared_device_arenas, idle_arenas_give, arenas_hand_over, fresh_thread_budget, promise_registered_captures)"
                     )))
                 }

@@ -60,6 +60,7 @@ mod ranked;
 mod resize;
 mod tags;
 mod touched;
+mod wild;
 
 use super::free_index::{FreeIndex, Key};
 
@@ -158,6 +159,9 @@ pub struct BestFit {
     hot: HotSlot,
     /// Whether frees leave the freed block hot.
     hot_enabled: bool,
+    /// Whether the free tail of the highest chunk is placed into last
+    /// (`wild.rs`).
+    wild: bool,
     /// The last hot-block check that found no rival, as (index changes,
     /// size, free successor, address): asked again with the index
     /// unchanged, it has the same answer.

@@ -53,7 +53,7 @@ impl BestFit {
             return None;
         }
         let b = &self.blocks[slot as usize];
-        if b.size != size || (b.prev != NIL && self.blocks[b.prev as usize].free) {
+        if b.size != size || (b.prev != NIL && self.blocks[b.prev as usize].free) || self.joins_wild(slot) {
             return None;
         }
         let next = (b.next != NIL && self.blocks[b.next as usize].free).then(|| {
