@@ -53,7 +53,7 @@ impl BestFit {
             return None;
         }
         let b = &self.blocks[slot as usize];
-        if b.size != size || (b.prev != NIL && self.blocks[b.prev as usize].free) || self.joins_wild(slot) {
+        if b.size != size || (b.prev != NIL && self.blocks[b.prev as usize].free) {
             return None;
         }
         let next = (b.next != NIL && self.blocks[b.next as usize].free).then(|| {
@@ -66,7 +66,10 @@ impl BestFit {
         let check = (self.free_index.changes(), size, next, b.addr);
         if self.hot_clear != Some(check) {
             let rival = self.free_index.best_fit_except(size, next);
-            if rival.is_some_and(|(rsize, raddr, _)| rsize < merged || (rsize == merged && raddr < b.addr)) {
+            // Coalesced into the highest chunk's free tail, the block is
+            // best fit's last choice (`wild.rs`): any rival wins.
+            let last = self.joins_wild(slot);
+            if rival.is_some_and(|(rsize, raddr, _)| last || rsize < merged || (rsize == merged && raddr < b.addr)) {
                 return None;
             }
             self.hot_clear = Some(check);
