@@ -47,7 +47,15 @@ EXTRA_ALLOCATORS = ["pytorch_repeat", "cumem_per_thread", "cumem_slack", "cumem_
 # "cumem_base": cumem from the package directory named by
 # CUMEM_BASE_PYTHONPATH (another build, for a before/after comparison).
 EXTRA_ALLOCATORS.append("cumem_base")
-EXTRA_CONF = {"cumem_per_thread": "arenas=0", "cumem_slack": "remap_slack=10", "cumem_noremap": "expandable=false"}
+# "cumem_tail_first": cumem with best fit free to fill the free tail of a
+# pool's highest chunk first (tail_last=false: before the free tail last).
+EXTRA_ALLOCATORS.append("cumem_tail_first")
+EXTRA_CONF = {
+    "cumem_per_thread": "arenas=0",
+    "cumem_slack": "remap_slack=10",
+    "cumem_noremap": "expandable=false",
+    "cumem_tail_first": "tail_last=false",
+}
 # Generation runs with eager attention: with SDPA, PyTorch's own allocator
 # does not repeat its own logits bit for bit from one process to the next
 # (measured on the H100: `--workloads llama_generate --allocators
