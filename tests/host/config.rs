@@ -57,6 +57,12 @@ fn good_strings() {
     assert!(!Config::default().learn_placement && !Config::default().device_pool_config().learn_placement);
     let c: Config = "learn_placement=true".parse().unwrap();
     assert!(c.learn_placement && c.device_pool_config().learn_placement);
+
+    // The free tail last: on for the device pools by default, off by the
+    // key; graph pools inherit it (they never remap, so it never acts).
+    assert!(Config::default().tail_last && Config::default().device_pool_config().tail_last);
+    let c: Config = "tail_last=false".parse().unwrap();
+    assert!(!c.tail_last && !c.device_pool_config().tail_last && !c.graph_pool_config().tail_last);
 }
 
 fn config_error(s: &str) -> String {
@@ -75,6 +81,7 @@ fn bad_strings_name_the_problem() {
     assert!(config_error("device=-1").contains("device: '-1'"));
     assert!(config_error("expandable=maybe").contains("expandable: 'maybe'"));
     assert!(config_error("learn_placement=sometimes").contains("learn_placement: 'sometimes'"));
+    assert!(config_error("tail_last=never").contains("tail_last: 'never'"));
     assert!(config_error("backend=tpu").contains("backend: 'tpu'"));
     assert!(config_error("device_pool_size=99999999999TiB").contains("device_pool_size"));
     assert!(config_error("min_chunk=0").contains("min_chunk"));

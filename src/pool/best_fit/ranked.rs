@@ -180,7 +180,7 @@ impl BestFit {
     /// `worst` pages `holes` counts (`holes(addr, size)`), the fewest
     /// found, or `None`. Looked at: the same free blocks as
     /// [`allocate_in_spans`](Self::allocate_in_spans), each at its start
-    /// and at the start and the end of every span `spans` reports in it.
+    /// and at the start of every span `spans` reports in it.
     /// (A remapping pool: the placement that needs the fewest pages mapped
     /// when none needs none, so the fewest pieces move.)
     pub fn allocate_fewest_holes(
