@@ -188,11 +188,11 @@ pub struct Config {
     /// with no index work ([`PoolConfig::hot_block`]; on by default).
     /// Placement is best fit's either way.
     pub hot_block: bool,
-    /// The device pools that remap pages place a request into the free
-    /// tail of their highest chunk only when no other free block holds
-    /// it: the tail is the edge of address space that grows in place, so
-    /// it counts as the largest block ([`PoolConfig::tail_last`]; on by
-    /// default).
+    /// The device pools that remap pages place a request of a page or
+    /// more into the free tail of their highest chunk only when no other
+    /// free block holds it: the tail is the edge of address space that
+    /// grows in place, so it counts as the largest block
+    /// ([`PoolConfig::tail_last`]; on by default).
     pub tail_last: bool,
     /// Arenas whose threads all exited give their free memory (a device
     /// arena: whole free pieces of pages, unmapped and released; a pinned

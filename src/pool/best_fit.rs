@@ -159,9 +159,9 @@ pub struct BestFit {
     hot: HotSlot,
     /// Whether frees leave the freed block hot.
     hot_enabled: bool,
-    /// Whether the free tail of the highest chunk is placed into last
-    /// (`wild.rs`).
-    wild: bool,
+    /// The smallest request placed into the free tail of the highest
+    /// chunk only when no other block holds it (`wild.rs`); `None`: off.
+    wild: Option<usize>,
     /// The last hot-block check that found no rival, as (index changes,
     /// size, free successor, address): asked again with the index
     /// unchanged, it has the same answer.

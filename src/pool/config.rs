@@ -59,11 +59,12 @@ pub struct PoolConfig {
     /// way. The device pools use it
     /// ([`Config::hot_block`](crate::Config::hot_block)).
     pub hot_block: bool,
-    /// With page remapping, the exact best fit passes over the free tail
-    /// of the pool's highest chunk when another free block holds the
-    /// request (`best_fit/wild.rs`): the tail is where the pool grows, so
-    /// placement fills holes below it first, as best fit over one range
-    /// that never ends would. The device pools use it
+    /// With page remapping, the exact best fit of a request of a page or
+    /// more passes over the free tail of the pool's highest chunk when
+    /// another free block holds the request (`best_fit/wild.rs`): the
+    /// tail is where the pool grows, so placement fills holes below it
+    /// first, as best fit over one range that never ends would. The
+    /// device pools use it
     /// ([`Config::tail_last`](crate::Config::tail_last)).
     pub tail_last: bool,
     /// With page remapping, let cumem's background mapper thread keep a

@@ -183,7 +183,7 @@ impl<U: Upstream> Pool<U> {
             fit.count_pages(page);
         }
         fit.set_hot_block(config.hot_block);
-        fit.set_wilderness(remap && config.tail_last);
+        fit.set_wilderness((remap && config.tail_last).then_some(page));
         let learns = remap && config.learn_placement;
         fit.index_addresses(learns);
         let whole_free = fit.whole_free_flag();

@@ -68,7 +68,7 @@ impl BestFit {
             let rival = self.free_index.best_fit_except(size, next);
             // Coalesced into the highest chunk's free tail, the block is
             // best fit's last choice (`wild.rs`): any rival wins.
-            let last = self.joins_wild(slot);
+            let last = self.tail_last_for(size) && self.joins_wild(slot);
             if rival.is_some_and(|(rsize, raddr, _)| last || rsize < merged || (rsize == merged && raddr < b.addr)) {
                 return None;
             }
