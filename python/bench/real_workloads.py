@@ -47,14 +47,14 @@ EXTRA_ALLOCATORS = ["pytorch_repeat", "cumem_per_thread", "cumem_slack", "cumem_
 # "cumem_base": cumem from the package directory named by
 # CUMEM_BASE_PYTHONPATH (another build, for a before/after comparison).
 EXTRA_ALLOCATORS.append("cumem_base")
-# "cumem_tail_first": cumem with best fit free to fill the free tail of a
-# pool's highest chunk first (tail_last=false: before the free tail last).
-EXTRA_ALLOCATORS.append("cumem_tail_first")
+# "cumem_tail_last": cumem placing requests of a page or more into the free
+# tail of a pool's highest chunk last (tail_last=true; off by default).
+EXTRA_ALLOCATORS.append("cumem_tail_last")
 EXTRA_CONF = {
     "cumem_per_thread": "arenas=0",
     "cumem_slack": "remap_slack=10",
     "cumem_noremap": "expandable=false",
-    "cumem_tail_first": "tail_last=false",
+    "cumem_tail_last": "tail_last=true",
 }
 # Generation runs with eager attention: with SDPA, PyTorch's own allocator
 # does not repeat its own logits bit for bit from one process to the next

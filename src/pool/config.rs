@@ -64,8 +64,9 @@ pub struct PoolConfig {
     /// another free block holds the request (`best_fit/wild.rs`): the
     /// tail is where the pool grows, so placement fills holes below it
     /// first, as best fit over one range that never ends would. The
-    /// device pools use it
-    /// ([`Config::tail_last`](crate::Config::tail_last)).
+    /// device pools use it when
+    /// [`Config::tail_last`](crate::Config::tail_last) is on (off by
+    /// default).
     pub tail_last: bool,
     /// With page remapping, let cumem's background mapper thread keep a
     /// reserve of unmapped memory, so that allocations map kept memory

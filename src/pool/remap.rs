@@ -12,7 +12,7 @@
 //!   touches no hole wins; only when none does is the exact best fit taken
 //!   and its holes mapped. A pool whose mapped set fits its work therefore
 //!   maps nothing: steady-state iterations move nothing.
-//! - **The free tail last**: the exact best fit of a request of a page or
+//! - **The free tail last** (off by default): the exact best fit of a request of a page or
 //!   more passes over the free tail of the pool's highest chunk when
 //!   another free block holds the request ([`PoolConfig::tail_last`](super::PoolConfig::tail_last),
 //!   `best_fit/wild.rs`): such blocks fill holes below the top before

@@ -58,11 +58,11 @@ fn good_strings() {
     let c: Config = "learn_placement=true".parse().unwrap();
     assert!(c.learn_placement && c.device_pool_config().learn_placement);
 
-    // The free tail last: on for the device pools by default, off by the
-    // key; graph pools inherit it (they never remap, so it never acts).
-    assert!(Config::default().tail_last && Config::default().device_pool_config().tail_last);
-    let c: Config = "tail_last=false".parse().unwrap();
-    assert!(!c.tail_last && !c.device_pool_config().tail_last && !c.graph_pool_config().tail_last);
+    // The free tail last: off by default, on by the key for the device
+    // pools; graph pools inherit it (they never remap, so it never acts).
+    assert!(!Config::default().tail_last && !Config::default().device_pool_config().tail_last);
+    let c: Config = "tail_last=true".parse().unwrap();
+    assert!(c.tail_last && c.device_pool_config().tail_last && c.graph_pool_config().tail_last);
 }
 
 fn config_error(s: &str) -> String {
