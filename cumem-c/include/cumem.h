@@ -554,6 +554,17 @@ CumemStatus cumem_release_cached(size_t *released);
 // valid for a write.
 CumemStatus cumem_memory_summary(char *buf, size_t len, size_t *needed);
 
+// Waits until every allocation and free recorded so far is written to the
+// event log (`log=` in the configuration). Nothing to do without a log or
+// before cumem's manager exists (it makes none). The log's writer thread
+// ends with the process, so a program that exits without this call loses
+// what was still buffered: `cumem_torch` calls it at exit.
+//
+// # Errors
+// The status of an error writing the log file (the error is kept: later
+// flushes report it too).
+CumemStatus cumem_flush_log(void);
+
 // Stops serving allocations, returns all free memory to the driver, and
 // stores what is still live in `*report` when it is not NULL. Live memory
 // stays valid (and can still be freed). Calling it twice is harmless.

@@ -223,6 +223,25 @@ pub unsafe extern "C" fn cumem_memory_summary(buf: *mut c_char, len: usize, need
     })
 }
 
+/// Waits until every allocation and free recorded so far is written to the
+/// event log (`log=` in the configuration). Nothing to do without a log or
+/// before cumem's manager exists (it makes none). The log's writer thread
+/// ends with the process, so a program that exits without this call loses
+/// what was still buffered: `cumem_torch` calls it at exit.
+///
+/// # Errors
+/// The status of an error writing the log file (the error is kept: later
+/// flushes report it too).
+#[no_mangle]
+pub extern "C" fn cumem_flush_log() -> CumemStatus {
+    guard(|| {
+        if let Some(mm) = cumem::MemoryManager::global_if_made() {
+            mm.flush_event_log()?;
+        }
+        Ok(())
+    })
+}
+
 /// Stops serving allocations, returns all free memory to the driver, and
 /// stores what is still live in `*report` when it is not NULL. Live memory
 /// stays valid (and can still be freed). Calling it twice is harmless.

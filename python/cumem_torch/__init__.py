@@ -35,6 +35,7 @@ configuration names them. Under torchrun (`LOCAL_RANK` set) with several
 GPUs and no `device=`, cumem's default device is the rank's GPU.
 """
 
+import atexit
 import ctypes
 import os
 import sys
@@ -47,7 +48,7 @@ __all__ = [
     "install", "is_installed", "backend_kind", "native_error", "native_conf", "init", "MemPool", "record_stream",
     "current_device", "stats", "pinned_stats",
     "torch_counters", "memory_summary", "backend", "empty_cache", "reset_peak_stats",
-    "shutdown", "library_path", "CumemError", "tag", "current_tag", "sleep", "wake_up", "tag_usage",
+    "shutdown", "flush_log", "library_path", "CumemError", "tag", "current_tag", "sleep", "wake_up", "tag_usage",
 ]
 
 ALLOC_FN = "cumem_torch_alloc"
@@ -146,7 +147,17 @@ def install(conf=None, native=True):
     else:
         torch.cuda.memory.change_current_allocator(_allocator())
         _installed = "pluggable"
+    atexit.register(flush_log)
     return _installed
+
+
+def flush_log():
+    """Writes every allocation and free recorded so far to cumem's event
+    log (`log=FILE` in the configuration) and waits until they are in the
+    file; nothing to do without a log. `install()` registers it to run at
+    interpreter exit: the log's writer thread does not outlive the process,
+    and without it the end of the log is lost."""
+    _lib.check(_lib.lib().cumem_flush_log())
 
 
 def native_error():

@@ -86,6 +86,7 @@ def _declare(lib):
         "cumem_device_stats": [c_int, P(DeviceStats)],
         "cumem_default_device": [P(c_int)],
         "cumem_reset_peak_stats": [],
+        "cumem_flush_log": [],
         "cumem_release_cached": [P(c_size)],
         "cumem_shutdown": [P(ShutdownReport)],
         "cumem_record_stream": [vp, c_int, vp],

@@ -173,6 +173,32 @@ assert cumem_torch.torch_counters()["free_failures"] == 1  # the double free abo
 assert cumem_torch.stats()["tagged_in_use"] == 0
 print("tags, sleep and wake: ok")
 
+# The event log (`log=FILE`) is whole when the process exits: install()
+# registers flush_log at exit, as this child does (install needs PyTorch).
+# Without the flush the buffered end of the log was lost.
+LOGS = r"""
+import atexit, ctypes, sys
+import cumem_torch
+from cumem_torch import _lib
+atexit.register(cumem_torch.flush_log)
+lib = _lib.lib()
+alloc, free = lib.cumem_torch_alloc, lib.cumem_torch_free
+alloc.argtypes, alloc.restype = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
+free.argtypes, free.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p], None
+ps = [alloc(4096 + 256 * i, 0, None) for i in range(2000)]
+for i, p in enumerate(ps):
+    free(p, 4096 + 256 * i, 0, None)
+"""
+log = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"cumem-torch-log-{os.getpid()}.csv")
+subprocess.run([sys.executable, "-c", LOGS], env=dict(os.environ, CUMEM_CONF=f"backend=host,log={log}"), check=True)
+with open(log) as f:
+    rows = f.read().splitlines()[1:]
+os.remove(log)
+actions = [r.split(",")[2] for r in rows if len(r.split(",")) == 6]
+assert len(actions) == len(rows) == 4000, (len(rows), len(actions))
+assert actions.count("allocate") == actions.count("free") == 2000
+print("the event log is whole at exit: ok")
+
 cumem_torch.empty_cache()
 r = cumem_torch.shutdown()
 assert r["live_count"] == 0, r

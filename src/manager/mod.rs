@@ -135,6 +135,11 @@ impl MemoryManager {
             })
     }
 
+    /// The process-wide manager if one was made, without making one.
+    pub fn global_if_made() -> Option<&'static MemoryManager> {
+        MANAGER.get()
+    }
+
     /// The process-wide manager, configured from `CUMEM_CONF` on first use.
     ///
     /// # Errors
@@ -167,6 +172,11 @@ impl MemoryManager {
     /// Always [`Error::InvalidState`].
     pub fn global() -> Result<&'static MemoryManager> {
         Err(Error::InvalidState("no process-wide manager under loom".into()))
+    }
+
+    /// Under loom there is never a process-wide manager.
+    pub fn global_if_made() -> Option<&'static MemoryManager> {
+        None
     }
 }
 
