@@ -196,7 +196,7 @@ pub struct Config {
     /// traces it brought more of them to their page floor (32 of 64 over
     /// the goal against 41), but on logs captured from real PyTorch
     /// programs it moved pages more often on two of five (GPT-2 training
-    /// 411 driver calls a warm pass against 166, a ViT 706 against 421)
+    /// 411 driver calls a warm pass against 166, a ViT 743 against 435)
     /// and held less memory on one (padded generation 1.075 of peak live
     /// against 1.116).
     pub tail_last: bool,

@@ -38,12 +38,16 @@ impl BestFit {
         self.wild.is_some_and(|min| size >= min)
     }
 
-    /// The slot of the highest chunk's free tail when the rule is on and
-    /// the tail is indexed (the hot block is not).
-    fn wild_slot(&self) -> Option<u32> {
-        self.wild?;
+    /// The slot of the last block of the highest chunk.
+    fn highest_last(&self) -> Option<u32> {
         let (_, &id) = self.chunks_by_addr.iter().next_back()?;
-        let last = self.chunk_info(id).last;
+        Some(self.chunk_info(id).last)
+    }
+
+    /// The slot of the highest chunk's free tail when it is indexed (the
+    /// hot block is not).
+    fn wild_slot(&self) -> Option<u32> {
+        let last = self.highest_last()?;
         (self.blocks[last as usize].free && self.hot.0 != last).then_some(last)
     }
 
@@ -60,7 +64,7 @@ impl BestFit {
             }
             b.next
         };
-        self.chunks_by_addr.iter().next_back().is_some_and(|(_, &id)| self.chunk_info(id).last == tail)
+        self.highest_last() == Some(tail)
     }
 
     /// The smallest free block of at least `size` bytes, ties to the
