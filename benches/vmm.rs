@@ -23,6 +23,21 @@
 //! names, which depends on `CUMEM_MAP_PEERS` and on which peers' contexts
 //! are active), so builds of the library can be compared.
 //!
+//! A second table times a page move's calls on memory that already exists
+//! (what a remapping pool does with pieces it unmapped and kept): `n`
+//! pieces mapped side by side, then unmapped one `cuMemUnmap` per piece
+//! against one `cuMemUnmap` over all of them, `cuMemMap` of a kept piece,
+//! and one `cuMemSetAccess` over the run. After the single unmap every
+//! piece is mapped again at once: a driver that left any piece mapped
+//! refuses that, and the table says so.
+//!
+//! A third table times a move of `n` pieces from one place to another:
+//! unmapped, mapped at the new place and granted there on one thread (a
+//! move on the allocating thread), against mapped at the new place while
+//! still mapped at the old (one memory, two addresses), granted, and the
+//! old addresses unmapped by a second thread meanwhile: the first
+//! thread's time, and the time until both are done.
+//!
 //! Prints the median of several rounds per size, in microseconds. Without a
 //! GPU it says so and measures nothing.
 
@@ -73,6 +88,8 @@ fn main() -> cumem::Result<()> {
         return Ok(());
     }
     let range = vmm::AddressRange::reserve(&ctx, 4 << 30, 0)?;
+    moves(&ctx, &range)?;
+    moves_behind(&ctx, &range)?;
     let peers = peers_of_0(status.devices());
     table(&ctx, &range, &peers, "the peers' contexts not created")?;
     if !peers.is_empty() {
@@ -158,6 +175,161 @@ fn table(
             mib,
             gbs(total),
             gbs(al)
+        );
+    }
+    Ok(())
+}
+
+/// The second table (see the module docs): a move's calls on `n` pieces
+/// of existing memory mapped side by side at the start of `range`.
+fn moves(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, range: &vmm::AddressRange) -> cumem::Result<()> {
+    println!("page moves on existing memory (median of {ROUNDS} rounds, microseconds; per call unless said)");
+    println!(
+        "{:>7} {:>6} {:>13} {:>13} {:>17} {:>14} {:>14}",
+        "piece", "pieces", "cuMemMap", "cuMemUnmap", "one cuMemUnmap", "(per piece)", "cuMemSetAccess"
+    );
+    for (piece_mib, n) in [(2, 1), (2, 16), (32, 1), (32, 4), (32, 16), (32, 64)] {
+        let piece = piece_mib << 20;
+        let pieces: Vec<vmm::PhysicalChunk> =
+            (0..n).map(|_| vmm::PhysicalChunk::create(ctx, piece)).collect::<cumem::Result<_>>()?;
+        let map_all = |times: Option<&mut Vec<f64>>| -> cumem::Result<()> {
+            let t = Instant::now();
+            for (i, c) in pieces.iter().enumerate() {
+                range.map(i * piece, c)?;
+            }
+            if let Some(v) = times {
+                v.push(t.elapsed().as_secs_f64() * 1e6 / n as f64);
+            }
+            Ok(())
+        };
+        let (mut map, mut each, mut one, mut access) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut refused = None;
+        for _ in 0..ROUNDS {
+            map_all(Some(&mut map))?;
+            let t = Instant::now();
+            range.set_access(0, n * piece, &[])?;
+            access.push(t.elapsed().as_secs_f64() * 1e6);
+            let t = Instant::now();
+            for i in 0..n {
+                range.unmap(i * piece, piece)?;
+            }
+            each.push(t.elapsed().as_secs_f64() * 1e6 / n as f64);
+            map_all(None)?;
+            range.set_access(0, n * piece, &[])?;
+            let t = Instant::now();
+            let single = range.unmap(0, n * piece);
+            let took = t.elapsed().as_secs_f64() * 1e6;
+            match single {
+                // Every piece maps again only if the one call unmapped all.
+                Ok(()) => match map_all(None) {
+                    Ok(()) => {
+                        one.push(took);
+                        for i in 0..n {
+                            range.unmap(i * piece, piece)?;
+                        }
+                    }
+                    Err(e) => {
+                        refused = Some(format!("left pieces mapped: {e}"));
+                        for i in 0..n {
+                            // Whatever is still mapped goes; the rest errs.
+                            let _ = range.unmap(i * piece, piece);
+                        }
+                        break;
+                    }
+                },
+                Err(e) => {
+                    refused = Some(format!("refused: {e}"));
+                    for i in 0..n {
+                        range.unmap(i * piece, piece)?;
+                    }
+                    break;
+                }
+            }
+        }
+        let one_call = match &refused {
+            Some(why) => why.clone(),
+            None => format!("{:>17.1} {:>14.1}", median(one.clone()), median(one) / n as f64),
+        };
+        println!(
+            "{:>3} MiB {n:>6} {:>13.1} {:>13.1} {one_call} {:>14.1}",
+            piece_mib,
+            median(map),
+            median(each),
+            median(access)
+        );
+    }
+    Ok(())
+}
+
+/// The third table (see the module docs): `n` pieces moved from the start
+/// of `range` to its second half, all on one thread against the old
+/// addresses unmapped by another thread after the new are mapped.
+fn moves_behind(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, range: &vmm::AddressRange) -> cumem::Result<()> {
+    println!("a move of n pieces (median of {ROUNDS} rounds, microseconds for the whole move)");
+    println!(
+        "{:>7} {:>6} {:>14} {:>22} {:>18} {:>16} {:>22}",
+        "piece", "pieces", "one thread", "map first: mover", "(both done)", "grant alone", "grant while unmapping"
+    );
+    let far = range.size() / 2;
+    for (piece_mib, n) in [(32, 1), (32, 4), (32, 16), (32, 48)] {
+        let piece = piece_mib << 20;
+        let pieces: Vec<vmm::PhysicalChunk> =
+            (0..n).map(|_| vmm::PhysicalChunk::create(ctx, piece)).collect::<cumem::Result<_>>()?;
+        let place = |at: usize| -> cumem::Result<()> {
+            for (i, c) in pieces.iter().enumerate() {
+                range.map(at + i * piece, c)?;
+            }
+            range.set_access(at, n * piece, &[])
+        };
+        let unplace = |at: usize| -> cumem::Result<()> {
+            for i in 0..n {
+                range.unmap(at + i * piece, piece)?;
+            }
+            Ok(())
+        };
+        let (mut one, mut mover, mut both) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut granted, mut alone) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            place(far)?;
+            let g = Instant::now();
+            range.set_access(far, n * piece, &[])?;
+            alone.push(g.elapsed().as_secs_f64() * 1e6);
+            unplace(far)?;
+            place(0)?;
+            let t = Instant::now();
+            unplace(0)?;
+            place(far)?;
+            one.push(t.elapsed().as_secs_f64() * 1e6);
+            unplace(far)?;
+            place(0)?;
+            let t = Instant::now();
+            let moved = std::thread::scope(|s| {
+                place(far)?;
+                let moved = t.elapsed().as_secs_f64() * 1e6;
+                let behind = s.spawn(|| {
+                    ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))?;
+                    unplace(0)
+                });
+                // The mover's next move meanwhile: the same pieces granted
+                // again where they are (what a later map pays).
+                let g = Instant::now();
+                range.set_access(far, n * piece, &[])?;
+                granted.push(g.elapsed().as_secs_f64() * 1e6);
+                behind.join().map_err(|_| Error::InvalidState("unmapping thread panicked".into()))??;
+                Ok::<f64, Error>(moved)
+            })?;
+            mover.push(moved);
+            both.push(t.elapsed().as_secs_f64() * 1e6);
+            unplace(far)?;
+        }
+        println!(
+            "{:>3} MiB {n:>6} {:>14.1} {:>22.1} {:>18.1} {:>16.1} {:>22.1}",
+            piece_mib,
+            median(one),
+            median(mover),
+            median(both),
+            median(alone),
+            median(granted)
         );
     }
     Ok(())

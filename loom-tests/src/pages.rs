@@ -23,12 +23,33 @@ pub struct Device {
     pub spare: Vec<usize>,
     pub live: BTreeSet<(usize, usize)>,
     pub violations: Vec<String>,
+    /// Old mappings of lent memory (`lend_within`), address → size.
+    pub stale: BTreeMap<usize, usize>,
+    /// Old mappings being unmapped with the device's lock dropped.
+    pub stale_busy: BTreeMap<usize, usize>,
 }
 
 impl Device {
     /// Whether `page` lies in a mapped piece.
     pub fn mapped(&self, page: usize) -> bool {
         self.pieces.range(..=page).next_back().is_some_and(|(&a, &s)| page < a + s)
+    }
+
+    /// Whether `[addr, addr + size)` overlaps an entry of `map`.
+    fn overlaps(map: &BTreeMap<usize, usize>, addr: usize, size: usize) -> bool {
+        map.range(..addr + size).next_back().is_some_and(|(&a, &s)| a + s > addr)
+    }
+
+    /// Unmaps an old mapping: it must hold no live block and no piece
+    /// (a piece there would be memory mapped over it).
+    fn unmap_old(&mut self, a: usize, s: usize) {
+        let hits: Vec<_> = self.live.iter().filter(|&&(la, ls)| la < a + s && a < la + ls).copied().collect();
+        for (la, ls) in hits {
+            self.violations.push(format!("old mapping {a:#x}+{s} under live block {la:#x}+{ls} unmapped"));
+        }
+        if Self::overlaps(&self.pieces, a, s) {
+            self.violations.push(format!("old mapping {a:#x}+{s} had memory mapped over it"));
+        }
     }
 
     /// Panics unless every page of the block `[addr, addr + size)` is
@@ -99,13 +120,27 @@ impl Upstream for PageUpstream {
         Ok(true)
     }
     fn map_runs(&self, runs: &[Chunk]) -> cumem::Result<u64> {
+        // Old mappings there that the mapper is unmapping: wait for them.
+        while runs.iter().any(|r| Device::overlaps(&self.dev().stale_busy, r.addr, r.size)) {
+            loom::thread::yield_now();
+        }
         let mut d = self.dev();
         let mut calls = 0;
         for run in runs {
+            // Old mappings there go first.
+            let old: Vec<(usize, usize)> =
+                d.stale.range(..run.end()).filter(|(&a, &s)| a + s > run.addr).map(|(&a, &s)| (a, s)).collect();
+            for (a, s) in old {
+                d.stale.remove(&a);
+                d.unmap_old(a, s);
+            }
             let mut at = run.addr;
             while at < run.end() {
                 if d.mapped(at) {
                     d.violations.push(format!("page {at:#x} mapped twice"));
+                }
+                if Device::overlaps(&d.stale, at, PAGE) || Device::overlaps(&d.stale_busy, at, PAGE) {
+                    d.violations.push(format!("page {at:#x} mapped over an old mapping"));
                 }
                 let len = match d.spare.pop() {
                     Some(s) if s <= run.end() - at => s,
@@ -150,6 +185,31 @@ impl Upstream for PageUpstream {
             }
         }
         Ok(out)
+    }
+    fn lend_within(&self, spans: &[Chunk], want: usize) -> cumem::Result<Vec<Chunk>> {
+        // As `unmap_within` keeping the memory, with the old mappings left.
+        let out = self.unmap_within(spans, want, false, true)?;
+        let mut d = self.dev();
+        for c in &out {
+            d.stale.insert(c.addr, c.size);
+        }
+        Ok(out)
+    }
+    fn unmap_stale(&self) -> usize {
+        // Taken under the lock, unmapped with it dropped (a map may come
+        // in between), then gone.
+        let taken = std::mem::take(&mut self.dev().stale);
+        self.dev().stale_busy.extend(taken.iter().map(|(&a, &s)| (a, s)));
+        loom::thread::yield_now();
+        let mut d = self.dev();
+        for (&a, &s) in &taken {
+            d.unmap_old(a, s);
+            d.stale_busy.remove(&a);
+        }
+        taken.len()
+    }
+    fn has_stale(&self) -> bool {
+        !self.dev().stale.is_empty()
     }
     fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
         let d = self.dev();

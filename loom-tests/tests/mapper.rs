@@ -97,3 +97,53 @@ fn a_shutdown_during_a_step_leaves_nothing_kept_or_moving() {
         assert_eq!(pool.stats().kept, 0);
     });
 }
+
+/// A move lends free memory (mapped at its new place while the old stays
+/// mapped); then, while the mapper's step unmaps the old mapping, another
+/// thread frees everything and allocates a block over it (which must wait
+/// for that unmap, or unmap the old mapping itself first). In every
+/// interleaving no old mapping is unmapped under a live block or with
+/// memory mapped over it, and the pool's held memory is the upstream's.
+#[test]
+fn old_mappings_of_lent_memory_go_behind_a_map_in_flight() {
+    model(|| {
+        let pool = Arc::new(pool());
+        let a = pool.allocate(2 * PAGE, 256).unwrap();
+        let b = pool.allocate(2 * PAGE, 256).unwrap();
+        pool.upstream().dev().live.insert((b.addr, b.size));
+        pool.deallocate(a.addr, StreamTag::NONE).unwrap();
+        // No free block holds it and the budget is full: a's memory moves.
+        let x = pool.allocate(3 * PAGE, 256).unwrap();
+        assert!(!pool.upstream().dev().stale.is_empty(), "the move lent nothing: the model checks nothing");
+        assert_mapped(&pool, x.addr, x.size);
+        let p = pool.clone();
+        let user = thread::spawn(move || {
+            for blk in [b, x] {
+                p.upstream().dev().live.remove(&(blk.addr, blk.size));
+                p.deallocate(blk.addr, StreamTag::NONE).unwrap();
+            }
+            // All of the range: a's old place must be mapped anew.
+            let c = p.allocate(7 * PAGE, 256).unwrap();
+            p.upstream().dev().live.insert((c.addr, c.size));
+            assert_mapped(&p, c.addr, c.size);
+            c
+        });
+        let p = pool.clone();
+        let mapper = thread::spawn(move || {
+            p.mapper_step();
+        });
+        mapper.join().unwrap();
+        let c = user.join().unwrap();
+        assert_mapped(&pool, c.addr, c.size);
+        let d = pool.upstream().dev();
+        assert!(d.violations.is_empty(), "{:?}", d.violations);
+        assert!(d.stale_busy.is_empty());
+        let held: usize = d.pieces.values().sum::<usize>() + d.spare.iter().sum::<usize>();
+        drop(d);
+        assert_eq!(pool.stats().mapped, held, "the pool's held memory drifted from the upstream's");
+        pool.with_fit(|f| f.check_invariants()).expect("best-fit invariants");
+        pool.deallocate(c.addr, StreamTag::NONE).unwrap();
+        pool.shutdown().unwrap();
+        assert!(pool.upstream().dev().stale.is_empty(), "old mappings left after shutdown");
+    });
+}

@@ -146,6 +146,13 @@ pub fn record_call(kind: CallKind) {
     CALLS[i].fetch_add(1, crate::sync::Ordering::Relaxed);
 }
 
+/// Counts one driver call of `kind` as cumem's background mapper's,
+/// whatever thread calls: for an upstream that simulates a device and
+/// models the mapper's work as done at once (the replay tool's).
+pub fn record_background_call(kind: CallKind) {
+    CALLS[kind as usize + 5].fetch_add(1, crate::sync::Ordering::Relaxed);
+}
+
 /// The driver calls that moved physical memory so far in this process
 /// (`cuMemCreate`, `cuMemMap`, `cuMemUnmap`, `cuMemSetAccess`,
 /// `cuMemRelease`), on the program's threads and on the background mapper.

@@ -76,8 +76,9 @@ pub struct PoolConfig {
     /// llama_train (125–131 against 35), pinned_top and two_streams, with
     /// physical peaks up to 0.021 higher: its reserve is room that
     /// placement then finds unmapped. Off, the allocating thread makes
-    /// every page move (and [`Pool::mapper_step`] runs the mapper's work
-    /// where a test wants it).
+    /// every page move, but the mapper thread still unmaps the old
+    /// places of memory a move lent (`remap.rs`), and
+    /// [`Pool::mapper_step`] runs the reserve's work where a test wants it.
     pub background_mapper: bool,
     /// In a set of shards ([`Shards`](super::Shards)), shards whose threads
     /// all exited give their free memory to a shard that grows when the

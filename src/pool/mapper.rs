@@ -11,7 +11,13 @@
 //! work) only when the reserve is empty and new memory would cross the
 //! budget.
 //!
-//! - **Off by default** ([`PoolConfig::background_mapper`](super::PoolConfig::background_mapper)):
+//! - **Old mappings of lent memory** (`remap.rs`: a move maps memory no
+//!   queued work may use at its new place before its old place is
+//!   unmapped): every pool's job unmaps them first in each step, without
+//!   the remap lock (the allocating thread's next move does not wait for
+//!   these unmaps), whatever the setting below. A pool queues its job
+//!   after each move that left some.
+//! - **The reserve is off by default** ([`PoolConfig::background_mapper`](super::PoolConfig::background_mapper)):
 //!   on an H200 it raised the allocating thread's calls on most traces
 //!   that move pages (`docs/results.md`).
 //! - **One thread for the process**, started on demand: pools queue a
@@ -44,9 +50,10 @@
 //!   streams with pending frees, never a capturing one) before it tries
 //!   again: without it, frees on a stream that nobody synchronises never
 //!   count as complete, and on a device the mapper moved nothing.
-//! - **Shutdown**: a pool closes its job under the remap lock (no step is
-//!   then running or will run) and waits until the thread let go of it
-//!   before it gives its memory back.
+//! - **Shutdown**: a pool closes its job under the remap lock (no step
+//!   then starts anything) and waits until the thread let go of it (a
+//!   step unmapping old mappings ends first), unmaps the old mappings
+//!   left, and gives its memory back.
 
 use super::page_map::budget;
 use super::{Inner, SpinLock};
@@ -78,6 +85,9 @@ pub(super) struct Job<U: Upstream> {
     pub(super) upstream: Arc<U>,
     pub(super) remap_lock: Arc<Mutex<()>>,
     slack_ppm: u32,
+    /// Whether the job keeps a reserve ([`PoolConfig::background_mapper`](super::PoolConfig::background_mapper));
+    /// without, it only unmaps old mappings of moved memory.
+    reserve: bool,
     /// Set while the job is in the mapper's queue.
     queued: AtomicBool,
     /// Set when the pool shuts down or drops: no step runs any more.
@@ -115,12 +125,14 @@ impl<U: Upstream> Job<U> {
         upstream: Arc<U>,
         remap_lock: Arc<Mutex<()>>,
         slack_ppm: u32,
+        reserve: bool,
     ) -> Self {
         Job {
             inner,
             upstream,
             remap_lock,
             slack_ppm,
+            reserve,
             queued: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             poll: once_cell::sync::OnceCell::new(),
@@ -170,8 +182,17 @@ impl<U: Upstream> Job<U> {
         self.inner.lock().pages.set_kept(kept);
     }
 
-    /// One step (see the module docs).
-    pub(super) fn run_step(&self) -> Progress {
+    /// One step (see the module docs); the reserve's part only where the
+    /// job keeps one or `reserve` says so (models step it by hand).
+    pub(super) fn run_step(&self, reserve: bool) -> Progress {
+        // Old mappings of moved memory first, without the remap lock: the
+        // allocating thread's next move does not wait for these unmaps.
+        if !self.closed.load(Ordering::Acquire) {
+            self.upstream.unmap_stale();
+        }
+        if !(self.reserve || reserve) {
+            return Progress::Idle;
+        }
         let _remap = lock(&self.remap_lock);
         if self.closed.load(Ordering::Acquire) {
             return Progress::Idle;
@@ -260,7 +281,7 @@ impl<U: Upstream> Job<U> {
 
 impl<U: Upstream> Step for Job<U> {
     fn step(&self) -> Progress {
-        self.run_step()
+        self.run_step(false)
     }
     fn dequeued(&self) {
         self.queued.store(false, Ordering::Release);

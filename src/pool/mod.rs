@@ -195,7 +195,13 @@ impl<U: Upstream> Pool<U> {
         let upstream = Arc::new(upstream);
         let remap_lock = Arc::new(Mutex::new(()));
         let mapper = remap.then(|| {
-            let job = mapper::Job::new(inner.clone(), upstream.clone(), remap_lock.clone(), config.remap_slack_ppm);
+            let job = mapper::Job::new(
+                inner.clone(),
+                upstream.clone(),
+                remap_lock.clone(),
+                config.remap_slack_ppm,
+                config.background_mapper,
+            );
             Arc::new(job)
         });
         Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock, mapper, whole_free }
@@ -247,7 +253,7 @@ impl<U: Upstream> Pool<U> {
     /// For models and tests: the mapper thread runs these steps itself.
     #[doc(hidden)]
     pub fn mapper_step(&self) -> bool {
-        self.mapper.as_ref().is_some_and(|job| job.run_step() == mapper::Progress::More)
+        self.mapper.as_ref().is_some_and(|job| job.run_step(true) == mapper::Progress::More)
     }
 
     /// Closes the background mapper's job and waits until its thread let
@@ -256,6 +262,8 @@ impl<U: Upstream> Pool<U> {
         if let Some(job) = &self.mapper {
             job.close();
             mapper::wait_released(job);
+            // What the mapper did not get to.
+            self.upstream.unmap_stale();
         }
     }
 

@@ -243,6 +243,15 @@ impl Expandable {
     fn map_one_run(&self, offset: usize, size: usize) -> Result<u64> {
         let plan = {
             let mut region = lock(&self.region);
+            // Old mappings of moved memory there are being unmapped
+            // behind another thread's back: a map there waits for them.
+            let mut attempt = 0;
+            while region.stale_busy_in(offset, offset + size) {
+                drop(region);
+                crate::sync::backoff(attempt);
+                attempt = attempt.saturating_add(1);
+                region = lock(&self.region);
+            }
             match region.plan_run(self.view, offset, size)? {
                 Some(plan) => plan,
                 None => return region.map_run(self.view, offset, size),
@@ -284,6 +293,28 @@ impl Expandable {
         let (out, released) = lock(&self.region).finish_unmap(done)?;
         drop(released);
         Ok(self.chunks_at(out))
+    }
+
+    /// Lends the memory of whole pieces inside `spans` (no queued work
+    /// may use them) to the next map without unmapping it (`Region::lend_within`);
+    /// `None` where the region can't.
+    fn lend_within(&self, spans: &[Chunk], want: usize) -> Option<Vec<Chunk>> {
+        let offsets: Vec<(usize, usize)> =
+            spans.iter().filter_map(|c| self.offset_of(*c).map(|o| (o, c.size))).collect();
+        let out = lock(&self.region).lend_within(self.view, &offsets, want)?;
+        Some(self.chunks_at(out))
+    }
+
+    /// Unmaps the old mappings of lent memory with the region's lock
+    /// dropped; returns how many.
+    fn unmap_stale(&self) -> usize {
+        let Some(plan) = lock(&self.region).plan_stale_unmap() else { return 0 };
+        let done = plan.execute();
+        lock(&self.region).finish_stale_unmap(done)
+    }
+
+    fn has_stale(&self) -> bool {
+        lock(&self.region).has_stale()
     }
 
     /// Chunks at region offsets `(offset, size)`.
@@ -443,6 +474,19 @@ impl Upstream for CudaVmm {
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         let _relaxed = RelaxedCaptureMode::enter();
         self.inner.map_runs(runs, PoolKind::Device)
+    }
+    fn lend_within(&self, spans: &[Chunk], want: usize) -> Result<Vec<Chunk>> {
+        match self.inner.lend_within(spans, want) {
+            Some(lent) => Ok(lent),
+            None => self.unmap_within(spans, want, false, true),
+        }
+    }
+    fn unmap_stale(&self) -> usize {
+        let _relaxed = RelaxedCaptureMode::enter();
+        self.inner.unmap_stale()
+    }
+    fn has_stale(&self) -> bool {
+        self.inner.has_stale()
     }
     fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
         // Waiting for the device would break a capture under way: keep the

@@ -245,6 +245,33 @@ pub trait Upstream: Send + Sync + 'static {
         self.inner().map_or(Ok(Vec::new()), |u| u.unmap_within(spans, want, pending, keep))
     }
 
+    /// [`unmap_within`](Upstream::unmap_within) of spans no queued work
+    /// may use, keeping the memory, but the upstream may leave it mapped
+    /// where it was until [`unmap_stale`](Upstream::unmap_stale) (or a map
+    /// that needs those addresses) unmaps it: the next map maps it at its
+    /// new addresses meanwhile, and the thread that moves memory makes no
+    /// unmap call. By default it unmaps at once.
+    ///
+    /// # Errors
+    /// A driver error.
+    fn lend_within(&self, spans: &[Chunk], want: usize) -> Result<Vec<Chunk>> {
+        match self.inner() {
+            Some(u) => u.lend_within(spans, want),
+            None => self.unmap_within(spans, want, false, true),
+        }
+    }
+
+    /// Unmaps the old mappings [`lend_within`](Upstream::lend_within) left
+    /// (their memory is mapped elsewhere or kept); returns how many.
+    fn unmap_stale(&self) -> usize {
+        self.inner().map_or(0, |u| u.unmap_stale())
+    }
+
+    /// Whether [`unmap_stale`](Upstream::unmap_stale) has work.
+    fn has_stale(&self) -> bool {
+        self.inner().is_some_and(|u| u.has_stale())
+    }
+
     /// Releases memory an [`unmap_within`](Upstream::unmap_within) kept
     /// and no [`map_runs`](Upstream::map_runs) reused.
     fn release_kept(&self) {

@@ -182,6 +182,15 @@ pub(crate) struct Region {
     /// Runs being mapped with the lock dropped (`pages.rs`): `(offset,
     /// size)`, kept off other maps until they are recorded.
     in_flight: Vec<(usize, usize)>,
+    /// Old mappings of memory lent to a map elsewhere and still mapped
+    /// here ([`lend_within`](Self::lend_within)): `(offset, size)`, each
+    /// once a piece. Maps keep off them; they are unmapped behind the
+    /// allocating thread ([`plan_stale_unmap`](Self::plan_stale_unmap)),
+    /// or first by a map that needs their addresses, or when the region
+    /// gives its memory back.
+    stale: Vec<(usize, usize)>,
+    /// Stale mappings being unmapped with the lock dropped.
+    stale_busy: Vec<(usize, usize)>,
     /// How shrinking, remapping and dropping wait for the work that may
     /// use the memory (`settle.rs`).
     waiter: Waiter,
@@ -226,6 +235,8 @@ impl Region {
             spare: Vec::new(),
             views: 1,
             in_flight: Vec::new(),
+            stale: Vec::new(),
+            stale_busy: Vec::new(),
             waiter: Waiter::None,
         };
         if let Space::Cuda { ctx, .. } = &region.space {
@@ -452,6 +463,7 @@ impl Region {
         for piece in &removed {
             self.unmap_piece(piece);
         }
+        self.unmap_stale_in(offset, end);
         Ok(true)
     }
 

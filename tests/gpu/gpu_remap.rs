@@ -76,7 +76,7 @@ impl Kernels {
 #[test]
 fn every_block_keeps_its_contents_across_remaps() {
     let Some(ctx) = gpu_for_test("every_block_keeps_its_contents_across_remaps") else { return };
-    let s = waves(&ctx, false);
+    let s = waves(&ctx, Mode::Plain);
     assert!(s.unmap_calls > 0, "no page moved: the test checked nothing");
 }
 
@@ -89,28 +89,57 @@ fn the_background_mapper_moves_pages_and_live_blocks_keep_their_contents() {
         return;
     };
     let before = cumem::cuda::vmm::driver_calls();
-    waves(&ctx, true);
+    waves(&ctx, Mode::Reserve);
     let bg = cumem::cuda::vmm::driver_calls().since(&before).background;
     println!("background mapper: {bg:?}");
     assert!(bg.unmap > 0, "the background mapper moved nothing: the test checked nothing");
 }
 
+/// The default configuration with the pool told which frees' work
+/// completed: a move lends such memory (mapped at its new place while
+/// its old place is still mapped) and the mapper thread unmaps the old
+/// places, while kernels write and check the live blocks.
+#[test]
+fn lent_memory_moves_and_live_blocks_keep_their_contents() {
+    let Some(ctx) = gpu_for_test("lent_memory_moves_and_live_blocks_keep_their_contents") else { return };
+    let before = cumem::cuda::vmm::driver_calls();
+    let s = waves(&ctx, Mode::Lend);
+    let calls = cumem::cuda::vmm::driver_calls().since(&before);
+    println!("lent moves: allocating thread {:?}, behind it {:?}", calls.allocating, calls.background);
+    assert!(s.unmap_calls > 0, "no page moved: the test checked nothing");
+    assert!(calls.background.unmap > 0, "no old mapping was unmapped behind the allocating thread");
+}
+
+/// How [`waves`] runs the pool.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    /// The default configuration, no word on which frees' work completed:
+    /// memory moves after the device is waited for.
+    Plain,
+    /// The background mapper's reserve on, no slack, and an oracle.
+    Reserve,
+    /// The default configuration with no slack and an oracle: moves lend
+    /// memory whose work completed.
+    Lend,
+}
+
 /// Waves of blocks written by kernels and checked after every wave (see
-/// the tests); with `background`, the pool's mapper thread runs and an
-/// oracle says which frees' work completed (the waves synchronise the
-/// stream before each check).
-fn waves(ctx: &Arc<CudaContext>, background: bool) -> cumem::pool::PoolStats {
+/// the tests); but for [`Mode::Plain`], an oracle says which frees' work
+/// completed (the waves synchronise the stream before each check).
+fn waves(ctx: &Arc<CudaContext>, mode: Mode) -> cumem::pool::PoolStats {
+    let background = mode == Mode::Reserve;
+    let oracle = mode != Mode::Plain;
     let vmm = CudaVmm::with_reservation(ctx.ordinal(), 16 << 30).expect("a VMM reservation");
     let page = cumem::upstream::Upstream::granularity(&vmm);
     let mut pc = PoolConfig::new(PoolKind::Device);
     pc.thread_cache = false;
     pc.background_mapper = background;
-    if background {
+    if oracle {
         pc.remap_slack_ppm = 0;
     }
     let pool = Pool::new(vmm, pc);
     let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    if background {
+    if oracle {
         let d = done.clone();
         pool.set_tag_oracle(Arc::new(move |t: StreamTag| t.seq <= d.load(std::sync::atomic::Ordering::Acquire)));
     }
@@ -172,9 +201,25 @@ fn waves(ctx: &Arc<CudaContext>, background: bool) -> cumem::pool::PoolStats {
         let bad = k.mismatches(&live);
         assert_eq!(bad, 0, "after the mapper's moves: {bad} words of live blocks changed");
     }
+    if mode == Mode::Lend {
+        // The old mappings go behind the allocating thread: wait for them,
+        // write every live block anew and check it.
+        let start = std::time::Instant::now();
+        while cumem::upstream::Upstream::has_stale(pool.upstream())
+            && start.elapsed() < std::time::Duration::from_secs(2)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!cumem::upstream::Upstream::has_stale(pool.upstream()), "old mappings stayed for 2 s");
+        for &(addr, size, v) in &live {
+            k.fill(addr, size, v, 0);
+        }
+        let bad = k.mismatches(&live);
+        assert_eq!(bad, 0, "after the old mappings went: {bad} words of live blocks changed");
+    }
     let s = pool.stats();
     println!(
-        "remap test (background mapper {background}): physical peak {} MiB, address space {} MiB, {} map and {} unmap calls",
+        "remap test ({mode:?}): physical peak {} MiB, address space {} MiB, {} map and {} unmap calls",
         s.peak_mapped >> 20,
         s.reserved >> 20,
         s.map_calls,

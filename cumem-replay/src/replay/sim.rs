@@ -263,6 +263,25 @@ impl Upstream for AddressRange {
         Ok(out)
     }
 
+    fn lend_within(&self, spans: &[Chunk], want: usize) -> Result<Vec<Chunk>> {
+        // The memory is kept as `unmap_within` keeps it; the unmap of its
+        // old place counts as the mapper thread's, done at once (the
+        // simulated mapper always keeps up).
+        let mut vm = lock(&self.vm);
+        let pieces: Vec<(usize, usize)> = vm.pieces.iter().map(|(&a, &s)| (a, s)).collect();
+        let spans: Vec<(usize, usize)> = spans.iter().map(|c| (c.addr, c.size)).collect();
+        let mut out = Vec::new();
+        for i in cumem::upstream::choose_pieces(&pieces, &spans, want) {
+            let (addr, size) = pieces[i];
+            vm.pieces.remove(&addr);
+            vm.calls.unmaps += 1;
+            cumem::cuda::vmm::record_background_call(CallKind::Unmap);
+            vm.spare.push(size);
+            out.push(Chunk { addr, size });
+        }
+        Ok(out)
+    }
+
     fn release_kept(&self) {
         lock(&self.vm).release_spare();
     }

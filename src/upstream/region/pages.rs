@@ -196,6 +196,7 @@ impl Region {
             self.map(offset, size)?;
             return Ok(1);
         }
+        self.unmap_stale_in(offset, end);
         let at = self.check_unmapped(offset, end)?;
         let piece_cap = self.piece_cap();
         let mut new: Vec<Piece> = Vec::new();
@@ -248,6 +249,7 @@ impl Region {
     /// a run across segments.
     pub(crate) fn plan_run(&mut self, view: usize, offset: usize, size: usize) -> Result<Option<RunMap>> {
         let end = self.run_end(offset, size)?;
+        self.unmap_stale_in(offset, end);
         let s = self.segment_of(offset);
         let seg_off = self.segments[s].offset;
         let Reservation::Cuda(range) = &self.segments[s].res else { return Ok(None) };
@@ -311,7 +313,7 @@ impl Region {
     fn check_unmapped(&self, offset: usize, end: usize) -> Result<usize> {
         let at = self.pieces.partition_point(|p| p.offset < offset);
         let overlaps_prev = at > 0 && self.pieces[at - 1].offset + self.pieces[at - 1].size > offset;
-        let in_flight = self.in_flight.iter().any(|&(o, l)| o < end && offset < o + l);
+        let in_flight = self.in_flight.iter().chain(&self.stale_busy).any(|&(o, l)| o < end && offset < o + l);
         if overlaps_prev || self.pieces.get(at).is_some_and(|p| p.offset < end) || in_flight {
             return Err(Error::InvalidState(format!("offset {offset} (+{} B) is already mapped", end - offset)));
         }
@@ -484,6 +486,7 @@ impl Region {
             self.unmap_piece(piece);
             bytes += piece.size;
         }
+        self.unmap_stale_in(offset, end);
         Ok(Some(bytes))
     }
 
@@ -519,6 +522,117 @@ impl Region {
     /// map).
     pub(crate) fn spare_bytes(&self, view: usize) -> usize {
         self.spare.iter().filter(|s| s.2 == view).map(|s| s.0).sum()
+    }
+}
+
+impl Region {
+    /// Lends memory without unmapping it: the whole pieces inside the
+    /// spans that [`unmap_within`](Self::unmap_within) would unmap (until
+    /// at least `want` bytes) leave the region's list and become spare of
+    /// `view`, for the next map to map at new addresses, while they stay
+    /// mapped where they were (a stale mapping, which maps keep off)
+    /// until [`plan_stale_unmap`](Self::plan_stale_unmap) or a map that
+    /// needs those addresses unmaps them. No driver call. The caller
+    /// lends only memory no queued work may use: after the lend, writes
+    /// through the old addresses would reach the new owner's memory.
+    /// `None` where the region can't lend (host memory, several
+    /// segments): the caller unmaps instead.
+    pub(crate) fn lend_within(
+        &mut self,
+        view: usize,
+        spans: &[(usize, usize)],
+        want: usize,
+    ) -> Option<Vec<(usize, usize)>> {
+        let Space::Cuda { .. } = &self.space else { return None };
+        if self.segments.len() != 1 {
+            return None;
+        }
+        let chosen = self.chosen_pieces(spans, want);
+        let mut out = Vec::with_capacity(chosen.len());
+        for piece in self.take_pieces(chosen) {
+            out.push((piece.offset, piece.size));
+            self.stale.push((piece.offset, piece.size));
+            self.spare.push((piece.size, piece.backing, view));
+        }
+        Some(out)
+    }
+
+    /// Whether stale mappings wait to be unmapped.
+    pub(crate) fn has_stale(&self) -> bool {
+        !self.stale.is_empty()
+    }
+
+    /// Whether a stale mapping inside `[offset, end)` is being unmapped
+    /// with the lock dropped (a map there waits for it).
+    pub(crate) fn stale_busy_in(&self, offset: usize, end: usize) -> bool {
+        self.stale_busy.iter().any(|&(o, l)| o < end && offset < o + l)
+    }
+
+    /// With the lock held: takes every stale mapping for
+    /// [`StaleUnmap::execute`] to unmap with the lock dropped; maps keep
+    /// off their addresses until [`finish_stale_unmap`](Self::finish_stale_unmap).
+    pub(crate) fn plan_stale_unmap(&mut self) -> Option<StaleUnmap> {
+        if self.stale.is_empty() {
+            return None;
+        }
+        let [seg] = &self.segments[..] else { return None };
+        let Reservation::Cuda(range) = &seg.res else { return None };
+        // SAFETY: the alias is used only by this unmap, while the caller
+        // holds a view of the region, which keeps its reservation (a
+        // region with stale mappings has one segment and never remaps).
+        let range = unsafe { range.alias() };
+        let maps = std::mem::take(&mut self.stale);
+        self.stale_busy.extend(maps.iter().copied());
+        Some(StaleUnmap { seg_off: seg.offset, range, maps })
+    }
+
+    /// With the lock held again: the stale mappings [`StaleUnmap::execute`]
+    /// unmapped are gone; returns how many.
+    pub(crate) fn finish_stale_unmap(&mut self, done: Vec<(usize, usize)>) -> usize {
+        self.stale_busy.retain(|m| !done.contains(m));
+        done.len()
+    }
+
+    /// Unmaps the stale mappings inside `[offset, end)` now, under the
+    /// lock (a map needs their addresses, or the memory there goes).
+    /// Errors are logged: the mapping is gone either way.
+    pub(super) fn unmap_stale_in(&mut self, offset: usize, end: usize) {
+        if self.stale.is_empty() {
+            return;
+        }
+        let (inside, rest): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.stale).into_iter().partition(|&(o, l)| o < end && offset < o + l);
+        self.stale = rest;
+        for (at, len) in inside {
+            let seg = &self.segments[self.segment_of(at)];
+            if let Reservation::Cuda(range) = &seg.res {
+                if let Err(e) = range.unmap(at - seg.offset, len) {
+                    eprintln!("cumem: unmapping {len} B of moved memory at offset {at}: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// Stale mappings being unmapped with the region's lock dropped
+/// ([`Region::plan_stale_unmap`]).
+pub(crate) struct StaleUnmap {
+    seg_off: usize,
+    range: RangeAlias,
+    maps: Vec<(usize, usize)>,
+}
+
+impl StaleUnmap {
+    /// Unmaps every stale mapping (no lock held); returns them for
+    /// [`Region::finish_stale_unmap`]. Errors are logged: the mapping is
+    /// gone either way, and its memory is mapped elsewhere.
+    pub(crate) fn execute(self) -> Vec<(usize, usize)> {
+        for &(at, len) in &self.maps {
+            if let Err(e) = self.range.unmap(at - self.seg_off, len) {
+                eprintln!("cumem: unmapping {len} B of moved memory at offset {at}: {e}");
+            }
+        }
+        self.maps
     }
 }
 

@@ -131,9 +131,12 @@ impl Region {
     /// and the guard too (the region is left empty).
     pub(super) fn remains_of(&mut self, own: bool) -> Remains {
         let mut remains = Remains::default();
-        for piece in &self.pieces {
-            let s = self.segment_of(piece.offset);
-            remains.maps.push((s, piece.offset - self.segments[s].offset, piece.size));
+        // Old mappings of lent memory are undone with the rest.
+        let stale = std::mem::take(&mut self.stale);
+        let pieces = self.pieces.iter().map(|p| (p.offset, p.size));
+        for (offset, size) in pieces.chain(stale) {
+            let s = self.segment_of(offset);
+            remains.maps.push((s, offset - self.segments[s].offset, size));
         }
         if own {
             remains.backings = self.pieces.drain(..).map(|p| p.backing).collect();
