@@ -186,9 +186,9 @@ impl Upstream for PageUpstream {
         }
         Ok(out)
     }
-    fn lend_within(&self, spans: &[Chunk], want: usize) -> cumem::Result<Vec<Chunk>> {
+    fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> cumem::Result<Vec<Chunk>> {
         // As `unmap_within` keeping the memory, with the old mappings left.
-        let out = self.unmap_within(spans, want, false, true)?;
+        let out = self.unmap_within(spans, want, pending, true)?;
         let mut d = self.dev();
         for c in &out {
             d.stale.insert(c.addr, c.size);

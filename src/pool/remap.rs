@@ -55,18 +55,19 @@
 //!   when a free block that gives pages carries a stream tag, the upstream
 //!   waits for the device before it unmaps (or unmaps nothing when it
 //!   can't wait now, and the pool grows instead).
-//! - **Lent memory**: memory no queued work may use (its blocks' stream
-//!   work is known complete) is not unmapped on the allocating thread: it
-//!   is lent ([`Upstream::lend_within`](crate::upstream::Upstream::lend_within)),
+//! - **Lent memory**: memory that moves is not unmapped on the
+//!   allocating thread: once no queued work may use it (its blocks'
+//!   stream work is known complete, or after the wait above) it is lent
+//!   ([`Upstream::lend_within`](crate::upstream::Upstream::lend_within)),
 //!   mapped at its new place while its old place stays mapped, and the
 //!   mapper thread unmaps the old place afterwards (a map that needs
 //!   those addresses first unmaps it, or waits while the mapper does). A
 //!   move then costs the allocating thread a map and an access call per
 //!   piece, not an unmap too (on an H200 a piece's `cuMemUnmap` took
 //!   about 15 µs, its `cuMemMap` 0.5 µs and its share of `cuMemSetAccess`
-//!   about 22 µs: `benches/vmm.rs`). Memory with work that may be queued
-//!   is unmapped after the wait, as before: its old place must never
-//!   reach the new owner's memory.
+//!   about 22 µs: `benches/vmm.rs`). Memory is never lent before the
+//!   wait for work that may use it: through its old place that work
+//!   would reach the new owner's memory.
 //! - **Kept memory**: memory unmapped to move is kept (with no address)
 //!   for the next map, which maps it before it makes new memory; it counts
 //!   as held. The background mapper (`mapper.rs`, when on) keeps a reserve of it
@@ -430,16 +431,11 @@ impl<U: Upstream> Pool<U> {
             if got >= want || spans.is_empty() {
                 continue;
             }
-            // Memory no queued work may use is lent, not unmapped: the
-            // map below maps it at its new addresses while the old stay
-            // mapped, and the mapper thread unmaps those
-            // (`Upstream::lend_within`).
-            let moved = if waits {
-                self.upstream.unmap_within(spans, want - got, true, true)
-            } else {
-                self.upstream.lend_within(spans, want - got)
-            };
-            match moved {
+            // The memory is lent, not unmapped: the map below maps it at
+            // its new addresses while the old stay mapped, and the mapper
+            // thread unmaps those (`Upstream::lend_within`; memory queued
+            // work may use is lent only after the wait for that work).
+            match self.upstream.lend_within(spans, want - got, waits) {
                 Ok(v) => out.extend(v),
                 // What the first call unmapped stays recorded.
                 Err(e) => return (out, Some(e)),

@@ -298,11 +298,33 @@ impl Expandable {
     /// Lends the memory of whole pieces inside `spans` (no queued work
     /// may use them) to the next map without unmapping it (`Region::lend_within`);
     /// `None` where the region can't.
-    fn lend_within(&self, spans: &[Chunk], want: usize) -> Option<Vec<Chunk>> {
+    /// With `pending` (queued work may use the spans), waits for the
+    /// device and its peers first, as [`unmap_within`](Self::unmap_within)
+    /// does: afterwards no work uses the memory, and it may be lent.
+    fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> Option<Result<Vec<Chunk>>> {
         let offsets: Vec<(usize, usize)> =
             spans.iter().filter_map(|c| self.offset_of(*c).map(|o| (o, c.size))).collect();
+        if pending {
+            let (wait, peers) = {
+                let region = lock(&self.region);
+                (region.would_lend(&offsets, want)?, region.peers().to_vec())
+            };
+            // The caller holds the pool's remap lock and marked the spans
+            // holes: the pieces there stay as they are meanwhile.
+            let waited = wait.map_or(Ok(()), |ctx| vmm::synchronize(&ctx)).and_then(|()| {
+                for peer in peers {
+                    if let Some(ctx) = device_context(peer)? {
+                        vmm::synchronize(&ctx)?;
+                    }
+                }
+                Ok(())
+            });
+            if let Err(e) = waited {
+                return Some(Err(e));
+            }
+        }
         let out = lock(&self.region).lend_within(self.view, &offsets, want)?;
-        Some(self.chunks_at(out))
+        Some(Ok(self.chunks_at(out)))
     }
 
     /// Unmaps the old mappings of lent memory with the region's lock
@@ -475,10 +497,15 @@ impl Upstream for CudaVmm {
         let _relaxed = RelaxedCaptureMode::enter();
         self.inner.map_runs(runs, PoolKind::Device)
     }
-    fn lend_within(&self, spans: &[Chunk], want: usize) -> Result<Vec<Chunk>> {
-        match self.inner.lend_within(spans, want) {
-            Some(lent) => Ok(lent),
-            None => self.unmap_within(spans, want, false, true),
+    fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> Result<Vec<Chunk>> {
+        // Waiting for the device would break a capture under way.
+        if pending && captures_under_way() {
+            return Ok(Vec::new());
+        }
+        let _relaxed = RelaxedCaptureMode::enter();
+        match self.inner.lend_within(spans, want, pending) {
+            Some(lent) => lent,
+            None => self.inner.unmap_within(spans, want, pending, true),
         }
     }
     fn unmap_stale(&self) -> usize {

@@ -245,19 +245,22 @@ pub trait Upstream: Send + Sync + 'static {
         self.inner().map_or(Ok(Vec::new()), |u| u.unmap_within(spans, want, pending, keep))
     }
 
-    /// [`unmap_within`](Upstream::unmap_within) of spans no queued work
-    /// may use, keeping the memory, but the upstream may leave it mapped
-    /// where it was until [`unmap_stale`](Upstream::unmap_stale) (or a map
-    /// that needs those addresses) unmaps it: the next map maps it at its
-    /// new addresses meanwhile, and the thread that moves memory makes no
-    /// unmap call. By default it unmaps at once.
+    /// [`unmap_within`](Upstream::unmap_within) keeping the memory, but
+    /// the upstream may leave it mapped where it was until
+    /// [`unmap_stale`](Upstream::unmap_stale) (or a map that needs those
+    /// addresses) unmaps it: the next map maps it at its new addresses
+    /// meanwhile, and the thread that moves memory makes no unmap call.
+    /// With `pending`, the upstream first waits for the work that may use
+    /// the spans (or lends nothing when it can't wait now), so that no
+    /// work reaches the new owner's memory through the old addresses. By
+    /// default it unmaps at once.
     ///
     /// # Errors
     /// A driver error.
-    fn lend_within(&self, spans: &[Chunk], want: usize) -> Result<Vec<Chunk>> {
+    fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> Result<Vec<Chunk>> {
         match self.inner() {
-            Some(u) => u.lend_within(spans, want),
-            None => self.unmap_within(spans, want, false, true),
+            Some(u) => u.lend_within(spans, want, pending),
+            None => self.unmap_within(spans, want, pending, true),
         }
     }
 

@@ -263,15 +263,19 @@ impl Upstream for AddressRange {
         Ok(out)
     }
 
-    fn lend_within(&self, spans: &[Chunk], want: usize) -> Result<Vec<Chunk>> {
+    fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> Result<Vec<Chunk>> {
         // The memory is kept as `unmap_within` keeps it; the unmap of its
         // old place counts as the mapper thread's, done at once (the
         // simulated mapper always keeps up).
         let mut vm = lock(&self.vm);
         let pieces: Vec<(usize, usize)> = vm.pieces.iter().map(|(&a, &s)| (a, s)).collect();
         let spans: Vec<(usize, usize)> = spans.iter().map(|c| (c.addr, c.size)).collect();
+        let chosen = cumem::upstream::choose_pieces(&pieces, &spans, want);
+        if pending && !chosen.is_empty() {
+            vm.calls.syncs += 1;
+        }
         let mut out = Vec::new();
-        for i in cumem::upstream::choose_pieces(&pieces, &spans, want) {
+        for i in chosen {
             let (addr, size) = pieces[i];
             vm.pieces.remove(&addr);
             vm.calls.unmaps += 1;

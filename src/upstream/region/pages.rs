@@ -557,6 +557,17 @@ impl Region {
         Some(out)
     }
 
+    /// Whether [`lend_within`](Self::lend_within) would lend anything,
+    /// and if so the context to wait for first when queued work may use
+    /// the memory (`None`: no wait, the owner settles its own work).
+    pub(crate) fn would_lend(&self, spans: &[(usize, usize)], want: usize) -> Option<Option<Arc<CudaContext>>> {
+        let Space::Cuda { ctx, .. } = &self.space else { return None };
+        if self.segments.len() != 1 || self.chosen_pieces(spans, want).is_empty() {
+            return None;
+        }
+        Some((!self.owner_settles).then(|| ctx.clone()))
+    }
+
     /// Whether stale mappings wait to be unmapped.
     pub(crate) fn has_stale(&self) -> bool {
         !self.stale.is_empty()
