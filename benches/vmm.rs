@@ -38,6 +38,10 @@
 //! old addresses unmapped by a second thread meanwhile: the first
 //! thread's time, and the time until both are done.
 //!
+//! A fourth table asks whether the driver lets the two run side by side:
+//! `n` other pieces mapped and granted alone, against the same while a
+//! second thread unmaps `n` pieces.
+//!
 //! Prints the median of several rounds per size, in microseconds. Without a
 //! GPU it says so and measures nothing.
 
@@ -90,6 +94,7 @@ fn main() -> cumem::Result<()> {
     let range = vmm::AddressRange::reserve(&ctx, 4 << 30, 0)?;
     moves(&ctx, &range)?;
     moves_behind(&ctx, &range)?;
+    side_by_side(&ctx, &range)?;
     let peers = peers_of_0(status.devices());
     table(&ctx, &range, &peers, "the peers' contexts not created")?;
     if !peers.is_empty() {
@@ -331,6 +336,60 @@ fn moves_behind(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, range: &vmm::
             median(alone),
             median(granted)
         );
+    }
+    Ok(())
+}
+
+/// The fourth table (see the module docs): a map and grant of `n` pieces
+/// at the middle of `range`, alone and while another thread unmaps `n`
+/// pieces at its start.
+fn side_by_side(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, range: &vmm::AddressRange) -> cumem::Result<()> {
+    println!("a map and grant of n pieces beside a second thread's unmaps (median of {ROUNDS} rounds, microseconds)");
+    println!("{:>7} {:>6} {:>10} {:>22}", "piece", "pieces", "alone", "while n are unmapped");
+    let there = range.size() / 2;
+    for (piece_mib, n) in [(32, 4), (32, 16), (32, 48)] {
+        let piece = piece_mib << 20;
+        let make = || -> cumem::Result<Vec<vmm::PhysicalChunk>> {
+            (0..n).map(|_| vmm::PhysicalChunk::create(ctx, piece)).collect()
+        };
+        let (old, new) = (make()?, make()?);
+        let place = |at: usize, pieces: &[vmm::PhysicalChunk]| -> cumem::Result<()> {
+            for (i, c) in pieces.iter().enumerate() {
+                range.map(at + i * piece, c)?;
+            }
+            range.set_access(at, n * piece, &[])
+        };
+        let unplace = |at: usize| -> cumem::Result<()> {
+            for i in 0..n {
+                range.unmap(at + i * piece, piece)?;
+            }
+            Ok(())
+        };
+        let (mut alone, mut beside) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            let t = Instant::now();
+            place(there, &new)?;
+            alone.push(t.elapsed().as_secs_f64() * 1e6);
+            unplace(there)?;
+            place(0, &old)?;
+            let go = std::sync::Barrier::new(2);
+            let took = std::thread::scope(|s| {
+                let behind = s.spawn(|| {
+                    ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))?;
+                    go.wait();
+                    unplace(0)
+                });
+                go.wait();
+                let t = Instant::now();
+                place(there, &new)?;
+                let took = t.elapsed().as_secs_f64() * 1e6;
+                behind.join().map_err(|_| Error::InvalidState("unmapping thread panicked".into()))??;
+                Ok::<f64, Error>(took)
+            })?;
+            beside.push(took);
+            unplace(there)?;
+        }
+        println!("{:>3} MiB {n:>6} {:>10.1} {:>22.1}", piece_mib, median(alone), median(beside));
     }
     Ok(())
 }

@@ -195,10 +195,14 @@ impl Upstream for PageUpstream {
         }
         Ok(out)
     }
-    fn unmap_stale(&self) -> usize {
+    fn unmap_stale(&self, most: usize) -> usize {
         // Taken under the lock, unmapped with it dropped (a map may come
         // in between), then gone.
-        let taken = std::mem::take(&mut self.dev().stale);
+        let taken: BTreeMap<usize, usize> = {
+            let mut d = self.dev();
+            let keys: Vec<usize> = d.stale.keys().take(most).copied().collect();
+            keys.into_iter().filter_map(|k| d.stale.remove(&k).map(|s| (k, s))).collect()
+        };
         self.dev().stale_busy.extend(taken.iter().map(|(&a, &s)| (a, s)));
         loom::thread::yield_now();
         let mut d = self.dev();

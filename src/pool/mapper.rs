@@ -79,6 +79,13 @@ const RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 #[cfg(not(loom))]
 const RETRIES: u32 = 100;
 
+/// How long after a move the old mappings of lent memory wait before the
+/// mapper unmaps them: moves come in bursts (the peak of an iteration),
+/// and an unmap beside a move delays it (the driver runs one thread's
+/// VMM calls at a time).
+#[cfg(not(loom))]
+const QUIET: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// A pool's remapping state, shared with the mapper thread.
 pub(super) struct Job<U: Upstream> {
     pub(super) inner: Arc<SpinLock<Inner>>,
@@ -88,6 +95,12 @@ pub(super) struct Job<U: Upstream> {
     /// Whether the job keeps a reserve ([`PoolConfig::background_mapper`](super::PoolConfig::background_mapper));
     /// without, it only unmaps old mappings of moved memory.
     reserve: bool,
+    /// When the pool's last move ended (`moved`), in nanoseconds since
+    /// the job was made.
+    #[cfg(not(loom))]
+    last_move: std::sync::atomic::AtomicU64,
+    #[cfg(not(loom))]
+    born: std::time::Instant,
     /// Set while the job is in the mapper's queue.
     queued: AtomicBool,
     /// Set when the pool shuts down or drops: no step runs any more.
@@ -133,10 +146,32 @@ impl<U: Upstream> Job<U> {
             remap_lock,
             slack_ppm,
             reserve,
+            #[cfg(not(loom))]
+            last_move: std::sync::atomic::AtomicU64::new(0),
+            #[cfg(not(loom))]
+            born: std::time::Instant::now(),
             queued: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             poll: once_cell::sync::OnceCell::new(),
         }
+    }
+
+    /// Notes that the pool just moved memory (the old mappings wait
+    /// [`QUIET`] after it).
+    pub(super) fn moved(&self) {
+        #[cfg(not(loom))]
+        self.last_move.store(self.born.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the pool moved memory less than [`QUIET`] ago.
+    fn moving(&self) -> bool {
+        #[cfg(not(loom))]
+        {
+            let last = self.last_move.load(std::sync::atomic::Ordering::Relaxed);
+            (self.born.elapsed().as_nanos() as u64).saturating_sub(last) < QUIET.as_nanos() as u64
+        }
+        #[cfg(loom)]
+        false
     }
 
     /// Stops the job: once this returns no step is running and none will
@@ -185,10 +220,24 @@ impl<U: Upstream> Job<U> {
     /// One step (see the module docs); the reserve's part only where the
     /// job keeps one or `reserve` says so (models step it by hand).
     pub(super) fn run_step(&self, reserve: bool) -> Progress {
-        // Old mappings of moved memory first, without the remap lock: the
-        // allocating thread's next move does not wait for these unmaps.
-        if !self.closed.load(Ordering::Acquire) {
-            self.upstream.unmap_stale();
+        // Old mappings of moved memory first, one at a time and only
+        // while no move is under way or just done: the driver runs one
+        // thread's VMM calls at a time (`benches/vmm.rs`: beside a second
+        // thread's unmaps a map and grant took more than twice as long),
+        // so an unmap beside a move would delay the move by as much. A
+        // move that starts meanwhile waits for one unmap at most.
+        if !self.closed.load(Ordering::Acquire) && self.upstream.has_stale() {
+            if self.moving() {
+                return Progress::Waiting;
+            }
+            let Ok(_remap) = self.remap_lock.try_lock() else { return Progress::Waiting };
+            if self.closed.load(Ordering::Acquire) {
+                return Progress::Idle;
+            }
+            self.upstream.unmap_stale(1);
+            if self.upstream.has_stale() {
+                return Progress::More;
+            }
         }
         if !(self.reserve || reserve) {
             return Progress::Idle;

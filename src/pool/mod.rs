@@ -263,7 +263,7 @@ impl<U: Upstream> Pool<U> {
             job.close();
             mapper::wait_released(job);
             // What the mapper did not get to.
-            self.upstream.unmap_stale();
+            self.upstream.unmap_stale(usize::MAX);
         }
     }
 

@@ -342,6 +342,7 @@ impl<U: Upstream> Pool<U> {
             // New memory made where kept pieces did not fit may have taken
             // the pool above its budget: the excess goes at once.
             job.trim_excess();
+            job.moved();
             if self.config.background_mapper || self.upstream.has_stale() {
                 super::mapper::wake(job);
             }
@@ -450,7 +451,7 @@ impl<U: Upstream> Pool<U> {
     pub(super) fn unmap_free_pages(&self) -> Result<usize> {
         // Memory released below is freed only once no old mapping of it
         // is left.
-        self.upstream.unmap_stale();
+        self.upstream.unmap_stale(usize::MAX);
         let kept = self.upstream.kept();
         self.upstream.release_kept();
         self.inner.lock().pages.set_kept(0);

@@ -327,10 +327,10 @@ impl Expandable {
         Some(Ok(self.chunks_at(out)))
     }
 
-    /// Unmaps the old mappings of lent memory with the region's lock
-    /// dropped; returns how many.
-    fn unmap_stale(&self) -> usize {
-        let Some(plan) = lock(&self.region).plan_stale_unmap() else { return 0 };
+    /// Unmaps at most `most` old mappings of lent memory with the
+    /// region's lock dropped; returns how many.
+    fn unmap_stale(&self, most: usize) -> usize {
+        let Some(plan) = lock(&self.region).plan_stale_unmap(most) else { return 0 };
         let done = plan.execute();
         lock(&self.region).finish_stale_unmap(done)
     }
@@ -508,9 +508,9 @@ impl Upstream for CudaVmm {
             None => self.inner.unmap_within(spans, want, pending, true),
         }
     }
-    fn unmap_stale(&self) -> usize {
+    fn unmap_stale(&self, most: usize) -> usize {
         let _relaxed = RelaxedCaptureMode::enter();
-        self.inner.unmap_stale()
+        self.inner.unmap_stale(most)
     }
     fn has_stale(&self) -> bool {
         self.inner.has_stale()

@@ -264,10 +264,10 @@ pub trait Upstream: Send + Sync + 'static {
         }
     }
 
-    /// Unmaps the old mappings [`lend_within`](Upstream::lend_within) left
-    /// (their memory is mapped elsewhere or kept); returns how many.
-    fn unmap_stale(&self) -> usize {
-        self.inner().map_or(0, |u| u.unmap_stale())
+    /// Unmaps at most `most` of the old mappings [`lend_within`](Upstream::lend_within)
+    /// left (their memory is mapped elsewhere or kept); returns how many.
+    fn unmap_stale(&self, most: usize) -> usize {
+        self.inner().map_or(0, |u| u.unmap_stale(most))
     }
 
     /// Whether [`unmap_stale`](Upstream::unmap_stale) has work.

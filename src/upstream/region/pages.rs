@@ -579,10 +579,10 @@ impl Region {
         self.stale_busy.iter().any(|&(o, l)| o < end && offset < o + l)
     }
 
-    /// With the lock held: takes every stale mapping for
+    /// With the lock held: takes at most `most` stale mappings for
     /// [`StaleUnmap::execute`] to unmap with the lock dropped; maps keep
     /// off their addresses until [`finish_stale_unmap`](Self::finish_stale_unmap).
-    pub(crate) fn plan_stale_unmap(&mut self) -> Option<StaleUnmap> {
+    pub(crate) fn plan_stale_unmap(&mut self, most: usize) -> Option<StaleUnmap> {
         if self.stale.is_empty() {
             return None;
         }
@@ -592,7 +592,7 @@ impl Region {
         // holds a view of the region, which keeps its reservation (a
         // region with stale mappings has one segment and never remaps).
         let range = unsafe { range.alias() };
-        let maps = std::mem::take(&mut self.stale);
+        let maps: Vec<(usize, usize)> = self.stale.drain(..most.min(self.stale.len())).collect();
         self.stale_busy.extend(maps.iter().copied());
         Some(StaleUnmap { seg_off: seg.offset, range, maps })
     }
