@@ -280,18 +280,8 @@ fn moves_behind(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, range: &vmm::
         let piece = piece_mib << 20;
         let pieces: Vec<vmm::PhysicalChunk> =
             (0..n).map(|_| vmm::PhysicalChunk::create(ctx, piece)).collect::<cumem::Result<_>>()?;
-        let place = |at: usize| -> cumem::Result<()> {
-            for (i, c) in pieces.iter().enumerate() {
-                range.map(at + i * piece, c)?;
-            }
-            range.set_access(at, n * piece, &[])
-        };
-        let unplace = |at: usize| -> cumem::Result<()> {
-            for i in 0..n {
-                range.unmap(at + i * piece, piece)?;
-            }
-            Ok(())
-        };
+        let place = |at: usize| place(range, at, &pieces);
+        let unplace = |at: usize| unplace(range, at, n, piece);
         let (mut one, mut mover, mut both) = (Vec::new(), Vec::new(), Vec::new());
         let (mut granted, mut alone) = (Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
@@ -353,18 +343,8 @@ fn side_by_side(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, range: &vmm::
             (0..n).map(|_| vmm::PhysicalChunk::create(ctx, piece)).collect()
         };
         let (old, new) = (make()?, make()?);
-        let place = |at: usize, pieces: &[vmm::PhysicalChunk]| -> cumem::Result<()> {
-            for (i, c) in pieces.iter().enumerate() {
-                range.map(at + i * piece, c)?;
-            }
-            range.set_access(at, n * piece, &[])
-        };
-        let unplace = |at: usize| -> cumem::Result<()> {
-            for i in 0..n {
-                range.unmap(at + i * piece, piece)?;
-            }
-            Ok(())
-        };
+        let place = |at: usize, pieces: &[vmm::PhysicalChunk]| place(range, at, pieces);
+        let unplace = |at: usize| unplace(range, at, n, piece);
         let (mut alone, mut beside) = (Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
             let t = Instant::now();
@@ -390,6 +370,24 @@ fn side_by_side(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, range: &vmm::
             unplace(there)?;
         }
         println!("{:>3} MiB {n:>6} {:>10.1} {:>22.1}", piece_mib, median(alone), median(beside));
+    }
+    Ok(())
+}
+
+/// Maps `pieces` (of one size) side by side at `at` and grants the run.
+fn place(range: &vmm::AddressRange, at: usize, pieces: &[vmm::PhysicalChunk]) -> cumem::Result<()> {
+    let mut end = at;
+    for c in pieces {
+        range.map(end, c)?;
+        end += c.size();
+    }
+    range.set_access(at, end - at, &[])
+}
+
+/// Unmaps `n` pieces of `piece` bytes side by side at `at`, one call each.
+fn unplace(range: &vmm::AddressRange, at: usize, n: usize, piece: usize) -> cumem::Result<()> {
+    for i in 0..n {
+        range.unmap(at + i * piece, piece)?;
     }
     Ok(())
 }

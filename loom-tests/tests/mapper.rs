@@ -7,7 +7,7 @@
 
 #![cfg(loom)]
 
-use cumem::pool::{Pool, PoolConfig, StreamTag};
+use cumem::pool::{Allocation, Pool, PoolConfig, StreamTag};
 use cumem::PoolKind;
 use cumem_loom_tests::model;
 use cumem_loom_tests::pages::{PageUpstream, PAGE};
@@ -25,6 +25,60 @@ fn pool() -> Pool<PageUpstream> {
     Pool::new(PageUpstream::default(), c)
 }
 
+/// Two blocks of two pages, the first freed: the second (live) is
+/// returned.
+fn one_freed(pool: &Pool<PageUpstream>) -> Allocation {
+    let a = pool.allocate(2 * PAGE, 256).unwrap();
+    let b = pool.allocate(2 * PAGE, 256).unwrap();
+    pool.upstream().dev().live.insert((b.addr, b.size));
+    pool.deallocate(a.addr, StreamTag::NONE).unwrap();
+    b
+}
+
+/// Frees a live block.
+fn free_live(pool: &Pool<PageUpstream>, b: Allocation) {
+    pool.upstream().dev().live.remove(&(b.addr, b.size));
+    pool.deallocate(b.addr, StreamTag::NONE).unwrap();
+}
+
+/// Allocates a block, marks it live and checks that it sits on mapped
+/// pages.
+fn allocate_live(pool: &Pool<PageUpstream>, size: usize) -> Allocation {
+    let c = pool.allocate(size, 256).unwrap();
+    pool.upstream().dev().live.insert((c.addr, c.size));
+    assert_mapped(pool, c.addr, c.size);
+    c
+}
+
+/// Runs `user` on one thread and a step of the mapper's work on another;
+/// returns the block `user` allocated, checked to sit on mapped pages.
+fn beside_a_step(
+    pool: &Arc<Pool<PageUpstream>>,
+    user: impl FnOnce(&Pool<PageUpstream>) -> Allocation + Send + 'static,
+) -> Allocation {
+    let p = pool.clone();
+    let user = thread::spawn(move || user(&p));
+    let p = pool.clone();
+    let mapper = thread::spawn(move || {
+        p.mapper_step();
+    });
+    mapper.join().unwrap();
+    let c = user.join().unwrap();
+    assert_mapped(pool, c.addr, c.size);
+    c
+}
+
+/// No violation, the pool's held memory is the upstream's, and best
+/// fit's invariants hold.
+fn check_held(pool: &Pool<PageUpstream>) {
+    let d = pool.upstream().dev();
+    assert!(d.violations.is_empty(), "{:?}", d.violations);
+    let held: usize = d.pieces.values().sum::<usize>() + d.spare.iter().sum::<usize>();
+    drop(d);
+    assert_eq!(pool.stats().mapped, held, "the pool's held memory drifted from the upstream's");
+    pool.with_fit(|f| f.check_invariants()).expect("best-fit invariants");
+}
+
 /// Checks that `addr+size`'s pages are all mapped.
 fn assert_mapped(pool: &Pool<PageUpstream>, addr: usize, size: usize) {
     pool.upstream().dev().assert_mapped(addr, size);
@@ -38,34 +92,14 @@ fn assert_mapped(pool: &Pool<PageUpstream>, addr: usize, size: usize) {
 fn the_mapper_and_a_free_in_flight_never_unmap_live_memory() {
     model(|| {
         let pool = Arc::new(pool());
-        let a = pool.allocate(2 * PAGE, 256).unwrap();
-        let b = pool.allocate(2 * PAGE, 256).unwrap();
-        pool.upstream().dev().live.insert((b.addr, b.size));
-        pool.deallocate(a.addr, StreamTag::NONE).unwrap();
-        let p = pool.clone();
-        let user = thread::spawn(move || {
-            p.upstream().dev().live.remove(&(b.addr, b.size));
-            p.deallocate(b.addr, StreamTag::NONE).unwrap();
-            let c = p.allocate(4 * PAGE, 256).unwrap();
-            p.upstream().dev().live.insert((c.addr, c.size));
-            assert_mapped(&p, c.addr, c.size);
-            c
+        let b = one_freed(&pool);
+        let c = beside_a_step(&pool, move |p| {
+            free_live(p, b);
+            allocate_live(p, 4 * PAGE)
         });
-        let p = pool.clone();
-        let mapper = thread::spawn(move || {
-            p.mapper_step();
-        });
-        mapper.join().unwrap();
-        let c = user.join().unwrap();
-        assert_mapped(&pool, c.addr, c.size);
-        let d = pool.upstream().dev();
-        assert!(d.violations.is_empty(), "{:?}", d.violations);
-        let held: usize = d.pieces.values().sum::<usize>() + d.spare.iter().sum::<usize>();
-        drop(d);
+        check_held(&pool);
         let s = pool.stats();
-        assert_eq!(s.mapped, held, "the pool's held memory drifted from the upstream's");
         assert!(s.peak_mapped <= 4 * PAGE, "physical peak {} pages", s.peak_mapped / PAGE);
-        pool.with_fit(|f| f.check_invariants()).expect("best-fit invariants");
         pool.deallocate(c.addr, StreamTag::NONE).unwrap();
     });
 }
@@ -77,10 +111,7 @@ fn the_mapper_and_a_free_in_flight_never_unmap_live_memory() {
 fn a_shutdown_during_a_step_leaves_nothing_kept_or_moving() {
     model(|| {
         let pool = Arc::new(pool());
-        let a = pool.allocate(2 * PAGE, 256).unwrap();
-        let b = pool.allocate(2 * PAGE, 256).unwrap();
-        pool.upstream().dev().live.insert((b.addr, b.size));
-        pool.deallocate(a.addr, StreamTag::NONE).unwrap();
+        let b = one_freed(&pool);
         let p = pool.clone();
         let mapper = thread::spawn(move || {
             p.mapper_step();
@@ -108,40 +139,19 @@ fn a_shutdown_during_a_step_leaves_nothing_kept_or_moving() {
 fn old_mappings_of_lent_memory_go_behind_a_map_in_flight() {
     model(|| {
         let pool = Arc::new(pool());
-        let a = pool.allocate(2 * PAGE, 256).unwrap();
-        let b = pool.allocate(2 * PAGE, 256).unwrap();
-        pool.upstream().dev().live.insert((b.addr, b.size));
-        pool.deallocate(a.addr, StreamTag::NONE).unwrap();
+        let b = one_freed(&pool);
         // No free block holds it and the budget is full: a's memory moves.
         let x = pool.allocate(3 * PAGE, 256).unwrap();
         assert!(!pool.upstream().dev().stale.is_empty(), "the move lent nothing: the model checks nothing");
         assert_mapped(&pool, x.addr, x.size);
-        let p = pool.clone();
-        let user = thread::spawn(move || {
-            for blk in [b, x] {
-                p.upstream().dev().live.remove(&(blk.addr, blk.size));
-                p.deallocate(blk.addr, StreamTag::NONE).unwrap();
-            }
+        let c = beside_a_step(&pool, move |p| {
+            free_live(p, b);
+            free_live(p, x);
             // All of the range: a's old place must be mapped anew.
-            let c = p.allocate(7 * PAGE, 256).unwrap();
-            p.upstream().dev().live.insert((c.addr, c.size));
-            assert_mapped(&p, c.addr, c.size);
-            c
+            allocate_live(p, 7 * PAGE)
         });
-        let p = pool.clone();
-        let mapper = thread::spawn(move || {
-            p.mapper_step();
-        });
-        mapper.join().unwrap();
-        let c = user.join().unwrap();
-        assert_mapped(&pool, c.addr, c.size);
-        let d = pool.upstream().dev();
-        assert!(d.violations.is_empty(), "{:?}", d.violations);
-        assert!(d.stale_busy.is_empty());
-        let held: usize = d.pieces.values().sum::<usize>() + d.spare.iter().sum::<usize>();
-        drop(d);
-        assert_eq!(pool.stats().mapped, held, "the pool's held memory drifted from the upstream's");
-        pool.with_fit(|f| f.check_invariants()).expect("best-fit invariants");
+        assert!(pool.upstream().dev().stale_busy.is_empty());
+        check_held(&pool);
         pool.deallocate(c.addr, StreamTag::NONE).unwrap();
         pool.shutdown().unwrap();
         assert!(pool.upstream().dev().stale.is_empty(), "old mappings left after shutdown");

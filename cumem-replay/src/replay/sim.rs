@@ -108,6 +108,25 @@ impl Mapped {
     }
 
     /// Drops the pieces inside `[addr, addr + size)`.
+    /// Takes the whole pieces inside `spans` a move would unmap (until
+    /// `want` bytes, `choose_pieces`) off the mapped list, counting the
+    /// device wait a `pending` move makes first; returns them.
+    fn take_within(&mut self, spans: &[Chunk], want: usize, pending: bool) -> Vec<(usize, usize)> {
+        let pieces: Vec<(usize, usize)> = self.pieces.iter().map(|(&a, &s)| (a, s)).collect();
+        let spans: Vec<(usize, usize)> = spans.iter().map(|c| (c.addr, c.size)).collect();
+        let chosen = cumem::upstream::choose_pieces(&pieces, &spans, want);
+        if pending && !chosen.is_empty() {
+            self.calls.syncs += 1;
+        }
+        chosen
+            .into_iter()
+            .map(|i| {
+                self.pieces.remove(&pieces[i].0);
+                pieces[i]
+            })
+            .collect()
+    }
+
     fn unmap_inside(&mut self, addr: usize, size: usize) {
         let inside: Vec<usize> = self.pieces.range(addr..addr + size).map(|(&a, _)| a).collect();
         for a in inside {
@@ -242,25 +261,16 @@ impl Upstream for AddressRange {
 
     fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
         let mut vm = lock(&self.vm);
-        let pieces: Vec<(usize, usize)> = vm.pieces.iter().map(|(&a, &s)| (a, s)).collect();
-        let spans: Vec<(usize, usize)> = spans.iter().map(|c| (c.addr, c.size)).collect();
-        let chosen = cumem::upstream::choose_pieces(&pieces, &spans, want);
-        if pending && !chosen.is_empty() {
-            vm.calls.syncs += 1;
-        }
-        let mut out = Vec::with_capacity(chosen.len());
-        for i in chosen {
-            let (addr, size) = pieces[i];
-            vm.pieces.remove(&addr);
+        let taken = vm.take_within(spans, want, pending);
+        for &(_, size) in &taken {
             vm.note(CallKind::Unmap);
             if keep {
                 vm.spare.push(size);
             } else {
                 vm.note(CallKind::Release);
             }
-            out.push(Chunk { addr, size });
         }
-        Ok(out)
+        Ok(taken.into_iter().map(|(addr, size)| Chunk { addr, size }).collect())
     }
 
     fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> Result<Vec<Chunk>> {
@@ -268,22 +278,13 @@ impl Upstream for AddressRange {
         // old place counts as the mapper thread's, done at once (the
         // simulated mapper always keeps up).
         let mut vm = lock(&self.vm);
-        let pieces: Vec<(usize, usize)> = vm.pieces.iter().map(|(&a, &s)| (a, s)).collect();
-        let spans: Vec<(usize, usize)> = spans.iter().map(|c| (c.addr, c.size)).collect();
-        let chosen = cumem::upstream::choose_pieces(&pieces, &spans, want);
-        if pending && !chosen.is_empty() {
-            vm.calls.syncs += 1;
-        }
-        let mut out = Vec::new();
-        for i in chosen {
-            let (addr, size) = pieces[i];
-            vm.pieces.remove(&addr);
+        let taken = vm.take_within(spans, want, pending);
+        for &(_, size) in &taken {
             vm.calls.unmaps += 1;
             cumem::cuda::vmm::record_background_call(CallKind::Unmap);
             vm.spare.push(size);
-            out.push(Chunk { addr, size });
         }
-        Ok(out)
+        Ok(taken.into_iter().map(|(addr, size)| Chunk { addr, size }).collect())
     }
 
     fn release_kept(&self) {

@@ -14,6 +14,9 @@ impl Region {
         if new_size <= old {
             return Ok(GrowPath::Unchanged);
         }
+        // Old mappings of lent memory go first (regions that lend never
+        // grow: pools reserve once).
+        self.unmap_stale_in(0, usize::MAX);
         // Give the guard's addresses back to extend into them at once.
         self.guard = None;
         let end = self.base.checked_add(old);
