@@ -13,10 +13,13 @@
 //!
 //! - **Old mappings of lent memory** (`remap.rs`: a move maps memory no
 //!   queued work may use at its new place before its old place is
-//!   unmapped): every pool's job unmaps them first in each step, without
-//!   the remap lock (the allocating thread's next move does not wait for
-//!   these unmaps), whatever the setting below. A pool queues its job
-//!   after each move that left some.
+//!   unmapped): every pool's job unmaps them first in each step, whatever
+//!   the setting below. The driver runs one thread's VMM calls at a time,
+//!   so an unmap beside a move delays the move: the step waits until the
+//!   pool has made no move for [`QUIET`], takes the remap lock only if it
+//!   is free, and unmaps one mapping per step (a move that starts
+//!   meanwhile waits for one unmap at most). A pool queues its job after
+//!   each move that left some.
 //! - **The reserve is off by default** ([`PoolConfig::background_mapper`](super::PoolConfig::background_mapper)):
 //!   on an H200 it raised the allocating thread's calls on most traces
 //!   that move pages (`docs/results.md`).

@@ -34,6 +34,17 @@ struct Expandable {
     cuda: bool,
 }
 
+/// Waits for the work queued on each device in `peers` (work on a peer's
+/// streams may use a region's memory too).
+fn synchronize_peers(peers: &[usize]) -> Result<()> {
+    for &peer in peers {
+        if let Some(ctx) = device_context(peer)? {
+            vmm::synchronize(&ctx)?;
+        }
+    }
+    Ok(())
+}
+
 impl Expandable {
     fn new(backend: &VmBackend, reserve: usize) -> Result<Self> {
         let region = Region::reserve_shared(backend, reserve, false)?;
@@ -265,14 +276,7 @@ impl Expandable {
         let offsets: Vec<(usize, usize)> =
             spans.iter().filter_map(|c| self.offset_of(*c).map(|o| (o, c.size))).collect();
         // Work on a peer's streams may use the memory too.
-        let wait_for_peers = |peers: &[usize]| -> Result<()> {
-            for &peer in peers.iter().filter(|_| pending) {
-                if let Some(ctx) = device_context(peer)? {
-                    vmm::synchronize(&ctx)?;
-                }
-            }
-            Ok(())
-        };
+        let wait_for_peers = |peers: &[usize]| if pending { synchronize_peers(peers) } else { Ok(()) };
         // On CUDA the waits and driver calls run with the region's lock
         // dropped (other pools unmap and map through views of the same
         // region meanwhile: `RunUnmap`); host memory unmaps under the lock.
@@ -295,11 +299,10 @@ impl Expandable {
         Ok(self.chunks_at(out))
     }
 
-    /// Lends the memory of whole pieces inside `spans` (no queued work
-    /// may use them) to the next map without unmapping it (`Region::lend_within`);
-    /// `None` where the region can't.
-    /// With `pending` (queued work may use the spans), waits for the
-    /// device and its peers first, as [`unmap_within`](Self::unmap_within)
+    /// Lends the memory of whole pieces inside `spans` to the next map
+    /// without unmapping it (`Region::lend_within`); `None` where the
+    /// region can't. With `pending` (queued work may use the spans), waits
+    /// for the device and its peers first, as [`unmap_within`](Self::unmap_within)
     /// does: afterwards no work uses the memory, and it may be lent.
     fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> Option<Result<Vec<Chunk>>> {
         let offsets: Vec<(usize, usize)> =
@@ -311,14 +314,7 @@ impl Expandable {
             };
             // The caller holds the pool's remap lock and marked the spans
             // holes: the pieces there stay as they are meanwhile.
-            let waited = wait.map_or(Ok(()), |ctx| vmm::synchronize(&ctx)).and_then(|()| {
-                for peer in peers {
-                    if let Some(ctx) = device_context(peer)? {
-                        vmm::synchronize(&ctx)?;
-                    }
-                }
-                Ok(())
-            });
+            let waited = wait.map_or(Ok(()), |ctx| vmm::synchronize(&ctx)).and_then(|()| synchronize_peers(&peers));
             if let Err(e) = waited {
                 return Some(Err(e));
             }
