@@ -56,6 +56,30 @@ pub type TagOracle = std::sync::Arc<dyn Fn(StreamTag) -> bool + Send + Sync>;
 /// queued work may use).
 pub type StreamPoll = std::sync::Arc<dyn Fn() + Send + Sync>;
 
+/// A point in one stream's queued work (on a device: a CUDA event recorded
+/// on the stream). A page move that lends memory which work queued before
+/// the point may still use keeps the memory's old mapping until the point
+/// has passed (`pool/remap.rs`).
+pub trait Fence: Send + Sync {
+    /// Whether the work queued before the fence is done. Never waits (it
+    /// may ask the driver); `false` when the question fails.
+    fn passed(&self) -> bool;
+
+    /// Waits until the work queued before the fence is done.
+    ///
+    /// # Errors
+    /// A driver error from the wait (the work's state is then unknown).
+    fn wait(&self) -> crate::error::Result<()>;
+}
+
+/// Makes a [`Fence`] at the end of the work queued so far on the stream
+/// with the given id ([`crate::Stream::id`]), or `None` where it can't (a
+/// stream it doesn't know, one that captures a graph, a driver error). A
+/// device allocator gives its pools one; a pool uses it for page moves of
+/// memory whose work is queued on the requesting stream. It runs with no
+/// pool lock held.
+pub type FenceMaker = std::sync::Arc<dyn Fn(u64) -> Option<std::sync::Arc<dyn Fence>> + Send + Sync>;
+
 /// [`StreamTag::merge`], asking `done` first when the merge would lose
 /// order (two streams, or one stream's numbers from different threads):
 /// a tag whose work is known complete counts as [`StreamTag::NONE`].

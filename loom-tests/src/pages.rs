@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex as StdMutex;
 
-use cumem::upstream::{Chunk, Upstream};
+use cumem::upstream::{Chunk, Queued, Upstream};
 
 /// The modelled page.
 pub const PAGE: usize = 4096;
@@ -186,16 +186,16 @@ impl Upstream for PageUpstream {
         }
         Ok(out)
     }
-    fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> cumem::Result<Vec<Chunk>> {
+    fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> cumem::Result<Vec<Chunk>> {
         // As `unmap_within` keeping the memory, with the old mappings left.
-        let out = self.unmap_within(spans, want, pending, true)?;
+        let out = self.unmap_within(spans, want, queued.waits(), true)?;
         let mut d = self.dev();
         for c in &out {
             d.stale.insert(c.addr, c.size);
         }
         Ok(out)
     }
-    fn unmap_stale(&self, most: usize) -> usize {
+    fn unmap_stale(&self, most: usize, _wait: bool) -> usize {
         // Taken under the lock, unmapped with it dropped (a map may come
         // in between), then gone.
         let taken: BTreeMap<usize, usize> = {

@@ -127,6 +127,11 @@ impl DeviceAllocator {
         a.pool.set_stream_poll(Arc::new(move || {
             streams.poll_pending();
         }));
+        // Page moves of memory whose work is queued on the requesting
+        // stream alone wait for a fence there, not for the device
+        // (`cuda/fence.rs`).
+        let streams = a.streams.clone();
+        a.pool.set_fence_maker(Arc::new(move |id| streams.fence_on(id)));
         a.set_mode(mode);
         a
     }

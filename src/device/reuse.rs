@@ -5,10 +5,11 @@ use std::collections::{BTreeSet, HashMap};
 
 use cudarc::driver::CudaContext;
 
-use crate::cuda::{capture_of, driver_err, RelaxedCaptureMode, Stream};
+use crate::cuda::{capture_of, driver_err, EventPool, RelaxedCaptureMode, Stream};
 use crate::error::Result;
 use crate::sync::{lock, AtomicU64, Mutex, Ordering};
-use crate::tag::StreamTag;
+use crate::tag::{Fence, StreamTag};
+use std::sync::Arc;
 
 /// The streams blocks were freed on, by id, so that a block freed on one
 /// stream and reused on another can be ordered after the first stream's
@@ -23,6 +24,8 @@ pub(crate) struct StreamRegistry {
     /// Waits left out: the using stream had already waited for a later
     /// point of the freeing stream.
     elided: AtomicU64,
+    /// Events for the fences of page moves ([`fence_on`](Self::fence_on)).
+    events: Arc<EventPool>,
 }
 
 /// The streams a registry knows.
@@ -238,6 +241,14 @@ impl StreamRegistry {
             }
         }
         idle
+    }
+
+    /// A fence at the end of the work queued so far on the registered
+    /// stream `id` (see [`FenceMaker`](crate::tag::FenceMaker)): `None`
+    /// for a stream the registry does not hold.
+    pub(crate) fn fence_on(&self, id: u64) -> Option<Arc<dyn Fence>> {
+        let stream = lock(&self.streams).live.get(&id).cloned()?;
+        crate::cuda::fence_on(&stream, &self.events)
     }
 
     /// Reuses that waited for another stream's work so far, and the

@@ -111,6 +111,9 @@ pub(super) struct Job<U: Upstream> {
     /// What a step asks when the free memory it could unmap may still be
     /// used by queued stream work ([`Pool::set_stream_poll`](super::Pool::set_stream_poll)).
     pub(super) poll: once_cell::sync::OnceCell<crate::tag::StreamPoll>,
+    /// What a move asks for a fence on the requesting stream
+    /// ([`Pool::set_fence_maker`](super::Pool::set_fence_maker)).
+    pub(super) fences: once_cell::sync::OnceCell<crate::tag::FenceMaker>,
 }
 
 /// What a step of the mapper's work came to.
@@ -156,6 +159,7 @@ impl<U: Upstream> Job<U> {
             queued: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             poll: once_cell::sync::OnceCell::new(),
+            fences: once_cell::sync::OnceCell::new(),
         }
     }
 
@@ -237,7 +241,11 @@ impl<U: Upstream> Job<U> {
             if self.closed.load(Ordering::Acquire) {
                 return Progress::Idle;
             }
-            self.upstream.unmap_stale(1);
+            // One whose fence has passed: the others' work may still run,
+            // so they are tried again shortly.
+            if self.upstream.unmap_stale(1, false) == 0 {
+                return Progress::Waiting;
+            }
             if self.upstream.has_stale() {
                 return Progress::More;
             }

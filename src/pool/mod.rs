@@ -41,7 +41,7 @@ mod stats;
 // Names of lower layers that a program of pools needs, kept here for
 // programs (cumem's own code imports them from their owners).
 pub use crate::sync::set_thread_slot;
-pub use crate::tag::{StreamPoll, StreamTag, TagOracle};
+pub use crate::tag::{Fence, FenceMaker, StreamPoll, StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, LOOK_EVERY, MAX_CACHED_BLOCK};
@@ -225,6 +225,18 @@ impl<U: Upstream> Pool<U> {
         }
     }
 
+    /// Sets what a page move asks for a fence on the requesting stream
+    /// ([`FenceMaker`]): with it, memory whose work is queued on that
+    /// stream alone moves with no wait for the device (its old mapping
+    /// stays until the fence has passed); without it, such a move waits
+    /// for the device first. No effect on a pool that does not remap.
+    /// Only the first call has an effect.
+    pub fn set_fence_maker(&self, fences: FenceMaker) {
+        if let Some(job) = &self.mapper {
+            let _ = job.fences.set(fences);
+        }
+    }
+
     /// Whether work queued before the free that tagged a block with `tag`
     /// is known complete ([`BestFit::tag_settled`]; takes the pool lock).
     pub(crate) fn tag_settled(&self, tag: StreamTag) -> bool {
@@ -262,8 +274,8 @@ impl<U: Upstream> Pool<U> {
         if let Some(job) = &self.mapper {
             job.close();
             mapper::wait_released(job);
-            // What the mapper did not get to.
-            self.upstream.unmap_stale(usize::MAX);
+            // What the mapper did not get to, after its work.
+            self.upstream.unmap_stale(usize::MAX, true);
         }
     }
 

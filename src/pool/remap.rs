@@ -84,7 +84,8 @@ use super::page_map::{budget, Pages};
 use super::{Allocation, BestFit, Inner, Pool, SpinLock};
 use crate::error::{Error, Result};
 use crate::sync::lock;
-use crate::upstream::{Chunk, Upstream, BLOCK_ALIGN};
+use crate::tag::StreamTag;
+use crate::upstream::{Chunk, Queued, Upstream, BLOCK_ALIGN};
 
 /// How many best-fit candidates placement looks at for one that touches
 /// only mapped pages.
@@ -95,10 +96,40 @@ struct Plan {
     alloc: Allocation,
     runs: Vec<Chunk>,
     /// Free spans that may give their memory: first those whose work is
-    /// known complete (`settled`), then those with work that may be queued.
+    /// known complete (`settled`), then those whose work may be queued on
+    /// the requesting stream alone (`ordered`), then the rest.
     settled: Vec<Chunk>,
+    ordered: Vec<Chunk>,
     pending: Vec<Chunk>,
     want: usize,
+    /// The requesting stream's id (0: none).
+    stream: u64,
+}
+
+/// Which work may still use a free block that may give memory to a move
+/// for a request on `stream` (0: none): the order in which such blocks
+/// give.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Gives {
+    /// None: no wait.
+    Settled,
+    /// Work queued on the requesting stream alone, which orders the new
+    /// owner's work after it: no wait, with a fence.
+    Ordered,
+    /// Work on any stream: a wait for the device.
+    Pending,
+}
+
+impl Gives {
+    fn of(fit: &BestFit, tag: StreamTag, stream: u64, fences: bool) -> Gives {
+        if fit.tag_settled(tag) {
+            Gives::Settled
+        } else if fences && stream != 0 && tag.stream == stream && tag != StreamTag::MIXED {
+            Gives::Ordered
+        } else {
+            Gives::Pending
+        }
+    }
 }
 
 /// Where [`place_mapped`] put a request.
@@ -308,34 +339,40 @@ impl<U: Upstream> Pool<U> {
             // this thread unmap (the background mapper keeps memory kept).
             let new = needed.saturating_sub(pages.kept);
             let want = (pages.physical() + new).saturating_sub(budget);
-            let (mut settled, mut pending) = (Vec::new(), Vec::new());
+            let (mut settled, mut ordered, mut pending) = (Vec::new(), Vec::new(), Vec::new());
             if want > 0 {
                 // Offer twice the excess (only whole pieces inside the
-                // spans can move), memory no queued work may use first:
-                // moving it needs no wait for the device.
+                // spans can move), memory no queued work may use first,
+                // then memory only this stream's work may use: moving
+                // either needs no wait for the device.
                 let mut offered = 0;
+                let fences = self.mapper.as_ref().is_some_and(|job| job.fences.get().is_some());
                 let free = fit.free_blocks_highest_first(pages.page());
-                for waits in [false, true] {
+                for gives in [Gives::Settled, Gives::Ordered, Gives::Pending] {
                     for &(addr, bsize, tag) in &free {
                         if offered >= 2 * want {
                             break;
                         }
-                        if fit.tag_settled(tag) == waits {
+                        if Gives::of(fit, tag, stream, fences) != gives {
                             continue;
                         }
-                        let spans = if waits { &mut pending } else { &mut settled };
+                        let spans = match gives {
+                            Gives::Settled => &mut settled,
+                            Gives::Ordered => &mut ordered,
+                            Gives::Pending => &mut pending,
+                        };
                         for span in pages.mapped_inside(addr, bsize) {
                             offered += span.size >> pages.shift();
                             spans.push(span);
                         }
                     }
                 }
-                for span in settled.iter().chain(&pending) {
+                for span in settled.iter().chain(&ordered).chain(&pending) {
                     // Holes while they may move: no allocation lands there.
                     pages.mark(*span, true);
                 }
             }
-            Plan { alloc: a, runs, settled, pending, want: want << pages.shift() }
+            Plan { alloc: a, runs, settled, ordered, pending, want: want << pages.shift(), stream }
         };
         let r = self.carry_out(plan).map(Some);
         if let Some(job) = &self.mapper {
@@ -383,7 +420,7 @@ impl<U: Upstream> Pool<U> {
     /// then records the result.
     fn carry_out(&self, plan: Plan) -> Result<Allocation> {
         let t0 = std::time::Instant::now();
-        let (unmapped, unmap_err) = self.unmap_settled_first(&plan.settled, &plan.pending, plan.want);
+        let (unmapped, unmap_err) = self.unmap_settled_first(&plan);
         let mapped = match unmap_err {
             Some(e) => Err(e),
             None => self.upstream.map_runs(&plan.runs),
@@ -396,7 +433,7 @@ impl<U: Upstream> Pool<U> {
         let mut inner = self.inner.lock();
         let Inner { fit, pages, .. } = &mut *inner;
         pages.move_ns += took;
-        for span in plan.settled.iter().chain(&plan.pending) {
+        for span in plan.settled.iter().chain(&plan.ordered).chain(&plan.pending) {
             pages.mark(*span, false);
         }
         for piece in &unmapped {
@@ -421,22 +458,32 @@ impl<U: Upstream> Pool<U> {
         }
     }
 
-    /// Unmaps up to `want` bytes of whole pieces inside the spans, keeping
-    /// their memory for the next map: `settled` spans first, and only if
-    /// they give too little, `pending` ones (after the upstream waits for
-    /// the device), so a move waits for queued work only when it must.
-    fn unmap_settled_first(&self, settled: &[Chunk], pending: &[Chunk], want: usize) -> (Vec<Chunk>, Option<Error>) {
+    /// Unmaps up to `plan.want` bytes of whole pieces inside the plan's
+    /// spans, keeping their memory for the next map: `settled` spans
+    /// first, then `ordered` ones (behind a fence on the requesting
+    /// stream), and only if they give too little `pending` ones (after the
+    /// upstream waits for the device), so a move waits for queued work only
+    /// when it must.
+    fn unmap_settled_first(&self, plan: &Plan) -> (Vec<Chunk>, Option<Error>) {
         let mut out = Vec::new();
-        for (spans, waits) in [(settled, false), (pending, true)] {
+        let classes =
+            [(&plan.settled, Gives::Settled), (&plan.ordered, Gives::Ordered), (&plan.pending, Gives::Pending)];
+        for (spans, gives) in classes {
             let got: usize = out.iter().map(|c: &Chunk| c.size).sum();
-            if got >= want || spans.is_empty() {
+            if got >= plan.want || spans.is_empty() {
                 continue;
             }
             // The memory is lent, not unmapped: the map below maps it at
             // its new addresses while the old stay mapped, and the mapper
             // thread unmaps those (`Upstream::lend_within`; memory queued
-            // work may use is lent only after the wait for that work).
-            match self.upstream.lend_within(spans, want - got, waits) {
+            // work may use is lent only after the wait for that work, or
+            // behind a fence on the stream the memory is lent for).
+            let queued = match gives {
+                Gives::Settled => Queued::Nothing,
+                Gives::Ordered => self.fence_on(plan.stream).map_or(Queued::Any, Queued::Before),
+                Gives::Pending => Queued::Any,
+            };
+            match self.upstream.lend_within(spans, plan.want - got, queued) {
                 Ok(v) => out.extend(v),
                 // What the first call unmapped stays recorded.
                 Err(e) => return (out, Some(e)),
@@ -445,13 +492,19 @@ impl<U: Upstream> Pool<U> {
         (out, None)
     }
 
+    /// A fence at the end of the work queued so far on `stream`, where the
+    /// pool has a fence maker and it can make one.
+    fn fence_on(&self, stream: u64) -> Option<std::sync::Arc<dyn crate::tag::Fence>> {
+        self.mapper.as_ref()?.fences.get()?(stream)
+    }
+
     /// Unmaps every wholly free piece of memory and releases the kept
     /// memory (release and out-of-memory paths; the caller holds the remap
     /// lock); returns the bytes given back.
     pub(super) fn unmap_free_pages(&self) -> Result<usize> {
         // Memory released below is freed only once no old mapping of it
-        // is left.
-        self.upstream.unmap_stale(usize::MAX);
+        // is left (waited for where work may still use it).
+        self.upstream.unmap_stale(usize::MAX, true);
         let kept = self.upstream.kept();
         self.upstream.release_kept();
         self.inner.lock().pages.set_kept(0);

@@ -145,6 +145,8 @@ pub struct Shards {
     /// What merges of blocks freed on different streams ask, in every
     /// shard (see [`Pool::set_tag_oracle`]).
     oracle: once_cell::sync::OnceCell<crate::tag::TagOracle>,
+    /// What every shard's page moves ask for a fence ([`Pool::set_fence_maker`]).
+    fences: once_cell::sync::OnceCell<crate::tag::FenceMaker>,
     /// Held by the one shard of the set that grows through its upstream
     /// at a time (pools that don't remap pages): shards that need memory
     /// meanwhile wait, then look at the new memory before they grow too.
@@ -220,6 +222,7 @@ impl Shards {
             growing: Mutex::new(()),
             last_lender: (0..count).map(|_| AtomicUsize::new(0)).collect(),
             oracle: once_cell::sync::OnceCell::new(),
+            fences: once_cell::sync::OnceCell::new(),
         }
     }
 
@@ -246,6 +249,16 @@ impl Shards {
         if self.shared.poll.set(poll).is_ok() {
             let poll = self.shared.poll.get().expect("just set");
             self.pools().for_each(|(_, p)| p.set_stream_poll(poll.clone()));
+        }
+    }
+
+    /// Sets what every shard's page moves (made now or later) ask for a
+    /// fence on the requesting stream ([`Pool::set_fence_maker`]). Only
+    /// the first call has an effect.
+    pub fn set_fence_maker(&self, fences: crate::tag::FenceMaker) {
+        if self.fences.set(fences).is_ok() {
+            let f = self.fences.get().expect("just set");
+            self.pools().for_each(|(_, p)| p.set_fence_maker(f.clone()));
         }
     }
 
@@ -376,6 +389,9 @@ impl Shards {
             }
             if let (Ok(p), Some(poll)) = (&pool, self.shared.poll.get()) {
                 p.set_stream_poll(poll.clone());
+            }
+            if let (Ok(p), Some(f)) = (&pool, self.fences.get()) {
+                p.set_fence_maker(f.clone());
             }
             if pool.is_ok() {
                 self.made.fetch_add(1, Ordering::AcqRel);

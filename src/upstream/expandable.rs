@@ -8,7 +8,7 @@
 //! memory) so shrinking and freeing unmap exactly what was mapped.
 
 use super::region::{Planned, Region, SharedRegion, VmBackend};
-use super::{Chunk, Upstream};
+use super::{Chunk, Queued, Upstream};
 use crate::cuda::{captures_under_way, device_context, driver_err, follow_active_peers, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, Arc, Mutex};
@@ -301,17 +301,34 @@ impl Expandable {
 
     /// Lends the memory of whole pieces inside `spans` to the next map
     /// without unmapping it (`Region::lend_within`); `None` where the
-    /// region can't. With `pending` (queued work may use the spans), waits
-    /// for the device and its peers first, as [`unmap_within`](Self::unmap_within)
-    /// does: afterwards no work uses the memory, and it may be lent.
-    fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> Option<Result<Vec<Chunk>>> {
+    /// region can't. Work that may use the spans ([`Queued`]) is waited
+    /// for first, as [`unmap_within`](Self::unmap_within) waits (the
+    /// device and its peers), unless it is ordered before the new owner's
+    /// on one stream and no peer maps the region: the old mappings then
+    /// wait for the fence instead.
+    fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Option<Result<Vec<Chunk>>> {
         let offsets: Vec<(usize, usize)> =
             spans.iter().filter_map(|c| self.offset_of(*c).map(|o| (o, c.size))).collect();
-        if pending {
+        let (wait, fence) = match queued {
+            Queued::Nothing => (false, None),
+            Queued::Any => (true, None),
+            // A peer's work may use the memory too, and a fence covers one
+            // stream of this device.
+            Queued::Before(fence) => match lock(&self.region).peers().is_empty() {
+                true => (false, Some(fence)),
+                false => (true, None),
+            },
+        };
+        if wait {
             let (wait, peers) = {
                 let region = lock(&self.region);
                 (region.would_lend(&offsets, want)?, region.peers().to_vec())
             };
+            // Waiting for the device would break a capture under way: lend
+            // nothing (the pool grows instead).
+            if captures_under_way() {
+                return Some(Ok(Vec::new()));
+            }
             // The caller holds the pool's remap lock and marked the spans
             // holes: the pieces there stay as they are meanwhile.
             let waited = wait.map_or(Ok(()), |ctx| vmm::synchronize(&ctx)).and_then(|()| synchronize_peers(&peers));
@@ -319,14 +336,15 @@ impl Expandable {
                 return Some(Err(e));
             }
         }
-        let out = lock(&self.region).lend_within(self.view, &offsets, want)?;
+        let out = lock(&self.region).lend_within(self.view, &offsets, want, fence)?;
         Some(Ok(self.chunks_at(out)))
     }
 
     /// Unmaps at most `most` old mappings of lent memory with the
-    /// region's lock dropped; returns how many.
-    fn unmap_stale(&self, most: usize) -> usize {
-        let Some(plan) = lock(&self.region).plan_stale_unmap(most) else { return 0 };
+    /// region's lock dropped, waiting for their fences with `wait` and
+    /// passing over those that have not passed without; returns how many.
+    fn unmap_stale(&self, most: usize, wait: bool) -> usize {
+        let Some(plan) = lock(&self.region).plan_stale_unmap(most, wait) else { return 0 };
         let done = plan.execute();
         lock(&self.region).finish_stale_unmap(done)
     }
@@ -493,20 +511,24 @@ impl Upstream for CudaVmm {
         let _relaxed = RelaxedCaptureMode::enter();
         self.inner.map_runs(runs, PoolKind::Device)
     }
-    fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> Result<Vec<Chunk>> {
-        // Waiting for the device would break a capture under way.
-        if pending && captures_under_way() {
-            return Ok(Vec::new());
-        }
-        let _relaxed = RelaxedCaptureMode::enter();
-        match self.inner.lend_within(spans, want, pending) {
+    fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Result<Vec<Chunk>> {
+        // (A fence is made only on a stream that does not capture, and the
+        // wait for it, later, runs in relaxed capture mode.)
+        let waits = queued.waits();
+        let lent = {
+            let _relaxed = RelaxedCaptureMode::enter();
+            self.inner.lend_within(spans, want, queued)
+        };
+        match lent {
             Some(lent) => lent,
-            None => self.inner.unmap_within(spans, want, pending, true),
+            // Unmapped instead, after the same wait (none while a capture
+            // is under way).
+            None => self.unmap_within(spans, want, waits, true),
         }
     }
-    fn unmap_stale(&self, most: usize) -> usize {
+    fn unmap_stale(&self, most: usize, wait: bool) -> usize {
         let _relaxed = RelaxedCaptureMode::enter();
-        self.inner.unmap_stale(most)
+        self.inner.unmap_stale(most, wait)
     }
     fn has_stale(&self) -> bool {
         self.inner.has_stale()

@@ -66,6 +66,41 @@ pub fn remap_piece(mapped: usize) -> usize {
     (mapped / 32).next_power_of_two().clamp(REMAP_PIECE, max)
 }
 
+/// What queued work may still use memory a page move lends
+/// ([`Upstream::lend_within`]).
+#[derive(Clone)]
+pub enum Queued {
+    /// None: its blocks' stream work is known complete.
+    Nothing,
+    /// Work on any stream of the device or its peers: the upstream waits
+    /// for the device (and its peers) before it lends, or lends nothing
+    /// when it can't wait now (a capture under way).
+    Any,
+    /// Only work queued before the fence on the stream the memory is lent
+    /// for: the new owner's work on that stream runs after it, so the
+    /// memory is lent with no wait, and its old mapping stays until the
+    /// fence has passed (a map that needs those addresses waits for it).
+    Before(std::sync::Arc<dyn crate::tag::Fence>),
+}
+
+impl Queued {
+    /// Whether an upstream that unmaps instead of lending must wait for
+    /// the device first.
+    pub fn waits(&self) -> bool {
+        !matches!(self, Queued::Nothing)
+    }
+}
+
+impl std::fmt::Debug for Queued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Queued::Nothing => "Nothing",
+            Queued::Any => "Any",
+            Queued::Before(_) => "Before(fence)",
+        })
+    }
+}
+
 /// Mapped memory another pool of the same address space gave up
 /// ([`Upstream::take_mapped`]), with the stream tag that orders its reuse.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -250,24 +285,27 @@ pub trait Upstream: Send + Sync + 'static {
     /// [`unmap_stale`](Upstream::unmap_stale) (or a map that needs those
     /// addresses) unmaps it: the next map maps it at its new addresses
     /// meanwhile, and the thread that moves memory makes no unmap call.
-    /// With `pending`, the upstream first waits for the work that may use
-    /// the spans (or lends nothing when it can't wait now), so that no
-    /// work reaches the new owner's memory through the old addresses. By
-    /// default it unmaps at once.
+    /// `queued` says what work may still use the spans ([`Queued`]): no
+    /// work reaches the new owner's memory through the old addresses
+    /// unless it is ordered before the new owner's. By default it unmaps
+    /// at once (waiting for the device first unless `queued` is
+    /// [`Queued::Nothing`]).
     ///
     /// # Errors
     /// A driver error.
-    fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> Result<Vec<Chunk>> {
+    fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Result<Vec<Chunk>> {
         match self.inner() {
-            Some(u) => u.lend_within(spans, want, pending),
-            None => self.unmap_within(spans, want, pending, true),
+            Some(u) => u.lend_within(spans, want, queued),
+            None => self.unmap_within(spans, want, queued.waits(), true),
         }
     }
 
     /// Unmaps at most `most` of the old mappings [`lend_within`](Upstream::lend_within)
     /// left (their memory is mapped elsewhere or kept); returns how many.
-    fn unmap_stale(&self, most: usize) -> usize {
-        self.inner().map_or(0, |u| u.unmap_stale(most))
+    /// A mapping lent before a fence ([`Queued::Before`]) that has not
+    /// passed is waited for with `wait`, and passed over without.
+    fn unmap_stale(&self, most: usize, wait: bool) -> usize {
+        self.inner().map_or(0, |u| u.unmap_stale(most, wait))
     }
 
     /// Whether [`unmap_stale`](Upstream::unmap_stale) has work.

@@ -36,6 +36,7 @@ use crate::cuda::{
 };
 use crate::error::{Error, Result};
 use crate::sync::{lock, Mutex};
+use crate::tag::Fence;
 
 mod grow;
 mod pages;
@@ -187,13 +188,30 @@ pub(crate) struct Region {
     /// once a piece. Maps keep off them; they are unmapped behind the
     /// allocating thread ([`plan_stale_unmap`](Self::plan_stale_unmap)),
     /// or first by a map that needs their addresses, or when the region
-    /// gives its memory back.
-    stale: Vec<(usize, usize)>,
+    /// gives its memory back. A mapping lent before a fence is unmapped
+    /// only once the fence has passed (waited for by those that can't
+    /// pass it over).
+    stale: Vec<Stale>,
     /// Stale mappings being unmapped with the lock dropped.
     stale_busy: Vec<(usize, usize)>,
     /// How shrinking, remapping and dropping wait for the work that may
     /// use the memory (`settle.rs`).
     waiter: Waiter,
+}
+
+/// An old mapping of lent memory ([`Region::lend_within`]).
+#[derive(Clone)]
+pub(crate) struct Stale {
+    offset: usize,
+    size: usize,
+    /// Work queued before it may still use the mapping (`None`: none).
+    fence: Option<Arc<dyn Fence>>,
+}
+
+impl std::fmt::Debug for Stale {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stale({}+{}{})", self.offset, self.size, if self.fence.is_some() { ", fenced" } else { "" })
+    }
 }
 
 /// The guard after a reservation is this many times its size (at least
@@ -459,11 +477,12 @@ impl Region {
         if cut_before || cut_after || covered != size || size == 0 {
             return Ok(false);
         }
+        // Old mappings there go too (a failed wait for one changes nothing).
+        self.unmap_stale_in(offset, end)?;
         let removed: Vec<Piece> = self.pieces.drain(first..last).collect();
         for piece in &removed {
             self.unmap_piece(piece);
         }
-        self.unmap_stale_in(offset, end);
         Ok(true)
     }
 

@@ -233,3 +233,144 @@ fn waves(ctx: &Arc<CudaContext>, mode: Mode) -> cumem::pool::PoolStats {
     drop(pool);
     s
 }
+
+const HOLD: &str = r#"
+extern "C" __global__ void hold(const volatile unsigned int* flag, unsigned long long limit_ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (*flag == 0 && now - start < limit_ns);
+}
+extern "C" __global__ void fill(unsigned int* p, unsigned int v, unsigned long long n) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < n) p[i] = v + (unsigned int)i;
+}
+"#;
+
+/// A flag in pinned host memory that a kernel reads (unified addressing:
+/// its host address is its device address).
+struct Flag(*mut u32);
+
+impl Flag {
+    fn new() -> Self {
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer; 4 bytes of mapped pinned memory.
+        unsafe { cudarc::driver::sys::cuMemHostAlloc(&mut p, 4, cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP) }
+            .result()
+            .expect("pinned memory for the flag");
+        // SAFETY: the allocation holds 4 bytes, suitably aligned.
+        unsafe { std::ptr::write_volatile(p.cast::<u32>(), 0) };
+        Flag(p.cast())
+    }
+    fn set(&self) {
+        // SAFETY: the allocation is live until drop; the kernel only reads it.
+        unsafe { std::ptr::write_volatile(self.0, 1) };
+    }
+}
+
+impl Drop for Flag {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `cuMemHostAlloc` above; the kernels that
+        // read it finished (the stream was synchronised).
+        let _ = unsafe { cudarc::driver::sys::cuMemFreeHost(self.0.cast()) };
+    }
+}
+
+/// Whether work is still queued on `s` (`cuStreamQuery`).
+fn busy(s: &cumem::Stream) -> bool {
+    let cu = s.cudarc().expect("a CUDA stream").cu_stream();
+    // SAFETY: the stream is alive (held by `s`); the call only asks.
+    let rc = unsafe { cudarc::driver::sys::cuStreamQuery(cu) };
+    rc == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
+}
+
+/// A move of memory freed on the requesting stream, through a manager
+/// built from `CUMEM_CONF` as a program builds it: a kernel holds the
+/// stream (until the host sets a flag, 10 s at most), the blocks freed
+/// behind it are still written through their old addresses, and a large
+/// request on the same stream takes their memory. The move waits for no
+/// device: the stream is still busy when the allocation returns. Then the
+/// old writes run, then a fill of the new block; the new block holds the
+/// fill, the blocks that stayed hold theirs, and the mapper thread unmaps
+/// the old places once the fence passed.
+#[test]
+fn memory_freed_on_the_requesting_stream_moves_with_no_device_wait() {
+    let Some(ctx) = gpu_for_test("memory_freed_on_the_requesting_stream_moves_with_no_device_wait") else { return };
+    let ordinal = ctx.ordinal();
+    let config = cumem::Config::from_env().expect("CUMEM_CONF parses").device(ordinal).remap_slack_ppm(0);
+    let mm = cumem::MemoryManager::new(config).expect("a manager");
+    let stream = cumem::Stream::from_cudarc(ctx.new_stream().expect("a stream"));
+    let cs = stream.cudarc().expect("a CUDA stream").clone();
+    let ptx = cudarc::nvrtc::compile_ptx(HOLD).expect("NVRTC compiles the test kernels");
+    let m = ctx.load_module(ptx).expect("the module loads");
+    let (hold, fill) = (m.load_function("hold").unwrap(), m.load_function("fill").unwrap());
+    let launch_fill = |p: u64, bytes: usize, v: u32| {
+        let n = (bytes / 4) as u64;
+        let mut l = cs.launch_builder(&fill);
+        l.arg(&p).arg(&v).arg(&n);
+        // SAFETY: the arguments match the kernel; `p` holds `n` words
+        // while the work on the stream runs (frees are ordered on it).
+        unsafe { l.launch(LaunchConfig::for_num_elems(n as u32)) }.expect("fill launches");
+    };
+    const PIECE: usize = 32 << 20;
+    let blocks: Vec<u64> = (0..16).map(|_| mm.allocate_device_on(PIECE, &stream).expect("a block")).collect();
+    for (i, &b) in blocks.iter().enumerate() {
+        launch_fill(b, PIECE, 1000 * i as u32);
+    }
+    stream.synchronize().unwrap();
+    // The stream is held; the odd blocks are written after the hold
+    // (through the addresses they have now) and freed on the stream.
+    let flag = Flag::new();
+    let (fp, limit) = (flag.0 as u64, 10_000_000_000u64);
+    let mut l = cs.launch_builder(&hold);
+    l.arg(&fp).arg(&limit);
+    // SAFETY: the arguments match the kernel; the flag outlives the work.
+    unsafe { l.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 }) }
+        .expect("hold launches");
+    for &b in blocks.iter().skip(1).step_by(2) {
+        launch_fill(b, PIECE, 7);
+        mm.free_device_on(b, &stream).expect("a free on the stream");
+    }
+    let before = mm.device_stats(ordinal).expect("stats").pool;
+    let calls = cumem::cuda::vmm::driver_calls();
+    // No free block holds 8 pieces, and with no slack the memory moves.
+    let big = mm.allocate_device_on(8 * PIECE, &stream).expect("the large block");
+    let still_held = busy(&stream);
+    flag.set();
+    let after = mm.device_stats(ordinal).expect("stats").pool;
+    launch_fill(big, 8 * PIECE, 55);
+    stream.synchronize().expect("the stream's work completes");
+    assert!(after.unmap_calls > before.unmap_calls, "no memory moved: the test checked nothing");
+    assert!(after.peak_mapped <= 16 * PIECE + PIECE, "memory grew instead of moving: {} MiB", after.peak_mapped >> 20);
+    assert!(still_held, "the move waited for the device (the stream was idle when the allocation returned)");
+    // Every word of the new block holds the fill queued after the old writes.
+    let mut host = vec![0u32; 8 * PIECE / 4];
+    // SAFETY: `host` holds the block's bytes; the stream was synchronised.
+    unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), big, 8 * PIECE) }.result().unwrap();
+    let bad = host.iter().enumerate().filter(|&(i, &w)| w != 55u32.wrapping_add(i as u32)).count();
+    assert_eq!(bad, 0, "{bad} words of the new block lost the fill");
+    for (i, &b) in blocks.iter().enumerate().step_by(2) {
+        let mut w = vec![0u32; PIECE / 4];
+        // SAFETY: as above, for a live block.
+        unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(w.as_mut_ptr().cast(), b, PIECE) }.result().unwrap();
+        let v = 1000 * i as u32;
+        let bad = w.iter().enumerate().filter(|&(j, &x)| x != v.wrapping_add(j as u32)).count();
+        assert_eq!(bad, 0, "block {i}: {bad} words changed");
+    }
+    // The old places go behind the allocating thread once the work passed.
+    let start = std::time::Instant::now();
+    while cumem::cuda::vmm::driver_calls().since(&calls).background.unmap == 0
+        && start.elapsed() < std::time::Duration::from_secs(2)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let c = cumem::cuda::vmm::driver_calls().since(&calls);
+    println!("fenced move: allocating thread {:?}, behind it {:?}", c.allocating, c.background);
+    assert!(c.background.unmap > 0, "the old places were never unmapped behind the allocating thread");
+    mm.free_device_on(big, &stream).unwrap();
+    for &b in blocks.iter().step_by(2) {
+        mm.free_device_on(b, &stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+}

@@ -14,10 +14,11 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use cumem::pool::{Pool, PoolConfig, StreamTag};
-use cumem::upstream::{Chunk, Upstream};
+use cumem::upstream::{Chunk, Queued, Upstream};
 use cumem::{PoolKind, Result};
 
 mod budget;
+mod fenced;
 mod learn;
 
 const PAGE: usize = 64 << 10;
@@ -43,6 +44,23 @@ struct World {
     /// The largest piece of new memory one map makes (0: a whole run), as
     /// the CUDA upstream caps pieces at `REMAP_PIECE`.
     piece_cap: usize,
+    /// Whether moves lend memory (old mappings stay until `unmap_stale`
+    /// or a map over them), as the CUDA upstream does: `fenced.rs`.
+    lends: bool,
+    /// Old mappings of lent memory: address → (size, the fence's stream
+    /// and point: work queued there up to that point may still use it).
+    stale: BTreeMap<usize, (usize, Option<(u64, u64)>)>,
+    /// The stream and point of the fence made last (the next lend's).
+    last_fence: Option<(u64, u64)>,
+    /// The stream an allocation is being made for (fences must be made
+    /// on it).
+    requesting: u64,
+    /// Per stream, the last free's sequence number.
+    freed: HashMap<u64, u64>,
+    /// Pieces lent, of them behind a fence, and waits for fences.
+    lent: u64,
+    fenced: u64,
+    fence_waits: u64,
 }
 
 impl World {
@@ -92,6 +110,64 @@ impl World {
         self.pieces.remove(&addr);
         self.unmaps += 1;
     }
+
+    /// Whether the work a fence covers is complete.
+    fn passed(&self, fence: Option<(u64, u64)>) -> bool {
+        fence.is_none_or(|(s, point)| self.complete.get(&s).copied().unwrap_or(0) >= point)
+    }
+
+    /// Waits for a fence: the work of its stream up to its point completes.
+    fn wait_fence(&mut self, (s, point): (u64, u64)) {
+        self.fence_waits += 1;
+        let c = self.complete.entry(s).or_default();
+        *c = (*c).max(point);
+    }
+
+    /// Unmaps the old mapping at `addr` (waiting for its fence first with
+    /// `wait`); `false` when its fence has not passed and `wait` is off.
+    fn unmap_stale_at(&mut self, addr: usize, wait: bool) -> bool {
+        let Some(&(size, fence)) = self.stale.get(&addr) else { return false };
+        if !self.passed(fence) {
+            match (wait, fence) {
+                (true, Some(f)) => self.wait_fence(f),
+                _ => return false,
+            }
+        }
+        for page in Self::pages(addr, size) {
+            if let Some(&(s, seq)) = self.queued.get(&page) {
+                if self.complete.get(&s).copied().unwrap_or(0) < seq {
+                    self.violations
+                        .push(format!("old mapping of page {page:#x} unmapped while work {s}/{seq} may use it"));
+                }
+            }
+        }
+        self.stale.remove(&addr);
+        self.unmaps += 1;
+        true
+    }
+
+    /// The old mappings overlapping `[addr, addr + size)`.
+    fn stale_in(&self, addr: usize, size: usize) -> Vec<usize> {
+        let first = self.stale.range(..=addr).next_back().map_or(addr, |(&a, _)| a);
+        self.stale.range(first..addr + size).filter(|&(&a, &(s, _))| a + s > addr).map(|(&a, _)| a).collect()
+    }
+}
+
+/// A fence of the model: the work of `stream` up to `point`.
+struct ModelFence {
+    world: Arc<Mutex<World>>,
+    stream: u64,
+    point: u64,
+}
+
+impl cumem::pool::Fence for ModelFence {
+    fn passed(&self) -> bool {
+        self.world.lock().unwrap().passed(Some((self.stream, self.point)))
+    }
+    fn wait(&self) -> Result<()> {
+        self.world.lock().unwrap().wait_fence((self.stream, self.point));
+        Ok(())
+    }
 }
 
 #[derive(Clone, Default)]
@@ -110,8 +186,12 @@ impl Upstream for Model {
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
         let mut w = self.world();
         let inside: Vec<(usize, usize)> = w.pieces.range(chunk.addr..chunk.end()).map(|(&a, &s)| (a, s)).collect();
-        if !inside.is_empty() {
+        let stale = w.stale_in(chunk.addr, chunk.size);
+        if !inside.is_empty() || !stale.is_empty() {
             w.sync();
+        }
+        for a in stale {
+            w.unmap_stale_at(a, true);
         }
         for (a, s) in inside {
             w.unmap_piece(a, s, true);
@@ -158,6 +238,10 @@ impl Upstream for Model {
         let mut w = self.world();
         let mut calls = 0;
         for run in runs {
+            // Old mappings there go first, after their fences.
+            for a in w.stale_in(run.addr, run.size) {
+                w.unmap_stale_at(a, true);
+            }
             assert!(run.addr % PAGE == 0 && run.size % PAGE == 0, "unaligned run {run:?}");
             let mut at = run.addr;
             while at < run.end() {
@@ -209,6 +293,86 @@ impl Upstream for Model {
             }
         }
         Ok(out)
+    }
+    fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Result<Vec<Chunk>> {
+        let mut w = self.world();
+        if !w.lends {
+            drop(w);
+            return self.unmap_within(spans, want, queued.waits(), true);
+        }
+        let fence = match queued {
+            Queued::Nothing => None,
+            Queued::Any => {
+                w.sync();
+                None
+            }
+            Queued::Before(_) => {
+                let f = w.last_fence.take();
+                let requesting = w.requesting;
+                if f.is_none_or(|(s, _)| s != requesting) {
+                    w.violations.push(format!("a fence {f:?} not made on the requesting stream {requesting}"));
+                }
+                f
+            }
+        };
+        let mut out = Vec::new();
+        let mut got = 0;
+        for span in spans {
+            let inside: Vec<(usize, usize)> = w
+                .pieces
+                .range(span.addr..span.end())
+                .filter(|&(&a, &s)| a + s <= span.end())
+                .map(|(&a, &s)| (a, s))
+                .collect();
+            for (a, s) in inside {
+                if got >= want {
+                    break;
+                }
+                for page in World::pages(a, s) {
+                    if let Some(&(st, seq)) = w.queued.get(&page) {
+                        let done = w.complete.get(&st).copied().unwrap_or(0) >= seq;
+                        let behind = fence.is_some_and(|(fs, point)| fs == st && seq <= point);
+                        if !done && !behind {
+                            w.violations.push(format!("page {page:#x} lent while work {st}/{seq} may use it"));
+                        }
+                    }
+                    let hits: Vec<_> = w
+                        .live
+                        .range(..page + PAGE)
+                        .filter(|&(&la, &ls)| la + ls > page)
+                        .map(|(&la, &ls)| (la, ls))
+                        .collect();
+                    for (la, ls) in hits {
+                        w.violations.push(format!("page {page:#x} of live block {la:#x}+{ls} lent"));
+                    }
+                }
+                w.pieces.remove(&a);
+                w.spare.push(s);
+                w.stale.insert(a, (s, fence));
+                w.lent += 1;
+                w.fenced += u64::from(fence.is_some());
+                got += s;
+                out.push(Chunk { addr: a, size: s });
+            }
+        }
+        Ok(out)
+    }
+    fn unmap_stale(&self, most: usize, wait: bool) -> usize {
+        let mut w = self.world();
+        let addrs: Vec<usize> = w.stale.keys().copied().collect();
+        let mut n = 0;
+        for a in addrs {
+            if n >= most {
+                break;
+            }
+            if w.unmap_stale_at(a, wait) {
+                n += 1;
+            }
+        }
+        n
+    }
+    fn has_stale(&self) -> bool {
+        !self.world().stale.is_empty()
     }
     fn release_kept(&self) {
         self.world().spare.clear();

@@ -13,7 +13,7 @@ use super::Measurement;
 use crate::trace::{Op, Trace};
 use cumem::cuda::vmm::{record_call, CallKind};
 use cumem::pool::{Pool, StreamTag, BLOCK_ALIGN};
-use cumem::upstream::{Chunk, Upstream};
+use cumem::upstream::{Chunk, Queued, Upstream};
 use cumem::Config;
 use cumem::Result;
 use std::sync::{Mutex, MutexGuard};
@@ -273,12 +273,13 @@ impl Upstream for AddressRange {
         Ok(taken.into_iter().map(|(addr, size)| Chunk { addr, size }).collect())
     }
 
-    fn lend_within(&self, spans: &[Chunk], want: usize, pending: bool) -> Result<Vec<Chunk>> {
+    fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Result<Vec<Chunk>> {
         // The memory is kept as `unmap_within` keeps it; the unmap of its
         // old place counts as the mapper thread's, done at once (the
         // simulated mapper always keeps up).
         let mut vm = lock(&self.vm);
-        let taken = vm.take_within(spans, want, pending);
+        // Only memory any stream's work may use waits for the device.
+        let taken = vm.take_within(spans, want, matches!(queued, Queued::Any));
         for &(_, size) in &taken {
             vm.calls.unmaps += 1;
             cumem::cuda::vmm::record_background_call(CallKind::Unmap);

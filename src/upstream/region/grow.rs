@@ -16,7 +16,7 @@ impl Region {
         }
         // Old mappings of lent memory go first (regions that lend never
         // grow: pools reserve once).
-        self.unmap_stale_in(0, usize::MAX);
+        self.unmap_stale_in(0, usize::MAX)?;
         // Give the guard's addresses back to extend into them at once.
         self.guard = None;
         let end = self.base.checked_add(old);

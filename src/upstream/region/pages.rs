@@ -26,9 +26,10 @@
 //! released (`cuMemRelease`) leaves the region as [`Released`], dropped by
 //! the caller once the lock is.
 
-use super::{Backing, Piece, Region, Reservation, Space};
+use super::{Backing, Piece, Region, Reservation, Space, Stale};
 use crate::cuda::vmm::{self, PhysicalChunk, RangeAlias};
 use crate::error::{Error, Result};
+use crate::tag::Fence;
 use cudarc::driver::CudaContext;
 use std::sync::Arc;
 
@@ -196,7 +197,7 @@ impl Region {
             self.map(offset, size)?;
             return Ok(1);
         }
-        self.unmap_stale_in(offset, end);
+        self.unmap_stale_in(offset, end)?;
         let at = self.check_unmapped(offset, end)?;
         let piece_cap = self.piece_cap();
         let mut new: Vec<Piece> = Vec::new();
@@ -249,7 +250,7 @@ impl Region {
     /// a run across segments.
     pub(crate) fn plan_run(&mut self, view: usize, offset: usize, size: usize) -> Result<Option<RunMap>> {
         let end = self.run_end(offset, size)?;
-        self.unmap_stale_in(offset, end);
+        self.unmap_stale_in(offset, end)?;
         let s = self.segment_of(offset);
         let seg_off = self.segments[s].offset;
         let Reservation::Cuda(range) = &self.segments[s].res else { return Ok(None) };
@@ -480,13 +481,14 @@ impl Region {
         if last > first {
             self.synchronize()?;
         }
+        // Old mappings there go too (a failed wait for one changes nothing).
+        self.unmap_stale_in(offset, end)?;
         let removed: Vec<Piece> = self.pieces.drain(first..last).collect();
         let mut bytes = 0;
         for piece in &removed {
             self.unmap_piece(piece);
             bytes += piece.size;
         }
-        self.unmap_stale_in(offset, end);
         Ok(Some(bytes))
     }
 
@@ -533,15 +535,19 @@ impl Region {
     /// mapped where they were (a stale mapping, which maps keep off)
     /// until [`plan_stale_unmap`](Self::plan_stale_unmap) or a map that
     /// needs those addresses unmaps them. No driver call. The caller
-    /// lends only memory no queued work may use: after the lend, writes
-    /// through the old addresses would reach the new owner's memory.
-    /// `None` where the region can't lend (host memory, several
+    /// lends only memory no queued work may use (`fence: None`), or that
+    /// only work queued before `fence` may use, on the stream the memory
+    /// is lent for: after the lend, work through the old addresses
+    /// reaches the new owner's memory, so it must run before the new
+    /// owner's. A mapping lent before a fence stays until the fence has
+    /// passed. `None` where the region can't lend (host memory, several
     /// segments): the caller unmaps instead.
     pub(crate) fn lend_within(
         &mut self,
         view: usize,
         spans: &[(usize, usize)],
         want: usize,
+        fence: Option<Arc<dyn Fence>>,
     ) -> Option<Vec<(usize, usize)>> {
         let Space::Cuda { .. } = &self.space else { return None };
         if self.segments.len() != 1 {
@@ -551,7 +557,7 @@ impl Region {
         let mut out = Vec::with_capacity(chosen.len());
         for piece in self.take_pieces(chosen) {
             out.push((piece.offset, piece.size));
-            self.stale.push((piece.offset, piece.size));
+            self.stale.push(Stale { offset: piece.offset, size: piece.size, fence: fence.clone() });
             self.spare.push((piece.size, piece.backing, view));
         }
         Some(out)
@@ -582,46 +588,77 @@ impl Region {
     /// With the lock held: takes at most `most` stale mappings for
     /// [`StaleUnmap::execute`] to unmap with the lock dropped; maps keep
     /// off their addresses until [`finish_stale_unmap`](Self::finish_stale_unmap).
-    pub(crate) fn plan_stale_unmap(&mut self, most: usize) -> Option<StaleUnmap> {
+    /// Mappings whose fence has not passed are taken with `wait` (the
+    /// execution waits for them) and passed over without.
+    pub(crate) fn plan_stale_unmap(&mut self, most: usize, wait: bool) -> Option<StaleUnmap> {
         if self.stale.is_empty() {
             return None;
         }
         let [seg] = &self.segments[..] else { return None };
         let Reservation::Cuda(range) = &seg.res else { return None };
+        let mut maps = Vec::new();
+        let mut i = 0;
+        while i < self.stale.len() && maps.len() < most {
+            let ready = wait || self.stale[i].fence.as_ref().is_none_or(|f| f.passed());
+            if ready {
+                maps.push(self.stale.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        if maps.is_empty() {
+            return None;
+        }
         // SAFETY: the alias is used only by this unmap, while the caller
         // holds a view of the region, which keeps its reservation (a
         // region with stale mappings has one segment and never remaps).
         let range = unsafe { range.alias() };
-        let maps: Vec<(usize, usize)> = self.stale.drain(..most.min(self.stale.len())).collect();
-        self.stale_busy.extend(maps.iter().copied());
+        self.stale_busy.extend(maps.iter().map(|m| (m.offset, m.size)));
         Some(StaleUnmap { seg_off: seg.offset, range, maps })
     }
 
-    /// With the lock held again: the stale mappings [`StaleUnmap::execute`]
-    /// unmapped are gone; returns how many.
-    pub(crate) fn finish_stale_unmap(&mut self, done: Vec<(usize, usize)>) -> usize {
-        self.stale_busy.retain(|m| !done.contains(m));
-        done.len()
+    /// With the lock held again: what [`StaleUnmap::execute`] unmapped is
+    /// gone, and what it could not (a failed wait) is stale again;
+    /// returns how many went.
+    pub(crate) fn finish_stale_unmap(&mut self, done: StaleDone) -> usize {
+        let StaleDone { unmapped, kept } = done;
+        self.stale_busy
+            .retain(|&(o, l)| !unmapped.contains(&(o, l)) && !kept.iter().any(|k| (k.offset, k.size) == (o, l)));
+        self.stale.extend(kept);
+        unmapped.len()
     }
 
     /// Unmaps the stale mappings inside `[offset, end)` now, under the
-    /// lock (a map needs their addresses, or the memory there goes).
-    /// Errors are logged: the mapping is gone either way.
-    pub(super) fn unmap_stale_in(&mut self, offset: usize, end: usize) {
+    /// lock (a map needs their addresses, or the memory there goes),
+    /// first waiting for the fences that have not passed. Unmap errors
+    /// are logged: the mapping is gone either way.
+    ///
+    /// # Errors
+    /// A failed wait: the mappings inside stay, as they were.
+    pub(super) fn unmap_stale_in(&mut self, offset: usize, end: usize) -> Result<()> {
         if self.stale.is_empty() {
-            return;
+            return Ok(());
         }
-        let (inside, rest): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.stale).into_iter().partition(|&(o, l)| o < end && offset < o + l);
+        let (inside, rest): (Vec<Stale>, Vec<Stale>) =
+            std::mem::take(&mut self.stale).into_iter().partition(|m| m.offset < end && offset < m.offset + m.size);
         self.stale = rest;
-        for (at, len) in inside {
-            let seg = &self.segments[self.segment_of(at)];
-            if let Reservation::Cuda(range) = &seg.res {
-                if let Err(e) = range.unmap(at - seg.offset, len) {
-                    eprintln!("cumem: unmapping {len} B of moved memory at offset {at}: {e}");
+        for m in inside.iter().filter_map(|m| m.fence.as_ref()) {
+            if !m.passed() {
+                if let Err(e) = m.wait() {
+                    self.stale.extend(inside);
+                    return Err(e);
                 }
             }
         }
+        for m in inside {
+            let seg = &self.segments[self.segment_of(m.offset)];
+            if let Reservation::Cuda(range) = &seg.res {
+                if let Err(e) = range.unmap(m.offset - seg.offset, m.size) {
+                    eprintln!("cumem: unmapping {} B of moved memory at offset {}: {e}", m.size, m.offset);
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -630,20 +667,43 @@ impl Region {
 pub(crate) struct StaleUnmap {
     seg_off: usize,
     range: RangeAlias,
-    maps: Vec<(usize, usize)>,
+    maps: Vec<Stale>,
+}
+
+/// What [`StaleUnmap::execute`] did.
+pub(crate) struct StaleDone {
+    /// Unmapped: `(offset, size)`.
+    unmapped: Vec<(usize, usize)>,
+    /// Not unmapped: the wait for their fence failed.
+    kept: Vec<Stale>,
 }
 
 impl StaleUnmap {
-    /// Unmaps every stale mapping (no lock held); returns them for
-    /// [`Region::finish_stale_unmap`]. Errors are logged: the mapping is
-    /// gone either way, and its memory is mapped elsewhere.
-    pub(crate) fn execute(self) -> Vec<(usize, usize)> {
-        for &(at, len) in &self.maps {
-            if let Err(e) = self.range.unmap(at - self.seg_off, len) {
-                eprintln!("cumem: unmapping {len} B of moved memory at offset {at}: {e}");
+    /// Unmaps every stale mapping (no lock held), each once its fence has
+    /// passed (waited for); returns them for [`Region::finish_stale_unmap`].
+    /// Unmap errors are logged: the mapping is gone either way, and its
+    /// memory is mapped elsewhere. A mapping whose wait fails stays.
+    pub(crate) fn execute(self) -> StaleDone {
+        let mut done = StaleDone { unmapped: Vec::with_capacity(self.maps.len()), kept: Vec::new() };
+        for m in self.maps {
+            if let Some(fence) = &m.fence {
+                if !fence.passed() {
+                    if let Err(e) = fence.wait() {
+                        eprintln!(
+                            "cumem: waiting for the work on {} B of moved memory at offset {}: {e}",
+                            m.size, m.offset
+                        );
+                        done.kept.push(m);
+                        continue;
+                    }
+                }
             }
+            if let Err(e) = self.range.unmap(m.offset - self.seg_off, m.size) {
+                eprintln!("cumem: unmapping {} B of moved memory at offset {}: {e}", m.size, m.offset);
+            }
+            done.unmapped.push((m.offset, m.size));
         }
-        self.maps
+        done
     }
 }
 

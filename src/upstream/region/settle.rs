@@ -132,7 +132,17 @@ impl Region {
     pub(super) fn remains_of(&mut self, own: bool) -> Remains {
         let mut remains = Remains::default();
         // Old mappings of lent memory are undone with the rest.
-        let stale = std::mem::take(&mut self.stale);
+        // Their fences have passed after a wait for the device; one made
+        // by an owner that settles its own work is waited for here (a
+        // failed wait means the context is lost, and its work with it).
+        for fence in self.stale.iter().filter_map(|m| m.fence.as_ref()) {
+            if !fence.passed() {
+                if let Err(e) = fence.wait() {
+                    eprintln!("cumem: waiting for the work on moved memory: {e}");
+                }
+            }
+        }
+        let stale = std::mem::take(&mut self.stale).into_iter().map(|m| (m.offset, m.size));
         let pieces = self.pieces.iter().map(|p| (p.offset, p.size));
         for (offset, size) in pieces.chain(stale) {
             let s = self.segment_of(offset);
