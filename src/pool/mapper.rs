@@ -19,7 +19,10 @@
 //!   pool has made no move for [`QUIET`], takes the remap lock only if it
 //!   is free, and unmaps one mapping per step (a move that starts
 //!   meanwhile waits for one unmap at most). A pool queues its job after
-//!   each move that left some.
+//!   each move that left some. A mapping lent behind a fence (memory
+//!   freed on the requesting stream, `remap.rs`) is passed over until its
+//!   fence has passed (asked, never waited for): a step that finds only
+//!   such mappings tries again every [`RETRY`].
 //! - **The reserve is off by default** ([`PoolConfig::background_mapper`](super::PoolConfig::background_mapper)):
 //!   on an H200 it raised the allocating thread's calls on most traces
 //!   that move pages (`docs/results.md`).

@@ -65,9 +65,22 @@
 //!   move then costs the allocating thread a map and an access call per
 //!   piece, not an unmap too (on an H200 a piece's `cuMemUnmap` took
 //!   about 15 µs, its `cuMemMap` 0.5 µs and its share of `cuMemSetAccess`
-//!   about 22 µs: `benches/vmm.rs`). Memory is never lent before the
-//!   wait for work that may use it: through its old place that work
-//!   would reach the new owner's memory.
+//!   about 22 µs: `benches/vmm.rs`). Memory is never lent while work
+//!   that may use it could run beside the new owner's: through its old
+//!   place that work would reach the new owner's memory.
+//! - **Moves behind a fence**: memory freed on the requesting stream (its
+//!   blocks' tags name that stream) is lent with no wait at all: the new
+//!   owner's work is queued on the same stream, after the old work. The
+//!   pool asks its fence maker ([`Pool::set_fence_maker`]; a device
+//!   allocator records a CUDA event on the stream) and the old mapping
+//!   stays until the fence has passed: the mapper thread passes over it
+//!   until then, and a map that needs those addresses waits for it. Free
+//!   blocks give in this order: work known complete, work on the
+//!   requesting stream, work on any stream (after a wait for the device
+//!   and its peers, as before; a region that peers map always waits).
+//!   A program's allocating thread usually runs ahead of its stream, so
+//!   nearly all free memory has work that may be queued: before fences,
+//!   every move in such a program waited for the whole device.
 //! - **Kept memory**: memory unmapped to move is kept (with no address)
 //!   for the next map, which maps it before it makes new memory; it counts
 //!   as held. The background mapper (`mapper.rs`, when on) keeps a reserve of it

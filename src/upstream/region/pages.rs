@@ -598,8 +598,22 @@ impl Region {
         let Reservation::Cuda(range) = &seg.res else { return None };
         let mut maps = Vec::new();
         let mut i = 0;
+        // The mappings one move lent share its fence: one that has not
+        // passed is asked once.
+        let mut waiting: Option<Arc<dyn Fence>> = None;
         while i < self.stale.len() && maps.len() < most {
-            let ready = wait || self.stale[i].fence.as_ref().is_none_or(|f| f.passed());
+            let ready = wait
+                || match &self.stale[i].fence {
+                    None => true,
+                    Some(f) if waiting.as_ref().is_some_and(|w| Arc::ptr_eq(w, f)) => false,
+                    Some(f) => {
+                        let passed = f.passed();
+                        if !passed {
+                            waiting = Some(f.clone());
+                        }
+                        passed
+                    }
+                };
             if ready {
                 maps.push(self.stale.remove(i));
             } else {

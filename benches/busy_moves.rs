@@ -1,0 +1,99 @@
+//! What a page move costs the allocating thread while the GPU is busy.
+//!
+//! A program's allocating thread usually runs ahead of its stream: blocks
+//! it frees on the stream may still be used by queued work. When a
+//! remapping pool moves such memory to where a request lands, it must not
+//! let that work reach the new owner's memory. This bench times such
+//! moves through a manager built from `CUMEM_CONF` (no slack, so the
+//! memory moves): 16 blocks of 32 MiB on stream A, work of `d` ms queued
+//! on A (a host function that sleeps: the stream is busy that long), every
+//! other block freed on A, then one request of 8 blocks' size, which fits
+//! in no free block:
+//! - on A, the stream the memory was freed on (its work runs before the
+//!   new owner's);
+//! - on B, another stream (A's work is not ordered before B's).
+//!
+//! Each row is the median of seven rounds, each a fresh manager, in µs of
+//! the allocation call alone. A move that waits for the device takes at
+//! least `d`.
+
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+use cumem::{Config, MemoryManager, Stream};
+
+const PIECE: usize = 32 << 20;
+const ROUNDS: usize = 7;
+
+/// Sleeps the milliseconds its argument points to (a host function
+/// queued on a stream: the stream is busy meanwhile).
+unsafe extern "C" fn sleep_ms(arg: *mut c_void) {
+    // SAFETY: the argument is a `u64` that outlives the stream's work
+    // (`hold` synchronises the stream before it returns the value).
+    let ms = unsafe { *(arg as *const u64) };
+    std::thread::sleep(Duration::from_millis(ms));
+}
+
+/// One round: the allocation's time (µs), and whether the stream it was
+/// freed on was still busy when the allocation returned.
+fn round(config: &Config, busy_ms: u64, same_stream: bool) -> cumem::Result<(f64, bool)> {
+    let mm = MemoryManager::new(config.clone())?;
+    let ctx = cumem::cuda::device_context(config.device)?.expect("a device");
+    let a = Stream::from_cudarc(ctx.new_stream().expect("a stream"));
+    let b = Stream::from_cudarc(ctx.new_stream().expect("a stream"));
+    let blocks: Vec<u64> = (0..16).map(|_| mm.allocate_device_on(PIECE, &a)).collect::<cumem::Result<_>>()?;
+    a.synchronize()?;
+    let ms = Box::new(busy_ms);
+    let cu = a.cudarc().expect("a CUDA stream").cu_stream();
+    let arg = (&*ms as *const u64).cast_mut().cast::<c_void>();
+    // SAFETY: the stream is alive; `sleep_ms` only reads `*arg`, which
+    // lives until the stream is synchronised below.
+    unsafe { cudarc::driver::sys::cuLaunchHostFunc(cu, Some(sleep_ms), arg) }.result().expect("a host function");
+    for &p in blocks.iter().skip(1).step_by(2) {
+        mm.free_device_on(p, &a)?;
+    }
+    let user = if same_stream { &a } else { &b };
+    let t = Instant::now();
+    let big = mm.allocate_device_on(8 * PIECE, user)?;
+    let took = t.elapsed().as_secs_f64() * 1e6;
+    // SAFETY: as above; the call only asks.
+    let busy = unsafe { cudarc::driver::sys::cuStreamQuery(cu) } == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY;
+    a.synchronize()?;
+    b.synchronize()?;
+    drop(ms);
+    mm.free_device_on(big, user)?;
+    for &p in blocks.iter().step_by(2) {
+        mm.free_device_on(p, &a)?;
+    }
+    a.synchronize()?;
+    b.synchronize()?;
+    Ok((took, busy))
+}
+
+fn main() -> cumem::Result<()> {
+    if cumem::cuda::driver_status().devices() == 0 {
+        println!("busy_moves: no GPU; nothing measured");
+        return Ok(());
+    }
+    let config = Config::from_env()?.remap_slack_ppm(0);
+    println!("## A page move while the stream is busy (µs for the allocation, median of {ROUNDS} rounds)");
+    println!();
+    println!("| work queued (ms) | request on the freeing stream | stream busy after | request on another stream | stream busy after |");
+    println!("| ---: | ---: | ---: | ---: | ---: |");
+    for busy_ms in [0u64, 2, 20] {
+        let mut cells = Vec::new();
+        for same in [true, false] {
+            let mut times = Vec::new();
+            let mut busy = 0;
+            for _ in 0..ROUNDS {
+                let (t, b) = round(&config, busy_ms, same)?;
+                times.push(t);
+                busy += usize::from(b);
+            }
+            times.sort_by(f64::total_cmp);
+            cells.push(format!("{:.1} | {busy}/{ROUNDS}", times[ROUNDS / 2]));
+        }
+        println!("| {busy_ms} | {} | {} |", cells[0], cells[1]);
+    }
+    Ok(())
+}
