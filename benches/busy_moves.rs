@@ -16,6 +16,12 @@
 //! Each row is the median of seven rounds, each a fresh manager, in µs of
 //! the allocation call alone. A move that waits for the device takes at
 //! least `d`.
+//!
+//! A second table asks whether the driver holds a thread's page calls
+//! back while another thread waits for the device: with 20 ms of work
+//! queued on a stream, one thread calls `cuCtxSynchronize` while another
+//! maps, grants and unmaps one 32 MiB piece (µs per call, median of seven
+//! rounds), against the same calls with no thread waiting.
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -70,6 +76,49 @@ fn round(config: &Config, busy_ms: u64, same_stream: bool) -> cumem::Result<(f64
     Ok((took, busy))
 }
 
+/// One round of the second table: the µs of `cuMemMap`, `cuMemSetAccess`
+/// and `cuMemUnmap` of one piece while `busy_ms` of work is queued on a
+/// stream, with or without another thread in `cuCtxSynchronize`.
+fn calls_beside_a_wait(
+    ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+    range: &cumem::cuda::vmm::AddressRange,
+    piece: &cumem::cuda::vmm::PhysicalChunk,
+    waiter: bool,
+) -> cumem::Result<[f64; 3]> {
+    let stream = ctx.new_stream().expect("a stream");
+    let ms = Box::new(20u64);
+    let arg = (&*ms as *const u64).cast_mut().cast::<c_void>();
+    // SAFETY: the stream is alive; `sleep_ms` only reads `*arg`, which
+    // lives until the stream is synchronised below.
+    unsafe { cudarc::driver::sys::cuLaunchHostFunc(stream.cu_stream(), Some(sleep_ms), arg) }
+        .result()
+        .expect("a host function");
+    let other = waiter.then(|| {
+        let ctx = ctx.clone();
+        std::thread::spawn(move || ctx.synchronize().expect("cuCtxSynchronize"))
+    });
+    // The other thread is inside its wait by now.
+    std::thread::sleep(Duration::from_millis(2));
+    let mut t = Instant::now();
+    let mut lap = || {
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        t = Instant::now();
+        us
+    };
+    range.map(0, piece)?;
+    let map = lap();
+    range.set_access(0, piece.size(), &[])?;
+    let access = lap();
+    range.unmap(0, piece.size())?;
+    let unmap = lap();
+    if let Some(h) = other {
+        h.join().expect("the waiting thread");
+    }
+    stream.synchronize().expect("the stream's work");
+    drop(ms);
+    Ok([map, access, unmap])
+}
+
 fn main() -> cumem::Result<()> {
     if cumem::cuda::driver_status().devices() == 0 {
         println!("busy_moves: no GPU; nothing measured");
@@ -94,6 +143,33 @@ fn main() -> cumem::Result<()> {
             cells.push(format!("{:.1} | {busy}/{ROUNDS}", times[ROUNDS / 2]));
         }
         println!("| {busy_ms} | {} | {} |", cells[0], cells[1]);
+    }
+    let ctx = cumem::cuda::device_context(config.device)?.expect("a device");
+    ctx.bind_to_thread().expect("the device's context");
+    let range = cumem::cuda::vmm::AddressRange::reserve(&ctx, PIECE, 0)?;
+    let piece = cumem::cuda::vmm::PhysicalChunk::create(&ctx, PIECE)?;
+    println!();
+    println!(
+        "## Page calls while another thread waits for the device (20 ms of work queued; µs, median of {ROUNDS} rounds)"
+    );
+    println!();
+    println!("| another thread | `cuMemMap` | `cuMemSetAccess` | `cuMemUnmap` |");
+    println!("| --- | ---: | ---: | ---: |");
+    for waiter in [false, true] {
+        let mut cols = [Vec::new(), Vec::new(), Vec::new()];
+        for _ in 0..ROUNDS {
+            let r = calls_beside_a_wait(&ctx, &range, &piece, waiter)?;
+            for (c, v) in cols.iter_mut().zip(r) {
+                c.push(v);
+            }
+        }
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[ROUNDS / 2]
+        };
+        let [a, b, c] = &mut cols;
+        let who = if waiter { "in `cuCtxSynchronize`" } else { "none" };
+        println!("| {who} | {:.1} | {:.1} | {:.1} |", med(a), med(b), med(c));
     }
     Ok(())
 }

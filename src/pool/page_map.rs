@@ -31,6 +31,8 @@ pub(super) struct Pages {
     pub(super) unmap_calls: u64,
     /// Nanoseconds allocating threads spent moving pages for the pool.
     pub(super) move_ns: u64,
+    /// Moves whose memory waited for the device first.
+    pub(super) move_waits: u64,
 }
 
 impl Pages {
@@ -196,6 +198,7 @@ impl Pages {
             s.map_calls = self.map_calls;
             s.unmap_calls = self.unmap_calls;
             s.page_move_ns = self.move_ns;
+            s.move_waits = self.move_waits;
         } else {
             s.mapped = s.reserved;
             s.peak_mapped = s.peak_reserved;

@@ -56,6 +56,11 @@ pub struct PoolStats {
     /// waits for the device and for the address space those need (the
     /// background mapper's work is not counted). 0 without remapping.
     pub page_move_ns: u64,
+    /// Page moves (page remapping) that waited for the device before they
+    /// took memory, because work on another stream than the request's may
+    /// still have used it. Memory freed on the requesting stream moves
+    /// with no wait (`pool/remap.rs`). 0 without remapping.
+    pub move_waits: u64,
     /// Of `mapped`, the bytes of memory unmapped and kept for the next map
     /// (page remapping: the background mapper's reserve), held with no
     /// address.
@@ -129,6 +134,7 @@ impl PoolStats {
         self.map_calls += o.map_calls;
         self.unmap_calls += o.unmap_calls;
         self.page_move_ns += o.page_move_ns;
+        self.move_waits += o.move_waits;
         self.kept += o.kept;
         self.cached += o.cached;
         self.live_blocks += o.live_blocks;

@@ -287,13 +287,16 @@ fn busy(s: &cumem::Stream) -> bool {
 
 /// A move of memory freed on the requesting stream, through a manager
 /// built from `CUMEM_CONF` as a program builds it: a kernel holds the
-/// stream (until the host sets a flag, 10 s at most), the blocks freed
+/// stream (until the host sets a flag, 2 s at most), the blocks freed
 /// behind it are still written through their old addresses, and a large
 /// request on the same stream takes their memory. The move waits for no
-/// device: the stream is still busy when the allocation returns. Then the
-/// old writes run, then a fill of the new block; the new block holds the
-/// fill, the blocks that stayed hold theirs, and the mapper thread unmaps
-/// the old places once the fence passed.
+/// device (the pool counts no wait; the stream is normally still busy
+/// when the allocation returns, which is printed: another thread's wait
+/// for the device may hold the driver's page calls back, see
+/// `benches/busy_moves.rs`). Then the old writes run, then a fill of the
+/// new block; the new block holds the fill, the blocks that stayed hold
+/// theirs, and the mapper thread unmaps the old places once the fence
+/// passed.
 #[test]
 fn memory_freed_on_the_requesting_stream_moves_with_no_device_wait() {
     let Some(ctx) = gpu_for_test("memory_freed_on_the_requesting_stream_moves_with_no_device_wait") else { return };
@@ -322,7 +325,7 @@ fn memory_freed_on_the_requesting_stream_moves_with_no_device_wait() {
     // The stream is held; the odd blocks are written after the hold
     // (through the addresses they have now) and freed on the stream.
     let flag = Flag::new();
-    let (fp, limit) = (flag.0 as u64, 10_000_000_000u64);
+    let (fp, limit) = (flag.0 as u64, 2_000_000_000u64);
     let mut l = cs.launch_builder(&hold);
     l.arg(&fp).arg(&limit);
     // SAFETY: the arguments match the kernel; the flag outlives the work.
@@ -343,7 +346,8 @@ fn memory_freed_on_the_requesting_stream_moves_with_no_device_wait() {
     stream.synchronize().expect("the stream's work completes");
     assert!(after.unmap_calls > before.unmap_calls, "no memory moved: the test checked nothing");
     assert!(after.peak_mapped <= 16 * PIECE + PIECE, "memory grew instead of moving: {} MiB", after.peak_mapped >> 20);
-    assert!(still_held, "the move waited for the device (the stream was idle when the allocation returned)");
+    assert_eq!(after.move_waits, before.move_waits, "the move waited for the device");
+    println!("the stream was {} when the allocation returned", if still_held { "still busy" } else { "idle" });
     // Every word of the new block holds the fill queued after the old writes.
     let mut host = vec![0u32; 8 * PIECE / 4];
     // SAFETY: `host` holds the block's bytes; the stream was synchronised.

@@ -175,7 +175,7 @@ struct Model(Arc<Mutex<World>>);
 
 impl Model {
     fn world(&self) -> std::sync::MutexGuard<'_, World> {
-        self.0.lock().unwrap()
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -89,6 +89,7 @@ fn memory_freed_on_the_requesting_stream_moves_with_no_wait() {
     {
         let w = model.world();
         assert_eq!(w.syncs, 0, "a move of stream 1's memory for stream 1 waited for the device");
+        assert_eq!(pool.stats().move_waits, 0, "the pool counted a wait");
         assert!(w.fenced >= 14 && w.lent == w.fenced, "{} pieces lent, {} behind a fence", w.lent, w.fenced);
         assert!(w.stale.values().all(|(_, f)| f.is_some()), "an old mapping without its fence");
         assert!(pool.stats().peak_mapped <= 129 * PAGE, "physical peak {} pages", pool.stats().peak_mapped / PAGE);
@@ -121,6 +122,7 @@ fn memory_freed_on_another_stream_waits_for_the_device() {
     let big = allocate(&pool, &model, 60 * PAGE, 2);
     let w = model.world();
     assert!(w.syncs > 0, "stream 1's memory moved to stream 2 with no wait");
+    assert!(pool.stats().move_waits > 0, "the pool counted no wait");
     assert_eq!(w.fenced, 0, "a fence on stream 2 covered stream 1's work");
     assert!(w.lent >= 14, "{} pieces lent", w.lent);
     drop(w);
