@@ -18,10 +18,11 @@
 //! least `d`.
 //!
 //! A second table asks whether the driver holds a thread's page calls
-//! back while another thread waits for the device: with 20 ms of work
-//! queued on a stream, one thread calls `cuCtxSynchronize` while another
-//! maps, grants and unmaps one 32 MiB piece (µs per call, median of seven
-//! rounds), against the same calls with no thread waiting.
+//! back while the device is busy or another thread waits for it: with
+//! 20 ms of work queued on a stream (a host function that sleeps, or a
+//! kernel that spins), one thread maps, grants and unmaps one 32 MiB
+//! piece no work uses (µs per call, median of seven rounds), with or
+//! without another thread in `cuCtxSynchronize` meanwhile.
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -76,23 +77,49 @@ fn round(config: &Config, busy_ms: u64, same_stream: bool) -> cumem::Result<(f64
     Ok((took, busy))
 }
 
+/// A kernel that spins for the nanoseconds it is given.
+const SPIN: &str = r#"
+extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"#;
+
 /// One round of the second table: the µs of `cuMemMap`, `cuMemSetAccess`
-/// and `cuMemUnmap` of one piece while `busy_ms` of work is queued on a
-/// stream, with or without another thread in `cuCtxSynchronize`.
+/// and `cuMemUnmap` of one piece while 20 ms of work is queued on a
+/// stream (`spin`, a kernel, or else a host function), with or without
+/// another thread in `cuCtxSynchronize`.
 fn calls_beside_a_wait(
     ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
     range: &cumem::cuda::vmm::AddressRange,
     piece: &cumem::cuda::vmm::PhysicalChunk,
+    spin: Option<&cudarc::driver::CudaFunction>,
     waiter: bool,
 ) -> cumem::Result<[f64; 3]> {
     let stream = ctx.new_stream().expect("a stream");
     let ms = Box::new(20u64);
-    let arg = (&*ms as *const u64).cast_mut().cast::<c_void>();
-    // SAFETY: the stream is alive; `sleep_ms` only reads `*arg`, which
-    // lives until the stream is synchronised below.
-    unsafe { cudarc::driver::sys::cuLaunchHostFunc(stream.cu_stream(), Some(sleep_ms), arg) }
-        .result()
-        .expect("a host function");
+    match spin {
+        Some(f) => {
+            use cudarc::driver::PushKernelArg;
+            let ns = *ms * 1_000_000;
+            let mut l = stream.launch_builder(f);
+            l.arg(&ns);
+            let one = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: the argument matches the kernel, which touches no memory.
+            unsafe { l.launch(one) }.expect("the kernel launches");
+        }
+        None => {
+            let arg = (&*ms as *const u64).cast_mut().cast::<c_void>();
+            // SAFETY: the stream is alive; `sleep_ms` only reads `*arg`,
+            // which lives until the stream is synchronised below.
+            unsafe { cudarc::driver::sys::cuLaunchHostFunc(stream.cu_stream(), Some(sleep_ms), arg) }
+                .result()
+                .expect("a host function");
+        }
+    }
     let other = waiter.then(|| {
         let ctx = ctx.clone();
         std::thread::spawn(move || ctx.synchronize().expect("cuCtxSynchronize"))
@@ -149,16 +176,17 @@ fn main() -> cumem::Result<()> {
     let range = cumem::cuda::vmm::AddressRange::reserve(&ctx, PIECE, 0)?;
     let piece = cumem::cuda::vmm::PhysicalChunk::create(&ctx, PIECE)?;
     println!();
-    println!(
-        "## Page calls while another thread waits for the device (20 ms of work queued; µs, median of {ROUNDS} rounds)"
-    );
+    let ptx = cudarc::nvrtc::compile_ptx(SPIN).expect("NVRTC compiles the kernel");
+    let module = ctx.load_module(ptx).expect("the module loads");
+    let spin = module.load_function("spin").expect("spin");
+    println!("## Page calls beside 20 ms of queued work (µs, median of {ROUNDS} rounds)");
     println!();
-    println!("| another thread | `cuMemMap` | `cuMemSetAccess` | `cuMemUnmap` |");
-    println!("| --- | ---: | ---: | ---: |");
-    for waiter in [false, true] {
+    println!("| work | another thread | `cuMemMap` | `cuMemSetAccess` | `cuMemUnmap` |");
+    println!("| --- | --- | ---: | ---: | ---: |");
+    for (kernel, waiter) in [(false, false), (false, true), (true, false), (true, true)] {
         let mut cols = [Vec::new(), Vec::new(), Vec::new()];
         for _ in 0..ROUNDS {
-            let r = calls_beside_a_wait(&ctx, &range, &piece, waiter)?;
+            let r = calls_beside_a_wait(&ctx, &range, &piece, kernel.then_some(&spin), waiter)?;
             for (c, v) in cols.iter_mut().zip(r) {
                 c.push(v);
             }
@@ -169,7 +197,8 @@ fn main() -> cumem::Result<()> {
         };
         let [a, b, c] = &mut cols;
         let who = if waiter { "in `cuCtxSynchronize`" } else { "none" };
-        println!("| {who} | {:.1} | {:.1} | {:.1} |", med(a), med(b), med(c));
+        let work = if kernel { "a kernel" } else { "a host function" };
+        println!("| {work} | {who} | {:.1} | {:.1} | {:.1} |", med(a), med(b), med(c));
     }
     Ok(())
 }
