@@ -50,7 +50,8 @@ struct World {
     /// Old mappings of lent memory: address → (size, the fence's stream
     /// and point: work queued there up to that point may still use it).
     stale: BTreeMap<usize, (usize, Option<(u64, u64)>)>,
-    /// The stream and point of the fence made last (the next lend's).
+    /// The stream and point of the fence made for the allocation under
+    /// way (the test clears it before each).
     last_fence: Option<(u64, u64)>,
     /// The stream an allocation is being made for (fences must be made
     /// on it).
@@ -109,6 +110,15 @@ impl World {
         }
         self.pieces.remove(&addr);
         self.unmaps += 1;
+    }
+
+    /// The mapped pieces lying wholly inside `span`, as (address, size).
+    fn pieces_inside(&self, span: &Chunk) -> Vec<(usize, usize)> {
+        self.pieces
+            .range(span.addr..span.end())
+            .filter(|&(&a, &s)| a + s <= span.end())
+            .map(|(&a, &s)| (a, s))
+            .collect()
     }
 
     /// Whether the work a fence covers is complete.
@@ -270,13 +280,7 @@ impl Upstream for Model {
         let mut got = 0;
         let mut synced = false;
         for span in spans {
-            let inside: Vec<(usize, usize)> = w
-                .pieces
-                .range(span.addr..span.end())
-                .filter(|&(&a, &s)| a + s <= span.end())
-                .map(|(&a, &s)| (a, s))
-                .collect();
-            for (a, s) in inside {
+            for (a, s) in w.pieces_inside(span) {
                 if got >= want {
                     break;
                 }
@@ -307,7 +311,9 @@ impl Upstream for Model {
                 None
             }
             Queued::Before(_) => {
-                let f = w.last_fence.take();
+                // A move makes one fence and may lend behind it in more
+                // than one call.
+                let f = w.last_fence;
                 let requesting = w.requesting;
                 if f.is_none_or(|(s, _)| s != requesting) {
                     w.violations.push(format!("a fence {f:?} not made on the requesting stream {requesting}"));
@@ -318,13 +324,7 @@ impl Upstream for Model {
         let mut out = Vec::new();
         let mut got = 0;
         for span in spans {
-            let inside: Vec<(usize, usize)> = w
-                .pieces
-                .range(span.addr..span.end())
-                .filter(|&(&a, &s)| a + s <= span.end())
-                .map(|(&a, &s)| (a, s))
-                .collect();
-            for (a, s) in inside {
+            for (a, s) in w.pieces_inside(span) {
                 if got >= want {
                     break;
                 }
@@ -393,6 +393,16 @@ impl Rng {
     }
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
+    }
+}
+
+/// Sizes from 256 B to about 1 MiB, log-uniform, one in twenty large
+/// (3 to 24 pages and a bit).
+fn random_size(rng: &mut Rng) -> usize {
+    if rng.below(20) == 0 {
+        (1 + rng.below(8) as usize) * PAGE * 3 + 256
+    } else {
+        256usize << rng.below(12)
     }
 }
 
@@ -494,12 +504,7 @@ fn run_seed(seed: u64, steps: usize, oracle: bool) {
     for step in 0..steps {
         let r = rng.below(100);
         if r < 50 || held.is_empty() {
-            // Sizes from 256 B to about 1 MiB, log-uniform, some large.
-            let size = if rng.below(20) == 0 {
-                (1 + rng.below(8) as usize) * PAGE * 3 + 256
-            } else {
-                256usize << rng.below(12)
-            };
+            let size = random_size(&mut rng);
             let a = pool.allocate(size, 256).expect("the model never runs out of memory");
             reuse(&mut model.world(), &a);
             held.push((a.addr, a.size));

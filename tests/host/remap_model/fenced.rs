@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use cumem::pool::{Pool, StreamTag};
 
-use super::{check, pool_with_slack, reuse, Model, ModelFence, Rng, World, PAGE};
+use super::{check, pool_with_slack, random_size, reuse, Model, ModelFence, Rng, World, PAGE};
 
 /// A pool over a lending model with no slack, the tag oracle and a fence
 /// maker on the model's streams.
@@ -36,7 +36,11 @@ fn lending_pool(model: &Model) -> Pool<Model> {
 
 /// Allocates `size` bytes for `stream`, the block taken into use there.
 fn allocate(pool: &Pool<Model>, model: &Model, size: usize, stream: u64) -> cumem::pool::Allocation {
-    model.world().requesting = stream;
+    {
+        let mut w = model.world();
+        w.requesting = stream;
+        w.last_fence = None;
+    }
     let a = pool.allocate_for(size, 256, stream).expect("the model never runs out of memory");
     reuse(&mut model.world(), &a);
     a
@@ -163,11 +167,7 @@ fn run_seed(seed: u64, steps: usize) -> (u64, u64) {
     for step in 0..steps {
         let r = rng.below(100);
         if r < 50 || held.is_empty() {
-            let size = if rng.below(20) == 0 {
-                (1 + rng.below(8) as usize) * PAGE * 3 + 256
-            } else {
-                256usize << rng.below(12)
-            };
+            let size = random_size(&mut rng);
             let a = allocate(&pool, &model, size, rng.below(4));
             held.push((a.addr, a.size));
         } else if r < 98 {
