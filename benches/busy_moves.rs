@@ -11,7 +11,10 @@
 //! in no free block:
 //! - on A, the stream the memory was freed on (its work runs before the
 //!   new owner's);
-//! - on B, another stream (A's work is not ordered before B's).
+//! - on B, another stream that has freed memory before (B is made to
+//!   wait for A's work on the device);
+//! - on no stream (`allocate_device`: nothing to order after A's work, so
+//!   the move waits for the device).
 //!
 //! Each row is the median of seven rounds, each a fresh manager, in µs of
 //! the allocation call alone. A move that waits for the device takes at
@@ -41,13 +44,27 @@ unsafe extern "C" fn sleep_ms(arg: *mut c_void) {
     std::thread::sleep(Duration::from_millis(ms));
 }
 
+/// Where the request of a round is made.
+#[derive(Clone, Copy)]
+enum Request {
+    /// On the stream the memory was freed on.
+    Same,
+    /// On another stream (that has freed memory before).
+    Other,
+    /// On no stream.
+    NoStream,
+}
+
 /// One round: the allocation's time (µs), and whether the stream it was
 /// freed on was still busy when the allocation returned.
-fn round(config: &Config, busy_ms: u64, same_stream: bool) -> cumem::Result<(f64, bool)> {
+fn round(config: &Config, busy_ms: u64, request: Request) -> cumem::Result<(f64, bool)> {
     let mm = MemoryManager::new(config.clone())?;
     let ctx = cumem::cuda::device_context(config.device)?.expect("a device");
     let a = Stream::from_cudarc(ctx.new_stream().expect("a stream"));
     let b = Stream::from_cudarc(ctx.new_stream().expect("a stream"));
+    let first = mm.allocate_device_on(4096, &b)?;
+    mm.free_device_on(first, &b)?;
+    b.synchronize()?;
     let blocks: Vec<u64> = (0..16).map(|_| mm.allocate_device_on(PIECE, &a)).collect::<cumem::Result<_>>()?;
     a.synchronize()?;
     let ms = Box::new(busy_ms);
@@ -59,16 +76,19 @@ fn round(config: &Config, busy_ms: u64, same_stream: bool) -> cumem::Result<(f64
     for &p in blocks.iter().skip(1).step_by(2) {
         mm.free_device_on(p, &a)?;
     }
-    let user = if same_stream { &a } else { &b };
     let t = Instant::now();
-    let big = mm.allocate_device_on(8 * PIECE, user)?;
+    let big = match request {
+        Request::Same => mm.allocate_device_on(8 * PIECE, &a)?,
+        Request::Other => mm.allocate_device_on(8 * PIECE, &b)?,
+        Request::NoStream => mm.allocate_device(8 * PIECE)?,
+    };
     let took = t.elapsed().as_secs_f64() * 1e6;
     // SAFETY: as above; the call only asks.
     let busy = unsafe { cudarc::driver::sys::cuStreamQuery(cu) } == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY;
     a.synchronize()?;
     b.synchronize()?;
     drop(ms);
-    mm.free_device_on(big, user)?;
+    mm.free_device_on(big, &b)?;
     for &p in blocks.iter().step_by(2) {
         mm.free_device_on(p, &a)?;
     }
@@ -154,22 +174,22 @@ fn main() -> cumem::Result<()> {
     let config = Config::from_env()?.remap_slack_ppm(0);
     println!("## A page move while the stream is busy (µs for the allocation, median of {ROUNDS} rounds)");
     println!();
-    println!("| work queued (ms) | request on the freeing stream | stream busy after | request on another stream | stream busy after |");
-    println!("| ---: | ---: | ---: | ---: | ---: |");
+    println!("| work queued (ms) | on the freeing stream | busy after | on another stream | busy after | on no stream | busy after |");
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for busy_ms in [0u64, 2, 20] {
         let mut cells = Vec::new();
-        for same in [true, false] {
+        for request in [Request::Same, Request::Other, Request::NoStream] {
             let mut times = Vec::new();
             let mut busy = 0;
             for _ in 0..ROUNDS {
-                let (t, b) = round(&config, busy_ms, same)?;
+                let (t, b) = round(&config, busy_ms, request)?;
                 times.push(t);
                 busy += usize::from(b);
             }
             times.sort_by(f64::total_cmp);
             cells.push(format!("{:.1} | {busy}/{ROUNDS}", times[ROUNDS / 2]));
         }
-        println!("| {busy_ms} | {} | {} |", cells[0], cells[1]);
+        println!("| {busy_ms} | {} |", cells.join(" | "));
     }
     let ctx = cumem::cuda::device_context(config.device)?.expect("a device");
     ctx.bind_to_thread().expect("the device's context");

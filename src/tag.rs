@@ -72,13 +72,15 @@ pub trait Fence: Send + Sync {
     fn wait(&self) -> crate::error::Result<()>;
 }
 
-/// Makes a [`Fence`] at the end of the work queued so far on the stream
-/// with the given id ([`crate::Stream::id`]), or `None` where it can't (a
-/// stream it doesn't know, one that captures a graph, a driver error). A
-/// device allocator gives its pools one; a pool uses it for page moves of
-/// memory whose work is queued on the requesting stream. It runs with no
-/// pool lock held.
-pub type FenceMaker = std::sync::Arc<dyn Fn(u64) -> Option<std::sync::Arc<dyn Fence>> + Send + Sync>;
+/// `(on, then)`: makes a [`Fence`] at the end of the work queued so far on
+/// the stream with id `on` ([`crate::Stream::id`]) and, when `then` is
+/// another stream, orders the work queued on `then` from now on after it
+/// (the stream waits for the fence on the device, not the host); `None`
+/// where it can't (a stream it doesn't know, one that captures a graph, a
+/// driver error). A device allocator gives its pools one; a pool uses it
+/// for page moves of memory whose work is queued on one stream, for a
+/// request on `then`. It runs with no pool lock held.
+pub type FenceMaker = std::sync::Arc<dyn Fn(u64, u64) -> Option<std::sync::Arc<dyn Fence>> + Send + Sync>;
 
 /// [`StreamTag::merge`], asking `done` first when the merge would lose
 /// order (two streams, or one stream's numbers from different threads):

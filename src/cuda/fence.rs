@@ -82,16 +82,24 @@ impl Drop for EventFence {
     }
 }
 
-/// A fence at the end of the work queued so far on `stream`, with an event
-/// of `pool`; `None` on a host queue, a stream whose handle is gone, while
-/// a capture cumem knows of is under way (an event recorded on a capturing
-/// stream would record nothing), or when the driver refuses.
-pub(crate) fn fence_on(stream: &Stream, pool: &Arc<EventPool>) -> Option<Arc<dyn Fence>> {
-    let cuda = stream.cudarc()?;
+/// A fence at the end of the work queued so far on `on`, with an event of
+/// `pool`, and the work queued on `then` from now on ordered after it
+/// (`cuStreamWaitEvent`) when `then` is another stream; `None` on a host
+/// queue, a stream whose handle is gone, while a capture cumem knows of
+/// is under way or `on` captures (an event recorded on a capturing stream
+/// would record nothing), or when the driver refuses.
+pub(crate) fn fence_on(on: &Stream, then: &Stream, pool: &Arc<EventPool>) -> Option<Arc<dyn Fence>> {
+    let cuda = on.cudarc()?;
     if super::captures_under_way() {
         return None;
     }
-    let recorded = stream.unless_gone(|| {
+    let other = then.id() != on.id();
+    // The requesting stream does not capture (its allocation would not be
+    // here); another one might.
+    if other && !matches!(on.unless_gone(|| super::capture_of(on)), Ok(Some(None))) {
+        return None;
+    }
+    let recorded = on.unless_gone(|| {
         let event = pool.take(cuda.context())?;
         crate::fault::check_driver(crate::fault::Point::EventRecord)
             .and_then(|()| event.record(cuda))
@@ -99,5 +107,18 @@ pub(crate) fn fence_on(stream: &Stream, pool: &Arc<EventPool>) -> Option<Arc<dyn
         Ok(event)
     });
     let event = recorded.ok().flatten()?;
+    if other {
+        let waited = then.unless_gone(|| {
+            let then = then.cudarc().ok_or(crate::error::Error::NeedsGpu("a stream to order"))?;
+            crate::fault::check_driver(crate::fault::Point::EventRecord)
+                .and_then(|()| then.wait(&event))
+                .map_err(driver_err("cuStreamWaitEvent"))
+        });
+        if !matches!(waited, Ok(Some(()))) {
+            // Not ordered: the event goes back, and the move waits instead.
+            pool.put(event);
+            return None;
+        }
+    }
     Some(Arc::new(EventFence { event: Some(event), pool: pool.clone() }))
 }

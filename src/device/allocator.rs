@@ -127,11 +127,11 @@ impl DeviceAllocator {
         a.pool.set_stream_poll(Arc::new(move || {
             streams.poll_pending();
         }));
-        // Page moves of memory whose work is queued on the requesting
-        // stream alone wait for a fence there, not for the device
+        // Page moves of memory whose work is queued on one stream wait for
+        // a fence there, on the device, not for the device on the host
         // (`cuda/fence.rs`).
         let streams = a.streams.clone();
-        a.pool.set_fence_maker(Arc::new(move |id| streams.fence_on(id)));
+        a.pool.set_fence_maker(Arc::new(move |on, then| streams.fence_on(on, then)));
         a.set_mode(mode);
         a
     }

@@ -244,11 +244,15 @@ impl StreamRegistry {
     }
 
     /// A fence at the end of the work queued so far on the registered
-    /// stream `id` (see [`FenceMaker`](crate::tag::FenceMaker)): `None`
-    /// for a stream the registry does not hold.
-    pub(crate) fn fence_on(&self, id: u64) -> Option<Arc<dyn Fence>> {
-        let stream = lock(&self.streams).live.get(&id).cloned()?;
-        crate::cuda::fence_on(&stream, &self.events)
+    /// stream `on`, with the work queued on stream `then` from now on
+    /// ordered after it (see [`FenceMaker`](crate::tag::FenceMaker)):
+    /// `None` for a stream the registry does not hold.
+    pub(crate) fn fence_on(&self, on: u64, then: u64) -> Option<Arc<dyn Fence>> {
+        let (on, then) = {
+            let known = lock(&self.streams);
+            (known.live.get(&on).cloned()?, known.live.get(&then).cloned()?)
+        };
+        crate::cuda::fence_on(&on, &then, &self.events)
     }
 
     /// Reuses that waited for another stream's work so far, and the

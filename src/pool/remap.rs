@@ -68,24 +68,27 @@
 //!   about 22 µs: `benches/vmm.rs`). Memory is never lent while work
 //!   that may use it could run beside the new owner's: through its old
 //!   place that work would reach the new owner's memory.
-//! - **Moves behind a fence**: memory freed on the requesting stream (its
-//!   blocks' tags name that stream) is lent with no wait at all: the new
-//!   owner's work is queued on the same stream, after the old work. The
-//!   pool asks its fence maker ([`Pool::set_fence_maker`]; a device
-//!   allocator records a CUDA event on the stream) and the old mapping
-//!   stays until the fence has passed: the mapper thread passes over it
-//!   until then, and a map that needs those addresses waits for it.
-//!   Memory whose work may run on another stream moves after a wait for
-//!   the device and its peers, as before (and always in a region that
-//!   peers map). Free blocks give in the same order as before, work known
-//!   complete first and then the rest from the top down; each run of
-//!   spans of one kind is lent in one call. (Giving the requesting
-//!   stream's memory before the rest's, wherever it lies, took 94 more
-//!   calls a warm pass on the two-stream ViT log in `sim_device` with no
-//!   work known complete, 389 against 295, and saved 2 of its 38 waits.)
-//!   A program's allocating thread usually runs ahead of its stream, so
-//!   nearly all free memory has work that may be queued: before fences,
-//!   every move in such a program waited for the whole device.
+//! - **Moves behind a fence**: memory whose blocks were freed on one
+//!   stream (their tags name it, not [`StreamTag::MIXED`]) is lent with
+//!   no wait on the host. The pool asks its fence maker
+//!   ([`Pool::set_fence_maker`]; a device allocator records a CUDA event
+//!   on that stream) for a fence there, and the requesting stream waits
+//!   for it on the device (`cuStreamWaitEvent`, nothing when it is the
+//!   same stream): the new owner's work runs after the old. The old
+//!   mapping stays until the fence has passed: the mapper thread passes
+//!   over it until then, and a map that needs those addresses waits for
+//!   it. Memory of blocks freed on several streams, and memory moved for
+//!   a request on no stream, moves after a wait for the device and its
+//!   peers, as before (and all memory of a region that peers map). Free
+//!   blocks give in the same order as before, work known complete first
+//!   and then the rest from the top down; each run of spans of one kind
+//!   is lent in one call, with one fence per stream. (Giving the
+//!   requesting stream's memory before the rest's, wherever it lies, took
+//!   94 more calls a warm pass on the two-stream ViT log in `sim_device`
+//!   with no work known complete, 389 against 295.) A program's
+//!   allocating thread usually runs ahead of its streams, so nearly all
+//!   free memory has work that may be queued: before fences, every move
+//!   in such a program waited for the whole device.
 //! - **Kept memory**: memory unmapped to move is kept (with no address)
 //!   for the next map, which maps it before it makes new memory; it counts
 //!   as held. The background mapper (`mapper.rs`, when on) keeps a reserve of it
@@ -128,10 +131,12 @@ struct Plan {
 enum Gives {
     /// None: no wait.
     Settled,
-    /// Work queued on the requesting stream alone, which orders the new
-    /// owner's work after it: no wait, with a fence.
-    Ordered,
-    /// Work on any stream: a wait for the device.
+    /// Work queued on this one stream (the requesting one, or another):
+    /// no wait on the host, with a fence there that the requesting stream
+    /// waits for on the device.
+    Behind(u64),
+    /// Work on several streams, or a request on no stream: a wait for the
+    /// device.
     Pending,
 }
 
@@ -141,8 +146,8 @@ impl Gives {
     fn of(fit: &BestFit, tag: StreamTag, stream: u64, fences: bool) -> Gives {
         if fit.tag_settled(tag) {
             Gives::Settled
-        } else if fences && stream != 0 && tag.stream == stream && tag != StreamTag::MIXED {
-            Gives::Ordered
+        } else if fences && stream != 0 && tag.stream != 0 && tag != StreamTag::MIXED {
+            Gives::Behind(tag.stream)
         } else {
             Gives::Pending
         }
@@ -361,8 +366,8 @@ impl<U: Upstream> Pool<U> {
                 // Offer twice the excess (only whole pieces inside the
                 // spans can move), memory no queued work may use first
                 // (moving it needs no wait), then the rest from the top
-                // down: memory only the requesting stream's work may use
-                // moves behind a fence, the rest after a wait.
+                // down: memory only one stream's work may use moves behind
+                // a fence, the rest after a wait.
                 let mut offered = 0;
                 let fences = self.mapper.as_ref().is_some_and(|job| job.fences.get().is_some());
                 let free = fit.free_blocks_highest_first(pages.page());
@@ -476,14 +481,15 @@ impl<U: Upstream> Pool<U> {
     /// Unmaps up to `plan.want` bytes of whole pieces inside the plan's
     /// spans, keeping their memory for the next map, in the plan's order:
     /// each run of spans of one kind in one call, with no wait (work
-    /// known complete), behind a fence on the requesting stream (work
-    /// queued there alone), or after a wait for the device (the rest).
+    /// known complete), behind a fence on the one stream whose work may
+    /// use them, or after a wait for the device (the rest).
     /// Returns what moved, how many calls waited for the device, and the
     /// first error.
     fn unmap_settled_first(&self, plan: &Plan) -> (Vec<Chunk>, u64, Option<Error>) {
         let mut out = Vec::new();
         let (mut got, mut waits) = (0, 0);
-        let mut fence = None;
+        // One fence per stream whose memory the move takes.
+        let mut fences: Vec<(u64, Option<std::sync::Arc<dyn crate::tag::Fence>>)> = Vec::new();
         let mut rest = &plan.spans[..];
         while let Some(&(_, gives)) = rest.first() {
             if got >= plan.want {
@@ -496,13 +502,19 @@ impl<U: Upstream> Pool<U> {
             // its new addresses while the old stay mapped, and the mapper
             // thread unmaps those (`Upstream::lend_within`; memory queued
             // work may use is lent only after the wait for that work, or
-            // behind a fence on the stream the memory is lent for).
+            // behind a fence that the requesting stream waits for).
             let queued = match gives {
                 Gives::Settled => Queued::Nothing,
-                Gives::Ordered => {
-                    // One fence for the move.
-                    let fence = fence.get_or_insert_with(|| self.fence_on(plan.stream));
-                    fence.clone().map_or(Queued::Any, Queued::Before)
+                Gives::Behind(on) => {
+                    let fence = match fences.iter().find(|(s, _)| *s == on) {
+                        Some((_, f)) => f.clone(),
+                        None => {
+                            let f = self.fence_on(on, plan.stream);
+                            fences.push((on, f.clone()));
+                            f
+                        }
+                    };
+                    fence.map_or(Queued::Any, Queued::Before)
                 }
                 Gives::Pending => Queued::Any,
             };
@@ -521,10 +533,11 @@ impl<U: Upstream> Pool<U> {
         (out, waits, None)
     }
 
-    /// A fence at the end of the work queued so far on `stream`, where the
-    /// pool has a fence maker and it can make one.
-    fn fence_on(&self, stream: u64) -> Option<std::sync::Arc<dyn crate::tag::Fence>> {
-        self.mapper.as_ref()?.fences.get()?(stream)
+    /// A fence at the end of the work queued so far on stream `on`, with
+    /// the requesting stream `then` ordered after it, where the pool has a
+    /// fence maker and it can make one.
+    fn fence_on(&self, on: u64, then: u64) -> Option<std::sync::Arc<dyn crate::tag::Fence>> {
+        self.mapper.as_ref()?.fences.get()?(on, then)
     }
 
     /// Unmaps every wholly free piece of memory and releases the kept

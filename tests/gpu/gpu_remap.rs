@@ -291,58 +291,80 @@ fn busy(s: &cumem::Stream) -> bool {
 /// behind it are still written through their old addresses, and a large
 /// request on the same stream takes their memory. The move waits for no
 /// device (the pool counts no wait; the stream is normally still busy
-/// when the allocation returns, which is printed: another thread's wait
-/// for the device may hold the driver's page calls back, see
-/// `benches/busy_moves.rs`). Then the old writes run, then a fill of the
-/// new block; the new block holds the fill, the blocks that stayed hold
-/// theirs, and the mapper thread unmaps the old places once the fence
-/// passed.
+/// when the allocation returns, which is printed). Then the old writes
+/// run, then a fill of the new block; the new block holds the fill, the
+/// blocks that stayed hold theirs, and the mapper thread unmaps the old
+/// places once the fence passed.
 #[test]
 fn memory_freed_on_the_requesting_stream_moves_with_no_device_wait() {
     let Some(ctx) = gpu_for_test("memory_freed_on_the_requesting_stream_moves_with_no_device_wait") else { return };
+    fenced_move(&ctx, false);
+}
+
+/// The same with the blocks freed on one stream (held by the kernel) and
+/// the request on another: the fence is on the freeing stream, and the
+/// requesting stream waits for it on the device, so its fill of the new
+/// block runs after the old writes through the old addresses (a fill run
+/// before them would be overwritten: the check sees it).
+#[test]
+fn memory_freed_on_another_stream_moves_behind_a_fence_there() {
+    let Some(ctx) = gpu_for_test("memory_freed_on_another_stream_moves_behind_a_fence_there") else { return };
+    fenced_move(&ctx, true);
+}
+
+/// The tests above: the request on the freeing stream, or on another.
+fn fenced_move(ctx: &Arc<CudaContext>, other: bool) {
     let ordinal = ctx.ordinal();
     let config = cumem::Config::from_env().expect("CUMEM_CONF parses").device(ordinal).remap_slack_ppm(0);
     let mm = cumem::MemoryManager::new(config).expect("a manager");
     let stream = cumem::Stream::from_cudarc(ctx.new_stream().expect("a stream"));
-    let cs = stream.cudarc().expect("a CUDA stream").clone();
+    let user = if other { cumem::Stream::from_cudarc(ctx.new_stream().expect("a stream")) } else { stream.clone() };
     let ptx = cudarc::nvrtc::compile_ptx(HOLD).expect("NVRTC compiles the test kernels");
     let m = ctx.load_module(ptx).expect("the module loads");
     let (hold, fill) = (m.load_function("hold").unwrap(), m.load_function("fill").unwrap());
-    let launch_fill = |p: u64, bytes: usize, v: u32| {
+    let launch_fill = |s: &cumem::Stream, p: u64, bytes: usize, v: u32| {
         let n = (bytes / 4) as u64;
-        let mut l = cs.launch_builder(&fill);
+        let mut l = s.cudarc().expect("a CUDA stream").launch_builder(&fill);
         l.arg(&p).arg(&v).arg(&n);
         // SAFETY: the arguments match the kernel; `p` holds `n` words
         // while the work on the stream runs (frees are ordered on it).
         unsafe { l.launch(LaunchConfig::for_num_elems(n as u32)) }.expect("fill launches");
     };
     const PIECE: usize = 32 << 20;
+    // The requesting stream has freed before (the device allocator knows
+    // it), as in any program that allocates on it.
+    let first = mm.allocate_device_on(4096, &user).expect("a small block");
+    mm.free_device_on(first, &user).expect("its free");
+    user.synchronize().unwrap();
     let blocks: Vec<u64> = (0..16).map(|_| mm.allocate_device_on(PIECE, &stream).expect("a block")).collect();
     for (i, &b) in blocks.iter().enumerate() {
-        launch_fill(b, PIECE, 1000 * i as u32);
+        launch_fill(&stream, b, PIECE, 1000 * i as u32);
     }
     stream.synchronize().unwrap();
     // The stream is held; the odd blocks are written after the hold
     // (through the addresses they have now) and freed on the stream.
     let flag = Flag::new();
     let (fp, limit) = (flag.0 as u64, 2_000_000_000u64);
-    let mut l = cs.launch_builder(&hold);
+    let mut l = stream.cudarc().expect("a CUDA stream").launch_builder(&hold);
     l.arg(&fp).arg(&limit);
     // SAFETY: the arguments match the kernel; the flag outlives the work.
     unsafe { l.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 }) }
         .expect("hold launches");
     for &b in blocks.iter().skip(1).step_by(2) {
-        launch_fill(b, PIECE, 7);
+        launch_fill(&stream, b, PIECE, 7);
         mm.free_device_on(b, &stream).expect("a free on the stream");
     }
     let before = mm.device_stats(ordinal).expect("stats").pool;
     let calls = cumem::cuda::vmm::driver_calls();
     // No free block holds 8 pieces, and with no slack the memory moves.
-    let big = mm.allocate_device_on(8 * PIECE, &stream).expect("the large block");
+    let big = mm.allocate_device_on(8 * PIECE, &user).expect("the large block");
     let still_held = busy(&stream);
+    // Queued before the flag is set: on another stream it must wait for
+    // the hold and the old writes all the same.
+    launch_fill(&user, big, 8 * PIECE, 55);
     flag.set();
     let after = mm.device_stats(ordinal).expect("stats").pool;
-    launch_fill(big, 8 * PIECE, 55);
+    user.synchronize().expect("the requesting stream's work completes");
     stream.synchronize().expect("the stream's work completes");
     assert!(after.unmap_calls > before.unmap_calls, "no memory moved: the test checked nothing");
     assert!(after.peak_mapped <= 16 * PIECE + PIECE, "memory grew instead of moving: {} MiB", after.peak_mapped >> 20);
@@ -350,7 +372,7 @@ fn memory_freed_on_the_requesting_stream_moves_with_no_device_wait() {
     println!("the stream was {} when the allocation returned", if still_held { "still busy" } else { "idle" });
     // Every word of the new block holds the fill queued after the old writes.
     let mut host = vec![0u32; 8 * PIECE / 4];
-    // SAFETY: `host` holds the block's bytes; the stream was synchronised.
+    // SAFETY: `host` holds the block's bytes; the streams were synchronised.
     unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), big, 8 * PIECE) }.result().unwrap();
     let bad = host.iter().enumerate().filter(|&(i, &w)| w != 55u32.wrapping_add(i as u32)).count();
     assert_eq!(bad, 0, "{bad} words of the new block lost the fill");
@@ -372,9 +394,10 @@ fn memory_freed_on_the_requesting_stream_moves_with_no_device_wait() {
     let c = cumem::cuda::vmm::driver_calls().since(&calls);
     println!("fenced move: allocating thread {:?}, behind it {:?}", c.allocating, c.background);
     assert!(c.background.unmap > 0, "the old places were never unmapped behind the allocating thread");
-    mm.free_device_on(big, &stream).unwrap();
+    mm.free_device_on(big, &user).unwrap();
     for &b in blocks.iter().step_by(2) {
         mm.free_device_on(b, &stream).unwrap();
     }
+    user.synchronize().unwrap();
     stream.synchronize().unwrap();
 }

@@ -51,8 +51,9 @@ struct World {
     /// and point: work queued there up to that point may still use it).
     stale: BTreeMap<usize, (usize, Option<(u64, u64)>)>,
     /// The stream and point of the fence made for the allocation under
-    /// way (the test clears it before each).
-    last_fence: Option<(u64, u64)>,
+    /// way, and the stream ordered after it (the test clears it before
+    /// each allocation).
+    last_fence: Option<(u64, u64, u64)>,
     /// The stream an allocation is being made for (fences must be made
     /// on it).
     requesting: u64,
@@ -315,10 +316,11 @@ impl Upstream for Model {
                 // than one call.
                 let f = w.last_fence;
                 let requesting = w.requesting;
-                if f.is_none_or(|(s, _)| s != requesting) {
-                    w.violations.push(format!("a fence {f:?} not made on the requesting stream {requesting}"));
+                if f.is_none_or(|(_, _, then)| then != requesting) {
+                    w.violations
+                        .push(format!("a fence {f:?} that orders no work of the requesting stream {requesting}"));
                 }
-                f
+                f.map(|(on, point, _)| (on, point))
             }
         };
         let mut out = Vec::new();

@@ -1,11 +1,12 @@
-//! Moves that lend memory behind a fence on the requesting stream: the
-//! model upstream lends (old mappings stay until unmapped), and the pool
-//! gets a fence maker, as a device allocator gives it one.
+//! Moves that lend memory behind a fence on the stream whose work may
+//! use it: the model upstream lends (old mappings stay until unmapped),
+//! and the pool gets a fence maker, as a device allocator gives it one.
 //!
 //! Checked by the model: no memory is lent while work on a stream other
-//! than the fence's (or past its point) may use it; a fence is made on
-//! the requesting stream; no old mapping is unmapped while work may use
-//! it (the mapper passes over it, a map over it waits for its fence).
+//! than the fence's (or past its point) may use it; every fence orders
+//! the requesting stream after it; no old mapping is unmapped while work
+//! may use it (the mapper passes over it, a map over it waits for its
+//! fence).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,14 +23,14 @@ fn lending_pool(model: &Model) -> Pool<Model> {
     let m = model.clone();
     pool.set_tag_oracle(Arc::new(move |t: StreamTag| m.world().complete.get(&t.stream).is_some_and(|&c| c >= t.seq)));
     let m = model.clone();
-    pool.set_fence_maker(Arc::new(move |stream| {
+    pool.set_fence_maker(Arc::new(move |on, then| {
         let point = {
             let mut w = m.world();
-            let point = w.freed.get(&stream).copied().unwrap_or(0);
-            w.last_fence = Some((stream, point));
+            let point = w.freed.get(&on).copied().unwrap_or(0);
+            w.last_fence = Some((on, point, then));
             point
         };
-        Some(Arc::new(ModelFence { world: m.0.clone(), stream, point }))
+        Some(Arc::new(ModelFence { world: m.0.clone(), stream: on, point }))
     }));
     pool
 }
@@ -119,19 +120,36 @@ fn memory_freed_on_the_requesting_stream_moves_with_no_wait() {
 }
 
 #[test]
-fn memory_freed_on_another_stream_waits_for_the_device() {
+fn memory_freed_on_another_stream_moves_behind_a_fence_there() {
     let (model, pool) = half_freed();
-    // The same move for stream 2: stream 1's work is not ordered before
-    // stream 2's, so the move waits for the device and makes no fence.
+    // The same move for stream 2: the fence is on stream 1, whose work may
+    // use the memory, and stream 2 is ordered after it.
     let big = allocate(&pool, &model, 60 * PAGE, 2);
     let w = model.world();
-    assert!(w.syncs > 0, "stream 1's memory moved to stream 2 with no wait");
-    assert!(pool.stats().move_waits > 0, "the pool counted no wait");
-    assert_eq!(w.fenced, 0, "a fence on stream 2 covered stream 1's work");
-    assert!(w.lent >= 14, "{} pieces lent", w.lent);
+    assert_eq!(w.syncs, 0, "stream 1's memory moved to stream 2 after a wait for the device");
+    assert_eq!(pool.stats().move_waits, 0, "the pool counted a wait");
+    assert_eq!(w.last_fence.map(|(on, _, then)| (on, then)), Some((1, 2)), "the fence is not stream 1's for stream 2");
+    assert!(w.fenced >= 14 && w.lent == w.fenced, "{} pieces lent, {} behind a fence", w.lent, w.fenced);
     drop(w);
     check(&model, &pool, 0);
     free(&pool, &model, big.addr, big.size, 2);
+    pool.shutdown().unwrap();
+}
+
+#[test]
+fn a_request_on_no_stream_waits_for_the_device() {
+    let (model, pool) = half_freed();
+    // The control: a request on no stream can't be ordered after stream
+    // 1's work on the device, so the move waits for it and makes no fence.
+    let big = allocate(&pool, &model, 60 * PAGE, 0);
+    let w = model.world();
+    assert!(w.syncs > 0, "stream 1's memory moved with no wait for a request on no stream");
+    assert!(pool.stats().move_waits > 0, "the pool counted no wait");
+    assert_eq!(w.fenced, 0, "a fence for a request on no stream");
+    assert!(w.lent >= 14, "{} pieces lent", w.lent);
+    drop(w);
+    check(&model, &pool, 0);
+    free(&pool, &model, big.addr, big.size, 0);
     pool.shutdown().unwrap();
 }
 
