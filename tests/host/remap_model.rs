@@ -50,10 +50,11 @@ struct World {
     /// Old mappings of lent memory: address → (size, the fence's stream
     /// and point: work queued there up to that point may still use it).
     stale: BTreeMap<usize, (usize, Option<(u64, u64)>)>,
-    /// The stream and point of the fence made for the allocation under
-    /// way, and the stream ordered after it (the test clears it before
-    /// each allocation).
+    /// The stream and point of the fence made last, and the stream
+    /// ordered after it (the test clears it before each allocation).
     last_fence: Option<(u64, u64, u64)>,
+    /// The same of every fence made, by the fence's address.
+    fences: HashMap<usize, (u64, u64, u64)>,
     /// The stream an allocation is being made for (fences must be made
     /// on it).
     requesting: u64,
@@ -311,10 +312,10 @@ impl Upstream for Model {
                 w.sync();
                 None
             }
-            Queued::Before(_) => {
-                // A move makes one fence and may lend behind it in more
-                // than one call.
-                let f = w.last_fence;
+            Queued::Before(fence) => {
+                // A move makes a fence per stream and may lend behind one
+                // in more than one call.
+                let f = w.fences.get(&(Arc::as_ptr(&fence) as *const () as usize)).copied();
                 let requesting = w.requesting;
                 if f.is_none_or(|(_, _, then)| then != requesting) {
                     w.violations

@@ -24,13 +24,12 @@ fn lending_pool(model: &Model) -> Pool<Model> {
     pool.set_tag_oracle(Arc::new(move |t: StreamTag| m.world().complete.get(&t.stream).is_some_and(|&c| c >= t.seq)));
     let m = model.clone();
     pool.set_fence_maker(Arc::new(move |on, then| {
-        let point = {
-            let mut w = m.world();
-            let point = w.freed.get(&on).copied().unwrap_or(0);
-            w.last_fence = Some((on, point, then));
-            point
-        };
-        Some(Arc::new(ModelFence { world: m.0.clone(), stream: on, point }))
+        let mut w = m.world();
+        let point = w.freed.get(&on).copied().unwrap_or(0);
+        let fence = Arc::new(ModelFence { world: m.0.clone(), stream: on, point });
+        w.last_fence = Some((on, point, then));
+        w.fences.insert(Arc::as_ptr(&fence) as usize, (on, point, then));
+        Some(fence as Arc<dyn cumem::pool::Fence>)
     }));
     pool
 }
