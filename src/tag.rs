@@ -77,8 +77,10 @@ pub trait Fence: Send + Sync {
 /// another stream, orders the work queued on `then` from now on after it
 /// (the stream waits for the fence on the device, not the host); `None`
 /// where it can't (a stream it doesn't know, one that captures a graph, a
-/// driver error). A device allocator gives its pools one; a pool uses it
-/// for page moves of memory whose work is queued on one stream, for a
+/// driver error). `on` = [`StreamTag::MIXED`]'s stream asks for a fence
+/// on every stream with work that may be queued (memory of blocks freed
+/// on several streams). A device allocator gives its pools one; a pool
+/// uses it for page moves of memory whose work may be queued, for a
 /// request on `then`. It runs with no pool lock held.
 pub type FenceMaker = std::sync::Arc<dyn Fn(u64, u64) -> Option<std::sync::Arc<dyn Fence>> + Send + Sync>;
 

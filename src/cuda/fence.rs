@@ -89,6 +89,29 @@ impl Drop for EventFence {
 /// is under way or `on` captures (an event recorded on a capturing stream
 /// would record nothing), or when the driver refuses.
 pub(crate) fn fence_on(on: &Stream, then: &Stream, pool: &Arc<EventPool>) -> Option<Arc<dyn Fence>> {
+    let event = record_for(on, then, pool)?;
+    Some(Arc::new(EventFence { event: Some(event), pool: pool.clone() }))
+}
+
+/// [`fence_on`] on each of `streams` at once (memory of blocks freed on
+/// several of them): the fence passes when all have; `None` when any one
+/// can't be made.
+pub(crate) fn fence_on_all(streams: &[Stream], then: &Stream, pool: &Arc<EventPool>) -> Option<Arc<dyn Fence>> {
+    let mut events = Vec::with_capacity(streams.len());
+    for on in streams {
+        match record_for(on, then, pool) {
+            Some(e) => events.push(EventFence { event: Some(e), pool: pool.clone() }),
+            // The events recorded so far go back as the fences drop.
+            None => return None,
+        }
+    }
+    Some(Arc::new(AllOf(events)))
+}
+
+/// An event recorded at the end of the work queued so far on `on`, with
+/// `then` made to wait for it when it is another stream (see
+/// [`fence_on`]).
+fn record_for(on: &Stream, then: &Stream, pool: &Arc<EventPool>) -> Option<CudaEvent> {
     let cuda = on.cudarc()?;
     if super::captures_under_way() {
         return None;
@@ -120,5 +143,18 @@ pub(crate) fn fence_on(on: &Stream, then: &Stream, pool: &Arc<EventPool>) -> Opt
             return None;
         }
     }
-    Some(Arc::new(EventFence { event: Some(event), pool: pool.clone() }))
+    Some(event)
+}
+
+/// Fences on several streams, passed when all have.
+struct AllOf(Vec<EventFence>);
+
+impl Fence for AllOf {
+    fn passed(&self) -> bool {
+        self.0.iter().all(|f| f.passed())
+    }
+
+    fn wait(&self) -> Result<()> {
+        self.0.iter().try_for_each(|f| f.wait())
+    }
 }

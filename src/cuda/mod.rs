@@ -30,7 +30,7 @@ pub(crate) use capture::{
     capture_info, capture_of, captures_under_way, count_capture, CaptureGraph, RelaxedCaptureMode,
 };
 pub(crate) use context::set_default_ordinal;
-pub(crate) use fence::{fence_on, EventPool};
+pub(crate) use fence::{fence_on, fence_on_all, EventPool};
 pub(crate) use graph_object::tie_to_graph;
 pub(crate) use graph_release::next_host_capture_id;
 #[doc(hidden)]

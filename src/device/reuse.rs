@@ -247,11 +247,19 @@ impl StreamRegistry {
     /// stream `on`, with the work queued on stream `then` from now on
     /// ordered after it (see [`FenceMaker`](crate::tag::FenceMaker)):
     /// `None` for a stream the registry does not hold.
+    /// `on` = [`StreamTag::MIXED`]'s stream: a fence on every registered
+    /// stream with frees not known complete (memory of blocks freed on
+    /// several streams; a block's free registers its stream).
     pub(crate) fn fence_on(&self, on: u64, then: u64) -> Option<Arc<dyn Fence>> {
-        let (on, then) = {
-            let known = lock(&self.streams);
-            (known.live.get(&on).cloned()?, known.live.get(&then).cloned()?)
-        };
+        let known = lock(&self.streams);
+        let then = known.live.get(&then).cloned()?;
+        if on == StreamTag::MIXED.stream {
+            let pending: Vec<Stream> = known.live.values().filter(|s| !s.all_frees_complete()).cloned().collect();
+            drop(known);
+            return crate::cuda::fence_on_all(&pending, &then, &self.events);
+        }
+        let on = known.live.get(&on).cloned()?;
+        drop(known);
         crate::cuda::fence_on(&on, &then, &self.events)
     }
 

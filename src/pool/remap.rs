@@ -68,18 +68,19 @@
 //!   about 22 µs: `benches/vmm.rs`). Memory is never lent while work
 //!   that may use it could run beside the new owner's: through its old
 //!   place that work would reach the new owner's memory.
-//! - **Moves behind a fence**: memory whose blocks were freed on one
-//!   stream (their tags name it, not [`StreamTag::MIXED`]) is lent with
-//!   no wait on the host. The pool asks its fence maker
+//! - **Moves behind a fence**: memory whose blocks were freed on a stream
+//!   is lent with no wait on the host. The pool asks its fence maker
 //!   ([`Pool::set_fence_maker`]; a device allocator records a CUDA event
-//!   on that stream) for a fence there, and the requesting stream waits
-//!   for it on the device (`cuStreamWaitEvent`, nothing when it is the
-//!   same stream): the new owner's work runs after the old. The old
-//!   mapping stays until the fence has passed: the mapper thread passes
-//!   over it until then, and a map that needs those addresses waits for
-//!   it. Memory of blocks freed on several streams, and memory moved for
-//!   a request on no stream, moves after a wait for the device and its
-//!   peers, as before (and all memory of a region that peers map). Free
+//!   on that stream, or on every stream with frees not known complete
+//!   for a block merged from frees on several, [`StreamTag::MIXED`]) for
+//!   a fence there, and the requesting stream waits for it on the device
+//!   (`cuStreamWaitEvent`, nothing when it is the same stream): the new
+//!   owner's work runs after the old. The old mapping stays until the
+//!   fence has passed: the mapper thread passes over it until then, and a
+//!   map that needs those addresses waits for it. Memory moved for a
+//!   request on no stream, or where no fence can be made, moves after a
+//!   wait for the device and its peers, as before (and all memory of a
+//!   region that peers map). Free
 //!   blocks give in the same order as before, work known complete first
 //!   and then the rest from the top down; each run of spans of one kind
 //!   is lent in one call, with one fence per stream. (Giving the
@@ -131,12 +132,12 @@ struct Plan {
 enum Gives {
     /// None: no wait.
     Settled,
-    /// Work queued on this one stream (the requesting one, or another):
-    /// no wait on the host, with a fence there that the requesting stream
-    /// waits for on the device.
-    Behind(u64),
-    /// Work on several streams, or a request on no stream: a wait for the
+    /// Work queued on this one stream (the requesting one, or another;
+    /// [`StreamTag::MIXED`]'s stream: on several): no wait on the host,
+    /// with a fence there that the requesting stream waits for on the
     /// device.
+    Behind(u64),
+    /// A request on no stream: a wait for the device.
     Pending,
 }
 
@@ -146,7 +147,9 @@ impl Gives {
     fn of(fit: &BestFit, tag: StreamTag, stream: u64, fences: bool) -> Gives {
         if fit.tag_settled(tag) {
             Gives::Settled
-        } else if fences && stream != 0 && tag.stream != 0 && tag != StreamTag::MIXED {
+        } else if fences && stream != 0 && tag.stream != 0 {
+            // (A merged block's streams are not known: its fence covers
+            // every stream with work that may be queued.)
             Gives::Behind(tag.stream)
         } else {
             Gives::Pending

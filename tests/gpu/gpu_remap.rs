@@ -298,7 +298,7 @@ fn busy(s: &cumem::Stream) -> bool {
 #[test]
 fn memory_freed_on_the_requesting_stream_moves_with_no_device_wait() {
     let Some(ctx) = gpu_for_test("memory_freed_on_the_requesting_stream_moves_with_no_device_wait") else { return };
-    fenced_move(&ctx, false);
+    fenced_move(&ctx, Request::Same);
 }
 
 /// The same with the blocks freed on one stream (held by the kernel) and
@@ -309,16 +309,38 @@ fn memory_freed_on_the_requesting_stream_moves_with_no_device_wait() {
 #[test]
 fn memory_freed_on_another_stream_moves_behind_a_fence_there() {
     let Some(ctx) = gpu_for_test("memory_freed_on_another_stream_moves_behind_a_fence_there") else { return };
-    fenced_move(&ctx, true);
+    fenced_move(&ctx, Request::Other);
 }
 
-/// The tests above: the request on the freeing stream, or on another.
-fn fenced_move(ctx: &Arc<CudaContext>, other: bool) {
+/// The same with neighbouring blocks freed on two held streams (their
+/// free blocks merge and name no one stream) and the request on a third:
+/// the fence covers both streams.
+#[test]
+fn memory_of_blocks_freed_on_two_streams_moves_behind_fences_on_both() {
+    let Some(ctx) = gpu_for_test("memory_of_blocks_freed_on_two_streams_moves_behind_fences_on_both") else { return };
+    fenced_move(&ctx, Request::TwoStreams);
+}
+
+/// Where [`fenced_move`] frees and requests.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Request {
+    /// Freed on one stream, requested on it.
+    Same,
+    /// Freed on one stream, requested on another.
+    Other,
+    /// Neighbours freed on two streams, requested on a third.
+    TwoStreams,
+}
+
+/// The tests above.
+fn fenced_move(ctx: &Arc<CudaContext>, request: Request) {
     let ordinal = ctx.ordinal();
     let config = cumem::Config::from_env().expect("CUMEM_CONF parses").device(ordinal).remap_slack_ppm(0);
     let mm = cumem::MemoryManager::new(config).expect("a manager");
-    let stream = cumem::Stream::from_cudarc(ctx.new_stream().expect("a stream"));
-    let user = if other { cumem::Stream::from_cudarc(ctx.new_stream().expect("a stream")) } else { stream.clone() };
+    let new_stream = || cumem::Stream::from_cudarc(ctx.new_stream().expect("a stream"));
+    let stream = new_stream();
+    let second = new_stream();
+    let user = if request == Request::Same { stream.clone() } else { new_stream() };
     let ptx = cudarc::nvrtc::compile_ptx(HOLD).expect("NVRTC compiles the test kernels");
     let m = ctx.load_module(ptx).expect("the module loads");
     let (hold, fill) = (m.load_function("hold").unwrap(), m.load_function("fill").unwrap());
@@ -341,42 +363,58 @@ fn fenced_move(ctx: &Arc<CudaContext>, other: bool) {
         launch_fill(&stream, b, PIECE, 1000 * i as u32);
     }
     stream.synchronize().unwrap();
-    // The stream is held; the odd blocks are written after the hold
-    // (through the addresses they have now) and freed on the stream.
+    // The freeing streams are held; the freed blocks are written after the
+    // hold (through the addresses they have now) and freed there: the odd
+    // ones on the first stream, or with two streams the second and third
+    // of every four, one on each.
     let flag = Flag::new();
     let (fp, limit) = (flag.0 as u64, 2_000_000_000u64);
-    let mut l = stream.cudarc().expect("a CUDA stream").launch_builder(&hold);
-    l.arg(&fp).arg(&limit);
-    // SAFETY: the arguments match the kernel; the flag outlives the work.
-    unsafe { l.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 }) }
-        .expect("hold launches");
-    for &b in blocks.iter().skip(1).step_by(2) {
-        launch_fill(&stream, b, PIECE, 7);
-        mm.free_device_on(b, &stream).expect("a free on the stream");
+    let freeing: Vec<&cumem::Stream> =
+        if request == Request::TwoStreams { vec![&stream, &second] } else { vec![&stream] };
+    for s in &freeing {
+        let mut l = s.cudarc().expect("a CUDA stream").launch_builder(&hold);
+        l.arg(&fp).arg(&limit);
+        // SAFETY: the arguments match the kernel; the flag outlives the work.
+        unsafe { l.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 }) }
+            .expect("hold launches");
+    }
+    let freed = |i: usize| match request {
+        Request::TwoStreams => matches!(i % 4, 1 | 2).then(|| freeing[i % 4 - 1]),
+        _ => (i % 2 == 1).then_some(freeing[0]),
+    };
+    for (i, &b) in blocks.iter().enumerate() {
+        if let Some(s) = freed(i) {
+            launch_fill(s, b, PIECE, 7);
+            mm.free_device_on(b, s).expect("a free on the stream");
+        }
     }
     let before = mm.device_stats(ordinal).expect("stats").pool;
     let calls = cumem::cuda::vmm::driver_calls();
     // No free block holds 8 pieces, and with no slack the memory moves.
     let big = mm.allocate_device_on(8 * PIECE, &user).expect("the large block");
-    let still_held = busy(&stream);
+    let still_held = freeing.iter().all(|s| busy(s));
     // Queued before the flag is set: on another stream it must wait for
-    // the hold and the old writes all the same.
+    // the holds and the old writes all the same.
     launch_fill(&user, big, 8 * PIECE, 55);
     flag.set();
     let after = mm.device_stats(ordinal).expect("stats").pool;
-    user.synchronize().expect("the requesting stream's work completes");
-    stream.synchronize().expect("the stream's work completes");
+    for s in [&user, &stream, &second] {
+        s.synchronize().expect("the streams' work completes");
+    }
     assert!(after.unmap_calls > before.unmap_calls, "no memory moved: the test checked nothing");
     assert!(after.peak_mapped <= 16 * PIECE + PIECE, "memory grew instead of moving: {} MiB", after.peak_mapped >> 20);
     assert_eq!(after.move_waits, before.move_waits, "the move waited for the device");
-    println!("the stream was {} when the allocation returned", if still_held { "still busy" } else { "idle" });
+    println!(
+        "the freeing streams were {} when the allocation returned",
+        if still_held { "still busy" } else { "idle" }
+    );
     // Every word of the new block holds the fill queued after the old writes.
     let mut host = vec![0u32; 8 * PIECE / 4];
     // SAFETY: `host` holds the block's bytes; the streams were synchronised.
     unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), big, 8 * PIECE) }.result().unwrap();
     let bad = host.iter().enumerate().filter(|&(i, &w)| w != 55u32.wrapping_add(i as u32)).count();
     assert_eq!(bad, 0, "{bad} words of the new block lost the fill");
-    for (i, &b) in blocks.iter().enumerate().step_by(2) {
+    for (i, &b) in blocks.iter().enumerate().filter(|&(i, _)| freed(i).is_none()) {
         let mut w = vec![0u32; PIECE / 4];
         // SAFETY: as above, for a live block.
         unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(w.as_mut_ptr().cast(), b, PIECE) }.result().unwrap();
@@ -395,9 +433,10 @@ fn fenced_move(ctx: &Arc<CudaContext>, other: bool) {
     println!("fenced move: allocating thread {:?}, behind it {:?}", c.allocating, c.background);
     assert!(c.background.unmap > 0, "the old places were never unmapped behind the allocating thread");
     mm.free_device_on(big, &user).unwrap();
-    for &b in blocks.iter().step_by(2) {
+    for (_, &b) in blocks.iter().enumerate().filter(|&(i, _)| freed(i).is_none()) {
         mm.free_device_on(b, &stream).unwrap();
     }
-    user.synchronize().unwrap();
-    stream.synchronize().unwrap();
+    for s in [&user, &stream, &second] {
+        s.synchronize().unwrap();
+    }
 }

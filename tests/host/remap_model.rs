@@ -47,14 +47,14 @@ struct World {
     /// Whether moves lend memory (old mappings stay until `unmap_stale`
     /// or a map over them), as the CUDA upstream does: `fenced.rs`.
     lends: bool,
-    /// Old mappings of lent memory: address → (size, the fence's stream
-    /// and point: work queued there up to that point may still use it).
-    stale: BTreeMap<usize, (usize, Option<(u64, u64)>)>,
-    /// The stream and point of the fence made last, and the stream
-    /// ordered after it (the test clears it before each allocation).
-    last_fence: Option<(u64, u64, u64)>,
+    /// Old mappings of lent memory: address → (size, the fence: work
+    /// queued up to its point on each of its streams may still use it).
+    stale: BTreeMap<usize, (usize, Option<Points>)>,
+    /// The fence made last, and the stream ordered after it (the test
+    /// clears it before each allocation).
+    last_fence: Option<(Points, u64)>,
     /// The same of every fence made, by the fence's address.
-    fences: HashMap<usize, (u64, u64, u64)>,
+    fences: HashMap<usize, (Points, u64)>,
     /// The stream an allocation is being made for (fences must be made
     /// on it).
     requesting: u64,
@@ -65,6 +65,9 @@ struct World {
     fenced: u64,
     fence_waits: u64,
 }
+
+/// A model fence: (stream, point) for each stream it covers.
+type Points = Vec<(u64, u64)>;
 
 impl World {
     fn mapped(&self, page: usize) -> bool {
@@ -124,24 +127,27 @@ impl World {
     }
 
     /// Whether the work a fence covers is complete.
-    fn passed(&self, fence: Option<(u64, u64)>) -> bool {
-        fence.is_none_or(|(s, point)| self.complete.get(&s).copied().unwrap_or(0) >= point)
+    fn passed(&self, fence: Option<&Points>) -> bool {
+        fence.is_none_or(|f| f.iter().all(|&(s, point)| self.complete.get(&s).copied().unwrap_or(0) >= point))
     }
 
-    /// Waits for a fence: the work of its stream up to its point completes.
-    fn wait_fence(&mut self, (s, point): (u64, u64)) {
+    /// Waits for a fence: the work of its streams up to their points
+    /// completes.
+    fn wait_fence(&mut self, fence: &Points) {
         self.fence_waits += 1;
-        let c = self.complete.entry(s).or_default();
-        *c = (*c).max(point);
+        for &(s, point) in fence {
+            let c = self.complete.entry(s).or_default();
+            *c = (*c).max(point);
+        }
     }
 
     /// Unmaps the old mapping at `addr` (waiting for its fence first with
     /// `wait`); `false` when its fence has not passed and `wait` is off.
     fn unmap_stale_at(&mut self, addr: usize, wait: bool) -> bool {
-        let Some(&(size, fence)) = self.stale.get(&addr) else { return false };
-        if !self.passed(fence) {
+        let Some((size, fence)) = self.stale.get(&addr).cloned() else { return false };
+        if !self.passed(fence.as_ref()) {
             match (wait, fence) {
-                (true, Some(f)) => self.wait_fence(f),
+                (true, Some(f)) => self.wait_fence(&f),
                 _ => return false,
             }
         }
@@ -165,19 +171,18 @@ impl World {
     }
 }
 
-/// A fence of the model: the work of `stream` up to `point`.
+/// A fence of the model: the work of each of its streams up to its point.
 struct ModelFence {
     world: Arc<Mutex<World>>,
-    stream: u64,
-    point: u64,
+    points: Points,
 }
 
 impl cumem::pool::Fence for ModelFence {
     fn passed(&self) -> bool {
-        self.world.lock().unwrap().passed(Some((self.stream, self.point)))
+        self.world.lock().unwrap().passed(Some(&self.points))
     }
     fn wait(&self) -> Result<()> {
-        self.world.lock().unwrap().wait_fence((self.stream, self.point));
+        self.world.lock().unwrap().wait_fence(&self.points);
         Ok(())
     }
 }
@@ -315,13 +320,13 @@ impl Upstream for Model {
             Queued::Before(fence) => {
                 // A move makes a fence per stream and may lend behind one
                 // in more than one call.
-                let f = w.fences.get(&(Arc::as_ptr(&fence) as *const () as usize)).copied();
+                let f = w.fences.get(&(Arc::as_ptr(&fence) as *const () as usize)).cloned();
                 let requesting = w.requesting;
-                if f.is_none_or(|(_, _, then)| then != requesting) {
+                if f.as_ref().is_none_or(|(_, then)| *then != requesting) {
                     w.violations
                         .push(format!("a fence {f:?} that orders no work of the requesting stream {requesting}"));
                 }
-                f.map(|(on, point, _)| (on, point))
+                f.map(|(points, _)| points)
             }
         };
         let mut out = Vec::new();
@@ -334,7 +339,7 @@ impl Upstream for Model {
                 for page in World::pages(a, s) {
                     if let Some(&(st, seq)) = w.queued.get(&page) {
                         let done = w.complete.get(&st).copied().unwrap_or(0) >= seq;
-                        let behind = fence.is_some_and(|(fs, point)| fs == st && seq <= point);
+                        let behind = fence.as_ref().is_some_and(|f| f.iter().any(|&(fs, p)| fs == st && seq <= p));
                         if !done && !behind {
                             w.violations.push(format!("page {page:#x} lent while work {st}/{seq} may use it"));
                         }
@@ -351,7 +356,7 @@ impl Upstream for Model {
                 }
                 w.pieces.remove(&a);
                 w.spare.push(s);
-                w.stale.insert(a, (s, fence));
+                w.stale.insert(a, (s, fence.clone()));
                 w.lent += 1;
                 w.fenced += u64::from(fence.is_some());
                 got += s;

@@ -25,10 +25,16 @@ fn lending_pool(model: &Model) -> Pool<Model> {
     let m = model.clone();
     pool.set_fence_maker(Arc::new(move |on, then| {
         let mut w = m.world();
-        let point = w.freed.get(&on).copied().unwrap_or(0);
-        let fence = Arc::new(ModelFence { world: m.0.clone(), stream: on, point });
-        w.last_fence = Some((on, point, then));
-        w.fences.insert(Arc::as_ptr(&fence) as usize, (on, point, then));
+        // MIXED's stream: every stream that has freed (as the device
+        // allocator fences every stream with frees not known complete).
+        let points: Vec<(u64, u64)> = if on == StreamTag::MIXED.stream {
+            w.freed.iter().map(|(&s, &p)| (s, p)).collect()
+        } else {
+            vec![(on, w.freed.get(&on).copied().unwrap_or(0))]
+        };
+        let fence = Arc::new(ModelFence { world: m.0.clone(), points: points.clone() });
+        w.last_fence = Some((points.clone(), then));
+        w.fences.insert(Arc::as_ptr(&fence) as usize, (points, then));
         Some(fence as Arc<dyn cumem::pool::Fence>)
     }));
     pool
@@ -127,11 +133,40 @@ fn memory_freed_on_another_stream_moves_behind_a_fence_there() {
     let w = model.world();
     assert_eq!(w.syncs, 0, "stream 1's memory moved to stream 2 after a wait for the device");
     assert_eq!(pool.stats().move_waits, 0, "the pool counted a wait");
-    assert_eq!(w.last_fence.map(|(on, _, then)| (on, then)), Some((1, 2)), "the fence is not stream 1's for stream 2");
+    let made = w.last_fence.as_ref().map(|(points, then)| (points.iter().map(|p| p.0).collect::<Vec<_>>(), *then));
+    assert_eq!(made, Some((vec![1], 2)), "the fence is not stream 1's for stream 2");
     assert!(w.fenced >= 14 && w.lent == w.fenced, "{} pieces lent, {} behind a fence", w.lent, w.fenced);
     drop(w);
     check(&model, &pool, 0);
     free(&pool, &model, big.addr, big.size, 2);
+    pool.shutdown().unwrap();
+}
+
+#[test]
+fn memory_of_blocks_freed_on_two_streams_moves_behind_a_fence_on_both() {
+    let model = Model::default();
+    let pool = lending_pool(&model);
+    let blocks: Vec<_> = (0..32).map(|_| allocate(&pool, &model, 4 * PAGE, 1)).collect();
+    // Neighbours freed on streams 1 and 2 merge into free blocks of 8
+    // pages whose tag names neither stream.
+    for pair in blocks.chunks(4) {
+        free(&pool, &model, pair[1].addr, pair[1].size, 1);
+        free(&pool, &model, pair[2].addr, pair[2].size, 2);
+    }
+    let big = allocate(&pool, &model, 60 * PAGE, 3);
+    let w = model.world();
+    assert_eq!(w.syncs, 0, "memory of two streams moved after a wait for the device");
+    assert_eq!(pool.stats().move_waits, 0, "the pool counted a wait");
+    let made = w.last_fence.as_ref().map(|(points, then)| {
+        let mut streams: Vec<u64> = points.iter().map(|p| p.0).collect();
+        streams.sort_unstable();
+        (streams, *then)
+    });
+    assert_eq!(made, Some((vec![1, 2], 3)), "the fence is not on streams 1 and 2 for stream 3");
+    assert!(w.fenced >= 14 && w.lent == w.fenced, "{} pieces lent, {} behind a fence", w.lent, w.fenced);
+    drop(w);
+    check(&model, &pool, 0);
+    free(&pool, &model, big.addr, big.size, 3);
     pool.shutdown().unwrap();
 }
 
