@@ -154,6 +154,10 @@ typedef struct {
   size_t tagged_mapped;
   // The sum of the tags' largest `mapped` since the last peak reset.
   size_t tagged_peak_mapped;
+  // Page moves of the sync pool that waited for the device before they
+  // took memory: moves for a request on no stream, or where no fence on
+  // the freeing streams could be made (the others wait for no device).
+  uint64_t move_waits;
 } CumemDeviceStats;
 
 // What `cumem_shutdown` found.

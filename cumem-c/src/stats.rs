@@ -93,6 +93,10 @@ pub struct CumemDeviceStats {
     pub tagged_mapped: usize,
     /// The sum of the tags' largest `mapped` since the last peak reset.
     pub tagged_peak_mapped: usize,
+    /// Page moves of the sync pool that waited for the device before they
+    /// took memory: moves for a request on no stream, or where no fence on
+    /// the freeing streams could be made (the others wait for no device).
+    pub move_waits: u64,
 }
 
 /// What `cumem_shutdown` found.
@@ -137,6 +141,7 @@ pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDevice
         let ordinal = crate::ffi::ordinal(device)?;
         let d = manager()?.device_stats(ordinal)?;
         let natives = [d.native_pool.as_ref(), d.default_pool.as_ref()];
+        let move_waits = d.pool.move_waits;
         let s = CumemDeviceStats {
             pool: d.pool.into(),
             stream_ordered_in_use: d.stream_ordered.in_use,
@@ -151,6 +156,7 @@ pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDevice
             tagged_in_use: d.tags.iter().map(|t| t.pool.in_use).sum(),
             tagged_mapped: d.tags.iter().map(|t| t.pool.mapped).sum(),
             tagged_peak_mapped: d.tags.iter().map(|t| t.pool.peak_mapped).sum(),
+            move_waits,
         };
         // SAFETY: the caller's promise about `out`.
         unsafe { put(out, "out", s) }

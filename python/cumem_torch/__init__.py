@@ -225,7 +225,8 @@ def stats(device=None):
     """Device `device`'s figures (bytes, counts) as a dict: "pool" (the
     sync pool: in_use, peak_in_use, reserved, peak_reserved, ...), the
     stream-ordered modes', the graph pools' and the memory tags' figures
-    (tagged_in_use, tagged_mapped: not in "pool"; per tag: `tag_usage()`).
+    (tagged_in_use, tagged_mapped: not in "pool"; per tag: `tag_usage()`),
+    and move_waits (the sync pool's page moves that waited for the device).
     No device: `current_device()`."""
     if device is None:
         device = current_device()

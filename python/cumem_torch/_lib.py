@@ -42,6 +42,7 @@ class DeviceStats(ctypes.Structure):
         ("tagged_in_use", ctypes.c_size_t),
         ("tagged_mapped", ctypes.c_size_t),
         ("tagged_peak_mapped", ctypes.c_size_t),
+        ("move_waits", ctypes.c_uint64),
     ]
 
 # CUMEM_TAG_NAME_CAP (cumem.h): the longest tag name and its NUL.
