@@ -244,7 +244,7 @@ def driver_counts(torch, kind):
         st = cumem_torch.stats()
         c["stream_waits"] = st["stream_waits"]
         c["waits_elided"] = st["stream_waits_elided"]
-        c["move_waits"] = st["move_waits"]
+        c["move_waits"] = st.get("move_waits", -1)
     return c
 
 
