@@ -80,10 +80,10 @@
 //!   map that needs those addresses waits for it. Memory moved for a
 //!   request on no stream, or where no fence can be made, moves after a
 //!   wait for the device and its peers, as before (and all memory of a
-//!   region that peers map). Free
-//!   blocks give in the same order as before, work known complete first
-//!   and then the rest from the top down; each run of spans of one kind
-//!   is lent in one call, with one fence per stream. (Giving the
+//!   region that peers map). Free blocks give in the same order as
+//!   before, work known complete first and then the rest from the top
+//!   down; each run of spans of one kind is lent in one call, with one
+//!   fence per stream. (Giving the
 //!   requesting stream's memory before the rest's, wherever it lies, took
 //!   94 more calls a warm pass on the two-stream ViT log in `sim_device`
 //!   with no work known complete, 389 against 295.) A program's
