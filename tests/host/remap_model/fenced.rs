@@ -130,16 +130,8 @@ fn memory_freed_on_another_stream_moves_behind_a_fence_there() {
     // The same move for stream 2: the fence is on stream 1, whose work may
     // use the memory, and stream 2 is ordered after it.
     let big = allocate(&pool, &model, 60 * PAGE, 2);
-    let w = model.world();
-    assert_eq!(w.syncs, 0, "stream 1's memory moved to stream 2 after a wait for the device");
-    assert_eq!(pool.stats().move_waits, 0, "the pool counted a wait");
-    let made = w.last_fence.as_ref().map(|(points, then)| (points.iter().map(|p| p.0).collect::<Vec<_>>(), *then));
-    assert_eq!(made, Some((vec![1], 2)), "the fence is not stream 1's for stream 2");
-    assert!(w.fenced >= 14 && w.lent == w.fenced, "{} pieces lent, {} behind a fence", w.lent, w.fenced);
-    drop(w);
-    check(&model, &pool, 0);
-    free(&pool, &model, big.addr, big.size, 2);
-    pool.shutdown().unwrap();
+    moved_behind(&model, &pool, &[1], 2);
+    finish(model, pool, big, 2);
 }
 
 #[test]
@@ -154,20 +146,8 @@ fn memory_of_blocks_freed_on_two_streams_moves_behind_a_fence_on_both() {
         free(&pool, &model, pair[2].addr, pair[2].size, 2);
     }
     let big = allocate(&pool, &model, 60 * PAGE, 3);
-    let w = model.world();
-    assert_eq!(w.syncs, 0, "memory of two streams moved after a wait for the device");
-    assert_eq!(pool.stats().move_waits, 0, "the pool counted a wait");
-    let made = w.last_fence.as_ref().map(|(points, then)| {
-        let mut streams: Vec<u64> = points.iter().map(|p| p.0).collect();
-        streams.sort_unstable();
-        (streams, *then)
-    });
-    assert_eq!(made, Some((vec![1, 2], 3)), "the fence is not on streams 1 and 2 for stream 3");
-    assert!(w.fenced >= 14 && w.lent == w.fenced, "{} pieces lent, {} behind a fence", w.lent, w.fenced);
-    drop(w);
-    check(&model, &pool, 0);
-    free(&pool, &model, big.addr, big.size, 3);
-    pool.shutdown().unwrap();
+    moved_behind(&model, &pool, &[1, 2], 3);
+    finish(model, pool, big, 3);
 }
 
 #[test]
@@ -182,8 +162,28 @@ fn a_request_on_no_stream_waits_for_the_device() {
     assert_eq!(w.fenced, 0, "a fence for a request on no stream");
     assert!(w.lent >= 14, "{} pieces lent", w.lent);
     drop(w);
+    finish(model, pool, big, 0);
+}
+
+/// Checks that the move just made lent every piece behind the last fence,
+/// made on `streams` for stream `then`, with no wait for the device.
+fn moved_behind(model: &Model, pool: &Pool<Model>, streams: &[u64], then: u64) {
+    let w = model.world();
+    assert_eq!(w.syncs, 0, "the move waited for the device");
+    assert_eq!(pool.stats().move_waits, 0, "the pool counted a wait");
+    let made = w.last_fence.as_ref().map(|(points, then)| {
+        let mut on: Vec<u64> = points.iter().map(|p| p.0).collect();
+        on.sort_unstable();
+        (on, *then)
+    });
+    assert_eq!(made, Some((streams.to_vec(), then)), "the fence is not on {streams:?} for stream {then}");
+    assert!(w.fenced >= 14 && w.lent == w.fenced, "{} pieces lent, {} behind a fence", w.lent, w.fenced);
+}
+
+/// Checks the pool, frees `big` on `stream` and shuts the pool down.
+fn finish(model: Model, pool: Pool<Model>, big: cumem::pool::Allocation, stream: u64) {
     check(&model, &pool, 0);
-    free(&pool, &model, big.addr, big.size, 0);
+    free(&pool, &model, big.addr, big.size, stream);
     pool.shutdown().unwrap();
 }
 
