@@ -297,7 +297,7 @@ impl DeviceAllocator {
         let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
         let a = match self.pool.allocate_quick(size, BLOCK_ALIGN, want) {
             Some(a) => a,
-            None => self.allocate_sync_pool_slow(size, want)?,
+            None => self.allocate_sync_pool_slow(size, want, stream)?,
         };
         match &self.ctx {
             Some(ctx) if !StreamRegistry::reuse_is_ordered(a.tag, stream) => {
@@ -310,8 +310,17 @@ impl DeviceAllocator {
     /// [`allocate_sync_pool`](Self::allocate_sync_pool) past the pool's
     /// common case: growth, and out of memory, the release of what the
     /// device caches elsewhere and one more try.
+    ///
+    /// The requesting stream is registered first (one atomic load once it
+    /// is): a page move here takes memory freed on other streams behind a
+    /// fence that this stream waits for, which needs its handle, so a
+    /// stream that has never freed doesn't make the move wait for the
+    /// whole device.
     #[inline(never)]
-    fn allocate_sync_pool_slow(&self, size: usize, want: u64) -> Result<Allocation> {
+    fn allocate_sync_pool_slow(&self, size: usize, want: u64, stream: Option<&Stream>) -> Result<Allocation> {
+        if let Some(s) = stream.filter(|s| !s.is_host()) {
+            self.streams.register(s);
+        }
         match self.pool.allocate_past_quick(size, BLOCK_ALIGN, want) {
             Err(Error::OutOfMemory { .. })
                 if self.ctx.is_some() && !self.capture_under_way()? && self.holds_cached_memory() =>

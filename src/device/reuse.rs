@@ -70,10 +70,12 @@ impl Known {
 }
 
 impl StreamRegistry {
-    /// Remembers `stream` (before a block is freed on it). Streams that
-    /// threads made and dropped are let go here once their frees are known
-    /// complete, so a program whose threads come and go with streams of
-    /// their own keeps neither the streams nor the cost of scanning them.
+    /// Remembers `stream` (before a block is freed on it, and before an
+    /// allocation on it that may move memory: a fence for it needs its
+    /// handle). Streams that threads made and dropped are let go here once
+    /// their frees are known complete, so a program whose threads come and
+    /// go with streams of their own keeps neither the streams nor the cost
+    /// of scanning them.
     pub(crate) fn register(&self, stream: &Stream) {
         if stream.is_host() {
             return;

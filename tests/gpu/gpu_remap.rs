@@ -321,6 +321,15 @@ fn memory_of_blocks_freed_on_two_streams_moves_behind_fences_on_both() {
     fenced_move(&ctx, Request::TwoStreams);
 }
 
+/// The same with the request on a stream that has never freed (a
+/// program's new stream whose first allocation must move memory): the
+/// fence still orders it, with no wait for the device.
+#[test]
+fn memory_moves_behind_a_fence_for_a_stream_that_never_freed() {
+    let Some(ctx) = gpu_for_test("memory_moves_behind_a_fence_for_a_stream_that_never_freed") else { return };
+    fenced_move(&ctx, Request::Fresh);
+}
+
 /// Where [`fenced_move`] frees and requests.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Request {
@@ -328,6 +337,8 @@ enum Request {
     Same,
     /// Freed on one stream, requested on another.
     Other,
+    /// Freed on one stream, requested on another that has never freed.
+    Fresh,
     /// Neighbours freed on two streams, requested on a third.
     TwoStreams,
 }
@@ -353,11 +364,13 @@ fn fenced_move(ctx: &Arc<CudaContext>, request: Request) {
         unsafe { l.launch(LaunchConfig::for_num_elems(n as u32)) }.expect("fill launches");
     };
     const PIECE: usize = 32 << 20;
-    // The requesting stream has freed before (the device allocator knows
-    // it), as in any program that allocates on it.
-    let first = mm.allocate_device_on(4096, &user).expect("a small block");
-    mm.free_device_on(first, &user).expect("its free");
-    user.synchronize().unwrap();
+    // The requesting stream has freed before, as in a program that has
+    // run a while on it (but for `Fresh`).
+    if request != Request::Fresh {
+        let first = mm.allocate_device_on(4096, &user).expect("a small block");
+        mm.free_device_on(first, &user).expect("its free");
+        user.synchronize().unwrap();
+    }
     let blocks: Vec<u64> = (0..16).map(|_| mm.allocate_device_on(PIECE, &stream).expect("a block")).collect();
     for (i, &b) in blocks.iter().enumerate() {
         launch_fill(&stream, b, PIECE, 1000 * i as u32);
