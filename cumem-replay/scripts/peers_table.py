@@ -74,8 +74,9 @@ def main():
         rel = f"{best[0] / best[1]:.2f}" if best[0] and best[1] else "—"
         ratios = " / ".join(f"{max(g[w]['ratio']):.3f}" if g[w].get("ratio") else "—" for w in who)
         calls = g["cumem"].get("calls")
+        calls = (f"{min(calls)}" if min(calls) == max(calls) else f"{min(calls)}–{max(calls)}") if calls else None
         print(f"| {t} | {fmt(g['cumem'].get('warm'))} | {fmt(g['torch'].get('warm'))} | "
-              f"{fmt(g['rmm'].get('warm'))} | {rel} | {ratios} | {max(calls) if calls else '—'} |")
+              f"{fmt(g['rmm'].get('warm'))} | {rel} | {ratios} | {calls or '—'} |")
     print()
     print("cold ns per operation (best / median of the rounds), physical peak / peak live of the cold pass")
     print()
