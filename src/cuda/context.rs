@@ -24,7 +24,8 @@ pub fn default_ordinal() -> usize {
 }
 
 /// Makes `ordinal` the default device (the process-wide manager calls it
-/// once, when it is created).
+/// once, when it is created; there is none under loom).
+#[cfg(not(loom))]
 pub(crate) fn set_default_ordinal(ordinal: usize) {
     DEFAULT_ORDINAL.store(ordinal as u64, Ordering::Relaxed);
 }

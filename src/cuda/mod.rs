@@ -29,6 +29,7 @@ pub use stream::Stream;
 pub(crate) use capture::{
     capture_info, capture_of, captures_under_way, count_capture, CaptureGraph, RelaxedCaptureMode,
 };
+#[cfg(not(loom))]
 pub(crate) use context::set_default_ordinal;
 pub(crate) use fence::{fence_on, fence_on_all, EventPool};
 pub(crate) use graph_object::tie_to_graph;

@@ -117,9 +117,12 @@ std::thread_local! {
 }
 
 /// Marks the calling thread as cumem's background mapper (its driver calls
-/// count under [`DriverCallCounts::background`]) until the guard drops.
+/// count under [`DriverCallCounts::background`]) until the guard drops
+/// (there is no mapper thread under loom).
+#[cfg(not(loom))]
 pub(crate) struct BackgroundThread(());
 
+#[cfg(not(loom))]
 impl BackgroundThread {
     pub(crate) fn enter() -> Self {
         BACKGROUND.with(|b| b.set(true));
@@ -127,6 +130,7 @@ impl BackgroundThread {
     }
 }
 
+#[cfg(not(loom))]
 impl Drop for BackgroundThread {
     fn drop(&mut self) {
         BACKGROUND.with(|b| b.set(false));

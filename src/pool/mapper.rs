@@ -131,7 +131,9 @@ pub(crate) enum Progress {
     Waiting,
 }
 
-/// What the mapper thread runs.
+/// What the mapper thread runs (under loom the models call the steps
+/// themselves: there is no mapper thread).
+#[cfg_attr(loom, allow(dead_code))]
 pub(crate) trait Step: Send + Sync {
     /// One step of work.
     fn step(&self) -> Progress;

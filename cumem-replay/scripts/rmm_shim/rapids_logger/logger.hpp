@@ -34,30 +34,20 @@ class logger {
   void log(level_enum, Args&&...)
   {
   }
-  template <typename... Args>
-  void trace(Args&&...)
-  {
+
+// One method per level, each accepting anything and doing nothing.
+#define RAPIDS_LOGGER_STUB_LEVEL(name) \
+  template <typename... Args>          \
+  void name(Args&&...)                 \
+  {                                    \
   }
-  template <typename... Args>
-  void debug(Args&&...)
-  {
-  }
-  template <typename... Args>
-  void info(Args&&...)
-  {
-  }
-  template <typename... Args>
-  void warn(Args&&...)
-  {
-  }
-  template <typename... Args>
-  void error(Args&&...)
-  {
-  }
-  template <typename... Args>
-  void critical(Args&&...)
-  {
-  }
+  RAPIDS_LOGGER_STUB_LEVEL(trace)
+  RAPIDS_LOGGER_STUB_LEVEL(debug)
+  RAPIDS_LOGGER_STUB_LEVEL(info)
+  RAPIDS_LOGGER_STUB_LEVEL(warn)
+  RAPIDS_LOGGER_STUB_LEVEL(error)
+  RAPIDS_LOGGER_STUB_LEVEL(critical)
+#undef RAPIDS_LOGGER_STUB_LEVEL
 };
 
 }  // namespace rapids_logger
