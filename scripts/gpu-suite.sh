@@ -13,6 +13,9 @@
 #                                       # tests-device1 (the test binaries again with
 #                                       # CUMEM_CONF=device=1: needs two GPUs),
 #                                       # memcheck (compute-sanitizer over the GPU modules of tests/gpu/),
+#                                       # peers (cumem-replay/scripts/peers.sh: every trace through
+#                                       # cumem, PyTorch's caching allocator and, with RMM_DIR set,
+#                                       # RMM's pool, three rounds alternated),
 #                                       # bench:NAME (one bench)
 #
 # Two GPUs: CUMEM_GPUS=2 scripts/gpu-suite.sh run tests tests-device1 examples
@@ -79,6 +82,10 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" "$BIN/benches/$name"; done
     cp ../shared/traces/*.csv.gz "$BIN/traces/" 2>/dev/null || true
+    # The synthetic traces as files, for the peers' replays (peers part).
+    mkdir -p "$BIN/traces/synth"
+    "$TARGET/release/cumem-synth" -d "$BIN/traces/synth" kv_cache:7 loop_depart pinned_top:2 moe two_streams \
+        loop_fixed loop_change loop_two loop_lengths
     # The cumem_torch wheel for the ddp part, in .whl/ (carry it too).
     bash scripts/ddp.sh build
     strip --strip-all "$BIN"/tests/* "$BIN"/examples/* "$BIN"/benches/* "$BIN"/tools/* 2>/dev/null || true
@@ -184,6 +191,14 @@ run() {
                 "$tool" --no-progress $warm --conf device_thread_cache=true --target sync_pool "$BIN"/traces/*.csv.gz 2>&1 |
                     tee -a "$out/replay-cache.log" | tail -4
             done
+            ;;
+        peers)
+            # RMM's replay is built there with nvcc (RMM_DIR: the cpp folder
+            # of an RMM checkout at v25.08.00; without it RMM is left out).
+            CUMEM_REPLAY="$BIN/tools/cumem-replay" RMM_REPLAY_BIN="$(mktemp -d)/rmm_replay" \
+                cumem-replay/scripts/peers.sh 3 "$out/peers" "$BIN"/traces/*.csv.gz cumem-replay/traces/*.csv.gz \
+                "$BIN"/traces/synth/*.csv.gz 2>&1 | tee "$out/peers.log" | tail -50
+            grep -q "^| trace" "$out/peers.log" || { echo "FAILED: peers"; failed=1; }
             ;;
         *) echo "unknown part: $w"; failed=1 ;;
         esac
