@@ -197,8 +197,15 @@ int main(int argc, char** argv)
       failed = 1;
       continue;
     }
-    std::vector<cudaStream_t> streams(t.streams);
-    for (auto& s : streams) { cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking); }
+    std::vector<cudaStream_t> streams(t.streams, nullptr);
+    bool made = true;
+    for (auto& s : streams) { made = made && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess; }
+    if (!made) {
+      std::fprintf(stderr, "rmm_replay: %s: can't create %u streams\n", argv[i], t.streams);
+      for (auto& s : streams) { if (s != nullptr) { cudaStreamDestroy(s); } }
+      failed = 1;
+      continue;
+    }
     std::vector<Slot> slots(std::max<uint32_t>(t.slots, 1));
     int64_t cold = 0, warm = 0;
     int64_t cold_peak = 0, warm_peak = 0;
