@@ -66,12 +66,21 @@ pub struct DriverCalls {
     pub set_access: u64,
     /// `cuMemRelease` calls.
     pub release: u64,
+    /// Nanoseconds spent in these calls, by kind in [`CallKind`] order
+    /// (wall-clock time on the calling threads, summed). Simulated calls
+    /// add none.
+    pub ns: [u64; 5],
 }
 
 impl DriverCalls {
     /// All calls together.
     pub fn total(&self) -> u64 {
         self.create + self.map + self.unmap + self.set_access + self.release
+    }
+
+    /// The nanoseconds spent in all of them.
+    pub fn total_ns(&self) -> u64 {
+        self.ns.iter().sum()
     }
 
     /// The calls made since `before` (counts only grow).
@@ -82,6 +91,7 @@ impl DriverCalls {
             unmap: self.unmap - before.unmap,
             set_access: self.set_access - before.set_access,
             release: self.release - before.release,
+            ns: std::array::from_fn(|k| self.ns[k] - before.ns[k]),
         }
     }
 }
@@ -108,8 +118,9 @@ impl DriverCallCounts {
 }
 
 /// One counter per kind (in [`CallKind`] order) for the program's threads,
-/// then one per kind for the background mapper.
-static CALLS: [crate::sync::StaticAtomicU64; 10] = [const { crate::sync::StaticAtomicU64::new(0) }; 10];
+/// then one per kind for the background mapper; then the nanoseconds spent
+/// in calls, in the same order.
+static CALLS: [crate::sync::StaticAtomicU64; 20] = [const { crate::sync::StaticAtomicU64::new(0) }; 20];
 
 std::thread_local! {
     /// Set on the background mapper's thread.
@@ -150,6 +161,18 @@ pub fn record_call(kind: CallKind) {
     CALLS[i].fetch_add(1, crate::sync::Ordering::Relaxed);
 }
 
+/// Makes driver call `call` of `kind`, counted as [`record_call`] counts
+/// it, and adds the time it took to the calling thread's kind.
+fn timed<T>(kind: CallKind, call: impl FnOnce() -> T) -> T {
+    record_call(kind);
+    let start = std::time::Instant::now();
+    let r = call();
+    let ns = start.elapsed().as_nanos() as u64;
+    let i = kind as usize + if on_background_mapper() { 5 } else { 0 };
+    CALLS[10 + i].fetch_add(ns, crate::sync::Ordering::Relaxed);
+    r
+}
+
 /// Counts one driver call of `kind` as cumem's background mapper's,
 /// whatever thread calls: for an upstream that simulates a device and
 /// models the mapper's work as done at once (the replay tool's).
@@ -165,7 +188,8 @@ pub fn record_background_call(kind: CallKind) {
 pub fn driver_calls() -> DriverCallCounts {
     let read = |base: usize| {
         let c = |k: usize| CALLS[base + k].load(crate::sync::Ordering::Relaxed);
-        DriverCalls { create: c(0), map: c(1), unmap: c(2), set_access: c(3), release: c(4) }
+        let ns = std::array::from_fn(|k| c(10 + k));
+        DriverCalls { create: c(0), map: c(1), unmap: c(2), set_access: c(3), release: c(4), ns }
     };
     DriverCallCounts { allocating: read(0), background: read(5) }
 }
@@ -349,11 +373,11 @@ impl AddressRange {
         self.check_inside(offset, chunk.size)?;
         crate::fault::check(crate::fault::Point::Map)?;
         bind(&self.ctx)?;
-        record_call(CallKind::Map);
         // SAFETY: the target lies inside this reservation (checked above)
         // and `chunk.handle` is a live allocation handle; the driver
         // refuses the call if part of the target is already mapped.
-        check("cuMemMap", unsafe { sys::cuMemMap(self.ptr + offset as u64, chunk.size, 0, chunk.handle, 0) })
+        let rc = timed(CallKind::Map, || unsafe { sys::cuMemMap(self.ptr + offset as u64, chunk.size, 0, chunk.handle, 0) });
+        check("cuMemMap", rc)
     }
 
     /// Gives this device (and each device in `peers`, by ordinal)
@@ -382,12 +406,12 @@ impl AddressRange {
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             })
             .collect();
-        record_call(CallKind::SetAccess);
         // SAFETY: the span lies inside this reservation and `descs` holds
         // `descs.len()` initialised descriptors that outlive the call.
-        check("cuMemSetAccess", unsafe {
+        let rc = timed(CallKind::SetAccess, || unsafe {
             sys::cuMemSetAccess(self.ptr + offset as u64, size, descs.as_ptr(), descs.len())
-        })
+        });
+        check("cuMemSetAccess", rc)
     }
 
     /// Unmaps the `size` bytes at `offset` (`cuMemUnmap`), which must be
@@ -400,10 +424,10 @@ impl AddressRange {
     pub fn unmap(&self, offset: usize, size: usize) -> Result<()> {
         self.check_inside(offset, size)?;
         bind(&self.ctx)?;
-        record_call(CallKind::Unmap);
         // SAFETY: the span lies inside this reservation; unmapping device
         // memory invalidates no host reference (none are ever made to it).
-        check("cuMemUnmap", unsafe { sys::cuMemUnmap(self.ptr + offset as u64, size) })
+        let rc = timed(CallKind::Unmap, || unsafe { sys::cuMemUnmap(self.ptr + offset as u64, size) });
+        check("cuMemUnmap", rc)
     }
 }
 
@@ -492,10 +516,10 @@ impl PhysicalChunk {
         bind(ctx)?;
         let prop = pinned_prop(ctx.cu_device(), exportable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        record_call(CallKind::Create);
         // SAFETY: `handle` is a valid out-pointer and `prop` a fully
         // initialised property struct that lives across the call.
-        check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
+        let rc = timed(CallKind::Create, || unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) });
+        check("cuMemCreate", rc)?;
         Ok(PhysicalChunk { ctx: ctx.clone(), handle, size })
     }
 
@@ -573,10 +597,9 @@ impl Drop for PhysicalChunk {
             eprintln!("cumem: leaking physical chunk of {} B: {e}", self.size);
             return;
         }
-        record_call(CallKind::Release);
         // SAFETY: the handle came from cuMemCreate and is released once;
         // mappings that still use it keep the memory alive in the driver.
-        let rc = unsafe { sys::cuMemRelease(self.handle) };
+        let rc = timed(CallKind::Release, || unsafe { sys::cuMemRelease(self.handle) });
         if let Err(e) = check("cuMemRelease", rc) {
             eprintln!("cumem: {e} (chunk of {} B)", self.size);
         }

@@ -108,6 +108,12 @@ fn lent_memory_moves_and_live_blocks_keep_their_contents() {
     println!("lent moves: allocating thread {:?}, behind it {:?}", calls.allocating, calls.background);
     assert!(s.unmap_calls > 0, "no page moved: the test checked nothing");
     assert!(calls.background.unmap > 0, "no old mapping was unmapped behind the allocating thread");
+    // The time spent in those calls is counted by kind on the thread
+    // that made them.
+    let (map, unmap) = (cumem::cuda::vmm::CallKind::Map as usize, cumem::cuda::vmm::CallKind::Unmap as usize);
+    assert!(calls.allocating.ns[map] > 0, "the allocating thread's maps took no time: {:?}", calls.allocating);
+    assert!(calls.background.ns[unmap] > 0, "the mapper's unmaps took no time: {:?}", calls.background);
+    assert!(calls.allocating.total_ns() >= calls.allocating.ns[map]);
 }
 
 /// How [`waves`] runs the pool.

@@ -275,7 +275,7 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
     }
     println!();
     println!(
-        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>9} {:>9} {:>7} {:>6} {:>9} {:>7}",
+        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>7}",
         "trace",
         "target",
         "ops",
@@ -288,6 +288,7 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
         "fail",
         "map/unmap",
         "drv/alloc",
+        "drv ms",
         "drv/bg",
         "streams",
         "waits",
@@ -296,7 +297,7 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
     );
     for r in results {
         println!(
-            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>9} {:>9} {:>7} {:>6} {:>9} {:>7}",
+            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>7}",
             r.trace,
             r.target,
             r.operations,
@@ -316,6 +317,8 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
             // Driver calls that moved memory in the timed pass, made by
             // the allocating thread and by the background mapper.
             r.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.allocating.total.to_string()),
+            // The allocating thread's time in those calls.
+            r.driver_calls.map_or_else(|| "n/a".to_string(), |c| format!("{:.1}", c.allocating.total_ns as f64 / 1e6)),
             r.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.background.total.to_string()),
             r.streams,
             r.stream_waits,

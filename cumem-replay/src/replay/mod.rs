@@ -222,6 +222,11 @@ pub struct CallKinds {
     pub release: u64,
     /// All of them.
     pub total: u64,
+    /// Nanoseconds spent in them, by kind in the order above (none on
+    /// `sim_device`, whose calls take no time).
+    pub ns: [u64; 5],
+    /// Nanoseconds spent in all of them.
+    pub total_ns: u64,
 }
 
 impl From<cumem::cuda::vmm::DriverCalls> for CallKinds {
@@ -233,6 +238,8 @@ impl From<cumem::cuda::vmm::DriverCalls> for CallKinds {
             set_access: c.set_access,
             release: c.release,
             total: c.total(),
+            ns: c.ns,
+            total_ns: c.total_ns(),
         }
     }
 }
