@@ -376,7 +376,8 @@ impl AddressRange {
         // SAFETY: the target lies inside this reservation (checked above)
         // and `chunk.handle` is a live allocation handle; the driver
         // refuses the call if part of the target is already mapped.
-        let rc = timed(CallKind::Map, || unsafe { sys::cuMemMap(self.ptr + offset as u64, chunk.size, 0, chunk.handle, 0) });
+        let rc =
+            timed(CallKind::Map, || unsafe { sys::cuMemMap(self.ptr + offset as u64, chunk.size, 0, chunk.handle, 0) });
         check("cuMemMap", rc)
     }
 
