@@ -17,14 +17,19 @@
 //! driver round trip that serialises other threads' growth, and the
 //! chunk boundaries blocks can't coalesce across.
 //!
-//! **Growth after a quiet spell starts small.** A pool that has not grown
-//! for [`QUIET`] is at its working size: a request that finds no room
-//! then is a shortfall (a peak a little above the last, memory split
-//! among shards), not a ramp, and pinning a quarter of a large pool for
-//! it would stall the thread for a third of a second. The first chunk
-//! after a quiet spell is at most [`RESTART`]; each chunk that follows
-//! closely may double the last, up to the quarter, so a new ramp still
-//! reaches its size in few calls.
+//! **Growth after a quiet spell starts small.** An upstream that has not
+//! grown for [`QUIET`] serves a pool at its working size: a request that
+//! finds no room then is a shortfall (a peak a little above the last,
+//! memory split among shards), not a ramp, and pinning a quarter of a
+//! large pool for it would stall the thread for a third of a second. The
+//! first chunk after a quiet spell is at most [`RESTART`]; each chunk
+//! that follows closely *from the same upstream* may double the last, up
+//! to the quarter, so a new ramp still reaches its size in few calls.
+//! The ramp is each upstream's own (each shard's): when many shards fall
+//! short at once, as fresh threads beyond the working size do, each
+//! grows by [`RESTART`], where one ramp shared by all of them doubled
+//! from shard to shard (32 MiB, then 64, up to 1 GiB: 2,016 MiB pinned
+//! inside one row of 16 fresh threads, `docs/results.md`).
 
 use std::time::{Duration, Instant};
 
@@ -52,8 +57,6 @@ pub const MAX_CHUNK: usize = 1 << 30;
 pub struct Taken {
     bytes: AtomicUsize,
     growing: AtomicUsize,
-    /// When the last chunk was had, and its size.
-    last: Mutex<Option<(Instant, usize)>>,
 }
 
 impl Taken {
@@ -66,20 +69,6 @@ impl Taken {
     pub fn bytes(&self) -> usize {
         self.bytes.load(Ordering::Relaxed)
     }
-
-    /// The most extra a chunk may bring now: [`RESTART`] after a quiet
-    /// spell (or before any chunk), else twice the last chunk (and at
-    /// least [`RESTART`]).
-    fn extra_cap(&self, now: Instant) -> usize {
-        match *lock(&self.last) {
-            Some((at, size)) if now.saturating_duration_since(at) < QUIET => size.saturating_mul(2).max(RESTART),
-            _ => RESTART,
-        }
-    }
-
-    fn record(&self, at: Instant, size: usize) {
-        *lock(&self.last) = Some((at, size));
-    }
 }
 
 /// An upstream whose chunks grow geometrically (see the module docs).
@@ -87,6 +76,8 @@ pub struct Geometric {
     inner: Box<dyn Upstream>,
     taken: Arc<Taken>,
     limit: Option<usize>,
+    /// When this upstream last had a chunk, and its size.
+    last: Mutex<Option<(Instant, usize)>>,
 }
 
 impl std::fmt::Debug for Geometric {
@@ -100,7 +91,21 @@ impl Geometric {
     /// memory counts toward the same total; `limit` caps the total the
     /// extra may bring it to.
     pub fn new(inner: Box<dyn Upstream>, taken: Arc<Taken>, limit: Option<usize>) -> Self {
-        Geometric { inner, taken, limit }
+        Geometric { inner, taken, limit, last: Mutex::new(None) }
+    }
+
+    /// The most extra a chunk may bring now: [`RESTART`] after a quiet
+    /// spell of this upstream (or before its first chunk), else twice its
+    /// last chunk (and at least [`RESTART`]).
+    fn extra_cap(&self, now: Instant) -> usize {
+        match *lock(&self.last) {
+            Some((at, size)) if now.saturating_duration_since(at) < QUIET => size.saturating_mul(2).max(RESTART),
+            _ => RESTART,
+        }
+    }
+
+    fn record(&self, at: Instant, size: usize) {
+        *lock(&self.last) = Some((at, size));
     }
 
     /// The chunk size asked of the inner upstream for a request of `size`
@@ -114,7 +119,7 @@ impl Geometric {
     fn chunk_size_at(&self, size: usize, growing: usize, now: Instant) -> usize {
         let gran = self.inner.granularity().max(1);
         let taken = self.taken.bytes();
-        let cap = MAX_CHUNK.min(self.taken.extra_cap(now));
+        let cap = MAX_CHUNK.min(self.extra_cap(now));
         let want = (taken / (DIVISOR * growing.max(1))).min(cap).div_ceil(gran) * gran;
         let mut bytes = size.max(want);
         if let Some(limit) = self.limit {
@@ -139,7 +144,7 @@ impl Upstream for Geometric {
         self.taken.growing.fetch_sub(1, Ordering::Relaxed);
         let chunk = r?;
         self.taken.bytes.fetch_add(chunk.size, Ordering::Relaxed);
-        self.taken.record(now, chunk.size);
+        self.record(now, chunk.size);
         Ok(chunk)
     }
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
@@ -204,10 +209,35 @@ mod tests {
         let later = now + 2 * QUIET;
         assert_eq!(g.chunk_size_at(4 * MIB, 1, later), RESTART);
         assert_eq!(g.chunk_size_at(64 * MIB, 1, later), 64 * MIB, "a request is served whole");
-        g.taken.record(later, RESTART);
+        g.record(later, RESTART);
         assert_eq!(g.chunk_size_at(4 * MIB, 1, later), 2 * RESTART);
         for c in chunks {
             g.deallocate_chunk(c).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_ramp_is_each_upstreams_own() {
+        // Two shards' upstreams counting against one total.
+        let taken = Taken::new();
+        let ramping = Geometric::new(Box::new(Host::new()), taken.clone(), None);
+        let short = Geometric::new(Box::new(Host::new()), taken.clone(), None);
+        let mut chunks = Vec::new();
+        while taken.bytes() < 512 * MIB {
+            chunks.push(ramping.allocate_chunk(4 * MIB).unwrap());
+        }
+        let now = Instant::now();
+        let last = chunks.last().unwrap().size;
+        assert!(last > RESTART, "the ramp never grew past its first chunk ({last} B)");
+        // The shard that ramped keeps doubling; one that falls short now,
+        // with no growth of its own, starts small.
+        assert!(ramping.chunk_size_at(4 * MIB, 1, now) > RESTART);
+        assert_eq!(short.chunk_size_at(4 * MIB, 1, now), RESTART);
+        let c = short.allocate_chunk(4 * MIB).unwrap();
+        assert_eq!(c.size, RESTART);
+        short.deallocate_chunk(c).unwrap();
+        for c in chunks {
+            ramping.deallocate_chunk(c).unwrap();
         }
     }
 }
