@@ -140,6 +140,10 @@ struct Counts {
     move_ns: u64,
     /// Pinned bytes reserved.
     pinned_reserved: usize,
+    /// Pinned blocks one arena lent another out of its free memory, and
+    /// pinned chunks taken by one arena from another.
+    pinned_lent: u64,
+    pinned_chunks_moved: u64,
 }
 
 fn counts(mm: &MemoryManager) -> Counts {
@@ -155,6 +159,8 @@ fn counts(mm: &MemoryManager) -> Counts {
         dev_unmaps: ds.pool.unmap_calls,
         move_ns: ds.pool.page_move_ns,
         pinned_reserved: mm.pinned_stats().reserved,
+        pinned_lent: mm.pinned_pool().blocks_lent(),
+        pinned_chunks_moved: mm.pinned_pool().chunks_moved(),
     }
 }
 
@@ -203,10 +209,12 @@ fn peers() {
                 after.moved - before.moved,
                 if r == 2 {
                     format!(
-                        "  pinned calls {}, reserved {} -> {} MiB",
+                        "  pinned calls {}, reserved {} -> {} MiB; blocks lent {}, chunks moved {}",
                         after.pinned_calls - before.pinned_calls,
                         before.pinned_reserved >> 20,
-                        after.pinned_reserved >> 20
+                        after.pinned_reserved >> 20,
+                        after.pinned_lent - before.pinned_lent,
+                        after.pinned_chunks_moved - before.pinned_chunks_moved
                     )
                 } else {
                     // Asks for another arena's mapped memory: how many, and
