@@ -43,10 +43,31 @@ const BASE: usize = 1 << 40;
 /// pieces (one `cuMemCreate` handle each), a piece is unmapped whole, and
 /// unmapped pieces are mapped again elsewhere before new ones are made.
 /// [`calls`](Self::calls) counts the driver calls a device would make.
+///
+/// Memory a move *lends* keeps its old mapping until cumem's mapper thread
+/// unmaps it, as on a device: the mapper waits until the pool has made no
+/// move for a while (2 ms there), modelled as [`quiet_ops`] operations
+/// of the replay ([`tick`](Self::tick)), then unmaps one old mapping per
+/// operation; a map over addresses whose old mapping is still there
+/// unmaps it first, on the allocating thread.
 #[derive(Debug)]
 pub struct AddressRange {
     top: Mutex<usize>,
     vm: Mutex<Mapped>,
+    /// Operations replayed so far, and whether old mappings wait.
+    ops: std::sync::atomic::AtomicU64,
+    stale: std::sync::atomic::AtomicBool,
+}
+
+/// How many replayed operations without a move the simulated mapper waits
+/// before it unmaps old mappings of lent memory: `CUMEM_SIM_QUIET_OPS`
+/// (default 10,000, about the mapper's 2 ms at the 150–250 ns per operation
+/// of a warm replay on a device).
+fn quiet_ops() -> u64 {
+    static OPS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *OPS.get_or_init(|| {
+        std::env::var("CUMEM_SIM_QUIET_OPS").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(10_000)
+    })
 }
 
 /// The driver calls a simulated device would have made.
@@ -73,6 +94,10 @@ struct Mapped {
     pieces: std::collections::BTreeMap<usize, usize>,
     /// Sizes of unmapped pieces kept for the next map.
     spare: Vec<usize>,
+    /// Old mappings of lent memory, address → size, not yet unmapped.
+    stale: std::collections::BTreeMap<usize, usize>,
+    /// The operation of the last move.
+    last_move: u64,
     calls: SimCalls,
 }
 
@@ -127,7 +152,20 @@ impl Mapped {
             .collect()
     }
 
+    /// Unmaps the old mappings that overlap `[addr, addr + size)`, on the
+    /// calling (allocating) thread.
+    fn unmap_stale_in(&mut self, addr: usize, size: usize) {
+        let first = self.stale.range(..addr).next_back().filter(|(&a, &l)| a + l > addr).map(|(&a, _)| a);
+        let inside: Vec<usize> =
+            first.into_iter().chain(self.stale.range(addr..addr + size).map(|(&a, _)| a)).collect();
+        for a in inside {
+            self.stale.remove(&a);
+            self.note(CallKind::Unmap);
+        }
+    }
+
     fn unmap_inside(&mut self, addr: usize, size: usize) {
+        self.unmap_stale_in(addr, size);
         let inside: Vec<usize> = self.pieces.range(addr..addr + size).map(|(&a, _)| a).collect();
         for a in inside {
             self.pieces.remove(&a);
@@ -146,7 +184,33 @@ impl Default for AddressRange {
 impl AddressRange {
     /// An empty range.
     pub fn new() -> Self {
-        AddressRange { top: Mutex::new(BASE), vm: Mutex::new(Mapped::default()) }
+        AddressRange {
+            top: Mutex::new(BASE),
+            vm: Mutex::new(Mapped::default()),
+            ops: std::sync::atomic::AtomicU64::new(0),
+            stale: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// One replayed operation: the simulated mapper unmaps one old mapping
+    /// of lent memory once the pool has made no move for [`quiet_ops`]
+    /// operations.
+    pub fn tick(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let op = self.ops.fetch_add(1, Relaxed) + 1;
+        if !self.stale.load(Relaxed) {
+            return;
+        }
+        let mut vm = lock(&self.vm);
+        if op.saturating_sub(vm.last_move) < quiet_ops() {
+            return;
+        }
+        if let Some((&a, _)) = vm.stale.iter().next() {
+            vm.stale.remove(&a);
+            vm.calls.unmaps += 1;
+            cumem::cuda::vmm::record_background_call(CallKind::Unmap);
+        }
+        self.stale.store(!vm.stale.is_empty(), Relaxed);
     }
 
     /// The driver calls made so far.
@@ -236,6 +300,8 @@ impl Upstream for AddressRange {
         let mut vm = lock(&self.vm);
         let mut maps = 0;
         for run in runs {
+            // Old mappings still there go first, on this thread.
+            vm.unmap_stale_in(run.addr, run.size);
             let mut at = run.addr;
             while at < run.end() {
                 let rem = run.end() - at;
@@ -274,16 +340,19 @@ impl Upstream for AddressRange {
     }
 
     fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Result<Vec<Chunk>> {
-        // The memory is kept as `unmap_within` keeps it; the unmap of its
-        // old place counts as the mapper thread's, done at once (the
-        // simulated mapper always keeps up).
+        // The memory is kept as `unmap_within` keeps it; its old place
+        // stays mapped until the simulated mapper unmaps it (`tick`) or a
+        // map needs those addresses.
         let mut vm = lock(&self.vm);
         // Only memory any stream's work may use waits for the device.
         let taken = vm.take_within(spans, want, matches!(queued, Queued::Any));
-        for &(_, size) in &taken {
-            vm.calls.unmaps += 1;
-            cumem::cuda::vmm::record_background_call(CallKind::Unmap);
+        for &(addr, size) in &taken {
+            vm.stale.insert(addr, size);
             vm.spare.push(size);
+        }
+        if !taken.is_empty() {
+            vm.last_move = self.ops.load(std::sync::atomic::Ordering::Relaxed);
+            self.stale.store(true, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(taken.into_iter().map(|(addr, size)| Chunk { addr, size }).collect())
     }
@@ -340,6 +409,7 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_s
         let (mut failures, mut waits) = (0, 0u64);
         for (i, op) in trace.ops.iter().enumerate() {
             let stream = stream_of(i);
+            pool.upstream().tick();
             match *op {
                 Op::Allocate { slot, size } => match pool.allocate_for(size, BLOCK_ALIGN, stream) {
                     Ok(a) => {
@@ -411,5 +481,30 @@ mod tests {
         assert!(!r.try_extend(a, GRANULARITY).unwrap(), "only the top chunk grows");
         assert!(r.try_shrink(b, GRANULARITY).unwrap());
         assert!(!r.try_shrink(a, GRANULARITY).unwrap());
+    }
+
+    #[test]
+    fn lent_memory_keeps_its_old_mapping_until_the_mapper_or_a_map_needs_it() {
+        let r = AddressRange::new();
+        let space = r.reserve_chunk(8 * GRANULARITY).unwrap();
+        let piece = |i: usize| Chunk { addr: space.addr + i * GRANULARITY, size: GRANULARITY };
+        r.map_runs(&[piece(0), piece(1), piece(2)]).unwrap();
+        // Two pieces lent: their old places stay mapped, nothing unmapped yet.
+        let lent = r.lend_within(&[piece(0), piece(1)], 2 * GRANULARITY, Queued::Nothing).unwrap();
+        assert_eq!(lent.len(), 2);
+        assert_eq!(r.calls().unmaps, 0);
+        // A map over one old place unmaps it first.
+        let before = r.calls();
+        r.map_runs(&[piece(0)]).unwrap();
+        assert_eq!(r.calls().unmaps - before.unmaps, 1, "the map unmapped the old mapping in its way");
+        // The other goes once the pool has made no move for the quiet spell.
+        for _ in 0..quiet_ops().saturating_sub(1) {
+            r.tick();
+        }
+        assert_eq!(r.calls().unmaps - before.unmaps, 1, "the mapper waited for the quiet spell");
+        r.tick();
+        r.tick();
+        assert_eq!(r.calls().unmaps - before.unmaps, 2, "the mapper unmapped the last old mapping");
+        assert!(!r.stale.load(std::sync::atomic::Ordering::Relaxed));
     }
 }
