@@ -46,8 +46,8 @@ const BASE: usize = 1 << 40;
 ///
 /// Memory a move *lends* keeps its old mapping until cumem's mapper thread
 /// unmaps it, as on a device: the mapper waits until the pool has made no
-/// move for a while (2 ms there), modelled as [`quiet_ops`] operations
-/// of the replay ([`tick`](Self::tick)), then unmaps one old mapping per
+/// move for a while (2 ms there), modelled as 10,000 operations of the
+/// replay (`CUMEM_SIM_QUIET_OPS`; [`tick`](Self::tick)), then unmaps one old mapping per
 /// operation; a map over addresses whose old mapping is still there
 /// unmaps it first, on the allocating thread.
 #[derive(Debug)]
@@ -193,8 +193,8 @@ impl AddressRange {
     }
 
     /// One replayed operation: the simulated mapper unmaps one old mapping
-    /// of lent memory once the pool has made no move for [`quiet_ops`]
-    /// operations.
+    /// of lent memory once the pool has made no move for 10,000 operations
+    /// (`CUMEM_SIM_QUIET_OPS`).
     pub fn tick(&self) {
         use std::sync::atomic::Ordering::Relaxed;
         let op = self.ops.fetch_add(1, Relaxed) + 1;
