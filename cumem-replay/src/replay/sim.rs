@@ -47,9 +47,9 @@ const BASE: usize = 1 << 40;
 /// Memory a move *lends* keeps its old mapping until cumem's mapper thread
 /// unmaps it, as on a device: the mapper waits until the pool has made no
 /// move for a while (2 ms there), modelled as 10,000 operations of the
-/// replay (`CUMEM_SIM_QUIET_OPS`; [`tick`](Self::tick)), then unmaps one old mapping per
-/// operation; a map over addresses whose old mapping is still there
-/// unmaps it first, on the allocating thread.
+/// replay (`CUMEM_SIM_QUIET_OPS`; [`tick`](Self::tick)), then unmaps one
+/// old mapping per operation; a map over addresses whose old mapping is
+/// still there unmaps it first, on the allocating thread.
 #[derive(Debug)]
 pub struct AddressRange {
     top: Mutex<usize>,
