@@ -157,25 +157,28 @@ pub fn on_background_mapper() -> bool {
 /// VMM wrappers count their own calls; an upstream that simulates a device
 /// (the replay tool's) counts the calls the device would have made.
 pub fn record_call(kind: CallKind) {
-    let i = kind as usize + if on_background_mapper() { 5 } else { 0 };
-    CALLS[i].fetch_add(1, crate::sync::Ordering::Relaxed);
+    CALLS[counter(kind)].fetch_add(1, crate::sync::Ordering::Relaxed);
+}
+
+/// The index of the calling thread's counter of `kind` in `CALLS`.
+fn counter(kind: CallKind) -> usize {
+    kind as usize + if on_background_mapper() { 5 } else { 0 }
 }
 
 /// Makes driver call `call` of `kind`, counted as [`record_call`] counts
 /// it, and adds the time it took to the calling thread's kind.
 fn timed<T>(kind: CallKind, call: impl FnOnce() -> T) -> T {
-    record_call(kind);
+    let i = counter(kind);
+    CALLS[i].fetch_add(1, crate::sync::Ordering::Relaxed);
     let start = std::time::Instant::now();
     let r = call();
-    let ns = start.elapsed().as_nanos() as u64;
-    let i = kind as usize + if on_background_mapper() { 5 } else { 0 };
-    CALLS[10 + i].fetch_add(ns, crate::sync::Ordering::Relaxed);
+    CALLS[10 + i].fetch_add(start.elapsed().as_nanos() as u64, crate::sync::Ordering::Relaxed);
     r
 }
 
 /// Counts one driver call of `kind` as cumem's background mapper's,
 /// whatever thread calls: for an upstream that simulates a device and
-/// models the mapper's work as done at once (the replay tool's).
+/// models the mapper's work on the calling thread (the replay tool's).
 pub fn record_background_call(kind: CallKind) {
     CALLS[kind as usize + 5].fetch_add(1, crate::sync::Ordering::Relaxed);
 }
