@@ -238,6 +238,15 @@ pub struct Config {
     /// device memory moves between arenas only by unmap and map
     /// ([`PoolConfig::hand_over_ranges`](crate::pool::PoolConfig::hand_over_ranges)).
     pub arenas_hand_over: bool,
+    /// When a thread's exit leaves its device arena with no thread, the
+    /// idle arenas give back (unmap, on the exiting thread) what a
+    /// device's arenas hold above 102 % of the most pages their blocks
+    /// touched at once: the set keeps its peak's pages for the threads
+    /// that come next, and what busy arenas kept above it for peaks of
+    /// their own does not outlive their threads. Needs
+    /// [`arenas_hand_over`](Config::arenas_hand_over). On by default
+    /// ([`PoolConfig::trim_idle_shards`](crate::pool::PoolConfig::trim_idle_shards)).
+    pub idle_arenas_trim: bool,
 }
 
 impl Default for Config {
@@ -272,6 +281,7 @@ impl Default for Config {
             idle_arenas_give: false,
             fresh_thread_budget: true,
             arenas_hand_over: true,
+            idle_arenas_trim: true,
         }
     }
 }
@@ -328,6 +338,7 @@ impl Config {
         pc.fresh_thread_budget = self.fresh_thread_budget;
         pc.idle_shards_give = self.idle_arenas_give;
         pc.hand_over_ranges = self.arenas_hand_over;
+        pc.trim_idle_shards = self.idle_arenas_trim;
         pc
     }
 
@@ -464,6 +475,12 @@ impl Config {
     /// Sets [`Config::arenas_hand_over`].
     pub fn arenas_hand_over(mut self, on: bool) -> Self {
         self.arenas_hand_over = on;
+        self
+    }
+
+    /// Sets [`Config::idle_arenas_trim`].
+    pub fn idle_arenas_trim(mut self, on: bool) -> Self {
+        self.idle_arenas_trim = on;
         self
     }
 

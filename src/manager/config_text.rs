@@ -108,6 +108,7 @@ impl std::str::FromStr for Config {
                 "fresh_thread_budget" => c.fresh_thread_budget = bool_value(key, value)?,
                 "idle_arenas_give" => c.idle_arenas_give = bool_value(key, value)?,
                 "arenas_hand_over" => c.arenas_hand_over = bool_value(key, value)?,
+                "idle_arenas_trim" => c.idle_arenas_trim = bool_value(key, value)?,
                 "thread_cache_bytes" => c.thread_cache_bytes = size_value(key, value)?,
                 "arenas" => {
                     c.arenas = value.parse().map_err(|_| Error::Config(format!("arenas: '{value}' is not a count")))?
@@ -145,7 +146,7 @@ impl std::str::FromStr for Config {
                          remap_slack, background_mapper, learn_placement, max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                          exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
                          device_thread_cache, hot_block, tail_last, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
-                         shared_device_arenas, idle_arenas_give, arenas_hand_over, fresh_thread_budget, promise_registered_captures)"
+                         shared_device_arenas, idle_arenas_give, arenas_hand_over, idle_arenas_trim, fresh_thread_budget, promise_registered_captures)"
                     )))
                 }
             }

@@ -72,6 +72,7 @@ use live_map::LiveMap;
 pub(crate) use ranked::Preferred;
 use tags::Oracle;
 use touched::PageCount;
+pub(crate) use touched::SetPages;
 
 const NIL: u32 = u32::MAX;
 
@@ -169,6 +170,9 @@ pub struct BestFit {
     /// The free blocks (indexed ones) by address, while placement at an
     /// address may be asked (`at.rs`); `None` otherwise.
     by_addr: Option<BTreeMap<usize, u32>>,
+    /// Where the pages live blocks touch are summed over a set of pools
+    /// (a shard's allocator), with what this one added there so far.
+    set_pages: Option<(crate::sync::Arc<SetPages>, usize)>,
 }
 
 /// The slot of the hot block (`NIL`, the default: none).
@@ -453,6 +457,7 @@ impl BestFit {
             }
         } else {
             self.index_coalesced(slot);
+            self.publish_touched();
         }
         Ok(Freed { size, requested })
     }

@@ -104,6 +104,12 @@ pub struct PoolConfig {
     /// hold above the pages their live blocks touch now). On by default
     /// ([`Config::arenas_hand_over`](crate::Config::arenas_hand_over)).
     pub hand_over_ranges: bool,
+    /// In a set of remapping shards that share one address space, a
+    /// thread's exit that leaves its shard with no thread trims the set:
+    /// idle shards give back what the set holds above 102 % of the most
+    /// pages its blocks touched at once (`reclaim.rs`). On by default
+    /// ([`Config::idle_arenas_trim`](crate::Config::idle_arenas_trim)).
+    pub trim_idle_shards: bool,
     /// With page remapping, learn the sequence of allocations the program
     /// repeats (a training or serving loop) and place the next
     /// repetitions by a plan made knowing every block's lifetime, inside
@@ -135,6 +141,7 @@ impl PoolConfig {
             idle_shards_give: false,
             fresh_thread_budget: false,
             hand_over_ranges: true,
+            trim_idle_shards: true,
             learn_placement: false,
         }
     }

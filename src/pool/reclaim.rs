@@ -24,9 +24,21 @@
 //!   upstream before it makes new memory): only when the set would then
 //!   hold more than [`RECLAIM_ABOVE_PPM`] of the most memory its blocks
 //!   held at once, from the highest-numbered idle shards first.
+//! - **After a thread's exit** (`Shared::trim_idle`, the registry's idle
+//!   hook, in sets of remapping shards that share one address space): a
+//!   shard left with no thread is memory nobody uses now, so the set gives
+//!   back what it holds above [`HAND_OVER_ABOVE_PPM`] of the most pages
+//!   its blocks touched at once, from the idle shards, highest-numbered
+//!   first (new threads claim the lowest). The set keeps its peak's pages
+//!   for the threads that come next; what busy shards kept above it (their
+//!   own peaks, which rarely coincide) no longer outlives them. Only
+//!   tried: a trim running meanwhile (another exit) or a busy shard is
+//!   passed over, and the exiting thread waits for nothing but its own
+//!   driver calls.
 
+use super::handover::HAND_OVER_ABOVE_PPM;
 use super::page_map::budget;
-use super::shard_upstream::Tracked;
+use super::shard_upstream::{Shared, Tracked};
 use super::{Inner, Pool};
 use crate::sync::{try_lock, Ordering};
 use crate::upstream::Upstream;
@@ -101,6 +113,60 @@ impl Tracked {
     }
 }
 
+impl Shared {
+    /// A shard was left with no thread (the registry's idle hook, on the
+    /// exiting thread): the idle shards give back what the set holds above
+    /// [`HAND_OVER_ABOVE_PPM`] of the most pages its blocks touched at
+    /// once (see the module docs). Returns the bytes given back.
+    ///
+    /// # Safety
+    ///
+    /// The set's pools must outlive the call: the registry's idle hook
+    /// calls it, and the set's drop removes that hook (waiting for a run
+    /// in progress) before its pools go.
+    pub(super) unsafe fn trim_idle(&self) -> usize {
+        if !self.hand_over {
+            return 0;
+        }
+        // SAFETY: the caller keeps the set alive for the call (see
+        // `# Safety`), so the boxed slice `pools` points at outlives this
+        // borrow.
+        let pools = unsafe { &*self.pools };
+        let made = || pools.iter().enumerate().filter_map(|(j, c)| Some((j, c.get()?)));
+        if made().nth(1).is_none() {
+            return 0;
+        }
+        // What the set holds (each shard's lock taken in turn, no other
+        // lock held), and the most pages its blocks touched at once.
+        let held: usize = made().map(|(_, p)| p.stats().mapped).sum();
+        let page = pools[0].get().map_or(0, Pool::page_size);
+        let peak = self.pages.load().1 * page;
+        let room = (peak as u128 * u128::from(HAND_OVER_ABOVE_PPM) / 1_000_000) as usize;
+        let excess = held.saturating_sub(room);
+        if excess == 0 {
+            return 0;
+        }
+        // Frees on streams that are idle now need no wait: ask once (no
+        // pool lock is held here).
+        if let Some(poll) = self.poll.get() {
+            poll();
+        }
+        let mut given = 0;
+        for (j, cell) in pools.iter().enumerate().rev() {
+            if given >= excess {
+                break;
+            }
+            if let Some(p) = cell.get().filter(|_| self.registry.users(j) == 0) {
+                given += p.reclaim_free(excess - given);
+            }
+        }
+        if given > 0 {
+            self.reclaimed.fetch_add(given as u64, Ordering::Relaxed);
+        }
+        given
+    }
+}
+
 impl<U: Upstream> Pool<U> {
     /// Gives back up to about `want` bytes of free memory (see the module
     /// docs); returns the bytes given back. Errors of the upstream end
@@ -133,6 +199,21 @@ impl<U: Upstream> Pool<U> {
     /// former thread needed is no longer the pool's to keep (it is above
     /// the budget: the pool's own moves use it first, and shards that grow
     /// may take it).
+    /// The page a remapping pool maps (0 for other pools).
+    pub(super) fn page_size(&self) -> usize {
+        if self.remap {
+            self.inner.lock().pages.page()
+        } else {
+            0
+        }
+    }
+
+    /// Adds this pool's touched pages to `set`'s sum from now on
+    /// ([`BestFit::share_pages`](super::BestFit::share_pages)).
+    pub(super) fn share_pages(&self, set: crate::sync::Arc<super::best_fit::SetPages>) {
+        self.inner.lock().fit.share_pages(set);
+    }
+
     pub(super) fn rebase_budget(&self) {
         if self.remap {
             self.inner.lock().fit.rebase_touched_peak();

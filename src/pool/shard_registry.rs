@@ -24,18 +24,22 @@
 //!   directory, so a free racing with the hand-back needs no care (the
 //!   loom model `shard_handed_back_while_another_thread_frees_into_it`
 //!   checks it).
+//! - **Idle trim.** When a hand-back leaves a shard with no thread, the
+//!   set's hook runs on the exiting thread ([`Registry::on_idle`]): a set
+//!   of remapping shards gives back what its idle shards hold above the
+//!   set's page floor (`reclaim.rs`, `trim_idle`), after flushing the
+//!   thread's caches so that their blocks count as free.
 //! - **Bound.** A set holds at most its count of shards (by default the
 //!   processors), however many threads were ever made.
 
 use std::cell::{Cell, RefCell};
 
-use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
+use crate::sync::{lock, try_lock, Arc, AtomicUsize, Mutex, Ordering, StaticAtomicU64};
 
 /// Set ids (identities only).
 static NEXT_ID: StaticAtomicU64 = StaticAtomicU64::new(1);
 
 /// The threads on each shard of one set.
-#[derive(Debug)]
 pub(super) struct Registry {
     id: u64,
     users: Box<[AtomicUsize]>,
@@ -48,6 +52,18 @@ pub(super) struct Registry {
     /// Shards handed back so far (a shard may have gone idle since a
     /// count was read: `handover.rs` looks again then).
     handed_back: AtomicUsize,
+    /// Run by a hand-back that leaves a shard with no thread; removed by
+    /// the set's drop. Only tried: a hand-back while it runs passes over.
+    idle_hook: Mutex<Option<IdleHook>>,
+}
+
+/// What a set runs when one of its shards is left with no thread.
+pub(super) type IdleHook = Box<dyn Fn() + Send + Sync>;
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry").field("id", &self.id).field("users", &self.users).finish_non_exhaustive()
+    }
 }
 
 impl Registry {
@@ -58,6 +74,7 @@ impl Registry {
             primary_first_only,
             claimed: Mutex::new(false),
             handed_back: AtomicUsize::new(0),
+            idle_hook: Mutex::new(None),
         })
     }
 
@@ -122,9 +139,28 @@ impl Registry {
         i
     }
 
+    /// Sets what a hand-back runs when it leaves a shard with no thread
+    /// (see the module docs).
+    pub(super) fn on_idle(&self, hook: IdleHook) {
+        *lock(&self.idle_hook) = Some(hook);
+    }
+
+    /// Removes the idle hook, waiting for a run in progress to end (the
+    /// set's drop: the hook borrows the set).
+    pub(super) fn clear_idle(&self) {
+        drop(lock(&self.idle_hook).take());
+    }
+
     fn hand_back(&self, i: usize) {
-        self.users[i].fetch_sub(1, Ordering::AcqRel);
+        let before = self.users[i].fetch_sub(1, Ordering::AcqRel);
         self.handed_back.fetch_add(1, Ordering::Release);
+        if before == 1 {
+            if let Some(hook) = try_lock(&self.idle_hook) {
+                if let Some(run) = hook.as_ref() {
+                    run();
+                }
+            }
+        }
     }
 
     /// Shards handed back by exiting threads so far.

@@ -155,6 +155,14 @@ pub struct Shards {
     last_lender: Box<[AtomicUsize]>,
 }
 
+impl Drop for Shards {
+    fn drop(&mut self) {
+        // The idle hook borrows the pools (and its `Shared` the registry:
+        // removing it also breaks that cycle).
+        self.registry.clear_idle();
+    }
+}
+
 impl std::fmt::Debug for Shards {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shards")
@@ -208,7 +216,20 @@ impl Shards {
         // their shard by granule.
         let space = one_space.then(|| first.address_space().map(|s| (s, first.granularity()))).flatten();
         let shared = Shared::new(&shards, registry.clone(), &config, one_space, space);
+        if one_space && config.hand_over_ranges && config.trim_idle_shards {
+            let set = shared.clone();
+            registry.on_idle(Box::new(move || {
+                // The exiting thread's cached blocks count as free first.
+                super::cache::release_thread_caches();
+                // SAFETY: the set's drop removes this hook (waiting for a
+                // run in progress) before its pools go.
+                unsafe { set.trim_idle() };
+            }));
+        }
         let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
+        if shared.hand_over {
+            pool.share_pages(shared.pages.clone());
+        }
         // A new cell is empty, so this always sets it.
         let _ = shards[0].init(|| Ok::<_, ()>(pool));
         Shards {
@@ -392,6 +413,9 @@ impl Shards {
             }
             if let (Ok(p), Some(f)) = (&pool, self.fences.get()) {
                 p.set_fence_maker(f.clone());
+            }
+            if let (Ok(p), true) = (&pool, self.shared.hand_over) {
+                p.share_pages(self.shared.pages.clone());
             }
             if pool.is_ok() {
                 self.made.fetch_add(1, Ordering::AcqRel);

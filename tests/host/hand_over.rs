@@ -179,21 +179,80 @@ fn memory_freed_on_a_stream_moves_once_its_work_is_known_done() {
 }
 
 /// The resizing thread pool of `idle_shards.rs`: idle shards hand their
-/// mapped ranges over and lend blocks of their mapped memory, and nothing
-/// is given back by unmapping. The physical memory held at the end over
-/// the most bytes held at once is at most 2.0 by default (1.83 measured)
-/// and without `fresh_thread_budget` (1.73), against 3.77 with each shard
-/// in address space of its own and none giving. In this test threads
-/// claim their shards before they work, so a claimed shard's memory
-/// waits unused. The pages the blocks touch (2 MiB pages, blocks of
-/// 1 B..4 MiB) are about 1.3 times the bytes held, the least any
-/// placement holds.
+/// mapped ranges over and lend blocks of their mapped memory. Without the
+/// trim at a thread's exit nothing is given back by unmapping, and the
+/// physical memory held at the end over the most bytes held at once is
+/// at most 2.0 (1.83 measured with `fresh_thread_budget`, the default,
+/// and 1.73 without), against 3.77 with each shard in address space of
+/// its own and none giving. With the trim (the default), exits unmap
+/// what the set holds above 102 % of its page floor, and the set ends
+/// holding less. In this test threads claim their shards before they
+/// work, so a claimed shard's memory waits unused.
 #[test]
 fn a_resizing_thread_pool_hands_ranges_over_by_default() {
-    let (ratio, reclaimed) = resizing_pool(Config::new().fresh_thread_budget(false));
-    let (fresh, reclaimed_fresh) = resizing_pool(Config::new());
-    eprintln!("end mapped / most held at once: {ratio:.3}, {fresh:.3} with fresh_thread_budget");
-    assert_eq!((reclaimed, reclaimed_fresh), (0, 0), "idle shards unmapped nothing");
+    let (ratio, reclaimed) = resizing_pool(Config::new().fresh_thread_budget(false).idle_arenas_trim(false));
+    let (fresh, reclaimed_fresh) = resizing_pool(Config::new().idle_arenas_trim(false));
+    let (trimmed, reclaimed_trim) = resizing_pool(Config::new());
+    eprintln!(
+        "end mapped / most held at once: {ratio:.3}, {fresh:.3} with fresh_thread_budget, {trimmed:.3} with the \
+         trim at exits ({} MiB unmapped)",
+        reclaimed_trim / MIB
+    );
+    assert_eq!((reclaimed, reclaimed_fresh), (0, 0), "idle shards unmapped nothing without the trim");
     assert!(ratio <= 2.0, "end mapped / most held at once {ratio:.3}");
     assert!(fresh <= 2.0, "end mapped / most held at once {fresh:.3} with fresh_thread_budget");
+    assert!(reclaimed_trim > 0, "the trim at exits unmapped nothing");
+    assert!(trimmed < fresh, "with the trim the set ends holding {trimmed:.3}, without {fresh:.3}");
+}
+
+/// A thread's exit that leaves its shard idle trims the set to 102 % of
+/// the most pages its blocks touched at once. Here another thread peaks
+/// at 64 MiB in 8 MiB blocks and frees every other one; the first thread
+/// then needs 24 MiB, which no 8 MiB hole holds, so the set maps more
+/// than its peak; the other thread frees the rest and ends. The set
+/// keeps its peak's pages and gives back the rest; with
+/// `idle_arenas_trim=false` it keeps everything.
+#[test]
+fn a_threads_exit_trims_the_set_to_its_page_floor() {
+    for trim in [true, false] {
+        let mm = host(Config::new().arenas(2).idle_arenas_trim(trim));
+        let set = mm.default_device().unwrap().pool();
+        let first = mm.allocate_device(MIB).unwrap();
+        let (go, done) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+        let (wide, held) = std::thread::scope(|s| {
+            let other = s.spawn(|| {
+                let blocks: Vec<u64> = (0..8).map(|_| mm.allocate_device(8 * MIB).unwrap()).collect();
+                blocks.iter().step_by(2).for_each(|&b| mm.free_device(b).unwrap());
+                go.wait();
+                done.wait();
+                blocks.iter().skip(1).step_by(2).for_each(|&b| mm.free_device(b).unwrap());
+                let held = mm.device_stats(0).unwrap().pool.mapped;
+                cumem::pool::release_thread_shards();
+                held
+            });
+            go.wait();
+            let wide = mm.allocate_device(24 * MIB);
+            done.wait();
+            (wide.unwrap(), other.join().unwrap())
+        });
+        let after = mm.device_stats(0).unwrap().pool.mapped;
+        mm.free_device(wide).unwrap();
+        eprintln!("trim {trim}: held {} MiB before the exit, {} after", held / MIB, after / MIB);
+        let floor = 66 * MIB;
+        assert!(held >= floor + 16 * MIB, "held {} MiB before the exit", held / MIB);
+        if trim {
+            assert!(after < held, "the exit gave nothing back ({} MiB)", after / MIB);
+            assert!(after <= floor * 102 / 100 + 4 * MIB, "{} MiB held after the exit", after / MIB);
+            assert!(after >= floor, "{} MiB held after the exit: below the peak's pages", after / MIB);
+            assert!(set.bytes_reclaimed() > 0);
+        } else {
+            assert_eq!(after, held, "without the trim the set keeps its memory");
+        }
+        // The set serves its peak again.
+        let again: Vec<u64> = (0..8).map(|_| mm.allocate_device(8 * MIB).unwrap()).collect();
+        assert_mapped(&mm, &again.iter().map(|&b| (b, 8 * MIB)).collect::<Vec<_>>());
+        again.into_iter().for_each(|b| mm.free_device(b).unwrap());
+        mm.free_device(first).unwrap();
+        set.check_invariants().unwrap();
+    }
 }

@@ -36,6 +36,7 @@ impl BestFit {
     fn flush_hot_slow(&mut self) {
         let slot = std::mem::replace(&mut self.hot, HotSlot(NIL)).0;
         self.index_coalesced(slot);
+        self.publish_touched();
     }
 
     /// An allocation of `size` bytes from the hot block, when it has

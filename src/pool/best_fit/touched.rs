@@ -2,6 +2,7 @@
 //! placement, counted as the whole pages lying inside free blocks.
 
 use super::BestFit;
+use crate::sync::{Arc, AtomicUsize, Ordering};
 use crate::upstream::BLOCK_ALIGN;
 
 /// Which pages live blocks touch, counted as the whole pages lying inside
@@ -37,7 +38,56 @@ impl PageCount {
     }
 }
 
+/// The pages live blocks touch, summed over the allocators of a set of
+/// pools (shards), and the most they touched at once: each allocator adds
+/// its changes as it makes them ([`BestFit::share_pages`]).
+#[derive(Debug)]
+pub(crate) struct SetPages {
+    now: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl SetPages {
+    pub(crate) fn new() -> Self {
+        SetPages { now: AtomicUsize::new(0), peak: AtomicUsize::new(0) }
+    }
+
+    /// The pages live blocks of the set touch now, and the most they
+    /// touched at once.
+    pub(crate) fn load(&self) -> (usize, usize) {
+        (self.now.load(Ordering::Relaxed), self.peak.load(Ordering::Relaxed))
+    }
+}
+
 impl BestFit {
+    /// Adds this allocator's touched pages (counting on: see
+    /// [`count_pages`](Self::count_pages)) to `set`'s sum from now on.
+    pub(crate) fn share_pages(&mut self, set: Arc<SetPages>) {
+        self.set_pages = Some((set, 0));
+        self.publish_touched();
+    }
+
+    /// Brings the set's sum up to date with the pages live blocks touch
+    /// now (after an allocation or a free; a change missed meanwhile is
+    /// added with the next).
+    #[inline]
+    pub(super) fn publish_touched(&mut self) {
+        if self.pages.shift == 0 {
+            return;
+        }
+        let now = self.touched_now();
+        let Some((set, published)) = &mut self.set_pages else { return };
+        if now > *published {
+            let sum = set.now.fetch_add(now - *published, Ordering::Relaxed) + (now - *published);
+            if sum > set.peak.load(Ordering::Relaxed) {
+                set.peak.fetch_max(sum, Ordering::Relaxed);
+            }
+        } else if now < *published {
+            set.now.fetch_sub(*published - now, Ordering::Relaxed);
+        }
+        *published = now;
+    }
+
     /// Counts the pages of `page` bytes (a power of two) that live blocks
     /// touch, for [`touched_pages`](Self::touched_pages). Every chunk must
     /// then start and end on a page boundary (a remapping pool's do).
@@ -106,6 +156,7 @@ impl BestFit {
             let now = self.touched_now();
             self.pages.peak_touched = self.pages.peak_touched.max(now);
             self.pages.reported_peak = self.pages.reported_peak.max(now);
+            self.publish_touched();
         }
     }
 }
