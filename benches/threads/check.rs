@@ -224,7 +224,16 @@ fn peers() {
                     // the time in maps and unmaps summed over the threads.
                     let unmaps = after.dev_unmaps - before.dev_unmaps;
                     let moves = (after.move_ns - before.move_ns) as f64 / 1e6;
-                    format!("  asks {asks} ({:.1} ms); unmaps {unmaps}, moving pages {moves:.1} ms", ns as f64 / 1e6)
+                    // The device's memory against the most pages its
+                    // blocks touched at once, after the row.
+                    let device = mm.default_device().expect("device");
+                    let floor = device.pool().page_floor().1.max(1);
+                    let mapped = mm.device_stats(0).expect("device stats").pool.mapped;
+                    format!(
+                        "  asks {asks} ({:.1} ms); unmaps {unmaps}, moving pages {moves:.1} ms; mapped / page floor {:.3}",
+                        ns as f64 / 1e6,
+                        mapped as f64 / floor as f64
+                    )
                 }
             );
         }

@@ -173,3 +173,71 @@ fn a_shard_gives_from_the_top_of_a_chunk_its_thread_extends() {
     });
     assert!(FROM_BUSY.load(std::sync::atomic::Ordering::Relaxed) > 0, "no run handed a range over");
 }
+
+/// Model runs in which the exit's trim unmapped pages.
+static TRIMMED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A thread's exit trims the set (`pool/reclaim.rs`, `trim_idle`, with
+/// `trim_idle_shards`): this thread's shard holds a free page and a live
+/// block, another thread's shard mapped memory of its own beside it, so
+/// the set holds more than its peak's pages; this thread hands its shard
+/// back (the trim unmaps free pages of the now idle shard) while a third
+/// thread frees the live block there (a free in flight). In every
+/// interleaving no page under a live block is unmapped, the blocks left
+/// sit on mapped pages, and the shards' count of mapped pages is the
+/// device's.
+#[test]
+fn an_exits_trim_runs_while_a_free_is_in_flight() {
+    builder().check(|| {
+        let dev = PageUpstream::default();
+        let mut c = PoolConfig::new(PoolKind::Standalone);
+        c.thread_cache = false;
+        c.min_chunk = PAGE;
+        c.remap_slack_ppm = 0;
+        c.trim_idle_shards = true;
+        let more = dev.clone();
+        let make: UpstreamFactory = Box::new(move || Ok(Box::new(more.clone()) as Box<dyn Upstream>));
+        let set = Arc::new(Shards::sharing_space(Box::new(dev.clone()), make, c, 2));
+        // This thread takes shard 0: two pages, one freed.
+        let f1 = set.allocate(PAGE, 256).unwrap();
+        let f2 = set.allocate(PAGE, 256).unwrap();
+        set.deallocate(f1.addr, StreamTag::NONE).unwrap();
+        dev.dev().live.insert((f2.addr, f2.size));
+        // Another thread's shard needs two pages, which shard 0's one free
+        // page can't give: it maps its own.
+        let s = set.clone();
+        let u = thread::spawn(move || {
+            let u = s.allocate(2 * PAGE, 256).unwrap();
+            // Its shard goes idle too (its block stays live there): the
+            // trim then has nothing free to give.
+            release_thread_shards();
+            u
+        })
+        .join()
+        .unwrap();
+        dev.dev().live.insert((u.addr, u.size));
+        // A free of f2 from another thread, in flight while this thread's
+        // hand-back trims shard 0.
+        let (s, d2) = (set.clone(), dev.clone());
+        let freer = thread::spawn(move || {
+            d2.dev().live.remove(&(f2.addr, f2.size));
+            s.deallocate(f2.addr, StreamTag::NONE).unwrap();
+        });
+        release_thread_shards();
+        freer.join().unwrap();
+        let dv = dev.dev();
+        assert!(dv.violations.is_empty(), "{:?}", dv.violations);
+        dv.assert_mapped(u.addr, u.size);
+        let held: usize = dv.pieces.values().sum::<usize>() + dv.spare.iter().sum::<usize>();
+        drop(dv);
+        assert_eq!(set.stats().mapped, held, "the shards' held memory drifted from the device's");
+        set.check_invariants().expect("best-fit invariants");
+        if set.bytes_reclaimed() > 0 {
+            TRIMMED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        set.deallocate(u.addr, StreamTag::NONE).unwrap();
+        assert!(set.deallocate(f2.addr, StreamTag::NONE).is_err(), "a second free is refused");
+        set.check_invariants().expect("best-fit invariants");
+    });
+    assert!(TRIMMED.load(std::sync::atomic::Ordering::Relaxed) > 0, "no run's exit trimmed the set");
+}

@@ -244,7 +244,11 @@ pub struct Config {
     /// touched at once: the set keeps its peak's pages for the threads
     /// that come next, and what busy arenas kept above it for peaks of
     /// their own does not outlive their threads. Needs
-    /// [`arenas_hand_over`](Config::arenas_hand_over). On by default
+    /// [`arenas_hand_over`](Config::arenas_hand_over). Off by default: on
+    /// an H200 it brought a resizing thread pool's device memory from
+    /// 1.27-1.39 of the most bytes held at once to 1.19-1.28, but the
+    /// peers' fresh-thread workload then ran its 16-thread device rows
+    /// about a fifth slower (new threads map again what exits gave back)
     /// ([`PoolConfig::trim_idle_shards`](crate::pool::PoolConfig::trim_idle_shards)).
     pub idle_arenas_trim: bool,
 }
@@ -281,7 +285,7 @@ impl Default for Config {
             idle_arenas_give: false,
             fresh_thread_budget: true,
             arenas_hand_over: true,
-            idle_arenas_trim: true,
+            idle_arenas_trim: false,
         }
     }
 }

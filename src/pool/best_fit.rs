@@ -170,9 +170,9 @@ pub struct BestFit {
     /// The free blocks (indexed ones) by address, while placement at an
     /// address may be asked (`at.rs`); `None` otherwise.
     by_addr: Option<BTreeMap<usize, u32>>,
-    /// Where the pages live blocks touch are summed over a set of pools
-    /// (a shard's allocator), with what this one added there so far.
-    set_pages: Option<(crate::sync::Arc<SetPages>, usize)>,
+    /// Where the pages live blocks touch are shared with a set of pools:
+    /// the set's slots, this allocator's slot, and what it stored there.
+    set_pages: Option<(crate::sync::Arc<SetPages>, usize, usize)>,
 }
 
 /// The slot of the hot block (`NIL`, the default: none).
@@ -457,7 +457,7 @@ impl BestFit {
             }
         } else {
             self.index_coalesced(slot);
-            self.publish_touched();
+            self.publish_touched(false);
         }
         Ok(Freed { size, requested })
     }

@@ -107,7 +107,7 @@ pub struct PoolConfig {
     /// In a set of remapping shards that share one address space, a
     /// thread's exit that leaves its shard with no thread trims the set:
     /// idle shards give back what the set holds above 102 % of the most
-    /// pages its blocks touched at once (`reclaim.rs`). On by default
+    /// pages its blocks touched at once (`reclaim.rs`). Off by default
     /// ([`Config::idle_arenas_trim`](crate::Config::idle_arenas_trim)).
     pub trim_idle_shards: bool,
     /// With page remapping, learn the sequence of allocations the program
@@ -141,7 +141,7 @@ impl PoolConfig {
             idle_shards_give: false,
             fresh_thread_budget: false,
             hand_over_ranges: true,
-            trim_idle_shards: true,
+            trim_idle_shards: false,
             learn_placement: false,
         }
     }

@@ -25,7 +25,8 @@
 //!   hold more than [`RECLAIM_ABOVE_PPM`] of the most memory its blocks
 //!   held at once, from the highest-numbered idle shards first.
 //! - **After a thread's exit** (`Shared::trim_idle`, the registry's idle
-//!   hook, in sets of remapping shards that share one address space): a
+//!   hook, in sets of remapping shards that share one address space, with
+//!   [`PoolConfig::trim_idle_shards`](super::PoolConfig::trim_idle_shards)): a
 //!   shard left with no thread is memory nobody uses now, so the set gives
 //!   back what it holds above [`HAND_OVER_ABOVE_PPM`] of the most pages
 //!   its blocks touched at once, from the idle shards, highest-numbered
@@ -140,7 +141,7 @@ impl Shared {
         // lock held), and the most pages its blocks touched at once.
         let held: usize = made().map(|(_, p)| p.stats().mapped).sum();
         let page = pools[0].get().map_or(0, Pool::page_size);
-        let peak = self.pages.load().1 * page;
+        let peak = self.pages.sample().1 * page;
         let room = (peak as u128 * u128::from(HAND_OVER_ABOVE_PPM) / 1_000_000) as usize;
         let excess = held.saturating_sub(room);
         if excess == 0 {
@@ -200,7 +201,7 @@ impl<U: Upstream> Pool<U> {
     /// the budget: the pool's own moves use it first, and shards that grow
     /// may take it).
     /// The page a remapping pool maps (0 for other pools).
-    pub(super) fn page_size(&self) -> usize {
+    pub fn page_size(&self) -> usize {
         if self.remap {
             self.inner.lock().pages.page()
         } else {
@@ -210,8 +211,8 @@ impl<U: Upstream> Pool<U> {
 
     /// Adds this pool's touched pages to `set`'s sum from now on
     /// ([`BestFit::share_pages`](super::BestFit::share_pages)).
-    pub(super) fn share_pages(&self, set: crate::sync::Arc<super::best_fit::SetPages>) {
-        self.inner.lock().fit.share_pages(set);
+    pub(super) fn share_pages(&self, set: crate::sync::Arc<super::best_fit::SetPages>, index: usize) {
+        self.inner.lock().fit.share_pages(set, index);
     }
 
     pub(super) fn rebase_budget(&self) {

@@ -25,7 +25,7 @@
 //!   loom model `shard_handed_back_while_another_thread_frees_into_it`
 //!   checks it).
 //! - **Idle trim.** When a hand-back leaves a shard with no thread, the
-//!   set's hook runs on the exiting thread ([`Registry::on_idle`]): a set
+//!   set's hook (if it has one) runs on the exiting thread ([`Registry::on_idle`]): a set
 //!   of remapping shards gives back what its idle shards hold above the
 //!   set's page floor (`reclaim.rs`, `trim_idle`), after flushing the
 //!   thread's caches so that their blocks count as free.

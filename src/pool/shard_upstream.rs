@@ -450,9 +450,9 @@ pub(super) struct Shared {
     /// The most bytes the shards' blocks held at once, as seen when a
     /// shard grew (what the set may hold 120 % of before idle shards give).
     pub(super) peak_live: AtomicUsize,
-    /// The pages the shards' live blocks touch now and at most at once,
-    /// summed as they change (sets that hand ranges over): what a trim
-    /// after a thread's exit keeps 102 % of (`reclaim.rs`).
+    /// The pages each shard's live blocks touch, and the most their sum
+    /// reached (sets that hand ranges over): what a trim after a thread's
+    /// exit keeps 102 % of (`reclaim.rs`).
     pub(super) pages: Arc<super::best_fit::SetPages>,
     /// Which threads use which shard (idle shards give first).
     pub(super) registry: Arc<Registry>,
@@ -530,7 +530,7 @@ impl Shared {
             lent: AtomicU64::new(0),
             reclaimed: AtomicU64::new(0),
             peak_live: AtomicUsize::new(0),
-            pages: Arc::new(super::best_fit::SetPages::new()),
+            pages: Arc::new(super::best_fit::SetPages::new(pools.len())),
             registry,
             give: config.idle_shards_give,
             hand_over: one_space && config.hand_over_ranges,

@@ -228,7 +228,7 @@ impl Shards {
         }
         let pool = Pool::new(Self::track(first, &shared, 0), config.clone());
         if shared.hand_over {
-            pool.share_pages(shared.pages.clone());
+            pool.share_pages(shared.pages.clone(), 0);
         }
         // A new cell is empty, so this always sets it.
         let _ = shards[0].init(|| Ok::<_, ()>(pool));
@@ -336,6 +336,19 @@ impl Shards {
         self.registry.users(i)
     }
 
+    /// In a set of remapping shards that hand ranges over: the bytes of
+    /// the pages the shards' live blocks touch now, and the most they
+    /// touched at once as looked at (when a shard's own count passed its
+    /// own peak, and at trims); `(0, 0)` in other sets.
+    pub fn page_floor(&self) -> (usize, usize) {
+        if !self.shared.hand_over {
+            return (0, 0);
+        }
+        let page = self.primary().page_size();
+        let (now, peak) = self.shared.pages.sample();
+        (now * page, peak * page)
+    }
+
     /// Blocks a shard lent out of its free memory to another shard's
     /// thread (no upstream call) so far.
     pub fn blocks_lent(&self) -> u64 {
@@ -415,7 +428,7 @@ impl Shards {
                 p.set_fence_maker(f.clone());
             }
             if let (Ok(p), true) = (&pool, self.shared.hand_over) {
-                p.share_pages(self.shared.pages.clone());
+                p.share_pages(self.shared.pages.clone(), i);
             }
             if pool.is_ok() {
                 self.made.fetch_add(1, Ordering::AcqRel);

@@ -179,20 +179,20 @@ fn memory_freed_on_a_stream_moves_once_its_work_is_known_done() {
 }
 
 /// The resizing thread pool of `idle_shards.rs`: idle shards hand their
-/// mapped ranges over and lend blocks of their mapped memory. Without the
-/// trim at a thread's exit nothing is given back by unmapping, and the
-/// physical memory held at the end over the most bytes held at once is
-/// at most 2.0 (1.83 measured with `fresh_thread_budget`, the default,
-/// and 1.73 without), against 3.77 with each shard in address space of
-/// its own and none giving. With the trim (the default), exits unmap
-/// what the set holds above 102 % of its page floor, and the set ends
-/// holding less. In this test threads claim their shards before they
-/// work, so a claimed shard's memory waits unused.
+/// mapped ranges over and lend blocks of their mapped memory. By default
+/// nothing is given back by unmapping, and the physical memory held at
+/// the end over the most bytes held at once is at most 2.0 (1.83
+/// measured with `fresh_thread_budget`, the default, and 1.73 without),
+/// against 3.77 with each shard in address space of its own and none
+/// giving. With `idle_arenas_trim`, exits unmap what the set holds above
+/// 102 % of its page floor, and the set ends holding less. In this test
+/// threads claim their shards before they work, so a claimed shard's
+/// memory waits unused.
 #[test]
 fn a_resizing_thread_pool_hands_ranges_over_by_default() {
-    let (ratio, reclaimed) = resizing_pool(Config::new().fresh_thread_budget(false).idle_arenas_trim(false));
-    let (fresh, reclaimed_fresh) = resizing_pool(Config::new().idle_arenas_trim(false));
-    let (trimmed, reclaimed_trim) = resizing_pool(Config::new());
+    let (ratio, reclaimed) = resizing_pool(Config::new().fresh_thread_budget(false));
+    let (fresh, reclaimed_fresh) = resizing_pool(Config::new());
+    let (trimmed, reclaimed_trim) = resizing_pool(Config::new().idle_arenas_trim(true));
     eprintln!(
         "end mapped / most held at once: {ratio:.3}, {fresh:.3} with fresh_thread_budget, {trimmed:.3} with the \
          trim at exits ({} MiB unmapped)",
@@ -210,8 +210,8 @@ fn a_resizing_thread_pool_hands_ranges_over_by_default() {
 /// at 64 MiB in 8 MiB blocks and frees every other one; the first thread
 /// then needs 24 MiB, which no 8 MiB hole holds, so the set maps more
 /// than its peak; the other thread frees the rest and ends. The set
-/// keeps its peak's pages and gives back the rest; with
-/// `idle_arenas_trim=false` it keeps everything.
+/// keeps its peak's pages and gives back the rest with
+/// `idle_arenas_trim=true`; by default it keeps everything.
 #[test]
 fn a_threads_exit_trims_the_set_to_its_page_floor() {
     for trim in [true, false] {

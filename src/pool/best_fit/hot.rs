@@ -36,7 +36,7 @@ impl BestFit {
     fn flush_hot_slow(&mut self) {
         let slot = std::mem::replace(&mut self.hot, HotSlot(NIL)).0;
         self.index_coalesced(slot);
-        self.publish_touched();
+        self.publish_touched(false);
     }
 
     /// An allocation of `size` bytes from the hot block, when it has

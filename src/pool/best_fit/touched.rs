@@ -4,6 +4,7 @@
 use super::BestFit;
 use crate::sync::{Arc, AtomicUsize, Ordering};
 use crate::upstream::BLOCK_ALIGN;
+use crossbeam::utils::CachePadded;
 
 /// Which pages live blocks touch, counted as the whole pages lying inside
 /// free blocks: a page that no live block touches lies wholly inside one
@@ -38,54 +39,65 @@ impl PageCount {
     }
 }
 
-/// The pages live blocks touch, summed over the allocators of a set of
-/// pools (shards), and the most they touched at once: each allocator adds
-/// its changes as it makes them ([`BestFit::share_pages`]).
+/// The pages live blocks touch in each allocator of a set of pools
+/// (shards), and the most their sum reached when looked at: each
+/// allocator stores its own count in a slot of its own as it changes (no
+/// shared line is written on the hot path), and sums the slots whenever
+/// its own count passes its own peak (only then can the sum pass the
+/// set's), and the set sums them when it trims.
 #[derive(Debug)]
 pub(crate) struct SetPages {
-    now: AtomicUsize,
+    slots: Box<[CachePadded<AtomicUsize>]>,
     peak: AtomicUsize,
 }
 
 impl SetPages {
-    pub(crate) fn new() -> Self {
-        SetPages { now: AtomicUsize::new(0), peak: AtomicUsize::new(0) }
+    /// Slots for `count` allocators.
+    pub(crate) fn new(count: usize) -> Self {
+        SetPages {
+            slots: (0..count).map(|_| CachePadded::new(AtomicUsize::new(0))).collect(),
+            peak: AtomicUsize::new(0),
+        }
     }
 
-    /// The pages live blocks of the set touch now, and the most they
-    /// touched at once.
-    pub(crate) fn load(&self) -> (usize, usize) {
-        (self.now.load(Ordering::Relaxed), self.peak.load(Ordering::Relaxed))
+    /// The pages live blocks of the set touch now (summed afresh), and the
+    /// most they touched at once as looked at (this look included).
+    pub(crate) fn sample(&self) -> (usize, usize) {
+        let now = self.slots.iter().map(|s| s.load(Ordering::Relaxed)).sum();
+        let peak = self.peak.fetch_max(now, Ordering::Relaxed).max(now);
+        (now, peak)
     }
 }
 
 impl BestFit {
-    /// Adds this allocator's touched pages (counting on: see
-    /// [`count_pages`](Self::count_pages)) to `set`'s sum from now on.
-    pub(crate) fn share_pages(&mut self, set: Arc<SetPages>) {
-        self.set_pages = Some((set, 0));
-        self.publish_touched();
+    /// Stores this allocator's touched pages (counting on: see
+    /// [`count_pages`](Self::count_pages)) in slot `index` of `set` from
+    /// now on.
+    pub(crate) fn share_pages(&mut self, set: Arc<SetPages>, index: usize) {
+        if index < set.slots.len() {
+            self.set_pages = Some((set, index, usize::MAX));
+            self.publish_touched(false);
+        }
     }
 
-    /// Brings the set's sum up to date with the pages live blocks touch
-    /// now (after an allocation or a free; a change missed meanwhile is
-    /// added with the next).
+    /// Brings this allocator's slot up to date with the pages live blocks
+    /// touch now (after an allocation or a free; a change missed meanwhile
+    /// is stored with the next); `rose`: the count just passed this
+    /// allocator's own peak, so the set's sum is looked at.
     #[inline]
-    pub(super) fn publish_touched(&mut self) {
+    pub(super) fn publish_touched(&mut self, rose: bool) {
         if self.pages.shift == 0 {
             return;
         }
         let now = self.touched_now();
-        let Some((set, published)) = &mut self.set_pages else { return };
-        if now > *published {
-            let sum = set.now.fetch_add(now - *published, Ordering::Relaxed) + (now - *published);
-            if sum > set.peak.load(Ordering::Relaxed) {
-                set.peak.fetch_max(sum, Ordering::Relaxed);
+        let Some((set, index, stored)) = &mut self.set_pages else { return };
+        if now != *stored {
+            set.slots[*index].store(now, Ordering::Relaxed);
+            *stored = now;
+            if rose {
+                set.sample();
             }
-        } else if now < *published {
-            set.now.fetch_sub(*published - now, Ordering::Relaxed);
         }
-        *published = now;
     }
 
     /// Counts the pages of `page` bytes (a power of two) that live blocks
@@ -154,9 +166,10 @@ impl BestFit {
     pub(super) fn note_touched(&mut self) {
         if self.pages.shift != 0 {
             let now = self.touched_now();
+            let rose = now > self.pages.peak_touched;
             self.pages.peak_touched = self.pages.peak_touched.max(now);
             self.pages.reported_peak = self.pages.reported_peak.max(now);
-            self.publish_touched();
+            self.publish_touched(rose);
         }
     }
 }
