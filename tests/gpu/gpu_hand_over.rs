@@ -111,3 +111,99 @@ fn an_idle_arenas_mapped_range_serves_another_arena_on_the_device() {
     assert_eq!(handed, 0, "no range handed over with hand-over off");
     assert!(maps > 0, "without hand-over the request maps memory");
 }
+
+/// Runs the trim's scenario on the device with `idle_arenas_trim` as
+/// given; returns the memory the device's arenas held before the other
+/// thread's exit and after it, the pages the exit unmapped and the unmaps
+/// the driver-call counters saw on the exiting thread.
+fn exit_trim(ctx: &Arc<CudaContext>, trim: bool) -> (usize, usize, u64, u64) {
+    let k = kernel(ctx);
+    // As a program builds it: from `CUMEM_CONF`, two arenas.
+    let config = Config::from_env().expect("CUMEM_CONF parses").arenas(2).idle_arenas_trim(trim);
+    let mm = MemoryManager::new(config).unwrap();
+    let set = mm.default_device().unwrap().pool();
+    let main_stream = Stream::new().unwrap();
+    let first = mm.allocate_device_on(MIB, &main_stream).unwrap();
+    let (go, done) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+    let (wide, kept, held, exit_unmaps) = std::thread::scope(|s| {
+        let other = s.spawn(|| {
+            ctx.bind_to_thread().unwrap();
+            let stream = Stream::new().unwrap();
+            let blocks: Vec<u64> = (0..8).map(|_| mm.allocate_device_on(8 * MIB, &stream).unwrap()).collect();
+            for (i, &b) in blocks.iter().enumerate() {
+                pattern(&k, &stream, b, 8 * MIB, 100 + i as u32);
+            }
+            blocks.iter().step_by(2).for_each(|&b| mm.free_device_on(b, &stream).unwrap());
+            go.wait();
+            done.wait();
+            // All but the second block go; that one stays live through
+            // the exit's trim.
+            blocks.iter().skip(3).step_by(2).for_each(|&b| mm.free_device_on(b, &stream).unwrap());
+            stream.synchronize().unwrap();
+            let held = mm.device_stats(0).unwrap().pool.mapped;
+            let before = cumem::cuda::vmm::driver_calls();
+            cumem::pool::release_thread_shards();
+            let after = cumem::cuda::vmm::driver_calls();
+            // The main thread waits on the join: the calls are this exit's.
+            (blocks[1], held, after.since(&before).allocating.unmap)
+        });
+        go.wait();
+        // No 8 MiB hole holds this: the set maps more than its peak.
+        let wide = mm.allocate_device_on(24 * MIB, &main_stream);
+        done.wait();
+        let (kept, held, unmaps) = other.join().unwrap();
+        (wide.unwrap(), kept, held, unmaps)
+    });
+    let after = mm.device_stats(0).unwrap().pool.mapped;
+    pattern(&k, &main_stream, wide, 24 * MIB, 7);
+    main_stream.synchronize().unwrap();
+    assert!(holds(wide, 24 * MIB, 7), "the main thread's block holds what its kernel wrote");
+    assert!(holds(kept, 8 * MIB, 101), "the exiting thread's live block kept its contents");
+    set.check_invariants().unwrap();
+    // The arenas serve their peak again, and the memory works.
+    let again: Vec<u64> = (0..8).map(|_| mm.allocate_device_on(8 * MIB, &main_stream).unwrap()).collect();
+    for (i, &b) in again.iter().enumerate() {
+        pattern(&k, &main_stream, b, 8 * MIB, 200 + i as u32);
+    }
+    main_stream.synchronize().unwrap();
+    for (i, &b) in again.iter().enumerate() {
+        assert!(holds(b, 8 * MIB, 200 + i as u32), "block {i} served after the trim holds what its kernel wrote");
+    }
+    let trimmed = set.bytes_reclaimed() as usize;
+    for p in again.into_iter().chain([wide, kept, first]) {
+        mm.free_device_on(p, &main_stream).unwrap();
+    }
+    main_stream.synchronize().unwrap();
+    set.check_invariants().unwrap();
+    (held, after, trimmed as u64, exit_unmaps)
+}
+
+/// With `idle_arenas_trim=true`, a thread's exit that leaves its arena
+/// idle unmaps (on the exiting thread) what the device's arenas hold
+/// above 102 % of the most pages their blocks touched at once: the
+/// memory held falls, stays at or above that peak, the exiting thread's
+/// live block and the other thread's keep their contents, and the arenas
+/// serve their peak again. By default nothing is unmapped.
+#[test]
+fn a_threads_exit_trims_a_devices_arenas_on_the_device() {
+    let Some(ctx) = gpu_for_test("gpu_hand_over::a_threads_exit_trims_a_devices_arenas_on_the_device") else {
+        return;
+    };
+    ctx.bind_to_thread().unwrap();
+    // The peak: the first block's page and the other thread's 64 MiB.
+    let floor = 66 * MIB;
+    let (held, after, trimmed, unmaps) = exit_trim(&ctx, true);
+    eprintln!(
+        "trim on: {} MiB held before the exit, {} after, {} MiB given back",
+        held / MIB,
+        after / MIB,
+        trimmed >> 20
+    );
+    assert!(held >= floor + 16 * MIB, "held {} MiB before the exit", held / MIB);
+    assert!(after < held && trimmed > 0, "the exit gave nothing back ({} MiB)", after / MIB);
+    assert!(after >= floor, "{} MiB held after the exit: below the peak's pages", after / MIB);
+    assert!(unmaps > 0, "the exiting thread made no unmap call");
+    let (held, after, trimmed, unmaps) = exit_trim(&ctx, false);
+    eprintln!("trim off: {} MiB held before the exit, {} after", held / MIB, after / MIB);
+    assert_eq!((after, trimmed, unmaps), (held, 0, 0), "without the trim the exit keeps everything");
+}
