@@ -116,7 +116,7 @@ fn an_idle_arenas_mapped_range_serves_another_arena_on_the_device() {
 /// given; returns the memory the device's arenas held before the other
 /// thread's exit and after it, the pages the exit unmapped and the unmaps
 /// the driver-call counters saw on the exiting thread.
-fn exit_trim(ctx: &Arc<CudaContext>, trim: bool) -> (usize, usize, u64, u64) {
+fn exit_trim(ctx: &Arc<CudaContext>, trim: bool) -> (usize, usize, usize, u64) {
     let k = kernel(ctx);
     // As a program builds it: from `CUMEM_CONF`, two arenas.
     let config = Config::from_env().expect("CUMEM_CONF parses").arenas(2).idle_arenas_trim(trim);
@@ -169,13 +169,13 @@ fn exit_trim(ctx: &Arc<CudaContext>, trim: bool) -> (usize, usize, u64, u64) {
     for (i, &b) in again.iter().enumerate() {
         assert!(holds(b, 8 * MIB, 200 + i as u32), "block {i} served after the trim holds what its kernel wrote");
     }
-    let trimmed = set.bytes_reclaimed() as usize;
+    let trimmed = set.bytes_reclaimed();
     for p in again.into_iter().chain([wide, kept, first]) {
         mm.free_device_on(p, &main_stream).unwrap();
     }
     main_stream.synchronize().unwrap();
     set.check_invariants().unwrap();
-    (held, after, trimmed as u64, exit_unmaps)
+    (held, after, trimmed, exit_unmaps)
 }
 
 /// With `idle_arenas_trim=true`, a thread's exit that leaves its arena
