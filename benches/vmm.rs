@@ -4,9 +4,10 @@
 //! figures are mostly these costs; the growth policy rests on whether they
 //! are per call or per byte.
 //!
-//! `cuMemCreate` is timed both ways: memory exportable to other processes
-//! (a POSIX file descriptor handle type, what cumem makes where the device
-//! supports it) and not.
+//! `cuMemCreate`, `cuMemMap` and `cuMemSetAccess` are timed both ways:
+//! memory exportable to other processes (a POSIX file descriptor handle
+//! type, what cumem makes where the device supports it) and not (the
+//! `(no fd)` columns).
 //!
 //! `cuMemSetAccess` is timed both ways too: naming device 0 alone, and
 //! naming it with every device that can reach it (`cuDeviceCanAccessPeer`),
@@ -115,12 +116,14 @@ fn table(
 ) -> cumem::Result<()> {
     println!("vmm growth costs (median of {ROUNDS} rounds, microseconds); peers of device 0: {peers:?}, {what}");
     println!(
-        "{:>9} {:>11} {:>12} {:>9} {:>13} {:>10} {:>10} {:>10} {:>9} {:>11} {:>10} {:>10}",
+        "{:>9} {:>11} {:>12} {:>9} {:>10} {:>13} {:>10} {:>10} {:>10} {:>10} {:>9} {:>11} {:>10} {:>10}",
         "size",
         "cuMemCreate",
         "(no fd type)",
         "cuMemMap",
+        "(no fd)",
         "cuMemSetAccess",
+        "(no fd)",
         "(+peers)",
         "(again)",
         "vmm total",
@@ -134,15 +137,26 @@ fn table(
         let (mut create, mut map, mut access, mut alloc) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut with_peers, mut again) = (Vec::new(), Vec::new());
         let (mut plain, mut cumem_map) = (Vec::new(), Vec::new());
+        let (mut plain_map, mut plain_access) = (Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
             let t = Instant::now();
             let buf = GrowableBuffer::<u8>::with_capacity_on(VmBackend::Cuda(0), size)?;
             cumem_map.push(t.elapsed().as_secs_f64() * 1e6);
             drop(buf);
             ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))?;
+            // Memory no other process can import: created, mapped and
+            // granted as the pool's pieces would be without the handle.
             let t = Instant::now();
-            drop(vmm::PhysicalChunk::create_with(ctx, size, false)?);
+            let bare = vmm::PhysicalChunk::create_with(ctx, size, false)?;
             plain.push(t.elapsed().as_secs_f64() * 1e6);
+            let t = Instant::now();
+            range.map(0, &bare)?;
+            plain_map.push(t.elapsed().as_secs_f64() * 1e6);
+            let t = Instant::now();
+            range.set_access(0, size, &[])?;
+            plain_access.push(t.elapsed().as_secs_f64() * 1e6);
+            range.unmap(0, size)?;
+            drop(bare);
             let t = Instant::now();
             let chunk = vmm::PhysicalChunk::create(ctx, size)?;
             create.push(t.elapsed().as_secs_f64() * 1e6);
@@ -173,10 +187,11 @@ fn table(
         }
         let (c, m, a, al) = (median(create), median(map), median(access), median(alloc));
         let (np, ap, ag, cm) = (median(plain), median(with_peers), median(again), median(cumem_map));
+        let (nm, na) = (median(plain_map), median(plain_access));
         let total = c + m + a;
         let gbs = |us: f64| size as f64 / (us * 1e3);
         println!(
-            "{:>5} MiB {c:>11.1} {np:>12.1} {m:>9.1} {a:>13.1} {ap:>10.1} {ag:>10.1} {total:>10.1} {:>9.1} {al:>11.1} {:>10.1} {cm:>10.1}",
+            "{:>5} MiB {c:>11.1} {np:>12.1} {m:>9.1} {nm:>10.1} {a:>13.1} {na:>10.1} {ap:>10.1} {ag:>10.1} {total:>10.1} {:>9.1} {al:>11.1} {:>10.1} {cm:>10.1}",
             mib,
             gbs(total),
             gbs(al)
