@@ -302,6 +302,7 @@ impl Upstream for AddressRange {
         for run in runs {
             // Old mappings still there go first, on this thread.
             vm.unmap_stale_in(run.addr, run.size);
+            self.stale.store(!vm.stale.is_empty(), std::sync::atomic::Ordering::Relaxed);
             let mut at = run.addr;
             while at < run.end() {
                 let rem = run.end() - at;
@@ -337,6 +338,10 @@ impl Upstream for AddressRange {
             }
         }
         Ok(taken.into_iter().map(|(addr, size)| Chunk { addr, size }).collect())
+    }
+
+    fn has_stale(&self) -> bool {
+        self.stale.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Result<Vec<Chunk>> {
