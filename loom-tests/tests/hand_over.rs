@@ -32,14 +32,16 @@ fn builder() -> loom::model::Builder {
 
 /// A set of two shards sharing one modelled device's address space, pages
 /// mapped as blocks need them, no thread caches; with `fresh`, a shard
-/// claimed by a new thread starts its remap budget afresh.
-fn two_shards(fresh: bool) -> (PageUpstream, Arc<Shards>) {
+/// claimed by a new thread starts its remap budget afresh; with `trim`, a
+/// thread's exit trims the set (`trim_idle_shards`).
+fn two_shards(fresh: bool, trim: bool) -> (PageUpstream, Arc<Shards>) {
     let dev = PageUpstream::default();
     let mut c = PoolConfig::new(PoolKind::Standalone);
     c.thread_cache = false;
     c.min_chunk = PAGE;
     c.remap_slack_ppm = 0;
     c.fresh_thread_budget = fresh;
+    c.trim_idle_shards = trim;
     let more = dev.clone();
     let make: UpstreamFactory = Box::new(move || Ok(Box::new(more.clone()) as Box<dyn Upstream>));
     let set = Arc::new(Shards::sharing_space(Box::new(dev.clone()), make, c, 2));
@@ -52,7 +54,7 @@ static HANDED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::
 #[test]
 fn a_mapped_range_changes_shard_while_a_free_is_in_flight() {
     builder().check(|| {
-        let (dev, set) = two_shards(false);
+        let (dev, set) = two_shards(false, false);
         // This thread takes shard 0.
         let first = set.allocate(256, 256).unwrap();
         dev.dev().live.insert((first.addr, first.size));
@@ -132,7 +134,7 @@ static FROM_BUSY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsiz
 #[test]
 fn a_shard_gives_from_the_top_of_a_chunk_its_thread_extends() {
     builder().check(|| {
-        let (dev, set) = two_shards(true);
+        let (dev, set) = two_shards(true, false);
         let first = set.allocate(256, 256).unwrap();
         // A thread grows shard 1 to three mapped pages, frees them and ends.
         let s = set.clone();
@@ -189,15 +191,7 @@ static TRIMMED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize:
 #[test]
 fn an_exits_trim_runs_while_a_free_is_in_flight() {
     builder().check(|| {
-        let dev = PageUpstream::default();
-        let mut c = PoolConfig::new(PoolKind::Standalone);
-        c.thread_cache = false;
-        c.min_chunk = PAGE;
-        c.remap_slack_ppm = 0;
-        c.trim_idle_shards = true;
-        let more = dev.clone();
-        let make: UpstreamFactory = Box::new(move || Ok(Box::new(more.clone()) as Box<dyn Upstream>));
-        let set = Arc::new(Shards::sharing_space(Box::new(dev.clone()), make, c, 2));
+        let (dev, set) = two_shards(false, true);
         // This thread takes shard 0: two pages, one freed.
         let f1 = set.allocate(PAGE, 256).unwrap();
         let f2 = set.allocate(PAGE, 256).unwrap();

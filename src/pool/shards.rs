@@ -216,7 +216,7 @@ impl Shards {
         // their shard by granule.
         let space = one_space.then(|| first.address_space().map(|s| (s, first.granularity()))).flatten();
         let shared = Shared::new(&shards, registry.clone(), &config, one_space, space);
-        if one_space && config.hand_over_ranges && config.trim_idle_shards {
+        if shared.hand_over && config.trim_idle_shards {
             let set = shared.clone();
             registry.on_idle(Box::new(move || {
                 // The exiting thread's cached blocks count as free first.
