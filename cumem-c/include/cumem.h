@@ -447,6 +447,15 @@ CumemStatus cumem_effective_device_allocator_mode(CumemMode *out);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_supports_async_device_allocator(int *out);
 
+// An identity of the loaded copy of cumem's library, and so of the
+// process-wide manager the calls reach: the same value for every caller
+// that reaches this copy, a different one for another copy (a second
+// file, or the same file loaded twice). It is the address of a private
+// static of the library, inside the library's own mapping (the file's
+// path in `/proc/self/maps` names the copy). Never 0. Creates no manager
+// and cannot fail.
+uint64_t cumem_instance_id(void);
+
 // Exports the live device block at `ptr` (its start) over the connected
 // Unix stream socket `socket` and stores the export's id in `*export_id`.
 // The block stays allocated, where it is, until the export is released

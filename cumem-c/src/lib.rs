@@ -6,11 +6,13 @@
 //! `tests/header.rs`), with a C++ wrapper in `include/cumem.hpp`.
 //!
 //! Every entry point returns a [`CumemStatus`] (the PyTorch ones, whose
-//! signatures PyTorch fixes, return NULL or count failures instead) and
-//! never unwinds into C: a panic inside cumem becomes
-//! `CUMEM_STATUS_PANIC`. Bad pointers, double frees and out of memory are
-//! status codes that leave the pools as they were; the message of the last
-//! failing call on a thread is [`cumem_last_error`].
+//! signatures PyTorch fixes, return NULL or count failures instead, and
+//! the infallible `cumem_instance_id`, `cumem_last_error` and
+//! `cumem_status_name` return their value) and never unwinds into C: a
+//! panic inside cumem becomes `CUMEM_STATUS_PANIC`. Bad pointers, double
+//! frees and out of memory are status codes that leave the pools as they
+//! were; the message of the last failing call on a thread is
+//! [`cumem_last_error`].
 //!
 //! The first call creates the process-wide manager from `CUMEM_CONF`
 //! (or call [`cumem_init`] first with a configuration string). Without a
@@ -20,6 +22,7 @@
 
 mod api;
 mod ffi;
+mod instance;
 mod ipc;
 mod recorded;
 mod stats;
@@ -30,6 +33,7 @@ mod torch;
 mod torch_native;
 
 pub use api::*;
+pub use instance::cumem_instance_id;
 pub use ipc::*;
 pub use stats::*;
 pub use status::{cumem_last_error, cumem_status_name, CumemStatus};

@@ -108,7 +108,14 @@ def install(conf=None, native=True):
     configures cumem (else CUMEM_CONF). `native=False` (or
     CUMEM_TORCH_NATIVE=0) takes the ctypes pluggable path; the native
     backend is otherwise used, with a warning and the pluggable path where
-    it can't be built or loaded. Returns "native" or "pluggable"."""
+    it can't be built or loaded. Returns "native" or "pluggable".
+
+    One cumem manager per process: the native backend allocates from the
+    very copy of libcumem_c.so that Python's calls (this configuration,
+    `tag`, `sleep`, `stats`, ...) reach. Where a second copy is in the
+    process (a native library linked against another install's), this
+    raises RuntimeError (`_native.TwoManagers`) naming both files, and
+    installs nothing."""
     global _installed, _native_error
     import torch
     if _installed:
@@ -119,10 +126,13 @@ def install(conf=None, native=True):
     if os.environ.get("LOCAL_RANK") is not None:
         base = rank_conf(base, os.environ.get("LOCAL_RANK"), torch.cuda.device_count()) or base
     if native:
+        from . import _native
         try:
-            from . import _native
             _native.library()
-        except Exception as e:  # noqa: BLE001 - any failure means the fallback
+        except _native.TwoManagers:
+            # Never run with a second manager, nor fall back beside it.
+            raise
+        except Exception as e:  # noqa: BLE001 - any other failure means the fallback
             _native_error = f"{type(e).__name__}: {e}"
             native = False
             import warnings

@@ -112,12 +112,15 @@ def _declare(lib):
     lib.cumem_last_error.restype = cp
     lib.cumem_status_name.argtypes = [ctypes.c_int32]
     lib.cumem_status_name.restype = cp
+    lib.cumem_instance_id.argtypes = []
+    lib.cumem_instance_id.restype = ctypes.c_uint64
     return lib
 
 
 def lib():
     """The loaded library (loaded once; PyTorch's allocator hook loads the
-    same file, so both see one cumem manager)."""
+    same file, and the native backend names it by its soname, so all see
+    one cumem manager: `_native` checks that they do)."""
     global _lib
     with _lock:
         if _lib is None:

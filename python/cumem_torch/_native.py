@@ -10,7 +10,17 @@ Where it comes from, first found wins:
    installed with the package (`csrc/`), with the C++ compiler (`CXX`,
    else `c++`, else `g++`; the first whose library shares the process's
    libstdc++ instead of carrying a static copy) and the headers and
-   libraries PyTorch ships.
+   libraries PyTorch ships. The cache folder's name hashes the PyTorch
+   version, the flags, the sources and the whole of the libcumem_c.so
+   Python loads, so another build of cumem never reuses a library
+   compiled against a different one.
+
+One cumem manager per process: the native library names libcumem_c.so by
+its soname, so the dynamic linker gives it the copy Python loaded already
+(whatever folder the cached build was linked in), and `library()` checks
+that both reach one copy (`cumem_instance_id`) and that no second copy is
+mapped (`/proc/self/maps`); otherwise it raises `TwoManagers`, which
+`install()` passes on instead of falling back.
 """
 
 import ctypes
@@ -34,6 +44,12 @@ _lib_native = None
 
 class NativeUnavailable(RuntimeError):
     """The native backend can't be built or loaded here (the message says why)."""
+
+
+class TwoManagers(RuntimeError):
+    """Two copies of cumem's library in the process, so two cumem managers
+    (Python's calls would reach one, PyTorch's allocations the other); the
+    message names the files."""
 
 
 def _torch_version():
@@ -154,6 +170,32 @@ def _cxx11_abi():
 BUILD_FLAGS = "O2 c++17 hidden cxx11-abi-from-torch shared-libstdc++"
 
 
+def cache_key(torch_version, lib, sources_dir=None):
+    """The name of the cache folder of a build against PyTorch
+    `torch_version` and cumem's library `lib` (a path): a hash of the
+    version, BUILD_FLAGS, the sources (with cumem.h where present) and the
+    whole of `lib`, not of its path (two installs of one build share a
+    build; the library then uses whichever copy is loaded, by soname)."""
+    src = pathlib.Path(sources_dir or HERE / "csrc")
+    key = hashlib.sha256()
+
+    def part(data):
+        key.update(len(data).to_bytes(8, "little"))
+        key.update(data)
+
+    part(torch_version.encode())
+    part(BUILD_FLAGS.encode())
+    for s in SOURCES + ("backend.h", "cumem.h"):
+        f = src / s
+        part(f.read_bytes() if f.exists() or s != "cumem.h" else b"")
+    whole = hashlib.sha256()
+    with open(lib, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            whole.update(block)
+    part(whole.digest())
+    return key.hexdigest()[:16]
+
+
 def _cache_dir():
     return pathlib.Path(os.environ.get("CUMEM_TORCH_CACHE", pathlib.Path.home() / ".cache" / "cumem_torch"))
 
@@ -164,13 +206,7 @@ def _build_here():
     from torch.utils import cpp_extension
     version = _torch_version()
     lib = pathlib.Path(_lib.library_path())
-    key = hashlib.sha256()
-    key.update(torch.__version__.encode())
-    key.update(BUILD_FLAGS.encode())
-    for s in SOURCES + ("backend.h",):
-        key.update((HERE / "csrc" / s).read_bytes())
-    key.update(lib.read_bytes()[:1 << 20])
-    d = _cache_dir() / key.hexdigest()[:16]
+    d = _cache_dir() / cache_key(torch.__version__, lib)
     out = d / LIB_NAME
     if out.exists():
         return out
@@ -208,17 +244,85 @@ def library():
             path = packaged
         else:
             path = _build_here()
-        # cumem's library first, from the package: the native library's
-        # copy (same file or same content) must be the one already loaded,
-        # so both see one cumem manager.
+        # cumem's library first, from the package: the native library
+        # names it by its soname, which the loaded copy answers to, so
+        # both see one cumem manager.
         _lib.lib()
         l = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         l.cumem_torch_native_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         l.cumem_torch_native_install.restype = ctypes.c_int
         l.cumem_torch_native_active.argtypes = []
         l.cumem_torch_native_active.restype = ctypes.c_int
+        try:
+            l.cumem_torch_native_instance_id.argtypes = []
+            l.cumem_torch_native_instance_id.restype = ctypes.c_uint64
+        except AttributeError:
+            raise NativeUnavailable(f"{path} predates cumem_torch_native_instance_id (a stale build)") from None
+        check_one_manager(l.cumem_torch_native_instance_id(), path)
         _lib_native = l
         return l
+
+
+def _file_mappings():
+    """(start, end, device, inode, path) of each file mapped in this
+    process (/proc/self/maps; empty where it can't be read)."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.rstrip("\n").split(None, 5)
+        if len(fields) < 6 or not fields[5].startswith("/"):
+            continue
+        path = fields[5]
+        if path.endswith(" (deleted)"):
+            path = path[:-len(" (deleted)")]
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        out.append((start, end, fields[3], fields[4], path))
+    return out
+
+
+def mapped_file(address):
+    """The file mapped at `address` in this process, or None."""
+    for start, end, _, _, path in _file_mappings():
+        if start <= address < end:
+            return path
+    return None
+
+
+def loaded_copies():
+    """The copies of cumem's library mapped in this process: one path per
+    distinct file (device and inode) named libcumem_c*.so*."""
+    seen = {}
+    for _, _, dev, inode, path in _file_mappings():
+        name = os.path.basename(path)
+        if name.startswith("libcumem_c") and ".so" in name:
+            seen.setdefault((dev, inode), path)
+    return list(seen.values())
+
+
+def check_one_manager(native_id, native_path):
+    """Raises TwoManagers unless the native library `native_path`, whose
+    calls reach the copy of cumem's library `native_id` (its
+    cumem_instance_id), and Python's calls reach the same copy, and no
+    other copy is mapped in the process."""
+    ours = _lib.lib().cumem_instance_id()
+    python_lib = mapped_file(ours) or _lib.library_path()
+    advice = (f" Remove the native backend's cache ({_cache_dir()}, CUMEM_TORCH_CACHE) to compile it anew, and load "
+              "no other libcumem_c.so into this process (CUMEM_TORCH_LIB names the one cumem_torch uses).")
+    if native_id != ours:
+        raise TwoManagers(
+            "cumem_torch: two copies of cumem's library in this process, so two cumem managers: Python's calls "
+            f"(install()'s configuration, tags, sleep and wake, statistics) reach {python_lib}, while the native "
+            f"backend {native_path} allocates PyTorch's memory from {mapped_file(native_id) or 'another copy'}."
+            + advice)
+    copies = loaded_copies()
+    if len(copies) > 1:
+        raise TwoManagers(
+            f"cumem_torch: {len(copies)} copies of cumem's library are mapped in this process ({', '.join(copies)}), "
+            f"each a cumem manager of its own; Python and the native backend use {python_lib}." + advice)
 
 
 def install():

@@ -32,6 +32,8 @@ static void names_and_errors(void) {
   CHECK(strcmp(cumem_status_name(CUMEM_STATUS_OTHER), "CUMEM_STATUS_OTHER") == 0);
   CHECK(strcmp(cumem_status_name(-1), "CUMEM_STATUS_UNKNOWN") == 0);
   CHECK(strcmp(cumem_status_name(1000), "CUMEM_STATUS_UNKNOWN") == 0);
+  /* This copy of the library: not 0, the same at every call. */
+  CHECK(cumem_instance_id() != 0 && cumem_instance_id() == cumem_instance_id());
 }
 
 static void init(void) {

@@ -2,11 +2,13 @@
 // Python.h: one build serves every Python version of a PyTorch build).
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
 
 #include "backend.h"
+#include "cumem.h"
 
 namespace {
 
@@ -64,6 +66,13 @@ __attribute__((visibility("default"))) int cumem_torch_native_drain_frees(char* 
     put_message(e.what(), err, len);
     return 1;
   }
+}
+
+// The copy of cumem's library this backend allocates from, as this
+// library's calls reach it (cumem_instance_id): install() compares it with
+// the copy Python's calls reach and refuses two (two cumem managers).
+__attribute__((visibility("default"))) uint64_t cumem_torch_native_instance_id() {
+  return cumem_instance_id();
 }
 
 // The PyTorch version this library was built against ("2.11.0").
