@@ -10,6 +10,9 @@
 #                                       # with NCCL found as below and CUMEM_REQUIRE_NCCL=1),
 #                                       # ddp (scripts/ddp.sh: torchrun with PyTorch's allocator
 #                                       # and cumem_torch, alternated; needs the wheel in .whl/),
+#                                       # python (python/tests/smoke_one_manager.py: the
+#                                       # wheel from .whl/ in two folders sharing one native
+#                                       # backend build; python3, or PYTHON, with PyTorch),
 #                                       # tests-device1 (the test binaries again with
 #                                       # CUMEM_CONF=device=1: needs two GPUs),
 #                                       # memcheck (compute-sanitizer over the GPU modules of tests/gpu/),
@@ -169,6 +172,16 @@ run() {
                 tail -40 "$log"
             fi
             ;;
+        python)
+            local py=${PYTHON:-python3} t
+            for t in python/tests/smoke_one_manager.py; do
+                echo "== $py $t"
+                if ! timeout 540 "$py" "$t" >"$out/python-$(basename "$t" .py).log" 2>&1; then
+                    echo "FAILED: $t"; failed=1
+                fi
+                tail -20 "$out/python-$(basename "$t" .py).log"
+            done
+            ;;
         ddp)
             if ! OUT="$out/ddp" bash scripts/ddp.sh run; then
                 echo "FAILED: scripts/ddp.sh"; failed=1
@@ -280,5 +293,5 @@ run_one() {
 case "${1:-}" in
 build) build ;;
 run) shift; run "$@" ;;
-*) echo "usage: $0 build | run [tests|tests-device1|memcheck|examples|nccl|ddp|benches|bench:NAME|replay]..." >&2; exit 2 ;;
+*) echo "usage: $0 build | run [tests|tests-device1|memcheck|examples|nccl|python|ddp|benches|bench:NAME|replay]..." >&2; exit 2 ;;
 esac

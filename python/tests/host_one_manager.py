@@ -15,7 +15,10 @@ native backend.
 - controls: the same stand-in with A's copy loaded into the global scope
   first, a second copy mapped by full path, and a copy of the library
   without its soname (the bug: the stand-in loads A's copy beside B's)
-  each make `check_one_manager` raise TwoManagers naming both files.
+  each make `check_one_manager` raise TwoManagers naming both files;
+- `install()` itself, with a stand-in PyTorch module and the stand-in as
+  the package's native library: "native" with one copy, RuntimeError
+  (never the pluggable fallback) naming both files with two.
 
 The library is CUMEM_TORCH_LIB's, else the installed package's. The
 stand-in needs a C compiler (`CC`, else `cc`) and readelf: without them
@@ -131,11 +134,27 @@ if not cc:
     raise SystemExit(0)
 
 
+STAND_IN = r"""
+#include <stddef.h>
+#include <stdint.h>
+uint64_t cumem_instance_id(void);
+static int installed = 0;
+__attribute__((visibility("default"))) uint64_t cumem_torch_native_instance_id(void) { return cumem_instance_id(); }
+__attribute__((visibility("default"))) int cumem_torch_native_install(char* err, size_t len) {
+  (void)err;
+  (void)len;
+  installed = 1;
+  return 0;
+}
+__attribute__((visibility("default"))) int cumem_torch_native_active(void) { return installed; }
+"""
+
+
 def stand_in(cumem_dir, name):
-    (tmp / "shim.c").write_text(
-        "#include <stdint.h>\nuint64_t cumem_instance_id(void);\n"
-        "__attribute__((visibility(\"default\"))) uint64_t cumem_torch_native_instance_id(void) {\n"
-        "  return cumem_instance_id();\n}\n")
+    """The stand-in native library (the native backend's entry points
+    that need no PyTorch), linked against `cumem_dir`'s libcumem_c.so and
+    finding it there at run time, as _build_here links the backend."""
+    (tmp / "shim.c").write_text(STAND_IN)
     out = tmp / name
     subprocess.run([cc, "-shared", "-fPIC", str(tmp / "shim.c"), f"-L{cumem_dir}", "-lcumem_c", "-Wl,--no-undefined",
                     f"-Wl,-rpath,{cumem_dir}", "-o", str(out)], check=True)
@@ -187,6 +206,43 @@ old_shim = stand_in(old_a.parent, "native_old_a.so")
 out = run(LOAD.format(before="", after="", shim=str(old_shim)), old_b)
 assert out.startswith("TwoManagers:") and str(old_a) in out and str(old_b) in out, out
 print("control, libraries without a soname load twice: raised")
+
+# install() end to end, with a stand-in PyTorch (a module with a version)
+# and the stand-in as the package's native library: linked against A's
+# copy, installed with B's package. One manager: "native"; A's copy first
+# in the global scope: RuntimeError (TwoManagers) naming both, no
+# fallback, nothing installed.
+pkg = tmp / "site" / "cumem_torch"
+pkg.mkdir(parents=True)
+for f in pathlib.Path(_native.__file__).parent.glob("*.py"):
+    shutil.copyfile(f, pkg / f.name)
+shutil.copyfile(b_lib, pkg / "libcumem_c.so")
+shutil.copyfile(shim, pkg / _native.LIB_NAME)
+(pkg / "native_torch.txt").write_text("0.0.0\n")
+(tmp / "site" / "torch").mkdir()
+(tmp / "site" / "torch" / "__init__.py").write_text(
+    'import types\n__version__ = "0.0.0"\ncuda = types.SimpleNamespace(is_initialized=lambda: False)\n')
+INSTALL = """
+import ctypes, os, warnings
+{before}
+warnings.simplefilter("error")  # a fallback to the pluggable path warns
+import cumem_torch
+assert os.path.dirname(cumem_torch.__file__) == {pkg!r}, cumem_torch.__file__
+try:
+    print("installed:", cumem_torch.install(), cumem_torch.stats()["pool"]["in_use"])
+except RuntimeError as e:
+    assert type(e).__name__ == "TwoManagers" and not cumem_torch.is_installed(), e
+    print("refused:", e)
+"""
+env = dict(os.environ, PYTHONPATH=str(tmp / "site"))
+env.pop("CUMEM_TORCH_LIB", None)
+for before, want in (("", "installed: native 0"), (f"ctypes.CDLL({str(a_lib)!r}, mode=ctypes.RTLD_GLOBAL)", "refused:")):
+    r = subprocess.run([sys.executable, "-c", INSTALL.format(before=before, pkg=str(pkg))], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert r.returncode == 0 and r.stdout.startswith(want), f"install() with {before or 'one copy'}:\n{r.stdout}"
+    if want == "refused:":
+        assert str(a_lib) in r.stdout and str(pkg / "libcumem_c.so") in r.stdout, r.stdout
+print("install(): native with one copy, RuntimeError naming both with two: ok")
 
 shutil.rmtree(tmp)
 print("host_one_manager: ok")
