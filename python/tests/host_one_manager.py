@@ -17,8 +17,9 @@ native backend.
   without its soname (the bug: the stand-in loads A's copy beside B's)
   each make `check_one_manager` raise TwoManagers naming both files;
 - `install()` itself, with a stand-in PyTorch module and the stand-in as
-  the package's native library: "native" with one copy, RuntimeError
-  (never the pluggable fallback) naming both files with two.
+  the package's native library, packaged or found in the cache as first
+  use compiled it for another install: "native" with one copy,
+  RuntimeError (never the pluggable fallback) naming both files with two.
 
 The library is CUMEM_TORCH_LIB's, else the installed package's. The
 stand-in needs a C compiler (`CC`, else `cc`) and readelf: without them
@@ -103,7 +104,7 @@ key = _native.cache_key
 assert key("2.9.0", a_lib) == key("2.9.0", b_lib), "two installs of one build share a build"
 assert key("2.9.0", a_lib) != key("2.10.0", a_lib)
 size = a_lib.stat().st_size
-assert size > 2 << 20, f"a library over 2 MiB to change past the first ({size} B)"
+assert size > (1 << 20) + 100, f"a library over 1 MiB to change past the first ({size} B)"
 changed = bytearray(a_lib.read_bytes())
 changed[size - 100] ^= 0xFF  # past the first MiB: the old key (first MiB) missed it
 (tmp / "changed.so").write_bytes(bytes(changed))
@@ -208,41 +209,64 @@ assert out.startswith("TwoManagers:") and str(old_a) in out and str(old_b) in ou
 print("control, libraries without a soname load twice: raised")
 
 # install() end to end, with a stand-in PyTorch (a module with a version)
-# and the stand-in as the package's native library: linked against A's
-# copy, installed with B's package. One manager: "native"; A's copy first
-# in the global scope: RuntimeError (TwoManagers) naming both, no
-# fallback, nothing installed.
-pkg = tmp / "site" / "cumem_torch"
-pkg.mkdir(parents=True)
-for f in pathlib.Path(_native.__file__).parent.glob("*.py"):
-    shutil.copyfile(f, pkg / f.name)
-shutil.copyfile(b_lib, pkg / "libcumem_c.so")
-shutil.copyfile(shim, pkg / _native.LIB_NAME)
-(pkg / "native_torch.txt").write_text("0.0.0\n")
-(tmp / "site" / "torch").mkdir()
-(tmp / "site" / "torch" / "__init__.py").write_text(
+# and B's package, whose native library is the stand-in linked against A's
+# copy: (1) packaged with B (as a wheel built with PyTorch ships it), (2)
+# in the cache under the key of B's library, as if compiled on first use
+# by install A (the bug's setting: one build of cumem, one key). One
+# manager: "native"; with A's copy first in the global scope:
+# RuntimeError (TwoManagers) naming both, no fallback, nothing installed.
+fake = tmp / "fake"
+(fake / "torch" / "utils").mkdir(parents=True)
+(fake / "torch" / "__init__.py").write_text(
     'import types\n__version__ = "0.0.0"\ncuda = types.SimpleNamespace(is_initialized=lambda: False)\n')
+(fake / "torch" / "utils" / "__init__.py").write_text("")
+(fake / "torch" / "utils" / "cpp_extension.py").write_text("")
+cache = tmp / "cache"
+
+
+def package(folder, packaged):
+    pkg = tmp / folder / "cumem_torch"
+    shutil.copytree(pathlib.Path(_native.__file__).parent, pkg,
+                    ignore=shutil.ignore_patterns("*.so", "*.txt", "__pycache__"))
+    shutil.copyfile(b_lib, pkg / "libcumem_c.so")
+    if packaged:
+        shutil.copyfile(shim, pkg / _native.LIB_NAME)
+        (pkg / "native_torch.txt").write_text("0.0.0\n")
+    else:
+        entry = cache / _native.cache_key("0.0.0", pkg / "libcumem_c.so", sources_dir=pkg / "csrc")
+        entry.mkdir(parents=True)
+        shutil.copyfile(shim, entry / _native.LIB_NAME)
+    return pkg
+
+
 INSTALL = """
 import ctypes, os, warnings
 {before}
 warnings.simplefilter("error")  # a fallback to the pluggable path warns
 import cumem_torch
+from cumem_torch import _native
 assert os.path.dirname(cumem_torch.__file__) == {pkg!r}, cumem_torch.__file__
 try:
-    print("installed:", cumem_torch.install(), cumem_torch.stats()["pool"]["in_use"])
+    print("installed:", cumem_torch.install(), cumem_torch.stats()["pool"]["in_use"], _native._lib_native._name)
 except RuntimeError as e:
     assert type(e).__name__ == "TwoManagers" and not cumem_torch.is_installed(), e
     print("refused:", e)
 """
-env = dict(os.environ, PYTHONPATH=str(tmp / "site"))
-env.pop("CUMEM_TORCH_LIB", None)
-for before, want in (("", "installed: native 0"), (f"ctypes.CDLL({str(a_lib)!r}, mode=ctypes.RTLD_GLOBAL)", "refused:")):
-    r = subprocess.run([sys.executable, "-c", INSTALL.format(before=before, pkg=str(pkg))], env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert r.returncode == 0 and r.stdout.startswith(want), f"install() with {before or 'one copy'}:\n{r.stdout}"
-    if want == "refused:":
-        assert str(a_lib) in r.stdout and str(pkg / "libcumem_c.so") in r.stdout, r.stdout
-print("install(): native with one copy, RuntimeError naming both with two: ok")
+preload_a = f"ctypes.CDLL({str(a_lib)!r}, mode=ctypes.RTLD_GLOBAL)"
+for folder, packaged in (("packaged", True), ("cached", False)):
+    pkg = package(folder, packaged)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg.parent), str(fake)]), CUMEM_TORCH_CACHE=str(cache))
+    env.pop("CUMEM_TORCH_LIB", None)
+    for before, want in (("", "installed: native 0"), (preload_a, "refused:")):
+        r = subprocess.run([sys.executable, "-c", INSTALL.format(before=before, pkg=str(pkg))], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        what = f"install() ({folder}, {'A loaded first' if before else 'one copy'})"
+        assert r.returncode == 0 and r.stdout.startswith(want), f"{what}:\n{r.stdout}"
+        native = pkg / _native.LIB_NAME if packaged else next(cache.glob("*/" + _native.LIB_NAME))
+        assert str(native) in r.stdout, f"{what} did not load {native}:\n{r.stdout}"
+        if want == "refused:":
+            assert str(a_lib) in r.stdout and str(pkg / "libcumem_c.so") in r.stdout, r.stdout
+    print(f"install() with the stand-in {folder}: native with one copy, RuntimeError naming both with two: ok")
 
 shutil.rmtree(tmp)
 print("host_one_manager: ok")
