@@ -185,9 +185,10 @@ def cache_key(torch_version, lib, sources_dir=None):
 
     part(torch_version.encode())
     part(BUILD_FLAGS.encode())
-    for s in SOURCES + ("backend.h", "cumem.h"):
-        f = src / s
-        part(f.read_bytes() if f.exists() or s != "cumem.h" else b"")
+    for s in SOURCES + ("backend.h",):
+        part((src / s).read_bytes())
+    header = src / "cumem.h"  # in the wheel; a checkout's csrc/ has none
+    part(header.read_bytes() if header.exists() else b"")
     whole = hashlib.sha256()
     with open(lib, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
