@@ -164,8 +164,8 @@ pub struct Config {
     pub host_devices: usize,
     /// How many shards (per-thread pools; the key keeps its old name,
     /// `arenas`) the pinned pool and each device's sync pool may
-    /// split into (0: the processors, at most
-    /// [`MAX_SHARDS`](crate::pool::MAX_SHARDS); 1: one pool). Each thread
+    /// split into (1, the default: one pool; 0: the processors, at most
+    /// [`MAX_SHARDS`](crate::pool::MAX_SHARDS)). Each thread
     /// allocates from one shard, with its own lock; see
     /// [`Shards`](crate::pool::Shards).
     pub arenas: usize,
@@ -278,7 +278,7 @@ impl Default for Config {
             promise_registered_captures: false,
             peer_access: PeerAccess::None,
             host_devices: 1,
-            arenas: 0,
+            arenas: 1,
             shared_device_arenas: false,
             hot_block: true,
             tail_last: false,
