@@ -80,36 +80,6 @@ pub struct PoolConfig {
     /// places of memory a move lent (`remap.rs`), and
     /// [`Pool::mapper_step`] runs the reserve's work where a test wants it.
     pub background_mapper: bool,
-    /// In a set of shards ([`Shards`](super::Shards)), shards whose threads
-    /// all exited give their free memory to a shard that grows when the
-    /// set would otherwise hold more than 120 % of the most memory its
-    /// blocks held at once (off by default;
-    /// [`Config::idle_arenas_give`](crate::Config::idle_arenas_give)).
-    pub idle_shards_give: bool,
-    /// A shard of a set ([`Shards`](super::Shards)) claimed by a new
-    /// thread starts its remap budget from what its live blocks touch
-    /// then, and shards in use give what they hold above their budget to
-    /// a shard that grows, as idle shards give their free memory: memory
-    /// follows the threads that use it now. Off by default: a new thread
-    /// then pays page moves for memory its shard already held
-    /// ([`Config::fresh_thread_budget`](crate::Config::fresh_thread_budget)).
-    pub fresh_thread_budget: bool,
-    /// In a set of remapping shards that share one address space (a
-    /// device's sync pool: [`Shards::sharing_space`](super::Shards::sharing_space)),
-    /// a shard that would map new memory first takes a mapped free range
-    /// of another shard, with no driver call, when the set would otherwise
-    /// hold more than 102 % of the most pages its blocks touched at once
-    /// (`handover.rs`: idle shards give any free range, shards in use
-    /// what they hold above their remap budget, and past 110 % what they
-    /// hold above the pages their live blocks touch now). On by default
-    /// ([`Config::arenas_hand_over`](crate::Config::arenas_hand_over)).
-    pub hand_over_ranges: bool,
-    /// In a set of remapping shards that share one address space, a
-    /// thread's exit that leaves its shard with no thread trims the set:
-    /// idle shards give back what the set holds above 102 % of the most
-    /// pages its blocks touched at once (`reclaim.rs`). Off by default
-    /// ([`Config::idle_arenas_trim`](crate::Config::idle_arenas_trim)).
-    pub trim_idle_shards: bool,
     /// With page remapping, learn the sequence of allocations the program
     /// repeats (a training or serving loop) and place the next
     /// repetitions by a plan made knowing every block's lifetime, inside
@@ -138,10 +108,6 @@ impl PoolConfig {
             hot_block: false,
             tail_last: false,
             background_mapper: false,
-            idle_shards_give: false,
-            fresh_thread_budget: false,
-            hand_over_ranges: true,
-            trim_idle_shards: false,
             learn_placement: false,
         }
     }

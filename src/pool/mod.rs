@@ -23,24 +23,18 @@ mod classes;
 mod config;
 mod free_index;
 mod growth;
-mod handover;
 mod learn;
 mod mapper;
 mod page_map;
 mod pool_snapshot;
 mod queries;
-mod reclaim;
 mod remap;
-mod shard_registry;
-mod shard_upstream;
-mod shards;
 mod sleep;
 mod spin;
 mod stats;
 
 // Names of lower layers that a program of pools needs, kept here for
 // programs (cumem's own code imports them from their owners).
-pub use crate::sync::set_thread_slot;
 pub use crate::tag::{Fence, FenceMaker, StreamPoll, StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
@@ -49,14 +43,6 @@ pub use config::{PoolConfig, DEFAULT_REMAP_SLACK_PPM, MAX_ALIGN};
 pub use learn::LearnStats;
 pub use pool_snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use remap::RANK_LIMIT;
-pub use shard_registry::release_thread_shards;
-pub use shards::{default_shard_count, Shards, UpstreamFactory, MAX_SHARDS};
-// The names of the per-thread pools from before they were called shards
-// ("arena" is the planning arena now), for programs.
-#[doc(hidden)]
-pub use shard_registry::release_thread_shards as release_thread_arenas;
-#[doc(hidden)]
-pub use shards::{default_shard_count as default_arena_count, Shards as Arenas, MAX_SHARDS as MAX_ARENAS};
 pub use stats::PoolStats;
 
 use crate::error::{Error, Result};
@@ -127,9 +113,6 @@ pub struct Pool<U: Upstream> {
     remap_lock: Arc<Mutex<()>>,
     /// The pool's job for the background mapper (page remapping only).
     mapper: Option<Arc<mapper::Job<U>>>,
-    /// Whether a chunk may be wholly free ([`BestFit`]'s flag, read
-    /// without the lock before another shard is offered a chunk).
-    whole_free: Arc<crate::sync::AtomicBool>,
 }
 
 impl<U: Upstream> std::fmt::Debug for Pool<U> {
@@ -186,7 +169,6 @@ impl<U: Upstream> Pool<U> {
         fit.set_wilderness((remap && config.tail_last).then_some(page));
         let learns = remap && config.learn_placement;
         fit.index_addresses(learns);
-        let whole_free = fit.whole_free_flag();
         let learn = learns.then(Box::default);
         let inner =
             Arc::new(SpinLock::new(Inner { fit, pages: page_map::Pages::new(page), learn, ..Inner::default() }));
@@ -204,7 +186,7 @@ impl<U: Upstream> Pool<U> {
             );
             Arc::new(job)
         });
-        Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock, mapper, whole_free }
+        Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock, mapper }
     }
 
     /// Sets what the pool asks when blocks freed on different streams
@@ -235,12 +217,6 @@ impl<U: Upstream> Pool<U> {
         if let Some(job) = &self.mapper {
             let _ = job.fences.set(fences);
         }
-    }
-
-    /// Whether work queued before the free that tagged a block with `tag`
-    /// is known complete ([`BestFit::tag_settled`]; takes the pool lock).
-    pub(crate) fn tag_settled(&self, tag: StreamTag) -> bool {
-        tag == StreamTag::NONE || self.inner.lock().fit.tag_settled(tag)
     }
 
     /// What learned placement did (`learn.rs`), when it is on
@@ -300,12 +276,6 @@ impl<U: Upstream> Pool<U> {
         }
         inner.initial_size = Some(bytes);
         Ok(())
-    }
-
-    /// Flushes every thread's cache of this pool back into it (their blocks
-    /// coalesce with the pool's free memory); the bytes flushed.
-    pub(crate) fn drain_thread_caches(&self) -> usize {
-        self.cache.as_ref().map_or(0, |c| c.drain_all(false))
     }
 
     /// Frees the block at `addr`. `tag` names the stream whose queued work

@@ -211,8 +211,7 @@ impl<U: Upstream> Pool<U> {
     /// Allocates from the shared pool with page remapping: mapped space
     /// first; holes the placement touches are mapped under the remap lock.
     /// `Ok(None)` when no free block fits (the caller grows the pool).
-    /// `stream` is the request's (0: none): memory another shard freed on
-    /// it may come here with no wait (`handover.rs`).
+    /// `stream` is the request's (0: none).
     #[inline]
     pub(super) fn allocate_remapping(
         &self,
@@ -322,11 +321,6 @@ impl<U: Upstream> Pool<U> {
     #[cold]
     fn map_for(&self, rounded: usize, align: usize, size: usize, stream: u64) -> Result<Option<Allocation>> {
         let _remap = lock(&self.remap_lock);
-        // Another shard's mapped free range, with no driver call, before
-        // new memory is made (`handover.rs`).
-        if let Some(a) = self.adopt_for(rounded, align, size, stream) {
-            return Ok(Some(a));
-        }
         let plan = {
             let mut inner = self.inner.lock();
             if inner.shut_down {

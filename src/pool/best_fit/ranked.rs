@@ -243,19 +243,6 @@ impl BestFit {
         v.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
         v
     }
-
-    /// The `n` largest free blocks of at least `min` bytes as `(addr,
-    /// size, tag)`, largest first: a bounded look (a shard giving memory
-    /// to another holds its lock only for these).
-    pub fn largest_free_blocks(&mut self, n: usize, min: usize) -> Vec<(usize, usize, StreamTag)> {
-        self.flush_hot();
-        self.free_index
-            .largest_first()
-            .take_while(|&&(size, _, _)| size >= min)
-            .take(n)
-            .map(|&(size, addr, slot)| (addr, size, self.blocks[slot as usize].tag))
-            .collect()
-    }
 }
 
 #[cfg(test)]
