@@ -54,14 +54,13 @@ impl DeviceSetup {
         let upstream = device_upstream(ctx.as_ref(), expandable)?;
         // Memory tags' pools: the sync pool's settings over address space
         // of their own that can always remap pages (sleep unmaps them all),
-        // with no thread cache, background mapper or learned placement.
+        // with no thread cache or background mapper.
         let mut tag_pc = self.pool.clone();
         tag_pc.initial_size = 0;
         tag_pc.expandable = true;
         tag_pc.keep_chunks = false;
         tag_pc.thread_cache = false;
         tag_pc.background_mapper = false;
-        tag_pc.learn_placement = false;
         let tag_ctx = ctx.clone();
         let tag_pools: TagPoolFactory =
             Box::new(move || Ok(Pool::new(device_upstream(tag_ctx.as_ref(), true)?, tag_pc.clone())));

@@ -101,11 +101,6 @@ pub struct Config {
     /// mapper thread (`background_mapper=true`; off by default). See
     /// [`PoolConfig::background_mapper`].
     pub background_mapper: bool,
-    /// Whether a remapping device pool learns the sequence its program
-    /// repeats and places the next repetitions by a plan
-    /// (`learn_placement=true`; off by default). See
-    /// [`PoolConfig::learn_placement`].
-    pub learn_placement: bool,
     /// The most pinned memory the pool may reserve.
     pub max_pinned_pool_size: Option<usize>,
     /// The most device memory the sync pool may reserve.
@@ -192,7 +187,6 @@ impl Default for Config {
             min_chunk: 2 << 20,
             remap_slack_ppm: crate::pool::DEFAULT_REMAP_SLACK_PPM,
             background_mapper: false,
-            learn_placement: false,
             max_pinned_pool_size: None,
             max_device_pool_size: None,
             release_threshold: u64::MAX,
@@ -253,7 +247,6 @@ impl Config {
         pc.min_chunk = self.min_chunk;
         pc.remap_slack_ppm = self.remap_slack_ppm;
         pc.background_mapper = self.background_mapper;
-        pc.learn_placement = self.learn_placement;
         pc.max_size = self.max_device_pool_size;
         pc.expandable = self.expandable;
         pc.thread_cache = self.device_thread_cache;
@@ -314,11 +307,6 @@ impl Config {
     /// Sets [`Config::background_mapper`].
     pub fn background_mapper(mut self, on: bool) -> Self {
         self.background_mapper = on;
-        self
-    }
-    /// Sets [`Config::learn_placement`].
-    pub fn learn_placement(mut self, on: bool) -> Self {
-        self.learn_placement = on;
         self
     }
     /// Sets [`Config::max_pinned_pool_size`].

@@ -76,11 +76,12 @@ const REMOVED: &[(&str, &str)] = &[
     ("arenas_hand_over", NO_SHARDS),
     ("idle_arenas_give", NO_SHARDS),
     ("idle_arenas_trim", NO_SHARDS),
+    ("learn_placement", "learned placement was removed: it was off by default and measured no better than best fit"),
 ];
 
 /// The keys `CUMEM_CONF` knows.
 const KNOWN: &str = "pinned_pool_size, device_pool_size, mode, device, min_chunk, remap_slack, background_mapper, \
-                     learn_placement, max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
+                     max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                      exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
                      device_thread_cache, hot_block, tail_last, thread_cache_bytes, backend, peer_access, \
                      host_devices, log, promise_registered_captures";
@@ -106,7 +107,6 @@ impl std::str::FromStr for Config {
                 "min_chunk" => c.min_chunk = size_value(key, value)?,
                 "remap_slack" => c.remap_slack_ppm = fraction_ppm(key, value)?,
                 "background_mapper" => c.background_mapper = bool_value(key, value)?,
-                "learn_placement" => c.learn_placement = bool_value(key, value)?,
                 "max_pinned_pool_size" => c.max_pinned_pool_size = Some(size_value(key, value)?),
                 "max_device_pool_size" => c.max_device_pool_size = Some(size_value(key, value)?),
                 "release_threshold" => {

@@ -46,8 +46,8 @@ impl<U: Upstream> Pool<U> {
 
     /// The common case of [`allocate_for`](Pool::allocate_for), with no
     /// error to carry: a valid request served by the thread cache or
-    /// placed in memory the pool holds, with nothing to grow, map, move,
-    /// learn or release. `None` leaves the request to
+    /// placed in memory the pool holds, with nothing to grow, map, move
+    /// or release. `None` leaves the request to
     /// [`allocate_past_quick`](Pool::allocate_past_quick), which reports
     /// what is wrong with it or does the rest.
     #[inline(always)]
@@ -101,14 +101,14 @@ impl<U: Upstream> Pool<U> {
 
     /// The common case of [`allocate_quick`](Self::allocate_quick): a placement in memory the
     /// pool holds (for a remapping pool, on mapped pages:
-    /// [`remap::place_mapped`]), with nothing to map, move, learn or
+    /// [`remap::place_mapped`]), with nothing to map, move or
     /// release. `None` leaves the request to the full path, which grows or
     /// maps (and looks again first). Inlined, so that its result reaches
     /// the caller in registers rather than through memory.
     #[inline(always)]
     fn place_in_held(&self, rounded: usize, align: usize, size: usize) -> Option<Allocation> {
         let mut inner = self.inner.lock();
-        if inner.shut_down || inner.learn.is_some() {
+        if inner.shut_down {
             return None;
         }
         inner.used = true;

@@ -51,7 +51,6 @@
 
 use std::collections::BTreeMap;
 
-mod at;
 mod hot;
 mod inspect;
 mod live_map;
@@ -160,9 +159,6 @@ pub struct BestFit {
     /// size, free successor, address): asked again with the index
     /// unchanged, it has the same answer.
     hot_clear: Option<(u64, usize, Option<Key>, usize)>,
-    /// The free blocks (indexed ones) by address, while placement at an
-    /// address may be asked (`at.rs`); `None` otherwise.
-    by_addr: Option<BTreeMap<usize, u32>>,
 }
 
 /// The slot of the hot block (`NIL`, the default: none).
@@ -224,9 +220,6 @@ impl BestFit {
         let b = &self.blocks[slot as usize];
         self.pages.free_pages += self.pages.whole(b.addr, b.size);
         self.free_index.insert((b.size, b.addr, slot));
-        if let Some(by_addr) = &mut self.by_addr {
-            by_addr.insert(b.addr, slot);
-        }
     }
 
     fn unindex_free(&mut self, slot: u32) {
@@ -234,9 +227,6 @@ impl BestFit {
         self.pages.free_pages -= self.pages.whole(b.addr, b.size);
         let removed = self.free_index.remove(&(b.size, b.addr, slot));
         debug_assert!(removed, "free block missing from the index");
-        if let Some(by_addr) = &mut self.by_addr {
-            by_addr.remove(&b.addr);
-        }
     }
 
     /// Adds a chunk from the upstream as one free block.

@@ -80,13 +80,6 @@ pub struct PoolConfig {
     /// places of memory a move lent (`remap.rs`), and
     /// [`Pool::mapper_step`] runs the reserve's work where a test wants it.
     pub background_mapper: bool,
-    /// With page remapping, learn the sequence of allocations the program
-    /// repeats (a training or serving loop) and place the next
-    /// repetitions by a plan made knowing every block's lifetime, inside
-    /// the memory the pool holds, so that the layout stops shifting and
-    /// memory stops moving (`learn.rs`); best fit places what the plan
-    /// did not foresee. Off by default.
-    pub learn_placement: bool,
 }
 
 impl PoolConfig {
@@ -108,7 +101,6 @@ impl PoolConfig {
             hot_block: false,
             tail_last: false,
             background_mapper: false,
-            learn_placement: false,
         }
     }
 }

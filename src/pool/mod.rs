@@ -23,7 +23,6 @@ mod classes;
 mod config;
 mod free_index;
 mod growth;
-mod learn;
 mod mapper;
 mod page_map;
 mod pool_snapshot;
@@ -40,7 +39,6 @@ pub use crate::upstream::BLOCK_ALIGN;
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, LOOK_EVERY, MAX_CACHED_BLOCK};
 pub use config::{PoolConfig, DEFAULT_REMAP_SLACK_PPM, MAX_ALIGN};
-pub use learn::LearnStats;
 pub use pool_snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use remap::RANK_LIMIT;
 pub use stats::PoolStats;
@@ -79,8 +77,6 @@ struct Inner {
     initial_size: Option<usize>,
     /// Which pages have memory mapped (page remapping; `page_map.rs`).
     pages: page_map::Pages,
-    /// The learned placement's state (`learn.rs`), when it is on.
-    learn: Option<Box<learn::Learner>>,
 }
 
 /// A thread-safe best-fit pool over an upstream.
@@ -167,11 +163,7 @@ impl<U: Upstream> Pool<U> {
         }
         fit.set_hot_block(config.hot_block);
         fit.set_wilderness((remap && config.tail_last).then_some(page));
-        let learns = remap && config.learn_placement;
-        fit.index_addresses(learns);
-        let learn = learns.then(Box::default);
-        let inner =
-            Arc::new(SpinLock::new(Inner { fit, pages: page_map::Pages::new(page), learn, ..Inner::default() }));
+        let inner = Arc::new(SpinLock::new(Inner { fit, pages: page_map::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
         let upstream = Arc::new(upstream);
@@ -217,12 +209,6 @@ impl<U: Upstream> Pool<U> {
         if let Some(job) = &self.mapper {
             let _ = job.fences.set(fences);
         }
-    }
-
-    /// What learned placement did (`learn.rs`), when it is on
-    /// ([`PoolConfig::learn_placement`] in a pool that remaps).
-    pub fn learn_stats(&self) -> Option<LearnStats> {
-        self.inner.lock().learn.as_ref().map(|l| l.stats)
     }
 
     /// Whether the pool remaps pages (`remap.rs`): expandable, over an
@@ -301,21 +287,17 @@ impl<U: Upstream> Pool<U> {
                 return Err(self.free_error(addr, e));
             }
         };
-        if inner.learn.is_none() && !inner.shut_down && !(self.config.background_mapper && self.mapper.is_some()) {
+        if !inner.shut_down && !(self.config.background_mapper && self.mapper.is_some()) {
             return Ok(freed);
         }
         self.after_free(inner, addr, freed)
     }
 
     /// What a free does past its common case, with the pool lock `inner`
-    /// held: the placement learner hears of it, the background mapper may
-    /// wake, and after shutdown the block's chunk goes back once wholly
+    /// held: the background mapper may wake, and after shutdown the block's chunk goes back once wholly
     /// free.
     #[inline(never)]
     fn after_free(&self, mut inner: SpinGuard<'_, Inner>, addr: usize, freed: Freed) -> Result<Freed> {
-        if let Some(learn) = &mut inner.learn {
-            learn.freed(addr);
-        }
         if let (Some(job), true) = (&self.mapper, self.config.background_mapper && freed.size >= self.remap_page) {
             // A large free may give the mapper memory to unmap ahead.
             if job.wants_room(&inner) {

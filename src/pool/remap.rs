@@ -103,11 +103,11 @@
 
 use super::best_fit::Preferred;
 use super::page_map::{budget, Pages};
-use super::{Allocation, BestFit, Inner, Pool, SpinLock};
+use super::{Allocation, BestFit, Inner, Pool};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::tag::StreamTag;
-use crate::upstream::{Chunk, Queued, Upstream, BLOCK_ALIGN};
+use crate::upstream::{Chunk, Queued, Upstream};
 
 /// How many best-fit candidates placement looks at for one that touches
 /// only mapped pages.
@@ -226,10 +226,6 @@ impl<U: Upstream> Pool<U> {
                 return Err(Error::ShutDown("allocation"));
             }
             inner.used = true;
-            if inner.learn.is_some() {
-                drop(inner);
-                return self.allocate_learned(rounded, align, size, stream);
-            }
             let Inner { fit, pages, .. } = &mut *inner;
             match place_mapped(fit, pages, self.config.remap_slack_ppm, rounded, align, size) {
                 Placed::Mapped(a) => return Ok(Some(a)),
@@ -238,81 +234,6 @@ impl<U: Upstream> Pool<U> {
             }
         }
         self.map_for(rounded, align, size, stream)
-    }
-
-    /// [`allocate_remapping`](Self::allocate_remapping) with learned
-    /// placement (`learn.rs`): at the planned address when the plan
-    /// expects this size and the range there is free and mapped, else as
-    /// without; then the allocation is recorded, and a repeat found is
-    /// planned (outside the pool lock).
-    fn allocate_learned(&self, rounded: usize, align: usize, size: usize, stream: u64) -> Result<Option<Allocation>> {
-        let placed = {
-            let mut inner = self.inner.lock();
-            if inner.shut_down {
-                return Err(Error::ShutDown("allocation"));
-            }
-            let Inner { fit, pages, learn, .. } = &mut *inner;
-            let Some(learn) = learn.as_deref_mut() else {
-                return Err(Error::InvalidState("learned placement without a learner".into()));
-            };
-            let e = learn.expect(rounded);
-            let at = e.filter(|&at| at % align.max(BLOCK_ALIGN) == 0 && pages.clear(at, rounded));
-            match at.and_then(|at| fit.allocate_at(at, rounded, size)) {
-                Some(a) => Some(a),
-                None => match place_mapped(fit, pages, self.config.remap_slack_ppm, rounded, align, size) {
-                    Placed::Mapped(a) => Some(a),
-                    Placed::NoFit => return Ok(None),
-                    Placed::NeedsMap => None,
-                },
-            }
-        };
-        let a = match placed {
-            Some(a) => a,
-            None => match self.map_for(rounded, align, size, stream)? {
-                Some(a) => a,
-                None => return Ok(None),
-            },
-        };
-        self.learned(a);
-        Ok(Some(a))
-    }
-
-    /// Records allocation `a` in the learner; a repeat it finds is
-    /// planned on a thread of its own (the window is taken under the pool
-    /// lock; the plan, milliseconds for a window of thousands of blocks,
-    /// is made with no lock held and installed under it).
-    fn learned(&self, a: Allocation) {
-        let window = {
-            let mut inner = self.inner.lock();
-            let Inner { fit, pages, learn, .. } = &mut *inner;
-            let Some(learn) = learn.as_deref_mut() else { return };
-            let Some(q) = learn.allocated(a.addr, a.size) else { return };
-            let chunks: Vec<(usize, usize)> = fit.chunks().iter().map(|c| (c.addr, c.size)).collect();
-            let holes = chunks.iter().flat_map(|&(at, len)| pages.holes_in(at, len)).map(|c| (c.addr, c.end()));
-            let live = fit.live_blocks().into_iter().map(|(at, len, _)| (at, len)).collect();
-            learn.window(q, live, holes.collect(), chunks)
-        };
-        let inner = self.inner.clone();
-        let install = move |inner: &SpinLock<Inner>, planned| {
-            if let Some(learn) = &mut inner.lock().learn {
-                learn.install(planned);
-            }
-        };
-        #[cfg(not(loom))]
-        {
-            let spawned = std::thread::Builder::new().name("cumem-plan".into()).spawn(move || {
-                let planned = window.plan();
-                install(&inner, planned);
-            });
-            if spawned.is_err() {
-                // No thread: no plan this time (placement stays best fit's).
-                if let Some(learn) = &mut self.inner.lock().learn {
-                    learn.abandon();
-                }
-            }
-        }
-        #[cfg(loom)]
-        install(&inner, window.plan());
     }
 
     /// The slow path of [`allocate_remapping`](Self::allocate_remapping):

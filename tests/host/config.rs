@@ -38,10 +38,6 @@ fn good_strings() {
         assert_eq!(text.parse::<Config>().unwrap().device_pool_config().remap_slack_ppm, ppm, "{text}");
     }
 
-    assert!(!Config::default().learn_placement && !Config::default().device_pool_config().learn_placement);
-    let c: Config = "learn_placement=true".parse().unwrap();
-    assert!(c.learn_placement && c.device_pool_config().learn_placement);
-
     // The free tail last: off by default, on by the key for the device
     // pools; graph pools inherit it (they never remap, so it never acts).
     assert!(!Config::default().tail_last && !Config::default().device_pool_config().tail_last);
@@ -71,7 +67,7 @@ fn bad_strings_name_the_problem() {
     assert!(config_error("pinned_pool_size").contains("'pinned_pool_size' is not key=value"));
     assert!(config_error("device=-1").contains("device: '-1'"));
     assert!(config_error("expandable=maybe").contains("expandable: 'maybe'"));
-    assert!(config_error("learn_placement=sometimes").contains("learn_placement: 'sometimes'"));
+    assert!(config_error("learn_placement=true").contains("learned placement was removed"));
     assert!(config_error("tail_last=never").contains("tail_last: 'never'"));
     assert!(config_error("backend=tpu").contains("backend: 'tpu'"));
     assert!(config_error("device_pool_size=99999999999TiB").contains("device_pool_size"));

@@ -19,7 +19,6 @@ use cumem::{PoolKind, Result};
 
 mod budget;
 mod fenced;
-mod learn;
 
 const PAGE: usize = 64 << 10;
 const BASE: usize = 1 << 36;

@@ -188,12 +188,6 @@ impl BestFit {
                 return Err(format!("chunk at {addr:#x}: blocks end at {at:#x}, chunk at {:#x}", info.chunk.end()));
             }
         }
-        if let Some(by_addr) = &self.by_addr {
-            let indexed = self.free_index.iter().all(|&(_, addr, slot)| by_addr.get(&addr) == Some(&slot));
-            if by_addr.len() != self.free_index.len() || !indexed {
-                return Err("the index of free blocks by address disagrees with the free index".into());
-            }
-        }
         if free_seen != self.free_index.len() {
             return Err(format!("{} indexed free blocks, {free_seen} in chunks", self.free_index.len()));
         }
