@@ -163,18 +163,6 @@ pub struct Config {
     /// with no index work ([`PoolConfig::hot_block`]; on by default).
     /// Placement is best fit's either way.
     pub hot_block: bool,
-    /// The device pools that remap pages place a request of a page or
-    /// more into the free tail of their highest chunk only when no other
-    /// free block holds it: the tail is the edge of address space that
-    /// grows in place, so it counts as the largest block
-    /// ([`PoolConfig::tail_last`]). Off by default: over the synthetic
-    /// traces it brought more of them to their page floor (32 of 64 over
-    /// the goal against 41), but on logs captured from real PyTorch
-    /// programs it moved pages more often on two of five (GPT-2 training
-    /// 411 driver calls a warm pass against 166, a ViT 743 against 435)
-    /// and held less memory on one (padded generation 1.075 of peak live
-    /// against 1.116).
-    pub tail_last: bool,
 }
 
 impl Default for Config {
@@ -202,7 +190,6 @@ impl Default for Config {
             peer_access: PeerAccess::None,
             host_devices: 1,
             hot_block: true,
-            tail_last: false,
         }
     }
 }
@@ -253,7 +240,6 @@ impl Config {
         pc.thread_cache_bytes = self.thread_cache_bytes;
         pc.cache_exact = true;
         pc.hot_block = self.hot_block;
-        pc.tail_last = self.tail_last;
         pc
     }
 
@@ -362,11 +348,6 @@ impl Config {
         self
     }
 
-    /// Sets [`Config::tail_last`].
-    pub fn tail_last(mut self, on: bool) -> Self {
-        self.tail_last = on;
-        self
-    }
     /// Sets [`Config::track_allocations`].
     pub fn track_allocations(mut self, on: bool) -> Self {
         self.track_allocations = on;

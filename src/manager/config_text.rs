@@ -77,13 +77,14 @@ const REMOVED: &[(&str, &str)] = &[
     ("idle_arenas_give", NO_SHARDS),
     ("idle_arenas_trim", NO_SHARDS),
     ("learn_placement", "learned placement was removed: it was off by default and measured no better than best fit"),
+    ("tail_last", "placing into the free tail last was removed: it was off by default and measured no better"),
 ];
 
 /// The keys `CUMEM_CONF` knows.
 const KNOWN: &str = "pinned_pool_size, device_pool_size, mode, device, min_chunk, remap_slack, background_mapper, \
                      max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                      exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
-                     device_thread_cache, hot_block, tail_last, thread_cache_bytes, backend, peer_access, \
+                     device_thread_cache, hot_block, thread_cache_bytes, backend, peer_access, \
                      host_devices, log, promise_registered_captures";
 
 /// The error for a key `CUMEM_CONF` does not know (or no longer knows).
@@ -133,7 +134,6 @@ impl std::str::FromStr for Config {
                 "pinned_thread_cache" => c.pinned_thread_cache = bool_value(key, value)?,
                 "device_thread_cache" => c.device_thread_cache = bool_value(key, value)?,
                 "hot_block" => c.hot_block = bool_value(key, value)?,
-                "tail_last" => c.tail_last = bool_value(key, value)?,
                 "thread_cache_bytes" => c.thread_cache_bytes = size_value(key, value)?,
                 "backend" => {
                     c.backend = match value {

@@ -58,7 +58,6 @@ mod ranked;
 mod resize;
 mod tags;
 mod touched;
-mod wild;
 
 use super::free_index::{FreeIndex, Key};
 
@@ -152,9 +151,6 @@ pub struct BestFit {
     hot: HotSlot,
     /// Whether frees leave the freed block hot.
     hot_enabled: bool,
-    /// The smallest request placed into the free tail of the highest
-    /// chunk only when no other block holds it (`wild.rs`); `None`: off.
-    wild: Option<usize>,
     /// The last hot-block check that found no rival, as (index changes,
     /// size, free successor, address): asked again with the index
     /// unchanged, it has the same answer.

@@ -59,15 +59,6 @@ pub struct PoolConfig {
     /// way. The device pools use it
     /// ([`Config::hot_block`](crate::Config::hot_block)).
     pub hot_block: bool,
-    /// With page remapping, the exact best fit of a request of a page or
-    /// more passes over the free tail of the pool's highest chunk when
-    /// another free block holds the request (`best_fit/wild.rs`): the
-    /// tail is where the pool grows, so placement fills holes below it
-    /// first, as best fit over one range that never ends would. The
-    /// device pools use it when
-    /// [`Config::tail_last`](crate::Config::tail_last) is on (off by
-    /// default).
-    pub tail_last: bool,
     /// With page remapping, let cumem's background mapper thread keep a
     /// reserve of unmapped memory, so that allocations map kept memory
     /// and unmap nothing themselves (`mapper.rs`). Off by default: in warm
@@ -99,7 +90,6 @@ impl PoolConfig {
             keep_chunks: false,
             remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
             hot_block: false,
-            tail_last: false,
             background_mapper: false,
         }
     }

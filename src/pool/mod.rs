@@ -162,7 +162,6 @@ impl<U: Upstream> Pool<U> {
             fit.count_pages(page);
         }
         fit.set_hot_block(config.hot_block);
-        fit.set_wilderness((remap && config.tail_last).then_some(page));
         let inner = Arc::new(SpinLock::new(Inner { fit, pages: page_map::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));

@@ -12,12 +12,6 @@
 //!   touches no hole wins; only when none does is the exact best fit taken
 //!   and its holes mapped. A pool whose mapped set fits its work therefore
 //!   maps nothing: steady-state iterations move nothing.
-//! - **The free tail last** (off by default): the exact best fit of a request of a page or
-//!   more passes over the free tail of the pool's highest chunk when
-//!   another free block holds the request ([`PoolConfig::tail_last`](super::PoolConfig::tail_last),
-//!   `best_fit/wild.rs`): such blocks fill holes below the top before
-//!   they raise it, as best fit over one endless range (the layout the
-//!   page floor is measured on) places them.
 //! - **Mapped runs inside free blocks**: when mapping the exact best fit's
 //!   holes would take the pool above its budget (a move), placement first
 //!   looks for a run of mapped pages inside a free block that holds the

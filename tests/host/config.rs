@@ -37,12 +37,6 @@ fn good_strings() {
         assert_eq!(text.parse::<Config>().unwrap().remap_slack_ppm, ppm, "{text}");
         assert_eq!(text.parse::<Config>().unwrap().device_pool_config().remap_slack_ppm, ppm, "{text}");
     }
-
-    // The free tail last: off by default, on by the key for the device
-    // pools; graph pools inherit it (they never remap, so it never acts).
-    assert!(!Config::default().tail_last && !Config::default().device_pool_config().tail_last);
-    let c: Config = "tail_last=true".parse().unwrap();
-    assert!(c.tail_last && c.device_pool_config().tail_last && c.graph_pool_config().tail_last);
 }
 
 fn config_error(s: &str) -> String {
@@ -68,7 +62,7 @@ fn bad_strings_name_the_problem() {
     assert!(config_error("device=-1").contains("device: '-1'"));
     assert!(config_error("expandable=maybe").contains("expandable: 'maybe'"));
     assert!(config_error("learn_placement=true").contains("learned placement was removed"));
-    assert!(config_error("tail_last=never").contains("tail_last: 'never'"));
+    assert!(config_error("tail_last=true").contains("free tail last was removed"));
     assert!(config_error("backend=tpu").contains("backend: 'tpu'"));
     assert!(config_error("device_pool_size=99999999999TiB").contains("device_pool_size"));
     assert!(config_error("min_chunk=0").contains("min_chunk"));

@@ -66,10 +66,7 @@ impl BestFit {
         let check = (self.free_index.changes(), size, next, b.addr);
         if self.hot_clear != Some(check) {
             let rival = self.free_index.best_fit_except(size, next);
-            // Coalesced into the highest chunk's free tail, the block is
-            // best fit's last choice (`wild.rs`): any rival wins.
-            let last = self.tail_last_for(size) && self.joins_wild(slot);
-            if rival.is_some_and(|(rsize, raddr, _)| last || rsize < merged || (rsize == merged && raddr < b.addr)) {
+            if rival.is_some_and(|(rsize, raddr, _)| rsize < merged || (rsize == merged && raddr < b.addr)) {
                 return None;
             }
             self.hot_clear = Some(check);

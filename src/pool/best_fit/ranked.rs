@@ -79,10 +79,8 @@ impl BestFit {
         self.flush_hot();
         let mut asked = None;
         if align == BLOCK_ALIGN {
-            // The common case: the exact best fit is preferred (the
-            // highest chunk's free tail only when no other block holds
-            // the request, with the rule on: `wild.rs`).
-            let (_, addr, slot) = self.best_fit_key(size)?;
+            // The common case: the exact best fit is preferred.
+            let (_, addr, slot) = self.free_index.best_fit(size)?;
             if preferred(addr, size) {
                 return Some(Preferred::Taken(self.allocate_slot_at(slot, addr, size, requested)));
             }
