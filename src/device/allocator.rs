@@ -119,14 +119,6 @@ impl DeviceAllocator {
         // tag (instead of a MIXED tag that waits for every stream).
         let streams = a.streams.clone();
         a.pool.set_tag_oracle(Arc::new(move |t| streams.completed(t)));
-        // The background mapper moves only memory no queued work may use:
-        // before it gives up, streams with pending frees are asked whether
-        // they are idle (threads that free on a shared stream rarely
-        // synchronise it).
-        let streams = a.streams.clone();
-        a.pool.set_stream_poll(Arc::new(move || {
-            streams.poll_pending();
-        }));
         // Page moves of memory whose work is queued on one stream wait for
         // a fence there, on the device, not for the device on the host
         // (`cuda/fence.rs`).

@@ -54,13 +54,12 @@ impl DeviceSetup {
         let upstream = device_upstream(ctx.as_ref(), expandable)?;
         // Memory tags' pools: the sync pool's settings over address space
         // of their own that can always remap pages (sleep unmaps them all),
-        // with no thread cache or background mapper.
+        // with no thread cache.
         let mut tag_pc = self.pool.clone();
         tag_pc.initial_size = 0;
         tag_pc.expandable = true;
         tag_pc.keep_chunks = false;
         tag_pc.thread_cache = false;
-        tag_pc.background_mapper = false;
         let tag_ctx = ctx.clone();
         let tag_pools: TagPoolFactory =
             Box::new(move || Ok(Pool::new(device_upstream(tag_ctx.as_ref(), true)?, tag_pc.clone())));

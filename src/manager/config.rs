@@ -97,10 +97,6 @@ pub struct Config {
     /// map more, in millionths (`remap_slack=1%`, the default, is 10 000).
     /// See [`PoolConfig::remap_slack_ppm`].
     pub remap_slack_ppm: u32,
-    /// Whether a remapping device pool moves pages on cumem's background
-    /// mapper thread (`background_mapper=true`; off by default). See
-    /// [`PoolConfig::background_mapper`].
-    pub background_mapper: bool,
     /// The most pinned memory the pool may reserve.
     pub max_pinned_pool_size: Option<usize>,
     /// The most device memory the sync pool may reserve.
@@ -174,7 +170,6 @@ impl Default for Config {
             device: 0,
             min_chunk: 2 << 20,
             remap_slack_ppm: crate::pool::DEFAULT_REMAP_SLACK_PPM,
-            background_mapper: false,
             max_pinned_pool_size: None,
             max_device_pool_size: None,
             release_threshold: u64::MAX,
@@ -233,7 +228,6 @@ impl Config {
         pc.initial_size = self.device_pool_size;
         pc.min_chunk = self.min_chunk;
         pc.remap_slack_ppm = self.remap_slack_ppm;
-        pc.background_mapper = self.background_mapper;
         pc.max_size = self.max_device_pool_size;
         pc.expandable = self.expandable;
         pc.thread_cache = self.device_thread_cache;
@@ -288,11 +282,6 @@ impl Config {
     /// Sets [`Config::remap_slack_ppm`].
     pub fn remap_slack_ppm(mut self, ppm: u32) -> Self {
         self.remap_slack_ppm = ppm;
-        self
-    }
-    /// Sets [`Config::background_mapper`].
-    pub fn background_mapper(mut self, on: bool) -> Self {
-        self.background_mapper = on;
         self
     }
     /// Sets [`Config::max_pinned_pool_size`].

@@ -77,11 +77,12 @@ const REMOVED: &[(&str, &str)] = &[
     ("idle_arenas_give", NO_SHARDS),
     ("idle_arenas_trim", NO_SHARDS),
     ("learn_placement", "learned placement was removed: it was off by default and measured no better than best fit"),
+    ("background_mapper", "the background mapper's reserve was removed: it was off by default and measured no better"),
     ("tail_last", "placing into the free tail last was removed: it was off by default and measured no better"),
 ];
 
 /// The keys `CUMEM_CONF` knows.
-const KNOWN: &str = "pinned_pool_size, device_pool_size, mode, device, min_chunk, remap_slack, background_mapper, \
+const KNOWN: &str = "pinned_pool_size, device_pool_size, mode, device, min_chunk, remap_slack, \
                      max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
                      exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
                      device_thread_cache, hot_block, thread_cache_bytes, backend, peer_access, \
@@ -107,7 +108,6 @@ impl std::str::FromStr for Config {
                 "device_pool_size" => c.device_pool_size = size_value(key, value)?,
                 "min_chunk" => c.min_chunk = size_value(key, value)?,
                 "remap_slack" => c.remap_slack_ppm = fraction_ppm(key, value)?,
-                "background_mapper" => c.background_mapper = bool_value(key, value)?,
                 "max_pinned_pool_size" => c.max_pinned_pool_size = Some(size_value(key, value)?),
                 "max_device_pool_size" => c.max_device_pool_size = Some(size_value(key, value)?),
                 "release_threshold" => {

@@ -59,18 +59,6 @@ pub struct PoolConfig {
     /// way. The device pools use it
     /// ([`Config::hot_block`](crate::Config::hot_block)).
     pub hot_block: bool,
-    /// With page remapping, let cumem's background mapper thread keep a
-    /// reserve of unmapped memory, so that allocations map kept memory
-    /// and unmap nothing themselves (`mapper.rs`). Off by default: in warm
-    /// replays on an H200 it cut the allocating thread's calls on
-    /// kv_cache (331–357 a pass against 459) and raised them on
-    /// llama_train (125–131 against 35), pinned_top and two_streams, with
-    /// physical peaks up to 0.021 higher: its reserve is room that
-    /// placement then finds unmapped. Off, the allocating thread makes
-    /// every page move, but the mapper thread still unmaps the old
-    /// places of memory a move lent (`remap.rs`), and
-    /// [`Pool::mapper_step`] runs the reserve's work where a test wants it.
-    pub background_mapper: bool,
 }
 
 impl PoolConfig {
@@ -90,7 +78,6 @@ impl PoolConfig {
             keep_chunks: false,
             remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
             hot_block: false,
-            background_mapper: false,
         }
     }
 }

@@ -34,7 +34,7 @@ mod stats;
 
 // Names of lower layers that a program of pools needs, kept here for
 // programs (cumem's own code imports them from their owners).
-pub use crate::tag::{Fence, FenceMaker, StreamPoll, StreamTag, TagOracle};
+pub use crate::tag::{Fence, FenceMaker, StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, LOOK_EVERY, MAX_CACHED_BLOCK};
@@ -168,13 +168,7 @@ impl<U: Upstream> Pool<U> {
         let upstream = Arc::new(upstream);
         let remap_lock = Arc::new(Mutex::new(()));
         let mapper = remap.then(|| {
-            let job = mapper::Job::new(
-                inner.clone(),
-                upstream.clone(),
-                remap_lock.clone(),
-                config.remap_slack_ppm,
-                config.background_mapper,
-            );
+            let job = mapper::Job::new(inner.clone(), upstream.clone(), remap_lock.clone(), config.remap_slack_ppm);
             Arc::new(job)
         });
         Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock, mapper }
@@ -186,16 +180,6 @@ impl<U: Upstream> Pool<U> {
     /// every stream with work pending.
     pub fn set_tag_oracle(&self, oracle: crate::tag::TagOracle) {
         self.inner.lock().fit.set_tag_oracle(oracle);
-    }
-
-    /// Sets what the background mapper asks when the free memory it could
-    /// unmap may still be used by queued stream work
-    /// ([`StreamPoll`]); no effect without the
-    /// mapper. Only the first call has an effect.
-    pub fn set_stream_poll(&self, poll: StreamPoll) {
-        if let Some(job) = &self.mapper {
-            let _ = job.poll.set(poll);
-        }
     }
 
     /// Sets what a page move asks for a fence on the requesting stream
@@ -222,11 +206,12 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// Runs one step of the background mapper's work for this pool on the
-    /// calling thread (`pool/mapper.rs`); `true` when more is wanted.
+    /// calling thread (`pool/mapper.rs`: an old mapping of moved memory
+    /// unmapped); `true` when more is wanted.
     /// For models and tests: the mapper thread runs these steps itself.
     #[doc(hidden)]
     pub fn mapper_step(&self) -> bool {
-        self.mapper.as_ref().is_some_and(|job| job.run_step(true) == mapper::Progress::More)
+        self.mapper.as_ref().is_some_and(|job| job.run_step() == mapper::Progress::More)
     }
 
     /// Closes the background mapper's job and waits until its thread let
@@ -286,36 +271,24 @@ impl<U: Upstream> Pool<U> {
                 return Err(self.free_error(addr, e));
             }
         };
-        if !inner.shut_down && !(self.config.background_mapper && self.mapper.is_some()) {
+        if !inner.shut_down {
             return Ok(freed);
         }
-        self.after_free(inner, addr, freed)
+        self.after_shutdown_free(inner, addr, freed)
     }
 
-    /// What a free does past its common case, with the pool lock `inner`
-    /// held: the background mapper may wake, and after shutdown the block's chunk goes back once wholly
-    /// free.
+    /// A free after shutdown, with the pool lock `inner` held: nothing is
+    /// cached any more, so the block's chunk goes back as soon as its last
+    /// block is free.
     #[inline(never)]
-    fn after_free(&self, mut inner: SpinGuard<'_, Inner>, addr: usize, freed: Freed) -> Result<Freed> {
-        if let (Some(job), true) = (&self.mapper, self.config.background_mapper && freed.size >= self.remap_page) {
-            // A large free may give the mapper memory to unmap ahead.
-            if job.wants_room(&inner) {
-                drop(inner);
-                mapper::wake(job);
-                return Ok(freed);
+    fn after_shutdown_free(&self, mut inner: SpinGuard<'_, Inner>, addr: usize, freed: Freed) -> Result<Freed> {
+        if let Some((chunk, _)) = inner.fit.take_free_chunk_at(addr) {
+            inner.fit.stats_mut().upstream_frees += 1;
+            if self.remap {
+                inner.pages.forget(chunk.addr, chunk.size);
             }
-        }
-        if inner.shut_down {
-            // After shutdown nothing is cached: give the chunk back as soon
-            // as its last block is free.
-            if let Some((chunk, _)) = inner.fit.take_free_chunk_at(addr) {
-                inner.fit.stats_mut().upstream_frees += 1;
-                if self.remap {
-                    inner.pages.forget(chunk.addr, chunk.size);
-                }
-                drop(inner);
-                self.upstream.deallocate_chunk(chunk)?;
-            }
+            drop(inner);
+            self.upstream.deallocate_chunk(chunk)?;
         }
         Ok(freed)
     }

@@ -86,9 +86,7 @@
 //!   in such a program waited for the whole device.
 //! - **Kept memory**: memory unmapped to move is kept (with no address)
 //!   for the next map, which maps it before it makes new memory; it counts
-//!   as held. The background mapper (`mapper.rs`, when on) keeps a reserve of it
-//!   by unmapping free pages off the allocating thread, so an allocation
-//!   that touches holes maps kept memory and unmaps nothing itself.
+//!   as held.
 //! - **Out of memory**: [`Pool::release_cached`] unmaps every wholly free
 //!   piece and releases the kept memory, the first step of the retry
 //!   ladder.
@@ -311,7 +309,7 @@ impl<U: Upstream> Pool<U> {
             // the pool above its budget: the excess goes at once.
             job.trim_excess();
             job.moved();
-            if self.config.background_mapper || self.upstream.has_stale() {
+            if self.upstream.has_stale() {
                 super::mapper::wake(job);
             }
         }
