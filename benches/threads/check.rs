@@ -279,9 +279,9 @@ fn pool() {
     let mut rng = SmallRng::seed_from_u64(seed);
     let t0 = Instant::now();
     let mut sizes = Vec::new();
-    // The whole set's physical memory, sampled while the rounds run, and
-    // the device figure's floor: the pages live blocks touch, summed over
-    // the shards (no shard can hold less and keep its blocks).
+    // The pools' physical memory, sampled while the rounds run, and the
+    // device figure's floor: the pages live blocks touch (the pool can
+    // hold no less and keep its blocks).
     let physical = |mm: &MemoryManager| {
         let d = mm.device_stats(0).expect("device stats").pool;
         (d.mapped, mm.pinned_stats().reserved, d.touched)

@@ -1,6 +1,6 @@
 //! [`PoolConfig`]: how a pool grows, how large it may get, and which of
-//! its optional parts (thread caches, page remapping, the hot block, the
-//! background mapper) are on.
+//! its optional parts (thread caches, page remapping, the hot block) are
+//! on.
 
 #[cfg(doc)]
 use super::{Pool, MAX_CACHED_BLOCK};
