@@ -48,14 +48,6 @@ impl StreamTag {
 /// call and not block for long: it runs under the pool's lock.
 pub type TagOracle = std::sync::Arc<dyn Fn(StreamTag) -> bool + Send + Sync>;
 
-/// Asks the streams with frees not known complete whether their work is
-/// done now, so that a [`TagOracle`] answers yes for the frees it saw
-/// finished. Unlike the oracle it may make driver calls (a query per
-/// stream, never a wait); it runs with no pool lock held, before idle
-/// shards give memory to a shard that grows (they give only memory no
-/// queued work may use).
-pub type StreamPoll = std::sync::Arc<dyn Fn() + Send + Sync>;
-
 /// A point in one stream's queued work (on a device: a CUDA event recorded
 /// on the stream). A page move that lends memory which work queued before
 /// the point may still use keeps the memory's old mapping until the point

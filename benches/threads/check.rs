@@ -14,11 +14,10 @@
 //!   seeds, timed from a barrier to the last join (the threads' final
 //!   frees and stream synchronisation included; `CUMEM_CHECK_NOSYNC=1`
 //!   leaves the synchronisation out). Beside each figure: the
-//!   upstream calls (device: chunks and page maps), the cross-stream waits
-//!   and the chunks moved between arenas during that row; for the device
-//!   rows also the asks for another arena's mapped memory, the page
-//!   unmaps, and the time the row's threads spent asking and moving pages
-//!   (summed over the threads). `CUMEM_CHECK_ROWS=one,each,pinned` (any
+//!   upstream calls (device: chunks), the page maps and the cross-stream
+//!   waits during that row; for the device rows also the page unmaps and
+//!   the time the row's threads spent moving pages (summed over the
+//!   threads). `CUMEM_CHECK_ROWS=one,each,pinned` (any
 //!   of them) runs only those rows, after the same warm-up.
 //! - `pool`: a resizing thread pool. Rounds of fresh OS threads, from 1 to
 //!   32 a round (a seeded draw, the first rounds 1 and 32), each thread a
@@ -33,11 +32,10 @@
 //!   sizes and sequences (default 0x9001). Printed per pool: physical
 //!   memory held at the end (device: mapped and kept; pinned: reserved)
 //!   over the most bytes held at once (the *end* ratio); the most
-//!   physical memory the whole set held at once, sampled every 200 µs by
-//!   a thread of the bench (a lower bound of the true peak), and the sum
-//!   of the shards' own peaks (an upper bound: shards peak at different
-//!   times), each over the most bytes held; and the driver work: upstream
-//!   calls, page maps and unmaps, chunks moved between shards.
+//!   physical memory the pool held at once, sampled every 200 µs by a
+//!   thread of the bench (a lower bound of the true peak), and the pool's
+//!   own peak, each over the most bytes held; and the driver work:
+//!   upstream calls, page maps and unmaps.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Barrier, Mutex};
@@ -132,35 +130,25 @@ struct Counts {
     dev_calls: u64,
     dev_maps: u64,
     waits: u64,
-    moved: u64,
     pinned_calls: u64,
-    asks: (u64, u64),
     /// Page unmaps, and the time the allocating threads spent moving pages.
     dev_unmaps: u64,
     move_ns: u64,
     /// Pinned bytes reserved.
     pinned_reserved: usize,
-    /// Pinned blocks one arena lent another out of its free memory, and
-    /// pinned chunks taken by one arena from another.
-    pinned_lent: u64,
-    pinned_chunks_moved: u64,
 }
 
 fn counts(mm: &MemoryManager) -> Counts {
     let ds = mm.device_stats(0).expect("device stats");
-    let pool = mm.default_device().expect("device").pool();
+    let ps = mm.pinned_stats();
     Counts {
-        dev_calls: pool.upstream_calls(),
+        dev_calls: ds.pool.upstream_allocs,
         dev_maps: ds.pool.map_calls,
         waits: ds.stream_waits,
-        moved: pool.chunks_moved() + pool.ranges_handed_over().0 + mm.pinned_pool().chunks_moved(),
-        pinned_calls: mm.pinned_pool().upstream_calls(),
-        asks: pool.hand_over_asks(),
+        pinned_calls: ps.upstream_allocs,
         dev_unmaps: ds.pool.unmap_calls,
         move_ns: ds.pool.page_move_ns,
-        pinned_reserved: mm.pinned_stats().reserved,
-        pinned_lent: mm.pinned_pool().blocks_lent(),
-        pinned_chunks_moved: mm.pinned_pool().chunks_moved(),
+        pinned_reserved: ps.reserved,
     }
 }
 
@@ -174,10 +162,7 @@ fn peers() {
     pass(&one, 16, ops_per_thread(16, false), 0x0a11_0000);
     pass(&pinned, 16, ops_per_thread(16, false), 0x0a12_0000);
     println!("\nThe peers' workload as the check runs it (global manager, rows interleaved, new threads), Mops/s");
-    println!(
-        "{:<34}{:>8}{:>10}{:>9}{:>8}{:>8}{:>8}{:>8}",
-        "row", "threads", "Mops/s", "ms", "dcalls", "maps", "waits", "moved"
-    );
+    println!("{:<34}{:>8}{:>10}{:>9}{:>8}{:>8}{:>8}", "row", "threads", "Mops/s", "ms", "dcalls", "maps", "waits");
     let mut table: Vec<(&str, Vec<f64>)> =
         ["device, one shared stream", "device, a stream per thread", "pinned"].map(|n| (n, Vec::new())).into();
     // `CUMEM_CHECK_ROWS=one,each,pinned` (any of them) runs only those
@@ -198,7 +183,7 @@ fn peers() {
             let rate = (ops * n as u64) as f64 / took.as_secs_f64() / 1e6;
             rates.push(rate);
             println!(
-                "{:<34}{:>8}{:>10.2}{:>9.1}{:>8}{:>8}{:>8}{:>8}{}",
+                "{:<34}{:>8}{:>10.2}{:>9.1}{:>8}{:>8}{:>8}{}",
                 name,
                 n,
                 rate,
@@ -206,33 +191,25 @@ fn peers() {
                 after.dev_calls - before.dev_calls,
                 after.dev_maps - before.dev_maps,
                 after.waits - before.waits,
-                after.moved - before.moved,
                 if r == 2 {
                     format!(
-                        "  pinned calls {}, reserved {} -> {} MiB; blocks lent {}, chunks moved {}",
+                        "  pinned calls {}, reserved {} -> {} MiB",
                         after.pinned_calls - before.pinned_calls,
                         before.pinned_reserved >> 20,
                         after.pinned_reserved >> 20,
-                        after.pinned_lent - before.pinned_lent,
-                        after.pinned_chunks_moved - before.pinned_chunks_moved
                     )
                 } else {
-                    // Asks for another arena's mapped memory: how many, and
-                    // their time summed over the row's threads.
-                    let (asks, ns) = (after.asks.0 - before.asks.0, after.asks.1 - before.asks.1);
                     // Page moves on the allocating threads: unmaps, and
                     // the time in maps and unmaps summed over the threads.
                     let unmaps = after.dev_unmaps - before.dev_unmaps;
                     let moves = (after.move_ns - before.move_ns) as f64 / 1e6;
                     // The device's memory against the most pages its
                     // blocks touched at once, after the row.
-                    let device = mm.default_device().expect("device");
-                    let floor = device.pool().page_floor().1.max(1);
-                    let mapped = mm.device_stats(0).expect("device stats").pool.mapped;
+                    let pool = mm.device_stats(0).expect("device stats").pool;
+                    let floor = pool.peak_touched.max(1);
                     format!(
-                        "  asks {asks} ({:.1} ms); unmaps {unmaps}, moving pages {moves:.1} ms; mapped / page floor {:.3}",
-                        ns as f64 / 1e6,
-                        mapped as f64 / floor as f64
+                        "  unmaps {unmaps}, moving pages {moves:.1} ms; mapped / page floor {:.3}",
+                        pool.mapped as f64 / floor as f64
                     )
                 }
             );
@@ -302,9 +279,9 @@ fn pool() {
     let mut rng = SmallRng::seed_from_u64(seed);
     let t0 = Instant::now();
     let mut sizes = Vec::new();
-    // The whole set's physical memory, sampled while the rounds run, and
-    // the device figure's floor: the pages live blocks touch, summed over
-    // the shards (no shard can hold less and keep its blocks).
+    // The pools' physical memory, sampled while the rounds run, and the
+    // device figure's floor: the pages live blocks touch (the pool can
+    // hold no less and keep its blocks).
     let physical = |mm: &MemoryManager| {
         let d = mm.device_stats(0).expect("device stats").pool;
         (d.mapped, mm.pinned_stats().reserved, d.touched)
@@ -389,15 +366,13 @@ fn pool() {
     let (dp, pp) = (dev.peak.load(Ordering::Relaxed).max(1) as f64, pin.peak.load(Ordering::Relaxed).max(1) as f64);
     let (sd, sp, st) = *sampled.lock().unwrap();
     let mib = |b: usize| b >> 20;
-    let device = mm.default_device().expect("device");
     println!(
         "\nA resizing thread pool (seed {seed:#x}): {ROUNDS} rounds of {sizes:?} fresh threads, {ops} steps each, half carried over"
     );
     println!(
         "device: end mapped {} MiB / most held at once {} MiB = {:.3}; peak mapped {} MiB (sampled) = {:.3}, \
-         shards' peaks summed {} MiB = {:.3}; pages touched by live blocks (the shards' floor, sampled) {} MiB = {:.3}; \
-         upstream calls {}, map calls {}, unmap calls {}, chunks moved {}, reclaimed from idle shards {} MiB, \
-         ranges handed over {} ({} MiB), blocks lent {}",
+         the pool's peak {} MiB = {:.3}; pages touched by live blocks (the floor, sampled) {} MiB = {:.3}; \
+         upstream calls {}, map calls {}, unmap calls {}",
         mib(ds.mapped),
         mib(dp as usize),
         ds.mapped as f64 / dp,
@@ -407,18 +382,13 @@ fn pool() {
         ds.peak_mapped as f64 / dp,
         mib(st),
         st as f64 / dp,
-        device.pool().upstream_calls(),
+        ds.upstream_allocs,
         ds.map_calls,
         ds.unmap_calls,
-        device.pool().chunks_moved(),
-        mib(device.pool().bytes_reclaimed()),
-        device.pool().ranges_handed_over().0,
-        mib(device.pool().ranges_handed_over().1),
-        device.pool().blocks_lent(),
     );
     println!(
         "pinned: end reserved {} MiB / most held at once {} MiB = {:.3}; peak reserved {} MiB (sampled) = {:.3}, \
-         shards' peaks summed {} MiB = {:.3}; upstream calls {}, chunks moved {}, reclaimed from idle shards {} MiB",
+         the pool's peak {} MiB = {:.3}; upstream calls {}",
         mib(ps.reserved),
         mib(pp as usize),
         ps.reserved as f64 / pp,
@@ -426,9 +396,7 @@ fn pool() {
         sp as f64 / pp,
         mib(ps.peak_reserved),
         ps.peak_reserved as f64 / pp,
-        mm.pinned_pool().upstream_calls(),
-        mm.pinned_pool().chunks_moved(),
-        mib(mm.pinned_pool().bytes_reclaimed()),
+        ps.upstream_allocs,
     );
     println!("took {:.2} s", took.as_secs_f64());
     for b in std::mem::take(&mut *carried.lock().unwrap()) {

@@ -24,9 +24,8 @@
 //! from a barrier to the last join; and a churn column: 64 short-lived
 //! threads in waves of 8, 10,000 operations each, timed from the first
 //! wave's start to the last join. `calls` counts the upstream calls
-//! (chunks, growth, mappings) made during the timed passes, `moved` the
-//! chunks that changed arenas; after the run, each pool's reserved (device:
-//! mapped) bytes over its peak in use.
+//! (chunks, growth, mappings) made during the timed passes; after the run,
+//! each pool's reserved (device: mapped) bytes over its peak in use.
 //!
 //! After the table: growing the pinned pool to 10 GiB in these sizes from
 //! one thread, with the number of upstream calls and their total time.
@@ -306,21 +305,20 @@ fn fresh_pass<T: Target>(t: &T, threads: usize, ops: u64, seed: u64) -> (Duratio
 }
 
 /// One row of the fresh-thread table: Mops/s per thread count, the churn
-/// rate, upstream calls and chunks moved during the timed passes.
+/// rate and upstream calls during the timed passes.
 struct FreshRow {
     rates: Vec<f64>,
     churn: f64,
     calls: u64,
-    moved: u64,
     /// The most bytes held at once by the threads of any pass (sampled).
     held: usize,
 }
 
 /// Warm-up by 16 threads, then every column on new threads (see the
-/// module docs). `counts` reads (upstream calls, chunks moved).
-fn fresh_row<T: Target>(t: &T, counts: &dyn Fn() -> (u64, u64)) -> FreshRow {
+/// module docs). `calls` reads the pool's upstream calls.
+fn fresh_row<T: Target>(t: &T, calls: &dyn Fn() -> u64) -> FreshRow {
     let (_, mut held) = fresh_pass(t, 16, ops_per_thread(16, false), 0x0a11_0000);
-    let (calls0, moved0) = counts();
+    let calls0 = calls();
     let rates = THREADS
         .iter()
         .map(|&n| {
@@ -336,8 +334,7 @@ fn fresh_row<T: Target>(t: &T, counts: &dyn Fn() -> (u64, u64)) -> FreshRow {
         held = held.max(fresh_pass(t, 8, churn_ops, 0xc4a0_0000 + wave * 100).1);
     }
     let churn = (64 * churn_ops) as f64 / t0.elapsed().as_secs_f64() / 1e6;
-    let (calls, moved) = counts();
-    FreshRow { rates, churn, calls: calls - calls0, moved: moved - moved0, held }
+    FreshRow { rates, churn, calls: calls() - calls0, held }
 }
 
 fn print_fresh(name: &str, r: &FreshRow, after: &str) {
@@ -345,7 +342,7 @@ fn print_fresh(name: &str, r: &FreshRow, after: &str) {
     for x in &r.rates {
         print!("{x:>9.2}");
     }
-    println!("{:>9.2}{:>9.2}{:>7}{:>7}  {after}", r.churn, r.churn / r.rates[3], r.calls, r.moved);
+    println!("{:>9.2}{:>9.2}{:>7}  {after}", r.churn, r.churn / r.rates[3], r.calls);
 }
 
 /// Reserved (device: mapped) after the run over the most bytes the
@@ -380,39 +377,34 @@ fn fresh_table(backend: BackendChoice, gpu: bool) {
     for t in THREADS {
         print!("{:>9}", format!("{t} thr"));
     }
-    println!("{:>9}{:>9}{:>7}{:>7}  after: reserved / most held at once", "churn", "ch/8", "calls", "moved");
+    println!("{:>9}{:>9}{:>7}  after: reserved / most held at once", "churn", "ch/8", "calls");
     let stream = || if gpu { Stream::new().expect("cuStreamCreate") } else { Stream::host() };
     for per_thread in [false, true] {
         let mm = MemoryManager::new(fresh_config().backend(backend)).expect("a manager");
         let d = Device { mm, shared: stream(), per_thread, host: !gpu };
-        let counts = || {
-            let a = d.mm.default_device().expect("device").pool();
-            (a.upstream_calls(), a.chunks_moved())
+        let calls = || {
+            let s = d.mm.default_device().expect("device").pool().stats();
+            s.upstream_allocs + s.map_calls
         };
-        let row = fresh_row(&d, &counts);
+        let row = fresh_row(&d, &calls);
         let ds = d.mm.device_stats(0).expect("device stats");
         let s = ds.pool;
         let name = if per_thread { "device, a stream per thread" } else { "device, one shared stream" };
         let after = format!(
-            "{}; stream waits {} ({:.1} ms), elided {}; maps {}; blocks lent {}",
+            "{}; stream waits {} ({:.1} ms), elided {}; maps {}",
             ratio(s.mapped, row.held, s.peak_in_use),
             ds.stream_waits,
             ds.stream_wait_ns as f64 / 1e6,
             ds.stream_waits_elided,
             s.map_calls,
-            d.mm.default_device().expect("device").pool().blocks_lent()
         );
         print_fresh(name, &row, &after);
     }
     let p = Pinned(MemoryManager::new(fresh_config().backend(backend)).expect("a manager"));
-    let counts = || (p.0.pinned_pool().upstream_calls(), p.0.pinned_pool().chunks_moved());
-    let row = fresh_row(&p, &counts);
+    let calls = || p.0.pinned_stats().upstream_allocs;
+    let row = fresh_row(&p, &calls);
     let s = p.0.pinned_stats();
-    let after = format!(
-        "{}; blocks lent between arenas {}",
-        ratio(s.reserved, row.held, s.peak_in_use),
-        p.0.pinned_pool().blocks_lent()
-    );
+    let after = ratio(s.reserved, row.held, s.peak_in_use);
     print_fresh("pinned", &row, &after);
 }
 
@@ -466,7 +458,7 @@ pub fn main() {
     if std::env::var("CUMEM_PEERS_FRESH_ONLY").is_ok_and(|v| v == "1") {
         return;
     }
-    let manager = |arenas: usize| MemoryManager::new(Config::new().backend(backend).arenas(arenas)).expect("a manager");
+    let manager = || MemoryManager::new(Config::new().backend(backend)).expect("a manager");
     let stream = || if ctx.is_some() { Stream::new().expect("cuStreamCreate") } else { Stream::host() };
     println!("\nThe peers' workload (uniform 1 B..4 MiB, <= {LIVE} live per thread, fair coin), total Mops/s");
     print!("{:<44}", "target");
@@ -486,20 +478,17 @@ pub fn main() {
         print_row("raw cuMemAllocAsync, a stream per thread", &each, None);
         (raw_shared, raw_each) = (Some(shared), Some(each));
     }
-    for arenas in [0, 1] {
-        let label = if arenas == 0 { "arenas" } else { "1 arena" };
-        let device = |per_thread: bool| {
-            rows(&|t| {
-                let d = Device { mm: manager(arenas), shared: stream(), per_thread, host: ctx.is_none() };
-                // One arena with a stream per thread is the slow case.
-                run(&d, t, ops_per_thread(t, per_thread && arenas == 1), true)
-            })
-        };
-        let (s, e) = (raw_shared.as_deref(), raw_each.as_deref());
-        print_row(&format!("cumem device, one shared stream ({label})"), &device(false), s);
-        print_row(&format!("cumem device, a stream per thread ({label})"), &device(true), e);
-        let pinned = rows(&|t| run(&Pinned(manager(arenas)), t, ops_per_thread(t, false), true));
-        print_row(&format!("cumem pinned ({label})"), &pinned, s);
-    }
-    pinned_growth(manager(0));
+    let device = |per_thread: bool| {
+        rows(&|t| {
+            let d = Device { mm: manager(), shared: stream(), per_thread, host: ctx.is_none() };
+            // One pool with a stream per thread is the slow case.
+            run(&d, t, ops_per_thread(t, per_thread), true)
+        })
+    };
+    let (s, e) = (raw_shared.as_deref(), raw_each.as_deref());
+    print_row("cumem device, one shared stream", &device(false), s);
+    print_row("cumem device, a stream per thread", &device(true), e);
+    let pinned = rows(&|t| run(&Pinned(manager()), t, ops_per_thread(t, false), true));
+    print_row("cumem pinned", &pinned, s);
+    pinned_growth(manager());
 }

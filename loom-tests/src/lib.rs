@@ -11,7 +11,7 @@ pub mod pages;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use cumem::pool::{Arenas, Pool, PoolConfig, UpstreamFactory};
+use cumem::pool::{Pool, PoolConfig};
 use cumem::upstream::{Chunk, Upstream};
 use cumem::PoolKind;
 
@@ -40,38 +40,10 @@ impl Default for FakeUpstream {
 
 impl FakeUpstream {
     /// An upstream whose fake chunks start at `base` (upstreams of one
-    /// arena set need disjoint ranges, as real ones have).
+    /// model need disjoint ranges, as real ones have).
     pub fn at(base: usize) -> Self {
         FakeUpstream { next: AtomicUsize::new(base) }
     }
-}
-
-/// An arena set of `count` arenas with small chunks over fake upstreams,
-/// each arena's range 4 GiB after the previous one's, and the number of
-/// upstreams its factory made (arena 0's not counted).
-pub fn fake_arenas(count: usize, thread_cache: bool) -> (Arenas, std::sync::Arc<AtomicUsize>) {
-    let mut c = PoolConfig::new(PoolKind::Standalone);
-    c.thread_cache = thread_cache;
-    c.min_chunk = CHUNK;
-    let made = std::sync::Arc::new(AtomicUsize::new(0));
-    let m = made.clone();
-    let make: UpstreamFactory = Box::new(move || {
-        let k = m.fetch_add(1, Ordering::Relaxed) + 1;
-        Ok(Box::new(FakeUpstream::at(BASE + (k << 32))) as Box<dyn Upstream>)
-    });
-    (Arenas::new(Box::new(FakeUpstream::default()), Some(make), c, count), made)
-}
-
-/// [`assert_balanced`] for every arena of a set.
-pub fn assert_arenas_balanced(arenas: &Arenas) {
-    arenas.check_invariants().expect("best-fit invariants");
-    let s = arenas.stats();
-    assert_eq!((s.in_use, s.requested, s.live_blocks), (0, 0, 0), "{s:?}");
-    assert_eq!(s.allocations, s.frees, "{s:?}");
-    arenas.release_cached().expect("release");
-    let s = arenas.stats();
-    assert_eq!((s.cached, s.reserved), (0, 0), "{s:?}");
-    cumem::pool::release_thread_caches();
 }
 
 impl Upstream for FakeUpstream {

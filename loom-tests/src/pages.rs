@@ -87,12 +87,6 @@ impl Upstream for PageUpstream {
     fn granularity(&self) -> usize {
         PAGE
     }
-    fn address_space(&self) -> Option<Chunk> {
-        // The first pages of the bump pointer's range: chunks there are
-        // found by granule (a set of one address space), the rest in the
-        // table.
-        Some(Chunk { addr: BASE, size: 64 * PAGE })
-    }
     fn name(&self) -> &'static str {
         "pages"
     }

@@ -37,24 +37,17 @@ from workloads import RUNNERS
 # "pytorch_repeat" is PyTorch's allocator again: whether a workload repeats
 # itself bit for bit at all.
 ALLOCATORS = ["pytorch", "expandable", "cuda_malloc_async", "cumem"]
-# "cumem_per_thread": cumem with one arena per thread (cumem's own default,
-# CUMEM_CONF=arenas=0) instead of the one pool install() sets up.
 # "cumem_slack" and "cumem_noremap" tell whether page remapping costs step
 # time: remapped memory may rise to 11 times the page floor before pages
 # move (remap_slack=10: maps, no moves within a run), or no remapping at all
 # (expandable=false: chunks from cuMemAlloc).
-EXTRA_ALLOCATORS = ["pytorch_repeat", "cumem_per_thread", "cumem_slack", "cumem_noremap"]
+EXTRA_ALLOCATORS = ["pytorch_repeat", "cumem_slack", "cumem_noremap"]
 # "cumem_base": cumem from the package directory named by
 # CUMEM_BASE_PYTHONPATH (another build, for a before/after comparison).
 EXTRA_ALLOCATORS.append("cumem_base")
-# "cumem_tail_last": cumem placing requests of a page or more into the free
-# tail of a pool's highest chunk last (tail_last=true; off by default).
-EXTRA_ALLOCATORS.append("cumem_tail_last")
 EXTRA_CONF = {
-    "cumem_per_thread": "arenas=0",
     "cumem_slack": "remap_slack=10",
     "cumem_noremap": "expandable=false",
-    "cumem_tail_last": "tail_last=true",
 }
 # Generation runs with eager attention: with SDPA, PyTorch's own allocator
 # does not repeat its own logits bit for bit from one process to the next

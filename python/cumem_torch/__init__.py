@@ -27,11 +27,11 @@ pinned host memory, or dropped with `discard_tags`) and get it back at the
 same addresses (`wake_up()`), so CUDA graphs captured before still replay.
 
 Configuration is `CUMEM_CONF` (as for Rust programs), or `install(conf=...)`
-with the same syntax. The native backend adds `arenas=1` (one pool per
-device for all of PyTorch's threads: autograd's backward pass runs on a
-thread of its own) and `promise_registered_captures=true` (the backend
+with the same syntax (cumem keeps one pool per device for all of
+PyTorch's threads: autograd's backward pass runs on a thread of its own).
+The native backend adds `promise_registered_captures=true` (the backend
 routes captures into PyTorch's graph pools itself) unless the
-configuration names them. Under torchrun (`LOCAL_RANK` set) with several
+configuration names it. Under torchrun (`LOCAL_RANK` set) with several
 GPUs and no `device=`, cumem's default device is the rank's GPU.
 """
 
@@ -92,10 +92,9 @@ def rank_conf(env_conf, local_rank, device_count):
 
 def native_conf(conf):
     """The configuration the native backend runs cumem with: `conf` with
-    `arenas=1` and `promise_registered_captures=true` added where it does
-    not name them."""
+    `promise_registered_captures=true` added where it does not name it."""
     keys = [kv.split("=", 1)[0].strip() for kv in (conf or "").split(",") if kv.strip()]
-    extra = [k + "=" + v for k, v in (("arenas", "1"), ("promise_registered_captures", "true")) if k not in keys]
+    extra = [k + "=" + v for k, v in (("promise_registered_captures", "true"),) if k not in keys]
     return ",".join(x for x in [(conf or "").strip()] + extra if x)
 
 

@@ -45,12 +45,12 @@ assert rc(" device = 1 ", "0", 2) is None
 assert rc("", "1", 1) is None  # one visible GPU per rank: it is device 0
 assert rc("", "2", 2) is None and rc("", "x", 2) is None and rc(None, None, 4) is None
 
-# The native backend's configuration: one pool for all threads, captures
-# routed by PyTorch's graph pools, unless the configuration says otherwise.
+# The native backend's configuration: captures routed by PyTorch's graph
+# pools, unless the configuration says otherwise.
 nc = cumem_torch.native_conf
-assert nc(None) == "arenas=1,promise_registered_captures=true", nc(None)
-assert nc("mode=sync_pool") == "mode=sync_pool,arenas=1,promise_registered_captures=true"
-assert nc("arenas=4, promise_registered_captures=false") == "arenas=4, promise_registered_captures=false"
+assert nc(None) == "promise_registered_captures=true", nc(None)
+assert nc("mode=sync_pool") == "mode=sync_pool,promise_registered_captures=true"
+assert nc("mode=sync_pool, promise_registered_captures=false") == "mode=sync_pool, promise_registered_captures=false"
 
 lib = _lib.lib()
 print("cumem backend:", cumem_torch.backend())

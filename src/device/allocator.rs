@@ -30,7 +30,7 @@ use super::stream_ordered::AsyncBook;
 use super::tags::{self, TagPoolFactory, TagPools};
 use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
-use crate::pool::{Allocation, LiveBlock, Pool, Shards};
+use crate::pool::{Allocation, LiveBlock, Pool};
 use crate::sync::{lock, AtomicU8, AtomicUsize, Mutex, Ordering};
 use crate::tag::StreamTag;
 use crate::upstream::Upstream;
@@ -44,7 +44,7 @@ const PARKED_MAX: usize = 8;
 pub struct DeviceAllocator {
     ordinal: usize,
     pub(super) ctx: Option<Arc<CudaContext>>,
-    pub(super) pool: Shards,
+    pub(super) pool: Pool<Box<dyn Upstream>>,
     supports_async: bool,
     requested: AtomicU8,
     effective: AtomicU8,
@@ -90,7 +90,7 @@ impl DeviceAllocator {
     pub(crate) fn new(
         ordinal: usize,
         ctx: Option<Arc<CudaContext>>,
-        pool: Shards,
+        pool: Pool<Box<dyn Upstream>>,
         mode: DeviceAllocatorMode,
         native_options: NativePoolOptions,
         promise_registered_captures: bool,
@@ -116,17 +116,9 @@ impl DeviceAllocator {
         };
         // A block merged from blocks freed on a stream whose work is known
         // complete and one freed on another stream keeps only the latter's
-        // tag (a thread that takes over a shard otherwise makes MIXED
-        // blocks that wait for every stream).
+        // tag (instead of a MIXED tag that waits for every stream).
         let streams = a.streams.clone();
         a.pool.set_tag_oracle(Arc::new(move |t| streams.completed(t)));
-        // Idle shards give only memory no queued work may use: before they
-        // give, streams with pending frees are asked whether they are idle
-        // (threads that free on a shared stream rarely synchronise it).
-        let streams = a.streams.clone();
-        a.pool.set_stream_poll(Arc::new(move || {
-            streams.poll_pending();
-        }));
         // Page moves of memory whose work is queued on one stream wait for
         // a fence there, on the device, not for the device on the host
         // (`cuda/fence.rs`).
@@ -146,9 +138,10 @@ impl DeviceAllocator {
         self.ctx.as_ref()
     }
 
-    /// The sync pool (its shards: one per thread that allocates, see
-    /// [`Shards`]).
-    pub fn pool(&self) -> &Shards {
+    /// The sync pool: one pool for every thread (with per-thread caches
+    /// where [`Config::device_thread_cache`](crate::Config::device_thread_cache)
+    /// is on).
+    pub fn pool(&self) -> &Pool<Box<dyn Upstream>> {
         &self.pool
     }
 

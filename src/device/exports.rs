@@ -62,7 +62,7 @@ impl DeviceAllocator {
             let (kind, offset, fds) = if let Some(mode) = mode {
                 let (fd, data) = self.mode(mode).export(ptr)?;
                 (HandleKind::NativePool { data }, 0, vec![fd])
-            } else if let Some(pieces) = self.pool.mapped_pieces(addr, size) {
+            } else if let Some(pieces) = self.pool.upstream().mapped_pieces(addr, size) {
                 let fds = pieces
                     .iter()
                     .map(|p| vmm::export_mapping(&ctx, p.addr as u64))

@@ -8,8 +8,8 @@
 //! a pinned block is recorded (with its stream) instead of made, and made
 //! when the last export of the block is released. The block stays live in
 //! its pool meanwhile, so nothing the pools do touches it: best fit never
-//! hands it out, shards lend and move only free memory, page remapping
-//! unmaps only pages that lie wholly in free space.
+//! hands it out, page remapping unmaps only pages that lie wholly in
+//! free space.
 //!
 //! A pinned block freed during a capture follows the rule of every block
 //! freed during a capture (`captures.rs`): the capture's private pool

@@ -5,7 +5,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use cudarc::driver::CudaContext;
 
-use crate::cuda::{capture_of, driver_err, EventPool, RelaxedCaptureMode, Stream};
+use crate::cuda::{capture_of, driver_err, EventPool, Stream};
 use crate::error::Result;
 use crate::sync::{lock, AtomicU64, Mutex, Ordering};
 use crate::tag::{Fence, StreamTag};
@@ -217,32 +217,6 @@ impl StreamRegistry {
             self.wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
         Ok(())
-    }
-
-    /// Asks every registered stream with frees not known complete whether
-    /// its work is done (`cuStreamQuery`, in relaxed capture mode, never a
-    /// wait), so that its frees so far count as complete: before idle
-    /// shards give memory (see [`StreamPoll`](crate::tag::StreamPoll)).
-    /// A stream that captures a graph (the question is illegal there) or
-    /// whose owner let it go is not asked; an error ends the look, and
-    /// nothing is learnt from it. Returns the streams found idle.
-    pub(crate) fn poll_pending(&self) -> usize {
-        let pending: Vec<Stream> =
-            lock(&self.streams).live.values().filter(|s| !s.all_frees_complete()).cloned().collect();
-        let _relaxed = RelaxedCaptureMode::enter();
-        let mut idle = 0;
-        for s in &pending {
-            // Not gone, not capturing: asked.
-            if !matches!(s.unless_gone(|| capture_of(s)), Ok(Some(None))) {
-                continue;
-            }
-            match s.poll_idle() {
-                Ok(true) => idle += 1,
-                Ok(false) => {}
-                Err(_) => break,
-            }
-        }
-        idle
     }
 
     /// A fence at the end of the work queued so far on the registered

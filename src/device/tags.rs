@@ -12,8 +12,8 @@
 //!   thread-local flag.
 //! - **One pool per tag and device.** A [`TagPool`] is a best-fit pool of
 //!   its own over CUDA virtual memory (the host fallback's reserved address
-//!   space), remapping pages like the sync pool's shards, with no thread
-//!   cache and no background mapper: its address space is the tag's alone,
+//!   space), remapping pages like the sync pool, with no thread
+//!   cache: its address space is the tag's alone,
 //!   so sleep can unmap every page of it and wake can map pages at the same
 //!   addresses. Frees find the pool by address after the sync pool did
 //!   not know the pointer.

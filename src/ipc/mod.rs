@@ -21,7 +21,7 @@
 //!
 //! # Lifetime
 //! An exported block is **pinned** until its [`Export`] is released: cumem
-//! never hands it out again, moves it to another shard, or unmaps its
+//! never hands it out again, moves its memory, or unmaps its
 //! pages, even after its owner frees it (the free is then deferred and
 //! takes effect at the release). The release says that no importer uses the
 //! block any more; the protocol that makes it true is

@@ -97,15 +97,6 @@ pub struct Config {
     /// map more, in millionths (`remap_slack=1%`, the default, is 10 000).
     /// See [`PoolConfig::remap_slack_ppm`].
     pub remap_slack_ppm: u32,
-    /// Whether a remapping device pool moves pages on cumem's background
-    /// mapper thread (`background_mapper=true`; off by default). See
-    /// [`PoolConfig::background_mapper`].
-    pub background_mapper: bool,
-    /// Whether a remapping device pool learns the sequence its program
-    /// repeats and places the next repetitions by a plan
-    /// (`learn_placement=true`; off by default). See
-    /// [`PoolConfig::learn_placement`].
-    pub learn_placement: bool,
     /// The most pinned memory the pool may reserve.
     pub max_pinned_pool_size: Option<usize>,
     /// The most device memory the sync pool may reserve.
@@ -162,95 +153,12 @@ pub struct Config {
     /// that code for several devices runs and is tested without a GPU.
     /// Ignored on CUDA, where the driver says how many there are.
     pub host_devices: usize,
-    /// How many shards (per-thread pools; the key keeps its old name,
-    /// `arenas`) the pinned pool and each device's sync pool may
-    /// split into (0: the processors, at most
-    /// [`MAX_SHARDS`](crate::pool::MAX_SHARDS); 1: one pool). Each thread
-    /// allocates from one shard, with its own lock; see
-    /// [`Shards`](crate::pool::Shards).
-    pub arenas: usize,
-    /// Device shards for threads that come and go. Off (the default):
-    /// every device shard remaps pages in an address range of its own, so
-    /// each long-lived thread's memory stays near the page floor of its
-    /// own layout, and memory moves between shards by unmapping and
-    /// mapping pages (driver calls). On: shard 0 (remapping) is kept for
-    /// the first thread, and `arenas` worker shards beside it take whole
-    /// chunks of one shared address space, trading free chunks with no
-    /// driver call, for programs whose threads come and go (thread pools
-    /// that resize, a thread per request). Off by default because a
-    /// second long-lived thread then loses page remapping: gpt2 training
-    /// under PyTorch (whose backward pass runs on a thread of its own)
-    /// peaked at 29.8 GB against 23.4 GB with it off.
-    pub shared_device_arenas: bool,
     /// The device sync pools keep the block freed last uncoalesced until
     /// the next operation, so that an allocation of exactly its size
     /// right after, where best fit would place it anyway, takes it back
     /// with no index work ([`PoolConfig::hot_block`]; on by default).
     /// Placement is best fit's either way.
     pub hot_block: bool,
-    /// The device pools that remap pages place a request of a page or
-    /// more into the free tail of their highest chunk only when no other
-    /// free block holds it: the tail is the edge of address space that
-    /// grows in place, so it counts as the largest block
-    /// ([`PoolConfig::tail_last`]). Off by default: over the synthetic
-    /// traces it brought more of them to their page floor (32 of 64 over
-    /// the goal against 41), but on logs captured from real PyTorch
-    /// programs it moved pages more often on two of five (GPT-2 training
-    /// 411 driver calls a warm pass against 166, a ViT 743 against 435)
-    /// and held less memory on one (padded generation 1.075 of peak live
-    /// against 1.116).
-    pub tail_last: bool,
-    /// Arenas whose threads all exited give their free memory (a device
-    /// arena: whole free pieces of pages, unmapped and released; a pinned
-    /// arena: wholly free chunks) to an arena that must grow, when the set
-    /// would otherwise hold more than 120 % of the most memory its blocks
-    /// held at once (pages touched, for device arenas); before they give,
-    /// streams with pending frees are asked whether they are idle. Off by
-    /// default: on an H100 it cut a resizing thread pool's device memory
-    /// by about a tenth (2.26-2.44 of the most bytes held at once, against
-    /// 2.27-2.96 off) but halved the peers' fresh-thread workload at 8 and
-    /// 16 threads (one shared stream: 12.4 and 3.9 Mops/s, against 26.2
-    /// and 29.4 off): new threads map again what idle arenas gave. Off,
-    /// memory moves between arenas only as before (pinned chunks and
-    /// loans; device pages never)
-    /// ([`PoolConfig::idle_shards_give`](crate::pool::PoolConfig::idle_shards_give)).
-    pub idle_arenas_give: bool,
-    /// Device shards follow the threads that use them now: a shard claimed
-    /// by a new thread starts its remap budget afresh (from what its live
-    /// blocks touch then), so what former threads needed becomes memory
-    /// other arenas may take: with [`arenas_hand_over`](Config::arenas_hand_over),
-    /// mapped ranges with no driver call; with
-    /// [`idle_arenas_give`](Config::idle_arenas_give), given back. On by
-    /// default: on an H100 a resizing thread pool held 1.28–1.33 of the
-    /// most bytes it held at once with it (and hand-over), against
-    /// 1.78–2.33 without, at the same speed of the peers' fresh-thread
-    /// workload
-    /// ([`PoolConfig::fresh_thread_budget`](crate::pool::PoolConfig::fresh_thread_budget)).
-    pub fresh_thread_budget: bool,
-    /// A device's remapping arenas share one address space (each maps
-    /// through a view of one reservation), and an arena that would map
-    /// new memory first takes a mapped free range of another arena, with
-    /// no driver call, when the arenas together would otherwise hold more
-    /// than 102 % of the most pages their blocks touched at once (from an
-    /// idle arena, or what an arena in use holds above its remap budget,
-    /// and past 110 % what it holds above the pages its live blocks touch
-    /// now). On by default; off, each arena reserves address space of its own and
-    /// device memory moves between arenas only by unmap and map
-    /// ([`PoolConfig::hand_over_ranges`](crate::pool::PoolConfig::hand_over_ranges)).
-    pub arenas_hand_over: bool,
-    /// When a thread's exit leaves its device arena with no thread, the
-    /// idle arenas give back (unmap, on the exiting thread) what a
-    /// device's arenas hold above 102 % of the most pages their blocks
-    /// touched at once: the set keeps its peak's pages for the threads
-    /// that come next, and what busy arenas kept above it for peaks of
-    /// their own does not outlive their threads. Needs
-    /// [`arenas_hand_over`](Config::arenas_hand_over). Off by default: on
-    /// an H200 it brought a resizing thread pool's device memory from
-    /// 1.27-1.39 of the most bytes held at once to 1.19-1.28, but the
-    /// peers' fresh-thread workload then ran its 16-thread device rows
-    /// about a fifth slower (new threads map again what exits gave back)
-    /// ([`PoolConfig::trim_idle_shards`](crate::pool::PoolConfig::trim_idle_shards)).
-    pub idle_arenas_trim: bool,
 }
 
 impl Default for Config {
@@ -262,8 +170,6 @@ impl Default for Config {
             device: 0,
             min_chunk: 2 << 20,
             remap_slack_ppm: crate::pool::DEFAULT_REMAP_SLACK_PPM,
-            background_mapper: false,
-            learn_placement: false,
             max_pinned_pool_size: None,
             max_device_pool_size: None,
             release_threshold: u64::MAX,
@@ -278,14 +184,7 @@ impl Default for Config {
             promise_registered_captures: false,
             peer_access: PeerAccess::None,
             host_devices: 1,
-            arenas: 0,
-            shared_device_arenas: false,
             hot_block: true,
-            tail_last: false,
-            idle_arenas_give: false,
-            fresh_thread_budget: true,
-            arenas_hand_over: true,
-            idle_arenas_trim: false,
         }
     }
 }
@@ -320,7 +219,6 @@ impl Config {
         pc.max_size = self.max_pinned_pool_size;
         pc.thread_cache = self.pinned_thread_cache;
         pc.thread_cache_bytes = self.thread_cache_bytes;
-        pc.idle_shards_give = self.idle_arenas_give;
         pc
     }
 
@@ -330,19 +228,12 @@ impl Config {
         pc.initial_size = self.device_pool_size;
         pc.min_chunk = self.min_chunk;
         pc.remap_slack_ppm = self.remap_slack_ppm;
-        pc.background_mapper = self.background_mapper;
-        pc.learn_placement = self.learn_placement;
         pc.max_size = self.max_device_pool_size;
         pc.expandable = self.expandable;
         pc.thread_cache = self.device_thread_cache;
         pc.thread_cache_bytes = self.thread_cache_bytes;
         pc.cache_exact = true;
         pc.hot_block = self.hot_block;
-        pc.tail_last = self.tail_last;
-        pc.fresh_thread_budget = self.fresh_thread_budget;
-        pc.idle_shards_give = self.idle_arenas_give;
-        pc.hand_over_ranges = self.arenas_hand_over;
-        pc.trim_idle_shards = self.idle_arenas_trim;
         pc
     }
 
@@ -393,16 +284,6 @@ impl Config {
         self.remap_slack_ppm = ppm;
         self
     }
-    /// Sets [`Config::background_mapper`].
-    pub fn background_mapper(mut self, on: bool) -> Self {
-        self.background_mapper = on;
-        self
-    }
-    /// Sets [`Config::learn_placement`].
-    pub fn learn_placement(mut self, on: bool) -> Self {
-        self.learn_placement = on;
-        self
-    }
     /// Sets [`Config::max_pinned_pool_size`].
     pub fn max_pinned_pool_size(mut self, bytes: usize) -> Self {
         self.max_pinned_pool_size = Some(bytes);
@@ -445,66 +326,17 @@ impl Config {
         self.thread_cache_bytes = bytes;
         self
     }
-    /// Sets [`Config::shared_device_arenas`].
-    pub fn shared_device_arenas(mut self, on: bool) -> Self {
-        self.shared_device_arenas = on;
-        self
-    }
-
-    /// Sets [`Config::arenas`].
-    pub fn arenas(mut self, count: usize) -> Self {
-        self.arenas = count;
-        self
-    }
-
-    /// The arena count in effect ([`Config::arenas`], 0 resolved).
-    pub fn arena_count(&self) -> usize {
-        match self.arenas {
-            0 => crate::pool::default_shard_count(),
-            n => n.min(crate::pool::MAX_SHARDS),
-        }
-    }
-
     /// Sets [`Config::device_thread_cache`].
     pub fn device_thread_cache(mut self, on: bool) -> Self {
         self.device_thread_cache = on;
         self
     }
-    /// Sets [`Config::idle_arenas_give`].
-    pub fn idle_arenas_give(mut self, on: bool) -> Self {
-        self.idle_arenas_give = on;
-        self
-    }
-
-    /// Sets [`Config::arenas_hand_over`].
-    pub fn arenas_hand_over(mut self, on: bool) -> Self {
-        self.arenas_hand_over = on;
-        self
-    }
-
-    /// Sets [`Config::idle_arenas_trim`].
-    pub fn idle_arenas_trim(mut self, on: bool) -> Self {
-        self.idle_arenas_trim = on;
-        self
-    }
-
-    /// Sets [`Config::fresh_thread_budget`].
-    pub fn fresh_thread_budget(mut self, on: bool) -> Self {
-        self.fresh_thread_budget = on;
-        self
-    }
-
     /// Sets [`Config::hot_block`].
     pub fn hot_block(mut self, on: bool) -> Self {
         self.hot_block = on;
         self
     }
 
-    /// Sets [`Config::tail_last`].
-    pub fn tail_last(mut self, on: bool) -> Self {
-        self.tail_last = on;
-        self
-    }
     /// Sets [`Config::track_allocations`].
     pub fn track_allocations(mut self, on: bool) -> Self {
         self.track_allocations = on;

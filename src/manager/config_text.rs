@@ -64,6 +64,38 @@ fn bool_value(key: &str, value: &str) -> Result<bool> {
     }
 }
 
+/// What per-thread shards' keys say now.
+const NO_SHARDS: &str = "per-thread shards were removed: the pinned pool and each device's sync pool are one pool \
+                         for every thread, with per-thread caches (pinned_thread_cache, device_thread_cache)";
+
+/// Keys of options that were removed, with why.
+const REMOVED: &[(&str, &str)] = &[
+    ("arenas", NO_SHARDS),
+    ("shared_device_arenas", NO_SHARDS),
+    ("fresh_thread_budget", NO_SHARDS),
+    ("arenas_hand_over", NO_SHARDS),
+    ("idle_arenas_give", NO_SHARDS),
+    ("idle_arenas_trim", NO_SHARDS),
+    ("learn_placement", "learned placement was removed: it was off by default and measured no better than best fit"),
+    ("background_mapper", "the background mapper's reserve was removed: it was off by default and measured no better"),
+    ("tail_last", "placing into the free tail last was removed: it was off by default and measured no better"),
+];
+
+/// The keys `CUMEM_CONF` knows.
+const KNOWN: &str = "pinned_pool_size, device_pool_size, mode, device, min_chunk, remap_slack, \
+                     max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
+                     exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
+                     device_thread_cache, hot_block, thread_cache_bytes, backend, peer_access, \
+                     host_devices, log, promise_registered_captures";
+
+/// The error for a key `CUMEM_CONF` does not know (or no longer knows).
+fn unknown_key(key: &str) -> Error {
+    match REMOVED.iter().find(|(k, _)| *k == key) {
+        Some((_, why)) => Error::Config(format!("'{key}' is no longer supported: {why}")),
+        None => Error::Config(format!("unknown key '{key}' (known: {KNOWN})")),
+    }
+}
+
 impl std::str::FromStr for Config {
     type Err = Error;
 
@@ -76,8 +108,6 @@ impl std::str::FromStr for Config {
                 "device_pool_size" => c.device_pool_size = size_value(key, value)?,
                 "min_chunk" => c.min_chunk = size_value(key, value)?,
                 "remap_slack" => c.remap_slack_ppm = fraction_ppm(key, value)?,
-                "background_mapper" => c.background_mapper = bool_value(key, value)?,
-                "learn_placement" => c.learn_placement = bool_value(key, value)?,
                 "max_pinned_pool_size" => c.max_pinned_pool_size = Some(size_value(key, value)?),
                 "max_device_pool_size" => c.max_device_pool_size = Some(size_value(key, value)?),
                 "release_threshold" => {
@@ -104,16 +134,7 @@ impl std::str::FromStr for Config {
                 "pinned_thread_cache" => c.pinned_thread_cache = bool_value(key, value)?,
                 "device_thread_cache" => c.device_thread_cache = bool_value(key, value)?,
                 "hot_block" => c.hot_block = bool_value(key, value)?,
-                "tail_last" => c.tail_last = bool_value(key, value)?,
-                "fresh_thread_budget" => c.fresh_thread_budget = bool_value(key, value)?,
-                "idle_arenas_give" => c.idle_arenas_give = bool_value(key, value)?,
-                "arenas_hand_over" => c.arenas_hand_over = bool_value(key, value)?,
-                "idle_arenas_trim" => c.idle_arenas_trim = bool_value(key, value)?,
                 "thread_cache_bytes" => c.thread_cache_bytes = size_value(key, value)?,
-                "arenas" => {
-                    c.arenas = value.parse().map_err(|_| Error::Config(format!("arenas: '{value}' is not a count")))?
-                }
-                "shared_device_arenas" => c.shared_device_arenas = bool_value(key, value)?,
                 "backend" => {
                     c.backend = match value {
                         "auto" => BackendChoice::Auto,
@@ -140,15 +161,7 @@ impl std::str::FromStr for Config {
                 }
                 "log" if !value.is_empty() => c.log_path = Some(PathBuf::from(value)),
                 "log" => return Err(Error::Config("log: expected a file path".into())),
-                _ => {
-                    return Err(Error::Config(format!(
-                        "unknown key '{key}' (known: pinned_pool_size, device_pool_size, mode, device, min_chunk, \
-                         remap_slack, background_mapper, learn_placement, max_pinned_pool_size, max_device_pool_size, release_threshold, expandable, \
-                         exportable_native_pool, track_allocations, thread_cache, pinned_thread_cache, \
-                         device_thread_cache, hot_block, tail_last, thread_cache_bytes, backend, peer_access, host_devices, log, arenas, \
-                         shared_device_arenas, idle_arenas_give, arenas_hand_over, idle_arenas_trim, fresh_thread_budget, promise_registered_captures)"
-                    )))
-                }
+                _ => return Err(unknown_key(key)),
             }
         }
         if c.min_chunk == 0 {

@@ -266,8 +266,6 @@ impl MemoryManager {
             pool,
             graph_pool: self.config.graph_pool_config(),
             expandable: self.config.expandable,
-            shared_shards: self.config.shared_device_arenas,
-            shards: self.config.arena_count(),
             mode,
             native: NativePoolOptions {
                 release_threshold: self.config.release_threshold,

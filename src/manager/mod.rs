@@ -32,7 +32,7 @@ use crate::cuda::{driver_status, DriverStatus, Stream};
 use crate::device::{DeviceAllocator, DeviceAllocatorMode, DeviceStats};
 use crate::error::{Error, PoolKind, Result};
 use crate::log::EventLog;
-use crate::pool::{Pool, PoolStats, Shards};
+use crate::pool::{Pool, PoolStats};
 use crate::sync::{AtomicBool, Ordering};
 use crate::upstream::{CudaPinnedMemory, Geometric, Host, Taken, Upstream};
 
@@ -92,7 +92,7 @@ impl std::fmt::Display for Backend {
 pub struct MemoryManager {
     config: Config,
     backend: Backend,
-    pinned: Shards,
+    pinned: Pool<Box<dyn Upstream>>,
     pinned_ctx: Option<Arc<CudaContext>>,
     /// The managed-memory pool, made on first use (`crate::managed`).
     managed: OnceCell<Pool<Box<dyn Upstream>>>,
@@ -208,24 +208,17 @@ impl MemoryManager {
             return Err(Error::NoSuchDevice { ordinal: config.device, count: device_count });
         }
         let pinned_config = config.pinned_pool_config();
-        // Every pinned shard grows geometrically against one shared total,
-        // so the whole pool reaches a large size in few upstream calls.
-        let (taken, limit, pinned_ctx) = (Taken::new(), pinned_config.max_size, ctx.clone());
-        let pinned_upstream = move || -> Result<Box<dyn Upstream>> {
-            let inner: Box<dyn Upstream> = match &pinned_ctx {
-                Some(ctx) => Box::new(CudaPinnedMemory::new(ctx.clone())),
-                None => Box::new(Host::new()),
-            };
-            Ok(Box::new(Geometric::new(inner, taken.clone(), limit)))
+        // The pinned pool grows geometrically, so it reaches a large size
+        // in few upstream calls.
+        let pinned_inner: Box<dyn Upstream> = match &ctx {
+            Some(ctx) => Box::new(CudaPinnedMemory::new(ctx.clone())),
+            None => Box::new(Host::new()),
         };
+        let pinned_upstream: Box<dyn Upstream> =
+            Box::new(Geometric::new(pinned_inner, Taken::new(), pinned_config.max_size));
         Ok(MemoryManager {
             device_pool_size: crate::sync::Mutex::new(config.device_pool_size),
-            pinned: Shards::new(
-                pinned_upstream()?,
-                Some(Box::new(pinned_upstream)),
-                pinned_config,
-                config.arena_count(),
-            ),
+            pinned: Pool::new(pinned_upstream, pinned_config),
             pinned_ctx: ctx,
             managed: OnceCell::new(),
             devices: (0..device_count).map(|_| OnceCell::new()).collect(),
@@ -320,7 +313,7 @@ impl MemoryManager {
     }
 
     /// The pinned pool.
-    pub fn pinned_pool(&self) -> &Shards {
+    pub fn pinned_pool(&self) -> &Pool<Box<dyn Upstream>> {
         &self.pinned
     }
 

@@ -14,12 +14,6 @@ pub struct TableSizes {
     /// Ids of streams the registries let go, remembered so that blocks
     /// freed on them need no wait (bounded, oldest forgotten first).
     pub streams_retired: usize,
-    /// Entries of the shard chunk directories (pinned pool and every
-    /// device's sync pool): one per chunk the shards hold.
-    pub directory_entries: usize,
-    /// Directory arrays allocated (the current ones and replaced ones not
-    /// yet reclaimed).
-    pub directory_arrays: usize,
 }
 
 impl MemoryManager {
@@ -27,14 +21,6 @@ impl MemoryManager {
     /// call).
     pub fn table_sizes(&self) -> TableSizes {
         let mut t = TableSizes::default();
-        let mut add_directory = |(entries, arrays): (usize, usize)| {
-            t.directory_entries += entries;
-            t.directory_arrays += arrays;
-        };
-        add_directory(self.pinned_pool().directory_sizes());
-        for d in self.initialised_devices() {
-            add_directory(d.pool().directory_sizes());
-        }
         for d in self.initialised_devices() {
             let (live, retired) = d.stream_table_sizes();
             t.streams_live += live;

@@ -8,17 +8,6 @@ use super::{classes, remap, validate, Allocation, Inner, Pool};
 use crate::error::{Error, OomState, Result};
 use crate::upstream::{Upstream, BLOCK_ALIGN};
 
-/// What [`Pool::allocate_for`] says if an allocation allowed to grow came
-/// back empty (it can't).
-const NO_GROWTH_MISS: &str = "an allocation allowed to grow came back without a block";
-
-/// The error of an allocation allowed to grow that came back without a
-/// block (a broken upstream's doing).
-#[cold]
-pub(super) fn no_growth_miss() -> Error {
-    Error::InvalidState(NO_GROWTH_MISS.into())
-}
-
 /// The thread cache's class of a validated request and the size of the
 /// block a hit returns and a miss allocates (`None`: not cached).
 #[inline]
@@ -51,29 +40,14 @@ impl<U: Upstream> Pool<U> {
     pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
         match self.allocate_quick(size, align, stream) {
             Some(a) => Ok(a),
-            None => self.allocate_past_quick(size, align, stream, true)?.ok_or_else(no_growth_miss),
-        }
-    }
-
-    /// [`allocate_for`](Pool::allocate_for) from the memory the pool holds:
-    /// `Ok(None)` where the pool would grow. Not for a pool that
-    /// [`remaps`](Pool::remaps) (mapping pages is its growth).
-    ///
-    /// # Errors
-    /// As [`allocate`](Pool::allocate), but never out of memory.
-    #[inline]
-    pub(crate) fn allocate_within(&self, size: usize, align: usize, stream: u64) -> Result<Option<Allocation>> {
-        debug_assert!(!self.remap, "a remapping pool grows by mapping pages");
-        match self.allocate_quick(size, align, stream) {
-            Some(a) => Ok(Some(a)),
-            None => self.allocate_past_quick(size, align, stream, false),
+            None => self.allocate_past_quick(size, align, stream),
         }
     }
 
     /// The common case of [`allocate_for`](Pool::allocate_for), with no
     /// error to carry: a valid request served by the thread cache or
-    /// placed in memory the pool holds, with nothing to grow, map, move,
-    /// learn or release. `None` leaves the request to
+    /// placed in memory the pool holds, with nothing to grow, map, move
+    /// or release. `None` leaves the request to
     /// [`allocate_past_quick`](Pool::allocate_past_quick), which reports
     /// what is wrong with it or does the rest.
     #[inline(always)]
@@ -98,81 +72,43 @@ impl<U: Upstream> Pool<U> {
 
     /// [`allocate_for`](Pool::allocate_for) after
     /// [`allocate_quick`](Pool::allocate_quick) gave `None`: validation's
-    /// error, the placement again, growth (with `grow` set; `Ok(None)`
-    /// where the pool would grow otherwise) and the retries out of memory.
+    /// error, the placement again, growth and the retries out of memory.
     ///
     /// # Errors
     /// As [`allocate`](Pool::allocate).
     #[inline(never)]
-    pub(crate) fn allocate_past_quick(
-        &self,
-        size: usize,
-        align: usize,
-        stream: u64,
-        grow: bool,
-    ) -> Result<Option<Allocation>> {
+    pub(crate) fn allocate_past_quick(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
         let rounded = validate(size, align)?;
         let Some(cache) = &self.cache else {
-            return self.allocate_exact_slow(rounded, align, size, stream, grow);
+            return self.allocate_slow(rounded, align, size, stream);
         };
         // The cache missed, or the class is not cached: no second look.
         let class = cache_class(cache, rounded, align);
         let exact = class.map_or(rounded, |(_, block_size)| block_size);
-        let a = match self.allocate_exact_slow(exact, align, size, stream, grow) {
+        let a = match self.allocate_slow(exact, align, size, stream) {
             // Memory parked in thread caches counts as used: flush it all
             // and try once more.
             Err(Error::OutOfMemory { .. }) if cache.drain_all(false) > 0 => {
-                self.allocate_exact_slow(exact, align, size, stream, grow)?
+                self.allocate_slow(exact, align, size, stream)?
             }
             r => r?,
         };
-        if let (Some(a), Some(_)) = (&a, class) {
-            ThreadCaches::lend(cache, a, size);
+        if class.is_some() {
+            ThreadCaches::lend(cache, &a, size);
         }
         Ok(a)
     }
 
-    /// [`allocate_within`](Pool::allocate_within) past the thread caches,
-    /// for a block lent to another shard's thread: its free goes straight
-    /// back to this pool.
-    ///
-    /// # Errors
-    /// As [`allocate_within`](Pool::allocate_within).
-    pub(crate) fn allocate_uncached_within(&self, size: usize, align: usize) -> Result<Option<Allocation>> {
-        debug_assert!(!self.remap, "a remapping pool grows by mapping pages");
-        let rounded = validate(size, align)?;
-        self.allocate_exact(rounded, align, size, 0, false)
-    }
-
-    /// [`allocate`](Pool::allocate) from the shared pool, `rounded` being
-    /// the validated size; with `grow` unset, `Ok(None)` where the pool
-    /// would grow.
-    #[inline]
-    fn allocate_exact(
-        &self,
-        rounded: usize,
-        align: usize,
-        size: usize,
-        stream: u64,
-        grow: bool,
-    ) -> Result<Option<Allocation>> {
-        match self.place_in_held(rounded, align, size) {
-            Some(a) => Ok(Some(a)),
-            None => self.allocate_exact_slow(rounded, align, size, stream, grow),
-        }
-    }
-
-    /// The common case of [`allocate_exact`](Self::allocate_exact) and
-    /// [`allocate_quick`](Self::allocate_quick): a placement in memory the
+    /// The common case of [`allocate_quick`](Self::allocate_quick): a placement in memory the
     /// pool holds (for a remapping pool, on mapped pages:
-    /// [`remap::place_mapped`]), with nothing to map, move, learn or
+    /// [`remap::place_mapped`]), with nothing to map, move or
     /// release. `None` leaves the request to the full path, which grows or
     /// maps (and looks again first). Inlined, so that its result reaches
     /// the caller in registers rather than through memory.
     #[inline(always)]
     fn place_in_held(&self, rounded: usize, align: usize, size: usize) -> Option<Allocation> {
         let mut inner = self.inner.lock();
-        if inner.shut_down || inner.learn.is_some() {
+        if inner.shut_down {
             return None;
         }
         inner.used = true;
@@ -186,22 +122,17 @@ impl<U: Upstream> Pool<U> {
         }
     }
 
-    /// [`allocate_exact`](Self::allocate_exact) past its common case.
+    /// An allocation of `rounded` bytes (validated) past its common case
+    /// ([`place_in_held`](Self::place_in_held)): the placement again, page
+    /// maps, growth and the retries out of memory.
     #[inline(never)]
-    fn allocate_exact_slow(
-        &self,
-        rounded: usize,
-        align: usize,
-        size: usize,
-        stream: u64,
-        grow: bool,
-    ) -> Result<Option<Allocation>> {
+    fn allocate_slow(&self, rounded: usize, align: usize, size: usize, stream: u64) -> Result<Allocation> {
         let mut released_once = false;
         let mut drained = false;
         loop {
             if self.remap {
                 match self.allocate_remapping(rounded, align, size, stream) {
-                    Ok(Some(a)) => return Ok(Some(a)),
+                    Ok(Some(a)) => return Ok(a),
                     Ok(None) => {}
                     Err(Error::OutOfMemory { .. }) if !released_once => {
                         // Unmapping free pages is the first step.
@@ -228,7 +159,7 @@ impl<U: Upstream> Pool<U> {
                 inner.used = true;
                 if !self.remap {
                     if let Some(a) = inner.fit.allocate(rounded, align, size) {
-                        return Ok(Some(a));
+                        return Ok(a);
                     }
                 } else if inner.fit.flush_hot_then(|f| f.largest_free() >= rounded + align.saturating_sub(BLOCK_ALIGN))
                 {
@@ -247,9 +178,6 @@ impl<U: Upstream> Pool<U> {
                     drained = true;
                     ThreadCaches::drain_local(cache);
                     continue;
-                }
-                if !grow {
-                    return Ok(None);
                 }
                 match self.plan_growth(&mut inner, rounded, align) {
                     Ok(plan) => plan,

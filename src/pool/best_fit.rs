@@ -51,8 +51,6 @@
 
 use std::collections::BTreeMap;
 
-mod at;
-mod carve;
 mod hot;
 mod inspect;
 mod live_map;
@@ -60,7 +58,6 @@ mod ranked;
 mod resize;
 mod tags;
 mod touched;
-mod wild;
 
 use super::free_index::{FreeIndex, Key};
 
@@ -72,7 +69,6 @@ use live_map::LiveMap;
 pub(crate) use ranked::Preferred;
 use tags::Oracle;
 use touched::PageCount;
-pub(crate) use touched::SetPages;
 
 const NIL: u32 = u32::MAX;
 
@@ -150,29 +146,15 @@ pub struct BestFit {
     oracle: Oracle,
     /// Touched-page accounting (page remapping): see [`PageCount`].
     pages: PageCount,
-    /// Set when a chunk may have become wholly free (a free merged a
-    /// chunk's last live block away, or a chunk was added); cleared when a
-    /// look for one found none. Shared with the pool, which reads it
-    /// without its lock before offering a chunk to another shard.
-    whole_free: crate::sync::Arc<crate::sync::AtomicBool>,
     /// The block freed last, not yet coalesced nor indexed; see the
     /// module docs.
     hot: HotSlot,
     /// Whether frees leave the freed block hot.
     hot_enabled: bool,
-    /// The smallest request placed into the free tail of the highest
-    /// chunk only when no other block holds it (`wild.rs`); `None`: off.
-    wild: Option<usize>,
     /// The last hot-block check that found no rival, as (index changes,
     /// size, free successor, address): asked again with the index
     /// unchanged, it has the same answer.
     hot_clear: Option<(u64, usize, Option<Key>, usize)>,
-    /// The free blocks (indexed ones) by address, while placement at an
-    /// address may be asked (`at.rs`); `None` otherwise.
-    by_addr: Option<BTreeMap<usize, u32>>,
-    /// Where the pages live blocks touch are shared with a set of pools:
-    /// the set's slots, this allocator's slot, and what it stored there.
-    set_pages: Option<(crate::sync::Arc<SetPages>, usize, usize)>,
 }
 
 /// The slot of the hot block (`NIL`, the default: none).
@@ -200,10 +182,6 @@ impl BestFit {
     /// and indexes the result.
     fn index_coalesced(&mut self, slot: u32) {
         let merged = self.coalesce(slot);
-        let b = &self.blocks[merged as usize];
-        if b.prev == NIL && b.next == NIL {
-            self.whole_free.store(true, crate::sync::Ordering::Relaxed);
-        }
         self.index_free(merged);
     }
 
@@ -238,9 +216,6 @@ impl BestFit {
         let b = &self.blocks[slot as usize];
         self.pages.free_pages += self.pages.whole(b.addr, b.size);
         self.free_index.insert((b.size, b.addr, slot));
-        if let Some(by_addr) = &mut self.by_addr {
-            by_addr.insert(b.addr, slot);
-        }
     }
 
     fn unindex_free(&mut self, slot: u32) {
@@ -248,9 +223,6 @@ impl BestFit {
         self.pages.free_pages -= self.pages.whole(b.addr, b.size);
         let removed = self.free_index.remove(&(b.size, b.addr, slot));
         debug_assert!(removed, "free block missing from the index");
-        if let Some(by_addr) = &mut self.by_addr {
-            by_addr.remove(&b.addr);
-        }
     }
 
     /// Adds a chunk from the upstream as one free block.
@@ -259,13 +231,6 @@ impl BestFit {
     /// must not overlap a chunk already added (checked: such a chunk is
     /// refused and `false` returned).
     pub fn add_chunk(&mut self, chunk: Chunk) -> bool {
-        self.add_chunk_tagged(chunk, StreamTag::NONE)
-    }
-
-    /// [`add_chunk`](Self::add_chunk) whose one free block carries `tag`:
-    /// work queued on that stream may still use the memory (a chunk moved
-    /// from another pool with its stream order).
-    pub fn add_chunk_tagged(&mut self, chunk: Chunk, tag: StreamTag) -> bool {
         if chunk.size == 0
             || chunk.addr % BLOCK_ALIGN != 0
             || chunk.size % BLOCK_ALIGN != 0
@@ -288,11 +253,10 @@ impl BestFit {
             next: NIL,
             chunk: id,
             free: true,
-            tag,
+            tag: StreamTag::NONE,
             requested: 0,
         });
         self.chunks[id as usize] = Some(ChunkInfo { chunk, first: slot, last: slot });
-        self.whole_free.store(true, crate::sync::Ordering::Relaxed);
         self.chunks_by_addr.insert(chunk.addr, id);
         self.index_free(slot);
         self.stats.reserved += chunk.size;
@@ -414,12 +378,6 @@ impl BestFit {
         tail
     }
 
-    /// The flag that says a chunk may be wholly free (see the field); a
-    /// pool keeps a clone to read without its lock.
-    pub(crate) fn whole_free_flag(&self) -> crate::sync::Arc<crate::sync::AtomicBool> {
-        self.whole_free.clone()
-    }
-
     /// Frees the block starting at `addr`; `tag` names the stream whose
     /// queued work may still use it. Coalesces with free neighbours.
     ///
@@ -446,18 +404,8 @@ impl BestFit {
         s.live_blocks -= 1;
         if self.hot_enabled {
             self.hot = HotSlot(slot);
-            // Still say when coalescing it would leave its chunk wholly
-            // free (another shard may take such a chunk; it flushes first).
-            let b = &self.blocks[slot as usize];
-            let end_free = |n: u32, toward_end: fn(&Block) -> u32| {
-                n == NIL || (self.blocks[n as usize].free && toward_end(&self.blocks[n as usize]) == NIL)
-            };
-            if end_free(b.prev, |x| x.prev) && end_free(b.next, |x| x.next) {
-                self.whole_free.store(true, crate::sync::Ordering::Relaxed);
-            }
         } else {
             self.index_coalesced(slot);
-            self.publish_touched(false);
         }
         Ok(Freed { size, requested })
     }

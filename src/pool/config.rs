@@ -1,6 +1,6 @@
 //! [`PoolConfig`]: how a pool grows, how large it may get, and which of
-//! its optional parts (thread caches, page remapping, the hot block, the
-//! background mapper) are on.
+//! its optional parts (thread caches, page remapping, the hot block) are
+//! on.
 
 #[cfg(doc)]
 use super::{Pool, MAX_CACHED_BLOCK};
@@ -59,64 +59,6 @@ pub struct PoolConfig {
     /// way. The device pools use it
     /// ([`Config::hot_block`](crate::Config::hot_block)).
     pub hot_block: bool,
-    /// With page remapping, the exact best fit of a request of a page or
-    /// more passes over the free tail of the pool's highest chunk when
-    /// another free block holds the request (`best_fit/wild.rs`): the
-    /// tail is where the pool grows, so placement fills holes below it
-    /// first, as best fit over one range that never ends would. The
-    /// device pools use it when
-    /// [`Config::tail_last`](crate::Config::tail_last) is on (off by
-    /// default).
-    pub tail_last: bool,
-    /// With page remapping, let cumem's background mapper thread keep a
-    /// reserve of unmapped memory, so that allocations map kept memory
-    /// and unmap nothing themselves (`mapper.rs`). Off by default: in warm
-    /// replays on an H200 it cut the allocating thread's calls on
-    /// kv_cache (331–357 a pass against 459) and raised them on
-    /// llama_train (125–131 against 35), pinned_top and two_streams, with
-    /// physical peaks up to 0.021 higher: its reserve is room that
-    /// placement then finds unmapped. Off, the allocating thread makes
-    /// every page move, but the mapper thread still unmaps the old
-    /// places of memory a move lent (`remap.rs`), and
-    /// [`Pool::mapper_step`] runs the reserve's work where a test wants it.
-    pub background_mapper: bool,
-    /// In a set of shards ([`Shards`](super::Shards)), shards whose threads
-    /// all exited give their free memory to a shard that grows when the
-    /// set would otherwise hold more than 120 % of the most memory its
-    /// blocks held at once (off by default;
-    /// [`Config::idle_arenas_give`](crate::Config::idle_arenas_give)).
-    pub idle_shards_give: bool,
-    /// A shard of a set ([`Shards`](super::Shards)) claimed by a new
-    /// thread starts its remap budget from what its live blocks touch
-    /// then, and shards in use give what they hold above their budget to
-    /// a shard that grows, as idle shards give their free memory: memory
-    /// follows the threads that use it now. Off by default: a new thread
-    /// then pays page moves for memory its shard already held
-    /// ([`Config::fresh_thread_budget`](crate::Config::fresh_thread_budget)).
-    pub fresh_thread_budget: bool,
-    /// In a set of remapping shards that share one address space (a
-    /// device's sync pool: [`Shards::sharing_space`](super::Shards::sharing_space)),
-    /// a shard that would map new memory first takes a mapped free range
-    /// of another shard, with no driver call, when the set would otherwise
-    /// hold more than 102 % of the most pages its blocks touched at once
-    /// (`handover.rs`: idle shards give any free range, shards in use
-    /// what they hold above their remap budget, and past 110 % what they
-    /// hold above the pages their live blocks touch now). On by default
-    /// ([`Config::arenas_hand_over`](crate::Config::arenas_hand_over)).
-    pub hand_over_ranges: bool,
-    /// In a set of remapping shards that share one address space, a
-    /// thread's exit that leaves its shard with no thread trims the set:
-    /// idle shards give back what the set holds above 102 % of the most
-    /// pages its blocks touched at once (`reclaim.rs`). Off by default
-    /// ([`Config::idle_arenas_trim`](crate::Config::idle_arenas_trim)).
-    pub trim_idle_shards: bool,
-    /// With page remapping, learn the sequence of allocations the program
-    /// repeats (a training or serving loop) and place the next
-    /// repetitions by a plan made knowing every block's lifetime, inside
-    /// the memory the pool holds, so that the layout stops shifting and
-    /// memory stops moving (`learn.rs`); best fit places what the plan
-    /// did not foresee. Off by default.
-    pub learn_placement: bool,
 }
 
 impl PoolConfig {
@@ -136,13 +78,6 @@ impl PoolConfig {
             keep_chunks: false,
             remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
             hot_block: false,
-            tail_last: false,
-            background_mapper: false,
-            idle_shards_give: false,
-            fresh_thread_budget: false,
-            hand_over_ranges: true,
-            trim_idle_shards: false,
-            learn_placement: false,
         }
     }
 }

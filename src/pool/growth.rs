@@ -9,7 +9,6 @@ use crate::upstream::{Chunk, Upstream, BLOCK_ALIGN};
 use crate::error::{Error, OomState, Result};
 
 use crate::sync::lock;
-use crate::tag::StreamTag;
 
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
@@ -72,41 +71,6 @@ impl<U: Upstream> Pool<U> {
         }
     }
 
-    /// Takes the smallest wholly free chunk of at least `min` bytes that
-    /// work on `stream` can use with no wait out of the pool for another
-    /// shard (no upstream call), with the tag that orders its reuse
-    /// ([`BestFit::take_free_chunk_fitting`](super::BestFit::take_free_chunk_fitting));
-    /// `None` for pools whose chunks can't change hands (page remapping,
-    /// kept chunks) or when none fits.
-    pub(super) fn give_free_chunk(&self, min: usize, stream: u64) -> Option<(Chunk, StreamTag)> {
-        if self.remap || self.config.keep_chunks || !self.whole_free.load(crate::sync::Ordering::Relaxed) {
-            return None;
-        }
-        let mut inner = self.inner.lock();
-        if inner.shut_down {
-            return None;
-        }
-        inner.fit.take_free_chunk_fitting(min, stream)
-    }
-
-    /// Adds a chunk another shard gave ([`give_free_chunk`](Self::give_free_chunk)),
-    /// free, with the tag it came with.
-    ///
-    /// # Errors
-    /// [`Error::InvalidState`] when the chunk overlaps the pool's (the
-    /// chunk is then the caller's to give back).
-    pub(super) fn adopt_chunk(&self, chunk: Chunk, tag: StreamTag) -> Result<()> {
-        let mut inner = self.inner.lock();
-        if inner.fit.add_chunk_tagged(chunk, tag) {
-            inner.fit.stats_mut().upstream_allocs += 1;
-            return Ok(());
-        }
-        Err(Error::InvalidState(format!(
-            "a chunk {:#x}+{} given by another shard overlaps this one's",
-            chunk.addr, chunk.size
-        )))
-    }
-
     /// Decides how to grow for a request of `rounded` bytes; books the
     /// growth against the limit. `Err(true)` when the limit forbids it.
     pub(super) fn plan_growth(&self, inner: &mut Inner, rounded: usize, align: usize) -> Result<Growth, bool> {
@@ -163,11 +127,8 @@ impl<U: Upstream> Pool<U> {
             Growth::Extend { chunk, extra, need } => {
                 // With page remapping the pool grows by address space only;
                 // pages are mapped where allocations land (remap.rs). The
-                // remap lock keeps hand-overs (`handover.rs`) off while the
-                // chunk grows: a range given from its top meanwhile would
-                // leave the pool without the chunk it extends, and the
-                // extension recorded over the range's new owner. The
-                // chunk must still be the pool's last, as planned.
+                // remap lock keeps page moves off while the chunk grows;
+                // the chunk must still be the pool's last, as planned.
                 let remapping = self.remap.then(|| lock(&self.remap_lock));
                 let extended = if self.remap {
                     let still = self.inner.lock().fit.last_chunk().is_some_and(|(c, _)| c == chunk);

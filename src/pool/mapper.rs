@@ -1,61 +1,28 @@
-//! The background mapper: page moves off the allocating thread.
+//! The background mapper: old mappings of moved memory unmapped off the
+//! allocating thread.
 //!
 //! # Implementation details
 //!
-//! A remapping pool (`remap.rs`) moves memory by unmapping pieces lying
-//! wholly in free blocks and mapping their memory where a placement needs
-//! it. Done on the allocating thread, each move costs it an unmap, a map
-//! and an access call. The mapper keeps a *reserve* of memory unmapped in
-//! advance (kept by the upstream with no address, counted as held), so the
-//! allocating thread only maps kept memory: it unmaps (and waits for queued
-//! work) only when the reserve is empty and new memory would cross the
-//! budget.
+//! A remapping pool (`remap.rs`) moves memory by lending it: the memory
+//! is mapped at its new place while its old place stays mapped, and its
+//! old place is unmapped here, off the allocating thread (which then pays
+//! a map and an access call per piece of a move, not an unmap too).
 //!
-//! - **Old mappings of lent memory** (`remap.rs`: a move maps memory no
-//!   queued work may use at its new place before its old place is
-//!   unmapped): every pool's job unmaps them first in each step, whatever
-//!   the setting below. The driver runs one thread's VMM calls at a time,
-//!   so an unmap beside a move delays the move: the step waits until the
-//!   pool has made no move for [`QUIET`], takes the remap lock only if it
-//!   is free, and unmaps one mapping per step (a move that starts
-//!   meanwhile waits for one unmap at most). A pool queues its job after
-//!   each move that left some. A mapping lent behind a fence (memory
-//!   freed on the requesting stream, `remap.rs`) is passed over until its
-//!   fence has passed (asked, never waited for): a step that finds only
-//!   such mappings tries again every [`RETRY`].
-//! - **The reserve is off by default** ([`PoolConfig::background_mapper`](super::PoolConfig::background_mapper)):
-//!   on an H200 it raised the allocating thread's calls on most traces
-//!   that move pages (`docs/results.md`).
+//! - **One unmap at a time, between moves.** The driver runs one
+//!   thread's VMM calls at a time, so an unmap beside a move delays the
+//!   move: a step waits until the pool has made no move for [`QUIET`],
+//!   takes the remap lock only if it is free, and unmaps one mapping per
+//!   step (a move that starts meanwhile waits for one unmap at most). A
+//!   pool queues its job after each move that left some.
+//! - **Fences.** A mapping lent behind a fence (memory freed on the
+//!   requesting stream, `remap.rs`) is passed over until its fence has
+//!   passed (asked, never waited for): a step that finds only such
+//!   mappings tries again every [`RETRY`], [`RETRIES`] times.
 //! - **One thread for the process**, started on demand: pools queue a
-//!   [`Job`] (their shared remapping state, held weakly by the queue) after
-//!   each map, and after a free of at least a page while the room is
-//!   short; the thread runs queued jobs one step at a time and exits after
-//!   [`IDLE`] with nothing queued. A step that finds only memory whose
-//!   stream work may still run tries again every [`RETRY`], [`RETRIES`]
-//!   times. Its driver calls count as the background's
-//!   ([`crate::cuda::vmm::driver_calls`]).
-//! - **A step** takes the pool's remap lock (as the allocating thread's
-//!   map does), picks free pieces highest first under the pool lock
-//!   (marking them holes, so no allocation lands there while they move),
-//!   drops the pool lock, unmaps at most [`BATCH`] piece(s) keeping their
-//!   memory, and records the result under the pool lock. No driver call is
-//!   made with the pool lock held.
-//! - **Reserve**: the room the allocating thread can map into without
-//!   unmapping is the kept memory plus the headroom under the budget; the
-//!   mapper tops it up to half the slack above the page floor (at most
-//!   [`RESERVE_MAX`], at least one piece). It never raises what the pool
-//!   holds (unmapping into the reserve moves memory from mapped to kept);
-//!   when the pool holds more than its budget it releases the kept memory
-//!   instead.
-//! - **Streams**: only blocks whose stream work is known complete give
-//!   memory ([`super::BestFit::tag_settled`]); the mapper never waits for
-//!   the device, so it never makes a call a capture under way forbids
-//!   (the upstream's calls run in relaxed capture mode on its thread).
-//!   A step that finds only such memory asks the pool's stream poll
-//!   ([`Pool::set_stream_poll`](super::Pool::set_stream_poll): the
-//!   streams with pending frees, never a capturing one) before it tries
-//!   again: without it, frees on a stream that nobody synchronises never
-//!   count as complete, and on a device the mapper moved nothing.
+//!   [`Job`] (their shared remapping state, held weakly by the queue);
+//!   the thread runs queued jobs one step at a time and exits after
+//!   [`IDLE`] with nothing queued. Its driver calls count as the
+//!   background's ([`crate::cuda::vmm::driver_calls`]).
 //! - **Shutdown**: a pool closes its job under the remap lock (no step
 //!   then starts anything) and waits until the thread let go of it (a
 //!   step unmapping old mappings ends first), unmaps the old mappings
@@ -64,21 +31,13 @@
 use super::page_map::budget;
 use super::{Inner, SpinLock};
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
-use crate::upstream::{Chunk, Upstream, REMAP_PIECE};
-
-/// The most pieces one step unmaps (the allocating thread may wait for the
-/// remap lock that long).
-pub(super) const BATCH: usize = 1;
-
-/// The most room (kept memory and headroom under the budget) the mapper
-/// keeps for the allocating thread.
-pub(super) const RESERVE_MAX: usize = 64 << 20;
+use crate::upstream::Upstream;
 
 /// How long the thread waits for work before it exits.
 #[cfg(not(loom))]
 const IDLE: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// How long a job waiting for stream work waits before it tries again,
+/// How long a job waiting for a fence waits before it tries again,
 /// and how many times it tries before it waits for the pool's next wake.
 #[cfg(not(loom))]
 const RETRY: std::time::Duration = std::time::Duration::from_millis(1);
@@ -98,9 +57,6 @@ pub(super) struct Job<U: Upstream> {
     pub(super) upstream: Arc<U>,
     pub(super) remap_lock: Arc<Mutex<()>>,
     slack_ppm: u32,
-    /// Whether the job keeps a reserve ([`PoolConfig::background_mapper`](super::PoolConfig::background_mapper));
-    /// without, it only unmaps old mappings of moved memory.
-    reserve: bool,
     /// When the pool's last move ended (`moved`), in nanoseconds since
     /// the job was made.
     #[cfg(not(loom))]
@@ -111,9 +67,6 @@ pub(super) struct Job<U: Upstream> {
     queued: AtomicBool,
     /// Set when the pool shuts down or drops: no step runs any more.
     closed: AtomicBool,
-    /// What a step asks when the free memory it could unmap may still be
-    /// used by queued stream work ([`Pool::set_stream_poll`](super::Pool::set_stream_poll)).
-    pub(super) poll: once_cell::sync::OnceCell<crate::tag::StreamPoll>,
     /// What a move asks for a fence on the requesting stream
     /// ([`Pool::set_fence_maker`](super::Pool::set_fence_maker)).
     pub(super) fences: once_cell::sync::OnceCell<crate::tag::FenceMaker>,
@@ -126,8 +79,8 @@ pub(crate) enum Progress {
     Idle,
     /// A batch done; more is wanted.
     More,
-    /// Room is wanted but the free memory that could give it may still be
-    /// used by queued stream work: try again shortly.
+    /// Old mappings are left whose fences have not passed, or a move is
+    /// under way: try again shortly.
     Waiting,
 }
 
@@ -149,21 +102,18 @@ impl<U: Upstream> Job<U> {
         upstream: Arc<U>,
         remap_lock: Arc<Mutex<()>>,
         slack_ppm: u32,
-        reserve: bool,
     ) -> Self {
         Job {
             inner,
             upstream,
             remap_lock,
             slack_ppm,
-            reserve,
             #[cfg(not(loom))]
             last_move: std::sync::atomic::AtomicU64::new(0),
             #[cfg(not(loom))]
             born: std::time::Instant::now(),
             queued: AtomicBool::new(false),
             closed: AtomicBool::new(false),
-            poll: once_cell::sync::OnceCell::new(),
             fences: once_cell::sync::OnceCell::new(),
         }
     }
@@ -193,24 +143,6 @@ impl<U: Upstream> Job<U> {
         self.closed.store(true, Ordering::Release);
     }
 
-    /// The room the mapper keeps for the allocating thread to map into
-    /// without unmapping, in pages: half the slack above the page floor,
-    /// at most [`RESERVE_MAX`] bytes and at least one piece.
-    fn reserve(budget: usize, floor: usize, page_shift: u32) -> usize {
-        let piece = REMAP_PIECE.div_ceil(1 << page_shift).max(1);
-        ((budget - floor) / 2).min(RESERVE_MAX >> page_shift).max(piece)
-    }
-
-    /// Whether the room the allocating thread can map into without
-    /// unmapping is below the reserve (`inner` is the pool's, locked).
-    pub(super) fn wants_room(&self, inner: &Inner) -> bool {
-        let (_, floor) = inner.fit.touched_pages();
-        let budget = budget(&inner.fit, &inner.pages, self.slack_ppm);
-        let pages = &inner.pages;
-        let room = pages.kept + budget.saturating_sub(pages.physical());
-        floor > 0 && !inner.shut_down && room < Self::reserve(budget, floor, pages.shift())
-    }
-
     /// Above the budget (new memory was made where kept pieces did not
     /// fit), releases the excess of kept memory. The caller holds the
     /// remap lock, not the pool lock.
@@ -229,124 +161,37 @@ impl<U: Upstream> Job<U> {
         self.inner.lock().pages.set_kept(kept);
     }
 
-    /// One step (see the module docs); the reserve's part only where the
-    /// job keeps one or `reserve` says so (models step it by hand).
-    pub(super) fn run_step(&self, reserve: bool) -> Progress {
-        // Old mappings of moved memory first, one at a time and only
-        // while no move is under way or just done: the driver runs one
-        // thread's VMM calls at a time (`benches/vmm.rs`: beside a second
-        // thread's unmaps a map and grant took more than twice as long),
-        // so an unmap beside a move would delay the move by as much. A
-        // move that starts meanwhile waits for one unmap at most.
-        if !self.closed.load(Ordering::Acquire) && self.upstream.has_stale() {
-            if self.moving() {
-                return Progress::Waiting;
-            }
-            let Ok(_remap) = self.remap_lock.try_lock() else { return Progress::Waiting };
-            if self.closed.load(Ordering::Acquire) {
-                return Progress::Idle;
-            }
-            // One whose fence has passed: the others' work may still run,
-            // so they are tried again shortly.
-            if self.upstream.unmap_stale(1, false) == 0 {
-                return Progress::Waiting;
-            }
-            if self.upstream.has_stale() {
-                return Progress::More;
-            }
-        }
-        if !(self.reserve || reserve) {
+    /// One step (see the module docs): one old mapping of moved memory
+    /// unmapped, while no move is under way or just done (`benches/vmm.rs`:
+    /// beside a second thread's unmaps a map and grant took more than twice
+    /// as long).
+    pub(super) fn run_step(&self) -> Progress {
+        if self.closed.load(Ordering::Acquire) || !self.upstream.has_stale() {
             return Progress::Idle;
         }
-        let _remap = lock(&self.remap_lock);
+        if self.moving() {
+            return Progress::Waiting;
+        }
+        let Ok(_remap) = self.remap_lock.try_lock() else { return Progress::Waiting };
         if self.closed.load(Ordering::Acquire) {
             return Progress::Idle;
         }
-        let kept = self.upstream.kept();
-        let (spans, want, shift, blocked) = {
-            let mut inner = self.inner.lock();
-            if inner.shut_down {
-                return Progress::Idle;
-            }
-            let Inner { fit, pages, .. } = &mut *inner;
-            pages.set_kept(kept);
-            let (_, floor) = fit.touched_pages();
-            let budget = budget(fit, pages, self.slack_ppm);
-            if pages.physical() > budget && pages.kept > 0 {
-                drop(inner);
-                self.trim_excess();
-                return Progress::Idle;
-            }
-            // What the allocating thread can map without unmapping: kept
-            // memory and new memory up to the budget.
-            let room = pages.kept + budget.saturating_sub(pages.physical());
-            let reserve = Self::reserve(budget, floor, pages.shift());
-            let piece = (REMAP_PIECE >> pages.shift()).max(1);
-            let want = reserve.saturating_sub(room).min(BATCH * piece);
-            if floor == 0 || want == 0 {
-                return Progress::Idle;
-            }
-            let mut spans: Vec<Chunk> = Vec::new();
-            let mut offered = 0;
-            let mut blocked = false;
-            for (addr, bsize, tag) in fit.free_blocks_highest_first(pages.page()) {
-                if offered >= 2 * want {
-                    break;
-                }
-                if !fit.tag_settled(tag) {
-                    blocked |= !pages.mapped_inside(addr, bsize).is_empty();
-                    continue;
-                }
-                for span in pages.mapped_inside(addr, bsize) {
-                    offered += span.size >> pages.shift();
-                    spans.push(span);
-                }
-            }
-            for span in &spans {
-                pages.mark(*span, true);
-            }
-            (spans, want, pages.shift(), blocked)
-        };
-        let unfinished = if blocked { Progress::Waiting } else { Progress::Idle };
-        if spans.is_empty() {
-            if blocked {
-                // Free memory whose stream work may still run: the streams
-                // with pending frees are asked (no pool lock held), so the
-                // next try finds the idle ones' frees complete.
-                if let Some(poll) = self.poll.get() {
-                    poll();
-                }
-            }
-            return unfinished;
+        // One whose fence has passed: the others' work may still run, so
+        // they are tried again shortly.
+        if self.upstream.unmap_stale(1, false) == 0 {
+            return Progress::Waiting;
         }
-        let r = self.upstream.unmap_within(&spans, want << shift, false, true);
-        let kept = self.upstream.kept();
-        let mut inner = self.inner.lock();
-        let pages = &mut inner.pages;
-        for span in &spans {
-            pages.mark(*span, false);
-        }
-        let unmapped = r.as_ref().map_or(&[][..], |v| &v[..]);
-        let mut got = 0;
-        for piece in unmapped {
-            pages.mark(*piece, true);
-            pages.mapped -= piece.size >> shift;
-            got += piece.size >> shift;
-        }
-        pages.unmap_calls += unmapped.len() as u64;
-        pages.set_kept(kept);
-        match r {
-            // More to do when this batch was full.
-            Ok(_) if got >= want => Progress::More,
-            Ok(_) => unfinished,
-            Err(_) => Progress::Idle,
+        if self.upstream.has_stale() {
+            Progress::More
+        } else {
+            Progress::Idle
         }
     }
 }
 
 impl<U: Upstream> Step for Job<U> {
     fn step(&self) -> Progress {
-        self.run_step(false)
+        self.run_step()
     }
     fn dequeued(&self) {
         self.queued.store(false, Ordering::Release);

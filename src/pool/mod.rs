@@ -23,40 +23,24 @@ mod classes;
 mod config;
 mod free_index;
 mod growth;
-mod handover;
-mod learn;
 mod mapper;
 mod page_map;
 mod pool_snapshot;
 mod queries;
-mod reclaim;
 mod remap;
-mod shard_registry;
-mod shard_upstream;
-mod shards;
 mod sleep;
 mod spin;
 mod stats;
 
 // Names of lower layers that a program of pools needs, kept here for
 // programs (cumem's own code imports them from their owners).
-pub use crate::sync::set_thread_slot;
-pub use crate::tag::{Fence, FenceMaker, StreamPoll, StreamTag, TagOracle};
+pub use crate::tag::{Fence, FenceMaker, StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
 pub use cache::{release_thread_caches, BIN_MAX, LOOK_EVERY, MAX_CACHED_BLOCK};
 pub use config::{PoolConfig, DEFAULT_REMAP_SLACK_PPM, MAX_ALIGN};
-pub use learn::LearnStats;
 pub use pool_snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use remap::RANK_LIMIT;
-pub use shard_registry::release_thread_shards;
-pub use shards::{default_shard_count, Shards, UpstreamFactory, MAX_SHARDS};
-// The names of the per-thread pools from before they were called shards
-// ("arena" is the planning arena now), for programs.
-#[doc(hidden)]
-pub use shard_registry::release_thread_shards as release_thread_arenas;
-#[doc(hidden)]
-pub use shards::{default_shard_count as default_arena_count, Shards as Arenas, MAX_SHARDS as MAX_ARENAS};
 pub use stats::PoolStats;
 
 use crate::error::{Error, Result};
@@ -93,8 +77,6 @@ struct Inner {
     initial_size: Option<usize>,
     /// Which pages have memory mapped (page remapping; `page_map.rs`).
     pages: page_map::Pages,
-    /// The learned placement's state (`learn.rs`), when it is on.
-    learn: Option<Box<learn::Learner>>,
 }
 
 /// A thread-safe best-fit pool over an upstream.
@@ -127,9 +109,6 @@ pub struct Pool<U: Upstream> {
     remap_lock: Arc<Mutex<()>>,
     /// The pool's job for the background mapper (page remapping only).
     mapper: Option<Arc<mapper::Job<U>>>,
-    /// Whether a chunk may be wholly free ([`BestFit`]'s flag, read
-    /// without the lock before another shard is offered a chunk).
-    whole_free: Arc<crate::sync::AtomicBool>,
 }
 
 impl<U: Upstream> std::fmt::Debug for Pool<U> {
@@ -183,28 +162,16 @@ impl<U: Upstream> Pool<U> {
             fit.count_pages(page);
         }
         fit.set_hot_block(config.hot_block);
-        fit.set_wilderness((remap && config.tail_last).then_some(page));
-        let learns = remap && config.learn_placement;
-        fit.index_addresses(learns);
-        let whole_free = fit.whole_free_flag();
-        let learn = learns.then(Box::default);
-        let inner =
-            Arc::new(SpinLock::new(Inner { fit, pages: page_map::Pages::new(page), learn, ..Inner::default() }));
+        let inner = Arc::new(SpinLock::new(Inner { fit, pages: page_map::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
         let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
         let upstream = Arc::new(upstream);
         let remap_lock = Arc::new(Mutex::new(()));
         let mapper = remap.then(|| {
-            let job = mapper::Job::new(
-                inner.clone(),
-                upstream.clone(),
-                remap_lock.clone(),
-                config.remap_slack_ppm,
-                config.background_mapper,
-            );
+            let job = mapper::Job::new(inner.clone(), upstream.clone(), remap_lock.clone(), config.remap_slack_ppm);
             Arc::new(job)
         });
-        Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock, mapper, whole_free }
+        Pool { inner, cache, upstream, config, remap, remap_page: page, remap_lock, mapper }
     }
 
     /// Sets what the pool asks when blocks freed on different streams
@@ -213,16 +180,6 @@ impl<U: Upstream> Pool<U> {
     /// every stream with work pending.
     pub fn set_tag_oracle(&self, oracle: crate::tag::TagOracle) {
         self.inner.lock().fit.set_tag_oracle(oracle);
-    }
-
-    /// Sets what the background mapper asks when the free memory it could
-    /// unmap may still be used by queued stream work
-    /// ([`StreamPoll`]); no effect without the
-    /// mapper. Only the first call has an effect.
-    pub fn set_stream_poll(&self, poll: StreamPoll) {
-        if let Some(job) = &self.mapper {
-            let _ = job.poll.set(poll);
-        }
     }
 
     /// Sets what a page move asks for a fence on the requesting stream
@@ -237,18 +194,6 @@ impl<U: Upstream> Pool<U> {
         }
     }
 
-    /// Whether work queued before the free that tagged a block with `tag`
-    /// is known complete ([`BestFit::tag_settled`]; takes the pool lock).
-    pub(crate) fn tag_settled(&self, tag: StreamTag) -> bool {
-        tag == StreamTag::NONE || self.inner.lock().fit.tag_settled(tag)
-    }
-
-    /// What learned placement did (`learn.rs`), when it is on
-    /// ([`PoolConfig::learn_placement`] in a pool that remaps).
-    pub fn learn_stats(&self) -> Option<LearnStats> {
-        self.inner.lock().learn.as_ref().map(|l| l.stats)
-    }
-
     /// Whether the pool remaps pages (`remap.rs`): expandable, over an
     /// upstream that can remap, and not `keep_chunks`.
     pub fn remaps(&self) -> bool {
@@ -261,11 +206,12 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// Runs one step of the background mapper's work for this pool on the
-    /// calling thread (`pool/mapper.rs`); `true` when more is wanted.
+    /// calling thread (`pool/mapper.rs`: an old mapping of moved memory
+    /// unmapped); `true` when more is wanted.
     /// For models and tests: the mapper thread runs these steps itself.
     #[doc(hidden)]
     pub fn mapper_step(&self) -> bool {
-        self.mapper.as_ref().is_some_and(|job| job.run_step(true) == mapper::Progress::More)
+        self.mapper.as_ref().is_some_and(|job| job.run_step() == mapper::Progress::More)
     }
 
     /// Closes the background mapper's job and waits until its thread let
@@ -302,12 +248,6 @@ impl<U: Upstream> Pool<U> {
         Ok(())
     }
 
-    /// Flushes every thread's cache of this pool back into it (their blocks
-    /// coalesce with the pool's free memory); the bytes flushed.
-    pub(crate) fn drain_thread_caches(&self) -> usize {
-        self.cache.as_ref().map_or(0, |c| c.drain_all(false))
-    }
-
     /// Frees the block at `addr`. `tag` names the stream whose queued work
     /// may still use the block (`StreamTag::NONE` if none).
     ///
@@ -331,40 +271,24 @@ impl<U: Upstream> Pool<U> {
                 return Err(self.free_error(addr, e));
             }
         };
-        if inner.learn.is_none() && !inner.shut_down && !(self.config.background_mapper && self.mapper.is_some()) {
+        if !inner.shut_down {
             return Ok(freed);
         }
-        self.after_free(inner, addr, freed)
+        self.after_shutdown_free(inner, addr, freed)
     }
 
-    /// What a free does past its common case, with the pool lock `inner`
-    /// held: the placement learner hears of it, the background mapper may
-    /// wake, and after shutdown the block's chunk goes back once wholly
-    /// free.
+    /// A free after shutdown, with the pool lock `inner` held: nothing is
+    /// cached any more, so the block's chunk goes back as soon as its last
+    /// block is free.
     #[inline(never)]
-    fn after_free(&self, mut inner: SpinGuard<'_, Inner>, addr: usize, freed: Freed) -> Result<Freed> {
-        if let Some(learn) = &mut inner.learn {
-            learn.freed(addr);
-        }
-        if let (Some(job), true) = (&self.mapper, self.config.background_mapper && freed.size >= self.remap_page) {
-            // A large free may give the mapper memory to unmap ahead.
-            if job.wants_room(&inner) {
-                drop(inner);
-                mapper::wake(job);
-                return Ok(freed);
+    fn after_shutdown_free(&self, mut inner: SpinGuard<'_, Inner>, addr: usize, freed: Freed) -> Result<Freed> {
+        if let Some((chunk, _)) = inner.fit.take_free_chunk_at(addr) {
+            inner.fit.stats_mut().upstream_frees += 1;
+            if self.remap {
+                inner.pages.forget(chunk.addr, chunk.size);
             }
-        }
-        if inner.shut_down {
-            // After shutdown nothing is cached: give the chunk back as soon
-            // as its last block is free.
-            if let Some((chunk, _)) = inner.fit.take_free_chunk_at(addr) {
-                inner.fit.stats_mut().upstream_frees += 1;
-                if self.remap {
-                    inner.pages.forget(chunk.addr, chunk.size);
-                }
-                drop(inner);
-                self.upstream.deallocate_chunk(chunk)?;
-            }
+            drop(inner);
+            self.upstream.deallocate_chunk(chunk)?;
         }
         Ok(freed)
     }

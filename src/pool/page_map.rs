@@ -224,15 +224,6 @@ impl Pages {
         self.mark(Chunk { addr, size }, true);
     }
 
-    /// Adds a chunk whose pages are all mapped (a range another pool of
-    /// the same address space gave, `handover.rs`).
-    pub(super) fn add_mapped(&mut self, addr: usize, size: usize) {
-        self.cover(addr, addr + size);
-        self.mark(Chunk { addr, size }, false);
-        self.mapped += size >> self.shift;
-        self.peak = self.peak.max(self.physical());
-    }
-
     /// Forgets the pages of `[addr, addr + size)` (given back to the
     /// upstream); returns how many of them were mapped.
     pub(super) fn forget(&mut self, addr: usize, size: usize) -> usize {
@@ -250,14 +241,6 @@ impl Pages {
 pub(super) fn budget(fit: &BestFit, pages: &Pages, slack_ppm: u32) -> usize {
     let (_, floor) = fit.touched_pages();
     with_slack(floor, slack_ppm).max(pages.floor)
-}
-
-/// The physical pages the pool's live blocks need now: the pages they
-/// touch plus the slack, and never less than the pool's explicit size
-/// (what a shard in use keeps when the set of shards is short).
-pub(super) fn live_need(fit: &BestFit, pages: &Pages, slack_ppm: u32) -> usize {
-    let (now, _) = fit.touched_pages();
-    with_slack(now, slack_ppm).max(pages.floor)
 }
 
 fn with_slack(pages: usize, slack_ppm: u32) -> usize {

@@ -118,4 +118,12 @@ impl<U: Upstream> Pool<U> {
         inner.fit.flush_hot();
         f(&inner.fit)
     }
+
+    /// Checks the allocator's invariants ([`BestFit::check_invariants`]).
+    ///
+    /// # Errors
+    /// The first broken invariant.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.with_fit(BestFit::check_invariants)
+    }
 }

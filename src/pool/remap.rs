@@ -12,12 +12,6 @@
 //!   touches no hole wins; only when none does is the exact best fit taken
 //!   and its holes mapped. A pool whose mapped set fits its work therefore
 //!   maps nothing: steady-state iterations move nothing.
-//! - **The free tail last** (off by default): the exact best fit of a request of a page or
-//!   more passes over the free tail of the pool's highest chunk when
-//!   another free block holds the request ([`PoolConfig::tail_last`](super::PoolConfig::tail_last),
-//!   `best_fit/wild.rs`): such blocks fill holes below the top before
-//!   they raise it, as best fit over one endless range (the layout the
-//!   page floor is measured on) places them.
 //! - **Mapped runs inside free blocks**: when mapping the exact best fit's
 //!   holes would take the pool above its budget (a move), placement first
 //!   looks for a run of mapped pages inside a free block that holds the
@@ -92,9 +86,7 @@
 //!   in such a program waited for the whole device.
 //! - **Kept memory**: memory unmapped to move is kept (with no address)
 //!   for the next map, which maps it before it makes new memory; it counts
-//!   as held. The background mapper (`mapper.rs`, when on) keeps a reserve of it
-//!   by unmapping free pages off the allocating thread, so an allocation
-//!   that touches holes maps kept memory and unmaps nothing itself.
+//!   as held.
 //! - **Out of memory**: [`Pool::release_cached`] unmaps every wholly free
 //!   piece and releases the kept memory, the first step of the retry
 //!   ladder.
@@ -103,11 +95,11 @@
 
 use super::best_fit::Preferred;
 use super::page_map::{budget, Pages};
-use super::{Allocation, BestFit, Inner, Pool, SpinLock};
+use super::{Allocation, BestFit, Inner, Pool};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::tag::StreamTag;
-use crate::upstream::{Chunk, Queued, Upstream, BLOCK_ALIGN};
+use crate::upstream::{Chunk, Queued, Upstream};
 
 /// How many best-fit candidates placement looks at for one that touches
 /// only mapped pages.
@@ -211,8 +203,7 @@ impl<U: Upstream> Pool<U> {
     /// Allocates from the shared pool with page remapping: mapped space
     /// first; holes the placement touches are mapped under the remap lock.
     /// `Ok(None)` when no free block fits (the caller grows the pool).
-    /// `stream` is the request's (0: none): memory another shard freed on
-    /// it may come here with no wait (`handover.rs`).
+    /// `stream` is the request's (0: none).
     #[inline]
     pub(super) fn allocate_remapping(
         &self,
@@ -227,10 +218,6 @@ impl<U: Upstream> Pool<U> {
                 return Err(Error::ShutDown("allocation"));
             }
             inner.used = true;
-            if inner.learn.is_some() {
-                drop(inner);
-                return self.allocate_learned(rounded, align, size, stream);
-            }
             let Inner { fit, pages, .. } = &mut *inner;
             match place_mapped(fit, pages, self.config.remap_slack_ppm, rounded, align, size) {
                 Placed::Mapped(a) => return Ok(Some(a)),
@@ -241,92 +228,12 @@ impl<U: Upstream> Pool<U> {
         self.map_for(rounded, align, size, stream)
     }
 
-    /// [`allocate_remapping`](Self::allocate_remapping) with learned
-    /// placement (`learn.rs`): at the planned address when the plan
-    /// expects this size and the range there is free and mapped, else as
-    /// without; then the allocation is recorded, and a repeat found is
-    /// planned (outside the pool lock).
-    fn allocate_learned(&self, rounded: usize, align: usize, size: usize, stream: u64) -> Result<Option<Allocation>> {
-        let placed = {
-            let mut inner = self.inner.lock();
-            if inner.shut_down {
-                return Err(Error::ShutDown("allocation"));
-            }
-            let Inner { fit, pages, learn, .. } = &mut *inner;
-            let Some(learn) = learn.as_deref_mut() else {
-                return Err(Error::InvalidState("learned placement without a learner".into()));
-            };
-            let e = learn.expect(rounded);
-            let at = e.filter(|&at| at % align.max(BLOCK_ALIGN) == 0 && pages.clear(at, rounded));
-            match at.and_then(|at| fit.allocate_at(at, rounded, size)) {
-                Some(a) => Some(a),
-                None => match place_mapped(fit, pages, self.config.remap_slack_ppm, rounded, align, size) {
-                    Placed::Mapped(a) => Some(a),
-                    Placed::NoFit => return Ok(None),
-                    Placed::NeedsMap => None,
-                },
-            }
-        };
-        let a = match placed {
-            Some(a) => a,
-            None => match self.map_for(rounded, align, size, stream)? {
-                Some(a) => a,
-                None => return Ok(None),
-            },
-        };
-        self.learned(a);
-        Ok(Some(a))
-    }
-
-    /// Records allocation `a` in the learner; a repeat it finds is
-    /// planned on a thread of its own (the window is taken under the pool
-    /// lock; the plan, milliseconds for a window of thousands of blocks,
-    /// is made with no lock held and installed under it).
-    fn learned(&self, a: Allocation) {
-        let window = {
-            let mut inner = self.inner.lock();
-            let Inner { fit, pages, learn, .. } = &mut *inner;
-            let Some(learn) = learn.as_deref_mut() else { return };
-            let Some(q) = learn.allocated(a.addr, a.size) else { return };
-            let chunks: Vec<(usize, usize)> = fit.chunks().iter().map(|c| (c.addr, c.size)).collect();
-            let holes = chunks.iter().flat_map(|&(at, len)| pages.holes_in(at, len)).map(|c| (c.addr, c.end()));
-            let live = fit.live_blocks().into_iter().map(|(at, len, _)| (at, len)).collect();
-            learn.window(q, live, holes.collect(), chunks)
-        };
-        let inner = self.inner.clone();
-        let install = move |inner: &SpinLock<Inner>, planned| {
-            if let Some(learn) = &mut inner.lock().learn {
-                learn.install(planned);
-            }
-        };
-        #[cfg(not(loom))]
-        {
-            let spawned = std::thread::Builder::new().name("cumem-plan".into()).spawn(move || {
-                let planned = window.plan();
-                install(&inner, planned);
-            });
-            if spawned.is_err() {
-                // No thread: no plan this time (placement stays best fit's).
-                if let Some(learn) = &mut self.inner.lock().learn {
-                    learn.abandon();
-                }
-            }
-        }
-        #[cfg(loom)]
-        install(&inner, window.plan());
-    }
-
     /// The slow path of [`allocate_remapping`](Self::allocate_remapping):
     /// under the remap lock, place again and map the holes the placement
     /// touches.
     #[cold]
     fn map_for(&self, rounded: usize, align: usize, size: usize, stream: u64) -> Result<Option<Allocation>> {
         let _remap = lock(&self.remap_lock);
-        // Another shard's mapped free range, with no driver call, before
-        // new memory is made (`handover.rs`).
-        if let Some(a) = self.adopt_for(rounded, align, size, stream) {
-            return Ok(Some(a));
-        }
         let plan = {
             let mut inner = self.inner.lock();
             if inner.shut_down {
@@ -402,7 +309,7 @@ impl<U: Upstream> Pool<U> {
             // the pool above its budget: the excess goes at once.
             job.trim_excess();
             job.moved();
-            if self.config.background_mapper || self.upstream.has_stale() {
+            if self.upstream.has_stale() {
                 super::mapper::wake(job);
             }
         }

@@ -63,17 +63,6 @@ impl<T> SpinLock<T> {
             access: Some(self.value.get_mut()),
         }
     }
-
-    /// Takes the lock if it is free now; `None` if another thread holds it.
-    #[inline]
-    pub(super) fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
-        self.locked.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).ok()?;
-        Some(SpinGuard {
-            lock: self,
-            #[cfg(loom)]
-            access: Some(self.value.get_mut()),
-        })
-    }
 }
 
 /// Access to a [`SpinLock`]'s value; unlocks when dropped.

@@ -10,8 +10,7 @@ mod init;
 mod slot;
 
 pub use init::{InitCell, InitError};
-pub use slot::set_thread_slot;
-pub(crate) use slot::{thread_pinned, thread_slot};
+pub(crate) use slot::thread_slot;
 
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
@@ -41,16 +40,6 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     #[cfg(not(loom))]
     {
         mutex.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// Locks `mutex` if no one holds it now (a poisoned lock's data is
-/// recovered, as with [`lock`]); `None` when it is held.
-pub(crate) fn try_lock<T>(mutex: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
-    match mutex.try_lock() {
-        Ok(g) => Some(g),
-        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
-        Err(std::sync::TryLockError::WouldBlock) => None,
     }
 }
 

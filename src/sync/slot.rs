@@ -1,6 +1,6 @@
 //! Thread slots: a small number per thread, the lowest one free, given
-//! back when the thread exits. Shards are chosen by it and stream free
-//! counters are sharded by it; it is an identity only and orders no memory.
+//! back when the thread exits. Stream free counters are sharded by it; it
+//! is an identity only and orders no memory.
 
 use std::cell::Cell;
 
@@ -53,22 +53,11 @@ impl Drop for Slot {
 #[cfg(not(loom))]
 std::thread_local! {
     static SLOT: Slot = const { Slot(Cell::new(NO_SLOT)) };
-    /// Set by [`set_thread_slot`]: the thread's shards follow its slot.
-    static PINNED: Cell<bool> = const { Cell::new(false) };
 }
 
 #[cfg(loom)]
 loom::thread_local! {
     static SLOT: Slot = Slot(Cell::new(NO_SLOT));
-    static PINNED: Cell<bool> = Cell::new(false);
-}
-
-/// Whether the calling thread was pinned to a slot with
-/// [`set_thread_slot`] (its shards then follow the slot instead of being
-/// claimed).
-#[inline]
-pub(crate) fn thread_pinned() -> bool {
-    PINNED.try_with(Cell::get).unwrap_or(false)
 }
 
 /// The calling thread's slot number, taken on first use (0 while
@@ -88,20 +77,4 @@ fn first_slot(s: &Slot) -> usize {
     let v = take_slot();
     s.0.set(v);
     v
-}
-
-/// Makes the calling thread use slot `slot` from now on (its shard in a
-/// set of `n` shards is `slot % n`, counted from the first slot to use the
-/// set) instead of claiming shards, giving its old slot back. For tests
-/// and models that need threads on chosen shards; two threads may share a
-/// slot.
-#[doc(hidden)]
-pub fn set_thread_slot(slot: usize) {
-    let _ = PINNED.try_with(|p| p.set(true));
-    let _ = SLOT.try_with(|s| {
-        let old = s.0.replace(slot);
-        if old != NO_SLOT {
-            give_slot(old);
-        }
-    });
 }

@@ -228,28 +228,3 @@ pub(crate) fn device_upstream(ctx: Arc<CudaContext>, expandable: bool) -> Result
     }
     Ok(Box::new(CudaDeviceMemory::new(ctx)))
 }
-
-/// One address space for every shard of a device's sync pool, when the
-/// pool remaps pages (expandable segments on a device with VMM): each
-/// shard's upstream is a view of it ([`CudaVmm::view`](super::CudaVmm::view)),
-/// so mapped memory changes shard with no driver call
-/// (`pool/handover.rs`). It reserves the device's memory once per shard,
-/// for at most 16 shards; when the driver refuses that much address
-/// space, a quarter, then the device's memory alone. `None` where the
-/// pool would not remap.
-pub(crate) fn device_space(ctx: Arc<CudaContext>, expandable: bool, shards: usize) -> Result<Option<super::CudaVmm>> {
-    if !expandable || !vmm::vmm_supported(&ctx)? {
-        return Ok(None);
-    }
-    // SAFETY: the device handle comes from a live context.
-    let total = unsafe { cudarc::driver::result::device::total_mem(ctx.cu_device()) }
-        .map_err(crate::cuda::driver_err("cuDeviceTotalMem"))?;
-    let mut times = shards.clamp(1, 16);
-    loop {
-        match super::CudaVmm::with_reservation(ctx.ordinal(), total.saturating_mul(times)) {
-            Ok(space) => return Ok(Some(space)),
-            Err(e) if times == 1 => return Err(e),
-            Err(_) => times = (times / 4).max(1),
-        }
-    }
-}

@@ -13,9 +13,7 @@ use crate::cuda::{captures_under_way, device_context, driver_err, follow_active_
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, Arc, Mutex};
 
-/// The state both expandable upstreams share: one reserved region, seen
-/// through one view of it (several pools may share the region, each
-/// through a view of its own: [`CudaVmm::view`]).
+/// The state both expandable upstreams share: one reserved region.
 #[derive(Debug)]
 struct Expandable {
     region: SharedRegion,
@@ -55,22 +53,6 @@ impl Expandable {
         let cuda = matches!(backend, VmBackend::Cuda(_));
         let reserved_top = Arc::new(Mutex::new(0));
         Ok(Expandable { base, reserved, granularity, region, reserved_top, view: 0, cuda })
-    }
-
-    /// Another view of the same region: address space handed out by any
-    /// view is never handed out again by another, and any view maps and
-    /// unmaps anywhere in the region; kept memory is the view's own.
-    fn view(&self) -> Self {
-        let view = lock(&self.region).new_view();
-        Expandable {
-            region: self.region.clone(),
-            reserved_top: self.reserved_top.clone(),
-            view,
-            base: self.base,
-            reserved: self.reserved,
-            granularity: self.granularity,
-            cuda: self.cuda,
-        }
     }
 
     /// Gives peers that became active access before a map, with no lock of
@@ -376,10 +358,6 @@ impl Expandable {
         lock(&self.region).piece_bounds().map(|(_, len)| len).sum()
     }
 
-    fn address_space(&self) -> Chunk {
-        Chunk { addr: self.base, size: self.reserved }
-    }
-
     fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
         let offset = self.offset_of(Chunk { addr, size })?;
         let end = offset + size;
@@ -451,15 +429,6 @@ impl CudaVmm {
     pub(crate) fn owner_settles(self) -> Self {
         lock(&self.inner.region).set_owner_settles();
         self
-    }
-
-    /// Another upstream over the same reserved range (one address space
-    /// per device, shared by the pools of a device's shards): chunks
-    /// either hands out never overlap, either maps and unmaps anywhere in
-    /// the range (so a mapped range can pass from one pool to another with
-    /// no driver call), and the memory each unmaps and keeps is its own.
-    pub fn view(&self) -> Self {
-        CudaVmm { inner: self.inner.view(), ctx: self.ctx.clone() }
     }
 
     /// The first address of the reserved range.
@@ -568,9 +537,6 @@ impl Upstream for CudaVmm {
     fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
         self.inner.mapped_pieces(addr, size)
     }
-    fn address_space(&self) -> Option<Chunk> {
-        Some(self.inner.address_space())
-    }
 }
 
 /// An expandable-segments upstream over host address space: the fallback
@@ -594,12 +560,6 @@ impl HostExpandable {
             return Err(Error::InvalidSize { size: 0, reason: "an expandable segment can't reserve nothing" });
         }
         Ok(HostExpandable { inner: Expandable::new(&VmBackend::Host, bytes)? })
-    }
-
-    /// Another upstream over the same reservation, as
-    /// [`CudaVmm::view`].
-    pub fn view(&self) -> Self {
-        HostExpandable { inner: self.inner.view() }
     }
 
     /// The first address of the reserved range.
@@ -671,8 +631,5 @@ impl Upstream for HostExpandable {
     }
     fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
         self.inner.mapped_pieces(addr, size)
-    }
-    fn address_space(&self) -> Option<Chunk> {
-        Some(self.inner.address_space())
     }
 }

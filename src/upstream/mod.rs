@@ -15,9 +15,8 @@ mod geometric;
 mod host;
 mod host_vm;
 pub(crate) mod region;
-mod shared;
 
-pub(crate) use cuda::{device_space, device_upstream, graph_upstream};
+pub(crate) use cuda::{device_upstream, graph_upstream};
 pub use cuda::{CudaDeviceMemory, CudaPinnedMemory};
 pub use expandable::{CudaVmm, HostExpandable};
 pub use geometric::{Geometric, Taken};
@@ -25,7 +24,6 @@ pub use host::Host;
 #[doc(hidden)]
 pub use region::choose_pieces;
 pub use region::{GrowPath, VmBackend};
-pub use shared::SharedChunks;
 
 use crate::error::Result;
 
@@ -99,18 +97,6 @@ impl std::fmt::Debug for Queued {
             Queued::Before(_) => "Before(fence)",
         })
     }
-}
-
-/// Mapped memory another pool of the same address space gave up
-/// ([`Upstream::take_mapped`]), with the stream tag that orders its reuse.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MappedGift {
-    /// A free range that leaves the other pool: the taker adds it as a
-    /// chunk (all its pages mapped).
-    Range(Chunk, crate::tag::StreamTag),
-    /// A block the other pool allocated for the request: it stays that
-    /// pool's, and its free goes back there.
-    Block(Chunk, crate::tag::StreamTag),
 }
 
 /// An address range an upstream handed out.
@@ -347,29 +333,6 @@ pub trait Upstream: Send + Sync + 'static {
     /// mapped.
     fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
         self.inner().and_then(|u| u.mapped_pieces(addr, size))
-    }
-
-    /// The one reservation every chunk of this upstream (and of every
-    /// other view of its address space) lies in, each chunk starting and
-    /// ending on [`granularity`](Upstream::granularity) (expandable
-    /// segments); `None` (the default) for an upstream whose chunks come
-    /// from anywhere.
-    fn address_space(&self) -> Option<Chunk> {
-        self.inner().and_then(|u| u.address_space())
-    }
-
-    /// Mapped free memory that another pool sharing this upstream's
-    /// address space gives up for a request of `size` bytes (a multiple
-    /// of 256) at `align` (`requested` asked) on `stream` (0: none), with
-    /// no driver call (the shards of one device, `pool/handover.rs`): a
-    /// range the caller's pool adds as a chunk whose pages are all mapped,
-    /// or, with `lend`, a block the other pool allocated for the request
-    /// and takes back when it is freed. Its queued work is known complete
-    /// or was queued on `stream` (the gift's tag says which). `None` (the
-    /// default) where no other pool shares the address space, or none
-    /// gives.
-    fn take_mapped(&self, size: usize, align: usize, requested: usize, stream: u64, lend: bool) -> Option<MappedGift> {
-        self.inner().and_then(|u| u.take_mapped(size, align, requested, stream, lend))
     }
 }
 

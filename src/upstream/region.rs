@@ -178,8 +178,6 @@ pub(crate) struct Region {
     /// (the pools that share one address space, `expandable.rs`) keeps
     /// its own: kept memory counts as held by the pool that unmapped it.
     spare: Vec<(usize, Backing, usize)>,
-    /// Views handed out so far (view 0 is the region's first owner).
-    views: usize,
     /// Runs being mapped with the lock dropped (`pages.rs`): `(offset,
     /// size)`, kept off other maps until they are recorded.
     in_flight: Vec<(usize, usize)>,
@@ -251,7 +249,6 @@ impl Region {
             headroom,
             guard: None,
             spare: Vec::new(),
-            views: 1,
             in_flight: Vec::new(),
             stale: Vec::new(),
             stale_busy: Vec::new(),
@@ -516,20 +513,13 @@ impl Region {
         Ok(())
     }
 
-    /// The devices given access besides the owner.
     /// From now on the owner waits for the work that used a piece before
     /// giving it back, and unmapping waits for no device.
     pub(crate) fn set_owner_settles(&mut self) {
         self.owner_settles = true;
     }
 
-    /// A new view of the region: another pool that maps and unmaps in
-    /// it, with spare memory of its own (`pages.rs`).
-    pub(crate) fn new_view(&mut self) -> usize {
-        self.views += 1;
-        self.views - 1
-    }
-
+    /// The devices given access besides the owner.
     pub(crate) fn peers(&self) -> &[usize] {
         &self.peers
     }

@@ -11,7 +11,7 @@ use cumem::{Config, MemoryManager, Stream};
 #[test]
 fn blocks_of_dropped_idle_streams_are_reused_with_no_wait() {
     let Some(_ctx) = gpu_for_test("blocks_of_dropped_idle_streams_are_reused_with_no_wait") else { return };
-    let mm = MemoryManager::new(Config::new().arenas(1)).unwrap();
+    let mm = MemoryManager::new(Config::new()).unwrap();
     std::thread::scope(|s| {
         for _ in 0..4 {
             s.spawn(|| {
@@ -48,7 +48,7 @@ fn blocks_of_live_idle_streams_are_reused_with_no_wait() {
     // idle): their frees merge with each other's when they are not known
     // complete, and every reuse of such a block waited for every stream.
     let Some(_ctx) = gpu_for_test("blocks_of_live_idle_streams_are_reused_with_no_wait") else { return };
-    let mm = MemoryManager::new(Config::new().arenas(1)).unwrap();
+    let mm = MemoryManager::new(Config::new()).unwrap();
     let streams: Vec<Stream> = (0..4).map(|_| Stream::new().unwrap()).collect();
     std::thread::scope(|s| {
         for st in &streams {

@@ -80,21 +80,6 @@ fn every_block_keeps_its_contents_across_remaps() {
     assert!(s.unmap_calls > 0, "no page moved: the test checked nothing");
 }
 
-/// The same waves with the background mapper on and the pool told which
-/// frees' work completed: the mapper thread unmaps free pages ahead while
-/// kernels write and check the live blocks.
-#[test]
-fn the_background_mapper_moves_pages_and_live_blocks_keep_their_contents() {
-    let Some(ctx) = gpu_for_test("the_background_mapper_moves_pages_and_live_blocks_keep_their_contents") else {
-        return;
-    };
-    let before = cumem::cuda::vmm::driver_calls();
-    waves(&ctx, Mode::Reserve);
-    let bg = cumem::cuda::vmm::driver_calls().since(&before).background;
-    println!("background mapper: {bg:?}");
-    assert!(bg.unmap > 0, "the background mapper moved nothing: the test checked nothing");
-}
-
 /// The default configuration with the pool told which frees' work
 /// completed: a move lends such memory (mapped at its new place while
 /// its old place is still mapped) and the mapper thread unmaps the old
@@ -122,8 +107,6 @@ enum Mode {
     /// The default configuration, no word on which frees' work completed:
     /// memory moves after the device is waited for.
     Plain,
-    /// The background mapper's reserve on, no slack, and an oracle.
-    Reserve,
     /// The default configuration with no slack and an oracle: moves lend
     /// memory whose work completed.
     Lend,
@@ -133,13 +116,11 @@ enum Mode {
 /// the tests); but for [`Mode::Plain`], an oracle says which frees' work
 /// completed (the waves synchronise the stream before each check).
 fn waves(ctx: &Arc<CudaContext>, mode: Mode) -> cumem::pool::PoolStats {
-    let background = mode == Mode::Reserve;
     let oracle = mode != Mode::Plain;
     let vmm = CudaVmm::with_reservation(ctx.ordinal(), 16 << 30).expect("a VMM reservation");
     let page = cumem::upstream::Upstream::granularity(&vmm);
     let mut pc = PoolConfig::new(PoolKind::Device);
     pc.thread_cache = false;
-    pc.background_mapper = background;
     if oracle {
         pc.remap_slack_ppm = 0;
     }
@@ -193,19 +174,6 @@ fn waves(ctx: &Arc<CudaContext>, mode: Mode) -> cumem::pool::PoolStats {
         assert_eq!(bad, 0, "wave {wave}: {bad} words of live blocks changed across remaps");
         // The check synchronised the stream: every free so far is settled.
         done.store(seq, std::sync::atomic::Ordering::Release);
-    }
-    if background {
-        // Give the mapper time to act on the last waves (it waits for the
-        // pool to hold no more than its budget), then check again.
-        let start = std::time::Instant::now();
-        let calls = cumem::cuda::vmm::driver_calls().background;
-        while cumem::cuda::vmm::driver_calls().background.since(&calls).unmap == 0
-            && start.elapsed() < std::time::Duration::from_secs(2)
-        {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        let bad = k.mismatches(&live);
-        assert_eq!(bad, 0, "after the mapper's moves: {bad} words of live blocks changed");
     }
     if mode == Mode::Lend {
         // The old mappings go behind the allocating thread: wait for them,

@@ -12,12 +12,11 @@ mod common;
 
 mod basics;
 mod cudarc_interop;
-mod gpu_arenas;
 mod gpu_dropped_streams;
 mod gpu_graphs;
-mod gpu_hand_over;
 mod gpu_ipc;
 mod gpu_remap;
+mod gpu_threads;
 mod managed_alloc;
 mod multi_gpu;
 mod pinned_alloc;

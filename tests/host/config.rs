@@ -23,22 +23,6 @@ fn good_strings() {
     assert_eq!(c.min_chunk, 20 << 20);
     assert_eq!(c.max_pinned_pool_size, Some(4096));
 
-    assert!(!Config::default().shared_device_arenas);
-    let c: Config = "shared_device_arenas=true, arenas=8".parse().unwrap();
-    assert!(c.shared_device_arenas && c.arenas == 8);
-    assert!("shared_device_arenas=maybe".parse::<Config>().is_err());
-    assert!(Config::default().fresh_thread_budget);
-    let c: Config = "fresh_thread_budget=false".parse().unwrap();
-    assert!(!c.fresh_thread_budget && !c.device_pool_config().fresh_thread_budget);
-    assert!("fresh_thread_budget=2".parse::<Config>().is_err());
-    assert!(Config::default().arenas_hand_over && Config::default().device_pool_config().hand_over_ranges);
-    let c: Config = "arenas_hand_over=false".parse().unwrap();
-    assert!(!c.arenas_hand_over && !c.device_pool_config().hand_over_ranges);
-    assert!("arenas_hand_over=sometimes".parse::<Config>().is_err());
-    assert!(!Config::default().idle_arenas_give);
-    let c: Config = "idle_arenas_give=true".parse().unwrap();
-    assert!(c.device_pool_config().idle_shards_give && c.pinned_pool_config().idle_shards_give);
-
     assert!(!Config::default().exportable_native_pool);
     let c: Config = "exportable_native_pool=true".parse().unwrap();
     assert!(c.exportable_native_pool);
@@ -53,16 +37,6 @@ fn good_strings() {
         assert_eq!(text.parse::<Config>().unwrap().remap_slack_ppm, ppm, "{text}");
         assert_eq!(text.parse::<Config>().unwrap().device_pool_config().remap_slack_ppm, ppm, "{text}");
     }
-
-    assert!(!Config::default().learn_placement && !Config::default().device_pool_config().learn_placement);
-    let c: Config = "learn_placement=true".parse().unwrap();
-    assert!(c.learn_placement && c.device_pool_config().learn_placement);
-
-    // The free tail last: off by default, on by the key for the device
-    // pools; graph pools inherit it (they never remap, so it never acts).
-    assert!(!Config::default().tail_last && !Config::default().device_pool_config().tail_last);
-    let c: Config = "tail_last=true".parse().unwrap();
-    assert!(c.tail_last && c.device_pool_config().tail_last && c.graph_pool_config().tail_last);
 }
 
 fn config_error(s: &str) -> String {
@@ -77,11 +51,18 @@ fn bad_strings_name_the_problem() {
     assert!(config_error("pinned_pool_size=lots").contains("pinned_pool_size: 'lots'"));
     assert!(config_error("mode=fastest").contains("mode: 'fastest'"));
     assert!(config_error("colour=blue").contains("unknown key 'colour'"));
+    // The keys of per-thread shards, removed: an error that says so.
+    for key in ["arenas=1", "shared_device_arenas=true", "fresh_thread_budget=true", "arenas_hand_over=true"] {
+        assert!(config_error(key).contains("per-thread shards were removed"), "{key}: {}", config_error(key));
+    }
+    for key in ["idle_arenas_give=true", "idle_arenas_trim=false"] {
+        assert!(config_error(key).contains("is no longer supported"), "{key}");
+    }
     assert!(config_error("pinned_pool_size").contains("'pinned_pool_size' is not key=value"));
     assert!(config_error("device=-1").contains("device: '-1'"));
     assert!(config_error("expandable=maybe").contains("expandable: 'maybe'"));
-    assert!(config_error("learn_placement=sometimes").contains("learn_placement: 'sometimes'"));
-    assert!(config_error("tail_last=never").contains("tail_last: 'never'"));
+    assert!(config_error("learn_placement=true").contains("learned placement was removed"));
+    assert!(config_error("tail_last=true").contains("free tail last was removed"));
     assert!(config_error("backend=tpu").contains("backend: 'tpu'"));
     assert!(config_error("device_pool_size=99999999999TiB").contains("device_pool_size"));
     assert!(config_error("min_chunk=0").contains("min_chunk"));

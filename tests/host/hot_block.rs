@@ -7,7 +7,7 @@ use cumem::{BackendChoice, Config, MemoryManager, Stream};
 const K: usize = 1024;
 
 fn manager(hot: bool) -> MemoryManager {
-    MemoryManager::new(Config::new().backend(BackendChoice::Host).arenas(1).hot_block(hot)).unwrap()
+    MemoryManager::new(Config::new().backend(BackendChoice::Host).hot_block(hot)).unwrap()
 }
 
 /// The same steps give the same addresses with and without it (a hit is

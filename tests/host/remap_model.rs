@@ -19,7 +19,6 @@ use cumem::{PoolKind, Result};
 
 mod budget;
 mod fenced;
-mod learn;
 
 const PAGE: usize = 64 << 10;
 const BASE: usize = 1 << 36;
@@ -418,18 +417,11 @@ fn pool(model: &Model) -> Pool<Model> {
     pool_with_slack(model, cumem::pool::DEFAULT_REMAP_SLACK_PPM)
 }
 
-/// A pool whose background mapper's steps run only where the test calls
-/// [`Pool::mapper_step`] (deterministic).
 fn pool_with_slack(model: &Model, slack_ppm: u32) -> Pool<Model> {
-    pool_with(model, slack_ppm, false)
-}
-
-fn pool_with(model: &Model, slack_ppm: u32, background: bool) -> Pool<Model> {
     let mut pc = PoolConfig::new(PoolKind::Standalone);
     pc.thread_cache = false;
     pc.min_chunk = PAGE;
     pc.remap_slack_ppm = slack_ppm;
-    pc.background_mapper = background;
     Pool::new(model.clone(), pc)
 }
 
@@ -586,10 +578,10 @@ fn free_pages_move_to_where_memory_is_needed() {
 
 #[test]
 fn threads_never_see_an_unmapped_page() {
-    // The background mapper runs on its own thread beside the four (the
-    // oracle lets it move memory whose stream work completed).
+    // The mapper thread unmaps the old places of lent memory beside the
+    // four (the oracle lets moves lend memory whose stream work completed).
     let model = Model::default();
-    let pool = Arc::new(pool_with(&model, cumem::pool::DEFAULT_REMAP_SLACK_PPM, true));
+    let pool = Arc::new(pool_with_slack(&model, cumem::pool::DEFAULT_REMAP_SLACK_PPM));
     let m = model.clone();
     pool.set_tag_oracle(Arc::new(move |t: StreamTag| m.world().complete.get(&t.stream).is_some_and(|&c| c >= t.seq)));
     let handles: Vec<_> = (0..4u64)
@@ -642,75 +634,4 @@ fn threads_never_see_an_unmapped_page() {
     let w = model.world();
     assert!(w.violations.is_empty(), "{:?}", w.violations);
     assert_eq!(pool.stats().mapped, w.held_bytes());
-}
-
-/// A pool with no slack whose 32 blocks of 4 pages were allocated and
-/// every other one freed on stream 1, whose work the model has not
-/// completed yet (the mapper's tests).
-fn half_freed_on_a_stream() -> (Model, Pool<Model>) {
-    let model = Model::default();
-    let pool = pool_with_slack(&model, 0);
-    let m = model.clone();
-    pool.set_tag_oracle(Arc::new(move |t: StreamTag| m.world().complete.get(&t.stream).is_some_and(|&c| c >= t.seq)));
-    let blocks: Vec<_> = (0..32).map(|_| pool.allocate(4 * PAGE, 256).unwrap()).collect();
-    for (i, b) in blocks.iter().enumerate().filter(|(i, _)| i % 2 == 1) {
-        model.world().live.remove(&b.addr);
-        pool.deallocate(b.addr, StreamTag { stream: 1, seq: i as u64 }).unwrap();
-    }
-    for b in blocks.iter().step_by(2) {
-        model.world().live.insert(b.addr, b.size);
-    }
-    (model, pool)
-}
-
-/// Free memory on a stream nobody synchronises: the mapper asks the
-/// pool's stream poll when it finds only such memory, and once the poll
-/// has found the stream idle, its next step moves memory. Without a
-/// poll it would wait for a synchronisation that never comes.
-#[test]
-fn the_mapper_asks_the_stream_poll_when_free_memory_waits_for_a_stream() {
-    let (model, pool) = half_freed_on_a_stream();
-    let polls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (m, p) = (model.clone(), polls.clone());
-    pool.set_stream_poll(Arc::new(move || {
-        p.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // The stream's queue is empty: its frees so far are complete.
-        m.world().complete.insert(1, u64::MAX);
-    }));
-    assert!(!pool.mapper_step(), "the first step finds nothing settled");
-    assert_eq!(polls.load(std::sync::atomic::Ordering::Relaxed), 1, "and asks the poll");
-    while pool.mapper_step() {}
-    let s = pool.stats();
-    assert_eq!(s.kept, 64 * PAGE, "the mapper kept {} pages after the poll", s.kept / PAGE);
-    check(&model, &pool, 0);
-    pool.shutdown().unwrap();
-}
-
-/// The mapper unmaps free memory ahead (keeping it), so an allocation that
-/// needs memory where none is mapped maps the kept memory and unmaps
-/// nothing itself; what the pool holds never rises above its budget.
-#[test]
-fn the_mapper_unmaps_ahead_so_an_allocation_only_maps() {
-    let (model, pool) = half_freed_on_a_stream();
-    // Nothing settled yet: the mapper may move nothing (it never waits).
-    assert!(!pool.mapper_step(), "the mapper moved memory whose stream work may run");
-    assert_eq!(model.world().unmaps, 0);
-    model.world().complete.insert(1, u64::MAX);
-    while pool.mapper_step() {}
-    let s = pool.stats();
-    assert_eq!(s.kept, 64 * PAGE, "the mapper kept {} pages", s.kept / PAGE);
-    assert_eq!(s.mapped, 128 * PAGE, "the mapper changed what the pool holds");
-    check(&model, &pool, 0);
-    let unmaps = model.world().unmaps;
-    let big = pool.allocate(60 * PAGE, 256).unwrap();
-    model.world().live.insert(big.addr, big.size);
-    let s = pool.stats();
-    assert_eq!(model.world().unmaps, unmaps, "the allocation unmapped memory itself");
-    assert_eq!(s.kept, 4 * PAGE);
-    assert!(s.peak_mapped <= 128 * PAGE, "physical peak {} pages", s.peak_mapped / PAGE);
-    check(&model, &pool, 1);
-    // Shutdown releases the kept memory.
-    pool.shutdown().unwrap();
-    assert_eq!(pool.stats().kept, 0);
-    assert!(model.world().spare.is_empty());
 }

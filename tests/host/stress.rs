@@ -1,7 +1,8 @@
 //! Many threads hammer one pinned pool (host fallback: mmap'd memory the
-//! test can write) and its per-thread arenas: random sizes, random frees,
-//! some blocks freed by another thread (so into another arena). Every block carries a pattern unique to it, checked
-//! before it is freed, so overlapping blocks are caught; at the end the
+//! test can write) and its per-thread caches: random sizes, random frees,
+//! some blocks freed by another thread (so into another thread's cache or
+//! the pool). Every block carries a pattern unique to it, checked before
+//! it is freed, so overlapping blocks are caught; at the end the
 //! statistics must balance and every chunk go back.
 //!
 //! `CUMEM_STRESS_OPS` sets the operations per thread (default 100,000).
@@ -145,7 +146,6 @@ fn sixteen_threads_random_operations_on_the_pinned_pool() {
     assert_eq!((st.in_use, st.requested, st.live_blocks), (0, 0, 0), "{st:?}");
     assert_eq!(st.allocations, st.frees, "{st:?}");
     mm.pinned_pool().check_invariants().unwrap();
-    assert!(mm.pinned_pool().made() > 1, "the threads used several arenas");
     mm.release_cached().unwrap();
     let st = mm.pinned_stats();
     assert_eq!((st.reserved, st.cached, st.chunks), (0, 0, 0), "{st:?}");

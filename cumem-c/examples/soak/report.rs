@@ -101,8 +101,6 @@ fn tables(s: &Soak, pool: &cumem::pool::PoolStats, pinned: &cumem::pool::PoolSta
         ("raw_streams", raw_streams as u64),
         ("streams_live", t.streams_live as u64),
         ("streams_retired", t.streams_retired as u64),
-        ("directory_entries", t.directory_entries as u64),
-        ("directory_arrays", t.directory_arrays as u64),
         ("chunks", pool.chunks as u64),
         ("free_blocks", pool.free_blocks as u64),
         ("live_blocks", pool.live_blocks as u64),

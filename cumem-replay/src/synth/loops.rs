@@ -1,7 +1,6 @@
-//! Loops: a training program that repeats its step, for learned
-//! placement (`cumem::pool`, `learn_placement`). Unlike `pinned_top`,
+//! Loops: a training program that repeats its step. Unlike `pinned_top`,
 //! whose every iteration has a shape of its own, these repeat exactly,
-//! or nearly: what a plan learned from one iteration can place.
+//! or nearly: a layout that fits one iteration fits the next.
 
 use super::{Block, Recorder, SIZE_STEP};
 use crate::synth::workloads::{adam_step, MIB};

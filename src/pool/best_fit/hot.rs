@@ -36,7 +36,6 @@ impl BestFit {
     fn flush_hot_slow(&mut self) {
         let slot = std::mem::replace(&mut self.hot, HotSlot(NIL)).0;
         self.index_coalesced(slot);
-        self.publish_touched(false);
     }
 
     /// An allocation of `size` bytes from the hot block, when it has
@@ -67,10 +66,7 @@ impl BestFit {
         let check = (self.free_index.changes(), size, next, b.addr);
         if self.hot_clear != Some(check) {
             let rival = self.free_index.best_fit_except(size, next);
-            // Coalesced into the highest chunk's free tail, the block is
-            // best fit's last choice (`wild.rs`): any rival wins.
-            let last = self.tail_last_for(size) && self.joins_wild(slot);
-            if rival.is_some_and(|(rsize, raddr, _)| last || rsize < merged || (rsize == merged && raddr < b.addr)) {
+            if rival.is_some_and(|(rsize, raddr, _)| rsize < merged || (rsize == merged && raddr < b.addr)) {
                 return None;
             }
             self.hot_clear = Some(check);
@@ -179,22 +175,6 @@ mod tests {
         assert_eq!(taken.len(), 1, "the chunk is wholly free once its hot block is coalesced");
         assert_eq!(f.stats().reserved, 0);
         f.check_invariants().unwrap();
-    }
-
-    /// A free that leaves its chunk wholly free once coalesced raises the
-    /// flag other shards read before they look for such a chunk, though
-    /// the block waits hot.
-    #[test]
-    fn a_hot_block_that_frees_its_chunk_raises_the_whole_free_flag() {
-        let (mut f, [a, b, c, d]) = four(true);
-        let flag = f.whole_free_flag();
-        for p in [a, b, c] {
-            f.free(p, StreamTag::NONE).unwrap();
-        }
-        flag.store(false, std::sync::atomic::Ordering::Relaxed);
-        f.free(d, StreamTag::NONE).unwrap();
-        assert!(flag.load(std::sync::atomic::Ordering::Relaxed));
-        assert_eq!(f.take_free_chunk_fitting(0, 0).map(|(c, _)| c.size), Some(1 << 20));
     }
 
     /// `BestFit::default()` (public) starts with no hot block, as `new()`

@@ -79,10 +79,8 @@ impl BestFit {
         self.flush_hot();
         let mut asked = None;
         if align == BLOCK_ALIGN {
-            // The common case: the exact best fit is preferred (the
-            // highest chunk's free tail only when no other block holds
-            // the request, with the rule on: `wild.rs`).
-            let (_, addr, slot) = self.best_fit_key(size)?;
+            // The common case: the exact best fit is preferred.
+            let (_, addr, slot) = self.free_index.best_fit(size)?;
             if preferred(addr, size) {
                 return Some(Preferred::Taken(self.allocate_slot_at(slot, addr, size, requested)));
             }
@@ -243,19 +241,6 @@ impl BestFit {
         v.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
         v
     }
-
-    /// The `n` largest free blocks of at least `min` bytes as `(addr,
-    /// size, tag)`, largest first: a bounded look (a shard giving memory
-    /// to another holds its lock only for these).
-    pub fn largest_free_blocks(&mut self, n: usize, min: usize) -> Vec<(usize, usize, StreamTag)> {
-        self.flush_hot();
-        self.free_index
-            .largest_first()
-            .take_while(|&&(size, _, _)| size >= min)
-            .take(n)
-            .map(|&(size, addr, slot)| (addr, size, self.blocks[slot as usize].tag))
-            .collect()
-    }
 }
 
 #[cfg(test)]
@@ -277,13 +262,8 @@ mod tests {
         let (mut preferred_seen, mut fallback_seen) = (0, 0);
         for seed in 0..20 {
             let mut rng = SmallRng::seed_from_u64(seed);
-            let mut fits = [(); 2].map(|_| {
-                let mut f = BestFit::new();
-                assert!(f.add_chunk(Chunk { addr: 1 << 30, size: 64 << 20 }));
-                f
-            });
-            // The twin follows preferred placements by address.
-            fits[1].index_addresses(true);
+            let mut f = BestFit::new();
+            assert!(f.add_chunk(Chunk { addr: 1 << 30, size: 64 << 20 }));
             let mut live: Vec<usize> = Vec::new();
             for step in 0..3000 {
                 if live.is_empty() || rng.gen_bool(0.55) {
@@ -291,12 +271,15 @@ mod tests {
                     // A different set of accepted addresses every time.
                     let (m, r) = (rng.gen_range(2..7usize), rng.gen_range(0..7usize));
                     let accepts = move |at: usize, _len: usize| (at >> 8) % m == r % m;
-                    let mut candidates = fits[0].free_list();
+                    let mut candidates = f.free_list();
                     candidates.retain(|&(_, s)| s >= size);
                     candidates.sort_by_key(|&(a, s)| (s, a));
                     let expected = candidates.iter().take(LIMIT).map(|&(a, _)| a).find(|&a| accepts(a, size));
-                    let before = fits[0].free_list();
-                    let got = match fits[0].place_preferring(size, 256, size, LIMIT, accepts) {
+                    // Plain best fit: the smallest block that holds it, the
+                    // lowest address among equals.
+                    let plain = candidates.first().map(|&(a, _)| a);
+                    let before = f.free_list();
+                    let got = match f.place_preferring(size, 256, size, LIMIT, accepts) {
                         None => None,
                         Some(Preferred::Taken(a)) => {
                             preferred_seen += 1;
@@ -306,30 +289,20 @@ mod tests {
                         Some(Preferred::BestFit(at)) => {
                             fallback_seen += 1;
                             assert_eq!(expected, None, "seed {seed} step {step}");
-                            assert_eq!(fits[0].free_list(), before, "seed {seed} step {step}: the look changed blocks");
-                            Some(fits[0].allocate_best_fit(at, size, size).addr)
+                            assert_eq!(f.free_list(), before, "seed {seed} step {step}: the look changed blocks");
+                            Some(f.allocate_best_fit(at, size, size).addr)
                         }
                     };
-                    let plain = fits[1].allocate(size, 256, size).map(|a| a.addr);
                     if expected.is_none() {
                         assert_eq!(got, plain, "seed {seed} step {step}: the fallback is plain best fit");
-                    } else {
-                        // Keep the twin's layout equal to the first's.
-                        let p = plain.unwrap();
-                        fits[1].free(p, StreamTag::NONE).unwrap();
-                        fits[1].flush_hot();
-                        assert_eq!(fits[1].allocate_at(got.unwrap(), size, size).map(|a| a.addr), got);
                     }
                     live.extend(got);
                 } else {
                     let addr = live.swap_remove(rng.gen_range(0..live.len()));
-                    for f in &mut fits {
-                        f.free(addr, StreamTag::NONE).unwrap();
-                        f.flush_hot();
-                    }
+                    f.free(addr, StreamTag::NONE).unwrap();
+                    f.flush_hot();
                 }
-                fits[0].check_invariants().unwrap();
-                assert_eq!(fits[0].free_list(), fits[1].free_list(), "seed {seed} step {step}");
+                f.check_invariants().unwrap();
             }
         }
         assert!(preferred_seen > 1000 && fallback_seen > 1000, "{preferred_seen} preferred, {fallback_seen} fallbacks");

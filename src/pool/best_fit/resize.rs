@@ -99,42 +99,6 @@ impl BestFit {
         (whole && addr < info.chunk.end()).then(|| self.remove_chunk(id))
     }
 
-    /// Removes the smallest wholly free chunk of at least `min` bytes that
-    /// work on `stream` can use with no wait (for another shard to take):
-    /// its one block has no stream work pending (no tag, or one the tag
-    /// oracle says is complete; the chunk comes with [`StreamTag::NONE`]),
-    /// or was freed on `stream` itself (it comes with its tag, which
-    /// orders the reuse).
-    pub fn take_free_chunk_fitting(&mut self, min: usize, stream: u64) -> Option<(Chunk, StreamTag)> {
-        self.flush_hot();
-        // One pass (no allocation: this runs under the pool's lock): the
-        // best candidate, and whether any chunk is wholly free at all.
-        let (mut any_whole, mut best): (bool, Option<(usize, u32)>) = (false, None);
-        for &id in self.chunks_by_addr.values() {
-            let info = self.chunk_info(id);
-            let b = &self.blocks[info.first as usize];
-            if info.first != info.last || !b.free {
-                continue;
-            }
-            any_whole = true;
-            let size = info.chunk.size;
-            if size >= min && self.usable_on(b.tag, stream) && best.is_none_or(|(s, _)| size < s) {
-                best = Some((size, id));
-            }
-        }
-        if !any_whole {
-            self.whole_free.store(false, crate::sync::Ordering::Relaxed);
-        }
-        let (_, id) = best?;
-        let (chunk, tag) = self.remove_chunk(id);
-        Some((chunk, if self.tag_settled(tag) { StreamTag::NONE } else { tag }))
-    }
-
-    /// Whether memory tagged `tag` serves work on `stream` with no wait.
-    pub(crate) fn usable_on(&self, tag: StreamTag, stream: u64) -> bool {
-        (stream != 0 && tag.stream == stream) || self.tag_settled(tag)
-    }
-
     fn remove_chunk(&mut self, id: u32) -> (Chunk, StreamTag) {
         let info = self.chunks[id as usize].take().expect("live chunk");
         let slot = info.first;

@@ -2,9 +2,7 @@
 //! placement, counted as the whole pages lying inside free blocks.
 
 use super::BestFit;
-use crate::sync::{Arc, AtomicUsize, Ordering};
 use crate::upstream::BLOCK_ALIGN;
-use crossbeam::utils::CachePadded;
 
 /// Which pages live blocks touch, counted as the whole pages lying inside
 /// free blocks: a page that no live block touches lies wholly inside one
@@ -39,67 +37,7 @@ impl PageCount {
     }
 }
 
-/// The pages live blocks touch in each allocator of a set of pools
-/// (shards), and the most their sum reached when looked at: each
-/// allocator stores its own count in a slot of its own as it changes (no
-/// shared line is written on the hot path), and sums the slots whenever
-/// its own count passes its own peak (only then can the sum pass the
-/// set's), and the set sums them when it trims.
-#[derive(Debug)]
-pub(crate) struct SetPages {
-    slots: Box<[CachePadded<AtomicUsize>]>,
-    peak: AtomicUsize,
-}
-
-impl SetPages {
-    /// Slots for `count` allocators.
-    pub(crate) fn new(count: usize) -> Self {
-        SetPages {
-            slots: (0..count).map(|_| CachePadded::new(AtomicUsize::new(0))).collect(),
-            peak: AtomicUsize::new(0),
-        }
-    }
-
-    /// The pages live blocks of the set touch now (summed afresh), and the
-    /// most they touched at once as looked at (this look included).
-    pub(crate) fn sample(&self) -> (usize, usize) {
-        let now = self.slots.iter().map(|s| s.load(Ordering::Relaxed)).sum();
-        let peak = self.peak.fetch_max(now, Ordering::Relaxed).max(now);
-        (now, peak)
-    }
-}
-
 impl BestFit {
-    /// Stores this allocator's touched pages (counting on: see
-    /// [`count_pages`](Self::count_pages)) in slot `index` of `set` from
-    /// now on.
-    pub(crate) fn share_pages(&mut self, set: Arc<SetPages>, index: usize) {
-        if index < set.slots.len() {
-            self.set_pages = Some((set, index, usize::MAX));
-            self.publish_touched(false);
-        }
-    }
-
-    /// Brings this allocator's slot up to date with the pages live blocks
-    /// touch now (after an allocation or a free; a change missed meanwhile
-    /// is stored with the next); `rose`: the count just passed this
-    /// allocator's own peak, so the set's sum is looked at.
-    #[inline]
-    pub(super) fn publish_touched(&mut self, rose: bool) {
-        if self.pages.shift == 0 {
-            return;
-        }
-        let now = self.touched_now();
-        let Some((set, index, stored)) = &mut self.set_pages else { return };
-        if now != *stored {
-            set.slots[*index].store(now, Ordering::Relaxed);
-            *stored = now;
-            if rose {
-                set.sample();
-            }
-        }
-    }
-
     /// Counts the pages of `page` bytes (a power of two) that live blocks
     /// touch, for [`touched_pages`](Self::touched_pages). Every chunk must
     /// then start and end on a page boundary (a remapping pool's do).
@@ -149,16 +87,6 @@ impl BestFit {
         self.note_touched();
     }
 
-    /// Sets the peak that sets the remap budget to the count now: the
-    /// pool passed to a new thread (a shard claimed anew,
-    /// `pool/shards.rs`), whose layout owes nothing to the last one's.
-    pub fn rebase_touched_peak(&mut self) {
-        self.flush_hot();
-        if self.pages.shift != 0 {
-            self.pages.peak_touched = self.touched_now();
-        }
-    }
-
     /// Raises the touched-page peak to the count now (after an operation
     /// that may touch new pages; never inside one, whose steps may leave a
     /// block briefly out of the index).
@@ -166,10 +94,8 @@ impl BestFit {
     pub(super) fn note_touched(&mut self) {
         if self.pages.shift != 0 {
             let now = self.touched_now();
-            let rose = now > self.pages.peak_touched;
             self.pages.peak_touched = self.pages.peak_touched.max(now);
             self.pages.reported_peak = self.pages.reported_peak.max(now);
-            self.publish_touched(rose);
         }
     }
 }

@@ -4,8 +4,7 @@
 
 use std::sync::Arc;
 
-use cumem::pool::{Pool, PoolConfig, StreamTag};
-use cumem::PoolKind;
+use cumem::pool::{Pool, StreamTag};
 
 use super::{check, pool, pool_with_slack, Model, Rng, World, PAGE};
 
@@ -128,58 +127,6 @@ fn settled_free_pages_move_without_a_wait() {
     assert!(w.violations.is_empty(), "{:?}", w.violations);
     drop(w);
     pool.deallocate(big.addr, StreamTag::NONE).unwrap();
-}
-
-/// The real mapper thread over host memory: waves whose large blocks grow
-/// leave the pool above its budget (no slack) with free memory whose
-/// stream work completes a little later; without any further allocation
-/// the mapper brings what the pool holds back to its budget.
-#[test]
-fn the_mapper_thread_brings_the_pool_back_to_its_budget() {
-    let host = cumem::upstream::HostExpandable::new(16 << 30).unwrap();
-    let page = 2 << 20;
-    let mut pc = PoolConfig::new(PoolKind::Device);
-    pc.thread_cache = false;
-    pc.background_mapper = true;
-    pc.remap_slack_ppm = 0;
-    let pool = Pool::new(host, pc);
-    assert!(pool.remaps());
-    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let d = done.clone();
-    pool.set_tag_oracle(Arc::new(move |t: StreamTag| t.seq <= d.load(std::sync::atomic::Ordering::Acquire)));
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-    let (mut seq, mut live) = (0u64, Vec::new());
-    for wave in 0..24usize {
-        let big = pool.allocate((wave + 1) * 3 * page + 4096, 256).unwrap();
-        live.push((big.addr, big.size));
-        for _ in 0..8 {
-            let a = pool.allocate(256usize << rng.below(14), 256).unwrap();
-            live.push((a.addr, a.size));
-        }
-        let mut keep = Vec::new();
-        for (i, b) in live.drain(..).enumerate() {
-            if b.0 == big.addr || (i % 3 == 0 && b.1 < page) {
-                seq += 1;
-                pool.deallocate(b.0, StreamTag { stream: 7, seq }).unwrap();
-            } else {
-                keep.push(b);
-            }
-        }
-        live = keep;
-        // The stream's work completes.
-        done.store(seq, std::sync::atomic::Ordering::Release);
-    }
-    let over = |s: &cumem::pool::PoolStats| s.mapped > s.peak_touched;
-    let start = std::time::Instant::now();
-    while over(&pool.stats()) && start.elapsed() < std::time::Duration::from_secs(10) {
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
-    let s = pool.stats();
-    assert!(!over(&s), "the pool holds {} pages for a budget of {}", s.mapped / page, s.peak_touched / page);
-    pool.with_fit(|f| f.check_invariants()).unwrap();
-    for (addr, _) in live {
-        pool.deallocate(addr, StreamTag::NONE).unwrap();
-    }
 }
 
 /// Resetting peak statistics (PyTorch programs do it every epoch) resets

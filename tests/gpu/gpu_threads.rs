@@ -1,9 +1,10 @@
-//! GPU test of the per-thread arenas: threads with a stream each allocate
-//! device memory (each from its own arena), run a kernel on every block,
-//! and pass some blocks to another thread, which uses them on its own
-//! stream (after waiting for the sender's) and frees them there. The block
-//! goes back to the owner's arena tagged with the receiver's stream, so the
-//! owner's next reuse must wait for the receiver's kernel. Every kernel
+//! GPU tests of threads sharing a device's one sync pool: threads with a
+//! stream each allocate device memory, run a kernel on every block, and
+//! pass some blocks to another thread, which uses them on its own stream
+//! (after waiting for the sender's) and frees them there (as autograd's
+//! backward thread frees the forward pass's tensors). The block goes back
+//! to the pool tagged with the receiver's stream, so the next reuse on
+//! another stream must wait for the receiver's kernel. Every kernel
 //! writes its own value, spins, and counts elements that changed under it:
 //! a reuse that was not ordered shows up as a mismatch. Skips without a
 //! GPU; fails instead under `CUMEM_REQUIRE_GPU=1`.
@@ -97,21 +98,22 @@ fn rng_cycles(round: u32) -> i64 {
 }
 
 #[test]
-fn threads_with_a_stream_each_reuse_across_arenas_in_order() {
-    reuse_across_arenas_in_order("threads_with_a_stream_each_reuse_across_arenas_in_order", false);
+fn threads_with_a_stream_each_reuse_one_pool_in_order() {
+    reuse_across_threads_in_order("threads_with_a_stream_each_reuse_one_pool_in_order", false);
 }
 
-/// The same with worker arenas (`shared_device_arenas`): chunks of one
-/// address space pass between the threads' arenas, with their stream tags.
+/// The same with the device pool's thread caches on: a block another
+/// thread frees goes back to the cache of the thread that allocated it, or
+/// to the pool, with its stream's tag either way.
 #[test]
-fn worker_arenas_reuse_across_arenas_in_order() {
-    reuse_across_arenas_in_order("worker_arenas_reuse_across_arenas_in_order", true);
+fn threads_with_a_stream_each_reuse_through_thread_caches_in_order() {
+    reuse_across_threads_in_order("threads_with_a_stream_each_reuse_through_thread_caches_in_order", true);
 }
 
-fn reuse_across_arenas_in_order(name: &str, shared: bool) {
+fn reuse_across_threads_in_order(name: &str, thread_cache: bool) {
     let Some(ctx) = gpu_for_test(name) else { return };
     let device = Config::from_env().map_or(0, |c| c.device);
-    let config = Config::new().device(device).arenas(THREADS).shared_device_arenas(shared);
+    let config = Config::new().device(device).device_thread_cache(thread_cache);
     let mm = MemoryManager::new(config).unwrap();
     let ptx = cudarc::nvrtc::compile_ptx(CHECK).expect("NVRTC compiles the check kernel");
     let f = ctx.load_module(ptx).expect("module loads").load_function("fill_spin_check").expect("kernel");
@@ -134,34 +136,24 @@ fn reuse_across_arenas_in_order(name: &str, shared: bool) {
     unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2((&mut count as *mut u64).cast(), errors, 8) }.result().unwrap();
     mm.free_device(errors).unwrap();
     let pool = mm.default_device().unwrap().pool();
-    assert!(pool.made() > 1, "the threads allocated from arenas of their own");
     pool.check_invariants().unwrap();
+    mm.release_cached().unwrap();
     assert_eq!(pool.stats().in_use, 0);
     assert_eq!(count, 0, "{count} elements were overwritten by a premature reuse");
 }
 
 /// Threads that come and go, each with a stream of its own (a thread per
-/// request, a resized thread pool): a new thread takes over an arena whose
-/// free blocks carry the stream of a thread that has exited (and synced).
-/// Its frees merge with those blocks; the merged blocks must keep the live
-/// stream's tag, not become "freed on several streams", or every reuse of
-/// them waits for every other thread's stream.
+/// request, a resized thread pool): a new thread reuses free blocks that
+/// carry the stream of a thread that has exited (and synced). Its frees
+/// merge with those blocks; the merged blocks must keep the live stream's
+/// tag, not become "freed on several streams", or every reuse of them
+/// waits for every other thread's stream.
 #[test]
 fn threads_that_come_and_go_with_streams_of_their_own_never_wait_for_each_other() {
-    come_and_go("threads_that_come_and_go_with_streams_of_their_own_never_wait_for_each_other", false);
-}
-
-/// The same with worker arenas: after the first waves, later waves take
-/// their memory from the workers' chunks, and nobody waits.
-#[test]
-fn worker_arenas_for_threads_that_come_and_go_never_wait_for_each_other() {
-    come_and_go("worker_arenas_for_threads_that_come_and_go_never_wait_for_each_other", true);
-}
-
-fn come_and_go(name: &str, shared: bool) {
+    let name = "threads_that_come_and_go_with_streams_of_their_own_never_wait_for_each_other";
     let Some(ctx) = gpu_for_test(name) else { return };
     let device = Config::from_env().map_or(0, |c| c.device);
-    let mm = MemoryManager::new(Config::new().device(device).arenas(8).shared_device_arenas(shared)).unwrap();
+    let mm = MemoryManager::new(Config::new().device(device)).unwrap();
     let wave = |seed: u64| {
         std::thread::scope(|s| {
             for id in 0..4u64 {
@@ -196,83 +188,6 @@ fn come_and_go(name: &str, shared: bool) {
     let waits = mm.device_stats(device).unwrap().stream_waits - before;
     assert_eq!(waits, 0, "reuses waited for other threads' streams {waits} times");
     let pool = mm.default_device().unwrap().pool();
-    if shared {
-        // The control that the worker arenas' path ran: chunks changed
-        // arena (each wave's streams were synchronised, so their free
-        // chunks are idle for the next wave).
-        assert!(pool.chunks_moved() > 0, "no chunk moved between worker arenas");
-    }
     pool.check_invariants().unwrap();
     assert_eq!(pool.stats().in_use, 0);
-}
-
-/// Idle arenas give only memory no queued work may use, both ways memory
-/// leaves them: given back and mapped again (`idle_arenas_give=true`,
-/// each arena in address space of its own: `arenas_hand_over=false`), or
-/// handed over as mapped ranges and lent blocks in one address space (the
-/// default). A thread fills eight blocks with kernels that spin on its
-/// stream, frees them on that stream without synchronising, and ends.
-/// While the kernels still run, another arena needs memory on another
-/// stream: the idle arena's memory is asked about (`cuStreamQuery`),
-/// found busy, and kept (the control: giving it would unmap pages under
-/// running kernels, or hand them to work not ordered after them; a fault
-/// or changed values). Once the device is idle, the next request finds
-/// the stream idle and takes the idle arena's memory. Every kernel checks
-/// that its values stayed.
-#[test]
-fn idle_arenas_give_memory_freed_on_a_stream_only_once_its_work_is_done() {
-    for hand_over in [false, true] {
-        idle_arena_memory_moves_once_its_work_is_done(hand_over);
-    }
-}
-
-fn idle_arena_memory_moves_once_its_work_is_done(hand_over: bool) {
-    let name = "idle_arenas_give_memory_freed_on_a_stream_only_once_its_work_is_done";
-    let Some(ctx) = gpu_for_test(name) else { return };
-    const MIB: usize = 1 << 20;
-    let device = Config::from_env().map_or(0, |c| c.device);
-    let config = Config::new().device(device).arenas(2).idle_arenas_give(!hand_over).arenas_hand_over(hand_over);
-    let mm = MemoryManager::new(config).unwrap();
-    let ptx = cudarc::nvrtc::compile_ptx(CHECK).expect("NVRTC compiles the check kernel");
-    let f = ctx.load_module(ptx).expect("module loads").load_function("fill_spin_check").expect("kernel");
-    // This thread takes arena 0.
-    let errors = mm.allocate_device(8).unwrap();
-    // SAFETY: `errors` is an 8-byte device allocation.
-    unsafe { cudarc::driver::sys::cuMemsetD8_v2(errors, 0, 8) }.result().unwrap();
-    ctx.synchronize().unwrap();
-    let check = Check { f, errors };
-    let pool = mm.default_device().unwrap().pool();
-    // Bytes given back, or ranges handed over and blocks lent.
-    let moved =
-        || if hand_over { pool.ranges_handed_over().1 + pool.blocks_lent() as usize } else { pool.bytes_reclaimed() };
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            ctx.bind_to_thread().expect("cuCtxSetCurrent");
-            let stream = Stream::new().expect("cuStreamCreate");
-            let blocks: Vec<u64> = (0..8).map(|_| mm.allocate_device_on(8 * MIB, &stream).unwrap()).collect();
-            for (i, &p) in blocks.iter().enumerate() {
-                // One wave of threads over each block's first 256 KiB,
-                // about 40 ms of spinning per kernel, in stream order.
-                check.launch(&stream, p, 1 << 16, 0x1000 + i as u32, 80_000_000);
-            }
-            for p in blocks {
-                mm.free_device_on(p, &stream).unwrap();
-            }
-            cumem::pool::release_thread_shards();
-        });
-    });
-    assert_eq!(pool.threads_on(1), 0, "the thread handed its arena back");
-    let busy = mm.allocate_device(48 * MIB).unwrap();
-    assert_eq!(moved(), 0, "memory under running kernels moved (hand-over: {hand_over})");
-    ctx.synchronize().unwrap();
-    let idle = mm.allocate_device(48 * MIB).unwrap();
-    assert!(moved() >= 1, "the idle arena's memory stayed once its stream was idle (hand-over: {hand_over})");
-    pool.check_invariants().unwrap();
-    let mut count = 0u64;
-    // SAFETY: `count` is 8 writable bytes; the device is idle.
-    unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2((&mut count as *mut u64).cast(), errors, 8) }.result().unwrap();
-    assert_eq!(count, 0, "{count} elements changed under a running kernel");
-    for p in [busy, idle, errors] {
-        mm.free_device(p).unwrap();
-    }
 }
