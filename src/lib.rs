@@ -30,7 +30,7 @@ pub use error::{Error, OomState, PoolKind, Result};
 pub use managed::{ManagedAlloc, ManagedBox, ManagedVec};
 pub use manager::{
     Backend, BackendChoice, CaptureScope, CapturedGraph, Config, GraphCapture, MemoryManager, PeerAccess,
-    ShutdownReport, SleepReport, TableSizes, WakeReport,
+    ShutdownReport, SleepReport, TableSizes, ThreadCache, WakeReport,
 };
 pub use snapshot::{MemorySnapshot, PoolPicture};
 

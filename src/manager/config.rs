@@ -25,6 +25,40 @@ pub enum BackendChoice {
     Host,
 }
 
+/// When the device pools' per-thread caches serve (`CUMEM_CONF` key
+/// `device_thread_cache`: `false`, `contended` or `true`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ThreadCache {
+    /// No caches: every allocation and free takes the pool's lock.
+    Off,
+    /// The default: caches start once allocations wait for the pool's lock
+    /// again and again ([`WAITS_TO_SERVE`](crate::pool::WAITS_TO_SERVE)
+    /// waits within [`WAIT_WINDOW_MS`](crate::pool::WAIT_WINDOW_MS)
+    /// milliseconds), and serve from then on. A program whose threads
+    /// take turns (one thread, or PyTorch's forward and backward threads)
+    /// keeps one exact best fit with nothing parked per thread; threads
+    /// that allocate at once get the caches' speed.
+    #[default]
+    WhenContended,
+    /// Caches from the first allocation.
+    On,
+}
+
+impl std::str::FromStr for ThreadCache {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "contended" | "when_contended" | "auto" => Ok(ThreadCache::WhenContended),
+            "1" | "true" | "yes" | "on" => Ok(ThreadCache::On),
+            "0" | "false" | "no" | "off" => Ok(ThreadCache::Off),
+            other => Err(Error::Config(format!(
+                "device_thread_cache: '{other}' is not one of true, false, contended"
+            ))),
+        }
+    }
+}
+
 /// Which devices get peer access to which, when their allocators are
 /// created (`CUMEM_CONF` key `peer_access`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -121,10 +155,12 @@ pub struct Config {
     /// statistics become upper bounds. On by default.
     pub pinned_thread_cache: bool,
     /// The same in front of the device pools' sync pool (a block freed on
-    /// a stream is cached with its stream's tag). Off by default: device memory is the
-    /// scarce resource, and the caches cost fragmentation (on the training
-    /// traces peak reserved / peak live rises from 1.004 to about 1.05).
-    pub device_thread_cache: bool,
+    /// a stream is cached with its stream's tag; hits need the exact
+    /// size). By default they start only once threads contend for the
+    /// pool ([`ThreadCache::WhenContended`]): device memory is the scarce
+    /// resource, and memory parked per thread is memory other threads
+    /// can't use.
+    pub device_thread_cache: ThreadCache,
     /// The most bytes one thread's cache parks per pool before it flushes
     /// (256 MiB: on the 8-thread benchmark 97% of requests then hit the
     /// cache; at 64 MiB, 89%).
@@ -178,7 +214,7 @@ impl Default for Config {
             backend: BackendChoice::Auto,
             track_allocations: false,
             pinned_thread_cache: true,
-            device_thread_cache: false,
+            device_thread_cache: ThreadCache::WhenContended,
             thread_cache_bytes: 256 << 20,
             log_path: None,
             promise_registered_captures: false,
@@ -230,7 +266,8 @@ impl Config {
         pc.remap_slack_ppm = self.remap_slack_ppm;
         pc.max_size = self.max_device_pool_size;
         pc.expandable = self.expandable;
-        pc.thread_cache = self.device_thread_cache;
+        pc.thread_cache = self.device_thread_cache != ThreadCache::Off;
+        pc.cache_when_contended = self.device_thread_cache == ThreadCache::WhenContended;
         pc.thread_cache_bytes = self.thread_cache_bytes;
         pc.cache_exact = true;
         pc.hot_block = self.hot_block;
@@ -313,7 +350,7 @@ impl Config {
     /// [`Config::device_thread_cache`].
     pub fn thread_cache(mut self, on: bool) -> Self {
         self.pinned_thread_cache = on;
-        self.device_thread_cache = on;
+        self.device_thread_cache = if on { ThreadCache::On } else { ThreadCache::Off };
         self
     }
     /// Sets [`Config::pinned_thread_cache`].
@@ -326,9 +363,17 @@ impl Config {
         self.thread_cache_bytes = bytes;
         self
     }
-    /// Sets [`Config::device_thread_cache`].
+    /// Sets [`Config::device_thread_cache`]: caches from the first
+    /// allocation, or none (the default starts them once threads contend:
+    /// [`device_thread_cache_when`](Config::device_thread_cache_when)).
     pub fn device_thread_cache(mut self, on: bool) -> Self {
-        self.device_thread_cache = on;
+        self.device_thread_cache = if on { ThreadCache::On } else { ThreadCache::Off };
+        self
+    }
+
+    /// Sets [`Config::device_thread_cache`].
+    pub fn device_thread_cache_when(mut self, when: ThreadCache) -> Self {
+        self.device_thread_cache = when;
         self
     }
     /// Sets [`Config::hot_block`].

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use super::config::{BackendChoice, Config};
+use super::config::{BackendChoice, Config, ThreadCache};
 use crate::error::{Error, Result};
 
 /// Parses a byte size: a number with an optional unit, `B`, `KiB`, `MiB`,
@@ -129,10 +129,10 @@ impl std::str::FromStr for Config {
                 "track_allocations" => c.track_allocations = bool_value(key, value)?,
                 "thread_cache" => {
                     c.pinned_thread_cache = bool_value(key, value)?;
-                    c.device_thread_cache = c.pinned_thread_cache;
+                    c.device_thread_cache = if c.pinned_thread_cache { ThreadCache::On } else { ThreadCache::Off };
                 }
                 "pinned_thread_cache" => c.pinned_thread_cache = bool_value(key, value)?,
-                "device_thread_cache" => c.device_thread_cache = bool_value(key, value)?,
+                "device_thread_cache" => c.device_thread_cache = value.parse()?,
                 "hot_block" => c.hot_block = bool_value(key, value)?,
                 "thread_cache_bytes" => c.thread_cache_bytes = size_value(key, value)?,
                 "backend" => {

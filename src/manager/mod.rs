@@ -15,7 +15,7 @@ mod tracking;
 
 #[doc(hidden)]
 pub use crate::sync::{InitCell, InitError};
-pub use config::{BackendChoice, Config, PeerAccess};
+pub use config::{BackendChoice, Config, PeerAccess, ThreadCache};
 pub use config_text::parse_size;
 pub use graphs::{CaptureScope, CapturedGraph, GraphCapture};
 pub use sleep::{SleepReport, WakeReport};

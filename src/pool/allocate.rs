@@ -53,7 +53,7 @@ impl<U: Upstream> Pool<U> {
     #[inline(always)]
     pub(crate) fn allocate_quick(&self, size: usize, align: usize, stream: u64) -> Option<Allocation> {
         let rounded = validate(size, align).ok()?;
-        let Some(cache) = &self.cache else {
+        let Some(cache) = self.serving_cache() else {
             return self.place_in_held(rounded, align, size);
         };
         // The thread cache (cache.rs): a hit takes no pool lock; a miss
@@ -79,7 +79,7 @@ impl<U: Upstream> Pool<U> {
     #[inline(never)]
     pub(crate) fn allocate_past_quick(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
         let rounded = validate(size, align)?;
-        let Some(cache) = &self.cache else {
+        let Some(cache) = self.serving_cache() else {
             return self.allocate_slow(rounded, align, size, stream);
         };
         // The cache missed, or the class is not cached: no second look.
@@ -107,7 +107,15 @@ impl<U: Upstream> Pool<U> {
     /// the caller in registers rather than through memory.
     #[inline(always)]
     fn place_in_held(&self, rounded: usize, align: usize, size: usize) -> Option<Allocation> {
-        let mut inner = self.inner.lock();
+        let (mut inner, waited) = self.inner.lock_noting_wait();
+        if waited {
+            if let Some(cache) = self.cache.as_ref().filter(|c| !c.serving()) {
+                // Counted with the lock let go (the count reads a clock).
+                drop(inner);
+                cache.note_wait();
+                inner = self.inner.lock();
+            }
+        }
         if inner.shut_down {
             return None;
         }

@@ -35,6 +35,13 @@ pub struct PoolConfig {
     /// class (at most 6.25 % more), and most allocations and frees skip the
     /// pool's lock.
     pub thread_cache: bool,
+    /// The thread caches wait for contention: they start serving once
+    /// allocations wait for the pool's lock again and again
+    /// ([`WAITS_TO_SERVE`](super::WAITS_TO_SERVE) waits within
+    /// [`WAIT_WINDOW_MS`](super::WAIT_WINDOW_MS)), and serve from then
+    /// on. Until then the pool is exactly one best fit, with no memory
+    /// parked per thread. The device pools use it.
+    pub cache_when_contended: bool,
     /// The most bytes one thread's cache of this pool holds (0: no caches).
     pub thread_cache_bytes: usize,
     /// Thread caches hit only on the exact (256 B-rounded) size and round
@@ -75,6 +82,7 @@ impl PoolConfig {
             thread_cache: true,
             thread_cache_bytes: 256 << 20,
             cache_exact: false,
+            cache_when_contended: false,
             keep_chunks: false,
             remap_slack_ppm: DEFAULT_REMAP_SLACK_PPM,
             hot_block: false,

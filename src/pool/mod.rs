@@ -37,7 +37,7 @@ mod stats;
 pub use crate::tag::{Fence, FenceMaker, StreamTag, TagOracle};
 pub use crate::upstream::BLOCK_ALIGN;
 pub use best_fit::{round_size, Allocation, BestFit, FreeError, Freed};
-pub use cache::{release_thread_caches, BIN_MAX, LOOK_EVERY, MAX_CACHED_BLOCK};
+pub use cache::{release_thread_caches, BIN_MAX, LOOK_EVERY, MAX_CACHED_BLOCK, WAITS_TO_SERVE, WAIT_WINDOW_MS};
 pub use config::{PoolConfig, DEFAULT_REMAP_SLACK_PPM, MAX_ALIGN};
 pub use pool_snapshot::{BlockState, PoolSnapshot, SnapshotBlock};
 pub use remap::RANK_LIMIT;
@@ -164,7 +164,9 @@ impl<U: Upstream> Pool<U> {
         fit.set_hot_block(config.hot_block);
         let inner = Arc::new(SpinLock::new(Inner { fit, pages: page_map::Pages::new(page), ..Inner::default() }));
         let on = config.thread_cache && config.thread_cache_bytes > 0;
-        let cache = on.then(|| ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact));
+        let cache = on.then(|| {
+            ThreadCaches::new(inner.clone(), config.thread_cache_bytes, config.cache_exact, config.cache_when_contended)
+        });
         let upstream = Arc::new(upstream);
         let remap_lock = Arc::new(Mutex::new(()));
         let mapper = remap.then(|| {
@@ -192,6 +194,13 @@ impl<U: Upstream> Pool<U> {
         if let Some(job) = &self.mapper {
             let _ = job.fences.set(fences);
         }
+    }
+
+    /// The thread caches, while they serve (`cache.rs`: from the start, or
+    /// once the pool's lock is contended).
+    #[inline(always)]
+    fn serving_cache(&self) -> Option<&Arc<ThreadCaches>> {
+        self.cache.as_ref().filter(|c| c.serving())
     }
 
     /// Whether the pool remaps pages (`remap.rs`): expandable, over an
@@ -257,7 +266,7 @@ impl<U: Upstream> Pool<U> {
     #[inline(always)]
     pub fn deallocate(&self, addr: usize, tag: StreamTag) -> Result<Freed> {
         // Lent blocks go back to a thread cache (cache.rs) when they can.
-        let lent = match self.cache.as_ref().map(|c| ThreadCaches::deallocate(c, addr, tag)) {
+        let lent = match self.serving_cache().map(|c| ThreadCaches::deallocate(c, addr, tag)) {
             Some(CacheFree::Cached(freed)) => return Ok(freed),
             Some(CacheFree::DoubleFree) => return Err(self.free_error(addr, FreeError::DoubleFree)),
             Some(CacheFree::Return(freed)) => Some(freed),

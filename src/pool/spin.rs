@@ -49,19 +49,29 @@ impl<T> SpinLock<T> {
     /// Waits until the lock is free and takes it.
     #[inline]
     pub(super) fn lock(&self) -> SpinGuard<'_, T> {
+        self.lock_noting_wait().0
+    }
+
+    /// [`lock`](Self::lock), and whether the lock was held by another
+    /// thread at the first try (the pool's sign of contention).
+    #[inline]
+    pub(super) fn lock_noting_wait(&self) -> (SpinGuard<'_, T>, bool) {
         let mut attempt = 0;
+        let mut waited = false;
         while self.locked.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            waited = true;
             // Wait on plain loads so the cache line is not bounced around.
             while self.locked.load(Ordering::Relaxed) {
                 backoff(attempt);
                 attempt = attempt.saturating_add(1);
             }
         }
-        SpinGuard {
+        let guard = SpinGuard {
             lock: self,
             #[cfg(loom)]
             access: Some(self.value.get_mut()),
-        }
+        };
+        (guard, waited)
     }
 }
 

@@ -405,3 +405,76 @@ fn the_requested_size_of_a_live_block_is_what_was_asked() {
         check(&p);
     }
 }
+
+fn contended_pool() -> Pool<Host> {
+    let mut c = PoolConfig::new(PoolKind::Standalone);
+    c.thread_cache = true;
+    c.cache_when_contended = true;
+    Pool::new(Host::new(), c)
+}
+
+/// Caches that wait for contention park nothing while one thread (or
+/// threads taking turns) allocates: the pool stays one exact best fit.
+#[test]
+fn caches_that_wait_for_contention_park_nothing_for_threads_taking_turns() {
+    let p = Arc::new(contended_pool());
+    for round in 0..4 {
+        let p2 = p.clone();
+        // One thread at a time, each joined before the next starts.
+        std::thread::spawn(move || {
+            for i in 0..20_000usize {
+                let a = p2.allocate(256 * (1 + (i + round) % 64), 256).unwrap();
+                p2.deallocate(a.addr, StreamTag::NONE).unwrap();
+            }
+        })
+        .join()
+        .unwrap();
+        assert_eq!(p.stats().cached, 0, "round {round}: a block was parked in a thread cache");
+    }
+    check(&p);
+    // The control: the same pool with caches from the start parks blocks.
+    let q = pool(true);
+    let a = q.allocate(1000, 256).unwrap();
+    q.deallocate(a.addr, StreamTag::NONE).unwrap();
+    assert_eq!(q.stats().cached, 1024, "the control's cache must park the block");
+}
+
+/// Threads that allocate at once start the caches: once they serve, a
+/// free parks its block, and frees of blocks allocated before still reach
+/// the pool.
+#[test]
+fn contention_starts_the_caches() {
+    let p = Arc::new(contended_pool());
+    let before = p.allocate(4096, 256).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let started = std::time::Instant::now();
+    // Until the caches serve (each thread parks a block then) or 20 s.
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let (p, stop) = (p.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut i = 0usize;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let a = p.allocate(256 * (1 + (i * 7 + t) % 32), 256).unwrap();
+                    p.deallocate(a.addr, StreamTag::NONE).unwrap();
+                    i += 1;
+                }
+                cumem::pool::release_thread_caches();
+            })
+        })
+        .collect();
+    while p.stats().cached == 0 && started.elapsed() < std::time::Duration::from_secs(20) {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let parked = p.stats().cached;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert!(parked > 0, "eight threads allocating at once never started the caches");
+    // A block allocated before the caches served goes straight back.
+    p.deallocate(before.addr, StreamTag::NONE).unwrap();
+    assert!(matches!(p.deallocate(before.addr, StreamTag::NONE), Err(Error::DoubleFree { .. })));
+    assert_eq!(p.stats().live_blocks, 0);
+    check(&p);
+}
