@@ -18,6 +18,7 @@ mod gpu_graphs;
 mod gpu_hand_over;
 mod gpu_ipc;
 mod gpu_remap;
+mod gpu_training_threads;
 mod managed_alloc;
 mod multi_gpu;
 mod pinned_alloc;

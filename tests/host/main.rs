@@ -21,3 +21,4 @@ mod remap_model;
 mod sleep;
 mod stress;
 mod thread_cache;
+mod training_threads;
