@@ -22,3 +22,4 @@ mod sleep;
 mod stress;
 mod thread_cache;
 mod training_threads;
+mod unmapped_pages;
