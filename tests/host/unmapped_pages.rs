@@ -102,10 +102,16 @@ enum Giver {
 /// to lie on mapped pages and written, except the request's block: what
 /// of it lies on pages with nothing mapped is returned (and the block
 /// left unwritten), with the ranges handed over (count, bytes).
-fn scenario(config: Config, grow: usize, request: usize, giver: Giver) -> Outcome {
+fn scenario(config: Config, ballast: usize, grow: usize, request: usize, giver: Giver) -> Outcome {
     let mm = host(config);
     let first = mm.allocate_device(MIB).unwrap();
     assert_on_mapped_pages("the first block", first, MIB, 1);
+    // Held by this thread throughout (not written: its pages would be
+    // committed), so the region maps larger pieces.
+    let ballast = (ballast > 0).then(|| mm.allocate_device(ballast).unwrap());
+    if let Some(b) = ballast {
+        assert_eq!(unmapped_bytes(b as usize, BALLAST), 0, "the ballast lies on unmapped pages");
+    }
     // Channels, not barriers: a thread that panics drops its end, and
     // the other then fails instead of waiting for good.
     let (ready_tx, ready) = mpsc::channel::<()>();
@@ -145,7 +151,8 @@ fn scenario(config: Config, grow: usize, request: usize, giver: Giver) -> Outcom
     let set = mm.default_device().unwrap().pool();
     let handed = set.ranges_handed_over();
     eprintln!(
-        "{giver:?}, grow {} MiB, request {} MiB: {} shards, block at {big:#x}, ranges handed over {} ({} MiB)",
+        "{giver:?}, ballast {} MiB, grow {} MiB, request {} MiB: {} shards, block at {big:#x}, ranges handed over {} ({} MiB)",
+        ballast.map_or(0, |_| BALLAST / MIB),
         grow / MIB,
         request / MIB,
         set.made(),
@@ -158,6 +165,9 @@ fn scenario(config: Config, grow: usize, request: usize, giver: Giver) -> Outcom
     }
     assert_on_mapped_pages("the first block", first, MIB, 4);
     mm.free_device(big).unwrap();
+    if let Some(b) = ballast {
+        mm.free_device(b).unwrap();
+    }
     mm.free_device(first).unwrap();
     Outcome { missing, message: unmapped_message(missing, big, request), handed }
 }
@@ -171,6 +181,12 @@ struct Outcome {
     handed: (u64, usize),
 }
 
+/// A block this thread holds throughout, in the second layout: with
+/// more than 512 MiB mapped the region maps pieces of 32 MiB (8 MiB
+/// below 256 MiB), so the range handed over is whole pieces of mixed
+/// sizes, as in the training run that faulted.
+const BALLAST: usize = 600 * MIB;
+
 /// How much larger than the request the other thread's block is: a shard
 /// its thread still uses gives only what it holds above what its live
 /// blocks touch (and 1 %), and the block freed last (the hot block) still
@@ -180,14 +196,17 @@ const GROW_ABOVE: usize = 16 * MIB;
 /// Runs every layout with `config`; returns the failures, one line each.
 fn run_all(config: &Config, hand_overs_allowed: bool) -> Vec<String> {
     let mut failures = Vec::new();
-    for giver in [Giver::Gone, Giver::Waiting] {
-        for request in REQUESTS {
-            let o = scenario(config.clone(), request + GROW_ABOVE, request, giver);
-            if o.missing > 0 {
-                failures.push(format!("{giver:?}, request {} MiB: {}", request / MIB, o.message));
-            }
-            if !hand_overs_allowed && o.handed.0 > 0 {
-                failures.push(format!("{giver:?}, request {} MiB: a range changed shard", request / MIB));
+    for ballast in [0, BALLAST] {
+        for giver in [Giver::Gone, Giver::Waiting] {
+            for request in REQUESTS {
+                let o = scenario(config.clone(), ballast, request + GROW_ABOVE, request, giver);
+                let what = format!("{giver:?}, ballast {} MiB, request {} MiB", ballast / MIB, request / MIB);
+                if o.missing > 0 {
+                    failures.push(format!("{what}: {}", o.message));
+                }
+                if !hand_overs_allowed && o.handed.0 > 0 {
+                    failures.push(format!("{what}: a range changed shard"));
+                }
             }
         }
     }
