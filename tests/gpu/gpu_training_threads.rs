@@ -48,13 +48,14 @@ extern "C" __global__ void check(const unsigned char* p, unsigned long long id, 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 
-struct Kernels {
-    fill: CudaFunction,
-    check: CudaFunction,
+/// The fill and check kernels (`gpu_unmapped_pages.rs` uses them too).
+pub(super) struct Kernels {
+    pub(super) fill: CudaFunction,
+    pub(super) check: CudaFunction,
     _module: Arc<CudaModule>,
 }
 
-fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
+pub(super) fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
     let ptx = cudarc::nvrtc::compile_ptx(KERNELS).expect("NVRTC compiles the test kernels");
     let module = ctx.load_module(ptx).expect("the module loads");
     Kernels {
@@ -64,7 +65,7 @@ fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
     }
 }
 
-fn grid(n: u64) -> LaunchConfig {
+pub(super) fn grid(n: u64) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 4096) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }

@@ -19,6 +19,7 @@ mod gpu_hand_over;
 mod gpu_ipc;
 mod gpu_remap;
 mod gpu_training_threads;
+mod gpu_unmapped_pages;
 mod managed_alloc;
 mod multi_gpu;
 mod pinned_alloc;
