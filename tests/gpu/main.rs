@@ -17,6 +17,8 @@ mod gpu_graphs;
 mod gpu_ipc;
 mod gpu_remap;
 mod gpu_threads;
+mod gpu_training_threads;
+mod gpu_unmapped_pages;
 mod managed_alloc;
 mod multi_gpu;
 mod pinned_alloc;

@@ -19,3 +19,5 @@ mod sleep;
 mod stress;
 mod thread_cache;
 mod threads;
+mod training_threads;
+mod unmapped_pages;
