@@ -11,7 +11,7 @@ use super::region::{Planned, Region, SharedRegion, VmBackend};
 use super::{Chunk, Queued, Upstream};
 use crate::cuda::{captures_under_way, device_context, driver_err, follow_active_peers, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::{lock, Arc, Mutex};
+use crate::sync::{lock, Mutex};
 
 /// The state both expandable upstreams share: one reserved region.
 #[derive(Debug)]
@@ -21,12 +21,8 @@ struct Expandable {
     reserved: usize,
     granularity: usize,
     /// The end (offset) of the address space handed out as chunks with
-    /// nothing mapped ([`Upstream::reserve_chunk`]; page remapping),
-    /// shared by every view.
-    reserved_top: Arc<Mutex<usize>>,
-    /// Which view of the region this is: the memory it unmaps and keeps
-    /// is its own ([`Upstream::kept`]).
-    view: usize,
+    /// nothing mapped ([`Upstream::reserve_chunk`]; page remapping).
+    reserved_top: Mutex<usize>,
     /// Whether the region maps device memory (peers are followed before
     /// each map: `cuda/peer.rs`).
     cuda: bool,
@@ -51,8 +47,7 @@ impl Expandable {
             (r.base(), r.reserved(), r.granularity())
         };
         let cuda = matches!(backend, VmBackend::Cuda(_));
-        let reserved_top = Arc::new(Mutex::new(0));
-        Ok(Expandable { base, reserved, granularity, region, reserved_top, view: 0, cuda })
+        Ok(Expandable { base, reserved, granularity, region, reserved_top: Mutex::new(0), cuda })
     }
 
     /// Gives peers that became active access before a map, with no lock of
@@ -219,7 +214,7 @@ impl Expandable {
                                 let _ = region.unmap_inside(offset, done.size);
                             }
                         }
-                        region.release_spare(self.view)
+                        region.release_spare()
                     };
                     drop(released);
                     return Err(if vmm::is_out_of_memory(&e) { self.oom(run.size, e.to_string(), kind) } else { e });
@@ -231,8 +226,7 @@ impl Expandable {
     }
 
     /// Maps one run. On CUDA the driver calls run with the region's lock
-    /// dropped (other pools map through views of the same region at the
-    /// same time: `RunMap`); host memory maps under the lock.
+    /// dropped (`RunMap`); host memory maps under the lock.
     fn map_one_run(&self, offset: usize, size: usize) -> Result<u64> {
         let plan = {
             let mut region = lock(&self.region);
@@ -245,9 +239,9 @@ impl Expandable {
                 attempt = attempt.saturating_add(1);
                 region = lock(&self.region);
             }
-            match region.plan_run(self.view, offset, size)? {
+            match region.plan_run(offset, size)? {
                 Some(plan) => plan,
-                None => return region.map_run(self.view, offset, size),
+                None => return region.map_run(offset, size),
             }
         };
         let done = plan.execute();
@@ -260,16 +254,15 @@ impl Expandable {
         // Work on a peer's streams may use the memory too.
         let wait_for_peers = |peers: &[usize]| if pending { synchronize_peers(peers) } else { Ok(()) };
         // On CUDA the waits and driver calls run with the region's lock
-        // dropped (other pools unmap and map through views of the same
-        // region meanwhile: `RunUnmap`); host memory unmaps under the lock.
+        // dropped (`RunUnmap`); host memory unmaps under the lock.
         let plan = {
             let mut region = lock(&self.region);
-            match region.plan_unmap(self.view, &offsets, want, pending, keep) {
+            match region.plan_unmap(&offsets, want, pending, keep) {
                 Planned::Nothing => return Ok(Vec::new()),
                 Planned::Unlocked(plan) => plan,
                 Planned::Locked => {
                     wait_for_peers(region.peers())?;
-                    let out = region.unmap_within(self.view, &offsets, want, pending, keep)?;
+                    let out = region.unmap_within(&offsets, want, pending, keep)?;
                     return Ok(self.chunks_at(out));
                 }
             }
@@ -318,7 +311,7 @@ impl Expandable {
                 return Some(Err(e));
             }
         }
-        let out = lock(&self.region).lend_within(self.view, &offsets, want, fence)?;
+        let out = lock(&self.region).lend_within(&offsets, want, fence)?;
         Some(Ok(self.chunks_at(out)))
     }
 
@@ -341,16 +334,16 @@ impl Expandable {
     }
 
     fn release_kept(&self) {
-        let released = lock(&self.region).release_spare(self.view);
+        let released = lock(&self.region).release_spare();
         drop(released);
     }
 
     fn kept(&self) -> usize {
-        lock(&self.region).spare_bytes(self.view)
+        lock(&self.region).spare_bytes()
     }
 
     fn trim_kept(&self, keep: usize) {
-        let released = lock(&self.region).release_spare_over(self.view, keep);
+        let released = lock(&self.region).release_spare_over(keep);
         drop(released);
     }
 
@@ -441,7 +434,7 @@ impl CudaVmm {
         self.inner.reserved
     }
 
-    /// The bytes of device memory mapped now (by every view).
+    /// The bytes of device memory mapped now.
     pub fn mapped(&self) -> usize {
         self.inner.mapped()
     }
@@ -572,7 +565,7 @@ impl HostExpandable {
         self.inner.reserved
     }
 
-    /// The bytes committed now (by every view).
+    /// The bytes committed now.
     pub fn mapped(&self) -> usize {
         self.inner.mapped()
     }
