@@ -9,6 +9,10 @@
 //!   upstream to wait for that work first;
 //! - the pool's count of mapped bytes is the upstream's;
 //! - every map targets unmapped pages inside the pool's chunks.
+//!
+//! The model and its harness are here; the runs are in `runs.rs`, the
+//! remap budget's checks in `budget.rs`, lending behind fences in
+//! `fenced.rs`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
