@@ -19,6 +19,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
+use super::async_book::AsyncBook;
 use super::captures::PrivatePool;
 use super::captures::{GraphPoolFactory, Graphs};
 use super::mode::DeviceAllocatorMode;
@@ -26,7 +27,6 @@ use super::modes::{self, Machinery, Mode, Routed};
 use super::native_pool::{NativePool, NativePoolOptions};
 use super::pins::Pins;
 use super::reuse::StreamRegistry;
-use super::stream_ordered::AsyncBook;
 use super::tags::{self, TagPoolFactory, TagPools};
 use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};

@@ -10,6 +10,7 @@
 //! those.
 
 mod allocator;
+mod async_book;
 mod builder;
 mod captures;
 mod exports;

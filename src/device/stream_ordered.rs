@@ -1,34 +1,18 @@
-//! The device allocator's book of stream-ordered allocations (the async
-//! and native-pool modes): `cuMemAllocAsync` and `cuMemFreeAsync` on an
-//! ordering stream, the allocations live now, and their statistics.
+//! The device allocator's stream-ordered allocations (the async and
+//! native-pool modes): `cuMemAllocAsync` and `cuMemFreeAsync` on an
+//! ordering stream, each recorded in the allocator's book
+//! (`async_book.rs`).
 
 use super::allocator::DeviceAllocator;
+use super::async_book::AsyncBlock;
 use super::captures::StreamOrderedFree;
 use super::mode::DeviceAllocatorMode;
 use super::native_pool;
-use super::stats::AsyncStats;
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::pool;
 use crate::sync::{lock, Ordering};
 use crate::upstream::BLOCK_ALIGN;
-
-/// A live stream-ordered allocation.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct AsyncBlock {
-    pub(super) size: usize,
-    pub(super) mode: DeviceAllocatorMode,
-    /// The capture that made it (0: none).
-    pub(super) capture: u64,
-}
-
-/// The live stream-ordered allocations (address → block) and their
-/// figures, under one lock.
-#[derive(Debug, Default)]
-pub(super) struct AsyncBook {
-    pub(super) live: hashbrown::HashMap<usize, AsyncBlock>,
-    pub(super) stats: AsyncStats,
-}
 
 impl DeviceAllocator {
     /// See [`Machinery::allocate_stream_ordered`] (the driver makes an
@@ -64,13 +48,8 @@ impl DeviceAllocator {
             _ => on.synchronize()?,
         }
         let mut book = lock(&self.async_book);
-        book.live.insert(ptr as usize, AsyncBlock { size, mode, capture });
+        book.record(ptr as usize, AsyncBlock { size, mode, capture });
         self.async_live.fetch_add(1, Ordering::Release);
-        let st = &mut book.stats;
-        st.in_use += size;
-        st.peak_in_use = st.peak_in_use.max(st.in_use);
-        st.live += 1;
-        st.allocations += 1;
         Ok(ptr)
     }
 
@@ -142,10 +121,7 @@ impl DeviceAllocator {
 
     fn count_stream_ordered_free(&self, size: usize) {
         self.async_live.fetch_sub(1, Ordering::Release);
-        let st = &mut lock(&self.async_book).stats;
-        st.in_use -= size;
-        st.live -= 1;
-        st.frees += 1;
+        lock(&self.async_book).count_free(size);
     }
 
     /// Frees a stream-ordered allocation a graph held, once the device is

@@ -34,7 +34,7 @@ use crate::error::{Error, PoolKind, Result};
 use crate::log::EventLog;
 use crate::pool::{Pool, PoolStats};
 use crate::sync::{AtomicBool, Ordering};
-use crate::upstream::{CudaPinnedMemory, Geometric, Host, Taken, Upstream};
+use crate::upstream::{CudaPinnedMemory, Geometric, Host, Upstream};
 
 /// A pool over a boxed upstream, as the manager keeps them.
 pub(crate) type BoxedPool = Pool<Box<dyn Upstream>>;
@@ -214,8 +214,7 @@ impl MemoryManager {
             Some(ctx) => Box::new(CudaPinnedMemory::new(ctx.clone())),
             None => Box::new(Host::new()),
         };
-        let pinned_upstream: Box<dyn Upstream> =
-            Box::new(Geometric::new(pinned_inner, Taken::new(), pinned_config.max_size));
+        let pinned_upstream: Box<dyn Upstream> = Box::new(Geometric::new(pinned_inner, pinned_config.max_size));
         Ok(MemoryManager {
             device_pool_size: crate::sync::Mutex::new(config.device_pool_size),
             pinned: Pool::new(pinned_upstream, pinned_config),

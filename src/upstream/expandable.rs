@@ -6,12 +6,16 @@
 //! [`HostExpandable`] is the same over host address space, for machines
 //! without a GPU. Both keep the list of mapped pieces (offset, physical
 //! memory) so shrinking and freeing unmap exactly what was mapped.
+//! Page remapping (mapping runs, unmapping and lending free pages, the
+//! memory kept between them) is in `expandable/remap.rs`.
 
-use super::region::{Planned, Region, SharedRegion, VmBackend};
+use super::region::{Region, SharedRegion, VmBackend};
 use super::{Chunk, Queued, Upstream};
 use crate::cuda::{captures_under_way, device_context, driver_err, follow_active_peers, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::{lock, Arc, Mutex};
+use crate::sync::{lock, Mutex};
+
+mod remap;
 
 /// The state both expandable upstreams share: one reserved region.
 #[derive(Debug)]
@@ -21,26 +25,11 @@ struct Expandable {
     reserved: usize,
     granularity: usize,
     /// The end (offset) of the address space handed out as chunks with
-    /// nothing mapped ([`Upstream::reserve_chunk`]; page remapping),
-    /// shared by every view.
-    reserved_top: Arc<Mutex<usize>>,
-    /// Which view of the region this is: the memory it unmaps and keeps
-    /// is its own ([`Upstream::kept`]).
-    view: usize,
+    /// nothing mapped ([`Upstream::reserve_chunk`]; page remapping).
+    reserved_top: Mutex<usize>,
     /// Whether the region maps device memory (peers are followed before
     /// each map: `cuda/peer.rs`).
     cuda: bool,
-}
-
-/// Waits for the work queued on each device in `peers` (work on a peer's
-/// streams may use a region's memory too).
-fn synchronize_peers(peers: &[usize]) -> Result<()> {
-    for &peer in peers {
-        if let Some(ctx) = device_context(peer)? {
-            vmm::synchronize(&ctx)?;
-        }
-    }
-    Ok(())
 }
 
 impl Expandable {
@@ -51,8 +40,7 @@ impl Expandable {
             (r.base(), r.reserved(), r.granularity())
         };
         let cuda = matches!(backend, VmBackend::Cuda(_));
-        let reserved_top = Arc::new(Mutex::new(0));
-        Ok(Expandable { base, reserved, granularity, region, reserved_top, view: 0, cuda })
+        Ok(Expandable { base, reserved, granularity, region, reserved_top: Mutex::new(0), cuda })
     }
 
     /// Gives peers that became active access before a map, with no lock of
@@ -201,184 +189,8 @@ impl Expandable {
         true
     }
 
-    fn map_runs(&self, runs: &[Chunk], kind: PoolKind) -> Result<u64> {
-        self.follow_peers()?;
-        let mut calls = 0;
-        for (i, run) in runs.iter().enumerate() {
-            let r = match self.offset_of(*run) {
-                Some(offset) => self.map_one_run(offset, run.size),
-                None => Err(Error::InvalidState(format!("run {:#x}+{} is outside the segment", run.addr, run.size))),
-            };
-            match r {
-                Ok(n) => calls += n,
-                Err(e) => {
-                    let released = {
-                        let mut region = lock(&self.region);
-                        for done in &runs[..i] {
-                            if let Some(offset) = self.offset_of(*done) {
-                                let _ = region.unmap_inside(offset, done.size);
-                            }
-                        }
-                        region.release_spare(self.view)
-                    };
-                    drop(released);
-                    return Err(if vmm::is_out_of_memory(&e) { self.oom(run.size, e.to_string(), kind) } else { e });
-                }
-            }
-        }
-        // Unused spares stay for the next map (`kept`).
-        Ok(calls)
-    }
-
-    /// Maps one run. On CUDA the driver calls run with the region's lock
-    /// dropped (other pools map through views of the same region at the
-    /// same time: `RunMap`); host memory maps under the lock.
-    fn map_one_run(&self, offset: usize, size: usize) -> Result<u64> {
-        let plan = {
-            let mut region = lock(&self.region);
-            // Old mappings of moved memory there are being unmapped
-            // behind another thread's back: a map there waits for them.
-            let mut attempt = 0;
-            while region.stale_busy_in(offset, offset + size) {
-                drop(region);
-                crate::sync::backoff(attempt);
-                attempt = attempt.saturating_add(1);
-                region = lock(&self.region);
-            }
-            match region.plan_run(self.view, offset, size)? {
-                Some(plan) => plan,
-                None => return region.map_run(self.view, offset, size),
-            }
-        };
-        let done = plan.execute();
-        lock(&self.region).finish_run(done)
-    }
-
-    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
-        let offsets: Vec<(usize, usize)> =
-            spans.iter().filter_map(|c| self.offset_of(*c).map(|o| (o, c.size))).collect();
-        // Work on a peer's streams may use the memory too.
-        let wait_for_peers = |peers: &[usize]| if pending { synchronize_peers(peers) } else { Ok(()) };
-        // On CUDA the waits and driver calls run with the region's lock
-        // dropped (other pools unmap and map through views of the same
-        // region meanwhile: `RunUnmap`); host memory unmaps under the lock.
-        let plan = {
-            let mut region = lock(&self.region);
-            match region.plan_unmap(self.view, &offsets, want, pending, keep) {
-                Planned::Nothing => return Ok(Vec::new()),
-                Planned::Unlocked(plan) => plan,
-                Planned::Locked => {
-                    wait_for_peers(region.peers())?;
-                    let out = region.unmap_within(self.view, &offsets, want, pending, keep)?;
-                    return Ok(self.chunks_at(out));
-                }
-            }
-        };
-        let peers = plan.peers.clone();
-        let done = plan.execute(|| wait_for_peers(&peers));
-        let (out, released) = lock(&self.region).finish_unmap(done)?;
-        drop(released);
-        Ok(self.chunks_at(out))
-    }
-
-    /// Lends the memory of whole pieces inside `spans` to the next map
-    /// without unmapping it (`Region::lend_within`); `None` where the
-    /// region can't. Work that may use the spans ([`Queued`]) is waited
-    /// for first, as [`unmap_within`](Self::unmap_within) waits (the
-    /// device and its peers), unless it is ordered before the new owner's
-    /// on one stream and no peer maps the region: the old mappings then
-    /// wait for the fence instead.
-    fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Option<Result<Vec<Chunk>>> {
-        let offsets: Vec<(usize, usize)> =
-            spans.iter().filter_map(|c| self.offset_of(*c).map(|o| (o, c.size))).collect();
-        let (wait, fence) = match queued {
-            Queued::Nothing => (false, None),
-            Queued::Any => (true, None),
-            // A peer's work may use the memory too, and a fence covers one
-            // stream of this device.
-            Queued::Before(fence) => match lock(&self.region).peers().is_empty() {
-                true => (false, Some(fence)),
-                false => (true, None),
-            },
-        };
-        if wait {
-            let (wait, peers) = {
-                let region = lock(&self.region);
-                (region.would_lend(&offsets, want)?, region.peers().to_vec())
-            };
-            // Waiting for the device would break a capture under way: lend
-            // nothing (the pool grows instead).
-            if captures_under_way() {
-                return Some(Ok(Vec::new()));
-            }
-            // The caller holds the pool's remap lock and marked the spans
-            // holes: the pieces there stay as they are meanwhile.
-            let waited = wait.map_or(Ok(()), |ctx| vmm::synchronize(&ctx)).and_then(|()| synchronize_peers(&peers));
-            if let Err(e) = waited {
-                return Some(Err(e));
-            }
-        }
-        let out = lock(&self.region).lend_within(self.view, &offsets, want, fence)?;
-        Some(Ok(self.chunks_at(out)))
-    }
-
-    /// Unmaps at most `most` old mappings of lent memory with the
-    /// region's lock dropped, waiting for their fences with `wait` and
-    /// passing over those that have not passed without; returns how many.
-    fn unmap_stale(&self, most: usize, wait: bool) -> usize {
-        let Some(plan) = lock(&self.region).plan_stale_unmap(most, wait) else { return 0 };
-        let done = plan.execute();
-        lock(&self.region).finish_stale_unmap(done)
-    }
-
-    fn has_stale(&self) -> bool {
-        lock(&self.region).has_stale()
-    }
-
-    /// Chunks at region offsets `(offset, size)`.
-    fn chunks_at(&self, spans: Vec<(usize, usize)>) -> Vec<Chunk> {
-        spans.into_iter().map(|(offset, size)| Chunk { addr: self.base + offset, size }).collect()
-    }
-
-    fn release_kept(&self) {
-        let released = lock(&self.region).release_spare(self.view);
-        drop(released);
-    }
-
-    fn kept(&self) -> usize {
-        lock(&self.region).spare_bytes(self.view)
-    }
-
-    fn trim_kept(&self, keep: usize) {
-        let released = lock(&self.region).release_spare_over(self.view, keep);
-        drop(released);
-    }
-
     fn mapped(&self) -> usize {
         lock(&self.region).piece_bounds().map(|(_, len)| len).sum()
-    }
-
-    fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {
-        let offset = self.offset_of(Chunk { addr, size })?;
-        let end = offset + size;
-        let region = lock(&self.region);
-        let mut pieces = Vec::new();
-        let mut covered = offset;
-        for (start, len) in region.piece_bounds() {
-            if start + len <= offset {
-                continue;
-            }
-            if start >= end {
-                break;
-            }
-            // A gap before this piece: part of the span is not mapped.
-            if start > covered {
-                return None;
-            }
-            pieces.push(Chunk { addr: self.base + start, size: len });
-            covered = start + len;
-        }
-        (size > 0 && covered >= end).then_some(pieces)
     }
 }
 
@@ -441,7 +253,7 @@ impl CudaVmm {
         self.inner.reserved
     }
 
-    /// The bytes of device memory mapped now (by every view).
+    /// The bytes of device memory mapped now.
     pub fn mapped(&self) -> usize {
         self.inner.mapped()
     }
@@ -572,7 +384,7 @@ impl HostExpandable {
         self.inner.reserved
     }
 
-    /// The bytes committed now (by every view).
+    /// The bytes committed now.
     pub fn mapped(&self) -> usize {
         self.inner.mapped()
     }

@@ -5,37 +5,32 @@
 //!
 //! A request for `size` bytes becomes a chunk of
 //! `max(size, taken / DIVISOR)` bytes (rounded to the granularity), where
-//! `taken` counts the bytes every upstream sharing the counter holds now
-//! (several shards of one pinned pool share one). With `DIVISOR = 4` the
-//! total grows by at least a quarter per call: from 16 MiB to 10 GiB in
-//! about 30 calls, where fixed 2–4 MiB chunks take thousands, and the
+//! `taken` counts the bytes the upstream holds now. With `DIVISOR = 4`
+//! the total grows by at least a quarter per call: from 16 MiB to 10 GiB
+//! in about 30 calls, where fixed 2–4 MiB chunks take thousands, and the
 //! memory held beyond what was asked stays under a quarter of the total.
-//! Upstreams asking at the same time split the extra between them. A
-//! limit (the pool's `max_size`) caps the extra, never the request.
-//! `cuMemHostAlloc` pins page by page, so its time grows with the size
-//! whatever the chunking; what this cuts is the number of calls, each a
-//! driver round trip that serialises other threads' growth, and the
-//! chunk boundaries blocks can't coalesce across.
+//! Threads asking at the same time (the pool grows with no lock held)
+//! split the extra between them. A limit (the pool's `max_size`) caps the
+//! extra, never the request. `cuMemHostAlloc` pins page by page, so its
+//! time grows with the size whatever the chunking; what this cuts is the
+//! number of calls, each a driver round trip that serialises other
+//! threads' growth, and the chunk boundaries blocks can't coalesce
+//! across.
 //!
 //! **Growth after a quiet spell starts small.** An upstream that has not
 //! grown for [`QUIET`] serves a pool at its working size: a request that
-//! finds no room then is a shortfall (a peak a little above the last,
-//! memory split among shards), not a ramp, and pinning a quarter of a
-//! large pool for it would stall the thread for a third of a second. The
-//! first chunk after a quiet spell is at most [`RESTART`]; each chunk
-//! that follows closely *from the same upstream* may double the last, up
-//! to the quarter, so a new ramp still reaches its size in few calls.
-//! The ramp is each upstream's own (each shard's): when many shards fall
-//! short at once, as fresh threads beyond the working size do, each
-//! grows by [`RESTART`], where one ramp shared by all of them doubled
-//! from shard to shard (32 MiB, then 64, up to 1 GiB: 2,016 MiB pinned
-//! inside one row of 16 fresh threads, `docs/results.md`).
+//! finds no room then is a shortfall (a peak a little above the last),
+//! not a ramp, and pinning a quarter of a large pool for it would stall
+//! the thread for a third of a second. The first chunk after a quiet
+//! spell is at most [`RESTART`]; each chunk that follows closely may
+//! double the last, up to the quarter, so a new ramp still reaches its
+//! size in few calls.
 
 use std::time::{Duration, Instant};
 
 use super::{Chunk, Upstream};
 use crate::error::Result;
-use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering};
+use crate::sync::{lock, AtomicUsize, Mutex, Ordering};
 
 /// How long without growth makes the next chunk start small again.
 pub const QUIET: Duration = Duration::from_millis(250);
@@ -51,30 +46,13 @@ pub const DIVISOR: usize = 4;
 /// about 0.4 s. 10 GiB still takes under 40 calls.
 pub const MAX_CHUNK: usize = 1 << 30;
 
-/// Counts the bytes held by the upstreams that share it, and how many of
-/// them are asking for a chunk right now.
-#[derive(Debug, Default)]
-pub struct Taken {
-    bytes: AtomicUsize,
-    growing: AtomicUsize,
-}
-
-impl Taken {
-    /// A counter at 0.
-    pub fn new() -> Arc<Taken> {
-        Arc::new(Taken::default())
-    }
-
-    /// The bytes held now.
-    pub fn bytes(&self) -> usize {
-        self.bytes.load(Ordering::Relaxed)
-    }
-}
-
 /// An upstream whose chunks grow geometrically (see the module docs).
 pub struct Geometric {
     inner: Box<dyn Upstream>,
-    taken: Arc<Taken>,
+    /// The bytes held now.
+    taken: AtomicUsize,
+    /// How many threads are asking for a chunk right now.
+    growing: AtomicUsize,
     limit: Option<usize>,
     /// When this upstream last had a chunk, and its size.
     last: Mutex<Option<(Instant, usize)>>,
@@ -82,16 +60,19 @@ pub struct Geometric {
 
 impl std::fmt::Debug for Geometric {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Geometric").field("inner", &self.inner.name()).field("taken", &self.taken.bytes()).finish()
+        f.debug_struct("Geometric").field("inner", &self.inner.name()).field("taken", &self.taken()).finish()
     }
 }
 
 impl Geometric {
-    /// Wraps `inner`; `taken` may be shared with other wrappers whose
-    /// memory counts toward the same total; `limit` caps the total the
-    /// extra may bring it to.
-    pub fn new(inner: Box<dyn Upstream>, taken: Arc<Taken>, limit: Option<usize>) -> Self {
-        Geometric { inner, taken, limit, last: Mutex::new(None) }
+    /// Wraps `inner`; `limit` caps the total the extra may bring it to.
+    pub fn new(inner: Box<dyn Upstream>, limit: Option<usize>) -> Self {
+        Geometric { inner, taken: AtomicUsize::new(0), growing: AtomicUsize::new(0), limit, last: Mutex::new(None) }
+    }
+
+    /// The bytes held now.
+    pub fn taken(&self) -> usize {
+        self.taken.load(Ordering::Relaxed)
     }
 
     /// The most extra a chunk may bring now: [`RESTART`] after a quiet
@@ -109,16 +90,15 @@ impl Geometric {
     }
 
     /// The chunk size asked of the inner upstream for a request of `size`
-    /// while `growing` upstreams sharing the counter (this one included)
-    /// ask at once: they split the extra, so growing together does not
-    /// overshoot.
+    /// while `growing` threads (this one included) ask at once: they split
+    /// the extra, so growing together does not overshoot.
     pub fn chunk_size(&self, size: usize, growing: usize) -> usize {
         self.chunk_size_at(size, growing, Instant::now())
     }
 
     fn chunk_size_at(&self, size: usize, growing: usize, now: Instant) -> usize {
         let gran = self.inner.granularity().max(1);
-        let taken = self.taken.bytes();
+        let taken = self.taken();
         let cap = MAX_CHUNK.min(self.extra_cap(now));
         let want = (taken / (DIVISOR * growing.max(1))).min(cap).div_ceil(gran) * gran;
         let mut bytes = size.max(want);
@@ -133,7 +113,7 @@ impl Geometric {
 
 impl Upstream for Geometric {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
-        let growing = self.taken.growing.fetch_add(1, Ordering::Relaxed) + 1;
+        let growing = self.growing.fetch_add(1, Ordering::Relaxed) + 1;
         let now = Instant::now();
         let bytes = self.chunk_size_at(size, growing, now);
         let r = match self.inner.allocate_chunk(bytes) {
@@ -141,15 +121,15 @@ impl Upstream for Geometric {
             Err(_) if bytes > size => self.inner.allocate_chunk(size),
             r => r,
         };
-        self.taken.growing.fetch_sub(1, Ordering::Relaxed);
+        self.growing.fetch_sub(1, Ordering::Relaxed);
         let chunk = r?;
-        self.taken.bytes.fetch_add(chunk.size, Ordering::Relaxed);
+        self.taken.fetch_add(chunk.size, Ordering::Relaxed);
         self.record(now, chunk.size);
         Ok(chunk)
     }
     fn deallocate_chunk(&self, chunk: Chunk) -> Result<()> {
         self.inner.deallocate_chunk(chunk)?;
-        self.taken.bytes.fetch_sub(chunk.size, Ordering::Relaxed);
+        self.taken.fetch_sub(chunk.size, Ordering::Relaxed);
         Ok(())
     }
     fn inner(&self) -> Option<&dyn Upstream> {
@@ -160,25 +140,25 @@ impl Upstream for Geometric {
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
         let grown = self.inner.try_extend(chunk, extra)?;
         if grown {
-            self.taken.bytes.fetch_add(extra, Ordering::Relaxed);
+            self.taken.fetch_add(extra, Ordering::Relaxed);
         }
         Ok(grown)
     }
     fn try_shrink(&self, chunk: Chunk, amount: usize) -> Result<bool> {
         let shrunk = self.inner.try_shrink(chunk, amount)?;
         if shrunk {
-            self.taken.bytes.fetch_sub(amount, Ordering::Relaxed);
+            self.taken.fetch_sub(amount, Ordering::Relaxed);
         }
         Ok(shrunk)
     }
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         let calls = self.inner.map_runs(runs)?;
-        self.taken.bytes.fetch_add(runs.iter().map(|r| r.size).sum(), Ordering::Relaxed);
+        self.taken.fetch_add(runs.iter().map(|r| r.size).sum(), Ordering::Relaxed);
         Ok(calls)
     }
     fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
         let unmapped = self.inner.unmap_within(spans, want, pending, keep)?;
-        self.taken.bytes.fetch_sub(unmapped.iter().map(|c| c.size).sum(), Ordering::Relaxed);
+        self.taken.fetch_sub(unmapped.iter().map(|c| c.size).sum(), Ordering::Relaxed);
         Ok(unmapped)
     }
 }
@@ -187,20 +167,20 @@ impl Upstream for Geometric {
 mod tests {
     use std::time::Instant;
 
-    use super::{Geometric, Taken, MAX_CHUNK, QUIET, RESTART};
+    use super::{Geometric, MAX_CHUNK, QUIET, RESTART};
     use crate::upstream::{Host, Upstream};
 
     const MIB: usize = 1 << 20;
 
     #[test]
     fn a_ramp_grows_by_a_quarter_and_a_quiet_spell_restarts_small() {
-        let g = Geometric::new(Box::new(Host::new()), Taken::new(), None);
+        let g = Geometric::new(Box::new(Host::new()), None);
         let mut chunks = Vec::new();
         // A ramp: chunks follow each other closely.
-        while g.taken.bytes() < 512 * MIB {
+        while g.taken() < 512 * MIB {
             chunks.push(g.allocate_chunk(4 * MIB).unwrap());
         }
-        let taken = g.taken.bytes();
+        let taken = g.taken();
         assert!(chunks.len() <= 32, "{} calls to reach {} MiB", chunks.len(), taken / MIB);
         let now = Instant::now();
         let quarter = (taken / 4).min(MAX_CHUNK);
@@ -214,30 +194,43 @@ mod tests {
         for c in chunks {
             g.deallocate_chunk(c).unwrap();
         }
+        assert_eq!(g.taken(), 0, "every chunk given back is counted off");
+    }
+
+    /// A ramp on `g` to at least 512 MiB: its chunks.
+    fn ramp(g: &Geometric) -> Vec<crate::upstream::Chunk> {
+        let mut chunks = Vec::new();
+        while g.taken() < 512 * MIB {
+            chunks.push(g.allocate_chunk(4 * MIB).unwrap());
+        }
+        chunks
     }
 
     #[test]
-    fn a_ramp_is_each_upstreams_own() {
-        // Two shards' upstreams counting against one total.
-        let taken = Taken::new();
-        let ramping = Geometric::new(Box::new(Host::new()), taken.clone(), None);
-        let short = Geometric::new(Box::new(Host::new()), taken.clone(), None);
-        let mut chunks = Vec::new();
-        while taken.bytes() < 512 * MIB {
-            chunks.push(ramping.allocate_chunk(4 * MIB).unwrap());
-        }
+    fn threads_growing_at_once_split_the_extra() {
+        let g = Geometric::new(Box::new(Host::new()), None);
+        let chunks = ramp(&g);
         let now = Instant::now();
-        let last = chunks.last().unwrap().size;
-        assert!(last > RESTART, "the ramp never grew past its first chunk ({last} B)");
-        // The shard that ramped keeps doubling; one that falls short now,
-        // with no growth of its own, starts small.
-        assert!(ramping.chunk_size_at(4 * MIB, 1, now) > RESTART);
-        assert_eq!(short.chunk_size_at(4 * MIB, 1, now), RESTART);
-        let c = short.allocate_chunk(4 * MIB).unwrap();
-        assert_eq!(c.size, RESTART);
-        short.deallocate_chunk(c).unwrap();
+        let alone = g.chunk_size_at(MIB, 1, now);
+        let shared = g.chunk_size_at(MIB, 4, now);
+        assert!(shared < alone, "four threads asking at once each take less ({shared} B) than one ({alone} B)");
         for c in chunks {
-            ramping.deallocate_chunk(c).unwrap();
+            g.deallocate_chunk(c).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_limit_caps_the_extra_never_the_request() {
+        let limit = 600 * MIB;
+        let g = Geometric::new(Box::new(Host::new()), Some(limit));
+        let chunks = ramp(&g);
+        let now = Instant::now();
+        // A quarter of what is taken would pass the limit.
+        let extra = g.chunk_size_at(MIB, 1, now);
+        assert!(g.taken() + extra <= limit, "{} B taken + {extra} B passes the limit", g.taken());
+        assert_eq!(g.chunk_size_at(200 * MIB, 1, now), 200 * MIB, "a request is served whole");
+        for c in chunks {
+            g.deallocate_chunk(c).unwrap();
         }
     }
 }

@@ -19,7 +19,7 @@ pub(crate) mod region;
 pub(crate) use cuda::{device_upstream, graph_upstream};
 pub use cuda::{CudaDeviceMemory, CudaPinnedMemory};
 pub use expandable::{CudaVmm, HostExpandable};
-pub use geometric::{Geometric, Taken};
+pub use geometric::Geometric;
 pub use host::Host;
 #[doc(hidden)]
 pub use region::choose_pieces;

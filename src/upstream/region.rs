@@ -36,15 +36,16 @@ use crate::cuda::{
 };
 use crate::error::{Error, Result};
 use crate::sync::{lock, Mutex};
-use crate::tag::Fence;
 
 mod grow;
 mod pages;
 mod settle;
+mod stale;
 
 pub use pages::choose_pieces;
 pub(crate) use pages::Planned;
 pub(crate) use settle::{deferred_and_leaked, release_deferred, Settled, Waiter};
+use stale::Stale;
 
 /// Where a virtual region's memory lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -174,15 +175,13 @@ pub(crate) struct Region {
     /// piece back (graph-private pools): no device-wide wait here.
     owner_settles: bool,
     /// Memory unmapped by page remapping and kept for the next map
-    /// (`pages.rs`): `(size, backing, view)`. Each view of the region
-    /// (the pools that share one address space, `expandable.rs`) keeps
-    /// its own: kept memory counts as held by the pool that unmapped it.
-    spare: Vec<(usize, Backing, usize)>,
+    /// (`pages.rs`): `(size, backing)`. The pool counts it as held.
+    spare: Vec<(usize, Backing)>,
     /// Runs being mapped with the lock dropped (`pages.rs`): `(offset,
     /// size)`, kept off other maps until they are recorded.
     in_flight: Vec<(usize, usize)>,
     /// Old mappings of memory lent to a map elsewhere and still mapped
-    /// here ([`lend_within`](Self::lend_within)): `(offset, size)`, each
+    /// here (`stale.rs`, [`lend_within`](Self::lend_within)), each
     /// once a piece. Maps keep off them; they are unmapped behind the
     /// allocating thread ([`plan_stale_unmap`](Self::plan_stale_unmap)),
     /// or first by a map that needs their addresses, or when the region
@@ -195,21 +194,6 @@ pub(crate) struct Region {
     /// How shrinking, remapping and dropping wait for the work that may
     /// use the memory (`settle.rs`).
     waiter: Waiter,
-}
-
-/// An old mapping of lent memory ([`Region::lend_within`]).
-#[derive(Clone)]
-pub(crate) struct Stale {
-    offset: usize,
-    size: usize,
-    /// Work queued before it may still use the mapping (`None`: none).
-    fence: Option<Arc<dyn Fence>>,
-}
-
-impl std::fmt::Debug for Stale {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Stale({}+{}{})", self.offset, self.size, if self.fence.is_some() { ", fenced" } else { "" })
-    }
 }
 
 /// The guard after a reservation is this many times its size (at least

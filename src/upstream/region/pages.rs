@@ -19,35 +19,34 @@
 //!
 //! On CUDA the driver calls of a map ([`RunMap`]) and of an unmap
 //! ([`RunUnmap`], with the wait for the device before it) run with the
-//! region's lock dropped, so the pools that map through views of one
-//! region don't wait for each other's calls. Under the lock, a map's run
+//! region's lock dropped, so the region's other users (the background
+//! mapper's stale unmaps, readers of what is mapped and kept, peers being
+//! given access) don't wait for the driver. Under the lock, a map's run
 //! or an unmap's pieces are recorded in flight first (no other map takes
 //! their addresses meanwhile), and the outcome is recorded after. Memory
 //! released (`cuMemRelease`) leaves the region as [`Released`], dropped by
 //! the caller once the lock is.
 
-use super::{Backing, Piece, Region, Reservation, Space, Stale};
+use super::{Backing, Piece, Region, Reservation, Space};
 use crate::cuda::vmm::{self, PhysicalChunk, RangeAlias};
 use crate::error::{Error, Result};
-use crate::tag::Fence;
 use cudarc::driver::CudaContext;
 use std::sync::Arc;
 
 /// A run of pages being mapped with the region's lock dropped
 /// ([`Region::plan_run`]): the driver calls (`cuMemCreate`, `cuMemMap`,
-/// `cuMemSetAccess`) of one pool's map then don't hold up the other pools
-/// that map through views of the same region. Its pieces, spares taken
-/// for it and all, are the region's again in [`Region::finish_run`].
+/// `cuMemSetAccess`) then don't hold up the region's other users. Its
+/// pieces, spares taken for it and all, are the region's again in
+/// [`Region::finish_run`].
 pub(crate) struct RunMap {
-    view: usize,
     offset: usize,
     size: usize,
     /// The run's segment: its first offset, and its reservation under a
     /// name that never frees it.
     seg_off: usize,
     range: RangeAlias,
-    /// The pieces in address order: offset, size, and the view's spare
-    /// memory to map there (`None`: new memory of that size).
+    /// The pieces in address order: offset, size, and the spare memory to
+    /// map there (`None`: new memory of that size).
     pieces: Vec<(usize, usize, Option<Backing>)>,
     /// The peers given access when the run was planned.
     peers: Vec<usize>,
@@ -55,7 +54,6 @@ pub(crate) struct RunMap {
 
 /// What [`RunMap::execute`] leaves for [`Region::finish_run`].
 pub(crate) struct RunDone {
-    view: usize,
     offset: usize,
     size: usize,
     mapped: Vec<Piece>,
@@ -68,9 +66,9 @@ pub(crate) struct RunDone {
 impl RunMap {
     /// Creates the new memory, maps every piece and gives access, with no
     /// lock held. On failure nothing stays mapped, and every piece's
-    /// memory goes back to the view's spares.
+    /// memory goes back to the spares.
     pub(crate) fn execute(self) -> RunDone {
-        let RunMap { view, offset, size, seg_off, range, pieces, peers } = self;
+        let RunMap { offset, size, seg_off, range, pieces, peers } = self;
         let mut mapped = Vec::with_capacity(pieces.len());
         let mut spare = Vec::new();
         let mut failure = None;
@@ -120,7 +118,7 @@ impl RunMap {
                 Err(e)
             }
         };
-        RunDone { view, offset, size, mapped, spare, peers, seg_off, result }
+        RunDone { offset, size, mapped, spare, peers, seg_off, result }
     }
 }
 
@@ -138,7 +136,6 @@ pub(crate) enum Planned {
 /// ([`Region::plan_unmap`]). They are off the region's list, and maps
 /// keep off their addresses, until [`Region::finish_unmap`].
 pub(crate) struct RunUnmap {
-    view: usize,
     seg_off: usize,
     range: RangeAlias,
     pieces: Vec<Piece>,
@@ -152,7 +149,6 @@ pub(crate) struct RunUnmap {
 
 /// What [`RunUnmap::execute`] leaves for [`Region::finish_unmap`].
 pub(crate) struct UnmapDone {
-    view: usize,
     pieces: Vec<Piece>,
     keep: bool,
     result: Result<()>,
@@ -169,7 +165,7 @@ impl RunUnmap {
     /// held. A failed wait unmaps nothing. An unmap that fails is logged:
     /// the piece is gone either way, as under the lock.
     pub(crate) fn execute(self, wait_first: impl FnOnce() -> Result<()>) -> UnmapDone {
-        let RunUnmap { view, seg_off, range, pieces, sync, keep, .. } = self;
+        let RunUnmap { seg_off, range, pieces, sync, keep, .. } = self;
         let waited = wait_first().and_then(|()| sync.map_or(Ok(()), |ctx| vmm::synchronize(&ctx)));
         if waited.is_ok() {
             for piece in &pieces {
@@ -178,16 +174,16 @@ impl RunUnmap {
                 }
             }
         }
-        UnmapDone { view, pieces, keep, result: waited }
+        UnmapDone { pieces, keep, result: waited }
     }
 }
 
 impl Region {
     /// Maps memory over `[offset, offset + size)` (granularity multiples,
-    /// unmapped, inside one segment): spares of `view` first, new memory
-    /// for the rest. Returns the number of map calls. On failure nothing
-    /// new stays mapped (spares used go back to the view's spares).
-    pub(crate) fn map_run(&mut self, view: usize, offset: usize, size: usize) -> Result<u64> {
+    /// unmapped, inside one segment): spares first, new memory for the
+    /// rest. Returns the number of map calls. On failure nothing new stays
+    /// mapped (spares used go back to the spares).
+    pub(crate) fn map_run(&mut self, offset: usize, size: usize) -> Result<u64> {
         let end = self.run_end(offset, size)?;
         let s = self.segment_of(offset);
         let seg_off = self.segments[s].offset;
@@ -205,7 +201,7 @@ impl Region {
         let mut failure = None;
         while cursor < end {
             let rem = end - cursor;
-            let (len, backing) = match self.take_spare(view, rem) {
+            let (len, backing) = match self.take_spare(rem) {
                 Some(spare) => spare,
                 None => match self.new_backing(rem.min(piece_cap)) {
                     Ok(b) => (rem.min(piece_cap), b),
@@ -217,7 +213,7 @@ impl Region {
             };
             let piece = Piece { offset: cursor, size: len, backing };
             if let Err(e) = self.map_backing(&piece, cursor - seg_off) {
-                self.spare.push((piece.size, piece.backing, view));
+                self.spare.push((piece.size, piece.backing));
                 failure = Some(e);
                 break;
             }
@@ -233,7 +229,7 @@ impl Region {
         if let Some(e) = failure {
             for piece in new {
                 self.unmap_piece(&piece);
-                self.spare.push((piece.size, piece.backing, view));
+                self.spare.push((piece.size, piece.backing));
             }
             return Err(e);
         }
@@ -242,13 +238,13 @@ impl Region {
     }
 
     /// With the lock held: plans the map of `[offset, offset + size)` (as
-    /// [`map_run`](Self::map_run) would map it: the view's spares first,
+    /// [`map_run`](Self::map_run) would map it: the spares first,
     /// largest first, new memory in pieces for the rest) for
     /// [`RunMap::execute`] to carry out with the lock dropped, and keeps
     /// other maps off the run meanwhile. `Ok(None)` where the run must be
     /// mapped under the lock ([`map_run`](Self::map_run)): host memory, or
     /// a run across segments.
-    pub(crate) fn plan_run(&mut self, view: usize, offset: usize, size: usize) -> Result<Option<RunMap>> {
+    pub(crate) fn plan_run(&mut self, offset: usize, size: usize) -> Result<Option<RunMap>> {
         let end = self.run_end(offset, size)?;
         self.unmap_stale_in(offset, end)?;
         let s = self.segment_of(offset);
@@ -259,14 +255,15 @@ impl Region {
         }
         self.check_unmapped(offset, end)?;
         // SAFETY: the alias is used only by this map, while the caller
-        // holds a view of the region, which keeps its reservation.
+        // holds the region (its `SharedRegion`), which keeps its
+        // reservation.
         let range = unsafe { range.alias() };
         let piece_cap = self.piece_cap();
         let mut pieces = Vec::new();
         let mut cursor = offset;
         while cursor < end {
             let rem = end - cursor;
-            let (len, backing) = match self.take_spare(view, rem) {
+            let (len, backing) = match self.take_spare(rem) {
                 Some((len, backing)) => (len, Some(backing)),
                 None => (rem.min(piece_cap), None),
             };
@@ -274,7 +271,7 @@ impl Region {
             cursor += len;
         }
         self.in_flight.push((offset, size));
-        Ok(Some(RunMap { view, offset, size, seg_off, range, pieces, peers: self.peers.clone() }))
+        Ok(Some(RunMap { offset, size, seg_off, range, pieces, peers: self.peers.clone() }))
     }
 
     /// With the lock held again: records what [`RunMap::execute`] mapped
@@ -284,9 +281,9 @@ impl Region {
     /// # Errors
     /// The run's error (nothing of it stays mapped).
     pub(crate) fn finish_run(&mut self, done: RunDone) -> Result<u64> {
-        let RunDone { view, offset, size, mapped, spare, peers, seg_off, result } = done;
+        let RunDone { offset, size, mapped, spare, peers, seg_off, result } = done;
         self.in_flight.retain(|&r| r != (offset, size));
-        self.spare.extend(spare.into_iter().map(|(len, b)| (len, b, view)));
+        self.spare.extend(spare);
         let calls = result?;
         let at = self.pieces.partition_point(|p| p.offset < offset);
         self.pieces.splice(at..at, mapped);
@@ -327,13 +324,10 @@ impl Region {
         crate::upstream::remap_piece(mapped).next_multiple_of(self.granularity())
     }
 
-    /// The largest spare of `view` of at most `rem` bytes, taken.
-    fn take_spare(&mut self, view: usize, rem: usize) -> Option<(usize, Backing)> {
-        let pick = (0..self.spare.len())
-            .filter(|&i| self.spare[i].0 <= rem && self.spare[i].2 == view)
-            .max_by_key(|&i| self.spare[i].0)?;
-        let (len, backing, _) = self.spare.swap_remove(pick);
-        Some((len, backing))
+    /// The largest spare of at most `rem` bytes, taken.
+    fn take_spare(&mut self, rem: usize) -> Option<(usize, Backing)> {
+        let pick = (0..self.spare.len()).filter(|&i| self.spare[i].0 <= rem).max_by_key(|&i| self.spare[i].0)?;
+        Some(self.spare.swap_remove(pick))
     }
 
     fn new_backing(&self, size: usize) -> Result<Backing> {
@@ -358,11 +352,10 @@ impl Region {
     /// order given, until at least `want` bytes are unmapped; returns them
     /// as `(offset, size)`. Within a span, pieces no larger than what is
     /// still wanted go first. With `sync`, waits for the device first.
-    /// With `keep`, their memory becomes spare of `view` for
+    /// With `keep`, their memory becomes spare for
     /// [`map_run`](Self::map_run); else it is released.
     pub(crate) fn unmap_within(
         &mut self,
-        view: usize,
         spans: &[(usize, usize)],
         want: usize,
         sync: bool,
@@ -380,7 +373,7 @@ impl Region {
             self.unmap_piece(&piece);
             out.push((piece.offset, piece.size));
             if keep {
-                self.spare.push((piece.size, piece.backing, view));
+                self.spare.push((piece.size, piece.backing));
             }
         }
         Ok(out)
@@ -388,7 +381,7 @@ impl Region {
 
     /// The indexes of the pieces [`choose_pieces`] picks among the
     /// region's, in address order.
-    fn chosen_pieces(&self, spans: &[(usize, usize)], want: usize) -> Vec<usize> {
+    pub(super) fn chosen_pieces(&self, spans: &[(usize, usize)], want: usize) -> Vec<usize> {
         let bounds: Vec<(usize, usize)> = self.pieces.iter().map(|p| (p.offset, p.size)).collect();
         let mut chosen = choose_pieces(&bounds, spans, want);
         chosen.sort_unstable();
@@ -397,7 +390,7 @@ impl Region {
 
     /// Takes the pieces at `chosen` (indexes in address order) off the
     /// region's list, in address order.
-    fn take_pieces(&mut self, chosen: Vec<usize>) -> Vec<Piece> {
+    pub(super) fn take_pieces(&mut self, chosen: Vec<usize>) -> Vec<Piece> {
         let mut pieces: Vec<Piece> = chosen.into_iter().rev().map(|i| self.pieces.remove(i)).collect();
         pieces.reverse();
         pieces
@@ -406,19 +399,12 @@ impl Region {
     /// With the lock held: chooses the pieces [`unmap_within`](Self::unmap_within)
     /// would unmap, takes them off the region's list and keeps maps off
     /// their addresses, for [`RunUnmap::execute`] to unmap with the lock
-    /// dropped (a pool's unmaps, and the wait for the device before them,
-    /// then don't hold up the other pools of the region).
+    /// dropped (the unmaps, and the wait for the device before them, then
+    /// don't hold up the region's other users).
     /// [`Planned::Nothing`] when no whole piece lies in the spans;
     /// [`Planned::Locked`] where the unmap must run under the lock (host
     /// memory, several segments).
-    pub(crate) fn plan_unmap(
-        &mut self,
-        view: usize,
-        spans: &[(usize, usize)],
-        want: usize,
-        sync: bool,
-        keep: bool,
-    ) -> Planned {
+    pub(crate) fn plan_unmap(&mut self, spans: &[(usize, usize)], want: usize, sync: bool, keep: bool) -> Planned {
         let Space::Cuda { ctx, .. } = &self.space else { return Planned::Locked };
         let [seg] = &self.segments[..] else { return Planned::Locked };
         let Reservation::Cuda(range) = &seg.res else { return Planned::Locked };
@@ -428,16 +414,17 @@ impl Region {
         }
         let (seg_off, ctx) = (seg.offset, ctx.clone());
         // SAFETY: the alias is used only by this unmap, while the caller
-        // holds a view of the region, which keeps its reservation.
+        // holds the region (its `SharedRegion`), which keeps its
+        // reservation.
         let range = unsafe { range.alias() };
         let pieces = self.take_pieces(chosen);
         self.in_flight.extend(pieces.iter().map(|p| (p.offset, p.size)));
         let sync = (sync && !self.owner_settles).then_some(ctx);
-        Planned::Unlocked(RunUnmap { view, seg_off, range, pieces, sync, keep, peers: self.peers.clone() })
+        Planned::Unlocked(RunUnmap { seg_off, range, pieces, sync, keep, peers: self.peers.clone() })
     }
 
     /// With the lock held again: records what [`RunUnmap::execute`] did.
-    /// The pieces' memory becomes spare of the view (`keep`), or is
+    /// The pieces' memory becomes spare (`keep`), or is
     /// returned for the caller to release with the lock dropped. After a
     /// failed wait nothing was unmapped, and the pieces are the region's
     /// again.
@@ -445,7 +432,7 @@ impl Region {
     /// # Errors
     /// The wait's error.
     pub(crate) fn finish_unmap(&mut self, done: UnmapDone) -> Result<(Vec<(usize, usize)>, Released)> {
-        let UnmapDone { view, pieces, keep, result } = done;
+        let UnmapDone { pieces, keep, result } = done;
         self.in_flight.retain(|r| !pieces.iter().any(|p| (p.offset, p.size) == *r));
         if let Err(e) = result {
             for piece in pieces {
@@ -458,7 +445,7 @@ impl Region {
         let mut released = Released(Vec::new());
         for piece in pieces {
             if keep {
-                self.spare.push((piece.size, piece.backing, view));
+                self.spare.push((piece.size, piece.backing));
             } else {
                 released.0.push(piece.backing);
             }
@@ -492,232 +479,31 @@ impl Region {
         Ok(Some(bytes))
     }
 
-    /// Takes the spare memory of `view` out of the region, for the caller
-    /// to release (`cuMemRelease` on CUDA) once the lock is dropped.
-    pub(crate) fn release_spare(&mut self, view: usize) -> Released {
-        let (gone, stay) = std::mem::take(&mut self.spare).into_iter().partition(|s| s.2 == view);
-        self.spare = stay;
-        Released(gone.into_iter().map(|(_, b, _)| b).collect())
+    /// Takes the spare memory out of the region, for the caller to
+    /// release (`cuMemRelease` on CUDA) once the lock is dropped.
+    pub(crate) fn release_spare(&mut self) -> Released {
+        Released(self.spare.drain(..).map(|(_, b)| b).collect())
     }
 
-    /// Takes spare memory of `view` out of the region, largest first,
-    /// until at most `keep` bytes of it remain, for the caller to release
-    /// once the lock is dropped.
-    pub(crate) fn release_spare_over(&mut self, view: usize, keep: usize) -> Released {
-        let mut total = self.spare_bytes(view);
+    /// Takes spare memory out of the region, largest first, until at most
+    /// `keep` bytes of it remain, for the caller to release once the lock
+    /// is dropped.
+    pub(crate) fn release_spare_over(&mut self, keep: usize) -> Released {
+        let mut total = self.spare_bytes();
         let mut released = Released(Vec::new());
-        // The view's largest last; the other views' stay in front.
-        self.spare.sort_by_key(|&(size, _, v)| (v == view, size));
+        // The largest last.
+        self.spare.sort_by_key(|&(size, _)| size);
         while total > keep {
-            match self.spare.last() {
-                Some(&(size, _, v)) if v == view => {
-                    released.0.extend(self.spare.pop().map(|s| s.1));
-                    total -= size;
-                }
-                _ => break,
-            }
+            let Some((size, backing)) = self.spare.pop() else { break };
+            released.0.push(backing);
+            total -= size;
         }
         released
     }
 
-    /// The bytes of spare memory of `view` (unmapped, kept for its next
-    /// map).
-    pub(crate) fn spare_bytes(&self, view: usize) -> usize {
-        self.spare.iter().filter(|s| s.2 == view).map(|s| s.0).sum()
-    }
-}
-
-impl Region {
-    /// Lends memory without unmapping it: the whole pieces inside the
-    /// spans that [`unmap_within`](Self::unmap_within) would unmap (until
-    /// at least `want` bytes) leave the region's list and become spare of
-    /// `view`, for the next map to map at new addresses, while they stay
-    /// mapped where they were (a stale mapping, which maps keep off)
-    /// until [`plan_stale_unmap`](Self::plan_stale_unmap) or a map that
-    /// needs those addresses unmaps them. No driver call. The caller
-    /// lends only memory no queued work may use (`fence: None`), or that
-    /// only work queued before `fence` may use, on the stream the memory
-    /// is lent for: after the lend, work through the old addresses
-    /// reaches the new owner's memory, so it must run before the new
-    /// owner's. A mapping lent before a fence stays until the fence has
-    /// passed. `None` where the region can't lend (host memory, several
-    /// segments): the caller unmaps instead.
-    pub(crate) fn lend_within(
-        &mut self,
-        view: usize,
-        spans: &[(usize, usize)],
-        want: usize,
-        fence: Option<Arc<dyn Fence>>,
-    ) -> Option<Vec<(usize, usize)>> {
-        let Space::Cuda { .. } = &self.space else { return None };
-        if self.segments.len() != 1 {
-            return None;
-        }
-        let chosen = self.chosen_pieces(spans, want);
-        let mut out = Vec::with_capacity(chosen.len());
-        for piece in self.take_pieces(chosen) {
-            out.push((piece.offset, piece.size));
-            self.stale.push(Stale { offset: piece.offset, size: piece.size, fence: fence.clone() });
-            self.spare.push((piece.size, piece.backing, view));
-        }
-        Some(out)
-    }
-
-    /// Whether [`lend_within`](Self::lend_within) would lend anything,
-    /// and if so the context to wait for first when queued work may use
-    /// the memory (`None`: no wait, the owner settles its own work).
-    pub(crate) fn would_lend(&self, spans: &[(usize, usize)], want: usize) -> Option<Option<Arc<CudaContext>>> {
-        let Space::Cuda { ctx, .. } = &self.space else { return None };
-        if self.segments.len() != 1 || self.chosen_pieces(spans, want).is_empty() {
-            return None;
-        }
-        Some((!self.owner_settles).then(|| ctx.clone()))
-    }
-
-    /// Whether stale mappings wait to be unmapped.
-    pub(crate) fn has_stale(&self) -> bool {
-        !self.stale.is_empty()
-    }
-
-    /// Whether a stale mapping inside `[offset, end)` is being unmapped
-    /// with the lock dropped (a map there waits for it).
-    pub(crate) fn stale_busy_in(&self, offset: usize, end: usize) -> bool {
-        self.stale_busy.iter().any(|&(o, l)| o < end && offset < o + l)
-    }
-
-    /// With the lock held: takes at most `most` stale mappings for
-    /// [`StaleUnmap::execute`] to unmap with the lock dropped; maps keep
-    /// off their addresses until [`finish_stale_unmap`](Self::finish_stale_unmap).
-    /// Mappings whose fence has not passed are taken with `wait` (the
-    /// execution waits for them) and passed over without.
-    pub(crate) fn plan_stale_unmap(&mut self, most: usize, wait: bool) -> Option<StaleUnmap> {
-        if self.stale.is_empty() {
-            return None;
-        }
-        let [seg] = &self.segments[..] else { return None };
-        let Reservation::Cuda(range) = &seg.res else { return None };
-        let mut maps = Vec::new();
-        let mut i = 0;
-        // The mappings one move lent share its fence: one that has not
-        // passed is asked once.
-        let mut waiting: Option<Arc<dyn Fence>> = None;
-        while i < self.stale.len() && maps.len() < most {
-            let ready = wait
-                || match &self.stale[i].fence {
-                    None => true,
-                    Some(f) if waiting.as_ref().is_some_and(|w| Arc::ptr_eq(w, f)) => false,
-                    Some(f) => {
-                        let passed = f.passed();
-                        if !passed {
-                            waiting = Some(f.clone());
-                        }
-                        passed
-                    }
-                };
-            if ready {
-                maps.push(self.stale.remove(i));
-            } else {
-                i += 1;
-            }
-        }
-        if maps.is_empty() {
-            return None;
-        }
-        // SAFETY: the alias is used only by this unmap, while the caller
-        // holds a view of the region, which keeps its reservation (a
-        // region with stale mappings has one segment and never remaps).
-        let range = unsafe { range.alias() };
-        self.stale_busy.extend(maps.iter().map(|m| (m.offset, m.size)));
-        Some(StaleUnmap { seg_off: seg.offset, range, maps })
-    }
-
-    /// With the lock held again: what [`StaleUnmap::execute`] unmapped is
-    /// gone, and what it could not (a failed wait) is stale again;
-    /// returns how many went.
-    pub(crate) fn finish_stale_unmap(&mut self, done: StaleDone) -> usize {
-        let StaleDone { unmapped, kept } = done;
-        self.stale_busy
-            .retain(|&(o, l)| !unmapped.contains(&(o, l)) && !kept.iter().any(|k| (k.offset, k.size) == (o, l)));
-        self.stale.extend(kept);
-        unmapped.len()
-    }
-
-    /// Unmaps the stale mappings inside `[offset, end)` now, under the
-    /// lock (a map needs their addresses, or the memory there goes),
-    /// first waiting for the fences that have not passed. Unmap errors
-    /// are logged: the mapping is gone either way.
-    ///
-    /// # Errors
-    /// A failed wait: the mappings inside stay, as they were.
-    pub(super) fn unmap_stale_in(&mut self, offset: usize, end: usize) -> Result<()> {
-        if self.stale.is_empty() {
-            return Ok(());
-        }
-        let (inside, rest): (Vec<Stale>, Vec<Stale>) =
-            std::mem::take(&mut self.stale).into_iter().partition(|m| m.offset < end && offset < m.offset + m.size);
-        self.stale = rest;
-        for m in inside.iter().filter_map(|m| m.fence.as_ref()) {
-            if !m.passed() {
-                if let Err(e) = m.wait() {
-                    self.stale.extend(inside);
-                    return Err(e);
-                }
-            }
-        }
-        for m in inside {
-            let seg = &self.segments[self.segment_of(m.offset)];
-            if let Reservation::Cuda(range) = &seg.res {
-                if let Err(e) = range.unmap(m.offset - seg.offset, m.size) {
-                    eprintln!("cumem: unmapping {} B of moved memory at offset {}: {e}", m.size, m.offset);
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Stale mappings being unmapped with the region's lock dropped
-/// ([`Region::plan_stale_unmap`]).
-pub(crate) struct StaleUnmap {
-    seg_off: usize,
-    range: RangeAlias,
-    maps: Vec<Stale>,
-}
-
-/// What [`StaleUnmap::execute`] did.
-pub(crate) struct StaleDone {
-    /// Unmapped: `(offset, size)`.
-    unmapped: Vec<(usize, usize)>,
-    /// Not unmapped: the wait for their fence failed.
-    kept: Vec<Stale>,
-}
-
-impl StaleUnmap {
-    /// Unmaps every stale mapping (no lock held), each once its fence has
-    /// passed (waited for); returns them for [`Region::finish_stale_unmap`].
-    /// Unmap errors are logged: the mapping is gone either way, and its
-    /// memory is mapped elsewhere. A mapping whose wait fails stays.
-    pub(crate) fn execute(self) -> StaleDone {
-        let mut done = StaleDone { unmapped: Vec::with_capacity(self.maps.len()), kept: Vec::new() };
-        for m in self.maps {
-            if let Some(fence) = &m.fence {
-                if !fence.passed() {
-                    if let Err(e) = fence.wait() {
-                        eprintln!(
-                            "cumem: waiting for the work on {} B of moved memory at offset {}: {e}",
-                            m.size, m.offset
-                        );
-                        done.kept.push(m);
-                        continue;
-                    }
-                }
-            }
-            if let Err(e) = self.range.unmap(m.offset - self.seg_off, m.size) {
-                eprintln!("cumem: unmapping {} B of moved memory at offset {}: {e}", m.size, m.offset);
-            }
-            done.unmapped.push((m.offset, m.size));
-        }
-        done
+    /// The bytes of spare memory (unmapped, kept for the next map).
+    pub(crate) fn spare_bytes(&self) -> usize {
+        self.spare.iter().map(|s| s.0).sum()
     }
 }
 

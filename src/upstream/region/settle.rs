@@ -150,7 +150,7 @@ impl Region {
         }
         if own {
             remains.backings = self.pieces.drain(..).map(|p| p.backing).collect();
-            remains.backings.extend(self.spare.drain(..).map(|(_, b, _)| b));
+            remains.backings.extend(self.spare.drain(..).map(|(_, b)| b));
             remains.guard = self.guard.take();
         }
         remains.segments = std::mem::take(&mut self.segments);
