@@ -121,28 +121,34 @@ PY
 }
 
 repeat() {
-    local n=${1:-100} t="$NEW/tests/test-gpu" names i fails=0
-    names=$("$t" --list --format terse 2>/dev/null | sed -n 's/^\(gpu_training_threads::.*\): test$/\1/p')
+    local n=${1:-100} t="$NEW/tests/test-gpu" names fails
+    names=$("$t" --list --format terse 2>/dev/null |
+        sed -n 's/^\(gpu_\(training_threads\|unmapped_pages\)::.*\): test$/\1/p' | tr '\n' ' ')
     echo "tests: $names"
     # The control: the commit before, with the same tests, must fail.
     if [ -x "$BASE/tests/test-gpu-control" ]; then
-        timeout 300 "$BASE/tests/test-gpu-control" --exact $names --test-threads=1 >"$out/control.log" 2>&1
+        timeout 300 "$BASE/tests/test-gpu-control" --test-threads=1 --exact \
+            gpu_unmapped_pages::a_large_request_never_lands_on_unmapped_device_pages \
+            gpu_training_threads::a_threaded_training_loop_keeps_every_live_block_on_the_device >"$out/control.log" 2>&1
         echo "control (the commit before): rc $? (must not be 0)"
-        grep -E "panicked|test result|FAILED|illegal|mismatch" "$out/control.log" | head -8
+        grep -E "panicked|test result|FAILED|unmapped|mismatch" "$out/control.log" | head -12
     fi
-    # Load: every core busy with host work, and the soak on the GPU.
-    local load=()
+    # Load: every core busy with host work while four runs share the GPU.
+    local load=() i
     for i in $(seq 1 "$(nproc)"); do (timeout 900 sh -c 'while :; do :; done') & load+=($!); done
-    for i in $(seq 1 "$n"); do
-        if ! timeout 120 "$t" --exact $names --test-threads=1 >"$out/repeat-last.log" 2>&1; then
-            fails=$((fails + 1)); cp "$out/repeat-last.log" "$out/repeat-fail-$i.log"
-        fi
-    done
+    mkdir -p "$out/repeat"
+    # shellcheck disable=SC2086 # one argument per test name
+    seq 1 "$n" | xargs -P 4 -I{} sh -c "timeout 300 $t --test-threads=1 --exact $names >$out/repeat/{}.log 2>&1 || echo {} >>$out/repeat/failed"
     kill "${load[@]}" 2>/dev/null
+    fails=$(wc -l <"$out/repeat/failed" 2>/dev/null || echo 0)
     echo "repeat: $((n - fails)) of $n passed under load"
-    timeout 400 compute-sanitizer --tool memcheck --error-exitcode 3 "$t" --exact $names --test-threads=1 \
-        >"$out/memcheck-training-threads.log" 2>&1
-    echo "memcheck rc $?"; grep -E "ERROR SUMMARY|test result" "$out/memcheck-training-threads.log" | tail -3
+    for i in $(cat "$out/repeat/failed" 2>/dev/null); do cp "$out/repeat/$i.log" "$out/repeat-fail-$i.log"; done
+    grep -h "test result" "$out"/repeat/*.log | sort | uniq -c | head -5
+    tar czf "$out/repeat.tar.gz" -C "$out" repeat && rm -rf "$out/repeat"
+    # shellcheck disable=SC2086
+    timeout 400 compute-sanitizer --tool memcheck --error-exitcode 3 "$t" --test-threads=1 --exact $names \
+        >"$out/memcheck-new-tests.log" 2>&1
+    echo "memcheck rc $?"; grep -E "ERROR SUMMARY|test result" "$out/memcheck-new-tests.log" | tail -3
 }
 
 case "${1:-}" in

@@ -52,9 +52,7 @@ impl std::str::FromStr for ThreadCache {
             "contended" | "when_contended" | "auto" => Ok(ThreadCache::WhenContended),
             "1" | "true" | "yes" | "on" => Ok(ThreadCache::On),
             "0" | "false" | "no" | "off" => Ok(ThreadCache::Off),
-            other => Err(Error::Config(format!(
-                "device_thread_cache: '{other}' is not one of true, false, contended"
-            ))),
+            other => Err(Error::Config(format!("device_thread_cache: '{other}' is not one of true, false, contended"))),
         }
     }
 }
