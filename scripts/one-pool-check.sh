@@ -28,13 +28,13 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export CUMEM_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 command -v compute-sanitizer >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
-traces=(traces/*.csv.gz traces/synth/*.csv.gz)
 
 perf() {
     local r b seed
     for r in 1 2; do
         for b in "$BASE" "$NEW"; do
-            (cd "$b" && timeout 300 tools/cumem-replay -t sync_pool -r 3 --warm --no-progress --json "${traces[@]}") \
+            (cd "$b" && timeout 300 tools/cumem-replay -t sync_pool -r 3 --warm --no-progress --json \
+                traces/*.csv.gz traces/synth/*.csv.gz) \
                 >"$out/replay-$(basename "$b")-$r.json" 2>"$out/replay-$(basename "$b")-$r.err"
         done
     done
