@@ -30,10 +30,13 @@ export CUMEM_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 command -v compute-sanitizer >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
 
 perf() {
-    local r b seed
-    for r in 1 2; do
+    local r b seed pin=""
+    # One core for the replays: a thread that moves between cores doubles
+    # the time of some passes.
+    command -v taskset >/dev/null && pin="taskset -c 3"
+    for r in 1 2 3; do
         for b in "$BASE" "$NEW"; do
-            (cd "$b" && timeout 300 tools/cumem-replay -t sync_pool -r 3 --warm --no-progress --json \
+            (cd "$b" && timeout 300 $pin tools/cumem-replay -t sync_pool -r 3 --warm --no-progress --json \
                 traces/*.csv.gz traces/synth/*.csv.gz) \
                 >"$out/replay-$(basename "$b")-$r.json" 2>"$out/replay-$(basename "$b")-$r.err"
         done
@@ -43,12 +46,22 @@ perf() {
             CUMEM_BENCH_CHECK=peers timeout 240 "$b/benches/threads" --bench >"$out/peers-$(basename "$b")-$r.log" 2>&1
         done
     done
-    CUMEM_CONF=device_thread_cache=true CUMEM_BENCH_CHECK=peers timeout 240 "$NEW/benches/threads" --bench \
-        >"$out/peers-cache-on.log" 2>&1
     for seed in 0x9001 0x9002 0x9003 0x9004; do
         for b in "$BASE" "$NEW"; do
             CUMEM_CHECK_SEED=$seed CUMEM_BENCH_CHECK=pool timeout 240 "$b/benches/threads" --bench \
                 >"$out/pool-$(basename "$b")-$seed.log" 2>&1
+        done
+    done
+    # The thread caches' settings beside the default (PERF_CONFS: a list
+    # separated by spaces of CUMEM_CONF values).
+    local conf n=0
+    for conf in ${PERF_CONFS:-device_thread_cache=true}; do
+        n=$((n + 1))
+        echo "$conf" >"$out/conf-$n.txt"
+        CUMEM_CONF=$conf CUMEM_BENCH_CHECK=peers timeout 240 "$NEW/benches/threads" --bench >"$out/peers-conf-$n.log" 2>&1
+        for seed in 0x9001 0x9002; do
+            CUMEM_CONF=$conf CUMEM_CHECK_SEED=$seed CUMEM_BENCH_CHECK=pool timeout 240 "$NEW/benches/threads" --bench \
+                >"$out/pool-conf-$n-$seed.log" 2>&1
         done
     done
 }

@@ -267,7 +267,11 @@ impl Config {
         pc.thread_cache = self.device_thread_cache != ThreadCache::Off;
         pc.cache_when_contended = self.device_thread_cache == ThreadCache::WhenContended;
         pc.thread_cache_bytes = self.thread_cache_bytes;
-        pc.cache_exact = true;
+        // Caches from the start serve one thread's exact sizes (no
+        // rounding while it runs alone); caches started by contention
+        // round to size classes, so that threads allocating varied sizes
+        // at once find their blocks.
+        pc.cache_exact = self.device_thread_cache == ThreadCache::On;
         pc.hot_block = self.hot_block;
         pc
     }

@@ -87,9 +87,12 @@ use super::spin::SpinLock;
 use super::{Allocation, Freed, Inner, PoolStats};
 use crate::tag::StreamTag;
 use bins::{CachedBlock, Delta, LiveEntry, Local};
+use start::Start;
+pub use start::{WAITS_TO_SERVE, WAIT_WINDOW_MS};
 
 mod bins;
-use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering};
+mod start;
+use crate::sync::{lock, Arc, Mutex};
 
 /// Blocks one bin holds before its older half is flushed.
 pub const BIN_MAX: usize = 32;
@@ -135,23 +138,10 @@ pub(super) struct ThreadCaches {
     /// Figures of caches dropped from the registry.
     retired: Mutex<Delta>,
     lent: Box<[LentShard]>,
-    /// The caches serve allocations and frees. Set at the start, or once
-    /// the pool's lock is contended ([`note_wait`](Self::note_wait)); never
-    /// cleared, so a free that sees it unset knows no block was ever lent.
-    serving: AtomicBool,
-    /// Waits for the pool's lock seen in the current window: the count in
-    /// the low 16 bits, the window's start (milliseconds) above.
-    waits: AtomicU64,
+    /// When the caches serve (`start.rs`).
+    start: Start,
 }
 
-/// Waits for the pool's lock, within [`WAIT_WINDOW_MS`], that start caches
-/// which wait for contention: threads that allocate at the same moment
-/// again and again, not a stray overlap (a thread reading statistics, the
-/// background mapper, a program's two threads taking turns).
-pub const WAITS_TO_SERVE: u64 = 64;
-
-/// The window in which [`WAITS_TO_SERVE`] waits must fall, milliseconds.
-pub const WAIT_WINDOW_MS: u64 = 10;
 
 #[derive(Default)]
 struct Registry {
@@ -197,18 +187,6 @@ loom::thread_local! {
     static CACHES: RefCell<LocalCaches> = RefCell::new(LocalCaches(Vec::new()));
 }
 
-/// Milliseconds since the first call (the contention window's clock).
-#[cfg(not(loom))]
-fn now_ms() -> u64 {
-    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    EPOCH.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64
-}
-
-/// Under loom every wait falls in one window (no clock in a model).
-#[cfg(loom)]
-fn now_ms() -> u64 {
-    0
-}
 
 fn lent_shard(addr: usize) -> usize {
     (((addr >> 8) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize % LENT_SHARDS
@@ -216,7 +194,6 @@ fn lent_shard(addr: usize) -> usize {
 
 impl ThreadCaches {
     /// Caches in front of the pool state `pool`, each holding at most
-    /// `max_bytes`.
     /// `max_bytes`; serving from the start, or (`when_contended`) once the
     /// pool's lock is contended.
     pub(super) fn new(pool: Arc<SpinLock<Inner>>, max_bytes: usize, exact: bool, when_contended: bool) -> Arc<Self> {
@@ -227,35 +204,10 @@ impl ThreadCaches {
             registry: Mutex::new(Registry::default()),
             retired: Mutex::new(Delta::default()),
             lent: (0..LENT_SHARDS).map(|_| CachePadded::new(Mutex::new(AddrMap::default()))).collect(),
-            serving: AtomicBool::new(!when_contended),
-            waits: AtomicU64::new(0),
+            start: Start::new(when_contended),
         })
     }
 
-    /// Whether the caches serve now (see the module docs).
-    #[inline]
-    pub(super) fn serving(&self) -> bool {
-        self.serving.load(Ordering::Acquire)
-    }
-
-    /// An allocation waited for the pool's lock: [`WAITS_TO_SERVE`] such
-    /// waits within [`WAIT_WINDOW_MS`] start the caches. Only the waiting
-    /// path pays for the clock.
-    #[cold]
-    pub(super) fn note_wait(&self) {
-        if self.serving() {
-            return;
-        }
-        let now = now_ms();
-        let seen = self.waits.load(Ordering::Relaxed);
-        let (count, start) = (seen & 0xffff, seen >> 16);
-        let next = if now.saturating_sub(start) > WAIT_WINDOW_MS { now << 16 | 1 } else { seen + 1 };
-        // A lost race loses one count, which only delays the start.
-        let _ = self.waits.compare_exchange(seen, next, Ordering::Relaxed, Ordering::Relaxed);
-        if (next & 0xffff) >= WAITS_TO_SERVE && count < 0xffff {
-            self.serving.store(true, Ordering::Release);
-        }
-    }
 
     /// This thread's cache for this pool, created on first use; `None`
     /// while thread-locals are being torn down. The thread-local holds an

@@ -1,0 +1,73 @@
+//! When a pool's thread caches serve: from the start, or once threads
+//! contend for the pool's lock (see the module docs of `cache.rs`).
+
+use super::ThreadCaches;
+use crate::sync::{AtomicBool, AtomicU64, Ordering};
+
+/// Waits for the pool's lock, within [`WAIT_WINDOW_MS`], that start caches
+/// which wait for contention: threads that allocate at the same moment
+/// again and again, not a stray overlap (a thread reading statistics, the
+/// background mapper, a program's two threads taking turns).
+pub const WAITS_TO_SERVE: u64 = 64;
+
+/// The window in which [`WAITS_TO_SERVE`] waits must fall, milliseconds.
+pub const WAIT_WINDOW_MS: u64 = 10;
+
+/// Whether the caches serve, and the waits counted before they do.
+pub(super) struct Start {
+    /// The caches serve allocations and frees. Set at the start, or once
+    /// the pool's lock is contended; never cleared, so a free that sees it
+    /// unset knows no block was ever lent.
+    serving: AtomicBool,
+    /// Waits for the pool's lock seen in the current window: the count in
+    /// the low 16 bits, the window's start (milliseconds) above.
+    waits: AtomicU64,
+}
+
+impl Start {
+    /// Serving at once, or (`when_contended`) once the lock is contended.
+    pub(super) fn new(when_contended: bool) -> Self {
+        Start { serving: AtomicBool::new(!when_contended), waits: AtomicU64::new(0) }
+    }
+}
+
+impl ThreadCaches {
+    /// Whether the caches serve now.
+    #[inline]
+    pub(in crate::pool) fn serving(&self) -> bool {
+        self.start.serving.load(Ordering::Acquire)
+    }
+
+    /// An allocation waited for the pool's lock: [`WAITS_TO_SERVE`] such
+    /// waits within [`WAIT_WINDOW_MS`] start the caches. Only the waiting
+    /// path pays for the clock, with the pool's lock let go.
+    #[cold]
+    pub(in crate::pool) fn note_wait(&self) {
+        if self.serving() {
+            return;
+        }
+        let now = now_ms();
+        let waits = &self.start.waits;
+        let seen = waits.load(Ordering::Relaxed);
+        let start = seen >> 16;
+        let next = if now.saturating_sub(start) > WAIT_WINDOW_MS { now << 16 | 1 } else { seen + 1 };
+        // A lost race loses one count, which only delays the start.
+        let _ = waits.compare_exchange(seen, next, Ordering::Relaxed, Ordering::Relaxed);
+        if next & 0xffff >= WAITS_TO_SERVE {
+            self.start.serving.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// Milliseconds since the first call (the contention window's clock).
+#[cfg(not(loom))]
+fn now_ms() -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    EPOCH.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64
+}
+
+/// Under loom every wait falls in one window (no clock in a model).
+#[cfg(loom)]
+fn now_ms() -> u64 {
+    0
+}
