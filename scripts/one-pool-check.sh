@@ -159,7 +159,9 @@ repeat() {
     grep -h "test result" "$out"/repeat/*.log | sort | uniq -c | head -5
     tar czf "$out/repeat.tar.gz" -C "$out" repeat && rm -rf "$out/repeat"
     # shellcheck disable=SC2086
-    timeout 400 compute-sanitizer --tool memcheck --error-exitcode 3 "$t" --test-threads=1 --exact $names \
+    # The oracle's control asks the driver about addresses with nothing
+    # mapped on purpose (an API error, not a memory error).
+    timeout 400 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 "$t" --test-threads=1 --exact $names \
         >"$out/memcheck-new-tests.log" 2>&1
     echo "memcheck rc $?"; grep -E "ERROR SUMMARY|test result" "$out/memcheck-new-tests.log" | tail -3
 }

@@ -272,6 +272,10 @@ fn the_check_counts_an_overwritten_byte() {
     ctx.stream.synchronize().unwrap();
     // SAFETY: byte 1000 of the live 1 MiB block, whose fill has finished.
     unsafe { sys::cuMemsetD8_v2(b.ptr + 1000, 0, 1) }.result().unwrap();
+    // The memset may still run on the legacy stream, which the pool's
+    // stream does not wait for: the check must come after it.
+    // SAFETY: no arguments; waits for the context's work.
+    unsafe { sys::cuCtxSynchronize() }.result().unwrap();
     ctx.free(b);
     ctx.stream.synchronize().unwrap();
     let mut bad = 0u64;
