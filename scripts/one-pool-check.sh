@@ -153,7 +153,8 @@ repeat() {
     # shellcheck disable=SC2086 # one argument per test name
     seq 1 "$n" | xargs -P 4 -I{} sh -c "timeout 300 $t --test-threads=1 --exact $names >$out/repeat/{}.log 2>&1 || echo {} >>$out/repeat/failed"
     kill "${load[@]}" 2>/dev/null
-    fails=$(wc -l <"$out/repeat/failed" 2>/dev/null || echo 0)
+    fails=0
+    [ -f "$out/repeat/failed" ] && fails=$(wc -l <"$out/repeat/failed")
     echo "repeat: $((n - fails)) of $n passed under load"
     for i in $(cat "$out/repeat/failed" 2>/dev/null); do cp "$out/repeat/$i.log" "$out/repeat-fail-$i.log"; done
     grep -h "test result" "$out"/repeat/*.log | sort | uniq -c | head -5
