@@ -142,7 +142,6 @@ pub(super) struct ThreadCaches {
     start: Start,
 }
 
-
 #[derive(Default)]
 struct Registry {
     caches: Vec<Arc<ThreadCache>>,
@@ -187,7 +186,6 @@ loom::thread_local! {
     static CACHES: RefCell<LocalCaches> = RefCell::new(LocalCaches(Vec::new()));
 }
 
-
 fn lent_shard(addr: usize) -> usize {
     (((addr >> 8) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize % LENT_SHARDS
 }
@@ -207,7 +205,6 @@ impl ThreadCaches {
             start: Start::new(when_contended),
         })
     }
-
 
     /// This thread's cache for this pool, created on first use; `None`
     /// while thread-locals are being torn down. The thread-local holds an
