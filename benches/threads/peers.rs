@@ -10,11 +10,9 @@
 //!
 //! Rows, each through a `MemoryManager` of its own: the device sync pool
 //! with one stream shared by all threads, with a stream per thread
-//! (`allocate_device_on` / `free_device_on`), and the pinned pool; each
-//! also with `arenas=1` (one shared pool, as before arenas). Beside them
-//! raw `cuMemAllocAsync` / `cuMemFreeAsync` on one shared stream and on a
-//! stream per thread. The raw rows and the one-arena stream-per-thread row
-//! run a tenth of N (they are 50-100x slower; a rate needs no more) and
+//! (`allocate_device_on` / `free_device_on`), and the pinned pool. Beside
+//! them raw `cuMemAllocAsync` / `cuMemFreeAsync` on one shared stream and
+//! on a stream per thread. The raw rows run a tenth of N (they are 50-100x slower; a rate needs no more) and
 //! skip the untimed pass (the driver's pool needs none).
 //!
 //! Then the same workload the way the peers' harness runs it (`fresh`):
@@ -347,15 +345,14 @@ fn print_fresh(name: &str, r: &FreshRow, after: &str) {
 
 /// Reserved (device: mapped) after the run over the most bytes the
 /// threads held at once (sampled; as asked, so rounding counts against
-/// the pool), and over the pool's own peak in use (the sum of the arenas'
-/// own peaks, which overstates a simultaneous peak).
-fn ratio(reserved: usize, held: usize, arenas_peak: usize) -> String {
+/// the pool), with the pool's own peak in use.
+fn ratio(reserved: usize, held: usize, pool_peak: usize) -> String {
     format!(
-        "{} / {} MiB = {:.3} (sum of arena peaks {} MiB)",
+        "{} / {} MiB = {:.3} (the pool's peak in use {} MiB)",
         reserved >> 20,
         held >> 20,
         reserved as f64 / held.max(1) as f64,
-        arenas_peak >> 20
+        pool_peak >> 20
     )
 }
 

@@ -71,3 +71,49 @@ fn now_ms() -> u64 {
 fn now_ms() -> u64 {
     0
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use crate::error::PoolKind;
+    use crate::pool::{Pool, PoolConfig, StreamTag};
+    use crate::upstream::Host;
+
+    fn contended_pool() -> Pool<Host> {
+        let mut c = PoolConfig::new(PoolKind::Standalone);
+        c.thread_cache = true;
+        c.cache_when_contended = true;
+        Pool::new(Host::new(), c)
+    }
+
+    /// Waits start the caches: a block allocated before goes straight back
+    /// to the pool (and a second free of it is caught), blocks freed after
+    /// are parked.
+    #[test]
+    fn waits_for_the_lock_start_the_caches() {
+        let p = contended_pool();
+        let cache = p.cache.as_ref().expect("caches exist");
+        let before = p.allocate(4096, 256).unwrap();
+        cache.note_wait();
+        assert!(!cache.serving(), "one wait started the caches");
+        let a = p.allocate(4096, 256).unwrap();
+        p.deallocate(a.addr, StreamTag::NONE).unwrap();
+        assert_eq!(p.stats().cached, 0, "a block was parked before the caches served");
+        // Until 64 waits fall in one window (a thread descheduled past
+        // the window starts a new one).
+        for _ in 0..100_000 {
+            if cache.serving() {
+                break;
+            }
+            cache.note_wait();
+        }
+        assert!(cache.serving(), "waits never started the caches");
+        let b = p.allocate(4096, 256).unwrap();
+        p.deallocate(b.addr, StreamTag::NONE).unwrap();
+        assert!(p.stats().cached > 0, "serving caches parked nothing");
+        p.deallocate(before.addr, StreamTag::NONE).unwrap();
+        assert!(p.deallocate(before.addr, StreamTag::NONE).is_err(), "a double free of a block from before");
+        assert_eq!(p.stats().live_blocks, 0);
+        crate::pool::release_thread_caches();
+        p.with_fit(|f| f.check_invariants()).unwrap();
+    }
+}
