@@ -96,6 +96,8 @@ impl<U: Upstream> Pool<U> {
         if class.is_some() {
             ThreadCaches::lend(cache, &a, size);
         }
+        // The pool may have grown: the caches' budgets follow its size.
+        cache.note_pool_held(self.stats().mapped);
         Ok(a)
     }
 

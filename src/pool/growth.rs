@@ -24,6 +24,8 @@ impl<U: Upstream> Pool<U> {
     pub fn release_cached(&self) -> Result<usize> {
         if let Some(cache) = &self.cache {
             cache.drain_all(false);
+            // Budgets follow the pool down again at its next growth.
+            cache.note_pool_held(0);
         }
         let _remap = self.remap.then(|| lock(&self.remap_lock));
         let chunks = {
