@@ -116,4 +116,29 @@ mod tests {
         crate::pool::release_thread_caches();
         p.with_fit(|f| f.check_invariants()).unwrap();
     }
+
+    /// A cache's budget is its share of an eighth of the pool, between
+    /// 4 MiB and `thread_cache_bytes`, and what it parks stays within it.
+    #[test]
+    fn a_caches_budget_follows_the_pool() {
+        let mut c = PoolConfig::new(PoolKind::Standalone);
+        c.thread_cache = true;
+        c.thread_cache_bytes = 256 << 20;
+        let p = Pool::new(Host::new(), c);
+        let cache = p.cache.as_ref().expect("caches exist");
+        let a = p.allocate(1 << 20, 256).unwrap();
+        p.deallocate(a.addr, StreamTag::NONE).unwrap();
+        cache.note_pool_held(1 << 30);
+        assert_eq!(cache.budget(), 128 << 20, "one cache: an eighth of 1 GiB");
+        cache.note_pool_held(100 << 30);
+        assert_eq!(cache.budget(), 256 << 20, "never above thread_cache_bytes");
+        cache.note_pool_held(0);
+        assert_eq!(cache.budget(), 4 << 20, "never below 4 MiB");
+        let blocks: Vec<_> = (0..8).map(|_| p.allocate(1 << 20, 256).unwrap()).collect();
+        for b in blocks {
+            p.deallocate(b.addr, StreamTag::NONE).unwrap();
+        }
+        assert!(p.stats().cached <= 4 << 20, "parked {} B over a 4 MiB budget", p.stats().cached);
+        crate::pool::release_thread_caches();
+    }
 }
