@@ -92,7 +92,7 @@ pub use start::{WAITS_TO_SERVE, WAIT_WINDOW_MS};
 
 mod bins;
 mod start;
-use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering};
+use crate::sync::{lock, Arc, Mutex};
 
 /// Blocks one bin holds before its older half is flushed.
 pub const BIN_MAX: usize = 32;
@@ -138,24 +138,9 @@ pub(super) struct ThreadCaches {
     /// Figures of caches dropped from the registry.
     retired: Mutex<Delta>,
     lent: Box<[LentShard]>,
-    /// When the caches serve (`start.rs`).
+    /// When the caches serve, and how much each parks (`start.rs`).
     start: Start,
-    /// Caches of live threads, and the bytes the pool held at its last
-    /// growth: each cache's budget is a share of the pool
-    /// ([`budget`](Self::budget)).
-    live_caches: AtomicUsize,
-    pool_held: AtomicUsize,
 }
-
-/// The caches together park at most this share of what the pool holds
-/// (one eighth): a thread's budget is the pool's bytes over this times the
-/// threads with caches, so parked blocks raise a pool's peak by about an
-/// eighth at most, however many threads come and go.
-const POOL_SHARE: usize = 8;
-
-/// A thread's budget never falls below this (4 MiB): a small pool still
-/// caches a few blocks per thread.
-const BUDGET_FLOOR: usize = 4 << 20;
 
 #[derive(Default)]
 struct Registry {
@@ -218,8 +203,6 @@ impl ThreadCaches {
             retired: Mutex::new(Delta::default()),
             lent: (0..LENT_SHARDS).map(|_| CachePadded::new(Mutex::new(AddrMap::default()))).collect(),
             start: Start::new(when_contended),
-            live_caches: AtomicUsize::new(0),
-            pool_held: AtomicUsize::new(0),
         })
     }
 
@@ -284,7 +267,7 @@ impl ThreadCaches {
             return None;
         }
         reg.caches.push(tc.clone());
-        this.live_caches.fetch_add(1, Ordering::Relaxed);
+        this.start.cache_opened();
         Some(tc)
     }
 
@@ -535,21 +518,6 @@ impl ThreadCaches {
         });
     }
 
-    /// One thread's cache budget: its share of [`POOL_SHARE`] of what the
-    /// pool held at its last growth, between [`BUDGET_FLOOR`] and the
-    /// configured most (`thread_cache_bytes`).
-    #[inline]
-    fn budget(&self) -> usize {
-        let caches = self.live_caches.load(Ordering::Relaxed).max(1);
-        let share = self.pool_held.load(Ordering::Relaxed) / (POOL_SHARE * caches);
-        self.max_bytes.min(share.max(BUDGET_FLOOR))
-    }
-
-    /// The pool holds `bytes` now (after a growth, or a release).
-    pub(super) fn note_pool_held(&self, bytes: usize) {
-        self.pool_held.store(bytes, Ordering::Relaxed);
-    }
-
     /// Drops caches of exited threads that hold no live block.
     fn prune(&self) {
         let mut reg = lock(&self.registry);
@@ -618,7 +586,7 @@ impl ThreadCache {
         {
             let mut l = self.local.lock();
             l.dead = true;
-            self.shared.live_caches.fetch_sub(1, Ordering::Relaxed);
+            self.shared.start.cache_closed();
             let mut out = Vec::new();
             l.take(0..CLASSES, 0, &mut out);
             self.shared.flush(&out);

@@ -1,8 +1,9 @@
-//! When a pool's thread caches serve: from the start, or once threads
-//! contend for the pool's lock (see the module docs of `cache.rs`).
+//! When a pool's thread caches serve (from the start, or once threads
+//! contend for the pool's lock) and how much each may park (a share of
+//! the pool); see the module docs of `cache.rs`.
 
 use super::ThreadCaches;
-use crate::sync::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// Waits for the pool's lock, within [`WAIT_WINDOW_MS`], that start caches
 /// which wait for contention: threads that allocate at the same moment
@@ -13,7 +14,18 @@ pub const WAITS_TO_SERVE: u64 = 64;
 /// The window in which [`WAITS_TO_SERVE`] waits must fall, milliseconds.
 pub const WAIT_WINDOW_MS: u64 = 10;
 
-/// Whether the caches serve, and the waits counted before they do.
+/// The caches together park at most this share of what the pool holds
+/// (one eighth): a thread's budget is the pool's bytes over this times the
+/// threads with caches, so parked blocks raise a pool's peak by about an
+/// eighth at most, however many threads come and go.
+const POOL_SHARE: usize = 8;
+
+/// A thread's budget never falls below this (4 MiB): a small pool still
+/// caches a few blocks per thread.
+const BUDGET_FLOOR: usize = 4 << 20;
+
+/// Whether the caches serve, the waits counted before they do, and what
+/// their budgets are made of.
 pub(super) struct Start {
     /// The caches serve allocations and frees. Set at the start, or once
     /// the pool's lock is contended; never cleared, so a free that sees it
@@ -22,12 +34,31 @@ pub(super) struct Start {
     /// Waits for the pool's lock seen in the current window: the count in
     /// the low 16 bits, the window's start (milliseconds) above.
     waits: AtomicU64,
+    /// Caches of live threads, and the bytes the pool held at its last
+    /// growth: each cache's budget is a share of the pool.
+    live_caches: AtomicUsize,
+    pool_held: AtomicUsize,
 }
 
 impl Start {
     /// Serving at once, or (`when_contended`) once the lock is contended.
     pub(super) fn new(when_contended: bool) -> Self {
-        Start { serving: AtomicBool::new(!when_contended), waits: AtomicU64::new(0) }
+        Start {
+            serving: AtomicBool::new(!when_contended),
+            waits: AtomicU64::new(0),
+            live_caches: AtomicUsize::new(0),
+            pool_held: AtomicUsize::new(0),
+        }
+    }
+
+    /// A thread's cache was made.
+    pub(super) fn cache_opened(&self) {
+        self.live_caches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A thread's cache closed (its thread exited).
+    pub(super) fn cache_closed(&self) {
+        self.live_caches.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -56,6 +87,23 @@ impl ThreadCaches {
         if next & 0xffff >= WAITS_TO_SERVE {
             self.start.serving.store(true, Ordering::Release);
         }
+    }
+}
+
+impl ThreadCaches {
+    /// One thread's cache budget: its share of [`POOL_SHARE`] of what the
+    /// pool held at its last growth, between [`BUDGET_FLOOR`] and the
+    /// configured most (`thread_cache_bytes`).
+    #[inline]
+    pub(super) fn budget(&self) -> usize {
+        let caches = self.start.live_caches.load(Ordering::Relaxed).max(1);
+        let share = self.start.pool_held.load(Ordering::Relaxed) / (POOL_SHARE * caches);
+        self.max_bytes.min(share.max(BUDGET_FLOOR))
+    }
+
+    /// The pool holds `bytes` now (after a growth, or a release).
+    pub(in crate::pool) fn note_pool_held(&self, bytes: usize) {
+        self.start.pool_held.store(bytes, Ordering::Relaxed);
     }
 }
 
