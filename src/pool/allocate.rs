@@ -97,7 +97,7 @@ impl<U: Upstream> Pool<U> {
             ThreadCaches::lend(cache, &a, size);
         }
         // The pool may have grown: the caches' budgets follow its size.
-        cache.note_pool_held(self.stats().mapped);
+        cache.note_pool_held(self.held_bytes());
         Ok(a)
     }
 

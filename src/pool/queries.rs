@@ -104,6 +104,18 @@ impl<U: Upstream> Pool<U> {
         s
     }
 
+    /// The physical bytes the pool holds (mapped and kept pages with
+    /// remapping, else its chunks): one look under the lock, leaving the
+    /// hot block and the thread caches as they are.
+    pub(super) fn held_bytes(&self) -> usize {
+        let mut inner = self.inner.lock();
+        if self.remap {
+            inner.pages.physical() << inner.pages.shift()
+        } else {
+            inner.fit.stats_mut().reserved
+        }
+    }
+
     /// Sets every peak to its current value.
     pub fn reset_peaks(&self) {
         let mut inner = self.inner.lock();
