@@ -20,10 +20,9 @@ use cudarc::driver::CudaContext;
 use once_cell::sync::OnceCell;
 
 use super::async_book::AsyncBook;
-use super::captures::PrivatePool;
 use super::captures::{GraphPoolFactory, Graphs};
+use super::driver_pools::DriverPools;
 use super::mode::DeviceAllocatorMode;
-use super::modes::{self, Machinery, Mode, Routed};
 use super::native_pool::{NativePool, NativePoolOptions};
 use super::pins::Pins;
 use super::reuse::StreamRegistry;
@@ -48,9 +47,8 @@ pub struct DeviceAllocator {
     supports_async: bool,
     requested: AtomicU8,
     effective: AtomicU8,
-    /// One entry per mode, in the order of [`DeviceAllocatorMode::ALL`]
-    /// (`modes/`).
-    modes: Box<[Box<dyn Mode>]>,
+    /// The driver pools of the stream-ordered modes (`driver_pools.rs`).
+    driver: DriverPools,
     internal_stream: OnceCell<Stream>,
     /// Stream-ordered allocations (address → size and mode) and their
     /// figures, under one lock.
@@ -100,7 +98,7 @@ impl DeviceAllocator {
         let supports_async = ctx.as_ref().is_some_and(|c| c.has_async_alloc());
         let a = DeviceAllocator {
             ordinal,
-            modes: modes::make_all(ctx.as_ref(), native_options),
+            driver: DriverPools::new(ctx.clone(), native_options),
             ctx,
             pool,
             supports_async,
@@ -161,8 +159,11 @@ impl DeviceAllocator {
     /// the device can't do stream-ordered allocation. Live allocations stay
     /// valid and are freed by the mode that made them.
     pub fn set_mode(&self, mode: DeviceAllocatorMode) -> DeviceAllocatorMode {
-        let effective =
-            if self.mode(mode).stream_ordered() && !self.supports_async { DeviceAllocatorMode::SyncPool } else { mode };
+        let effective = if mode != DeviceAllocatorMode::SyncPool && !self.supports_async {
+            DeviceAllocatorMode::SyncPool
+        } else {
+            mode
+        };
         self.requested.store(mode.to_u8(), Ordering::Relaxed);
         self.effective.store(effective.to_u8(), Ordering::Release);
         effective
@@ -178,14 +179,9 @@ impl DeviceAllocator {
         DeviceAllocatorMode::from_u8(self.effective.load(Ordering::Acquire))
     }
 
-    /// The implementation of `mode`.
-    pub(super) fn mode(&self, mode: DeviceAllocatorMode) -> &dyn Mode {
-        &*self.modes[mode as usize]
-    }
-
-    /// The driver pools of the modes, those that exist.
-    pub(super) fn driver_pools(&self) -> impl Iterator<Item = &NativePool> {
-        self.modes.iter().filter_map(|m| m.made_pool())
+    /// The driver pools of the stream-ordered modes.
+    pub(super) fn driver_pools(&self) -> &DriverPools {
+        &self.driver
     }
 
     pub(super) fn require_ctx(&self) -> Result<&Arc<CudaContext>> {
@@ -219,8 +215,8 @@ impl DeviceAllocator {
     /// # Errors
     /// [`Error::NeedsGpu`] on the host fallback; a driver error.
     pub fn native_pool(&self) -> Result<&NativePool> {
-        self.mode(DeviceAllocatorMode::CudaAsyncPool)
-            .driver_pool()?
+        self.driver
+            .get(DeviceAllocatorMode::CudaAsyncPool)?
             .ok_or(Error::InvalidState("the cuda_async_pool mode has no native pool".into()))
     }
 
@@ -232,7 +228,7 @@ impl DeviceAllocator {
     /// [`Error::NeedsGpu`] on the host fallback for a stream-ordered mode;
     /// a driver error.
     pub fn mode_pool(&self, mode: DeviceAllocatorMode) -> Result<Option<&NativePool>> {
-        self.mode(mode).driver_pool()
+        self.driver.get(mode)
     }
 
     /// Allocates `size` bytes for work on `stream` (`None`: usable at once
@@ -248,8 +244,12 @@ impl DeviceAllocator {
     pub fn allocate(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         if let Some(s) = stream.filter(|_| self.graphs.watching()) {
             if let Some((capture, p)) = self.capture_for(s)? {
-                let routed = Routed { capture, pool: &p, stream: s };
-                return self.mode(self.effective_mode()).allocate(self, size, stream, Some(routed));
+                // A capture's allocations come from its graph-private pool
+                // (the sync pool mode) or become graph memory nodes.
+                return match self.effective_mode() {
+                    DeviceAllocatorMode::SyncPool => self.allocate_private(&p.pool, &p.streams, size, s),
+                    mode => self.allocate_stream_ordered(size, stream, mode, capture),
+                };
             }
         }
         self.settle_graph_releases();
@@ -260,7 +260,7 @@ impl DeviceAllocator {
             // The default mode, called directly (no dynamic dispatch, so
             // the pool's path inlines into this one).
             DeviceAllocatorMode::SyncPool => self.allocate_sync_pool(size, stream),
-            mode => self.mode(mode).allocate(self, size, stream, None),
+            mode => self.allocate_stream_ordered(size, stream, mode, 0),
         }
     }
 
@@ -285,12 +285,23 @@ impl DeviceAllocator {
         Ok(a.addr as u64)
     }
 
+    /// Allocates from the device's sync pool, ordering the block's reuse
+    /// on `stream` after the work of the stream that freed it.
+    ///
+    /// The requesting stream is registered first (one atomic load once it
+    /// is): a page move takes memory freed on other streams behind a fence
+    /// that this stream waits for, which needs its handle, so a stream that
+    /// has never freed doesn't make the move wait for the whole device.
     #[inline(always)]
     fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
-        let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
-        let a = match self.pool.allocate_quick(size, BLOCK_ALIGN, want) {
-            Some(a) => a,
-            None => self.allocate_sync_pool_slow(size, want, stream)?,
+        let user = stream.filter(|s| !s.is_host());
+        let want = user.map_or(0, Stream::id);
+        if let Some(s) = user {
+            self.streams.register(s);
+        }
+        let a = match self.pool.allocate_for(size, BLOCK_ALIGN, want) {
+            Ok(a) => a,
+            Err(e) => self.retry_out_of_memory(e, size, want)?,
         };
         match &self.ctx {
             Some(ctx) if !StreamRegistry::reuse_is_ordered(a.tag, stream) => {
@@ -300,33 +311,24 @@ impl DeviceAllocator {
         }
     }
 
-    /// [`allocate_sync_pool`](Self::allocate_sync_pool) past the pool's
-    /// common case: growth, and out of memory, the release of what the
-    /// device caches elsewhere and one more try.
-    ///
-    /// The requesting stream is registered first (one atomic load once it
-    /// is): a page move here takes memory freed on other streams behind a
-    /// fence that this stream waits for, which needs its handle, so a
-    /// stream that has never freed doesn't make the move wait for the
-    /// whole device.
+    /// After the sync pool refused a request with `e`: out of memory, the
+    /// release of what the device caches elsewhere and one more try.
+    #[cold]
     #[inline(never)]
-    fn allocate_sync_pool_slow(&self, size: usize, want: u64, stream: Option<&Stream>) -> Result<Allocation> {
-        if let Some(s) = stream.filter(|s| !s.is_host()) {
-            self.streams.register(s);
+    fn retry_out_of_memory(&self, e: Error, size: usize, want: u64) -> Result<Allocation> {
+        if !matches!(e, Error::OutOfMemory { .. })
+            || self.ctx.is_none()
+            || self.capture_under_way()?
+            || !self.holds_cached_memory()
+        {
+            return Err(e);
         }
-        match self.pool.allocate_past_quick(size, BLOCK_ALIGN, want) {
-            Err(Error::OutOfMemory { .. })
-                if self.ctx.is_some() && !self.capture_under_way()? && self.holds_cached_memory() =>
-            {
-                // The pool already released its own free chunks; memory may
-                // also sit in the native pools, or in chunks whose blocks
-                // were waiting on streams. Release all of it (after the
-                // streams' work), then try once more.
-                self.release_cached()?;
-                self.pool.allocate_for(size, BLOCK_ALIGN, want)
-            }
-            other => other,
-        }
+        // The pool already released its own free chunks; memory may also
+        // sit in the native pools, or in chunks whose blocks were waiting
+        // on streams. Release all of it (after the streams' work), then
+        // try once more.
+        self.release_cached()?;
+        self.pool.allocate_for(size, BLOCK_ALIGN, want)
     }
 
     /// Orders the reuse of block `a` after the work of the stream that
@@ -422,7 +424,7 @@ impl DeviceAllocator {
     }
 
     fn holds_cached_memory(&self) -> bool {
-        let native = self.driver_pools().any(|p| p.attributes().is_ok_and(|a| a.reserved_current > a.used_current));
+        let native = self.driver.all_made().any(|p| p.attributes().is_ok_and(|a| a.reserved_current > a.used_current));
         native || self.pool.stats().free() > 0
     }
 
@@ -452,7 +454,7 @@ impl DeviceAllocator {
         for a in self.tags.all() {
             released += a.pool.release_cached()?;
         }
-        for p in self.driver_pools() {
+        for p in self.driver.all_made() {
             p.trim_to(0)?;
         }
         Ok(released)
@@ -473,7 +475,7 @@ impl DeviceAllocator {
         for a in self.tags.all() {
             live.extend(a.pool.shutdown()?);
         }
-        for p in self.driver_pools() {
+        for p in self.driver.all_made() {
             p.trim_to(0)?;
         }
         live.extend(lock(&self.async_book).live.iter().map(|(&addr, b)| LiveBlock {
@@ -487,26 +489,5 @@ impl DeviceAllocator {
     /// The pool kind errors name.
     pub fn kind(&self) -> PoolKind {
         PoolKind::Device
-    }
-}
-
-impl Machinery for DeviceAllocator {
-    fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
-        DeviceAllocator::allocate_sync_pool(self, size, stream)
-    }
-
-    fn allocate_private(&self, pool: &PrivatePool, size: usize, stream: &Stream) -> Result<u64> {
-        DeviceAllocator::allocate_private(self, &pool.pool, &pool.streams, size, stream)
-    }
-
-    fn allocate_stream_ordered(
-        &self,
-        size: usize,
-        stream: Option<&Stream>,
-        mode: DeviceAllocatorMode,
-        capture: u64,
-        attempt: &dyn Fn(&Stream) -> Result<u64>,
-    ) -> Result<u64> {
-        DeviceAllocator::allocate_stream_ordered(self, size, stream, mode, capture, attempt)
     }
 }

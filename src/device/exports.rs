@@ -10,6 +10,7 @@ use std::os::fd::OwnedFd;
 
 use super::allocator::DeviceAllocator;
 use super::captures::Held;
+use super::driver_pools::DriverPools;
 use crate::cuda::{ipc, vmm, Stream};
 use crate::error::{Error, Result};
 use crate::ipc::{Exporter, HandleKind, IpcHandle};
@@ -36,13 +37,10 @@ impl DeviceAllocator {
             Some((_, _, capture)) if capture != 0 => {
                 return Err(Error::Ipc(format!("device block {ptr:#x} can't be exported: it belongs to a CUDA graph")));
             }
-            Some((_, mode, _)) if !self.mode(mode).exportable() => {
-                return Err(Error::Ipc(format!(
-                    "device block {ptr:#x} can't be exported: it comes from the {mode} mode, whose memory can't be \
-                     exported; use the cuda_async_pool mode"
-                )));
+            Some((size, mode, _)) => {
+                DriverPools::check_exportable(mode, ptr)?;
+                (size, Some(mode))
             }
-            Some((size, mode, _)) => (size, Some(mode)),
             None => match self.pool.check_live(addr) {
                 Err(e @ Error::UnknownPointer { .. }) => {
                     // Not the sync pool's: a tag's block is refused by name.
@@ -60,7 +58,7 @@ impl DeviceAllocator {
             if mode.is_some() { size } else { self.pool.requested_size(addr).filter(|r| *r <= size).unwrap_or(size) };
         let made = (|| {
             let (kind, offset, fds) = if let Some(mode) = mode {
-                let (fd, data) = self.mode(mode).export(ptr)?;
+                let (fd, data) = self.driver_pools().export(mode, ptr)?;
                 (HandleKind::NativePool { data }, 0, vec![fd])
             } else if let Some(pieces) = self.pool.upstream().mapped_pieces(addr, size) {
                 let fds = pieces

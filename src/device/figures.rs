@@ -14,10 +14,10 @@ impl DeviceAllocator {
         DeviceStats {
             pool: self.pool.stats(),
             stream_ordered: lock(&self.async_book).stats.clone(),
-            native_pool: self.mode(DeviceAllocatorMode::CudaAsyncPool).made_pool().and_then(|p| p.attributes().ok()),
+            native_pool: self.driver_pools().made(DeviceAllocatorMode::CudaAsyncPool).and_then(|p| p.attributes().ok()),
             default_pool: self
-                .mode(DeviceAllocatorMode::AsyncStreamOrdered)
-                .made_pool()
+                .driver_pools()
+                .made(DeviceAllocatorMode::AsyncStreamOrdered)
                 .and_then(|p| p.attributes().ok()),
             graphs: self.graphs_stats(),
             stream_waits: self.streams.waits().0,
@@ -33,7 +33,7 @@ impl DeviceAllocator {
         let mut book = lock(&self.async_book);
         book.stats.peak_in_use = book.stats.in_use;
         drop(book);
-        for p in self.driver_pools() {
+        for p in self.driver_pools().all_made() {
             let _ = p.reset_high_watermarks();
         }
     }

@@ -1,5 +1,6 @@
 //! The ways device memory is allocated, as the public names programs
-//! choose among (each is implemented by a type in `modes/`).
+//! choose among (the sync pool is `allocator.rs`'s; the stream-ordered
+//! modes allocate from `driver_pools.rs`).
 
 use crate::error::{Error, Result};
 

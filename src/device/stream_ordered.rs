@@ -15,22 +15,25 @@ use crate::sync::{lock, Ordering};
 use crate::upstream::BLOCK_ALIGN;
 
 impl DeviceAllocator {
-    /// See [`Machinery::allocate_stream_ordered`] (the driver makes an
-    /// allocation in a capture a graph memory node).
+    /// Allocates `size` bytes stream-ordered from `mode`'s driver pool for
+    /// work on `stream` and books the block so that its free reaches
+    /// `mode` whatever the mode is then (`capture`: the capture the stream
+    /// takes part in, 0 if none; the driver makes an allocation in a
+    /// capture a graph memory node).
     ///
-    /// [`Machinery::allocate_stream_ordered`]: super::modes::Machinery::allocate_stream_ordered
+    /// # Errors
+    /// Invalid sizes, [`Error::OutOfMemory`], driver errors.
     pub(super) fn allocate_stream_ordered(
         &self,
         size: usize,
         stream: Option<&Stream>,
         mode: DeviceAllocatorMode,
         capture: u64,
-        attempt: &dyn Fn(&Stream) -> Result<u64>,
     ) -> Result<u64> {
         pool::validate(size, BLOCK_ALIGN)?;
         self.require_ctx()?;
         let on = self.ordering_stream(stream)?;
-        let attempt = || attempt(on);
+        let attempt = || self.driver_pools().allocate(mode, size, on);
         let ptr = match attempt() {
             Ok(p) => p,
             Err(Error::OutOfMemory { .. }) if !self.capture_under_way()? => {

@@ -1,7 +1,8 @@
-//! The pool's allocation paths: the common case with no error to carry
-//! ([`Pool::allocate_quick`]: the thread cache, or a placement in memory
-//! the pool holds), and the rest ([`Pool::allocate_past_quick`]: errors,
-//! growth, page maps, retries out of memory).
+//! The pool's allocation: one entry ([`Pool::allocate_for`]) over two
+//! paths, the common case with no error to carry (`allocate_quick`: the
+//! thread cache, or a placement in memory the pool holds), and the rest
+//! (`allocate_past_quick`: errors, growth, page maps, retries out of
+//! memory).
 
 use super::cache::ThreadCaches;
 use super::{classes, remap, validate, Allocation, Inner, Pool};
@@ -36,7 +37,7 @@ impl<U: Upstream> Pool<U> {
     ///
     /// # Errors
     /// As [`allocate`](Pool::allocate).
-    #[inline]
+    #[inline(always)]
     pub fn allocate_for(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
         match self.allocate_quick(size, align, stream) {
             Some(a) => Ok(a),
@@ -48,10 +49,10 @@ impl<U: Upstream> Pool<U> {
     /// error to carry: a valid request served by the thread cache or
     /// placed in memory the pool holds, with nothing to grow, map, move
     /// or release. `None` leaves the request to
-    /// [`allocate_past_quick`](Pool::allocate_past_quick), which reports
+    /// [`allocate_past_quick`](Self::allocate_past_quick), which reports
     /// what is wrong with it or does the rest.
     #[inline(always)]
-    pub(crate) fn allocate_quick(&self, size: usize, align: usize, stream: u64) -> Option<Allocation> {
+    fn allocate_quick(&self, size: usize, align: usize, stream: u64) -> Option<Allocation> {
         let rounded = validate(size, align).ok()?;
         let Some(cache) = self.serving_cache() else {
             return self.place_in_held(rounded, align, size);
@@ -71,13 +72,13 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// [`allocate_for`](Pool::allocate_for) after
-    /// [`allocate_quick`](Pool::allocate_quick) gave `None`: validation's
+    /// [`allocate_quick`](Self::allocate_quick) gave `None`: validation's
     /// error, the placement again, growth and the retries out of memory.
     ///
     /// # Errors
     /// As [`allocate`](Pool::allocate).
     #[inline(never)]
-    pub(crate) fn allocate_past_quick(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
+    fn allocate_past_quick(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
         let rounded = validate(size, align)?;
         let Some(cache) = self.serving_cache() else {
             return self.allocate_slow(rounded, align, size, stream);
