@@ -59,6 +59,8 @@ WORKLOADS = ["encoder_bucketed", "seq2seq_varlen", "vit_prefetch", "generate_pad
 # Sizes per scale: "tiny" checks that everything runs; "full" is the
 # measurement (about 8 minutes for all nine processes on an H100).
 LLAMA = dict(hidden=1024, layers=16, heads=16, kv_heads=16, intermediate=2816, attn="eager")
+# The compiled run of issue 56: a 4-layer GPT, 1024 wide, batch 8 x 512.
+GPT_COMPILED = dict(hidden=1024, layers=4, heads=16, vocab=50257, positions=1024, batch=8, length=512)
 LLAMA_TINY = dict(hidden=256, layers=2, heads=4, kv_heads=4, intermediate=512, attn="eager")
 SCALES = {
     # The measurement: every workload in one process per allocator, about
@@ -77,6 +79,9 @@ SCALES = {
                                **{**LLAMA, "attn": "sdpa"}),
         "llama_generate_eager": dict(warmup=8, rounds=2, new_tokens=48, batch=16, min_prompt=128, max_prompt=640,
                                      **LLAMA),
+        # Not in the default list (its compile takes most of a process):
+        # name it in --workloads.
+        "gpt_compiled": dict(warmup=3, steps=27, **GPT_COMPILED),
     },
     "tiny": {
         "encoder_bucketed": dict(warmup=1, steps=3, hidden=128, layers=2, heads=2, tokens=1024, buckets=[16, 64]),
@@ -91,6 +96,8 @@ SCALES = {
                                **{**LLAMA_TINY, "attn": "sdpa"}),
         "llama_generate_eager": dict(warmup=2, rounds=2, new_tokens=4, batch=2, min_prompt=8, max_prompt=32,
                                      **LLAMA_TINY),
+        "gpt_compiled": dict(warmup=3, steps=2, **{**GPT_COMPILED, "hidden": 128, "layers": 2, "heads": 2,
+                                                    "batch": 2, "length": 64}),
     },
 }
 
@@ -155,13 +162,15 @@ class PhysicalSampler:
         self.thread.join()
 
 
-def child(workloads, allocator, scale, out_path):
+def setup(allocator):
+    """A benchmark process's start: cumem installed for the cumem
+    allocators (before anything touches CUDA), deterministic settings, the
+    CUDA context made. Returns (torch, the cumem backend or None)."""
     if allocator.startswith("cumem"):
         import cumem_torch
         kind = cumem_torch.install()
     else:
         kind = None
-    import gc
     import torch
 
     torch.manual_seed(0)
@@ -172,56 +181,68 @@ def child(workloads, allocator, scale, out_path):
     torch.backends.cudnn.allow_tf32 = False
     torch.cuda.init()
     torch.cuda.synchronize()
-    sampler = PhysicalSampler(torch)
-    results = []
-    for workload in workloads:
-        params = SCALES[scale][workload]
-        times, values = [], []
-        gc.collect()
+    return torch, kind
+
+
+def run_workload(torch, sampler, workload, params, allocator, kind):
+    """Runs one workload in this process, the cache emptied and the peaks
+    reset first; its result (or {"error": ...}) as a dict."""
+    import gc
+    from workloads import StepTimes
+
+    times, values = StepTimes(), []
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    sampler.start_phase()
+    before = driver_counts(torch, kind)
+    t0 = time.time()
+    try:
+        RUNNERS[workload](torch, params, times, values)
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        sampler.start_phase()
-        before = driver_counts(torch, kind)
-        t0 = time.time()
-        run = RUNNERS[workload]
-        try:
-            run(torch, params, times, values)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - the other workloads still run
-            import traceback
-            traceback.print_exc()
-            results.append({"workload": workload, "allocator": allocator, "error": f"{type(e).__name__}: {e}"})
-            print(f"  {workload:22} {allocator:18} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        took = time.time() - t0
-        phys = sampler.peak()
-        result = {
-            "workload": workload,
-            "allocator": allocator,
-            "backend": kind,
-            "device": torch.cuda.get_device_name(),
-            "steps": len(times),
-            "median_step_ms": statistics.median(times) * 1e3,
-            "mean_step_ms": statistics.fmean(times) * 1e3,
-            "peak_physical_bytes": phys,
-            "samples": sampler.count,
-            "sampler": sampler.source,
-            "own_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "values": [float(v).hex() for v in values],
-            "workload_s": took,
-        }
-        if kind is not None:
-            import cumem_torch
-            result["cumem_pool"] = cumem_torch.stats()["pool"]
-        # Driver calls (cumem: page maps/unmaps) and cumem's cross-stream
-        # waits over the workload (warm-up included).
-        result["counts"] = {k: v - before[k] for k, v in driver_counts(torch, kind).items()}
-        results.append(result)
-        print(f"  {workload:22} {allocator:18} {result['median_step_ms']:8.2f} ms  phys {mib(phys):>7} MiB "
-              f"peak allocated {mib(result['peak_allocated_bytes']):>7} MiB ({sampler.count} samples, {took:.1f} s) "
-              f"{' '.join(f'{k}={v}' for k, v in result['counts'].items())}", flush=True)
+    except Exception as e:  # noqa: BLE001 - the other workloads still run
+        import traceback
+        traceback.print_exc()
+        print(f"  {workload:22} {allocator:18} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return {"workload": workload, "allocator": allocator, "error": f"{type(e).__name__}: {e}"}
+    took = time.time() - t0
+    phys = sampler.peak()
+    result = {
+        "workload": workload,
+        "allocator": allocator,
+        "backend": kind,
+        "device": torch.cuda.get_device_name(),
+        "steps": len(times),
+        "median_step_ms": statistics.median(times) * 1e3,
+        "mean_step_ms": statistics.fmean(times) * 1e3,
+        "step_ms": [t * 1e3 for t in times],
+        "gpu_step_ms": [t * 1e3 for t in times.gpu],
+        "median_gpu_step_ms": statistics.median(times.gpu) * 1e3 if times.gpu else None,
+        "peak_physical_bytes": phys,
+        "samples": sampler.count,
+        "sampler": sampler.source,
+        "own_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "values": [float(v).hex() for v in values],
+        "workload_s": took,
+    }
+    if kind is not None:
+        import cumem_torch
+        result["cumem_pool"] = cumem_torch.stats()["pool"]
+    # Driver calls (cumem: page maps/unmaps) and cumem's cross-stream
+    # waits over the workload (warm-up included).
+    result["counts"] = {k: v - before[k] for k, v in driver_counts(torch, kind).items()}
+    print(f"  {workload:22} {allocator:18} {result['median_step_ms']:8.2f} ms  phys {mib(phys):>7} MiB "
+          f"peak allocated {mib(result['peak_allocated_bytes']):>7} MiB ({sampler.count} samples, {took:.1f} s) "
+          f"{' '.join(f'{k}={v}' for k, v in result['counts'].items())}", flush=True)
+    return result
+
+
+def child(workloads, allocator, scale, out_path):
+    torch, kind = setup(allocator)
+    sampler = PhysicalSampler(torch)
+    results = [run_workload(torch, sampler, w, SCALES[scale][w], allocator, kind) for w in workloads]
     sampler.close()
     with open(out_path, "w") as f:
         json.dump(results, f)

@@ -1,20 +1,54 @@
 """The workloads of `real_workloads.py`: each builds its model from a config
 with random weights (no downloads), runs warm-up and timed steps, and
 records every step's time and value (a loss, a logit or a token). Also
-the step timer the two-GPU benchmark (`ddp.py`) shares."""
+the step timer the two-GPU benchmark (`ddp.py`) shares.
 
+A workload's `p["shapes"]`, where given, replaces its seeded random draw of
+each step's shape with that list, in turn (`fit.py` gives schedules that
+grow with its knob); without it the draws are the ones the published
+tables were measured with."""
+
+import itertools
 import time
+
+
+class StepTimes(list):
+    """A step-time list (seconds of wall time, as before) that also gets
+    each step's time on the device, from CUDA events recorded on the
+    current stream around the step, in `gpu` (seconds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpu = []
 
 
 def timed_step(torch, fn, times, record):
     torch.cuda.synchronize()
+    events = None
+    if record and hasattr(times, "gpu"):
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
     t0 = time.perf_counter()
     value = fn()
+    if events is not None:
+        events[1].record()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     if record:
         times.append(dt)
+        if events is not None:
+            times.gpu.append(events[0].elapsed_time(events[1]) / 1e3)
     return value
+
+
+def schedule(p, draw):
+    """The shape of the next step: `p["shapes"]` in turn where given, else
+    `draw()` (the workload's seeded random draw)."""
+    shapes = p.get("shapes")
+    if not shapes:
+        return draw
+    it = itertools.cycle(shapes)
+    return lambda: next(it)
 
 
 def run_steps(torch, p, step, times, values):
@@ -44,7 +78,7 @@ def gpt2_varlen(torch, p, times, values):
     from transformers import GPT2Config, GPT2LMHeadModel
     import random
 
-    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257,
+    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=p.get("positions", 1024), vocab_size=50257,
                      attn_implementation="eager")
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -53,9 +87,10 @@ def gpt2_varlen(torch, p, times, values):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = random.Random(1234)
     gen = torch.Generator(device="cuda").manual_seed(42)
+    next_length = schedule(p, lambda: rng.randrange(p["min_len"] // 8, p["max_len"] // 8 + 1) * 8)
 
     def loss_of():
-        length = rng.randrange(p["min_len"] // 8, p["max_len"] // 8 + 1) * 8
+        length = next_length()
         ids = torch.randint(0, cfg.vocab_size, (p["batch"], length), device="cuda", generator=gen)
         return model(input_ids=ids, labels=ids).loss
 
@@ -96,7 +131,8 @@ def encoder_bucketed(torch, p, times, values):
     import random
 
     cfg = BertConfig(hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
-                     intermediate_size=4 * p["hidden"], vocab_size=30522, max_position_embeddings=1024,
+                     intermediate_size=4 * p["hidden"], vocab_size=30522,
+                     max_position_embeddings=p.get("positions", 1024),
                      attn_implementation="eager")
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -105,9 +141,10 @@ def encoder_bucketed(torch, p, times, values):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = random.Random(5)
     gen = torch.Generator(device="cuda").manual_seed(11)
+    next_length = schedule(p, lambda: rng.choice(p["buckets"]))
 
     def loss_of():
-        length = rng.choice(p["buckets"])
+        length = next_length()
         batch = max(1, p["tokens"] // length)
         ids = torch.randint(0, cfg.vocab_size, (batch, length), device="cuda", generator=gen)
         labels = torch.where(torch.rand(ids.shape, device="cuda", generator=gen) < 0.15, ids, -100)
@@ -132,10 +169,11 @@ def seq2seq_varlen(torch, p, times, values):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = random.Random(8)
     gen = torch.Generator(device="cuda").manual_seed(13)
+    next_lengths = schedule(p, lambda: (rng.randrange(p["min_src"] // 8, p["max_src"] // 8 + 1) * 8,
+                                        rng.randrange(p["min_tgt"] // 8, p["max_tgt"] // 8 + 1) * 8))
 
     def loss_of():
-        src = rng.randrange(p["min_src"] // 8, p["max_src"] // 8 + 1) * 8
-        tgt = rng.randrange(p["min_tgt"] // 8, p["max_tgt"] // 8 + 1) * 8
+        src, tgt = next_lengths()
         ids = torch.randint(1, cfg.vocab_size, (p["batch"], src), device="cuda", generator=gen)
         labels = torch.randint(1, cfg.vocab_size, (p["batch"], tgt), device="cuda", generator=gen)
         return model(input_ids=ids, labels=labels).loss
@@ -193,12 +231,19 @@ def vit_prefetch(torch, p, times, values):
     for _ in range(p["warmup"]):
         step()
     torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if hasattr(times, "gpu") else None
+    if events:
+        events[0].record()
     t0 = time.perf_counter()
     for _ in range(p["steps"]):
         step()
+    if events:
+        events[1].record()
     torch.cuda.synchronize()
     per = (time.perf_counter() - t0) / p["steps"]
     times.extend([per] * p["steps"])
+    if events:
+        times.gpu.extend([events[0].elapsed_time(events[1]) / 1e3 / p["steps"]] * p["steps"])
     values.extend(float(v) for v in torch.stack(losses).float().cpu())
 
 
@@ -207,7 +252,7 @@ def llama_model(torch, p):
 
     cfg = LlamaConfig(hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
                       num_key_value_heads=p["kv_heads"], intermediate_size=p["intermediate"], vocab_size=32000,
-                      max_position_embeddings=4096, attn_implementation=p.get("attn", "sdpa"),
+                      max_position_embeddings=p.get("positions", 4096), attn_implementation=p.get("attn", "sdpa"),
                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -255,10 +300,16 @@ def generate_padded(torch, p, times, values):
     cfg, model = llama_model(torch, p)
     rng = random.Random(17)
     gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def draw():
+        batch = rng.randrange(p["min_batch"], p["max_batch"] + 1)
+        return [rng.randrange(p["min_prompt"], p["max_prompt"] + 1) for _ in range(batch)]
+
+    next_prompts = schedule(p, draw)
     with torch.inference_mode():
         for i in range(p["warmup"] + p["steps"]):
-            batch = rng.randrange(p["min_batch"], p["max_batch"] + 1)
-            lens = [rng.randrange(p["min_prompt"], p["max_prompt"] + 1) for _ in range(batch)]
+            lens = next_prompts()
+            batch = len(lens)
             width = max(lens)
             ids = torch.full((batch, width), cfg.pad_token_id, dtype=torch.long, device="cuda")
             mask = torch.zeros((batch, width), dtype=torch.long, device="cuda")
@@ -275,9 +326,71 @@ def generate_padded(torch, p, times, values):
             values.append(timed_step(torch, step, times, i >= p["warmup"]))
 
 
+def gpt_compiled(torch, p, times, values):
+    """A small GPT in plain PyTorch (token and position embeddings,
+    pre-norm blocks of causal SDPA attention and a GELU MLP, the head tied
+    to the embedding) trained with AdamW under bf16 autocast, the model's
+    forward and backward compiled with `torch.compile(mode=
+    "reduce-overhead")`: CUDA graph trees, which keep the graphs' memory in
+    a graph-private pool. Fixed batch and length; `p["dynamic"]` compiles
+    for any length (so processes of other lengths reuse the compile cache)."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class Block(nn.Module):
+        def __init__(self, d, heads):
+            super().__init__()
+            self.heads = heads
+            self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                       for z in self.qkv(self.ln1(x)).split(d, dim=2))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(p["vocab"], p["hidden"])
+            self.pos = nn.Embedding(p["positions"], p["hidden"])
+            self.blocks = nn.ModuleList(Block(p["hidden"], p["heads"]) for _ in range(p["layers"]))
+            self.ln = nn.LayerNorm(p["hidden"])
+
+        def forward(self, ids):
+            x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+            for block in self.blocks:
+                x = block(x)
+            logits = F.linear(self.ln(x), self.tok.weight)
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPT()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    compiled = torch.compile(model, mode="reduce-overhead", dynamic=p.get("dynamic", False))
+    gen = torch.Generator(device="cuda").manual_seed(23)
+
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()
+        ids = torch.randint(0, p["vocab"], (p["batch"], p["length"]), device="cuda", generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    run_steps(torch, p, step, times, values)
+
+
 RUNNERS = {"gpt2_varlen": gpt2_varlen, "resnet50": resnet50, "llama_generate": llama_generate,
            "llama_generate_eager": llama_generate, "encoder_bucketed": encoder_bucketed,
-           "seq2seq_varlen": seq2seq_varlen, "vit_prefetch": vit_prefetch, "generate_padded": generate_padded}
+           "seq2seq_varlen": seq2seq_varlen, "vit_prefetch": vit_prefetch, "generate_padded": generate_padded,
+           "gpt_compiled": gpt_compiled}
 
 
 # --------------------------------------------------------------- driver --
