@@ -12,7 +12,9 @@
 #                                       # and cumem_torch, alternated; needs the wheel in .whl/),
 #                                       # python (python/tests/smoke_one_manager.py: the
 #                                       # wheel from .whl/ in two folders sharing one native
-#                                       # backend build; python3, or PYTHON, with PyTorch),
+#                                       # backend build; python/tests/smoke_same_peak.py: two
+#                                       # processes of one training workload under cumem reach
+#                                       # the same peak; python3, or PYTHON, with PyTorch),
 #                                       # tests-device1 (the test binaries again with
 #                                       # CUMEM_CONF=device=1: needs two GPUs),
 #                                       # memcheck (compute-sanitizer over the GPU modules of tests/gpu/),
@@ -174,7 +176,7 @@ run() {
             ;;
         python)
             local py=${PYTHON:-python3} t
-            for t in python/tests/smoke_one_manager.py; do
+            for t in python/tests/smoke_one_manager.py python/tests/smoke_same_peak.py; do
                 echo "== $py $t"
                 if ! timeout 540 "$py" "$t" >"$out/python-$(basename "$t" .py).log" 2>&1; then
                     echo "FAILED: $t"; failed=1

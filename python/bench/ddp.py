@@ -173,7 +173,8 @@ def train(a):
 
     losses, times = [], []
     for step in range(p["warmup"] + p["steps"]):
-        losses.append(timed_step(sync_torch, step_fn(step), sample, times, step >= p["warmup"]))
+        losses.append(timed_step(sync_torch, step_fn(step), times, step >= p["warmup"]))
+        sample()
 
     mine = {
         "rank": rank,

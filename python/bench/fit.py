@@ -221,9 +221,6 @@ def fit_workload(workload, allocators, ask, start, out_of_time):
     for f in found.values():
         f["lo_tokens"] = knob.tokens(f["lo"]) if f["lo"] else 0
         f["hi_tokens"] = knob.tokens(f["hi"]) if f["hi"] else None
-        fits = [p["n"] for p in f["probes"] if p["fits"] is True]
-        fails = [p["n"] for p in f["probes"] if p["fits"] is False]
-        f["monotone"] = not (fits and fails and max(fits) > min(fails))
     return [found[al] for al in allocators]
 
 
@@ -276,8 +273,6 @@ def summarise(found):
             note.append(f["stopped"])
         if f["hi"] is None and not f.get("error") and not f.get("stopped"):
             note.append("fits at the knob's largest size")
-        if not f["monotone"]:
-            note.append("NOT MONOTONE: a size fitted above one that did not")
         hi = f"{f['hi_tokens']:,}" if f["hi_tokens"] else "-"
         print(f"| {f['workload']} | {f['allocator']} | {f['lo_tokens']:,} (n={f['lo']}) | {hi} | {ratio} | "
               f"{len(f['probes'])} | {'; '.join(note)} |", flush=True)

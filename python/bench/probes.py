@@ -48,8 +48,8 @@ class Ballast:
 
     def __init__(self, nbytes):
         import ctypes
-        cuda = ctypes.CDLL("libcuda.so.1")
         self.bytes = 0
+        cuda = ctypes.CDLL("libcuda.so.1") if nbytes > 0 else None
         while self.bytes < nbytes:
             piece = min(16 * GIB, nbytes - self.bytes)
             ptr = ctypes.c_uint64()
