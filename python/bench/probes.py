@@ -192,13 +192,13 @@ def zygote(allocator, workloads):
     status on stdout."""
     import torch
     import transformers
-    import workloads as _  # noqa: F401
+    from workloads import RUNNERS
     for w in workloads:
         if w in MODEL_CLASSES:
             getattr(transformers, MODEL_CLASSES[w])
     threads = len(os.listdir("/proc/self/task"))
     print(json.dumps({"ready": True, "torch": torch.__version__, "cuda_initialized": torch.cuda.is_initialized(),
-                      "threads": threads}), flush=True)
+                      "threads": threads, "workloads": sorted(set(workloads) & set(RUNNERS))}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         sys.stdout.flush()

@@ -38,7 +38,7 @@ def skip(why):
 
 try:
     import torch
-    import transformers  # noqa: F401
+    from transformers import BertForMaskedLM  # noqa: F401 - the workload's model
 except ImportError as e:
     torch = None
     skip(f"PyTorch and transformers are needed ({e})")
