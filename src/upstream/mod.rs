@@ -9,12 +9,12 @@
 
 mod cuda;
 mod expandable;
-#[cfg(test)]
-pub(crate) mod forwarding;
 mod geometric;
 mod host;
 mod host_vm;
 pub(crate) mod region;
+#[cfg(all(test, not(loom)))]
+mod tests;
 
 pub(crate) use cuda::{device_upstream, graph_upstream};
 pub use cuda::{CudaDeviceMemory, CudaPinnedMemory};

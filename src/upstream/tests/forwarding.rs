@@ -3,9 +3,9 @@
 
 use std::collections::BTreeSet;
 
-use super::{Chunk, Upstream};
 use crate::error::Result;
 use crate::sync::{lock, Arc, Mutex};
+use crate::upstream::{Chunk, Upstream};
 
 /// Says yes to everything and records each call by method name.
 #[derive(Default)]

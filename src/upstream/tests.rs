@@ -1,0 +1,3 @@
+//! Test support of the upstreams.
+
+pub(crate) mod forwarding;
