@@ -153,66 +153,6 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
     drop((mm, promised));
     ctx.bind_to_thread().expect("bind");
     let cu = stream.cu_stream();
-    // What capture detection costs at the least: the two driver queries a
-    // pair makes (one on the allocation, one on the free), with no pool.
-    bench_pair(c, "query", "raw_capture_info_x2", 0, || {
-        for _ in 0..2 {
-            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            let mut id = 0u64;
-            let mut graph: sys::CUgraph = std::ptr::null_mut();
-            // SAFETY: `cu` is a live stream; the out-pointers are valid
-            // locals and the optional ones null, which the call allows.
-            unsafe {
-                sys::cuStreamGetCaptureInfo_v3(
-                    cu,
-                    &mut status,
-                    &mut id,
-                    &mut graph,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                )
-            }
-            .result()
-            .expect("cuStreamGetCaptureInfo");
-            std::hint::black_box((status, id, graph));
-        }
-    });
-    bench_pair(c, "query", "raw_is_capturing_x2", 0, || {
-        for _ in 0..2 {
-            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            // SAFETY: `cu` is a live stream; `status` a valid local.
-            unsafe { sys::cuStreamIsCapturing(cu, &mut status) }.result().expect("cuStreamIsCapturing");
-            std::hint::black_box(status);
-        }
-    });
-    // The same question on the legacy stream (the context is current),
-    // and what making the context current costs: cudarc's bind (which
-    // also swaps its error slot) against one `cuCtxGetCurrent`.
-    bench_pair(c, "query", "raw_is_capturing_legacy_x2", 0, || {
-        for _ in 0..2 {
-            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            // SAFETY: the null stream is the current context's legacy
-            // stream; `status` a valid local.
-            unsafe { sys::cuStreamIsCapturing(std::ptr::null_mut(), &mut status) }
-                .result()
-                .expect("cuStreamIsCapturing");
-            std::hint::black_box(status);
-        }
-    });
-    bench_pair(c, "query", "raw_bind_to_thread_x2", 0, || {
-        for _ in 0..2 {
-            ctx.bind_to_thread().expect("bind");
-        }
-    });
-    bench_pair(c, "query", "raw_ctx_get_current_x2", 0, || {
-        for _ in 0..2 {
-            let mut current: sys::CUcontext = std::ptr::null_mut();
-            // SAFETY: `current` is a valid out-location.
-            unsafe { sys::cuCtxGetCurrent(&mut current) }.result().expect("cuCtxGetCurrent");
-            std::hint::black_box(current);
-        }
-    });
     for size in DEVICE_SIZES {
         bench_pair(c, "device", "raw_cumemalloc", size, || {
             // SAFETY: the context is current; the memory is freed at once
