@@ -4,11 +4,7 @@
 //! pageable `Vec` staged through the pinned pool
 //! (`copy_from_pageable` / `copy_to_pageable`), all measured in the same
 //! run on one stream, median of several copies. A second table compares
-//! the staged copy with the plain ones from 1 to 256 MiB, a third the
-//! staged copy with 1, 2, 4 and 8 lanes (helper threads), a fourth with
-//! smaller largest chunks, and a last one the host's own memcpy from a
-//! pageable `Vec` into pinned memory on 1 to 8 threads (what the staged
-//! copy's helpers can move at best).
+//! the staged copy with the plain ones from 1 to 256 MiB.
 //!
 //! Prints tables; on the host fallback it says there is nothing to measure.
 
@@ -130,78 +126,7 @@ fn main() -> Result<(), cumem::Error> {
         );
     }
 
-    // The staged copy's lanes (host threads), same run.
-    let defaults = MemoryManager::set_staging(0, 0);
-    println!();
-    println!(
-        "staged copies by lanes (most helper threads, one per 2 MiB; largest chunk {} KiB; default lanes {}):",
-        defaults.0 >> 10,
-        defaults.1
-    );
-    println!("| lanes | 8 MiB H2D | 8 MiB D2H | 256 MiB H2D | 256 MiB D2H |");
-    println!("| --- | --- | --- | --- | --- |");
-    for lanes in [1usize, 2, 4, 8] {
-        MemoryManager::set_staging(0, lanes);
-        let d = dev.device_ptr();
-        let mut cells = Vec::new();
-        for mib in [8usize, 256] {
-            let n = mib << 20;
-            for to_device in [true, false] {
-                let secs = time_staged(mm, &mut pageable[..n], d, &stream, to_device);
-                cells.push(format!("{:.1} GB/s", n as f64 / secs / 1e9));
-            }
-        }
-        println!("| {lanes} | {} |", cells.join(" | "));
-    }
-    MemoryManager::set_staging(0, defaults.1);
-
-    // The largest chunk (one DMA), default lanes.
-    println!();
-    println!("staged copies by largest chunk (lanes {}):", defaults.1);
-    println!("| largest chunk | 8 MiB H2D | 8 MiB D2H | 256 MiB H2D | 256 MiB D2H |");
-    println!("| --- | --- | --- | --- | --- |");
-    for chunk in [256usize << 10, 512 << 10, 1 << 20, 4 << 20] {
-        MemoryManager::set_staging(chunk, 0);
-        let d = dev.device_ptr();
-        let mut cells = Vec::new();
-        for mib in [8usize, 256] {
-            let n = mib << 20;
-            for to_device in [true, false] {
-                let secs = time_staged(mm, &mut pageable[..n], d, &stream, to_device);
-                cells.push(format!("{:.1} GB/s", n as f64 / secs / 1e9));
-            }
-        }
-        println!("| {} KiB | {} |", chunk >> 10, cells.join(" | "));
-    }
-    MemoryManager::set_staging(defaults.0, 0);
-
-    host_memcpy(&pageable, &mut pinned);
     // SAFETY: `raw` came from cuMemHostAlloc and no copy uses it any more.
     unsafe { result::free_host(raw.cast()) }.expect("cuMemFreeHost");
     Ok(())
-}
-
-/// The host's memcpy from pageable into pinned memory on 1 to 8 threads
-/// (each its own share), 8 and 256 MiB, median of several.
-fn host_memcpy(src: &[u8], dst: &mut [u8]) {
-    println!();
-    println!("host memcpy, pageable Vec -> pinned, threads started per copy:");
-    println!("| threads | 8 MiB | 256 MiB |");
-    println!("| --- | --- | --- |");
-    for threads in [1usize, 2, 4, 8] {
-        let mut cells = Vec::new();
-        for mib in [8usize, 256] {
-            let n = mib << 20;
-            let secs = median(|| {
-                let share = n.div_ceil(threads);
-                std::thread::scope(|s| {
-                    for (d, c) in dst[..n].chunks_mut(share).zip(src[..n].chunks(share)) {
-                        s.spawn(move || d.copy_from_slice(c));
-                    }
-                });
-            });
-            cells.push(format!("{:.1} GB/s", n as f64 / secs / 1e9));
-        }
-        println!("| {threads} | {} |", cells.join(" | "));
-    }
 }
