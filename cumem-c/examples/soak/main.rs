@@ -1,6 +1,6 @@
 //! The soak: a bounded run of everything a long-lived program does to
 //! cumem at once, through the Rust API and the C ABI, with every value
-//! checked. `scripts/soak.sh` builds and runs it.
+//! checked. `scripts/gpu-suite.sh run soak` runs it.
 //!
 //! Worker threads come and go (each lives a few seconds and runs random
 //! tasks); each task makes its own streams (cumem's, `cumem_stream_create`'s
