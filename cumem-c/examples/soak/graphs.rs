@@ -41,9 +41,8 @@ pub fn capture(s: &Soak, rng: &mut Rng) -> Res {
     let _gate = s.capture_gate.read().unwrap_or_else(|e| e.into_inner());
     let mm = s.mm;
     let stream = Stream::new().map_err(err("Stream::new"))?;
-    s.streams_made.fetch_add(1, Ordering::Relaxed);
     let cs = stream.cudarc().unwrap().clone();
-    let n = rng.range(64, s.max_values() / 2);
+    let n = rng.range(64, s.max_values / 2);
     let seed = rng.next() as u32;
     let out = mm.allocate_device_on(n * 4, &stream).map_err(err("allocate_device_on"))?;
     let pool = mm.graph_pool().map_err(err("graph_pool"))?;
@@ -73,7 +72,7 @@ pub fn capture(s: &Soak, rng: &mut Rng) -> Res {
             let graph = g.end().map_err(err("end capture"));
             b?;
             let graph = graph?;
-            s.graphs_made.fetch_add(1, Ordering::Relaxed);
+            s.graphs.fetch_add(1, Ordering::Relaxed);
             replay(&|| graph.launch(&stream).map_err(err("graph launch")))
         }
         How::Raw(mode) => {
@@ -90,7 +89,7 @@ pub fn capture(s: &Soak, rng: &mut Rng) -> Res {
             drop(scope);
             b?;
             let graph = graph.map_err(err("cuStreamEndCapture"))?.ok_or("an empty graph")?;
-            s.graphs_made.fetch_add(1, Ordering::Relaxed);
+            s.graphs.fetch_add(1, Ordering::Relaxed);
             replay(&|| graph.launch().map_err(err("graph launch")))
         }
     };
