@@ -13,7 +13,7 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion};
 use cumem::cuda::{driver_status, DriverStatus};
 use cumem::Config;
-use cumem_replay::replay::{self, Target};
+use cumem_replay::replay::{self, Pass, Target};
 use cumem_replay::trace::Trace;
 
 fn trace_paths() -> Vec<PathBuf> {
@@ -81,7 +81,7 @@ fn main() {
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
-                        match replay::replay_once(trace, target, &base) {
+                        match replay::replay_once(trace, target, &base, Pass::default()) {
                             Ok(m) => total += Duration::from_nanos(m.elapsed_ns),
                             Err(e) => failed = Some(e.to_string()),
                         }
@@ -93,7 +93,7 @@ fn main() {
                 println!("replay bench: {} on {target} failed: {e}", trace.name);
                 continue;
             }
-            match replay::replay(trace, target, &base, 5) {
+            match replay::replay(trace, target, &base, 5, Pass::default()) {
                 Ok(r) => summary.push(r),
                 Err(e) => println!("replay bench: {} on {target}: {e}", trace.name),
             }
@@ -110,9 +110,9 @@ fn main() {
             r.target,
             r.operations,
             r.ns_per_op,
-            r.peak_live,
+            r.last.peak_live,
             r.trace_peak_live,
-            r.peak_reserved.map_or_else(|| "n/a".to_string(), |b| format!("{b} B")),
+            r.last.peak_reserved.map_or_else(|| "n/a".to_string(), |b| format!("{b} B")),
             r.ratio.map_or_else(|| "n/a".to_string(), |x| format!("{x:.3}"))
         );
     }

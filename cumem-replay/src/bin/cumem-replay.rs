@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use cumem::cuda::{driver_status, DriverStatus};
 use cumem::Config;
-use cumem_replay::replay::{self, ReplayReport, Target};
+use cumem_replay::replay::{self, Pass, ReplayReport, Target};
 use cumem_replay::synth::Spec;
 use cumem_replay::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -136,18 +136,15 @@ fn run(args: &Args) -> cumem::Result<()> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} replays {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    let pass = Pass { warm: args.warm, one_stream: args.one_stream };
     let mut results = Vec::new();
     for trace in &traces {
         for &target in &targets {
             bar.set_message(format!("{} on {}", trace.name, target));
-            let mut per_op = Vec::new();
-            let mut last = None;
+            let mut measured = Vec::new();
             for _ in 0..args.repeat.max(1) {
-                match replay::replay_on(trace, target, &base, 1, args.warm, args.one_stream) {
-                    Ok(r) => {
-                        per_op.push(r.ns_per_op);
-                        last = Some(r);
-                    }
+                match replay::replay_once(trace, target, &base, pass) {
+                    Ok(m) => measured.push(m),
                     Err(e) => {
                         let msg = format!("{} on {}: {e}", trace.name, target);
                         bar.suspend(|| eprintln!("cumem-replay: {msg}"));
@@ -157,11 +154,8 @@ fn run(args: &Args) -> cumem::Result<()> {
                 }
                 bar.inc(1);
             }
-            if let Some(mut r) = last {
-                r.repeats = per_op.len();
-                r.ns_per_op_min = per_op.iter().copied().fold(f64::INFINITY, f64::min);
-                r.ns_per_op = replay::median(&mut per_op);
-                results.push(r);
+            if !measured.is_empty() {
+                results.push(ReplayReport::new(trace, target, pass, &measured));
             }
         }
     }
@@ -303,27 +297,27 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
             r.operations,
             r.ns_per_op,
             r.ns_per_op_min,
-            mib(r.peak_live),
+            mib(r.last.peak_live),
             mib(r.trace_peak_live),
-            r.peak_reserved.map_or_else(|| "n/a".to_string(), mib),
+            r.last.peak_reserved.map_or_else(|| "n/a".to_string(), mib),
             r.ratio.map_or_else(|| "n/a".to_string(), |x| format!("{x:.3}")),
-            r.failures,
+            r.last.failures,
             // Driver map and unmap calls in the timed pass (physical
             // memory moves and growth).
-            match (r.map_calls, r.unmap_calls) {
+            match (r.last.map_calls, r.last.unmap_calls) {
                 (Some(m), Some(u)) => format!("{m}/{u}"),
                 _ => "n/a".to_string(),
             },
             // Driver calls that moved memory in the timed pass, made by
             // the allocating thread and by the background mapper.
-            r.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.allocating.total.to_string()),
+            r.last.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.allocating.total.to_string()),
             // The allocating thread's time in those calls.
-            r.driver_calls.map_or_else(|| "n/a".to_string(), |c| format!("{:.1}", c.allocating.total_ns as f64 / 1e6)),
-            r.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.background.total.to_string()),
+            r.last.driver_calls.map_or_else(|| "n/a".to_string(), |c| format!("{:.1}", c.allocating.total_ns as f64 / 1e6)),
+            r.last.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.background.total.to_string()),
             r.streams,
-            r.stream_waits,
-            r.stream_wait_ns,
-            r.stream_waits_elided
+            r.last.stream_waits,
+            r.last.stream_wait_ns,
+            r.last.stream_waits_elided
         );
     }
     // Ratios against the raw driver calls measured in this run.

@@ -9,8 +9,8 @@
 
 use std::time::Instant;
 
-use super::Measurement;
-use crate::trace::{Op, Trace};
+use super::{run_ops, Measurement};
+use crate::trace::Trace;
 use cumem::cuda::vmm::{record_call, CallKind};
 use cumem::pool::{Pool, StreamTag, BLOCK_ALIGN};
 use cumem::upstream::{Chunk, Queued, Upstream};
@@ -407,40 +407,30 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_s
     // No work is ever queued on a simulated device: every free's work is
     // complete, as a replay's on a real device (no kernels run) soon is.
     pool.set_tag_oracle(std::sync::Arc::new(|_| true));
-    let mut addrs = vec![0usize; trace.slots];
+    let mut addrs = vec![0u64; trace.slots];
     let seq = std::cell::Cell::new(0u64);
     let stream_of = |i: usize| if one_stream { 1 } else { u64::from(trace.op_streams[i]) + 1 };
-    let pass = |addrs: &mut Vec<usize>| {
-        let (mut failures, mut waits) = (0, 0u64);
-        for (i, op) in trace.ops.iter().enumerate() {
-            let stream = stream_of(i);
+    let pass = |addrs: &mut Vec<u64>| {
+        let waits = std::cell::Cell::new(0u64);
+        let allocate = |i, size| {
             pool.upstream().tick();
-            match *op {
-                Op::Allocate { slot, size } => match pool.allocate_for(size, BLOCK_ALIGN, stream) {
-                    Ok(a) => {
-                        addrs[slot as usize] = a.addr;
-                        waits += u64::from(a.tag != StreamTag::NONE && a.tag.stream != stream);
-                    }
-                    Err(_) => failures += 1,
-                },
-                Op::Free { slot } => {
-                    let a = std::mem::take(&mut addrs[slot as usize]);
-                    if a != 0 {
-                        seq.set(seq.get() + 1);
-                        let tag = StreamTag { stream, seq: seq.get() };
-                        failures += usize::from(pool.deallocate(a, tag).is_err());
-                    }
-                }
-            }
-        }
-        (failures, waits)
+            let a = pool.allocate_for(size, BLOCK_ALIGN, stream_of(i)).ok()?;
+            waits.set(waits.get() + u64::from(a.tag != StreamTag::NONE && a.tag.stream != stream_of(i)));
+            Some(a.addr as u64)
+        };
+        let free = |i, a: u64| {
+            pool.upstream().tick();
+            seq.set(seq.get() + 1);
+            pool.deallocate(a as usize, StreamTag { stream: stream_of(i), seq: seq.get() }).is_ok()
+        };
+        (run_ops(trace, addrs, allocate, free), waits.get())
     };
     if warm {
         // Once untimed, then free what is left: the timed pass finds the
         // pool holding its memory.
         pass(&mut addrs);
         for a in addrs.iter_mut().filter(|a| **a != 0) {
-            pool.deallocate(std::mem::take(a), StreamTag::NONE)?;
+            pool.deallocate(std::mem::take(a) as usize, StreamTag::NONE)?;
         }
     }
     let before = pool.upstream().calls();
