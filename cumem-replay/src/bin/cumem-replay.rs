@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use cumem::cuda::{driver_status, DriverStatus};
 use cumem::Config;
-use cumem_replay::replay::{self, Pass, ReplayReport, Target};
+use cumem_replay::replay::{self, Calls, Pass, ReplayReport, Target};
 use cumem_replay::synth::Spec;
 use cumem_replay::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -268,57 +268,46 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
         }
     }
     println!();
-    println!(
-        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>7}",
-        "trace",
-        "target",
-        "ops",
-        "ns/op",
-        "min ns/op",
-        "live MiB",
-        "trace MiB",
-        "reserved MiB",
-        "ratio",
-        "fail",
-        "map/unmap",
-        "drv/alloc",
-        "drv ms",
-        "drv/bg",
-        "streams",
-        "waits",
-        "wait ns",
-        "elided"
-    );
+    // Each column: its header, its width (negative: aligned left), its cell.
+    let na = || "n/a".to_string();
+    let calls = |r: &ReplayReport, f: fn(&Calls) -> String| r.last.driver_calls.as_ref().map_or_else(na, f);
+    type Column<'a> = (&'a str, isize, &'a dyn Fn(&ReplayReport) -> String);
+    let columns: [Column; 18] = [
+        ("trace", -16, &|r| r.trace.clone()),
+        ("target", -20, &|r| r.target.clone()),
+        ("ops", 7, &|r| r.operations.to_string()),
+        ("ns/op", 10, &|r| format!("{:.1}", r.ns_per_op)),
+        ("min ns/op", 10, &|r| format!("{:.1}", r.ns_per_op_min)),
+        ("live MiB", 12, &|r| mib(r.last.peak_live)),
+        ("trace MiB", 12, &|r| mib(r.trace_peak_live)),
+        ("reserved MiB", 14, &|r| r.last.peak_reserved.map_or_else(na, mib)),
+        ("ratio", 7, &|r| r.ratio.map_or_else(na, |x| format!("{x:.3}"))),
+        ("fail", 5, &|r| r.last.failures.to_string()),
+        // Driver map and unmap calls in the timed pass (growth and moves).
+        ("map/unmap", 13, &|r| match (r.last.map_calls, r.last.unmap_calls) {
+            (Some(m), Some(u)) => format!("{m}/{u}"),
+            _ => na(),
+        }),
+        // Driver calls that moved memory in the timed pass, made by the
+        // allocating thread (and its time in them) and by the mapper.
+        ("drv/alloc", 9, &|r| calls(r, |c| c.allocating.total.to_string())),
+        ("drv ms", 8, &|r| calls(r, |c| format!("{:.1}", c.allocating.total_ns as f64 / 1e6))),
+        ("drv/bg", 9, &|r| calls(r, |c| c.background.total.to_string())),
+        ("streams", 7, &|r| r.streams.to_string()),
+        ("waits", 6, &|r| r.last.stream_waits.to_string()),
+        ("wait ns", 9, &|r| r.last.stream_wait_ns.to_string()),
+        ("elided", 7, &|r| r.last.stream_waits_elided.to_string()),
+    ];
+    let line = |cell: &dyn Fn(usize) -> String| {
+        let cells = columns.iter().enumerate().map(|(i, &(_, w, _))| match w {
+            w if w < 0 => format!("{:<1$}", cell(i), w.unsigned_abs()),
+            w => format!("{:>1$}", cell(i), w as usize),
+        });
+        println!("{}", cells.collect::<Vec<_>>().join(" "));
+    };
+    line(&|i| columns[i].0.to_string());
     for r in results {
-        println!(
-            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>7}",
-            r.trace,
-            r.target,
-            r.operations,
-            r.ns_per_op,
-            r.ns_per_op_min,
-            mib(r.last.peak_live),
-            mib(r.trace_peak_live),
-            r.last.peak_reserved.map_or_else(|| "n/a".to_string(), mib),
-            r.ratio.map_or_else(|| "n/a".to_string(), |x| format!("{x:.3}")),
-            r.last.failures,
-            // Driver map and unmap calls in the timed pass (physical
-            // memory moves and growth).
-            match (r.last.map_calls, r.last.unmap_calls) {
-                (Some(m), Some(u)) => format!("{m}/{u}"),
-                _ => "n/a".to_string(),
-            },
-            // Driver calls that moved memory in the timed pass, made by
-            // the allocating thread and by the background mapper.
-            r.last.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.allocating.total.to_string()),
-            // The allocating thread's time in those calls.
-            r.last.driver_calls.map_or_else(|| "n/a".to_string(), |c| format!("{:.1}", c.allocating.total_ns as f64 / 1e6)),
-            r.last.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.background.total.to_string()),
-            r.streams,
-            r.last.stream_waits,
-            r.last.stream_wait_ns,
-            r.last.stream_waits_elided
-        );
+        line(&|i| (columns[i].2)(r));
     }
     // Ratios against the raw driver calls measured in this run.
     for trace in infos {
