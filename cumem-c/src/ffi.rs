@@ -1,7 +1,7 @@
 //! Helpers of the C boundary: the process-wide manager, writing results
 //! through out-pointers, device numbers from C.
 
-use std::ffi::{c_char, c_int};
+use std::ffi::{c_char, c_int, c_void};
 
 use cumem::MemoryManager;
 
@@ -24,6 +24,26 @@ pub(crate) unsafe fn put<T>(out: *mut T, name: &str, value: T) -> Outcome {
     // SAFETY: non-null, and the caller promises it is valid for a write.
     unsafe { out.write(value) };
     Ok(())
+}
+
+/// Runs `allocate` and stores the pointer it makes (a device address) in
+/// `*out`, left unchanged on failure.
+///
+/// # Safety
+/// `out` must be NULL (an error, and `allocate` does not run) or valid for
+/// a write.
+pub(crate) unsafe fn allocate_into(
+    out: *mut *mut c_void,
+    allocate: impl FnOnce() -> Outcome<u64>,
+) -> crate::CumemStatus {
+    crate::status::guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let p = allocate()?;
+        // SAFETY: non-null, and the caller's promise about `out`.
+        unsafe { put(out, "out", p as usize as *mut c_void) }
+    })
 }
 
 /// Copies `text` NUL-terminated into `buf` (`len` bytes); `*needed` (when
