@@ -1,12 +1,11 @@
-//! Host↔device copy bandwidth of 256 MiB: from a `PinnedVec` (cumem's
-//! pinned pool), from raw `cuMemHostAlloc` memory, from a pageable `Vec`
-//! (plain `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync`), and from the same
-//! pageable `Vec` staged through the pinned pool
-//! (`copy_from_pageable` / `copy_to_pageable`), all measured in the same
-//! run on one stream, median of several copies. A second table compares
-//! the staged copy with the plain ones from 1 to 256 MiB.
+//! Host↔device copy bandwidth from 1 to 256 MiB: from a pageable `Vec`
+//! staged through the pinned pool (`copy_from_pageable` /
+//! `copy_to_pageable`), from the same `Vec` plain (`cuMemcpyHtoDAsync` /
+//! `cuMemcpyDtoHAsync`), from raw `cuMemHostAlloc` memory and from a
+//! `PinnedVec` (cumem's pinned pool), all measured in the same run on one
+//! stream, median of several copies.
 //!
-//! Prints tables; on the host fallback it says there is nothing to measure.
+//! Prints a table; on the host fallback it says there is nothing to measure.
 
 use std::time::Instant;
 
@@ -83,49 +82,23 @@ fn main() -> Result<(), cumem::Error> {
     unsafe { raw.write_bytes(1, BYTES) };
     let mut pageable = vec![1u8; BYTES];
 
-    let gbps = |secs: f64| BYTES as f64 / secs / 1e9;
-    let mut rows = Vec::new();
-    for (name, ptr) in [
-        ("PinnedVec (cumem)", pinned.as_mut_ptr()),
-        ("raw cuMemHostAlloc", raw),
-        ("pageable Vec", pageable.as_mut_ptr()),
-    ] {
-        let h2d = gbps(time_copies(ptr, dev.device_ptr(), &stream, true, BYTES));
-        let d2h = gbps(time_copies(ptr, dev.device_ptr(), &stream, false, BYTES));
-        rows.push((name, h2d, d2h));
-    }
-    let h2d = gbps(time_staged(mm, &mut pageable, dev.device_ptr(), &stream, true));
-    let d2h = gbps(time_staged(mm, &mut pageable, dev.device_ptr(), &stream, false));
-    rows.push(("pageable Vec, staged (copy_from/to_pageable)", h2d, d2h));
-    let (raw_h2d, raw_d2h) = (rows[1].1, rows[1].2);
-    println!("| 256 MiB copy | host to device | device to host | vs raw pinned (H2D / D2H) |");
-    println!("| --- | --- | --- | --- |");
-    for (name, h2d, d2h) in &rows {
-        println!(
-            "| {name} | {h2d:.1} GB/s | {d2h:.1} GB/s | {:.1}% / {:.1}% |",
-            100.0 * h2d / raw_h2d,
-            100.0 * d2h / raw_d2h
-        );
-    }
-
-    println!();
-    println!("| size | staged H2D | plain pageable H2D | raw pinned H2D | staged D2H | plain pageable D2H | raw pinned D2H |");
+    println!("| size | direction | pageable, staged | pageable, plain | raw pinned | PinnedVec (cumem) | staged / raw pinned |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     for mib in [1usize, 2, 4, 8, 16, 32, 256] {
         let n = mib << 20;
-        let rate = |secs: f64| n as f64 / secs / 1e9;
-        let d = dev.device_ptr();
-        let sh = rate(time_staged(mm, &mut pageable[..n], d, &stream, true));
-        let ph = rate(time_copies(pageable.as_mut_ptr(), d, &stream, true, n));
-        let rh = rate(time_copies(raw, d, &stream, true, n));
-        let sd = rate(time_staged(mm, &mut pageable[..n], d, &stream, false));
-        let pd = rate(time_copies(pageable.as_mut_ptr(), d, &stream, false, n));
-        let rd = rate(time_copies(raw, d, &stream, false, n));
-        println!(
-            "| {mib} MiB | {sh:.1} GB/s | {ph:.1} GB/s | {rh:.1} GB/s | {sd:.1} GB/s | {pd:.1} GB/s | {rd:.1} GB/s |"
-        );
+        for to_device in [true, false] {
+            let d = dev.device_ptr();
+            let staged = time_staged(mm, &mut pageable[..n], d, &stream, to_device);
+            let hosts = [pageable.as_mut_ptr(), raw, pinned.as_mut_ptr()];
+            let [plain, raw_pinned, ours] = hosts.map(|h| time_copies(h, d, &stream, to_device, n));
+            let [s, p, r, o] = [staged, plain, raw_pinned, ours].map(|secs| n as f64 / secs / 1e9);
+            let dir = if to_device { "to device" } else { "to host" };
+            println!(
+                "| {mib} MiB | {dir} | {s:.1} GB/s | {p:.1} GB/s | {r:.1} GB/s | {o:.1} GB/s | {:.1}% |",
+                100.0 * s / r
+            );
+        }
     }
-
     // SAFETY: `raw` came from cuMemHostAlloc and no copy uses it any more.
     unsafe { result::free_host(raw.cast()) }.expect("cuMemFreeHost");
     Ok(())
