@@ -3,8 +3,9 @@
 //!
 //! - host: the best-fit pool over the host upstream, and the manager's
 //!   device path on the host fallback (always);
-//! - device (GPU only): each device mode of cumem against `cuMemAlloc` /
-//!   `cuMemFree` and `cuMemAllocAsync` / `cuMemFreeAsync` on one stream;
+//! - device (GPU only): each device mode of cumem, with capture detection
+//!   and without (`*_no_detection`), against `cuMemAlloc` / `cuMemFree`
+//!   and `cuMemAllocAsync` / `cuMemFreeAsync` on one stream;
 //! - pinned (GPU only): the pinned pool against `cuMemHostAlloc` /
 //!   `cuMemFreeHost`.
 //!
@@ -214,24 +215,6 @@ fn print_summary() {
                 ratio(sync_raw),
                 ratio(other_raw)
             );
-        }
-    }
-    println!();
-    println!("capture detection (default) against none (promise_registered_captures): ratio of ns/pair");
-    for ((group, size), rows) in &medians {
-        for (target, ns) in rows {
-            let Some(base) = target.strip_suffix("_no_detection") else { continue };
-            if let Some((_, with)) = rows.iter().find(|(t, _)| t == base) {
-                println!(
-                    "{:<8} {:>8}  {:<32} {:>10.1} vs {:>10.1}  {:.3}x",
-                    group,
-                    size_name(*size),
-                    base,
-                    with,
-                    ns,
-                    with / ns
-                );
-            }
         }
     }
 }
