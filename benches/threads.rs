@@ -28,11 +28,11 @@
 //!   configuration (or `CUMEM_CONF`); `CUMEM_CHECK_SEED` draws other rounds
 //!   (default 0x9001). Printed per pool: physical memory held at the end
 //!   (device: mapped; pinned: reserved) over the most bytes held at once
-//!   (as asked); the most physical memory held at once, sampled every
-//!   200 µs (a lower bound of the true peak), and the pool's own peak, over
-//!   the same; the upstream calls, page maps and unmaps.
+//!   (as asked); the pool's peak physical memory (and on the device the
+//!   most pages live blocks touched, the floor) over the same; the
+//!   upstream calls, page maps and unmaps.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
@@ -287,95 +287,71 @@ fn pool() {
     let mut rng = SmallRng::seed_from_u64(seed);
     let t0 = Instant::now();
     let mut sizes = Vec::new();
-    // The pools' physical memory (device: mapped; pinned: reserved), and
-    // the pages live device blocks touch (the pool can hold no less).
-    let sampled = Mutex::new([0usize; 3]);
-    let sample = || {
-        let d = mm.device_stats(0).expect("device stats").pool;
-        let now = [d.mapped, mm.pinned_stats().reserved, d.touched];
-        let mut s = sampled.lock().unwrap();
-        *s = [0, 1, 2].map(|i| s[i].max(now[i]));
-    };
-    let done = AtomicBool::new(false);
-    std::thread::scope(|watch| {
-        watch.spawn(|| {
-            while !done.load(Ordering::Relaxed) {
-                sample();
-                std::thread::sleep(Duration::from_micros(200));
+    for round in 0..ROUNDS {
+        let n = match round {
+            0 => 1,
+            1 => 32,
+            _ => rng.gen_range(1..=32),
+        };
+        sizes.push(n);
+        // The blocks the round before left, shared out among this round.
+        let inherited = std::mem::take(&mut *carried.lock().unwrap());
+        let per = inherited.len().div_ceil(n).max(1);
+        let mut parts = inherited.chunks(per).map(<[Block]>::to_vec);
+        std::thread::scope(|s| {
+            for id in 0..n {
+                let mine = parts.next().unwrap_or_default();
+                let (mm, stream, dev, pin, carried, free) = (&mm, &stream, &dev, &pin, &carried, &free);
+                s.spawn(move || {
+                    mine.into_iter().for_each(free);
+                    let mut r = SmallRng::seed_from_u64(seed ^ (((round as u64) << 32) | id as u64));
+                    let mut live: Vec<Block> = Vec::with_capacity(LIVE);
+                    for _ in 0..ops {
+                        if live.len() < LIVE && (live.is_empty() || r.gen_bool(0.5)) {
+                            let size = r.gen_range(1..=MAX_SIZE);
+                            if r.gen_bool(0.5) {
+                                let p = mm.allocate_device_on(size, stream).expect("device allocation");
+                                dev.add(size);
+                                live.push((true, p, size));
+                            } else {
+                                let p = mm.allocate_pinned(size).expect("pinned allocation").as_ptr() as u64;
+                                pin.add(size);
+                                live.push((false, p, size));
+                            }
+                        } else {
+                            let i = r.gen_range(0..live.len());
+                            free(live.swap_remove(i));
+                        }
+                    }
+                    // Half goes to the next round; the rest is freed here.
+                    let keep = live.split_off(live.len() / 2);
+                    live.into_iter().for_each(free);
+                    carried.lock().unwrap().extend(keep);
+                });
             }
         });
-        for round in 0..ROUNDS {
-            let n = match round {
-                0 => 1,
-                1 => 32,
-                _ => rng.gen_range(1..=32),
-            };
-            sizes.push(n);
-            // The blocks the round before left, shared out among this round.
-            let inherited = std::mem::take(&mut *carried.lock().unwrap());
-            let per = inherited.len().div_ceil(n).max(1);
-            let mut parts = inherited.chunks(per).map(<[Block]>::to_vec);
-            std::thread::scope(|s| {
-                for id in 0..n {
-                    let mine = parts.next().unwrap_or_default();
-                    let (mm, stream, dev, pin, carried, free) = (&mm, &stream, &dev, &pin, &carried, &free);
-                    s.spawn(move || {
-                        mine.into_iter().for_each(free);
-                        let mut r = SmallRng::seed_from_u64(seed ^ (((round as u64) << 32) | id as u64));
-                        let mut live: Vec<Block> = Vec::with_capacity(LIVE);
-                        for _ in 0..ops {
-                            if live.len() < LIVE && (live.is_empty() || r.gen_bool(0.5)) {
-                                let size = r.gen_range(1..=MAX_SIZE);
-                                if r.gen_bool(0.5) {
-                                    let p = mm.allocate_device_on(size, stream).expect("device allocation");
-                                    dev.add(size);
-                                    live.push((true, p, size));
-                                } else {
-                                    let p = mm.allocate_pinned(size).expect("pinned allocation").as_ptr() as u64;
-                                    pin.add(size);
-                                    live.push((false, p, size));
-                                }
-                            } else {
-                                let i = r.gen_range(0..live.len());
-                                free(live.swap_remove(i));
-                            }
-                        }
-                        // Half goes to the next round; the rest is freed here.
-                        let keep = live.split_off(live.len() / 2);
-                        live.into_iter().for_each(free);
-                        carried.lock().unwrap().extend(keep);
-                    });
-                }
-            });
-            sample();
-        }
-        done.store(true, Ordering::Relaxed);
-    });
+    }
     let took = t0.elapsed();
     stream.synchronize().expect("cuStreamSynchronize");
     let (ds, ps) = (mm.device_stats(0).expect("device stats").pool, mm.pinned_stats());
-    let [sd, sp, st] = *sampled.lock().unwrap();
     let (dp, pp) = (dev.peak(), pin.peak());
     let of = |b: usize, held: f64| format!("{} MiB = {:.3}", b >> 20, b as f64 / held);
     println!("\nA resizing thread pool (seed {seed:#x}): {ROUNDS} rounds of {sizes:?} fresh threads, {ops} steps each");
     println!(
-        "device: end mapped {} / most held at once {} MiB; peak mapped (sampled) {}, the pool's peak {}; \
-         pages touched by live blocks (the floor, sampled) {}; upstream calls {}, map calls {}, unmap calls {}",
+        "device: end mapped {} / most held at once {} MiB; peak mapped {}; the most pages live blocks \
+         touched (the floor) {}; upstream calls {}, map calls {}, unmap calls {}",
         of(ds.mapped, dp),
         dp as usize >> 20,
-        of(sd, dp),
         of(ds.peak_mapped, dp),
-        of(st, dp),
+        of(ds.peak_touched, dp),
         ds.upstream_allocs,
         ds.map_calls,
         ds.unmap_calls,
     );
     println!(
-        "pinned: end reserved {} / most held at once {} MiB; peak reserved (sampled) {}, the pool's peak {}; \
-         upstream calls {}",
+        "pinned: end reserved {} / most held at once {} MiB; peak reserved {}; upstream calls {}",
         of(ps.reserved, pp),
         pp as usize >> 20,
-        of(sp, pp),
         of(ps.peak_reserved, pp),
         ps.upstream_allocs,
     );
