@@ -18,14 +18,19 @@ use cumem::Config;
 use cumem::Result;
 use std::sync::{Mutex, MutexGuard};
 
-/// The time each simulated driver call takes: `CUMEM_SIM_CALL_US`
-/// microseconds (0, the default: none), so that the background mapper's
-/// work and the allocating thread's overlap as they would on a device.
-fn call_cost() -> std::time::Duration {
-    static COST: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
-    *COST.get_or_init(|| {
-        let us = std::env::var("CUMEM_SIM_CALL_US").ok().and_then(|v| v.trim().parse::<u64>().ok());
-        std::time::Duration::from_micros(us.unwrap_or(0))
+/// The simulation's settings, read once: `CUMEM_SIM_CALL_US`, the
+/// microseconds each simulated driver call takes (0, the default: none),
+/// so that the background mapper's work and the allocating thread's
+/// overlap as they would on a device; and `CUMEM_SIM_QUIET_OPS`, how many
+/// replayed operations without a move the simulated mapper waits before
+/// it unmaps old mappings of lent memory (default 10,000, about the
+/// mapper's 2 ms at the 150–250 ns per operation of a warm replay on a
+/// device).
+fn settings() -> (std::time::Duration, u64) {
+    static SETTINGS: std::sync::OnceLock<(std::time::Duration, u64)> = std::sync::OnceLock::new();
+    *SETTINGS.get_or_init(|| {
+        let env = |name, default| std::env::var(name).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(default);
+        (std::time::Duration::from_micros(env("CUMEM_SIM_CALL_US", 0)), env("CUMEM_SIM_QUIET_OPS", 10_000))
     })
 }
 
@@ -59,17 +64,6 @@ pub struct AddressRange {
     stale: std::sync::atomic::AtomicBool,
 }
 
-/// How many replayed operations without a move the simulated mapper waits
-/// before it unmaps old mappings of lent memory: `CUMEM_SIM_QUIET_OPS`
-/// (default 10,000, about the mapper's 2 ms at the 150–250 ns per operation
-/// of a warm replay on a device).
-fn quiet_ops() -> u64 {
-    static OPS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *OPS.get_or_init(|| {
-        std::env::var("CUMEM_SIM_QUIET_OPS").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(10_000)
-    })
-}
-
 /// The driver calls a simulated device would have made.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SimCalls {
@@ -83,9 +77,6 @@ pub struct SimCalls {
     pub unmaps: u64,
     /// `cuMemRelease`.
     pub releases: u64,
-    /// Device synchronisations before unmapping pages that queued work may
-    /// still use.
-    pub syncs: u64,
 }
 
 #[derive(Debug, Default)]
@@ -121,7 +112,7 @@ impl Mapped {
             CallKind::Release => &mut c.releases,
         } += 1;
         record_call(kind);
-        let cost = call_cost();
+        let cost = settings().0;
         if !cost.is_zero() {
             // The device's time for the call (the region's lock is held
             // across it, as the real upstream holds its region's).
@@ -132,18 +123,12 @@ impl Mapped {
         }
     }
 
-    /// Drops the pieces inside `[addr, addr + size)`.
     /// Takes the whole pieces inside `spans` a move would unmap (until
-    /// `want` bytes, `choose_pieces`) off the mapped list, counting the
-    /// device wait a `pending` move makes first; returns them.
-    fn take_within(&mut self, spans: &[Chunk], want: usize, pending: bool) -> Vec<(usize, usize)> {
+    /// `want` bytes, `choose_pieces`) off the mapped list; returns them.
+    fn take_within(&mut self, spans: &[Chunk], want: usize) -> Vec<(usize, usize)> {
         let pieces: Vec<(usize, usize)> = self.pieces.iter().map(|(&a, &s)| (a, s)).collect();
         let spans: Vec<(usize, usize)> = spans.iter().map(|c| (c.addr, c.size)).collect();
-        let chosen = cumem::upstream::choose_pieces(&pieces, &spans, want);
-        if pending && !chosen.is_empty() {
-            self.calls.syncs += 1;
-        }
-        chosen
+        cumem::upstream::choose_pieces(&pieces, &spans, want)
             .into_iter()
             .map(|i| {
                 self.pieces.remove(&pieces[i].0);
@@ -202,7 +187,7 @@ impl AddressRange {
             return;
         }
         let mut vm = lock(&self.vm);
-        if op.saturating_sub(vm.last_move) < quiet_ops() {
+        if op.saturating_sub(vm.last_move) < settings().1 {
             return;
         }
         if let Some((&a, _)) = vm.stale.iter().next() {
@@ -326,9 +311,9 @@ impl Upstream for AddressRange {
         Ok(maps)
     }
 
-    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
+    fn unmap_within(&self, spans: &[Chunk], want: usize, _pending: bool, keep: bool) -> Result<Vec<Chunk>> {
         let mut vm = lock(&self.vm);
-        let taken = vm.take_within(spans, want, pending);
+        let taken = vm.take_within(spans, want);
         for &(_, size) in &taken {
             vm.note(CallKind::Unmap);
             if keep {
@@ -344,13 +329,12 @@ impl Upstream for AddressRange {
         self.stale.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Result<Vec<Chunk>> {
+    fn lend_within(&self, spans: &[Chunk], want: usize, _queued: Queued) -> Result<Vec<Chunk>> {
         // The memory is kept as `unmap_within` keeps it; its old place
         // stays mapped until the simulated mapper unmaps it (`tick`) or a
         // map needs those addresses.
         let mut vm = lock(&self.vm);
-        // Only memory any stream's work may use waits for the device.
-        let taken = vm.take_within(spans, want, matches!(queued, Queued::Any));
+        let taken = vm.take_within(spans, want);
         for &(addr, size) in &taken {
             vm.stale.insert(addr, size);
             vm.spare.push(size);
@@ -493,7 +477,7 @@ mod tests {
         r.map_runs(&[piece(0)]).unwrap();
         assert_eq!(r.calls().unmaps - before.unmaps, 1, "the map unmapped the old mapping in its way");
         // The other goes once the pool has made no move for the quiet spell.
-        for _ in 0..quiet_ops().saturating_sub(1) {
+        for _ in 0..settings().1.saturating_sub(1) {
             r.tick();
         }
         assert_eq!(r.calls().unmaps - before.unmaps, 1, "the mapper waited for the quiet spell");
