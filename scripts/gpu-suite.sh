@@ -45,27 +45,26 @@ BIN=gpu-bin
 # Where cargo puts what it builds (CARGO_TARGET_DIR when set).
 TARGET=${CARGO_TARGET_DIR:-target}
 
+# "kind name test exe" of each executable in cargo's JSON messages on
+# stdin (test: True for test harnesses).
+executables() {
+    python3 -c 'import json, sys
+for m in map(json.loads, sys.stdin):
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["kind"][0], m["target"]["name"], m["profile"]["test"], m["executable"])'
+}
+
 build() {
     set -e
     rm -rf "$BIN" && mkdir -p "$BIN/tests" "$BIN/examples" "$BIN/benches" "$BIN/tools" "$BIN/traces"
     # Test binaries (the library's own unit tests, tests/host/, tests/gpu/
     # and the tests/*.rs of a process of their own).
-    cargo test --release --no-run --message-format=json 2>/dev/null |
-        python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    # Two of the C ABI crate tests build C and C++ with cargo and a
-    # compiler, or compare the header with cbindgen: host tooling, run by
-    # .ci/run (its unit tests run here).
-    if "cumem-c" in m.get("package_id", "") and m.get("target", {}).get("name") in ("c_abi", "header"):
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        kind = m["target"]["kind"][0]
-        print(kind, m["target"]["name"], m["executable"])
-' | while read -r kind name exe; do
-            [ "$kind" = "bench" ] && continue
-            cp "$exe" "$BIN/tests/$kind-$name"
+    cargo test --release --no-run --message-format=json 2>/dev/null | executables |
+        while read -r kind name test exe; do
+            # The C ABI crate's c_abi and header tests build C and C++ with
+            # cargo and a compiler, or compare the header with cbindgen:
+            # host tooling, run by .ci/run (its unit tests run here).
+            case "$test:$kind:$name" in True:test:c_abi | True:test:header | True:bench:*) ;; True:*) cp "$exe" "$BIN/tests/$kind-$name" ;; esac
         done
     cargo build --release --examples --bins
     # The NCCL example needs the `nccl` feature (cudarc's NCCL bindings;
@@ -83,14 +82,10 @@ for line in sys.stdin:
     for b in "$TARGET"/release/cumem-*; do
         [ -x "$b" ] && [ -f "$b" ] && cp "$b" "$BIN/tools/"
     done
-    cargo bench --no-run --message-format=json 2>/dev/null |
-        python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and "bench" in m["target"]["kind"]:
-        print(m["target"]["name"], m["executable"])
-' | while read -r name exe; do cp "$exe" "$BIN/benches/$name"; done
+    cargo bench --no-run --message-format=json 2>/dev/null | executables |
+        while read -r kind name _ exe; do
+            if [ "$kind" = bench ]; then cp "$exe" "$BIN/benches/$name"; fi
+        done
     cp ../shared/traces/*.csv.gz "$BIN/traces/" 2>/dev/null || true
     # The synthetic traces as files, for the peers' replays (peers part).
     mkdir -p "$BIN/traces/synth"
@@ -154,8 +149,10 @@ run() {
                 tail -30 "$out/example-$(basename "$e").log"
             done
             ;;
-        benches)
-            for b in "$BIN"/benches/*; do
+        benches | bench:*)
+            local benches=("$BIN"/benches/*)
+            [ "$w" = benches ] || benches=("$BIN/benches/${w#bench:}")
+            for b in "${benches[@]}"; do
                 echo "== $b"
                 timeout 400 "$b" --bench >"$out/bench-$(basename "$b").log" 2>&1 || { echo "FAILED: $b"; failed=1; }
                 grep -vE "^(Benchmarking|Found|  [0-9]+ \(|Warning|\s*$)" "$out/bench-$(basename "$b").log" | tail -60
@@ -193,12 +190,6 @@ run() {
             if ! OUT="$out/ddp" bash scripts/ddp.sh run; then
                 echo "FAILED: scripts/ddp.sh"; failed=1
             fi
-            ;;
-        bench:*)
-            b="$BIN/benches/${w#bench:}"
-            echo "== $b"
-            timeout 400 "$b" --bench >"$out/bench-$(basename "$b").log" 2>&1 || { echo "FAILED: $b"; failed=1; }
-            grep -vE "^(Benchmarking|Found|  [0-9]+ \(|Warning|\s*$)" "$out/bench-$(basename "$b").log" | tail -60
             ;;
         soak | soak:*)
             local secs=${w#soak}
