@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use super::{run_ops, Measurement};
 use crate::trace::Trace;
-use cumem::cuda::vmm::{record_call, CallKind};
+use cumem::cuda::vmm::{record_call, CallKind, DriverCalls};
 use cumem::pool::{Pool, StreamTag, BLOCK_ALIGN};
 use cumem::upstream::{Chunk, Queued, Upstream};
 use cumem::Config;
@@ -64,21 +64,6 @@ pub struct AddressRange {
     stale: std::sync::atomic::AtomicBool,
 }
 
-/// The driver calls a simulated device would have made.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SimCalls {
-    /// `cuMemCreate`: new physical memory.
-    pub creates: u64,
-    /// `cuMemMap`: one per piece mapped.
-    pub maps: u64,
-    /// `cuMemSetAccess`: one per run mapped.
-    pub set_access: u64,
-    /// `cuMemUnmap`: one per piece unmapped.
-    pub unmaps: u64,
-    /// `cuMemRelease`.
-    pub releases: u64,
-}
-
 #[derive(Debug, Default)]
 struct Mapped {
     /// Mapped pieces, address → size.
@@ -89,7 +74,8 @@ struct Mapped {
     stale: std::collections::BTreeMap<usize, usize>,
     /// The operation of the last move.
     last_move: u64,
-    calls: SimCalls,
+    /// The driver calls a device would have made (none takes time).
+    calls: DriverCalls,
 }
 
 impl Mapped {
@@ -105,11 +91,11 @@ impl Mapped {
     fn note(&mut self, kind: CallKind) {
         let c = &mut self.calls;
         *match kind {
-            CallKind::Create => &mut c.creates,
-            CallKind::Map => &mut c.maps,
-            CallKind::Unmap => &mut c.unmaps,
+            CallKind::Create => &mut c.create,
+            CallKind::Map => &mut c.map,
+            CallKind::Unmap => &mut c.unmap,
             CallKind::SetAccess => &mut c.set_access,
-            CallKind::Release => &mut c.releases,
+            CallKind::Release => &mut c.release,
         } += 1;
         record_call(kind);
         let cost = settings().0;
@@ -192,14 +178,14 @@ impl AddressRange {
         }
         if let Some((&a, _)) = vm.stale.iter().next() {
             vm.stale.remove(&a);
-            vm.calls.unmaps += 1;
+            vm.calls.unmap += 1;
             cumem::cuda::vmm::record_background_call(CallKind::Unmap);
         }
         self.stale.store(!vm.stale.is_empty(), Relaxed);
     }
 
     /// The driver calls made so far.
-    pub fn calls(&self) -> SimCalls {
+    pub fn calls(&self) -> DriverCalls {
         lock(&self.vm).calls
     }
 }
@@ -430,8 +416,8 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_s
         peak_live: stats.peak_requested,
         peak_reserved: Some(stats.peak_mapped),
         failures,
-        map_calls: Some(after.maps - before.maps),
-        unmap_calls: Some(after.unmaps - before.unmaps),
+        map_calls: Some(after.map - before.map),
+        unmap_calls: Some(after.unmap - before.unmap),
         driver_calls: Some(super::Calls::between(&calls_before, &calls_after)),
         stream_waits,
         stream_wait_ns: 0,
@@ -471,19 +457,19 @@ mod tests {
         // Two pieces lent: their old places stay mapped, nothing unmapped yet.
         let lent = r.lend_within(&[piece(0), piece(1)], 2 * GRANULARITY, Queued::Nothing).unwrap();
         assert_eq!(lent.len(), 2);
-        assert_eq!(r.calls().unmaps, 0);
+        assert_eq!(r.calls().unmap, 0);
         // A map over one old place unmaps it first.
         let before = r.calls();
         r.map_runs(&[piece(0)]).unwrap();
-        assert_eq!(r.calls().unmaps - before.unmaps, 1, "the map unmapped the old mapping in its way");
+        assert_eq!(r.calls().unmap - before.unmap, 1, "the map unmapped the old mapping in its way");
         // The other goes once the pool has made no move for the quiet spell.
         for _ in 0..settings().1.saturating_sub(1) {
             r.tick();
         }
-        assert_eq!(r.calls().unmaps - before.unmaps, 1, "the mapper waited for the quiet spell");
+        assert_eq!(r.calls().unmap - before.unmap, 1, "the mapper waited for the quiet spell");
         r.tick();
         r.tick();
-        assert_eq!(r.calls().unmaps - before.unmaps, 2, "the mapper unmapped the last old mapping");
+        assert_eq!(r.calls().unmap - before.unmap, 2, "the mapper unmapped the last old mapping");
         assert!(!r.stale.load(std::sync::atomic::Ordering::Relaxed));
     }
 }
