@@ -57,36 +57,24 @@ def _torch_version():
     return torch.__version__.split("+")[0]
 
 
+def _cuda_dirs(wheel_sub, home_subs, pattern):
+    """The folders holding `pattern`, in search order: PyTorch's CUDA
+    wheels' (nvidia/cu13, nvidia/cuda_runtime; `wheel_sub` in them), then
+    CUDA_HOME's (`home_subs` in it)."""
+    home = pathlib.Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
+    wheels = [pathlib.Path(p) / "nvidia" / w / wheel_sub for p in sys.path for w in ("cu13", "cuda_runtime")]
+    return [str(d) for d in wheels + [home / s for s in home_subs] if list(d.glob(pattern))]
+
+
 def cuda_include_dirs():
-    """Where the CUDA headers are, all of them in search order: PyTorch's
-    CUDA wheels (nvidia/cu13, nvidia/cuda_runtime), then CUDA_HOME's (the
-    wheels' cuda_runtime.h may need the toolkit's crt/ headers)."""
-    out = []
-    for p in sys.path:
-        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
-            d = pathlib.Path(p) / sub
-            if (d / "cuda_runtime.h").exists():
-                out.append(str(d))
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    if (pathlib.Path(home) / "include" / "cuda_runtime.h").exists():
-        out.append(str(pathlib.Path(home) / "include"))
-    return out
+    """Where the CUDA headers are, all of them (the wheels' cuda_runtime.h
+    may need the toolkit's crt/ headers)."""
+    return _cuda_dirs("include", ("include",), "cuda_runtime.h")
 
 
 def cudart_dirs():
     """Where libcudart.so.* is."""
-    out = []
-    for p in sys.path:
-        for sub in ("nvidia/cu13/lib", "nvidia/cuda_runtime/lib"):
-            d = pathlib.Path(p) / sub
-            if list(d.glob("libcudart.so*")):
-                out.append(str(d))
-    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    for sub in ("lib64", "lib"):
-        d = pathlib.Path(home) / sub
-        if list(d.glob("libcudart.so*")):
-            out.append(str(d))
-    return out
+    return _cuda_dirs("lib", ("lib64", "lib"), "libcudart.so*")
 
 
 def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cumem_include, cumem_lib_dir,
