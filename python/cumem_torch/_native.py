@@ -78,7 +78,7 @@ def cudart_dirs():
 
 
 def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cumem_include, cumem_lib_dir,
-                    torch_version, sources_dir=None, cxx=None, rpath=None):
+                    sources_dir=None, cxx=None, rpath=None):
     """Compiles and links the native backend into `out` (a path). Raises
     NativeUnavailable with the compiler's output when it fails. Shared by
     the build backend (at `pip install`) and by first use. `rpath` is where
@@ -97,7 +97,6 @@ def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cum
     # toolkit (CUDA_HOME) has.
     cuda_includes = [cuda_include] if isinstance(cuda_include, (str, os.PathLike)) else list(cuda_include)
     cmd = ["CXX", "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
-           f'-DCUMEM_TORCH_VERSION="{torch_version}"',
            f"-D_GLIBCXX_USE_CXX11_ABI={_cxx11_abi()}",
            f"-I{torch_include}", f"-I{torch_include}/torch/csrc/api/include"]
     cmd += [f"-I{d}" for d in cuda_includes]
@@ -193,7 +192,6 @@ def _build_here():
     """Compiles the library for the imported PyTorch into the cache (once)."""
     import torch
     from torch.utils import cpp_extension
-    version = _torch_version()
     lib = pathlib.Path(_lib.library_path())
     d = _cache_dir() / cache_key(torch.__version__, lib)
     out = d / LIB_NAME
@@ -212,7 +210,7 @@ def _build_here():
     # Linked against, and found at run time in, the directory of the very
     # libcumem_c.so Python loads (one cumem manager).
     compile_library(tmp, cpp_extension.include_paths()[0], os.path.join(os.path.dirname(torch.__file__), "lib"),
-                    inc, libs[0], str(HERE / "csrc"), str(lib.parent), version, rpath=str(lib.parent))
+                    inc, libs[0], str(HERE / "csrc"), str(lib.parent), rpath=str(lib.parent))
     os.replace(tmp, out)
     return out
 
