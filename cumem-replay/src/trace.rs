@@ -215,26 +215,20 @@ impl Trace {
                 continue;
             }
             let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+            // The first line is the header, or (starting with a digit) a
+            // record in the default column order.
             let cols = match columns {
                 Some(c) => c,
                 None => {
-                    let c = match Columns::from_header(&fields) {
-                        Some(c) => {
-                            columns = Some(c);
-                            continue;
-                        }
-                        None if fields.first().is_some_and(|f| f.starts_with(|c: char| c.is_ascii_digit())) => {
-                            DEFAULT_COLUMNS
-                        }
-                        None => {
-                            return Err(trace_error(
-                                source,
-                                line_no,
-                                "expected the header Thread,Time,Action,Pointer,Size,Stream",
-                            ))
-                        }
-                    };
-                    columns = Some(c);
+                    let header = Columns::from_header(&fields);
+                    let c = *columns.insert(header.unwrap_or(DEFAULT_COLUMNS));
+                    if header.is_some() {
+                        continue;
+                    }
+                    if !fields[0].starts_with(|c: char| c.is_ascii_digit()) {
+                        let why = "expected the header Thread,Time,Action,Pointer,Size,Stream";
+                        return Err(trace_error(source, line_no, why));
+                    }
                     c
                 }
             };
