@@ -8,11 +8,11 @@ use std::process::ExitCode;
 use clap::Parser;
 use cumem::cuda::{driver_status, DriverStatus};
 use cumem::Config;
-use cumem_replay::replay::{self, Calls, Pass, ReplayReport, Target};
+use cumem_replay::replay::{self, Calls, PageFloor, Pass, ReplayReport, Target};
 use cumem_replay::synth::Spec;
 use cumem_replay::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Serialize;
+use serde_json::json;
 
 /// Replay allocation traces and report ns per operation and peak reserved /
 /// peak live bytes.
@@ -62,39 +62,6 @@ struct Args {
     /// Points per line in the plot.
     #[arg(long, default_value_t = 400)]
     plot_samples: usize,
-}
-
-/// One trace's facts, for the report.
-#[derive(Serialize)]
-struct TraceInfo {
-    name: String,
-    path: String,
-    records: usize,
-    operations: usize,
-    streams: usize,
-    peak_live: usize,
-    skipped_frees: usize,
-    failures: usize,
-    duplicate_allocations: usize,
-    zero_sizes: usize,
-    live_at_end: usize,
-    /// Exact best fit over one growing range, 2 MiB pages: the memory of
-    /// never unmapping, and the floor of unmapping free pages.
-    page_floor: Option<replay::PageFloor>,
-}
-
-#[derive(Serialize)]
-struct Output {
-    backend: String,
-    repeat: usize,
-    /// Whether each replay was timed after an untimed warm-up pass.
-    warm: bool,
-    /// Whether every operation ran on one stream.
-    one_stream: bool,
-    conf: String,
-    traces: Vec<TraceInfo>,
-    results: Vec<ReplayReport>,
-    skipped: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -163,22 +130,32 @@ fn run(args: &Args) -> cumem::Result<()> {
     if let Some(path) = &args.plot {
         plot(path, &traces, &targets, &base, args)?;
     }
-    let infos: Vec<TraceInfo> = traces.iter().zip(&args.traces).map(|(t, p)| trace_info(t, p)).collect();
+    // Exact best fit over one growing range, 2 MiB pages: the memory of
+    // never unmapping, and the floor of unmapping free pages.
+    let floors: Vec<_> = traces.iter().map(|t| replay::page_floor(t, 2 << 20)).collect();
     if args.json {
-        let out = Output {
-            backend,
-            repeat: args.repeat.max(1),
-            warm: args.warm,
-            one_stream: args.one_stream,
-            conf: args.conf.clone(),
-            traces: infos,
-            results,
-            skipped,
-        };
+        let infos: Vec<_> = traces
+            .iter()
+            .zip(&args.traces)
+            .zip(&floors)
+            .map(|((t, path), floor)| {
+                json!({
+                    "name": t.name, "path": path.display().to_string(), "records": t.records.len(),
+                    "operations": t.operations(), "streams": t.streams(), "peak_live": t.peak_live,
+                    "skipped_frees": t.skipped_frees, "failures": t.failures,
+                    "duplicate_allocations": t.duplicate_allocations, "zero_sizes": t.zero_sizes,
+                    "live_at_end": t.live_at_end, "page_floor": floor,
+                })
+            })
+            .collect();
+        let out = json!({
+            "backend": backend, "repeat": args.repeat.max(1), "warm": args.warm, "one_stream": args.one_stream,
+            "conf": args.conf, "traces": infos, "results": results, "skipped": skipped,
+        });
         let text = serde_json::to_string_pretty(&out).map_err(|e| cumem::Error::InvalidState(e.to_string()))?;
         println!("{text}");
     } else {
-        print_table(&backend, &infos, &results, args);
+        print_table(&backend, &traces, &floors, &results, args);
     }
     Ok(())
 }
@@ -210,28 +187,11 @@ fn plot(path: &std::path::Path, traces: &[Trace], targets: &[Target], base: &Con
     Ok(())
 }
 
-fn trace_info(t: &Trace, path: &std::path::Path) -> TraceInfo {
-    TraceInfo {
-        name: t.name.clone(),
-        path: path.display().to_string(),
-        records: t.records.len(),
-        operations: t.operations(),
-        streams: t.streams(),
-        peak_live: t.peak_live,
-        skipped_frees: t.skipped_frees,
-        failures: t.failures,
-        duplicate_allocations: t.duplicate_allocations,
-        zero_sizes: t.zero_sizes,
-        live_at_end: t.live_at_end,
-        page_floor: replay::page_floor(t, 2 << 20),
-    }
-}
-
 fn mib(bytes: usize) -> String {
     format!("{:.1}", bytes as f64 / (1 << 20) as f64)
 }
 
-fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], args: &Args) {
+fn print_table(backend: &str, traces: &[Trace], floors: &[Option<PageFloor>], results: &[ReplayReport], args: &Args) {
     println!(
         "cumem-replay on {backend}; median of {} {} replay(s), {}; conf '{}'",
         args.repeat.max(1),
@@ -239,14 +199,14 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
         if args.one_stream { "one stream" } else { "the trace's streams" },
         args.conf
     );
-    for i in infos {
+    for (i, floor) in traces.iter().zip(floors) {
         println!(
             "trace {}: {} records, {} operations on {} stream(s), peak live {} MiB ({} B); skipped frees {}, \
              allocate failures {}, duplicate allocations {}, zero sizes {}, live at end {}",
             i.name,
-            i.records,
-            i.operations,
-            i.streams,
+            i.records.len(),
+            i.operations(),
+            i.streams(),
             mib(i.peak_live),
             i.peak_live,
             i.skipped_frees,
@@ -255,7 +215,7 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
             i.zero_sizes,
             i.live_at_end
         );
-        if let Some(f) = i.page_floor.filter(|_| i.peak_live > 0) {
+        if let Some(f) = floor.filter(|_| i.peak_live > 0) {
             let ratio = |b: usize| b as f64 / i.peak_live as f64;
             println!(
                 "  page floor of {} (exact best fit over one growing range, {} MiB pages): never unmapped {:.3}, \
@@ -310,7 +270,7 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
         line(&|i| (columns[i].2)(r));
     }
     // Ratios against the raw driver calls measured in this run.
-    for trace in infos {
+    for trace in traces {
         let of = |name: &str| results.iter().find(|r| r.trace == trace.name && r.target == name);
         for raw in ["raw_cumemalloc", "raw_cumemallocasync"] {
             let Some(base) = of(raw) else { continue };
