@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 use cumem::{Config, DeviceAllocatorMode, MemoryManager};
 
-use crate::ffi::{allocate_into, copy_text, manager, ordinal, put};
+use crate::ffi::{allocate_into, copy_text, manager, ordinal, put, put_opt};
 use crate::status::{guard, Failure, Outcome};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
@@ -331,10 +331,8 @@ pub unsafe extern "C" fn cumem_set_device_allocator_mode(mode: c_int, effective:
                 )
             })?;
         let now = CumemMode::of(manager()?.set_device_allocator_mode(mode)?);
-        if !effective.is_null() {
-            // SAFETY: the caller's promise about `effective`.
-            unsafe { effective.write(now) };
-        }
+        // SAFETY: the caller's promise about `effective`.
+        unsafe { put_opt(effective, now) };
         Ok(())
     })
 }

@@ -46,6 +46,17 @@ pub(crate) unsafe fn allocate_into(
     })
 }
 
+/// Writes `value` through `out` unless it is NULL (an optional result).
+///
+/// # Safety
+/// `out` must be NULL or valid for a write of one `T`.
+pub(crate) unsafe fn put_opt<T>(out: *mut T, value: T) {
+    if !out.is_null() {
+        // SAFETY: non-null, and the caller promises it is valid for a write.
+        unsafe { out.write(value) };
+    }
+}
+
 /// Copies `text` NUL-terminated into `buf` (`len` bytes); `*needed` (when
 /// not NULL) gets the bytes the whole text needs, its NUL included. A
 /// buffer too small gets as much as fits, NUL-terminated, and
@@ -56,10 +67,8 @@ pub(crate) unsafe fn allocate_into(
 /// valid for a write.
 pub(crate) unsafe fn copy_text(text: &str, buf: *mut c_char, len: usize, needed: *mut usize) -> Outcome {
     let need = text.len() + 1;
-    if !needed.is_null() {
-        // SAFETY: non-null, and the caller promises it is valid.
-        unsafe { needed.write(need) };
-    }
+    // SAFETY: the caller's promise about `needed`.
+    unsafe { put_opt(needed, need) };
     if buf.is_null() {
         return if len == 0 { Err(too_small(need, 0)) } else { Err(Failure::null("buf")) };
     }
