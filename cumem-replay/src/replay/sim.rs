@@ -188,9 +188,7 @@ impl AddressRange {
     pub fn calls(&self) -> DriverCalls {
         lock(&self.vm).calls
     }
-}
 
-impl AddressRange {
     fn carve(&self, size: usize) -> Chunk {
         let mut top = lock(&self.top);
         let addr = *top + GRANULARITY;
