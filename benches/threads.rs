@@ -131,21 +131,9 @@ impl Target for Raw {
     }
 }
 
-/// One thread's `ops` steps of the peers' workload.
-fn sequence<T: Target>(t: &T, l: &T::Local, seed: u64, ops: u64, live: &mut Vec<u64>) {
-    let mut rng = SmallRng::seed_from_u64(seed);
-    for _ in 0..ops {
-        if live.len() < 1000 && (live.is_empty() || rng.gen_bool(0.5)) {
-            live.push(t.allocate(l, rng.gen_range(1..=MAX_SIZE)));
-        } else {
-            let i = rng.gen_range(0..live.len());
-            t.free(l, live.swap_remove(i));
-        }
-    }
-}
-
-/// `threads` new threads run `ops` steps each (seeds from `seed`), timed
-/// from the first thread's start after a barrier to the last one's end.
+/// `threads` new threads run `ops` steps each of the peers' workload (seeds
+/// from `seed`), timed from the first thread's start after a barrier to
+/// the last one's end.
 fn pass<T: Target>(t: &T, threads: usize, ops: u64, seed: u64) -> Duration {
     let go = Barrier::new(threads);
     let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
@@ -157,7 +145,15 @@ fn pass<T: Target>(t: &T, threads: usize, ops: u64, seed: u64) -> Duration {
                     let mut live = Vec::with_capacity(1000);
                     go.wait();
                     let start = Instant::now();
-                    sequence(t, &l, seed + id as u64, ops, &mut live);
+                    let mut rng = SmallRng::seed_from_u64(seed + id as u64);
+                    for _ in 0..ops {
+                        if live.len() < 1000 && (live.is_empty() || rng.gen_bool(0.5)) {
+                            live.push(t.allocate(&l, rng.gen_range(1..=MAX_SIZE)));
+                        } else {
+                            let i = rng.gen_range(0..live.len());
+                            t.free(&l, live.swap_remove(i));
+                        }
+                    }
                     for p in live {
                         t.free(&l, p);
                     }
