@@ -1,16 +1,11 @@
-//! Host↔device copy bandwidth of 256 MiB: from a `PinnedVec` (cumem's
-//! pinned pool), from raw `cuMemHostAlloc` memory, from a pageable `Vec`
-//! (plain `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync`), and from the same
-//! pageable `Vec` staged through the pinned pool
-//! (`copy_from_pageable` / `copy_to_pageable`), all measured in the same
-//! run on one stream, median of several copies. A second table compares
-//! the staged copy with the plain ones from 1 to 256 MiB, a third the
-//! staged copy with 1, 2, 4 and 8 lanes (helper threads), a fourth with
-//! smaller largest chunks, and a last one the host's own memcpy from a
-//! pageable `Vec` into pinned memory on 1 to 8 threads (what the staged
-//! copy's helpers can move at best).
+//! Host↔device copy bandwidth from 1 to 256 MiB: from a pageable `Vec`
+//! staged through the pinned pool (`copy_from_pageable` /
+//! `copy_to_pageable`), from the same `Vec` plain (`cuMemcpyHtoDAsync` /
+//! `cuMemcpyDtoHAsync`), from raw `cuMemHostAlloc` memory and from a
+//! `PinnedVec` (cumem's pinned pool), all measured in the same run on one
+//! stream, median of several copies.
 //!
-//! Prints tables; on the host fallback it says there is nothing to measure.
+//! Prints a table; on the host fallback it says there is nothing to measure.
 
 use std::time::Instant;
 
@@ -87,121 +82,24 @@ fn main() -> Result<(), cumem::Error> {
     unsafe { raw.write_bytes(1, BYTES) };
     let mut pageable = vec![1u8; BYTES];
 
-    let gbps = |secs: f64| BYTES as f64 / secs / 1e9;
-    let mut rows = Vec::new();
-    for (name, ptr) in [
-        ("PinnedVec (cumem)", pinned.as_mut_ptr()),
-        ("raw cuMemHostAlloc", raw),
-        ("pageable Vec", pageable.as_mut_ptr()),
-    ] {
-        let h2d = gbps(time_copies(ptr, dev.device_ptr(), &stream, true, BYTES));
-        let d2h = gbps(time_copies(ptr, dev.device_ptr(), &stream, false, BYTES));
-        rows.push((name, h2d, d2h));
-    }
-    let h2d = gbps(time_staged(mm, &mut pageable, dev.device_ptr(), &stream, true));
-    let d2h = gbps(time_staged(mm, &mut pageable, dev.device_ptr(), &stream, false));
-    rows.push(("pageable Vec, staged (copy_from/to_pageable)", h2d, d2h));
-    let (raw_h2d, raw_d2h) = (rows[1].1, rows[1].2);
-    println!("| 256 MiB copy | host to device | device to host | vs raw pinned (H2D / D2H) |");
-    println!("| --- | --- | --- | --- |");
-    for (name, h2d, d2h) in &rows {
-        println!(
-            "| {name} | {h2d:.1} GB/s | {d2h:.1} GB/s | {:.1}% / {:.1}% |",
-            100.0 * h2d / raw_h2d,
-            100.0 * d2h / raw_d2h
-        );
-    }
-
-    println!();
-    println!("| size | staged H2D | plain pageable H2D | raw pinned H2D | staged D2H | plain pageable D2H | raw pinned D2H |");
+    println!("| size | direction | pageable, staged | pageable, plain | raw pinned | PinnedVec (cumem) | staged / raw pinned |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     for mib in [1usize, 2, 4, 8, 16, 32, 256] {
         let n = mib << 20;
-        let rate = |secs: f64| n as f64 / secs / 1e9;
-        let d = dev.device_ptr();
-        let sh = rate(time_staged(mm, &mut pageable[..n], d, &stream, true));
-        let ph = rate(time_copies(pageable.as_mut_ptr(), d, &stream, true, n));
-        let rh = rate(time_copies(raw, d, &stream, true, n));
-        let sd = rate(time_staged(mm, &mut pageable[..n], d, &stream, false));
-        let pd = rate(time_copies(pageable.as_mut_ptr(), d, &stream, false, n));
-        let rd = rate(time_copies(raw, d, &stream, false, n));
-        println!(
-            "| {mib} MiB | {sh:.1} GB/s | {ph:.1} GB/s | {rh:.1} GB/s | {sd:.1} GB/s | {pd:.1} GB/s | {rd:.1} GB/s |"
-        );
-    }
-
-    // The staged copy's lanes (host threads), same run.
-    let defaults = MemoryManager::set_staging(0, 0);
-    println!();
-    println!(
-        "staged copies by lanes (most helper threads, one per 2 MiB; largest chunk {} KiB; default lanes {}):",
-        defaults.0 >> 10,
-        defaults.1
-    );
-    println!("| lanes | 8 MiB H2D | 8 MiB D2H | 256 MiB H2D | 256 MiB D2H |");
-    println!("| --- | --- | --- | --- | --- |");
-    for lanes in [1usize, 2, 4, 8] {
-        MemoryManager::set_staging(0, lanes);
-        let d = dev.device_ptr();
-        let mut cells = Vec::new();
-        for mib in [8usize, 256] {
-            let n = mib << 20;
-            for to_device in [true, false] {
-                let secs = time_staged(mm, &mut pageable[..n], d, &stream, to_device);
-                cells.push(format!("{:.1} GB/s", n as f64 / secs / 1e9));
-            }
+        for to_device in [true, false] {
+            let d = dev.device_ptr();
+            let staged = time_staged(mm, &mut pageable[..n], d, &stream, to_device);
+            let hosts = [pageable.as_mut_ptr(), raw, pinned.as_mut_ptr()];
+            let [plain, raw_pinned, ours] = hosts.map(|h| time_copies(h, d, &stream, to_device, n));
+            let [s, p, r, o] = [staged, plain, raw_pinned, ours].map(|secs| n as f64 / secs / 1e9);
+            let dir = if to_device { "to device" } else { "to host" };
+            println!(
+                "| {mib} MiB | {dir} | {s:.1} GB/s | {p:.1} GB/s | {r:.1} GB/s | {o:.1} GB/s | {:.1}% |",
+                100.0 * s / r
+            );
         }
-        println!("| {lanes} | {} |", cells.join(" | "));
     }
-    MemoryManager::set_staging(0, defaults.1);
-
-    // The largest chunk (one DMA), default lanes.
-    println!();
-    println!("staged copies by largest chunk (lanes {}):", defaults.1);
-    println!("| largest chunk | 8 MiB H2D | 8 MiB D2H | 256 MiB H2D | 256 MiB D2H |");
-    println!("| --- | --- | --- | --- | --- |");
-    for chunk in [256usize << 10, 512 << 10, 1 << 20, 4 << 20] {
-        MemoryManager::set_staging(chunk, 0);
-        let d = dev.device_ptr();
-        let mut cells = Vec::new();
-        for mib in [8usize, 256] {
-            let n = mib << 20;
-            for to_device in [true, false] {
-                let secs = time_staged(mm, &mut pageable[..n], d, &stream, to_device);
-                cells.push(format!("{:.1} GB/s", n as f64 / secs / 1e9));
-            }
-        }
-        println!("| {} KiB | {} |", chunk >> 10, cells.join(" | "));
-    }
-    MemoryManager::set_staging(defaults.0, 0);
-
-    host_memcpy(&pageable, &mut pinned);
     // SAFETY: `raw` came from cuMemHostAlloc and no copy uses it any more.
     unsafe { result::free_host(raw.cast()) }.expect("cuMemFreeHost");
     Ok(())
-}
-
-/// The host's memcpy from pageable into pinned memory on 1 to 8 threads
-/// (each its own share), 8 and 256 MiB, median of several.
-fn host_memcpy(src: &[u8], dst: &mut [u8]) {
-    println!();
-    println!("host memcpy, pageable Vec -> pinned, threads started per copy:");
-    println!("| threads | 8 MiB | 256 MiB |");
-    println!("| --- | --- | --- |");
-    for threads in [1usize, 2, 4, 8] {
-        let mut cells = Vec::new();
-        for mib in [8usize, 256] {
-            let n = mib << 20;
-            let secs = median(|| {
-                let share = n.div_ceil(threads);
-                std::thread::scope(|s| {
-                    for (d, c) in dst[..n].chunks_mut(share).zip(src[..n].chunks(share)) {
-                        s.spawn(move || d.copy_from_slice(c));
-                    }
-                });
-            });
-            cells.push(format!("{:.1} GB/s", n as f64 / secs / 1e9));
-        }
-        println!("| {threads} | {} |", cells.join(" | "));
-    }
 }

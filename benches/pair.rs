@@ -3,8 +3,9 @@
 //!
 //! - host: the best-fit pool over the host upstream, and the manager's
 //!   device path on the host fallback (always);
-//! - device (GPU only): each device mode of cumem against `cuMemAlloc` /
-//!   `cuMemFree` and `cuMemAllocAsync` / `cuMemFreeAsync` on one stream;
+//! - device (GPU only): each device mode of cumem, with capture detection
+//!   and without (`*_no_detection`), against `cuMemAlloc` / `cuMemFree`
+//!   and `cuMemAllocAsync` / `cuMemFreeAsync` on one stream;
 //! - pinned (GPU only): the pinned pool against `cuMemHostAlloc` /
 //!   `cuMemFreeHost`.
 //!
@@ -67,6 +68,28 @@ fn size_name(size: usize) -> String {
     }
 }
 
+/// Allocate + free of `size` bytes of device memory through `mm`, on
+/// `stream` or (`None`) on no stream.
+fn manager_pair(
+    c: &mut Criterion,
+    group: &'static str,
+    target: &str,
+    mm: &MemoryManager,
+    on: Option<&Stream>,
+    size: usize,
+) {
+    bench_pair(c, group, target, size, || match on {
+        Some(s) => {
+            let p = mm.allocate_device_on(size, s).expect("allocate");
+            mm.free_device_on(std::hint::black_box(p), s).expect("free");
+        }
+        None => {
+            let p = mm.allocate_device(size).expect("allocate");
+            mm.free_device(std::hint::black_box(p)).expect("free");
+        }
+    });
+}
+
 fn host_benches(c: &mut Criterion) {
     let pool = Pool::new(Host::new(), PoolConfig::new(PoolKind::Standalone));
     let mm = MemoryManager::new(base().backend(BackendChoice::Host)).expect("host manager");
@@ -77,142 +100,50 @@ fn host_benches(c: &mut Criterion) {
             let a = pool.allocate(size, 256).expect("allocate");
             pool.deallocate(std::hint::black_box(a.addr), StreamTag::NONE).expect("free");
         });
-        bench_pair(c, "host", "host_manager_device", size, || {
-            let p = mm.allocate_device(size).expect("allocate");
-            mm.free_device(std::hint::black_box(p)).expect("free");
-        });
-        bench_pair(c, "host", "host_manager_device_thread_cache", size, || {
-            let p = cached.allocate_device(size).expect("allocate");
-            cached.free_device(std::hint::black_box(p)).expect("free");
-        });
+        manager_pair(c, "host", "host_manager_device", &mm, None, size);
+        manager_pair(c, "host", "host_manager_device_thread_cache", &cached, None, size);
     }
 }
 
 fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaContext>) {
     let stream = Stream::new().expect("stream");
+    // The context's legacy (null) stream, as PyTorch's default stream
+    // reaches cumem: its question needs the context current on the thread.
     let legacy = Stream::from_cudarc(ctx.default_stream());
-    for mode in DeviceAllocatorMode::ALL {
-        let mm = MemoryManager::new(base().mode(mode)).expect("manager");
+    for mode in DeviceAllocatorMode::ALL.map(Some).into_iter().chain([None]) {
+        // `None`: the sync pool with per-thread caches from the start (a
+        // block freed on a stream is reused by that stream without the
+        // pool's lock).
+        let (config, name) = match mode {
+            Some(m) => (base().mode(m), m.name().to_string()),
+            None => (base().device_thread_cache(true), "sync_pool_thread_cache".to_string()),
+        };
+        let mm = MemoryManager::new(config.clone()).expect("manager");
         let effective = mm.effective_device_allocator_mode();
-        if effective != mode {
-            println!("pair: {mode} runs as {effective} on this device; skipped");
+        if mode.is_some_and(|m| m != effective) {
+            println!("pair: {name} runs as {effective} on this device; skipped");
             continue;
         }
         // The same without capture detection: the program promises to
         // register its captures, so no call asks the driver whether the
         // stream captures (the default asks on every call on a stream).
-        let promised = MemoryManager::new(base().mode(mode).promise_registered_captures(true)).expect("manager");
-        let no_detection = format!("{}_no_detection", mode.name());
+        let promised = MemoryManager::new(config.promise_registered_captures(true)).expect("manager");
+        let mut cases =
+            vec![(name.clone(), &mm, Some(&stream)), (format!("{name}_no_detection"), &promised, Some(&stream))];
+        if mode == Some(DeviceAllocatorMode::SyncPool) {
+            cases.push(("sync_pool_no_stream".into(), &mm, None));
+            cases.push(("sync_pool_legacy".into(), &mm, Some(&legacy)));
+            cases.push(("sync_pool_legacy_no_detection".into(), &promised, Some(&legacy)));
+        }
         for size in DEVICE_SIZES {
-            bench_pair(c, "device", mode.name(), size, || {
-                let p = mm.allocate_device_on(size, &stream).expect("allocate");
-                mm.free_device_on(std::hint::black_box(p), &stream).expect("free");
-            });
-            bench_pair(c, "device", &no_detection, size, || {
-                let p = promised.allocate_device_on(size, &stream).expect("allocate");
-                promised.free_device_on(std::hint::black_box(p), &stream).expect("free");
-            });
-            if mode == DeviceAllocatorMode::SyncPool {
-                bench_pair(c, "device", "sync_pool_no_stream", size, || {
-                    let p = mm.allocate_device(size).expect("allocate");
-                    mm.free_device(std::hint::black_box(p)).expect("free");
-                });
-                // The context's legacy (null) stream, as PyTorch's default
-                // stream reaches cumem: its question needs the context
-                // current on the thread.
-                bench_pair(c, "device", "sync_pool_legacy", size, || {
-                    let p = mm.allocate_device_on(size, &legacy).expect("allocate");
-                    mm.free_device_on(std::hint::black_box(p), &legacy).expect("free");
-                });
-                bench_pair(c, "device", "sync_pool_legacy_no_detection", size, || {
-                    let p = promised.allocate_device_on(size, &legacy).expect("allocate");
-                    promised.free_device_on(std::hint::black_box(p), &legacy).expect("free");
-                });
+            for (target, mm, on) in &cases {
+                manager_pair(c, "device", target, mm, *on, size);
             }
         }
         stream.synchronize().expect("sync");
-        drop((mm, promised));
     }
-    // The sync pool with per-thread caches (opt-in for device pools): a
-    // block freed on a stream is reused by the same stream without the
-    // pool's lock.
-    let mm = MemoryManager::new(base().device_thread_cache(true)).expect("manager");
-    let promised =
-        MemoryManager::new(base().device_thread_cache(true).promise_registered_captures(true)).expect("manager");
-    for size in DEVICE_SIZES {
-        bench_pair(c, "device", "sync_pool_thread_cache", size, || {
-            let p = mm.allocate_device_on(size, &stream).expect("allocate");
-            mm.free_device_on(std::hint::black_box(p), &stream).expect("free");
-        });
-        bench_pair(c, "device", "sync_pool_thread_cache_no_detection", size, || {
-            let p = promised.allocate_device_on(size, &stream).expect("allocate");
-            promised.free_device_on(std::hint::black_box(p), &stream).expect("free");
-        });
-    }
-    stream.synchronize().expect("sync");
-    drop((mm, promised));
     ctx.bind_to_thread().expect("bind");
     let cu = stream.cu_stream();
-    // What capture detection costs at the least: the two driver queries a
-    // pair makes (one on the allocation, one on the free), with no pool.
-    bench_pair(c, "query", "raw_capture_info_x2", 0, || {
-        for _ in 0..2 {
-            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            let mut id = 0u64;
-            let mut graph: sys::CUgraph = std::ptr::null_mut();
-            // SAFETY: `cu` is a live stream; the out-pointers are valid
-            // locals and the optional ones null, which the call allows.
-            unsafe {
-                sys::cuStreamGetCaptureInfo_v3(
-                    cu,
-                    &mut status,
-                    &mut id,
-                    &mut graph,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                )
-            }
-            .result()
-            .expect("cuStreamGetCaptureInfo");
-            std::hint::black_box((status, id, graph));
-        }
-    });
-    bench_pair(c, "query", "raw_is_capturing_x2", 0, || {
-        for _ in 0..2 {
-            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            // SAFETY: `cu` is a live stream; `status` a valid local.
-            unsafe { sys::cuStreamIsCapturing(cu, &mut status) }.result().expect("cuStreamIsCapturing");
-            std::hint::black_box(status);
-        }
-    });
-    // The same question on the legacy stream (the context is current),
-    // and what making the context current costs: cudarc's bind (which
-    // also swaps its error slot) against one `cuCtxGetCurrent`.
-    bench_pair(c, "query", "raw_is_capturing_legacy_x2", 0, || {
-        for _ in 0..2 {
-            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            // SAFETY: the null stream is the current context's legacy
-            // stream; `status` a valid local.
-            unsafe { sys::cuStreamIsCapturing(std::ptr::null_mut(), &mut status) }
-                .result()
-                .expect("cuStreamIsCapturing");
-            std::hint::black_box(status);
-        }
-    });
-    bench_pair(c, "query", "raw_bind_to_thread_x2", 0, || {
-        for _ in 0..2 {
-            ctx.bind_to_thread().expect("bind");
-        }
-    });
-    bench_pair(c, "query", "raw_ctx_get_current_x2", 0, || {
-        for _ in 0..2 {
-            let mut current: sys::CUcontext = std::ptr::null_mut();
-            // SAFETY: `current` is a valid out-location.
-            unsafe { sys::cuCtxGetCurrent(&mut current) }.result().expect("cuCtxGetCurrent");
-            std::hint::black_box(current);
-        }
-    });
     for size in DEVICE_SIZES {
         bench_pair(c, "device", "raw_cumemalloc", size, || {
             // SAFETY: the context is current; the memory is freed at once
@@ -284,24 +215,6 @@ fn print_summary() {
                 ratio(sync_raw),
                 ratio(other_raw)
             );
-        }
-    }
-    println!();
-    println!("capture detection (default) against none (promise_registered_captures): ratio of ns/pair");
-    for ((group, size), rows) in &medians {
-        for (target, ns) in rows {
-            let Some(base) = target.strip_suffix("_no_detection") else { continue };
-            if let Some((_, with)) = rows.iter().find(|(t, _)| t == base) {
-                println!(
-                    "{:<8} {:>8}  {:<32} {:>10.1} vs {:>10.1}  {:.3}x",
-                    group,
-                    size_name(*size),
-                    base,
-                    with,
-                    ns,
-                    with / ns
-                );
-            }
         }
     }
 }

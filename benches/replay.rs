@@ -4,8 +4,8 @@
 //! the host target and the simulated device range (`sim_device`), and
 //! through every GPU target when a GPU is present.
 //! Only the allocation and free calls are timed (each replay on a fresh
-//! pool). A plain summary of ns/op and peak reserved / peak live follows
-//! criterion's output.
+//! pool). A plain summary of the same replays, ns/op and peak reserved /
+//! peak live, follows criterion's output.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -13,32 +13,28 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion};
 use cumem::cuda::{driver_status, DriverStatus};
 use cumem::Config;
-use cumem_replay::replay::{self, Target};
+use cumem_replay::replay::{self, Pass, ReplayReport, Target};
 use cumem_replay::trace::Trace;
 
+/// The trace files: `CUMEM_TRACES` (folders or files, comma-separated),
+/// else the first folder that exists of gpu-bin/traces (the GPU suite's
+/// copy) and ../shared/traces from here or from the crate.
 fn trace_paths() -> Vec<PathBuf> {
-    let spec =
-        // CUMEM_TRACES, else the first folder that exists: gpu-bin/traces
-        // (the GPU suite's copy), ../shared/traces from here or the crate.
-        std::env::var("CUMEM_TRACES").unwrap_or_else(|_| {
-            let candidates = [
-                "gpu-bin/traces".to_string(),
-                "../shared/traces".to_string(),
-                format!("{}/../../shared/traces", env!("CARGO_MANIFEST_DIR")),
-            ];
-            candidates.into_iter().find(|d| std::path::Path::new(d).is_dir()).unwrap_or_default()
-        });
-    let mut paths = Vec::new();
-    for item in spec.split(',').map(PathBuf::from) {
-        match std::fs::read_dir(&item) {
-            Ok(dir) => paths.extend(
-                dir.filter_map(|e| e.ok().map(|e| e.path()))
-                    .filter(|p| p.to_string_lossy().ends_with(".csv.gz") || p.to_string_lossy().ends_with(".csv")),
-            ),
-            Err(_) if item.is_file() => paths.push(item),
-            Err(_) => {}
-        }
-    }
+    let spec = std::env::var("CUMEM_TRACES").unwrap_or_else(|_| {
+        let candidates =
+            ["gpu-bin/traces", "../shared/traces", concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces")];
+        candidates.into_iter().find(|d| std::path::Path::new(d).is_dir()).unwrap_or_default().to_string()
+    });
+    let is_trace = |p: &PathBuf| p.is_file() && [".csv.gz", ".csv"].iter().any(|e| p.to_string_lossy().ends_with(e));
+    let mut paths: Vec<PathBuf> = spec
+        .split(',')
+        .map(PathBuf::from)
+        .flat_map(|item| match std::fs::read_dir(&item) {
+            Ok(dir) => dir.filter_map(|e| e.ok().map(|e| e.path())).collect(),
+            Err(_) => vec![item],
+        })
+        .filter(is_trace)
+        .collect();
     paths.sort();
     paths
 }
@@ -76,33 +72,34 @@ fn main() {
         // flat sampling runs the same few replays per sample.
         g.sampling_mode(criterion::SamplingMode::Flat);
         for &target in &targets {
-            let mut failed = None;
+            let (mut failed, mut measured) = (None, Vec::new());
             g.bench_function(BenchmarkId::from_parameter(target.name()), |b| {
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
-                        match replay::replay_once(trace, target, &base) {
-                            Ok(m) => total += Duration::from_nanos(m.elapsed_ns),
+                        match replay::replay_once(trace, target, &base, Pass::default()) {
+                            Ok(m) => {
+                                total += Duration::from_nanos(m.elapsed_ns);
+                                measured.push(m);
+                            }
                             Err(e) => failed = Some(e.to_string()),
                         }
                     }
                     total
                 })
             });
-            if let Some(e) = failed {
-                println!("replay bench: {} on {target} failed: {e}", trace.name);
-                continue;
-            }
-            match replay::replay(trace, target, &base, 5) {
-                Ok(r) => summary.push(r),
-                Err(e) => println!("replay bench: {} on {target}: {e}", trace.name),
+            match failed {
+                Some(e) => println!("replay bench: {} on {target} failed: {e}", trace.name),
+                // Nothing measured: criterion's filter left it out.
+                None if measured.is_empty() => {}
+                None => summary.push(ReplayReport::new(trace, target, Pass::default(), &measured)),
             }
         }
         g.finish();
     }
     c.final_summary();
     println!();
-    println!("replay summary (median of 5 replays after criterion's; ratio = peak reserved / peak live)");
+    println!("replay summary (median of criterion's replays; ratio = peak reserved / peak live)");
     for r in &summary {
         println!(
             "{:<16} {:<20} {:>6} ops {:>9.1} ns/op  live {:>12} B (trace {:>12} B)  reserved {:>14}  ratio {}",
@@ -110,9 +107,9 @@ fn main() {
             r.target,
             r.operations,
             r.ns_per_op,
-            r.peak_live,
+            r.last.peak_live,
             r.trace_peak_live,
-            r.peak_reserved.map_or_else(|| "n/a".to_string(), |b| format!("{b} B")),
+            r.last.peak_reserved.map_or_else(|| "n/a".to_string(), |b| format!("{b} B")),
             r.ratio.map_or_else(|| "n/a".to_string(), |x| format!("{x:.3}"))
         );
     }

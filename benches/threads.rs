@@ -1,46 +1,59 @@
-//! Scaling across threads: random sizes from 1 B to 4 MiB (log-uniform),
-//! random frees, at most 1,000 live blocks per thread, 1 to 16 threads;
-//! reported as total operations (allocations + frees) per second. Also the
-//! hot pair (allocate + free of one size) with and without thread caches.
+//! Threads: the peers' random workload the way an outside check runs it,
+//! and a resizing thread pool. `cargo bench --bench threads` runs both;
+//! `CUMEM_BENCH_CHECK=peers` or `=pool` runs one. `CUMEM_PEERS_SCALE`
+//! multiplies the operations per thread (0.1 for a quick look).
 //!
-//! Targets: the pinned pool on the host fallback (always), and where a CUDA
-//! driver is available the device sync pool, the pinned pool, and raw
-//! `cuMemAllocAsync`/`cuMemFreeAsync` (one stream per thread). Each pool
-//! runs with its thread cache on and off.
-//!
-//! `cargo bench --bench threads` (filter with criterion's usual argument,
-//! e.g. `-- scaling/host`); a plain table of Mops/s follows criterion's
-//! output. `CUMEM_BENCH_SIZES=uniform` draws sizes uniformly instead;
-//! `CUMEM_BENCH_CACHE_MIB` sets the per-thread cache budget.
-//!
-//! First comes the peers' own workload (`peers.rs`, the anchors' exact
-//! definition) through the manager, beside raw `cuMemAllocAsync` of the
-//! same run; `CUMEM_BENCH_PEERS_ONLY=1` stops after it.
-//! `CUMEM_BENCH_CHECK=peers` or `=pool` runs only the workload of that
-//! name the way an outside check runs it (`threads/check.rs`).
+//! - `peers`: the peers' workload (`ANCHORS.md`): per thread, N steps
+//!   (200,000 for one thread, 100,000 per thread otherwise): if fewer than
+//!   1,000 blocks are live and (none is, or a fair coin says so), allocate
+//!   a size uniform in 1 B..4 MiB, else free a live block chosen uniformly.
+//!   One process, one manager: `MemoryManager::global()` with the default
+//!   configuration (or `CUMEM_CONF`). Both pools are warmed first by 16
+//!   threads with seeds of their own. Then for each thread count 1, 2, 4,
+//!   8, 16 the rows run interleaved: the device on one shared stream, the
+//!   device with a new stream per thread, the pinned pool, and (on a GPU)
+//!   raw `cuMemAllocAsync` / `cuMemFreeAsync` on one shared stream (a tenth
+//!   of N: it is 50-100x slower); each row on NEW threads with their own
+//!   seeds, timed from the first thread's start to the last one's end (the
+//!   final frees and stream synchronisation included; `CUMEM_CHECK_NOSYNC=1` leaves the
+//!   synchronisation out). Beside each figure: the device's upstream calls,
+//!   page maps and cross-stream waits during the row.
+//!   `CUMEM_CHECK_ROWS=one,each,pinned,raw` (any of them) runs only those.
+//! - `pool`: rounds of fresh OS threads, 1 to 32 a round (a seeded draw,
+//!   the first rounds 1 and 32), each thread a mix of device work (one
+//!   shared stream) and pinned work (a fair coin per allocation), sizes
+//!   uniform in 1 B..4 MiB, at most 200 live blocks per thread; at its end
+//!   each thread leaves half of what it holds to the next round, whose
+//!   threads free it first. Through `MemoryManager::new` with the default
+//!   configuration (or `CUMEM_CONF`); `CUMEM_CHECK_SEED` draws other rounds
+//!   (default 0x9001). Printed per pool: physical memory held at the end
+//!   (device: mapped; pinned: reserved) over the most bytes held at once
+//!   (as asked); the pool's peak physical memory (and on the device the
+//!   most pages live blocks touched, the floor) over the same; the
+//!   upstream calls, page maps and unmaps.
 
-use std::collections::BTreeMap;
-use std::sync::{Barrier, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use criterion::{BenchmarkId, Criterion, Throughput};
-use cudarc::driver::CudaContext;
-use cumem::cuda::{driver_status, DriverStatus};
-use cumem::pool::{Pool, PoolConfig, StreamTag};
-use cumem::upstream::{CudaDeviceMemory, CudaPinnedMemory};
-use cumem::upstream::{Host, Upstream};
-use cumem::PoolKind;
+use cudarc::driver::{result, CudaContext, CudaStream};
+use cumem::cuda::{device_context, Stream};
+use cumem::{Config, MemoryManager};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-#[path = "threads/check.rs"]
-mod check;
-#[path = "threads/peers.rs"]
-mod peers;
-
-const MAX_LIVE: usize = 1000;
-const MAX_SIZE: f64 = (4 << 20) as f64;
 const THREADS: [usize; 5] = [1, 2, 4, 8, 16];
+const MAX_SIZE: usize = 4 << 20;
+
+fn scale() -> f64 {
+    std::env::var("CUMEM_PEERS_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1.0)
+}
+
+/// The peers' N for `threads` threads, divided by `divide`.
+fn ops_per_thread(threads: usize, divide: f64) -> u64 {
+    let n = if threads == 1 { 200_000.0 } else { 100_000.0 };
+    ((n * scale() / divide) as u64).max(100)
+}
 
 /// Something to allocate from, with per-thread state.
 trait Target: Sync {
@@ -49,211 +62,307 @@ trait Target: Sync {
     fn allocate(&self, l: &Self::Local, size: usize) -> u64;
     fn free(&self, l: &Self::Local, ptr: u64);
     fn finish(&self, _l: &Self::Local) {}
-    /// Upstream calls made so far (growth), where the target counts them.
-    fn growth(&self) -> u64 {
-        0
+}
+
+/// The device sync pool of the global manager: `shared` is the stream of
+/// the one-stream row; `None` makes a new stream per thread.
+struct Device {
+    mm: &'static MemoryManager,
+    shared: Option<Stream>,
+}
+
+impl Target for Device {
+    type Local = Stream;
+    fn local(&self) -> Stream {
+        self.shared.clone().unwrap_or_else(|| Stream::new().expect("cuStreamCreate"))
+    }
+    fn allocate(&self, s: &Stream, size: usize) -> u64 {
+        self.mm.allocate_device_on(size, s).expect("device allocation")
+    }
+    fn free(&self, s: &Stream, ptr: u64) {
+        self.mm.free_device_on(ptr, s).expect("device free");
+    }
+    fn finish(&self, s: &Stream) {
+        // `CUMEM_CHECK_NOSYNC=1`: the threads end without synchronising
+        // their streams (a harness that queues no kernels may not).
+        if std::env::var("CUMEM_CHECK_NOSYNC").is_err() {
+            s.synchronize().expect("cuStreamSynchronize");
+        }
     }
 }
 
-impl<U: Upstream> Target for Pool<U> {
+/// The pinned pool of the global manager.
+struct Pinned(&'static MemoryManager);
+
+impl Target for Pinned {
     type Local = ();
     fn local(&self) {}
     fn allocate(&self, _: &(), size: usize) -> u64 {
-        Pool::allocate(self, size, 256).expect("pool allocation").addr as u64
+        self.0.allocate_pinned(size).expect("pinned allocation").as_ptr() as u64
     }
     fn free(&self, _: &(), ptr: u64) {
-        self.deallocate(ptr as usize, StreamTag::NONE).expect("pool free");
+        self.0.free_pinned(ptr as *mut u8).expect("pinned free");
     }
 }
 
-/// A request size: log-uniform from 1 B to 4 MiB (as many 1-2 KiB
-/// requests as 1-2 MiB ones), or uniform with `CUMEM_BENCH_SIZES=uniform`.
-fn size(rng: &mut SmallRng) -> usize {
-    if *UNIFORM {
-        rng.gen_range(1..=MAX_SIZE as usize)
-    } else {
-        (rng.gen_range(0.0..MAX_SIZE.ln()).exp() as usize).max(1)
+/// Raw `cuMemAllocAsync` from the device's default pool, every thread on
+/// one stream.
+struct Raw {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+}
+
+impl Target for Raw {
+    type Local = ();
+    fn local(&self) {
+        self.ctx.bind_to_thread().expect("cuCtxSetCurrent");
+    }
+    fn allocate(&self, _: &(), size: usize) -> u64 {
+        // SAFETY: the stream belongs to the context bound to this thread.
+        unsafe { result::malloc_async(self.stream.cu_stream(), size) }.expect("cuMemAllocAsync")
+    }
+    fn free(&self, _: &(), ptr: u64) {
+        // SAFETY: `ptr` came from `cuMemAllocAsync` on this context and no
+        // work uses it.
+        unsafe { result::free_async(ptr, self.stream.cu_stream()) }.expect("cuMemFreeAsync");
+    }
+    fn finish(&self, _: &()) {
+        self.stream.synchronize().expect("cuStreamSynchronize");
     }
 }
 
-static UNIFORM: std::sync::LazyLock<bool> =
-    std::sync::LazyLock::new(|| std::env::var("CUMEM_BENCH_SIZES").is_ok_and(|v| v == "uniform"));
-
-/// One thread's random operations: allocate or free with equal odds,
-/// within `MAX_LIVE` live blocks.
-fn step<T: Target>(t: &T, l: &T::Local, rng: &mut SmallRng, live: &mut Vec<u64>) {
-    if live.is_empty() || (live.len() < MAX_LIVE && rng.gen_bool(0.5)) {
-        live.push(t.allocate(l, size(rng)));
-    } else {
-        let i = rng.gen_range(0..live.len());
-        t.free(l, live.swap_remove(i));
-    }
+/// `threads` new threads run `ops` steps each of the peers' workload (seeds
+/// from `seed`), timed from the first thread's start after a barrier to
+/// the last one's end.
+fn pass<T: Target>(t: &T, threads: usize, ops: u64, seed: u64) -> Duration {
+    let go = Barrier::new(threads);
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|id| {
+                let go = &go;
+                s.spawn(move || {
+                    let l = t.local();
+                    let mut live = Vec::with_capacity(1000);
+                    go.wait();
+                    let start = Instant::now();
+                    let mut rng = SmallRng::seed_from_u64(seed + id as u64);
+                    for _ in 0..ops {
+                        if live.len() < 1000 && (live.is_empty() || rng.gen_bool(0.5)) {
+                            live.push(t.allocate(&l, rng.gen_range(1..=MAX_SIZE)));
+                        } else {
+                            let i = rng.gen_range(0..live.len());
+                            t.free(&l, live.swap_remove(i));
+                        }
+                    }
+                    for p in live {
+                        t.free(&l, p);
+                    }
+                    t.finish(&l);
+                    (start, Instant::now())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("bench thread")).collect()
+    });
+    let start = spans.iter().map(|s| s.0).min().expect("a thread");
+    spans.iter().map(|s| s.1).max().expect("a thread") - start
 }
 
-/// Runs `ops` operations on each of `threads` threads; returns the wall
-/// time of the timed part (after every thread has 500 live blocks).
-fn run<T: Target>(t: &T, threads: usize, ops: u64) -> Duration {
-    let start = Barrier::new(threads + 1);
-    let end = Barrier::new(threads + 1);
-    std::thread::scope(|s| {
-        for id in 0..threads {
-            let (start, end) = (&start, &end);
-            s.spawn(move || {
-                let l = t.local();
-                let mut rng = SmallRng::seed_from_u64(id as u64 * 7919 + ops);
-                let mut live: Vec<u64> = (0..MAX_LIVE / 2).map(|_| t.allocate(&l, size(&mut rng))).collect();
-                start.wait();
-                for _ in 0..ops {
-                    step(t, &l, &mut rng, &mut live);
-                }
-                end.wait();
-                for p in live {
-                    t.free(&l, p);
-                }
-                t.finish(&l);
-            });
+/// The device's upstream calls, page maps and cross-stream waits so far.
+fn device_counts(mm: &MemoryManager) -> [u64; 3] {
+    let ds = mm.device_stats(0).expect("device stats");
+    [ds.pool.upstream_allocs, ds.pool.map_calls, ds.stream_waits]
+}
+
+/// The peers' workload through the global manager, rows interleaved.
+fn peers() {
+    let mm = MemoryManager::global().expect("the global manager");
+    let one = Device { mm, shared: Some(Stream::new().expect("cuStreamCreate")) };
+    let each = Device { mm, shared: None };
+    let pinned = Pinned(mm);
+    let raw = device_context(0).ok().flatten().filter(|c| c.has_async_alloc()).map(|ctx| {
+        ctx.bind_to_thread().expect("cuCtxSetCurrent");
+        Raw { stream: ctx.new_stream().expect("cuStreamCreate"), ctx }
+    });
+    pass(&one, 16, ops_per_thread(16, 1.0), 0x0a11_0000);
+    pass(&pinned, 16, ops_per_thread(16, 1.0), 0x0a12_0000);
+    println!("\nThe peers' workload as the check runs it ({}, rows interleaved, new threads)", mm.backend());
+    println!("{:<34}{:>8}{:>10}{:>9}{:>8}{:>8}{:>8}", "row", "threads", "Mops/s", "ms", "dcalls", "maps", "waits");
+    let names = ["one", "each", "pinned", "raw"];
+    let rows = std::env::var("CUMEM_CHECK_ROWS").unwrap_or_else(|_| names.join(","));
+    let wanted: Vec<usize> = (0..4).filter(|&r| rows.split(',').any(|w| w.trim() == names[r])).collect();
+    let titles =
+        ["device, one shared stream", "device, a stream per thread", "pinned", "raw cuMemAllocAsync, one stream"];
+    let mut table = vec![Vec::new(); 4];
+    for n in THREADS {
+        for &r in &wanted {
+            let ops = ops_per_thread(n, if r == 3 { 10.0 } else { 1.0 });
+            let seed = 0x5eed_0000 + (n as u64) * 1000 + (r as u64) * 100;
+            let before = device_counts(mm);
+            let took = match (r, &raw) {
+                (0, _) => pass(&one, n, ops, seed),
+                (1, _) => pass(&each, n, ops, seed),
+                (2, _) => pass(&pinned, n, ops, seed),
+                (_, Some(raw)) => pass(raw, n, ops, seed),
+                (_, None) => continue,
+            };
+            let after = device_counts(mm);
+            let rate = (ops * n as u64) as f64 / took.as_secs_f64() / 1e6;
+            table[r].push(rate);
+            let [calls, maps, waits] = [0, 1, 2].map(|i| after[i] - before[i]);
+            let ms = took.as_secs_f64() * 1e3;
+            println!("{:<34}{n:>8}{rate:>10.2}{ms:>9.1}{calls:>8}{maps:>8}{waits:>8}", titles[r]);
         }
-        start.wait();
-        let t0 = Instant::now();
-        end.wait();
-        t0.elapsed()
-    })
+    }
+    println!("\nsummary (Mops/s)");
+    print!("{:<34}", "row");
+    for n in THREADS {
+        print!("{:>9}", format!("{n} thr"));
+    }
+    println!("{:>9}", "16/8");
+    for (name, rates) in titles.iter().zip(&table).filter(|(_, rates)| rates.len() == THREADS.len()) {
+        print!("{name:<34}");
+        for r in rates {
+            print!("{r:>9.2}");
+        }
+        println!("{:>9.2}", rates[4] / rates[3]);
+    }
+    let (ds, ps) = (mm.device_stats(0).expect("device stats").pool, mm.pinned_stats());
+    println!(
+        "after: device mapped {} MiB, peak in use {} MiB, map calls {}; pinned reserved {} MiB, peak in use {} MiB",
+        ds.mapped >> 20,
+        ds.peak_in_use >> 20,
+        ds.map_calls,
+        ps.reserved >> 20,
+        ps.peak_in_use >> 20
+    );
 }
 
-type Table = Mutex<BTreeMap<String, BTreeMap<usize, (u64, Duration)>>>;
-
-/// Share of allocations served by thread caches, per pool target.
-type Hits = Mutex<BTreeMap<String, f64>>;
-
-/// Allocations served in all, and by the shared pool.
-fn counts<U: Upstream>(pool: &Pool<U>) -> (u64, u64) {
-    (pool.stats().allocations, pool.with_fit(|f| f.stats().allocations))
+/// Bytes held (as asked) in one pool now, and the most at once.
+#[derive(Default)]
+struct Held {
+    now: AtomicUsize,
+    peak: AtomicUsize,
 }
 
-/// Runs the scaling benchmark on a pool and records its cache hit rate.
-fn scaling_pool<U: Upstream>(c: &mut Criterion, table: &Table, hits: &Hits, name: &str, pool: &Pool<U>) {
-    let (all0, shared0) = counts(pool);
-    scaling(c, table, name, pool);
-    let (all, shared) = counts(pool);
-    let (all, shared) = (all - all0, shared - shared0);
-    hits.lock().unwrap().insert(name.to_string(), (all - shared) as f64 / all.max(1) as f64);
+impl Held {
+    fn add(&self, n: usize) {
+        let now = self.now.fetch_add(n, Ordering::Relaxed) + n;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+    fn peak(&self) -> f64 {
+        self.peak.load(Ordering::Relaxed).max(1) as f64
+    }
 }
 
-fn scaling<T: Target>(c: &mut Criterion, table: &Table, name: &str, t: &T) {
-    let mut g = c.benchmark_group(format!("scaling/{name}"));
-    for threads in THREADS {
-        g.throughput(Throughput::Elements(threads as u64));
-        g.bench_with_input(BenchmarkId::from_parameter(threads), &threads, |b, &threads| {
-            b.iter_custom(|iters| {
-                let d = run(t, threads, iters);
-                let mut table = table.lock().unwrap();
-                let e = table.entry(name.to_string()).or_default().entry(threads).or_default();
-                e.0 += iters * threads as u64;
-                e.1 += d;
-                d
-            })
+/// A block one pool thread holds: (device?, address, size).
+type Block = (bool, u64, usize);
+
+/// The resizing thread pool (see the module docs).
+fn pool() {
+    const ROUNDS: usize = 24;
+    const LIVE: usize = 200;
+    let ops = ((4_000.0 * scale()) as usize).max(100);
+    let mm = MemoryManager::new(Config::from_env().expect("CUMEM_CONF")).expect("a manager");
+    let stream = Stream::new().expect("cuStreamCreate");
+    let (dev, pin) = (Held::default(), Held::default());
+    let carried: Mutex<Vec<Block>> = Mutex::new(Vec::new());
+    let seed: u64 = std::env::var("CUMEM_CHECK_SEED")
+        .ok()
+        .and_then(|v| v.strip_prefix("0x").map_or_else(|| v.parse().ok(), |h| u64::from_str_radix(h, 16).ok()))
+        .unwrap_or(0x9001);
+    let free = |b: Block| {
+        if b.0 {
+            mm.free_device_on(b.1, &stream).expect("device free");
+            dev.now.fetch_sub(b.2, Ordering::Relaxed);
+        } else {
+            mm.free_pinned(b.1 as *mut u8).expect("pinned free");
+            pin.now.fetch_sub(b.2, Ordering::Relaxed);
+        }
+    };
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let t0 = Instant::now();
+    let mut sizes = Vec::new();
+    for round in 0..ROUNDS {
+        let n = match round {
+            0 => 1,
+            1 => 32,
+            _ => rng.gen_range(1..=32),
+        };
+        sizes.push(n);
+        // The blocks the round before left, shared out among this round.
+        let inherited = std::mem::take(&mut *carried.lock().unwrap());
+        let per = inherited.len().div_ceil(n).max(1);
+        let mut parts = inherited.chunks(per).map(<[Block]>::to_vec);
+        std::thread::scope(|s| {
+            for id in 0..n {
+                let mine = parts.next().unwrap_or_default();
+                let (mm, stream, dev, pin, carried, free) = (&mm, &stream, &dev, &pin, &carried, &free);
+                s.spawn(move || {
+                    mine.into_iter().for_each(free);
+                    let mut r = SmallRng::seed_from_u64(seed ^ (((round as u64) << 32) | id as u64));
+                    let mut live: Vec<Block> = Vec::with_capacity(LIVE);
+                    for _ in 0..ops {
+                        if live.len() < LIVE && (live.is_empty() || r.gen_bool(0.5)) {
+                            let size = r.gen_range(1..=MAX_SIZE);
+                            if r.gen_bool(0.5) {
+                                let p = mm.allocate_device_on(size, stream).expect("device allocation");
+                                dev.add(size);
+                                live.push((true, p, size));
+                            } else {
+                                let p = mm.allocate_pinned(size).expect("pinned allocation").as_ptr() as u64;
+                                pin.add(size);
+                                live.push((false, p, size));
+                            }
+                        } else {
+                            let i = r.gen_range(0..live.len());
+                            free(live.swap_remove(i));
+                        }
+                    }
+                    // Half goes to the next round; the rest is freed here.
+                    let keep = live.split_off(live.len() / 2);
+                    live.into_iter().for_each(free);
+                    carried.lock().unwrap().extend(keep);
+                });
+            }
         });
     }
-    g.finish();
-}
-
-fn pair<U: Upstream>(c: &mut Criterion, name: &str, pool: &Pool<U>) {
-    let mut g = c.benchmark_group(format!("pair/{name}"));
-    for (label, size) in [("256B", 256), ("64KiB", 64 << 10), ("2MiB", 2 << 20)] {
-        g.bench_function(label, |b| {
-            b.iter(|| {
-                let a = pool.allocate(std::hint::black_box(size), 256).unwrap();
-                pool.deallocate(a.addr, StreamTag::NONE).unwrap();
-            })
-        });
-    }
-    g.finish();
-}
-
-fn config(kind: PoolKind, cache: bool) -> PoolConfig {
-    let mut c = PoolConfig::new(kind);
-    c.thread_cache = cache;
-    // Per-thread cache budget in MiB, for experiments.
-    if let Some(mib) = std::env::var("CUMEM_BENCH_CACHE_MIB").ok().and_then(|v| v.parse::<usize>().ok()) {
-        c.thread_cache_bytes = mib << 20;
-    }
-    c
+    let took = t0.elapsed();
+    stream.synchronize().expect("cuStreamSynchronize");
+    let (ds, ps) = (mm.device_stats(0).expect("device stats").pool, mm.pinned_stats());
+    let (dp, pp) = (dev.peak(), pin.peak());
+    let of = |b: usize, held: f64| format!("{} MiB = {:.3}", b >> 20, b as f64 / held);
+    println!("\nA resizing thread pool (seed {seed:#x}): {ROUNDS} rounds of {sizes:?} fresh threads, {ops} steps each");
+    println!(
+        "device: end mapped {} / most held at once {} MiB; peak mapped {}; the most pages live blocks \
+         touched (the floor) {}; upstream calls {}, map calls {}, unmap calls {}",
+        of(ds.mapped, dp),
+        dp as usize >> 20,
+        of(ds.peak_mapped, dp),
+        of(ds.peak_touched, dp),
+        ds.upstream_allocs,
+        ds.map_calls,
+        ds.unmap_calls,
+    );
+    println!(
+        "pinned: end reserved {} / most held at once {} MiB; peak reserved {}; upstream calls {}",
+        of(ps.reserved, pp),
+        pp as usize >> 20,
+        of(ps.peak_reserved, pp),
+        ps.upstream_allocs,
+    );
+    println!("took {:.2} s", took.as_secs_f64());
+    std::mem::take(&mut *carried.lock().unwrap()).into_iter().for_each(free);
 }
 
 fn main() {
-    if check::main() {
-        return;
-    }
-    peers::main();
-    if std::env::var("CUMEM_BENCH_PEERS_ONLY").is_ok_and(|v| v == "1") {
-        return;
-    }
-    let mut c = Criterion::default()
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(1))
-        .configure_from_args();
-    let table = Table::default();
-    let hits = Hits::default();
-    for cache in [true, false] {
-        let tag = if cache { "cache_on" } else { "cache_off" };
-        let host = Pool::new(Host::new(), config(PoolKind::Pinned, cache));
-        pair(&mut c, &format!("host_pinned_pool/{tag}"), &host);
-        scaling_pool(&mut c, &table, &hits, &format!("host_pinned_pool/{tag}"), &host);
-    }
-    match driver_status() {
-        DriverStatus::Available { .. } => {
-            let ctx = CudaContext::new(0).expect("device 0");
-            for cache in [true, false] {
-                let tag = if cache { "cache_on" } else { "cache_off" };
-                let dev = Pool::new(CudaDeviceMemory::new(ctx.clone()), config(PoolKind::Device, cache));
-                pair(&mut c, &format!("device_sync_pool/{tag}"), &dev);
-                scaling_pool(&mut c, &table, &hits, &format!("device_sync_pool/{tag}"), &dev);
-                drop(dev);
-                // Pinned memory is reserved up front, as a program sets
-                // `pinned_pool_size` at start: growing it inside the timed
-                // loop would time `cuMemHostAlloc` (about 1 ms per call,
-                // serialised in the driver), not the pool.
-                let mut pc = config(PoolKind::Pinned, cache);
-                pc.initial_size = 10 << 30;
-                let pinned = Pool::new(CudaPinnedMemory::new(ctx.clone()), pc);
-                // Make the reservation now, outside the measurements.
-                if let Ok(a) = pinned.allocate(256, 256) {
-                    let _ = pinned.deallocate(a.addr, StreamTag::NONE);
-                }
-                scaling_pool(&mut c, &table, &hits, &format!("cuda_pinned_pool/{tag}"), &pinned);
-            }
-            if ctx.has_async_alloc() {
-                scaling(&mut c, &table, "raw_cuMemAllocAsync", &peers::Raw { ctx: ctx.clone(), shared: None });
-            }
-        }
-        DriverStatus::Unavailable(why) => println!("no CUDA driver ({why}): host fallback only"),
-    }
-    c.final_summary();
-
-    let dist = if *UNIFORM { "uniform" } else { "log-uniform" };
-    println!("\nTotal Mops/s (allocations + frees), {dist} 1 B..4 MiB, <= {MAX_LIVE} live per thread");
-    print!("{:<34}", "target");
-    for t in THREADS {
-        print!("{:>9}", format!("{t} thr"));
-    }
-    println!("{:>10}{:>10}", "16 vs 1", "hits");
-    for (name, row) in table.lock().unwrap().iter() {
-        print!("{name:<34}");
-        let rate = |t: &usize| row.get(t).map(|(ops, d)| *ops as f64 / d.as_secs_f64() / 1e6);
-        for t in THREADS {
-            match rate(&t) {
-                Some(r) => print!("{r:>9.2}"),
-                None => print!("{:>9}", "-"),
-            }
-        }
-        match (rate(&1), rate(&16)) {
-            (Some(a), Some(b)) => print!("{:>9.1}x", b / a),
-            _ => print!("{:>10}", "-"),
-        }
-        match hits.lock().unwrap().get(name) {
-            Some(h) => println!("{:>9.0}%", h * 100.0),
-            None => println!("{:>10}", "-"),
+    match std::env::var("CUMEM_BENCH_CHECK").as_deref() {
+        Ok("peers") => peers(),
+        Ok("pool") => pool(),
+        Ok(other) => eprintln!("CUMEM_BENCH_CHECK={other}: the workloads are `peers` and `pool`"),
+        Err(_) => {
+            peers();
+            pool();
         }
     }
 }

@@ -21,7 +21,13 @@
 #                                       # peers (cumem-replay/scripts/peers.sh: every trace through
 #                                       # cumem, PyTorch's caching allocator and, with RMM_DIR set,
 #                                       # RMM's pool, three rounds alternated),
-#                                       # bench:NAME (one bench)
+#                                       # bench:NAME (one bench),
+#                                       # soak[:SECS] (cumem-c/examples/soak, 600 s by default:
+#                                       # every kind of task at once, every value checked),
+#                                       # soak-memcheck (a light 60 s soak, its IPC child included,
+#                                       # under compute-sanitizer memcheck),
+#                                       # repeat:N (the threaded GPU tests N times, four at a
+#                                       # time, with every core busy: they must never fail)
 #
 # Two GPUs: CUMEM_GPUS=2 scripts/gpu-suite.sh run tests tests-device1 examples
 # (CUMEM_GPUS=2 makes the two-GPU tests fail instead of skipping when a GPU
@@ -41,27 +47,26 @@ BIN=gpu-bin
 # Where cargo puts what it builds (CARGO_TARGET_DIR when set).
 TARGET=${CARGO_TARGET_DIR:-target}
 
+# "kind name test exe" of each executable in cargo's JSON messages on
+# stdin (test: True for test harnesses).
+executables() {
+    python3 -c 'import json, sys
+for m in map(json.loads, sys.stdin):
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["kind"][0], m["target"]["name"], m["profile"]["test"], m["executable"])'
+}
+
 build() {
     set -e
     rm -rf "$BIN" && mkdir -p "$BIN/tests" "$BIN/examples" "$BIN/benches" "$BIN/tools" "$BIN/traces"
     # Test binaries (the library's own unit tests, tests/host/, tests/gpu/
     # and the tests/*.rs of a process of their own).
-    cargo test --release --no-run --message-format=json 2>/dev/null |
-        python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    # Two of the C ABI crate tests build C and C++ with cargo and a
-    # compiler, or compare the header with cbindgen: host tooling, run by
-    # .ci/run (its unit tests run here).
-    if "cumem-c" in m.get("package_id", "") and m.get("target", {}).get("name") in ("c_abi", "header"):
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        kind = m["target"]["kind"][0]
-        print(kind, m["target"]["name"], m["executable"])
-' | while read -r kind name exe; do
-            [ "$kind" = "bench" ] && continue
-            cp "$exe" "$BIN/tests/$kind-$name"
+    cargo test --release --no-run --message-format=json 2>/dev/null | executables |
+        while read -r kind name test exe; do
+            # The C ABI crate's c_abi and header tests build C and C++ with
+            # cargo and a compiler, or compare the header with cbindgen:
+            # host tooling, run by .ci/run (its unit tests run here).
+            case "$test:$kind:$name" in True:test:c_abi | True:test:header | True:bench:*) ;; True:*) cp "$exe" "$BIN/tests/$kind-$name" ;; esac
         done
     cargo build --release --examples --bins
     # The NCCL example needs the `nccl` feature (cudarc's NCCL bindings;
@@ -75,17 +80,14 @@ for line in sys.stdin:
         esac
         cp "$TARGET/release/examples/$name" "$BIN/examples/$name"
     done
+    cp "$TARGET/release/examples/soak" "$BIN/soak"
     for b in "$TARGET"/release/cumem-*; do
         [ -x "$b" ] && [ -f "$b" ] && cp "$b" "$BIN/tools/"
     done
-    cargo bench --no-run --message-format=json 2>/dev/null |
-        python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and "bench" in m["target"]["kind"]:
-        print(m["target"]["name"], m["executable"])
-' | while read -r name exe; do cp "$exe" "$BIN/benches/$name"; done
+    cargo bench --no-run --message-format=json 2>/dev/null | executables |
+        while read -r kind name _ exe; do
+            if [ "$kind" = bench ]; then cp "$exe" "$BIN/benches/$name"; fi
+        done
     cp ../shared/traces/*.csv.gz "$BIN/traces/" 2>/dev/null || true
     # The synthetic traces as files, for the peers' replays (peers part).
     mkdir -p "$BIN/traces/synth"
@@ -93,7 +95,7 @@ for line in sys.stdin:
         loop_fixed loop_change loop_two loop_lengths
     # The cumem_torch wheel for the ddp part, in .whl/ (carry it too).
     bash scripts/ddp.sh build
-    strip --strip-all "$BIN"/tests/* "$BIN"/examples/* "$BIN"/benches/* "$BIN"/tools/* 2>/dev/null || true
+    strip --strip-all "$BIN"/soak "$BIN"/tests/* "$BIN"/examples/* "$BIN"/benches/* "$BIN"/tools/* 2>/dev/null || true
     du -sh "$BIN"
     ls -R "$BIN" | head -60
 }
@@ -122,7 +124,7 @@ run() {
             # is left out, and the tests that break a capture on purpose
             # (API errors).
             local t="$BIN/tests/test-gpu" m
-            for m in gpu_ipc multi_gpu gpu_graphs cudarc_interop managed_alloc gpu_remap gpu_arenas gpu_hand_over gpu_dropped_streams staged_copy sleep; do
+            for m in gpu_ipc multi_gpu gpu_graphs cudarc_interop managed_alloc gpu_remap gpu_threads gpu_training_threads gpu_dropped_streams staged_copy sleep; do
                 local names
                 names=$(module_tests "$t" "$m" | grep -v -e gpu_without_peer_access -e a_failed_cudarc_capture_releases_its_pool \
                     -e control_a_legacy_stream_sync_breaks_another_threads_global_capture)
@@ -149,8 +151,10 @@ run() {
                 tail -30 "$out/example-$(basename "$e").log"
             done
             ;;
-        benches)
-            for b in "$BIN"/benches/*; do
+        benches | bench:*)
+            local benches=("$BIN"/benches/*)
+            [ "$w" = benches ] || benches=("$BIN/benches/${w#bench:}")
+            for b in "${benches[@]}"; do
                 echo "== $b"
                 timeout 400 "$b" --bench >"$out/bench-$(basename "$b").log" 2>&1 || { echo "FAILED: $b"; failed=1; }
                 grep -vE "^(Benchmarking|Found|  [0-9]+ \(|Warning|\s*$)" "$out/bench-$(basename "$b").log" | tail -60
@@ -189,11 +193,28 @@ run() {
                 echo "FAILED: scripts/ddp.sh"; failed=1
             fi
             ;;
-        bench:*)
-            b="$BIN/benches/${w#bench:}"
-            echo "== $b"
-            timeout 400 "$b" --bench >"$out/bench-$(basename "$b").log" 2>&1 || { echo "FAILED: $b"; failed=1; }
-            grep -vE "^(Benchmarking|Found|  [0-9]+ \(|Warning|\s*$)" "$out/bench-$(basename "$b").log" | tail -60
+        soak | soak:*)
+            local secs=${w#soak}
+            secs=${secs#:}
+            echo "== $BIN/soak, ${secs:-600} s"
+            timeout $((${secs:-600} + 300)) "$BIN/soak" --secs "${secs:-600}" >"$out/soak.log" 2>&1 || { echo "FAILED: soak"; failed=1; }
+            grep -E "^soak: (steady|[0-9]+ ops|PASS|FAIL)|ERROR|WRONG" "$out/soak.log" | tail -30
+            ;;
+        soak-memcheck)
+            command -v compute-sanitizer >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
+            echo "== compute-sanitizer memcheck $BIN/soak --light"
+            timeout 900 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 "$BIN/soak" --light \
+                --threads 3 --secs 60 --report-secs 20 >"$out/soak-memcheck.log" 2>&1 || { echo "FAILED: soak memcheck"; failed=1; }
+            grep -E "^soak: ([0-9]+ ops|PASS|FAIL)|ERROR SUMMARY|ERROR|WRONG" "$out/soak-memcheck.log" | tail -20
+            ;;
+        repeat:*)
+            local n=${w#repeat:} t="$BIN/tests/test-gpu" names load=() fails
+            names=$(for m in gpu_threads gpu_training_threads gpu_unmapped_pages; do module_tests "$t" "$m"; done | tr '\n' ' ')
+            for _ in $(seq "$(nproc)"); do timeout 900 sh -c 'while :; do :; done' & load+=($!); done
+            fails=$(seq "$n" | xargs -P 4 -I{} sh -c "timeout 300 $t --test-threads=1 --exact $names >$out/repeat-{}.log 2>&1 || echo {}" | wc -l)
+            kill "${load[@]}" 2>/dev/null
+            echo "repeat: $((n - fails)) of $n passed with every core busy"
+            [ "$fails" = 0 ] || failed=1
             ;;
         replay)
             tool="$BIN/tools/cumem-replay"
@@ -295,5 +316,5 @@ run_one() {
 case "${1:-}" in
 build) build ;;
 run) shift; run "$@" ;;
-*) echo "usage: $0 build | run [tests|tests-device1|memcheck|examples|nccl|python|ddp|benches|bench:NAME|replay]..." >&2; exit 2 ;;
+*) echo "usage: $0 build | run [tests|tests-device1|memcheck|examples|nccl|python|ddp|benches|bench:NAME|replay|peers|soak[:SECS]|soak-memcheck|repeat:N]..." >&2; exit 2 ;;
 esac

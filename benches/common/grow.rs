@@ -1,9 +1,7 @@
 //! Growing a buffer by doubling: cumem's GrowableBuffer (no copy) against
 //! allocate-bigger-and-copy (`cuMemAlloc` + `cuMemcpyDtoD` + `cuMemFree`;
-//! on the host fallback `mmap` + `memcpy` + `munmap`). Shared by the bench
-//! and the example.
-
-#![allow(dead_code)]
+//! on the host fallback a heap allocation, `memcpy` and a free). Shared by
+//! the bench and the example.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,131 +43,86 @@ impl Env {
         Env { backend, ctx, max_size }
     }
 
-    /// 2 MiB, 4 MiB, ... up to `limit` (and `max_size`).
-    pub fn sizes(&self, limit: usize) -> Vec<usize> {
-        std::iter::successors(Some(2 * MIB), |s| Some(s * 2)).take_while(|s| *s <= self.max_size.min(limit)).collect()
-    }
-
-    fn sync(&self) {
-        if let Some(ctx) = &self.ctx {
-            ctx.synchronize().expect("cuCtxSynchronize");
-        }
-    }
-
-    /// Grows a GrowableBuffer from 2 MiB to each size in turn; returns the
-    /// time of each growth and its path.
+    /// Grows a GrowableBuffer from the first size to each next one in
+    /// turn; returns the time of each growth and its path. On the host the
+    /// new part is written after each growth, so the next one moves real
+    /// pages, as the copying method copies real bytes.
     pub fn doubling_cumem(&self, sizes: &[usize]) -> Vec<(Duration, GrowPath)> {
         let mut buf = GrowableBuffer::<u8>::with_capacity_on(self.backend.clone(), sizes[0]).expect("with_capacity");
-        self.touch_cumem(&buf, 0, sizes[0]);
-        let mut out = Vec::new();
-        let mut prev = sizes[0];
-        for &size in &sizes[1..] {
+        let touch = |buf: &GrowableBuffer<u8>, from: usize, to: usize| {
+            if self.ctx.is_none() {
+                // SAFETY: on the host backend the buffer's first `to` bytes
+                // are committed memory that nothing else references.
+                unsafe { std::ptr::write_bytes((buf.device_ptr() as usize + from) as *mut u8, 1, to - from) };
+            }
+        };
+        touch(&buf, 0, sizes[0]);
+        let grow = |w: &[usize]| {
             let t = Instant::now();
-            let path = buf.grow(size).expect("GrowableBuffer::grow");
-            self.sync();
-            out.push((t.elapsed(), path));
-            self.touch_cumem(&buf, prev, size);
-            prev = size;
-        }
-        out
-    }
-
-    /// On the host, writes the new half so the next growth moves real
-    /// pages, as the copying method must copy real bytes.
-    fn touch_cumem(&self, buf: &GrowableBuffer<u8>, from: usize, to: usize) {
-        if self.ctx.is_none() {
-            // SAFETY: on the host backend the buffer's first `to` bytes are
-            // committed memory that nothing else references.
-            unsafe { std::ptr::write_bytes((buf.device_ptr() as usize + from) as *mut u8, 1, to - from) };
-        }
+            let path = buf.grow(w[1]).expect("GrowableBuffer::grow");
+            if let Some(ctx) = &self.ctx {
+                ctx.synchronize().expect("cuCtxSynchronize");
+            }
+            let took = (t.elapsed(), path);
+            touch(&buf, w[0], w[1]);
+            took
+        };
+        sizes.windows(2).map(grow).collect()
     }
 
     /// The same growths by allocating a new buffer, copying the old
     /// contents and freeing the old buffer; the time of each.
     pub fn doubling_copy(&self, sizes: &[usize]) -> Vec<Duration> {
-        let mut out = Vec::new();
-        let mut cur = self.raw_alloc(sizes[0]);
-        self.raw_touch(cur, 0, sizes[0]);
-        let mut prev = sizes[0];
-        for &size in &sizes[1..] {
+        let Some(ctx) = &self.ctx else {
+            let mut cur = vec![1u8; sizes[0]];
+            let grow = |w: &[usize]| {
+                let t = Instant::now();
+                let mut next = Vec::with_capacity(w[1]);
+                next.extend_from_slice(&cur);
+                cur = next;
+                let took = t.elapsed();
+                cur.resize(w[1], 1);
+                took
+            };
+            return sizes.windows(2).map(grow).collect();
+        };
+        ctx.bind_to_thread().expect("bind");
+        let alloc = |size| {
+            let mut p = 0;
+            // SAFETY: `p` is a valid out-pointer; the context is current.
+            unsafe { sys::cuMemAlloc_v2(&mut p, size) }.result().expect("cuMemAlloc");
+            p
+        };
+        let mut cur = alloc(sizes[0]);
+        let grow = |w: &[usize]| {
             let t = Instant::now();
-            let next = self.raw_alloc(size);
-            self.raw_copy(next, cur, prev);
-            self.raw_free(cur, prev);
-            self.sync();
-            out.push(t.elapsed());
-            self.raw_touch(next, prev, size);
+            let next = alloc(w[1]);
+            // SAFETY: both are live allocations of at least `w[0]` bytes;
+            // `cur` came from cuMemAlloc and is freed once.
+            unsafe { sys::cuMemcpyDtoD_v2(next, cur, w[0]).result().and_then(|_| sys::cuMemFree_v2(cur).result()) }
+                .expect("cuMemcpyDtoD, cuMemFree");
+            ctx.synchronize().expect("cuCtxSynchronize");
             cur = next;
-            prev = size;
-        }
-        self.raw_free(cur, prev);
+            t.elapsed()
+        };
+        let out = sizes.windows(2).map(grow).collect();
+        // SAFETY: `cur` came from cuMemAlloc and is freed once.
+        unsafe { sys::cuMemFree_v2(cur) }.result().expect("cuMemFree");
         out
     }
 
-    fn raw_alloc(&self, size: usize) -> u64 {
-        match &self.ctx {
-            Some(ctx) => {
-                ctx.bind_to_thread().expect("bind");
-                let mut p = 0;
-                // SAFETY: `p` is a valid out-pointer.
-                unsafe { sys::cuMemAlloc_v2(&mut p, size) }.result().expect("cuMemAlloc");
-                p
-            }
-            None => {
-                // SAFETY: a fresh anonymous mapping aliases nothing.
-                let p = unsafe {
-                    libc::mmap(
-                        std::ptr::null_mut(),
-                        size,
-                        libc::PROT_READ | libc::PROT_WRITE,
-                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                        -1,
-                        0,
-                    )
-                };
-                assert_ne!(p, libc::MAP_FAILED, "mmap");
-                p as u64
-            }
-        }
-    }
-
-    fn raw_copy(&self, dst: u64, src: u64, bytes: usize) {
-        match &self.ctx {
-            // SAFETY: both are live allocations of at least `bytes` bytes.
-            Some(_) => unsafe { sys::cuMemcpyDtoD_v2(dst, src, bytes) }.result().expect("cuMemcpyDtoD"),
-            // SAFETY: both are live, distinct mappings of at least `bytes`.
-            None => unsafe { std::ptr::copy_nonoverlapping(src as usize as *const u8, dst as usize as *mut u8, bytes) },
-        }
-    }
-
-    fn raw_free(&self, p: u64, size: usize) {
-        match &self.ctx {
-            // SAFETY: `p` came from cuMemAlloc and is freed once.
-            Some(_) => unsafe { sys::cuMemFree_v2(p) }.result().expect("cuMemFree"),
-            None => {
-                // SAFETY: `p` came from mmap of `size` bytes, unmapped once.
-                assert_eq!(unsafe { libc::munmap(p as usize as *mut libc::c_void, size) }, 0);
-            }
-        }
-    }
-
-    fn raw_touch(&self, p: u64, from: usize, to: usize) {
-        if self.ctx.is_none() {
-            // SAFETY: a live mapping of at least `to` bytes.
-            unsafe { std::ptr::write_bytes((p as usize + from) as *mut u8, 1, to - from) };
-        }
-    }
-
-    /// Runs both methods `reps` times over all sizes and prints, per size,
-    /// the median time of the growth that reached it and the ratio.
+    /// Runs both methods `reps` times from 2 MiB to the largest size and
+    /// prints, per size, the median time of the growth that reached it and
+    /// the ratio.
     pub fn print_table(&self, reps: usize) {
-        let sizes = self.sizes(usize::MAX);
+        let sizes: Vec<usize> =
+            std::iter::successors(Some(2 * MIB), |s| Some(s * 2)).take_while(|s| *s <= self.max_size).collect();
         println!(
             "growing by doubling on {} (2 MiB .. {} MiB), median of {reps} runs",
             self.backend,
             self.max_size / MIB
         );
-        let copy_name = if self.ctx.is_some() { "cuMemAlloc+DtoD+Free" } else { "mmap+memcpy+munmap" };
+        let copy_name = if self.ctx.is_some() { "cuMemAlloc+DtoD+Free" } else { "alloc+memcpy+free" };
         let mut cumem: Vec<Vec<(Duration, GrowPath)>> = vec![Vec::new(); sizes.len() - 1];
         let mut copy: Vec<Vec<Duration>> = vec![Vec::new(); sizes.len() - 1];
         for _ in 0..reps {

@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 use cumem::{Config, DeviceAllocatorMode, MemoryManager};
 
-use crate::ffi::{copy_text, manager, ordinal, put};
+use crate::ffi::{allocate_into, copy_text, manager, ordinal, put, put_opt};
 use crate::status::{guard, Failure, Outcome};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
@@ -107,14 +107,8 @@ pub unsafe extern "C" fn cumem_is_host_fallback(out: *mut c_int) -> CumemStatus 
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_allocate_pinned(size: usize, out: *mut *mut c_void) -> CumemStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let p = manager()?.allocate_pinned(size)?;
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", p.as_ptr().cast::<c_void>()) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { allocate_into(out, || Ok(manager()?.allocate_pinned(size)?.as_ptr() as usize as u64)) }
 }
 
 /// Returns pinned memory to the pool. It must no longer be used (by the
@@ -143,14 +137,8 @@ pub extern "C" fn cumem_free_pinned(ptr: *mut c_void) -> CumemStatus {
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_allocate_device(size: usize, out: *mut *mut c_void) -> CumemStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let d = manager()?.allocate_device(size)?;
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", d as usize as *mut c_void) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { allocate_into(out, || Ok(manager()?.allocate_device(size)?)) }
 }
 
 /// Allocates device memory for work on `stream` (a stream of the default
@@ -169,16 +157,13 @@ pub unsafe extern "C" fn cumem_allocate_device_on(
     stream: CumemStream,
     out: *mut *mut c_void,
 ) -> CumemStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let mm = manager()?;
-        let s = stream_for(mm.config().device, stream)?;
-        let d = mm.allocate_device_on(size, &s)?;
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", d as usize as *mut c_void) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe {
+        allocate_into(out, || {
+            let mm = manager()?;
+            Ok(mm.allocate_device_on(size, &stream_for(mm.config().device, stream)?)?)
+        })
+    }
 }
 
 /// Frees device memory at once: no queued work on any stream may still use
@@ -346,10 +331,8 @@ pub unsafe extern "C" fn cumem_set_device_allocator_mode(mode: c_int, effective:
                 )
             })?;
         let now = CumemMode::of(manager()?.set_device_allocator_mode(mode)?);
-        if !effective.is_null() {
-            // SAFETY: the caller's promise about `effective`.
-            unsafe { effective.write(now) };
-        }
+        // SAFETY: the caller's promise about `effective`.
+        unsafe { put_opt(effective, now) };
         Ok(())
     })
 }

@@ -1,7 +1,7 @@
 //! Helpers of the C boundary: the process-wide manager, writing results
 //! through out-pointers, device numbers from C.
 
-use std::ffi::{c_char, c_int};
+use std::ffi::{c_char, c_int, c_void};
 
 use cumem::MemoryManager;
 
@@ -26,6 +26,37 @@ pub(crate) unsafe fn put<T>(out: *mut T, name: &str, value: T) -> Outcome {
     Ok(())
 }
 
+/// Runs `allocate` and stores the pointer it makes (a device address) in
+/// `*out`, left unchanged on failure.
+///
+/// # Safety
+/// `out` must be NULL (an error, and `allocate` does not run) or valid for
+/// a write.
+pub(crate) unsafe fn allocate_into(
+    out: *mut *mut c_void,
+    allocate: impl FnOnce() -> Outcome<u64>,
+) -> crate::CumemStatus {
+    crate::status::guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let p = allocate()?;
+        // SAFETY: non-null, and the caller's promise about `out`.
+        unsafe { put(out, "out", p as usize as *mut c_void) }
+    })
+}
+
+/// Writes `value` through `out` unless it is NULL (an optional result).
+///
+/// # Safety
+/// `out` must be NULL or valid for a write of one `T`.
+pub(crate) unsafe fn put_opt<T>(out: *mut T, value: T) {
+    if !out.is_null() {
+        // SAFETY: non-null, and the caller promises it is valid for a write.
+        unsafe { out.write(value) };
+    }
+}
+
 /// Copies `text` NUL-terminated into `buf` (`len` bytes); `*needed` (when
 /// not NULL) gets the bytes the whole text needs, its NUL included. A
 /// buffer too small gets as much as fits, NUL-terminated, and
@@ -36,10 +67,8 @@ pub(crate) unsafe fn put<T>(out: *mut T, name: &str, value: T) -> Outcome {
 /// valid for a write.
 pub(crate) unsafe fn copy_text(text: &str, buf: *mut c_char, len: usize, needed: *mut usize) -> Outcome {
     let need = text.len() + 1;
-    if !needed.is_null() {
-        // SAFETY: non-null, and the caller promises it is valid.
-        unsafe { needed.write(need) };
-    }
+    // SAFETY: the caller's promise about `needed`.
+    unsafe { put_opt(needed, need) };
     if buf.is_null() {
         return if len == 0 { Err(too_small(need, 0)) } else { Err(Failure::null("buf")) };
     }

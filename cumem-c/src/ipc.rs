@@ -22,7 +22,7 @@ use cumem::ipc::{Export, ImportedMemory, IpcHandle};
 use cumem::Error;
 
 use crate::ffi::manager;
-use crate::ffi::put;
+use crate::ffi::{put, put_opt};
 use crate::status::{guard, Failure, Outcome};
 use crate::CumemStatus;
 
@@ -164,14 +164,10 @@ pub unsafe extern "C" fn cumem_ipc_import(
         let memory = ImportedMemory::open(handle, device)?;
         let (p, n, id) = (memory.ptr(), memory.size(), memory.export_id());
         lock(&IMPORTS).get_or_insert_with(HashMap::new).insert(p, memory);
-        if !size.is_null() {
-            // SAFETY: non-null; the caller's promise.
-            unsafe { size.write(n) };
-        }
-        if !export_id.is_null() {
-            // SAFETY: non-null; the caller's promise.
-            unsafe { export_id.write(id) };
-        }
+        // SAFETY: the caller's promise about `size`.
+        unsafe { put_opt(size, n) };
+        // SAFETY: the caller's promise about `export_id`.
+        unsafe { put_opt(export_id, id) };
         // SAFETY: checked non-null; the caller's promise.
         unsafe { put(ptr, "ptr", p as usize as *mut c_void) }
     })

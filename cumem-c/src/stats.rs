@@ -4,7 +4,7 @@ use std::ffi::{c_char, c_int};
 
 use cumem::pool::PoolStats;
 
-use crate::ffi::{copy_text, manager, put};
+use crate::ffi::{copy_text, manager, put, put_opt};
 use crate::status::{guard, Failure};
 use crate::CumemStatus;
 
@@ -203,10 +203,8 @@ pub extern "C" fn cumem_reset_peak_stats() -> CumemStatus {
 pub unsafe extern "C" fn cumem_release_cached(released: *mut usize) -> CumemStatus {
     guard(|| {
         let n = manager()?.release_cached()?;
-        if !released.is_null() {
-            // SAFETY: the caller's promise about `released`.
-            unsafe { released.write(n) };
-        }
+        // SAFETY: the caller's promise about `released`.
+        unsafe { put_opt(released, n) };
         Ok(())
     })
 }
@@ -262,15 +260,13 @@ pub extern "C" fn cumem_flush_log() -> CumemStatus {
 pub unsafe extern "C" fn cumem_shutdown(report: *mut CumemShutdownReport) -> CumemStatus {
     guard(|| {
         let r = manager()?.shutdown()?;
-        if !report.is_null() {
-            let c = CumemShutdownReport {
-                live_count: r.live_count,
-                live_bytes: r.live_bytes,
-                released_bytes: r.released_bytes,
-            };
-            // SAFETY: the caller's promise about `report`.
-            unsafe { report.write(c) };
-        }
+        let c = CumemShutdownReport {
+            live_count: r.live_count,
+            live_bytes: r.live_bytes,
+            released_bytes: r.released_bytes,
+        };
+        // SAFETY: the caller's promise about `report`.
+        unsafe { put_opt(report, c) };
         Ok(())
     })
 }

@@ -14,7 +14,7 @@ use std::ffi::{c_char, c_int, CStr};
 
 use cumem::{SleepReport, TagState, TagUsage, WakeReport};
 
-use crate::ffi::{copy_text, manager, put};
+use crate::ffi::{copy_text, manager, put, put_opt};
 use crate::status::{guard, Failure, Outcome};
 use crate::CumemStatus;
 
@@ -291,10 +291,8 @@ pub unsafe extern "C" fn cumem_sleep(
         let (offload, discard) =
             unsafe { (tag_names(offload, n_offload, "offload")?, tag_names(discard, n_discard, "discard")?) };
         let r = manager()?.sleep(&offload, &discard)?;
-        if !out.is_null() {
-            // SAFETY: non-null, and the caller's promise about `out`.
-            unsafe { out.write(CumemSleepReport::from(&r)) };
-        }
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put_opt(out, CumemSleepReport::from(&r)) };
         Ok(())
     })
 }
@@ -323,10 +321,8 @@ pub unsafe extern "C" fn cumem_wake(tags: *const *const c_char, n: usize, out: *
         // SAFETY: the caller's promise about the list.
         let tags = unsafe { tag_names(tags, n, "tags")? };
         let r = manager()?.wake(&tags)?;
-        if !out.is_null() {
-            // SAFETY: non-null, and the caller's promise about `out`.
-            unsafe { out.write(CumemWakeReport::from(&r)) };
-        }
+        // SAFETY: the caller's promise about `out`.
+        unsafe { put_opt(out, CumemWakeReport::from(&r)) };
         Ok(())
     })
 }

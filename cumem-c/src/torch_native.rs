@@ -8,10 +8,9 @@
 
 use std::ffi::{c_int, c_void};
 
-use crate::ffi::ordinal;
-use crate::ffi::{manager, put};
+use crate::ffi::{allocate_into, manager, ordinal, put};
 use crate::recorded::free_on;
-use crate::status::{guard, Failure, Outcome};
+use crate::status::{guard, Failure};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
 
@@ -41,22 +40,6 @@ pub unsafe extern "C" fn cumem_torch_allocate(
             Ok(manager()?.allocate_device_on(size, &s)?)
         })
     }
-}
-
-/// Runs `allocate` and stores the pointer it makes in `*out`.
-///
-/// # Safety
-/// `out` must be NULL (an error, and `allocate` does not run) or valid for
-/// a write.
-unsafe fn allocate_into(out: *mut *mut c_void, allocate: impl FnOnce() -> Outcome<u64>) -> CumemStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let p = allocate()?;
-        // SAFETY: non-null, and the caller's promise about `out`.
-        unsafe { put(out, "out", p as usize as *mut c_void) }
-    })
 }
 
 /// Allocates `size` bytes on device `device`, usable at once by the host

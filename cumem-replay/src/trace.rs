@@ -193,18 +193,8 @@ impl Trace {
     pub fn read(path: impl AsRef<Path>) -> Result<Trace> {
         let path = path.as_ref();
         let file = std::fs::File::open(path).map_err(|source| Error::Os { call: "open (trace file)", source })?;
-        let mut reader = BufReader::with_capacity(1 << 16, file);
-        let gz = reader
-            .fill_buf()
-            .map_err(|source| Error::Os { call: "read (trace file)", source })?
-            .starts_with(&[0x1f, 0x8b]);
-        let name = trace_name(path);
-        let mut trace = if gz {
-            Trace::parse(BufReader::new(flate2::read::MultiGzDecoder::new(reader)), &path.display().to_string())?
-        } else {
-            Trace::parse(reader, &path.display().to_string())?
-        };
-        trace.name = name;
+        let mut trace = parse_reader(file, &path.display().to_string())?;
+        trace.name = trace_name(path);
         Ok(trace)
     }
 
@@ -225,26 +215,20 @@ impl Trace {
                 continue;
             }
             let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+            // The first line is the header, or (starting with a digit) a
+            // record in the default column order.
             let cols = match columns {
                 Some(c) => c,
                 None => {
-                    let c = match Columns::from_header(&fields) {
-                        Some(c) => {
-                            columns = Some(c);
-                            continue;
-                        }
-                        None if fields.first().is_some_and(|f| f.starts_with(|c: char| c.is_ascii_digit())) => {
-                            DEFAULT_COLUMNS
-                        }
-                        None => {
-                            return Err(trace_error(
-                                source,
-                                line_no,
-                                "expected the header Thread,Time,Action,Pointer,Size,Stream",
-                            ))
-                        }
-                    };
-                    columns = Some(c);
+                    let header = Columns::from_header(&fields);
+                    let c = *columns.insert(header.unwrap_or(DEFAULT_COLUMNS));
+                    if header.is_some() {
+                        continue;
+                    }
+                    if !fields[0].starts_with(|c: char| c.is_ascii_digit()) {
+                        let why = "expected the header Thread,Time,Action,Pointer,Size,Stream";
+                        return Err(trace_error(source, line_no, why));
+                    }
                     c
                 }
             };
@@ -410,17 +394,18 @@ pub fn parse_str(text: &str) -> Result<Trace> {
     Trace::parse(text.as_bytes(), "<string>")
 }
 
-/// Reads everything from a reader that may be gzip (by magic bytes).
+/// Parses a trace from a reader, gzip-compressed (detected by its magic
+/// bytes) or plain.
 ///
 /// # Errors
 /// As [`Trace::parse`].
-pub fn parse_reader(mut reader: impl Read, source: &str) -> Result<Trace> {
-    let mut bytes = Vec::new();
-    reader.read_to_end(&mut bytes).map_err(|source| Error::Os { call: "read (trace)", source })?;
-    if bytes.starts_with(&[0x1f, 0x8b]) {
-        Trace::parse(BufReader::new(flate2::read::MultiGzDecoder::new(&bytes[..])), source)
+pub fn parse_reader(reader: impl Read, source: &str) -> Result<Trace> {
+    let mut reader = BufReader::with_capacity(1 << 16, reader);
+    let head = reader.fill_buf().map_err(|source| Error::Os { call: "read (trace)", source })?;
+    if head.starts_with(&[0x1f, 0x8b]) {
+        Trace::parse(BufReader::new(flate2::read::MultiGzDecoder::new(reader)), source)
     } else {
-        Trace::parse(&bytes[..], source)
+        Trace::parse(reader, source)
     }
 }
 

@@ -64,19 +64,13 @@ impl Upstream for FakeUpstream {
     }
 }
 
-/// A pool over a [`FakeUpstream`], with or without thread caches.
-pub fn fake_pool(thread_cache: bool) -> Pool<FakeUpstream> {
+/// A pool over a [`FakeUpstream`], with or without thread caches; with
+/// `budget`, each cache holds at most that many bytes (small budgets make
+/// flushes happen in tiny models).
+pub fn fake_pool(thread_cache: bool, budget: Option<usize>) -> Pool<FakeUpstream> {
     let mut c = PoolConfig::new(PoolKind::Standalone);
     c.thread_cache = thread_cache;
-    c.min_chunk = CHUNK;
-    Pool::new(FakeUpstream::default(), c)
-}
-
-/// A pool over a [`FakeUpstream`] whose thread caches hold at most
-/// `bytes` each (small budgets make flushes happen in tiny models).
-pub fn fake_pool_with_budget(bytes: usize) -> Pool<FakeUpstream> {
-    let mut c = PoolConfig::new(PoolKind::Standalone);
-    c.thread_cache_bytes = bytes;
+    c.thread_cache_bytes = budget.unwrap_or(c.thread_cache_bytes);
     c.min_chunk = CHUNK;
     Pool::new(FakeUpstream::default(), c)
 }

@@ -9,7 +9,7 @@ use std::sync::Mutex as StdMutex;
 use cumem::manager::InitCell;
 use cumem::pool::{release_thread_caches, StreamTag};
 use cumem::Error;
-use cumem_loom_tests::{assert_balanced, fake_pool, fake_pool_with_budget, model, BASE, CHUNK_STRIDE};
+use cumem_loom_tests::{assert_balanced, fake_pool, model, BASE, CHUNK_STRIDE};
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use loom::sync::Arc;
@@ -60,7 +60,7 @@ impl Live {
 
 fn concurrent_allocate_free(cache: bool) {
     model(move || {
-        let pool = Arc::new(fake_pool(cache));
+        let pool = Arc::new(fake_pool(cache, None));
         let live = Arc::new(Live(StdMutex::new(Vec::new())));
         let work = |pool: &cumem::pool::Pool<_>, live: &Live, size: usize| {
             for _ in 0..2 {
@@ -98,7 +98,7 @@ fn concurrent_allocate_free_thread_caches() {
 #[test]
 fn free_on_another_thread() {
     model(|| {
-        let pool = Arc::new(fake_pool(true));
+        let pool = Arc::new(fake_pool(true, None));
         let a = pool.allocate(256, 256).unwrap();
         let p2 = pool.clone();
         let t = thread::spawn(move || {
@@ -118,7 +118,7 @@ fn free_on_another_thread() {
 #[test]
 fn racing_double_free_is_caught() {
     model(|| {
-        let pool = Arc::new(fake_pool(true));
+        let pool = Arc::new(fake_pool(true, None));
         let a = pool.allocate(256, 256).unwrap();
         let p2 = pool.clone();
         let t = thread::spawn(move || {
@@ -145,7 +145,7 @@ fn racing_double_free_is_caught() {
 #[test]
 fn cache_fill_flush_and_steal() {
     model(|| {
-        let pool = Arc::new(fake_pool(true));
+        let pool = Arc::new(fake_pool(true, None));
         let p2 = pool.clone();
         let t = thread::spawn(move || {
             let a = p2.allocate(512, 256).unwrap();
@@ -170,7 +170,7 @@ fn cache_fill_flush_and_steal() {
 fn budget_flush_races_remote_free_and_drain() {
     model(|| {
         // Two 256 B blocks fit; the third free flushes.
-        let pool = Arc::new(fake_pool_with_budget(512));
+        let pool = Arc::new(fake_pool(true, Some(512)));
         let p2 = pool.clone();
         let t = thread::spawn(move || {
             let blocks: Vec<_> = (0..3).map(|_| p2.allocate(256, 256).unwrap()).collect();
@@ -200,7 +200,7 @@ fn event_gated_reuse(cache: bool) {
     model(move || {
         const S: StreamTag = StreamTag { stream: 1, seq: 1 };
         const T: StreamTag = StreamTag { stream: 2, seq: 1 };
-        let pool = Arc::new(fake_pool(cache));
+        let pool = Arc::new(fake_pool(cache, None));
         let memory = Arc::new([0; 4].map(UnsafeCell::new));
         let event = Arc::new(AtomicBool::new(false));
         // The first two blocks of each of the (at most two) chunks.

@@ -138,7 +138,7 @@ def _build_native(tmp, libcumem):
     out = pathlib.Path(tmp) / _native.LIB_NAME
     try:
         _native.compile_library(out, f"{root}/include", f"{root}/lib", f"{cuda}/include", str(cudart),
-                                str(REPO / "cumem-c" / "include"), str(pathlib.Path(libcumem).parent), version,
+                                str(REPO / "cumem-c" / "include"), str(pathlib.Path(libcumem).parent),
                                 sources_dir=PYTHON_DIR / PACKAGE / "csrc")
     except _native.NativeUnavailable as e:
         # Not fatal: install() compiles on first use or falls back.

@@ -57,40 +57,28 @@ def _torch_version():
     return torch.__version__.split("+")[0]
 
 
+def _cuda_dirs(wheel_sub, home_subs, pattern):
+    """The folders holding `pattern`, in search order: PyTorch's CUDA
+    wheels' (nvidia/cu13, nvidia/cuda_runtime; `wheel_sub` in them), then
+    CUDA_HOME's (`home_subs` in it)."""
+    home = pathlib.Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
+    wheels = [pathlib.Path(p) / "nvidia" / w / wheel_sub for p in sys.path for w in ("cu13", "cuda_runtime")]
+    return [str(d) for d in wheels + [home / s for s in home_subs] if list(d.glob(pattern))]
+
+
 def cuda_include_dirs():
-    """Where the CUDA headers are, all of them in search order: PyTorch's
-    CUDA wheels (nvidia/cu13, nvidia/cuda_runtime), then CUDA_HOME's (the
-    wheels' cuda_runtime.h may need the toolkit's crt/ headers)."""
-    out = []
-    for p in sys.path:
-        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
-            d = pathlib.Path(p) / sub
-            if (d / "cuda_runtime.h").exists():
-                out.append(str(d))
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    if (pathlib.Path(home) / "include" / "cuda_runtime.h").exists():
-        out.append(str(pathlib.Path(home) / "include"))
-    return out
+    """Where the CUDA headers are, all of them (the wheels' cuda_runtime.h
+    may need the toolkit's crt/ headers)."""
+    return _cuda_dirs("include", ("include",), "cuda_runtime.h")
 
 
 def cudart_dirs():
     """Where libcudart.so.* is."""
-    out = []
-    for p in sys.path:
-        for sub in ("nvidia/cu13/lib", "nvidia/cuda_runtime/lib"):
-            d = pathlib.Path(p) / sub
-            if list(d.glob("libcudart.so*")):
-                out.append(str(d))
-    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    for sub in ("lib64", "lib"):
-        d = pathlib.Path(home) / sub
-        if list(d.glob("libcudart.so*")):
-            out.append(str(d))
-    return out
+    return _cuda_dirs("lib", ("lib64", "lib"), "libcudart.so*")
 
 
 def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cumem_include, cumem_lib_dir,
-                    torch_version, sources_dir=None, cxx=None, rpath=None):
+                    sources_dir=None, cxx=None, rpath=None):
     """Compiles and links the native backend into `out` (a path). Raises
     NativeUnavailable with the compiler's output when it fails. Shared by
     the build backend (at `pip install`) and by first use. `rpath` is where
@@ -109,7 +97,6 @@ def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cum
     # toolkit (CUDA_HOME) has.
     cuda_includes = [cuda_include] if isinstance(cuda_include, (str, os.PathLike)) else list(cuda_include)
     cmd = ["CXX", "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
-           f'-DCUMEM_TORCH_VERSION="{torch_version}"',
            f"-D_GLIBCXX_USE_CXX11_ABI={_cxx11_abi()}",
            f"-I{torch_include}", f"-I{torch_include}/torch/csrc/api/include"]
     cmd += [f"-I{d}" for d in cuda_includes]
@@ -205,7 +192,6 @@ def _build_here():
     """Compiles the library for the imported PyTorch into the cache (once)."""
     import torch
     from torch.utils import cpp_extension
-    version = _torch_version()
     lib = pathlib.Path(_lib.library_path())
     d = _cache_dir() / cache_key(torch.__version__, lib)
     out = d / LIB_NAME
@@ -224,7 +210,7 @@ def _build_here():
     # Linked against, and found at run time in, the directory of the very
     # libcumem_c.so Python loads (one cumem manager).
     compile_library(tmp, cpp_extension.include_paths()[0], os.path.join(os.path.dirname(torch.__file__), "lib"),
-                    inc, libs[0], str(HERE / "csrc"), str(lib.parent), version, rpath=str(lib.parent))
+                    inc, libs[0], str(HERE / "csrc"), str(lib.parent), rpath=str(lib.parent))
     os.replace(tmp, out)
     return out
 

@@ -8,21 +8,16 @@ use cumem::Stream;
 use crate::work::{add_copy, check, err, fill, read, Res};
 use crate::{Rng, Soak};
 
-/// How a capture begins.
-#[derive(Clone, Copy, Debug)]
-enum How {
-    /// cumem's guard (`begin_capture`: thread-local mode).
-    Guard,
-    /// cudarc's capture in the given mode, routed into the graph pool
-    /// (`capture_into`).
-    Raw(sys::CUstreamCaptureMode),
-}
+use sys::CUstreamCaptureMode::*;
 
-const HOWS: [How; 4] = [
-    How::Guard,
-    How::Raw(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
-    How::Raw(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-    How::Raw(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED),
+/// How a capture begins: cumem's guard (`begin_capture`: thread-local
+/// mode; `None`), or cudarc's capture in a mode, routed into the graph
+/// pool (`capture_into`).
+const HOWS: [Option<sys::CUstreamCaptureMode>; 4] = [
+    None,
+    Some(CU_STREAM_CAPTURE_MODE_GLOBAL),
+    Some(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+    Some(CU_STREAM_CAPTURE_MODE_RELAXED),
 ];
 
 /// A captured step (a temporary block filled, copied plus one to an output
@@ -30,7 +25,7 @@ const HOWS: [How; 4] = [
 /// cleared and checked after each replay.
 pub fn capture(s: &Soak, rng: &mut Rng) -> Res {
     let how = HOWS[rng.range(0, HOWS.len())];
-    let global = matches!(how, How::Raw(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL));
+    let global = how == Some(CU_STREAM_CAPTURE_MODE_GLOBAL);
     // A global capture forbids unsafe calls in every other thread: it runs
     // alone.
     let (_w, _r) = if global {
@@ -41,9 +36,8 @@ pub fn capture(s: &Soak, rng: &mut Rng) -> Res {
     let _gate = s.capture_gate.read().unwrap_or_else(|e| e.into_inner());
     let mm = s.mm;
     let stream = Stream::new().map_err(err("Stream::new"))?;
-    s.streams_made.fetch_add(1, Ordering::Relaxed);
     let cs = stream.cudarc().unwrap().clone();
-    let n = rng.range(64, s.max_values() / 2);
+    let n = rng.range(64, s.max_values / 2);
     let seed = rng.next() as u32;
     let out = mm.allocate_device_on(n * 4, &stream).map_err(err("allocate_device_on"))?;
     let pool = mm.graph_pool().map_err(err("graph_pool"))?;
@@ -67,16 +61,16 @@ pub fn capture(s: &Soak, rng: &mut Rng) -> Res {
         Ok(())
     };
     let r = match how {
-        How::Guard => {
+        None => {
             let g = mm.begin_capture(&stream, &pool).map_err(err("begin_capture"))?;
             let b = body(&stream);
             let graph = g.end().map_err(err("end capture"));
             b?;
             let graph = graph?;
-            s.graphs_made.fetch_add(1, Ordering::Relaxed);
+            s.graphs.fetch_add(1, Ordering::Relaxed);
             replay(&|| graph.launch(&stream).map_err(err("graph launch")))
         }
-        How::Raw(mode) => {
+        Some(mode) => {
             cs.begin_capture(mode).map_err(err("cuStreamBeginCapture"))?;
             let scope = match mm.capture_into(&stream, &pool) {
                 Ok(scope) => scope,
@@ -90,11 +84,11 @@ pub fn capture(s: &Soak, rng: &mut Rng) -> Res {
             drop(scope);
             b?;
             let graph = graph.map_err(err("cuStreamEndCapture"))?.ok_or("an empty graph")?;
-            s.graphs_made.fetch_add(1, Ordering::Relaxed);
+            s.graphs.fetch_add(1, Ordering::Relaxed);
             replay(&|| graph.launch().map_err(err("graph launch")))
         }
     };
     let freed = mm.free_device_on(out, &stream).map_err(err("free_device_on"));
-    r.map_err(|e| format!("{how:?}: {e}"))?;
+    r.map_err(|e| format!("{}: {e}", how.map_or_else(|| "begin_capture".into(), |m| format!("{m:?}"))))?;
     freed
 }

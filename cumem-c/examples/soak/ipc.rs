@@ -1,15 +1,15 @@
 //! Blocks shared with a second process: this binary run again with
-//! `--ipc-child <socket>`. Rounds alternate between the Rust API
-//! (`export_device`, `IpcHandle`, `ImportedMemory`) and the C ABI
-//! (`cumem_ipc_export` / `_import` / `_close` / `_wait_closed`); every
-//! other round the parent frees the block while the child holds it, and
+//! `--ipc-child` (its standard input one end of a socket pair). Rounds
+//! alternate between the Rust API (`export_device`, `IpcHandle`,
+//! `ImportedMemory`) and the C ABI (`cumem_ipc_export` / `_import` /
+//! `_close` / `_wait_closed`); every other round the parent frees the block while the child holds it, and
 //! blocks of the same size allocated meanwhile must be other blocks.
 
-use std::os::fd::AsRawFd;
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::Command;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::sys;
 use cumem::ipc::{ImportedMemory, IpcHandle};
@@ -36,32 +36,15 @@ pub fn parent(s: &Soak) {
 
 fn parent_rounds(s: &Soak) -> Res {
     s.ctx.bind_to_thread().map_err(err("bind_to_thread"))?;
-    let path = std::env::temp_dir().join(format!("cumem-soak-{}.sock", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).map_err(err("bind"))?;
-    listener.set_nonblocking(true).map_err(err("set_nonblocking"))?;
-    let exe = std::env::current_exe().map_err(err("current_exe"))?;
-    let mut child = Command::new(exe).arg("--ipc-child").arg(&path).spawn().map_err(err("spawn the child"))?;
-    let start = Instant::now();
-    let socket = loop {
-        match listener.accept() {
-            Ok((sock, _)) => break sock,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if let Ok(Some(status)) = child.try_wait() {
-                    return Err(format!("the child exited before connecting: {status}"));
-                }
-                if start.elapsed() > PATIENCE {
-                    let _ = child.kill();
-                    return Err("the child never connected".into());
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => return Err(format!("accept: {e}")),
-        }
-    };
-    let _ = std::fs::remove_file(&path);
-    socket.set_nonblocking(false).map_err(err("set_nonblocking"))?;
+    // The child's end of a socket pair is its standard input.
+    let (socket, theirs) = UnixStream::pair().map_err(err("socketpair"))?;
     socket.set_read_timeout(Some(PATIENCE)).map_err(err("set_read_timeout"))?;
+    let exe = std::env::current_exe().map_err(err("current_exe"))?;
+    let mut child = Command::new(exe)
+        .arg("--ipc-child")
+        .stdin(Stdio::from(OwnedFd::from(theirs)))
+        .spawn()
+        .map_err(err("spawn the child"))?;
     let stream = Stream::new().map_err(err("Stream::new"))?;
     let mut rng = Rng::new(0x1bc0_0000 ^ std::process::id() as u64);
     let mut round = 0u64;
@@ -94,7 +77,7 @@ fn parent_rounds(s: &Soak) -> Res {
 fn one_round(s: &Soak, socket: &UnixStream, stream: &Stream, round: u64, rng: &mut Rng) -> Res {
     let mm = s.mm;
     // Whole 256-byte units: the handle's size is the block's (rounded up).
-    let n = rng.range(1, s.max_values() / 256) * 64;
+    let n = rng.range(1, s.max_values / 256) * 64;
     let seed = rng.next() as u32;
     let p = mm.allocate_device_on(n * 4, stream).map_err(err("allocate_device_on"))?;
     fill(s, stream.cudarc().unwrap(), p, seed, n)?;
@@ -146,8 +129,8 @@ fn one_round(s: &Soak, socket: &UnixStream, stream: &Stream, round: u64, rng: &m
 
 /// The child's half: opens each block, checks it, overwrites it with the
 /// complement of its seed, closes it and says so. Returns the exit code.
-pub fn child(path: &str) -> i32 {
-    match child_rounds(path) {
+pub fn child() -> i32 {
+    match child_rounds() {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("soak child: ERROR {e}");
@@ -156,14 +139,15 @@ pub fn child(path: &str) -> i32 {
     }
 }
 
-fn child_rounds(path: &str) -> Res {
-    let socket = UnixStream::connect(path).map_err(err("connect"))?;
+fn child_rounds() -> Res {
+    let fd = std::io::stdin().as_fd().try_clone_to_owned().map_err(err("the socket on standard input"))?;
+    let socket = UnixStream::from(fd);
     socket.set_read_timeout(Some(PATIENCE)).map_err(err("set_read_timeout"))?;
     let ctx = cumem::device::device_context(0).map_err(err("device_context"))?.ok_or("no GPU in the child")?;
     ctx.bind_to_thread().map_err(err("bind_to_thread"))?;
     let mut round = 0u64;
     loop {
-        let (ptr, size) = if round % 2 == 0 {
+        if round % 2 == 0 {
             let handle = match IpcHandle::recv(&socket) {
                 Ok(h) => h,
                 // The parent hangs up before an even round: all done.
@@ -174,22 +158,17 @@ fn child_rounds(path: &str) -> Res {
                 return Err("a handle from this process".into());
             }
             let m = ImportedMemory::open(handle, None).map_err(err("ImportedMemory::open"))?;
-            let r = (m.ptr(), m.size());
-            touch(r.0, r.1)?;
+            touch(m.ptr(), m.size())?;
             m.close_and_notify(&socket).map_err(err("close_and_notify"))?;
-            r
         } else {
             let (mut p, mut size, mut id) = (std::ptr::null_mut(), 0usize, 0u64);
             let fd = socket.as_raw_fd();
             // SAFETY: the out-pointers are valid for writes; `fd` is an open
             // Unix socket.
-            let status = unsafe { cumem_c::cumem_ipc_import(fd, -1, &mut p, &mut size, &mut id) };
-            c(status, "cumem_ipc_import")?;
+            c(unsafe { cumem_c::cumem_ipc_import(fd, -1, &mut p, &mut size, &mut id) }, "cumem_ipc_import")?;
             touch(p as u64, size)?;
-            c(cumem_c::cumem_ipc_close(p, socket.as_raw_fd()), "cumem_ipc_close")?;
-            (p as u64, size)
-        };
-        let _ = (ptr, size);
+            c(cumem_c::cumem_ipc_close(p, fd), "cumem_ipc_close")?;
+        }
         round += 1;
     }
 }

@@ -1,6 +1,6 @@
 //! The soak: a bounded run of everything a long-lived program does to
 //! cumem at once, through the Rust API and the C ABI, with every value
-//! checked. `scripts/soak.sh` builds and runs it.
+//! checked. `scripts/gpu-suite.sh run soak` runs it.
 //!
 //! Worker threads come and go (each lives a few seconds and runs random
 //! tasks); each task makes its own streams (cumem's, `cumem_stream_create`'s
@@ -13,22 +13,14 @@
 //! both IPC interfaces. Every kernel writes a pattern whose every value is
 //! read back and compared.
 //!
-//! Every `--report-secs` (60) it prints reserved and mapped device memory,
-//! the process's resident host memory and cumem's table sizes; at the end
-//! it joins everything, releases cached memory and checks that reserved
-//! memory is back at its starting value. It exits non-zero on any error or
-//! wrong value.
+//! Every `--report-secs` (60) it prints device, pinned and host memory and
+//! cumem's table sizes; at the end it joins everything, releases cached
+//! memory and checks that reserved memory is back at its starting value.
+//! It exits non-zero on any error or wrong value.
 //!
-//! Options: `--secs N` (or `CUMEM_SOAK_SECS`; 600 by default),
-//! `--report-secs N`, `--threads N` (live workers, 6), `--light` (small
-//! blocks, few replays: for compute-sanitizer), `--only rust,c,graphs,
-//! growable,pinned,legacy,ipc` (some tasks only), `--keep-foreign` (keep
-//! raw streams in a pool for reuse, as PyTorch does, instead of destroying
-//! each after its task with `cumem_stream_forget` first),
-//! `--beside-captures` (run growable buffers and buffers without a stream
-//! while other threads capture graphs: they synchronise the device or the
-//! legacy stream, which fails and invalidates the captures, so by default
-//! they run apart from captures).
+//! Options: `--secs N` (600 by default), `--report-secs N`, `--threads N`
+//! (live workers, 6), `--light` (small blocks, few rewrites: for
+//! compute-sanitizer).
 
 mod crash;
 mod graphs;
@@ -78,29 +70,23 @@ pub(crate) struct Soak {
     /// Tasks that must run alone (a global-mode capture forbids other
     /// threads' unsafe calls) take it for writing, the others for reading.
     pub(crate) exclusive: RwLock<()>,
-    /// Captures take it for reading; with `apart`, growable buffers and
-    /// stream-less buffers take it for writing (they synchronise the device
-    /// or the legacy stream, which breaks a capture under way elsewhere).
+    /// Captures take it for reading; growable buffers and stream-less
+    /// buffers for writing: they synchronise the device or the legacy
+    /// stream, which breaks a capture under way on another thread.
     pub(crate) capture_gate: RwLock<()>,
-    /// Growable and stream-less buffers run apart from captures.
-    pub(crate) apart: bool,
     pub(crate) stop: AtomicBool,
+    /// Light (`--light`): small blocks, one rewrite, slower IPC rounds.
     pub(crate) light: bool,
+    /// The largest block a task takes, in u32 values.
+    pub(crate) max_values: usize,
+    /// How many times `fill` rewrites each value (slow kernels leave work
+    /// queued when blocks change streams).
+    pub(crate) reps: u32,
     pub(crate) ops: AtomicU64,
     pub(crate) errors: AtomicU64,
     pub(crate) wrong: AtomicU64,
-    pub(crate) threads_started: AtomicU64,
-    pub(crate) streams_made: AtomicU64,
-    pub(crate) graphs_made: AtomicU64,
+    pub(crate) graphs: AtomicU64,
     pub(crate) ipc_rounds: AtomicU64,
-    /// The tasks workers choose among, with their weights.
-    pub(crate) tasks: Vec<(tasks::Task, usize)>,
-    /// Whether the IPC thread runs.
-    pub(crate) ipc: bool,
-    /// Raw streams are destroyed after each task (else kept for reuse).
-    pub(crate) destroy_foreign: bool,
-    /// Raw streams kept for reuse.
-    pub(crate) foreign: tasks::ForeignStreams,
 }
 
 impl Soak {
@@ -115,38 +101,6 @@ impl Soak {
     pub(crate) fn wrong_values(&self, what: &str, n: usize) {
         if n > 0 && self.wrong.fetch_add(n as u64, Ordering::Relaxed) < 30 {
             eprintln!("soak: WRONG {n} values in {what}");
-        }
-    }
-
-    /// The largest block a task takes, in u32 values.
-    pub(crate) fn max_values(&self) -> usize {
-        if self.light {
-            64 << 10
-        } else {
-            4 << 20
-        }
-    }
-
-    /// A task drawn by weight.
-    pub(crate) fn pick(&self, rng: &mut Rng) -> tasks::Task {
-        let total: usize = self.tasks.iter().map(|t| t.1).sum();
-        let mut x = rng.range(0, total);
-        for &(t, w) in &self.tasks {
-            if x < w {
-                return t;
-            }
-            x -= w;
-        }
-        self.tasks[0].0
-    }
-
-    /// How many times `fill` rewrites each value (slow kernels leave work
-    /// queued when blocks change streams).
-    pub(crate) fn reps(&self) -> u32 {
-        if self.light {
-            1
-        } else {
-            64
         }
     }
 }
@@ -168,56 +122,26 @@ impl Rng {
     pub(crate) fn range(&mut self, lo: usize, hi: usize) -> usize {
         lo + (self.next() % (hi - lo) as u64) as usize
     }
-    pub(crate) fn coin(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-}
-
-struct Args {
-    secs: u64,
-    report_secs: u64,
-    threads: usize,
-    light: bool,
-    only: Option<Vec<String>>,
-    destroy_foreign: bool,
-    beside: bool,
-}
-
-fn args() -> Args {
-    let mut a = Args {
-        secs: std::env::var("CUMEM_SOAK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(600),
-        report_secs: 60,
-        threads: 6,
-        light: false,
-        only: None,
-        destroy_foreign: true,
-        beside: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut num = |name: &str| -> u64 {
-            it.next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{name} takes a number"))
-        };
-        match arg.as_str() {
-            "--secs" => a.secs = num("--secs"),
-            "--report-secs" => a.report_secs = num("--report-secs").max(1),
-            "--threads" => a.threads = num("--threads").max(1) as usize,
-            "--light" => a.light = true,
-            "--keep-foreign" => a.destroy_foreign = false,
-            "--beside-captures" => a.beside = true,
-            "--only" => a.only = Some(it.next().expect("--only takes a list").split(',').map(String::from).collect()),
-            other => panic!("unknown argument {other}"),
-        }
-    }
-    a
 }
 
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
     if argv.get(1).map(String::as_str) == Some("--ipc-child") {
-        std::process::exit(ipc::child(&argv[2]));
+        std::process::exit(ipc::child());
     }
-    let a = args();
+    let (mut secs, mut report_secs, mut threads, mut light) = (600u64, 60u64, 6u64, false);
+    let mut it = argv.iter().skip(1);
+    while let Some(arg) = it.next() {
+        let mut num =
+            || it.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or_else(|| panic!("{arg} takes a number"));
+        match arg.as_str() {
+            "--secs" => secs = num(),
+            "--report-secs" => report_secs = num().max(1),
+            "--threads" => threads = num().max(1),
+            "--light" => light = true,
+            other => panic!("unknown argument {other} (--secs N, --report-secs N, --threads N, --light)"),
+        }
+    }
     crash::install();
     let mm = MemoryManager::global().expect("cumem's manager starts");
     let Some(ctx) = cumem::device::device_context(mm.config().device).expect("the device opens") else {
@@ -234,56 +158,34 @@ fn main() {
         ctx,
         exclusive: RwLock::new(()),
         capture_gate: RwLock::new(()),
-        apart: !a.beside,
         stop: AtomicBool::new(false),
-        light: a.light,
+        light,
+        max_values: if light { 64 << 10 } else { 4 << 20 },
+        reps: if light { 1 } else { 64 },
         ops: AtomicU64::new(0),
         errors: AtomicU64::new(0),
         wrong: AtomicU64::new(0),
-        threads_started: AtomicU64::new(0),
-        streams_made: AtomicU64::new(0),
-        graphs_made: AtomicU64::new(0),
+        graphs: AtomicU64::new(0),
         ipc_rounds: AtomicU64::new(0),
-        tasks: tasks::TASKS
-            .iter()
-            .filter(|t| a.only.as_ref().is_none_or(|o| o.iter().any(|n| n == t.1)))
-            .map(|t| (t.0, t.2))
-            .collect(),
-        ipc: a.only.as_ref().is_none_or(|o| o.iter().any(|n| n == "ipc")),
-        destroy_foreign: a.destroy_foreign,
-        foreign: tasks::ForeignStreams::default(),
     });
-    let start_figures = report::Figures::now(&soak);
-    println!(
-        "soak: {} s on {} ({} workers at a time{}), reports every {} s",
-        a.secs,
-        mm.backend(),
-        a.threads,
-        if a.light { ", light" } else { "" },
-        a.report_secs
-    );
-    println!("{}", report::Figures::header());
-    println!("{}", start_figures.row(0.0, &soak));
-
+    let light = if light { ", light" } else { "" };
+    println!("soak: {secs} s on {} ({threads} workers at a time{light}), reports every {report_secs} s", mm.backend());
     let t0 = Instant::now();
-    let end = t0 + Duration::from_secs(a.secs);
-    let ipc_thread = soak.ipc.then(|| {
+    let mut samples = vec![report::Figures::now(&soak)];
+    println!("{}", samples[0].row(0.0, &soak));
+    let ipc_thread = {
         let s = soak.clone();
         std::thread::spawn(move || ipc::parent(&s))
-    });
+    };
     let mut workers: Vec<std::thread::JoinHandle<()>> = Vec::new();
     let mut rng = Rng::new(0x5eed_0000 ^ std::process::id() as u64);
-    let mut next_report = t0 + Duration::from_secs(a.report_secs);
-    let mut samples = vec![start_figures.clone()];
-    while Instant::now() < end {
+    let mut next_report = t0 + Duration::from_secs(report_secs);
+    while t0.elapsed() < Duration::from_secs(secs) {
         // Threads come and go: finished workers are joined, new ones take
         // their place with seeds of their own.
         workers.retain(|w| !w.is_finished());
-        while workers.len() < a.threads && !soak.tasks.is_empty() {
-            let s = soak.clone();
-            let seed = rng.next();
-            let life = Duration::from_millis(rng.range(300, 3000) as u64);
-            soak.threads_started.fetch_add(1, Ordering::Relaxed);
+        while workers.len() < threads as usize {
+            let (s, seed, life) = (soak.clone(), rng.next(), Duration::from_millis(rng.range(300, 3000) as u64));
             workers.push(std::thread::spawn(move || tasks::worker(&s, seed, life)));
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -294,32 +196,20 @@ fn main() {
             };
             println!("{}", f.row(t0.elapsed().as_secs_f64(), &soak));
             samples.push(f);
-            next_report += Duration::from_secs(a.report_secs);
+            next_report += Duration::from_secs(report_secs);
         }
     }
     soak.stop.store(true, Ordering::Relaxed);
-    for w in workers {
-        if w.join().is_err() {
-            soak.error("a worker panicked");
-        }
+    let panicked = workers.into_iter().chain([ipc_thread]).map(|w| w.join()).filter(Result::is_err).count();
+    if panicked > 0 {
+        soak.error(&format!("{panicked} threads panicked"));
     }
-    if ipc_thread.is_some_and(|t| t.join().is_err()) {
-        soak.error("the IPC thread panicked");
-    }
-    let last = report::Figures::now(&soak);
-    println!("{}", last.row(t0.elapsed().as_secs_f64(), &soak));
-    samples.push(last);
-    let released = mm.release_cached();
-    if let Err(e) = &released {
+    samples.push(report::Figures::now(&soak));
+    println!("{}", samples[samples.len() - 1].row(t0.elapsed().as_secs_f64(), &soak));
+    if let Err(e) = mm.release_cached() {
         soak.error(&format!("release_cached: {e}"));
     }
     let after = report::Figures::now(&soak);
     println!("{}", after.row(t0.elapsed().as_secs_f64(), &soak));
-    println!("soak: after release: {}", after.describe());
-    // The kept raw streams go last: until then cumem may wait for them.
-    if let Err(e) = soak.foreign.destroy_all() {
-        soak.error(&e);
-    }
-    let code = report::verdict(&soak, &start_figures, &samples, &after);
-    std::process::exit(code);
+    std::process::exit(report::verdict(&soak, &samples, &after));
 }

@@ -12,63 +12,45 @@ use cumem_c::CumemStream;
 use crate::work::{add_copy, c, check, err, fill, read, Res};
 use crate::{pattern, Rng, Soak};
 
-/// The workers' tasks, with their weights (percent).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Task {
-    /// Cumem streams, blocks handed across streams.
-    Rust,
-    /// The C ABI with its own and raw streams.
-    CAbi,
-    /// Graph captures in every mode.
-    Graphs,
-    /// Growable buffers.
-    Growable,
-    /// Pinned vectors.
-    Pinned,
-    /// Buffers on the legacy stream.
-    Legacy,
-}
-
-pub const TASKS: [(Task, &str, usize); 6] = [
-    (Task::Rust, "rust", 22),
-    (Task::CAbi, "c", 22),
-    (Task::Graphs, "graphs", 18),
-    (Task::Growable, "growable", 12),
-    (Task::Pinned, "pinned", 14),
-    (Task::Legacy, "legacy", 12),
-];
-
-/// A worker: random tasks until its life ends or the soak stops.
+/// A worker: tasks drawn at random (with weights, percent) until its life
+/// ends or the soak stops.
 pub fn worker(s: &Soak, seed: u64, life: Duration) {
+    type TaskFn = fn(&Soak, &mut Rng) -> Res;
+    // The last two synchronise the device or the legacy stream: they run
+    // apart from captures.
+    const TASKS: [(TaskFn, usize); 6] = [
+        (rust_cross_stream, 22),
+        (c_abi_streams, 22),
+        (crate::graphs::capture, 18),
+        (pinned, 14),
+        (growable, 12),
+        (legacy, 12),
+    ];
     let mut rng = Rng::new(seed);
     if let Err(e) = s.ctx.bind_to_thread() {
-        s.error(&format!("bind_to_thread: {e}"));
-        return;
+        return s.error(&format!("bind_to_thread: {e}"));
     }
     let end = Instant::now() + life;
     while Instant::now() < end && !s.stop.load(Ordering::Relaxed) {
-        let task = s.pick(&mut rng);
-        let r = match task {
+        let mut x = rng.range(0, 100);
+        let i = TASKS
+            .iter()
+            .position(|&(_, w)| {
+                let hit = x < w;
+                x = x.saturating_sub(w);
+                hit
+            })
+            .unwrap_or(0);
+        let r = if i == 2 {
             // Takes the exclusive lock itself (global captures run alone).
-            Task::Graphs => crate::graphs::capture(s, &mut rng),
-            _ => {
-                let _g = s.exclusive.read().unwrap_or_else(|e| e.into_inner());
-                let _apart = (s.apart && matches!(task, Task::Growable | Task::Legacy))
-                    .then(|| s.capture_gate.write().unwrap_or_else(|e| e.into_inner()));
-                match task {
-                    Task::Rust => rust_cross_stream(s, &mut rng),
-                    Task::CAbi => c_abi_streams(s, &mut rng),
-                    Task::Growable => growable(s, &mut rng),
-                    Task::Pinned => pinned(s, &mut rng),
-                    Task::Legacy => legacy(s, &mut rng),
-                    Task::Graphs => unreachable!(),
-                }
-            }
+            TASKS[i].0(s, &mut rng)
+        } else {
+            let _g = s.exclusive.read().unwrap_or_else(|e| e.into_inner());
+            let _apart = (i >= 4).then(|| s.capture_gate.write().unwrap_or_else(|e| e.into_inner()));
+            TASKS[i].0(s, &mut rng)
         };
         match r {
-            Ok(()) => {
-                s.ops.fetch_add(1, Ordering::Relaxed);
-            }
+            Ok(()) => drop(s.ops.fetch_add(1, Ordering::Relaxed)),
             Err(e) => s.error(&e),
         }
     }
@@ -79,11 +61,10 @@ pub fn worker(s: &Soak, seed: u64, life: Duration) {
 fn rust_cross_stream(s: &Soak, rng: &mut Rng) -> Res {
     let s1 = Stream::new().map_err(err("Stream::new"))?;
     let s2 = Stream::new().map_err(err("Stream::new"))?;
-    s.streams_made.fetch_add(2, Ordering::Relaxed);
     let (c1, c2) = (s1.cudarc().unwrap().clone(), s2.cudarc().unwrap().clone());
     let mm = s.mm;
     for _ in 0..rng.range(1, 4) {
-        let n = rng.range(64, s.max_values());
+        let n = rng.range(64, s.max_values);
         let (seed1, seed2) = (rng.next() as u32, rng.next() as u32);
         let a = mm.allocate_device_on(n * 4, &s1).map_err(err("allocate_device_on"))?;
         fill(s, &c1, a, seed1, n)?;
@@ -100,80 +81,39 @@ fn rust_cross_stream(s: &Soak, rng: &mut Rng) -> Res {
         mm.free_device_on(c, &s1).map_err(err("free_device_on"))?;
     }
     // Streams go with their frees still queued, half the time.
-    if rng.coin(50) {
+    if rng.next() % 2 == 0 {
         s1.synchronize().map_err(err("synchronize"))?;
     }
     Ok(())
 }
 
 /// The C ABI with a stream of `cumem_stream_create` and a raw stream made
-/// (and destroyed) outside cumem.
+/// outside cumem (`cuStreamCreate`), destroyed after `cumem_stream_forget`.
 fn c_abi_streams(s: &Soak, rng: &mut Rng) -> Res {
     let mut owned: CumemStream = std::ptr::null_mut();
     // SAFETY: `owned` is valid for a write.
     c(unsafe { cumem_c::cumem_stream_create(&mut owned) }, "cumem_stream_create")?;
-    let raw = s.foreign.take().map_or_else(new_raw_stream, Ok)?;
-    s.streams_made.fetch_add(1, Ordering::Relaxed);
-    let foreign = raw.0 as CumemStream;
-    let r = c_abi_work(s, rng, owned, foreign);
-    // Both streams go: synchronised first (their frees' work is done).
-    let done = c(cumem_c::cumem_stream_synchronize(owned), "cumem_stream_synchronize")
-        .and_then(|_| c(cumem_c::cumem_stream_destroy(owned), "cumem_stream_destroy"));
-    let gone = if s.destroy_foreign { destroy_raw_stream(raw) } else { s.foreign.give_back(raw) };
-    r.and(done).and(gone)
-}
-
-/// A raw stream made outside cumem (`cuStreamCreate`).
-pub struct RawStream(pub sys::CUstream);
-
-// SAFETY: a CUstream is a handle any thread of the process may use.
-unsafe impl Send for RawStream {}
-
-pub fn new_raw_stream() -> Result<RawStream, String> {
     let mut raw: sys::CUstream = std::ptr::null_mut();
     // SAFETY: `raw` is valid for a write; the context is current.
     unsafe { sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }
         .result()
         .map_err(err("cuStreamCreate"))?;
-    Ok(RawStream(raw))
-}
-
-/// Synchronises and destroys a raw stream, telling the C ABI first.
-pub fn destroy_raw_stream(raw: RawStream) -> Res {
-    // SAFETY: `raw` is a stream the soak made; nothing else uses it now.
-    unsafe { sys::cuStreamSynchronize(raw.0) }.result().map_err(err("cuStreamSynchronize"))?;
-    forget_stream(raw.0 as CumemStream)?;
-    // SAFETY: as above; cumem was told it is gone.
-    unsafe { sys::cuStreamDestroy_v2(raw.0) }.result().map_err(err("cuStreamDestroy"))
-}
-
-/// Tells the C ABI a raw stream is about to be destroyed.
-fn forget_stream(raw: CumemStream) -> Res {
-    c(cumem_c::cumem_stream_forget(raw), "cumem_stream_forget")
-}
-
-/// Raw streams kept for reuse (as PyTorch's stream pool does) when they
-/// are not destroyed after each task.
-#[derive(Default)]
-pub struct ForeignStreams(std::sync::Mutex<Vec<RawStream>>);
-
-impl ForeignStreams {
-    fn take(&self) -> Option<RawStream> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).pop()
-    }
-    fn give_back(&self, raw: RawStream) -> Res {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(raw);
-        Ok(())
-    }
-    /// Destroys every kept stream (at the end of the soak).
-    pub fn destroy_all(&self) -> Res {
-        let all = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
-        all.into_iter().try_for_each(destroy_raw_stream)
-    }
+    let r = c_abi_work(s, rng, owned, raw as CumemStream);
+    // Both streams go: synchronised first (their frees' work is done).
+    let done = c(cumem_c::cumem_stream_synchronize(owned), "cumem_stream_synchronize")
+        .and_then(|_| c(cumem_c::cumem_stream_destroy(owned), "cumem_stream_destroy"));
+    // SAFETY: `raw` is a stream this task made; nothing else uses it.
+    let gone = unsafe { sys::cuStreamSynchronize(raw) }
+        .result()
+        .map_err(err("cuStreamSynchronize"))
+        .and_then(|_| c(cumem_c::cumem_stream_forget(raw as CumemStream), "cumem_stream_forget"))
+        // SAFETY: as above; cumem was told it is gone.
+        .and_then(|_| unsafe { sys::cuStreamDestroy_v2(raw) }.result().map_err(err("cuStreamDestroy")));
+    r.and(done).and(gone)
 }
 
 fn c_abi_work(s: &Soak, rng: &mut Rng, owned: CumemStream, foreign: CumemStream) -> Res {
-    let n = rng.range(64, s.max_values());
+    let n = rng.range(64, s.max_values);
     let bytes = n * 4;
     let (seed1, seed2) = (rng.next() as u32, rng.next() as u32);
     let device = s.mm.config().device as i32;
@@ -232,45 +172,41 @@ fn c_abi_work(s: &Soak, rng: &mut Rng, owned: CumemStream, foreign: CumemStream)
 /// A growable buffer grown in steps, checked, shrunk, checked.
 fn growable(s: &Soak, rng: &mut Rng) -> Res {
     let stream = Stream::new().map_err(err("Stream::new"))?;
-    s.streams_made.fetch_add(1, Ordering::Relaxed);
     let seed = rng.next() as u32;
     let mut g = GrowableBuffer::<u32>::with_capacity_for(&stream, rng.range(1, 1 << 16)).map_err(err("growable"))?;
-    let total = rng.range(1024, s.max_values() * 2);
-    let mut expect: Vec<u32> = Vec::with_capacity(total);
-    while expect.len() < total {
-        let step = rng.range(1, (total - expect.len()).min(1 << 20) + 1);
-        let part: Vec<u32> = (expect.len()..expect.len() + step).map(|i| pattern(seed, i)).collect();
+    let total = rng.range(1024, s.max_values * 2);
+    let mut written = 0;
+    while written < total {
+        let step = rng.range(1, (total - written).min(1 << 20) + 1);
+        let part: Vec<u32> = (written..written + step).map(|i| pattern(seed, i)).collect();
         g.extend_from_host(&part).map_err(err("extend_from_host"))?;
-        expect.extend_from_slice(&part);
+        written += step;
     }
-    let seen = g.to_vec().map_err(err("growable to_vec"))?;
-    check(s, "a growable buffer", &seen, seed, 0);
-    if seen.len() != total {
-        s.wrong_values("a growable buffer's length", 1);
-    }
+    // Every value and the length.
+    let verify = |g: &GrowableBuffer<u32>, what: &str, len: usize| -> Res {
+        let seen = g.to_vec().map_err(err("growable to_vec"))?;
+        check(s, what, &seen, seed, 0);
+        s.wrong_values(&format!("{what}'s length"), usize::from(seen.len() != len));
+        Ok(())
+    };
+    verify(&g, "a growable buffer", total)?;
     let keep = rng.range(1, total);
     g.truncate(keep);
     g.shrink_to_fit().map_err(err("shrink_to_fit"))?;
-    let seen = g.to_vec().map_err(err("growable to_vec"))?;
-    check(s, "a shrunk growable buffer", &seen, seed, 0);
-    if seen.len() != keep {
-        s.wrong_values("a shrunk growable buffer's length", 1);
-    }
-    Ok(())
+    verify(&g, "a shrunk growable buffer", keep)
 }
 
 /// Pinned vectors grown by pushes (the allocator's grow), and a device
 /// round trip through them.
 fn pinned(s: &Soak, rng: &mut Rng) -> Res {
     let seed = rng.next() as u32;
-    let n = rng.range(16, s.max_values());
+    let n = rng.range(16, s.max_values);
     let mut v: PinnedVec<u32> = PinnedVec::new_in(PinnedAlloc);
     for i in 0..n {
         v.push(pattern(seed, i));
     }
     check(s, "a pinned vector", &v, seed, 0);
     let stream = Stream::new().map_err(err("Stream::new"))?;
-    s.streams_made.fetch_add(1, Ordering::Relaxed);
     let d = s.mm.allocate_device_on(n * 4, &stream).map_err(err("allocate_device_on"))?;
     // SAFETY: `v` holds `n` values and is not written until the stream is
     // synchronised (in `read`); `d` holds `n` values.
@@ -287,7 +223,7 @@ fn pinned(s: &Soak, rng: &mut Rng) -> Res {
 /// Buffers without a stream (the legacy stream) through both interfaces.
 fn legacy(s: &Soak, rng: &mut Rng) -> Res {
     let seed = rng.next() as u32;
-    let n = rng.range(16, s.max_values() / 4);
+    let n = rng.range(16, s.max_values / 4);
     let data: Vec<u32> = (0..n).map(|i| pattern(seed, i)).collect();
     let b = DeviceBuffer::from_host(&data).map_err(err("DeviceBuffer::from_host"))?;
     check(s, "a device buffer", &b.to_vec().map_err(err("DeviceBuffer::to_vec"))?, seed, 0);

@@ -32,7 +32,7 @@ fn launch_cfg(n: usize) -> LaunchConfig {
 
 /// Queues `fill(p, seed, n)` on `stream`.
 pub fn fill(s: &Soak, stream: &Arc<CudaStream>, p: u64, seed: u32, n: usize) -> Res {
-    let (nn, reps) = (n as u64, s.reps());
+    let (nn, reps) = (n as u64, s.reps);
     let mut l = stream.launch_builder(&s.fill);
     l.arg(&p).arg(&seed).arg(&nn).arg(&reps);
     // SAFETY: the arguments match the kernel; `p` holds at least `n` u32.

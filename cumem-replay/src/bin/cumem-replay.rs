@@ -8,11 +8,11 @@ use std::process::ExitCode;
 use clap::Parser;
 use cumem::cuda::{driver_status, DriverStatus};
 use cumem::Config;
-use cumem_replay::replay::{self, ReplayReport, Target};
+use cumem_replay::replay::{self, Calls, PageFloor, Pass, ReplayReport, Target};
 use cumem_replay::synth::Spec;
 use cumem_replay::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Serialize;
+use serde_json::json;
 
 /// Replay allocation traces and report ns per operation and peak reserved /
 /// peak live bytes.
@@ -64,39 +64,6 @@ struct Args {
     plot_samples: usize,
 }
 
-/// One trace's facts, for the report.
-#[derive(Serialize)]
-struct TraceInfo {
-    name: String,
-    path: String,
-    records: usize,
-    operations: usize,
-    streams: usize,
-    peak_live: usize,
-    skipped_frees: usize,
-    failures: usize,
-    duplicate_allocations: usize,
-    zero_sizes: usize,
-    live_at_end: usize,
-    /// Exact best fit over one growing range, 2 MiB pages: the memory of
-    /// never unmapping, and the floor of unmapping free pages.
-    page_floor: Option<replay::PageFloor>,
-}
-
-#[derive(Serialize)]
-struct Output {
-    backend: String,
-    repeat: usize,
-    /// Whether each replay was timed after an untimed warm-up pass.
-    warm: bool,
-    /// Whether every operation ran on one stream.
-    one_stream: bool,
-    conf: String,
-    traces: Vec<TraceInfo>,
-    results: Vec<ReplayReport>,
-    skipped: Vec<String>,
-}
-
 fn main() -> ExitCode {
     let args = Args::parse();
     match run(&args) {
@@ -136,18 +103,15 @@ fn run(args: &Args) -> cumem::Result<()> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} replays {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    let pass = Pass { warm: args.warm, one_stream: args.one_stream };
     let mut results = Vec::new();
     for trace in &traces {
         for &target in &targets {
             bar.set_message(format!("{} on {}", trace.name, target));
-            let mut per_op = Vec::new();
-            let mut last = None;
+            let mut measured = Vec::new();
             for _ in 0..args.repeat.max(1) {
-                match replay::replay_on(trace, target, &base, 1, args.warm, args.one_stream) {
-                    Ok(r) => {
-                        per_op.push(r.ns_per_op);
-                        last = Some(r);
-                    }
+                match replay::replay_once(trace, target, &base, pass) {
+                    Ok(m) => measured.push(m),
                     Err(e) => {
                         let msg = format!("{} on {}: {e}", trace.name, target);
                         bar.suspend(|| eprintln!("cumem-replay: {msg}"));
@@ -157,11 +121,8 @@ fn run(args: &Args) -> cumem::Result<()> {
                 }
                 bar.inc(1);
             }
-            if let Some(mut r) = last {
-                r.repeats = per_op.len();
-                r.ns_per_op_min = per_op.iter().copied().fold(f64::INFINITY, f64::min);
-                r.ns_per_op = replay::median(&mut per_op);
-                results.push(r);
+            if !measured.is_empty() {
+                results.push(ReplayReport::new(trace, target, pass, &measured));
             }
         }
     }
@@ -169,22 +130,32 @@ fn run(args: &Args) -> cumem::Result<()> {
     if let Some(path) = &args.plot {
         plot(path, &traces, &targets, &base, args)?;
     }
-    let infos: Vec<TraceInfo> = traces.iter().zip(&args.traces).map(|(t, p)| trace_info(t, p)).collect();
+    // Exact best fit over one growing range, 2 MiB pages: the memory of
+    // never unmapping, and the floor of unmapping free pages.
+    let floors: Vec<_> = traces.iter().map(|t| replay::page_floor(t, 2 << 20)).collect();
     if args.json {
-        let out = Output {
-            backend,
-            repeat: args.repeat.max(1),
-            warm: args.warm,
-            one_stream: args.one_stream,
-            conf: args.conf.clone(),
-            traces: infos,
-            results,
-            skipped,
-        };
+        let infos: Vec<_> = traces
+            .iter()
+            .zip(&args.traces)
+            .zip(&floors)
+            .map(|((t, path), floor)| {
+                json!({
+                    "name": t.name, "path": path.display().to_string(), "records": t.records.len(),
+                    "operations": t.operations(), "streams": t.streams(), "peak_live": t.peak_live,
+                    "skipped_frees": t.skipped_frees, "failures": t.failures,
+                    "duplicate_allocations": t.duplicate_allocations, "zero_sizes": t.zero_sizes,
+                    "live_at_end": t.live_at_end, "page_floor": floor,
+                })
+            })
+            .collect();
+        let out = json!({
+            "backend": backend, "repeat": args.repeat.max(1), "warm": args.warm, "one_stream": args.one_stream,
+            "conf": args.conf, "traces": infos, "results": results, "skipped": skipped,
+        });
         let text = serde_json::to_string_pretty(&out).map_err(|e| cumem::Error::InvalidState(e.to_string()))?;
         println!("{text}");
     } else {
-        print_table(&backend, &infos, &results, args);
+        print_table(&backend, &traces, &floors, &results, args);
     }
     Ok(())
 }
@@ -216,28 +187,11 @@ fn plot(path: &std::path::Path, traces: &[Trace], targets: &[Target], base: &Con
     Ok(())
 }
 
-fn trace_info(t: &Trace, path: &std::path::Path) -> TraceInfo {
-    TraceInfo {
-        name: t.name.clone(),
-        path: path.display().to_string(),
-        records: t.records.len(),
-        operations: t.operations(),
-        streams: t.streams(),
-        peak_live: t.peak_live,
-        skipped_frees: t.skipped_frees,
-        failures: t.failures,
-        duplicate_allocations: t.duplicate_allocations,
-        zero_sizes: t.zero_sizes,
-        live_at_end: t.live_at_end,
-        page_floor: replay::page_floor(t, 2 << 20),
-    }
-}
-
 fn mib(bytes: usize) -> String {
     format!("{:.1}", bytes as f64 / (1 << 20) as f64)
 }
 
-fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], args: &Args) {
+fn print_table(backend: &str, traces: &[Trace], floors: &[Option<PageFloor>], results: &[ReplayReport], args: &Args) {
     println!(
         "cumem-replay on {backend}; median of {} {} replay(s), {}; conf '{}'",
         args.repeat.max(1),
@@ -245,14 +199,14 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
         if args.one_stream { "one stream" } else { "the trace's streams" },
         args.conf
     );
-    for i in infos {
+    for (i, floor) in traces.iter().zip(floors) {
         println!(
             "trace {}: {} records, {} operations on {} stream(s), peak live {} MiB ({} B); skipped frees {}, \
              allocate failures {}, duplicate allocations {}, zero sizes {}, live at end {}",
             i.name,
-            i.records,
-            i.operations,
-            i.streams,
+            i.records.len(),
+            i.operations(),
+            i.streams(),
             mib(i.peak_live),
             i.peak_live,
             i.skipped_frees,
@@ -261,7 +215,7 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
             i.zero_sizes,
             i.live_at_end
         );
-        if let Some(f) = i.page_floor.filter(|_| i.peak_live > 0) {
+        if let Some(f) = floor.filter(|_| i.peak_live > 0) {
             let ratio = |b: usize| b as f64 / i.peak_live as f64;
             println!(
                 "  page floor of {} (exact best fit over one growing range, {} MiB pages): never unmapped {:.3}, \
@@ -274,60 +228,49 @@ fn print_table(backend: &str, infos: &[TraceInfo], results: &[ReplayReport], arg
         }
     }
     println!();
-    println!(
-        "{:<16} {:<20} {:>7} {:>10} {:>10} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>7}",
-        "trace",
-        "target",
-        "ops",
-        "ns/op",
-        "min ns/op",
-        "live MiB",
-        "trace MiB",
-        "reserved MiB",
-        "ratio",
-        "fail",
-        "map/unmap",
-        "drv/alloc",
-        "drv ms",
-        "drv/bg",
-        "streams",
-        "waits",
-        "wait ns",
-        "elided"
-    );
+    // Each column: its header, its width (negative: aligned left), its cell.
+    let na = || "n/a".to_string();
+    let calls = |r: &ReplayReport, f: fn(&Calls) -> String| r.last.driver_calls.as_ref().map_or_else(na, f);
+    type Column<'a> = (&'a str, isize, &'a dyn Fn(&ReplayReport) -> String);
+    let columns: [Column; 18] = [
+        ("trace", -16, &|r| r.trace.clone()),
+        ("target", -20, &|r| r.target.clone()),
+        ("ops", 7, &|r| r.operations.to_string()),
+        ("ns/op", 10, &|r| format!("{:.1}", r.ns_per_op)),
+        ("min ns/op", 10, &|r| format!("{:.1}", r.ns_per_op_min)),
+        ("live MiB", 12, &|r| mib(r.last.peak_live)),
+        ("trace MiB", 12, &|r| mib(r.trace_peak_live)),
+        ("reserved MiB", 14, &|r| r.last.peak_reserved.map_or_else(na, mib)),
+        ("ratio", 7, &|r| r.ratio.map_or_else(na, |x| format!("{x:.3}"))),
+        ("fail", 5, &|r| r.last.failures.to_string()),
+        // Driver map and unmap calls in the timed pass (growth and moves).
+        ("map/unmap", 13, &|r| match (r.last.map_calls, r.last.unmap_calls) {
+            (Some(m), Some(u)) => format!("{m}/{u}"),
+            _ => na(),
+        }),
+        // Driver calls that moved memory in the timed pass, made by the
+        // allocating thread (and its time in them) and by the mapper.
+        ("drv/alloc", 9, &|r| calls(r, |c| c.allocating.total.to_string())),
+        ("drv ms", 8, &|r| calls(r, |c| format!("{:.1}", c.allocating.total_ns as f64 / 1e6))),
+        ("drv/bg", 9, &|r| calls(r, |c| c.background.total.to_string())),
+        ("streams", 7, &|r| r.streams.to_string()),
+        ("waits", 6, &|r| r.last.stream_waits.to_string()),
+        ("wait ns", 9, &|r| r.last.stream_wait_ns.to_string()),
+        ("elided", 7, &|r| r.last.stream_waits_elided.to_string()),
+    ];
+    let line = |cell: &dyn Fn(usize) -> String| {
+        let cells = columns.iter().enumerate().map(|(i, &(_, w, _))| match w {
+            w if w < 0 => format!("{:<1$}", cell(i), w.unsigned_abs()),
+            w => format!("{:>1$}", cell(i), w as usize),
+        });
+        println!("{}", cells.collect::<Vec<_>>().join(" "));
+    };
+    line(&|i| columns[i].0.to_string());
     for r in results {
-        println!(
-            "{:<16} {:<20} {:>7} {:>10.1} {:>10.1} {:>12} {:>12} {:>14} {:>7} {:>5} {:>13} {:>9} {:>8} {:>9} {:>7} {:>6} {:>9} {:>7}",
-            r.trace,
-            r.target,
-            r.operations,
-            r.ns_per_op,
-            r.ns_per_op_min,
-            mib(r.peak_live),
-            mib(r.trace_peak_live),
-            r.peak_reserved.map_or_else(|| "n/a".to_string(), mib),
-            r.ratio.map_or_else(|| "n/a".to_string(), |x| format!("{x:.3}")),
-            r.failures,
-            // Driver map and unmap calls in the timed pass (physical
-            // memory moves and growth).
-            match (r.map_calls, r.unmap_calls) {
-                (Some(m), Some(u)) => format!("{m}/{u}"),
-                _ => "n/a".to_string(),
-            },
-            // Driver calls that moved memory in the timed pass, made by
-            // the allocating thread and by the background mapper.
-            r.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.allocating.total.to_string()),
-            // The allocating thread's time in those calls.
-            r.driver_calls.map_or_else(|| "n/a".to_string(), |c| format!("{:.1}", c.allocating.total_ns as f64 / 1e6)),
-            r.driver_calls.map_or_else(|| "n/a".to_string(), |c| c.background.total.to_string()),
-            r.streams,
-            r.stream_waits,
-            r.stream_wait_ns,
-            r.stream_waits_elided
-        );
+        line(&|i| (columns[i].2)(r));
     }
     // Ratios against the raw driver calls measured in this run.
-    for trace in infos {
+    for trace in traces {
         let of = |name: &str| results.iter().find(|r| r.trace == trace.name && r.target == name);
         for raw in ["raw_cumemalloc", "raw_cumemallocasync"] {
             let Some(base) = of(raw) else { continue };

@@ -37,10 +37,10 @@ use cumem::{Error, Result};
 ///
 /// # Examples
 /// ```
-/// use cumem_replay::replay::{replay, Target};
+/// use cumem_replay::replay::{replay, Pass, Target};
 /// let csv = "Thread,Time,Action,Pointer,Size,Stream\n0,1,allocate,0x1000,5000,0x0\n0,2,free,0x1000,5000,0x0\n";
 /// let trace = cumem_replay::trace::parse_str(csv)?;
-/// let report = replay(&trace, Target::Simulated, &cumem::Config::new(), 1)?;
+/// let report = replay(&trace, Target::Simulated, &cumem::Config::new(), 1, Pass::default())?;
 /// assert_eq!(report.trace_peak_live, 5000);
 /// # Ok::<(), cumem::Error>(())
 /// ```
@@ -178,32 +178,43 @@ pub struct ReplayReport {
     pub ns_per_op: f64,
     /// The fastest replay's nanoseconds per operation.
     pub ns_per_op_min: f64,
-    /// Peak live bytes as the target counted them.
-    pub peak_live: usize,
     /// Peak live bytes computed from the trace itself.
     pub trace_peak_live: usize,
-    /// Peak reserved bytes (`None`: the target can't tell).
-    pub peak_reserved: Option<usize>,
-    /// `peak_reserved / trace_peak_live`.
+    /// `peak_reserved / trace_peak_live` of the last replay.
     pub ratio: Option<f64>,
-    /// Allocations that failed in the last replay.
-    pub failures: usize,
-    /// Map calls in the last replay's timed pass.
-    pub map_calls: Option<u64>,
-    /// Unmap calls in the last replay's timed pass.
-    pub unmap_calls: Option<u64>,
-    /// Driver calls that moved physical memory in the last replay's timed
-    /// pass, on the allocating thread and on the background mapper.
-    pub driver_calls: Option<Calls>,
     /// The CUDA streams (or stream tags) the replay used: the trace's
     /// streams, or 1 with `--one-stream`.
     pub streams: usize,
-    /// Cross-stream reuses that waited in the last replay.
-    pub stream_waits: u64,
-    /// The nanoseconds issuing those waits took in the last replay.
-    pub stream_wait_ns: u64,
-    /// Cross-stream reuses in the last replay that needed no wait.
-    pub stream_waits_elided: u64,
+    /// The last replay's figures (peaks, failures, calls, waits).
+    #[serde(flatten)]
+    pub last: Measurement,
+}
+
+impl ReplayReport {
+    /// The report of `measured`, the replays of `trace` through `target`
+    /// (at least one).
+    pub fn new(trace: &Trace, target: Target, pass: Pass, measured: &[Measurement]) -> ReplayReport {
+        let ops = trace.operations().max(1) as f64;
+        let mut per_op: Vec<f64> = measured.iter().map(|m| m.elapsed_ns as f64 / ops).collect();
+        let last = measured.last().cloned().unwrap_or_default();
+        ReplayReport {
+            trace: trace.name.clone(),
+            target: target.name().to_string(),
+            operations: trace.operations(),
+            repeats: measured.len(),
+            ns_per_op_min: per_op.iter().copied().fold(f64::INFINITY, f64::min),
+            ns_per_op: median(&mut per_op),
+            trace_peak_live: trace.peak_live,
+            // Against the trace's own peak: the pool's peak counts blocks
+            // parked in thread caches as live, so it is only an upper bound.
+            ratio: last.peak_reserved.filter(|_| trace.peak_live > 0).map(|r| r as f64 / trace.peak_live as f64),
+            streams: match target {
+                Target::Mode(_) | Target::Simulated if !pass.one_stream => trace.streams(),
+                _ => 1,
+            },
+            last,
+        }
+    }
 }
 
 /// Driver calls by kind (`cuMemCreate`, `cuMemMap`, `cuMemUnmap`,
@@ -277,6 +288,24 @@ pub fn median(values: &mut [f64]) -> f64 {
     }
 }
 
+/// How a trace is replayed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pass {
+    /// The fresh resources first replay the trace once untimed (and free
+    /// what it left), so the timed pass measures an allocator that already
+    /// holds its memory (steady state) rather than one that grows from
+    /// nothing (cold, the default).
+    pub warm: bool,
+    /// Every operation on one stream. By default each stream of the
+    /// trace's `Stream` column replays on a CUDA stream of its own (on
+    /// `sim_device`, a stream tag of its own), so frees and reuses cross
+    /// streams as they did in the program. The raw driver targets always
+    /// use one stream (a free on another stream than the allocation's
+    /// would need events the trace does not record), and so does the host
+    /// fallback, whose streams carry no tags.
+    pub one_stream: bool,
+}
+
 /// Replays `trace` once through `target`. `base` configures the cumem
 /// targets (pool sizes, `min_chunk`, `expandable`, device); its mode and
 /// backend are replaced by the target's.
@@ -284,55 +313,17 @@ pub fn median(values: &mut [f64]) -> f64 {
 /// # Errors
 /// [`Error::NeedsGpu`] for a GPU target without a GPU; errors creating the
 /// manager, stream or pool.
-pub fn replay_once(trace: &Trace, target: Target, base: &Config) -> Result<Measurement> {
-    replay_once_with(trace, target, base, false)
-}
-
-/// As [`replay_once`]; with `warm`, the fresh resources first replay the
-/// trace once untimed (and free what it left), so the timed pass measures
-/// an allocator that already holds its memory (steady state) rather than
-/// one that grows from nothing.
-///
-/// # Errors
-/// As [`replay_once`].
-pub fn replay_once_with(trace: &Trace, target: Target, base: &Config, warm: bool) -> Result<Measurement> {
-    replay_once_on(trace, target, base, warm, false)
-}
-
-/// As [`replay_once_with`]. Each stream of the trace's `Stream` column
-/// replays on a CUDA stream of its own (on `sim_device`, a stream tag of
-/// its own), so frees and reuses cross streams as they did in the program;
-/// with `one_stream` every operation runs on one stream. The raw driver
-/// targets always use one stream (a free on another stream than the
-/// allocation's would need events the trace does not record), and so does
-/// the host fallback, whose streams carry no tags.
-///
-/// # Errors
-/// As [`replay_once`].
-pub fn replay_once_on(
-    trace: &Trace,
-    target: Target,
-    base: &Config,
-    warm: bool,
-    one_stream: bool,
-) -> Result<Measurement> {
+pub fn replay_once(trace: &Trace, target: Target, base: &Config, pass: Pass) -> Result<Measurement> {
     if target.needs_gpu() && cumem::cuda::driver_status().devices() == 0 {
         return Err(Error::NeedsGpu("this replay target"));
     }
+    let Pass { warm, one_stream } = pass;
     match target {
-        Target::Host => replay_cumem(trace, base.clone().backend(BackendChoice::Host), warm, one_stream),
-        Target::Mode(m) => replay_cumem(trace, base.clone().backend(BackendChoice::Auto).mode(m), warm, one_stream),
+        Target::Host => replay_cumem(trace, base.clone().backend(BackendChoice::Host), pass),
+        Target::Mode(m) => replay_cumem(trace, base.clone().backend(BackendChoice::Auto).mode(m), pass),
         Target::RawCuMemAlloc => raw::replay_cumemalloc(trace, base.device),
         Target::RawCuMemAllocAsync => raw::replay_cumemallocasync(trace, base.device, warm),
         Target::Simulated => sim::replay_simulated(trace, base, warm, one_stream),
-    }
-}
-
-/// The streams a target replays `trace` on.
-fn streams_used(trace: &Trace, target: Target, one_stream: bool) -> usize {
-    match target {
-        Target::Mode(_) | Target::Simulated if !one_stream => trace.streams(),
-        _ => 1,
     }
 }
 
@@ -341,60 +332,35 @@ fn streams_used(trace: &Trace, target: Target, one_stream: bool) -> usize {
 ///
 /// # Errors
 /// The first replay's error.
-pub fn replay(trace: &Trace, target: Target, base: &Config, repeat: usize) -> Result<ReplayReport> {
-    replay_with(trace, target, base, repeat, false)
+pub fn replay(trace: &Trace, target: Target, base: &Config, repeat: usize, pass: Pass) -> Result<ReplayReport> {
+    let measured = (0..repeat.max(1)).map(|_| replay_once(trace, target, base, pass)).collect::<Result<Vec<_>>>()?;
+    Ok(ReplayReport::new(trace, target, pass, &measured))
 }
 
-/// As [`replay`], warm or cold (see [`replay_once_with`]).
-///
-/// # Errors
-/// The first replay's error.
-pub fn replay_with(trace: &Trace, target: Target, base: &Config, repeat: usize, warm: bool) -> Result<ReplayReport> {
-    replay_on(trace, target, base, repeat, warm, false)
-}
-
-/// As [`replay_with`], on the trace's streams or (`one_stream`) on one
-/// (see [`replay_once_on`]).
-///
-/// # Errors
-/// The first replay's error.
-pub fn replay_on(
+/// Runs `trace`'s operations in order, keeping each allocation's pointer
+/// in its slot of `ptrs`: `allocate(i, size)` makes operation `i`'s
+/// allocation (`None`: it failed, and its free is skipped), `free(i, ptr)`
+/// frees (false: it failed). Returns the failures.
+pub(crate) fn run_ops(
     trace: &Trace,
-    target: Target,
-    base: &Config,
-    repeat: usize,
-    warm: bool,
-    one_stream: bool,
-) -> Result<ReplayReport> {
-    let mut per_op = Vec::with_capacity(repeat.max(1));
-    let mut last = Measurement::default();
-    for _ in 0..repeat.max(1) {
-        last = replay_once_on(trace, target, base, warm, one_stream)?;
-        per_op.push(last.elapsed_ns as f64 / trace.operations().max(1) as f64);
+    ptrs: &mut [u64],
+    mut allocate: impl FnMut(usize, usize) -> Option<u64>,
+    mut free: impl FnMut(usize, u64) -> bool,
+) -> usize {
+    let mut failures = 0;
+    for (i, op) in trace.ops.iter().enumerate() {
+        match *op {
+            Op::Allocate { slot, size } => match allocate(i, size) {
+                Some(p) => ptrs[slot as usize] = p,
+                None => failures += 1,
+            },
+            Op::Free { slot } => {
+                let p = std::mem::take(&mut ptrs[slot as usize]);
+                failures += usize::from(p != 0 && !free(i, p));
+            }
+        }
     }
-    let min = per_op.iter().copied().fold(f64::INFINITY, f64::min);
-    Ok(ReplayReport {
-        trace: trace.name.clone(),
-        target: target.name().to_string(),
-        operations: trace.operations(),
-        repeats: per_op.len(),
-        ns_per_op: median(&mut per_op),
-        ns_per_op_min: min,
-        peak_live: last.peak_live,
-        trace_peak_live: trace.peak_live,
-        peak_reserved: last.peak_reserved,
-        // Against the trace's own peak: the pool's peak counts blocks parked
-        // in thread caches as live, so it is only an upper bound.
-        ratio: last.peak_reserved.filter(|_| trace.peak_live > 0).map(|r| r as f64 / trace.peak_live as f64),
-        failures: last.failures,
-        map_calls: last.map_calls,
-        unmap_calls: last.unmap_calls,
-        driver_calls: last.driver_calls,
-        streams: streams_used(trace, target, one_stream),
-        stream_waits: last.stream_waits,
-        stream_wait_ns: last.stream_wait_ns,
-        stream_waits_elided: last.stream_waits_elided,
-    })
+    failures
 }
 
 /// The device's default pool, trimmed to nothing and its high-water marks
@@ -426,99 +392,60 @@ pub(crate) fn fresh_mode_pool(dev: &DeviceAllocator, mode: DeviceAllocatorMode) 
     Ok(())
 }
 
-fn replay_cumem(trace: &Trace, config: Config, warm: bool, one_stream: bool) -> Result<Measurement> {
+fn replay_cumem(trace: &Trace, config: Config, pass: Pass) -> Result<Measurement> {
     let ordinal = config.device;
     let mm = MemoryManager::new(config)?;
     let dev = mm.default_device()?;
     let mode = dev.effective_mode();
-    let count = if one_stream || dev.context().is_none() { 1 } else { trace.streams() };
+    let count = if pass.one_stream || dev.context().is_none() { 1 } else { trace.streams() };
     let streams: Vec<Stream> = match dev.context() {
         Some(_) => (0..count).map(|_| Stream::new_on(ordinal)).collect::<Result<_>>()?,
         None => Vec::new(),
     };
-    // The stream of operation `i` (none on the host fallback).
-    let stream_of = |i: usize| streams.get(if count == 1 { 0 } else { trace.op_streams[i] as usize });
-    // Where a leftover block is freed: any stream orders it (the trace
-    // records no work on it).
-    let stream = streams.first();
-    fresh_mode_pool(dev, mode)?;
-    let pass = |ptrs: &mut Vec<u64>| {
-        let mut failures = 0;
-        for (i, op) in trace.ops.iter().enumerate() {
-            let stream = stream_of(i);
-            match *op {
-                Op::Allocate { slot, size } => {
-                    let r = match stream {
-                        Some(s) => mm.allocate_device_on(size, s),
-                        None => mm.allocate_device(size),
-                    };
-                    match r {
-                        Ok(p) => ptrs[slot as usize] = p,
-                        Err(_) => failures += 1,
-                    }
-                }
-                Op::Free { slot } => {
-                    let p = std::mem::take(&mut ptrs[slot as usize]);
-                    if p != 0 {
-                        let r = match stream {
-                            Some(s) => mm.free_device_on(p, s),
-                            None => mm.free_device(p),
-                        };
-                        failures += usize::from(r.is_err());
-                    }
-                }
-            }
-        }
-        failures
+    // The stream of operation `i` (none on the host fallback); a leftover
+    // block is freed on the first (the trace records no work on it).
+    let stream_of = |i: Option<usize>| streams.get(i.filter(|_| count > 1).map_or(0, |i| trace.op_streams[i] as usize));
+    let allocate = |i, size| match stream_of(Some(i)) {
+        Some(s) => mm.allocate_device_on(size, s).ok(),
+        None => mm.allocate_device(size).ok(),
+    };
+    let free = |i: Option<usize>, p| match stream_of(i) {
+        Some(s) => mm.free_device_on(p, s),
+        None => mm.free_device(p),
     };
     let free_all = |ptrs: &mut Vec<u64>| -> Result<()> {
-        for p in ptrs.iter_mut().filter(|p| **p != 0) {
-            match stream {
-                Some(s) => mm.free_device_on(std::mem::take(p), s)?,
-                None => mm.free_device(std::mem::take(p))?,
-            }
-        }
-        Ok(())
+        ptrs.iter_mut().filter(|p| **p != 0).try_for_each(|p| free(None, std::mem::take(p)))?;
+        streams.iter().try_for_each(Stream::synchronize)
     };
+    fresh_mode_pool(dev, mode)?;
     let mut ptrs = vec![0u64; trace.slots];
-    if warm {
-        pass(&mut ptrs);
+    if pass.warm {
+        run_ops(trace, &mut ptrs, allocate, |i, p| free(Some(i), p).is_ok());
         free_all(&mut ptrs)?;
-        for s in &streams {
-            s.synchronize()?;
-        }
     }
     let before = dev.stats();
     let calls_before = cumem::cuda::vmm::driver_calls();
     let start = Instant::now();
-    let failures = pass(&mut ptrs);
+    let failures = run_ops(trace, &mut ptrs, allocate, |i, p| free(Some(i), p).is_ok());
     let elapsed_ns = start.elapsed().as_nanos() as u64;
     let calls_after = cumem::cuda::vmm::driver_calls();
     let stats = dev.stats();
-    let calls = (mode == DeviceAllocatorMode::SyncPool)
-        .then(|| (stats.pool.map_calls - before.pool.map_calls, stats.pool.unmap_calls - before.pool.unmap_calls));
-    let stream_waits = stats.stream_waits - before.stream_waits;
-    let stream_wait_ns = stats.stream_wait_ns - before.stream_wait_ns;
-    let stream_waits_elided = stats.stream_waits_elided - before.stream_waits_elided;
+    let sync_pool = mode == DeviceAllocatorMode::SyncPool;
     // Physical memory (the sync pool's mapped pages).
     let held = stats.mode_memory(mode);
-    let (peak_live, peak_reserved) = (held.peak_live, held.peak_reserved);
     free_all(&mut ptrs)?;
-    for s in &streams {
-        s.synchronize()?;
-    }
     mm.release_cached()?;
     Ok(Measurement {
         elapsed_ns,
-        peak_live,
-        peak_reserved,
+        peak_live: held.peak_live,
+        peak_reserved: held.peak_reserved,
         failures,
-        map_calls: calls.map(|c| c.0),
-        unmap_calls: calls.map(|c| c.1),
-        driver_calls: (mode == DeviceAllocatorMode::SyncPool).then(|| Calls::between(&calls_before, &calls_after)),
-        stream_waits,
-        stream_wait_ns,
-        stream_waits_elided,
+        map_calls: sync_pool.then(|| stats.pool.map_calls - before.pool.map_calls),
+        unmap_calls: sync_pool.then(|| stats.pool.unmap_calls - before.pool.unmap_calls),
+        driver_calls: sync_pool.then(|| Calls::between(&calls_before, &calls_after)),
+        stream_waits: stats.stream_waits - before.stream_waits,
+        stream_wait_ns: stats.stream_wait_ns - before.stream_wait_ns,
+        stream_waits_elided: stats.stream_waits_elided - before.stream_waits_elided,
     })
 }
 

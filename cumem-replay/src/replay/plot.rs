@@ -11,8 +11,8 @@
 
 use plotters::prelude::*;
 
-use super::{fresh_mode_pool, AddressRange, Target};
-use crate::trace::{Op, Trace};
+use super::{fresh_mode_pool, run_ops, AddressRange, Target};
+use crate::trace::Trace;
 use cumem::pool::{Pool, StreamTag, BLOCK_ALIGN};
 use cumem::Stream;
 use cumem::{BackendChoice, Config, MemoryManager};
@@ -63,29 +63,24 @@ fn replay_sampled(
     samples: usize,
     mut alloc: impl FnMut(usize) -> Option<u64>,
     mut free: impl FnMut(u64),
-    mut reserved: impl FnMut() -> usize,
+    reserved: impl Fn() -> usize,
 ) -> Vec<(usize, usize)> {
     let take = sample_points(trace.ops.len(), samples);
+    let points = std::cell::RefCell::new(Vec::new());
+    let sample = |i| take(i).then(|| points.borrow_mut().push((i, reserved())));
     let mut ptrs = vec![0u64; trace.slots];
-    let mut points = Vec::new();
-    for (i, op) in trace.ops.iter().enumerate() {
-        match *op {
-            Op::Allocate { slot, size } => ptrs[slot as usize] = alloc(size).unwrap_or(0),
-            Op::Free { slot } => {
-                let p = std::mem::take(&mut ptrs[slot as usize]);
-                if p != 0 {
-                    free(p);
-                }
-            }
-        }
-        if take(i) {
-            points.push((i, reserved()));
-        }
-    }
-    for p in ptrs.into_iter().filter(|p| *p != 0) {
+    let allocate = |i, size| {
+        let p = alloc(size);
+        sample(i);
+        p
+    };
+    run_ops(trace, &mut ptrs, allocate, |i, p| {
         free(p);
-    }
-    points
+        sample(i);
+        true
+    });
+    ptrs.into_iter().filter(|p| *p != 0).for_each(free);
+    points.into_inner()
 }
 
 /// The reserved line of one target.

@@ -4,8 +4,8 @@ use std::time::Instant;
 
 use cudarc::driver::{result, sys};
 
-use super::{fresh_default_pool, Measurement};
-use crate::trace::{Op, Trace};
+use super::{fresh_default_pool, run_ops, Measurement};
+use crate::trace::Trace;
 use cumem::cuda::driver_err;
 use cumem::{Error, Result};
 
@@ -22,28 +22,17 @@ pub(super) fn replay_cumemalloc(trace: &Trace, ordinal: usize) -> Result<Measure
     let ctx = context(ordinal)?;
     ctx.synchronize().map_err(driver_err("cuCtxSynchronize"))?;
     let mut ptrs: Vec<sys::CUdeviceptr> = vec![0; trace.slots];
-    let mut failures = 0;
     let start = Instant::now();
-    for op in &trace.ops {
-        match *op {
-            Op::Allocate { slot, size } => {
-                // SAFETY: the context is current on this thread; the memory
-                // is only kept as an address, never read or written.
-                match unsafe { result::malloc_sync(size) } {
-                    Ok(p) => ptrs[slot as usize] = p,
-                    Err(_) => failures += 1,
-                }
-            }
-            Op::Free { slot } => {
-                let p = std::mem::take(&mut ptrs[slot as usize]);
-                if p != 0 {
-                    // SAFETY: `p` came from cuMemAlloc in this loop and its
-                    // slot is cleared, so it is freed once; nothing uses it.
-                    failures += usize::from(unsafe { result::free_sync(p) }.is_err());
-                }
-            }
-        }
-    }
+    let failures = run_ops(
+        trace,
+        &mut ptrs,
+        // SAFETY: the context is current on this thread; the memory is
+        // only kept as an address, never read or written.
+        |_, size| unsafe { result::malloc_sync(size) }.ok(),
+        // SAFETY: `p` came from cuMemAlloc in this pass and its slot was
+        // cleared, so it is freed once; nothing uses it.
+        |_, p| unsafe { result::free_sync(p) }.is_ok(),
+    );
     let elapsed_ns = start.elapsed().as_nanos() as u64;
     for p in ptrs.into_iter().filter(|&p| p != 0) {
         // SAFETY: a live allocation of this replay, freed once.
@@ -64,30 +53,16 @@ pub(super) fn replay_cumemallocasync(trace: &Trace, ordinal: usize, warm: bool) 
     let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
     let cu = stream.cu_stream();
     let pass = |ptrs: &mut Vec<sys::CUdeviceptr>| {
-        let mut failures = 0;
-        for op in &trace.ops {
-            match *op {
-                Op::Allocate { slot, size } => {
-                    // SAFETY: `cu` is a live stream of the current context;
-                    // the memory is only kept as an address and used on no
-                    // stream.
-                    match unsafe { result::malloc_async(cu, size) } {
-                        Ok(p) => ptrs[slot as usize] = p,
-                        Err(_) => failures += 1,
-                    }
-                }
-                Op::Free { slot } => {
-                    let p = std::mem::take(&mut ptrs[slot as usize]);
-                    if p != 0 {
-                        // SAFETY: `p` came from cuMemAllocAsync on `cu` and
-                        // its slot is cleared, so it is freed once; no work
-                        // uses it.
-                        failures += usize::from(unsafe { result::free_async(p, cu) }.is_err());
-                    }
-                }
-            }
-        }
-        failures
+        run_ops(
+            trace,
+            ptrs,
+            // SAFETY: `cu` is a live stream of the current context; the
+            // memory is only kept as an address and used on no stream.
+            |_, size| unsafe { result::malloc_async(cu, size) }.ok(),
+            // SAFETY: `p` came from cuMemAllocAsync on `cu` in this pass and
+            // its slot was cleared, so it is freed once; no work uses it.
+            |_, p| unsafe { result::free_async(p, cu) }.is_ok(),
+        )
     };
     let mut ptrs: Vec<sys::CUdeviceptr> = vec![0; trace.slots];
     if warm {

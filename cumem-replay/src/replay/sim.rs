@@ -9,23 +9,28 @@
 
 use std::time::Instant;
 
-use super::Measurement;
-use crate::trace::{Op, Trace};
-use cumem::cuda::vmm::{record_call, CallKind};
+use super::{run_ops, Measurement};
+use crate::trace::Trace;
+use cumem::cuda::vmm::{record_call, CallKind, DriverCalls};
 use cumem::pool::{Pool, StreamTag, BLOCK_ALIGN};
 use cumem::upstream::{Chunk, Queued, Upstream};
 use cumem::Config;
 use cumem::Result;
 use std::sync::{Mutex, MutexGuard};
 
-/// The time each simulated driver call takes: `CUMEM_SIM_CALL_US`
-/// microseconds (0, the default: none), so that the background mapper's
-/// work and the allocating thread's overlap as they would on a device.
-fn call_cost() -> std::time::Duration {
-    static COST: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
-    *COST.get_or_init(|| {
-        let us = std::env::var("CUMEM_SIM_CALL_US").ok().and_then(|v| v.trim().parse::<u64>().ok());
-        std::time::Duration::from_micros(us.unwrap_or(0))
+/// The simulation's settings, read once: `CUMEM_SIM_CALL_US`, the
+/// microseconds each simulated driver call takes (0, the default: none),
+/// so that the background mapper's work and the allocating thread's
+/// overlap as they would on a device; and `CUMEM_SIM_QUIET_OPS`, how many
+/// replayed operations without a move the simulated mapper waits before
+/// it unmaps old mappings of lent memory (default 10,000, about the
+/// mapper's 2 ms at the 150–250 ns per operation of a warm replay on a
+/// device).
+fn settings() -> (std::time::Duration, u64) {
+    static SETTINGS: std::sync::OnceLock<(std::time::Duration, u64)> = std::sync::OnceLock::new();
+    *SETTINGS.get_or_init(|| {
+        let env = |name, default| std::env::var(name).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(default);
+        (std::time::Duration::from_micros(env("CUMEM_SIM_CALL_US", 0)), env("CUMEM_SIM_QUIET_OPS", 10_000))
     })
 }
 
@@ -59,35 +64,6 @@ pub struct AddressRange {
     stale: std::sync::atomic::AtomicBool,
 }
 
-/// How many replayed operations without a move the simulated mapper waits
-/// before it unmaps old mappings of lent memory: `CUMEM_SIM_QUIET_OPS`
-/// (default 10,000, about the mapper's 2 ms at the 150–250 ns per operation
-/// of a warm replay on a device).
-fn quiet_ops() -> u64 {
-    static OPS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *OPS.get_or_init(|| {
-        std::env::var("CUMEM_SIM_QUIET_OPS").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(10_000)
-    })
-}
-
-/// The driver calls a simulated device would have made.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SimCalls {
-    /// `cuMemCreate`: new physical memory.
-    pub creates: u64,
-    /// `cuMemMap`: one per piece mapped.
-    pub maps: u64,
-    /// `cuMemSetAccess`: one per run mapped.
-    pub set_access: u64,
-    /// `cuMemUnmap`: one per piece unmapped.
-    pub unmaps: u64,
-    /// `cuMemRelease`.
-    pub releases: u64,
-    /// Device synchronisations before unmapping pages that queued work may
-    /// still use.
-    pub syncs: u64,
-}
-
 #[derive(Debug, Default)]
 struct Mapped {
     /// Mapped pieces, address → size.
@@ -98,7 +74,8 @@ struct Mapped {
     stale: std::collections::BTreeMap<usize, usize>,
     /// The operation of the last move.
     last_move: u64,
-    calls: SimCalls,
+    /// The driver calls a device would have made (none takes time).
+    calls: DriverCalls,
 }
 
 impl Mapped {
@@ -114,14 +91,14 @@ impl Mapped {
     fn note(&mut self, kind: CallKind) {
         let c = &mut self.calls;
         *match kind {
-            CallKind::Create => &mut c.creates,
-            CallKind::Map => &mut c.maps,
-            CallKind::Unmap => &mut c.unmaps,
+            CallKind::Create => &mut c.create,
+            CallKind::Map => &mut c.map,
+            CallKind::Unmap => &mut c.unmap,
             CallKind::SetAccess => &mut c.set_access,
-            CallKind::Release => &mut c.releases,
+            CallKind::Release => &mut c.release,
         } += 1;
         record_call(kind);
-        let cost = call_cost();
+        let cost = settings().0;
         if !cost.is_zero() {
             // The device's time for the call (the region's lock is held
             // across it, as the real upstream holds its region's).
@@ -132,18 +109,12 @@ impl Mapped {
         }
     }
 
-    /// Drops the pieces inside `[addr, addr + size)`.
     /// Takes the whole pieces inside `spans` a move would unmap (until
-    /// `want` bytes, `choose_pieces`) off the mapped list, counting the
-    /// device wait a `pending` move makes first; returns them.
-    fn take_within(&mut self, spans: &[Chunk], want: usize, pending: bool) -> Vec<(usize, usize)> {
+    /// `want` bytes, `choose_pieces`) off the mapped list; returns them.
+    fn take_within(&mut self, spans: &[Chunk], want: usize) -> Vec<(usize, usize)> {
         let pieces: Vec<(usize, usize)> = self.pieces.iter().map(|(&a, &s)| (a, s)).collect();
         let spans: Vec<(usize, usize)> = spans.iter().map(|c| (c.addr, c.size)).collect();
-        let chosen = cumem::upstream::choose_pieces(&pieces, &spans, want);
-        if pending && !chosen.is_empty() {
-            self.calls.syncs += 1;
-        }
-        chosen
+        cumem::upstream::choose_pieces(&pieces, &spans, want)
             .into_iter()
             .map(|i| {
                 self.pieces.remove(&pieces[i].0);
@@ -202,24 +173,22 @@ impl AddressRange {
             return;
         }
         let mut vm = lock(&self.vm);
-        if op.saturating_sub(vm.last_move) < quiet_ops() {
+        if op.saturating_sub(vm.last_move) < settings().1 {
             return;
         }
         if let Some((&a, _)) = vm.stale.iter().next() {
             vm.stale.remove(&a);
-            vm.calls.unmaps += 1;
+            vm.calls.unmap += 1;
             cumem::cuda::vmm::record_background_call(CallKind::Unmap);
         }
         self.stale.store(!vm.stale.is_empty(), Relaxed);
     }
 
     /// The driver calls made so far.
-    pub fn calls(&self) -> SimCalls {
+    pub fn calls(&self) -> DriverCalls {
         lock(&self.vm).calls
     }
-}
 
-impl AddressRange {
     fn carve(&self, size: usize) -> Chunk {
         let mut top = lock(&self.top);
         let addr = *top + GRANULARITY;
@@ -326,9 +295,9 @@ impl Upstream for AddressRange {
         Ok(maps)
     }
 
-    fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
+    fn unmap_within(&self, spans: &[Chunk], want: usize, _pending: bool, keep: bool) -> Result<Vec<Chunk>> {
         let mut vm = lock(&self.vm);
-        let taken = vm.take_within(spans, want, pending);
+        let taken = vm.take_within(spans, want);
         for &(_, size) in &taken {
             vm.note(CallKind::Unmap);
             if keep {
@@ -344,13 +313,12 @@ impl Upstream for AddressRange {
         self.stale.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Result<Vec<Chunk>> {
+    fn lend_within(&self, spans: &[Chunk], want: usize, _queued: Queued) -> Result<Vec<Chunk>> {
         // The memory is kept as `unmap_within` keeps it; its old place
         // stays mapped until the simulated mapper unmaps it (`tick`) or a
         // map needs those addresses.
         let mut vm = lock(&self.vm);
-        // Only memory any stream's work may use waits for the device.
-        let taken = vm.take_within(spans, want, matches!(queued, Queued::Any));
+        let taken = vm.take_within(spans, want);
         for &(addr, size) in &taken {
             vm.stale.insert(addr, size);
             vm.spare.push(size);
@@ -407,40 +375,30 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_s
     // No work is ever queued on a simulated device: every free's work is
     // complete, as a replay's on a real device (no kernels run) soon is.
     pool.set_tag_oracle(std::sync::Arc::new(|_| true));
-    let mut addrs = vec![0usize; trace.slots];
+    let mut addrs = vec![0u64; trace.slots];
     let seq = std::cell::Cell::new(0u64);
     let stream_of = |i: usize| if one_stream { 1 } else { u64::from(trace.op_streams[i]) + 1 };
-    let pass = |addrs: &mut Vec<usize>| {
-        let (mut failures, mut waits) = (0, 0u64);
-        for (i, op) in trace.ops.iter().enumerate() {
-            let stream = stream_of(i);
+    let pass = |addrs: &mut Vec<u64>| {
+        let waits = std::cell::Cell::new(0u64);
+        let allocate = |i, size| {
             pool.upstream().tick();
-            match *op {
-                Op::Allocate { slot, size } => match pool.allocate_for(size, BLOCK_ALIGN, stream) {
-                    Ok(a) => {
-                        addrs[slot as usize] = a.addr;
-                        waits += u64::from(a.tag != StreamTag::NONE && a.tag.stream != stream);
-                    }
-                    Err(_) => failures += 1,
-                },
-                Op::Free { slot } => {
-                    let a = std::mem::take(&mut addrs[slot as usize]);
-                    if a != 0 {
-                        seq.set(seq.get() + 1);
-                        let tag = StreamTag { stream, seq: seq.get() };
-                        failures += usize::from(pool.deallocate(a, tag).is_err());
-                    }
-                }
-            }
-        }
-        (failures, waits)
+            let a = pool.allocate_for(size, BLOCK_ALIGN, stream_of(i)).ok()?;
+            waits.set(waits.get() + u64::from(a.tag != StreamTag::NONE && a.tag.stream != stream_of(i)));
+            Some(a.addr as u64)
+        };
+        let free = |i, a: u64| {
+            pool.upstream().tick();
+            seq.set(seq.get() + 1);
+            pool.deallocate(a as usize, StreamTag { stream: stream_of(i), seq: seq.get() }).is_ok()
+        };
+        (run_ops(trace, addrs, allocate, free), waits.get())
     };
     if warm {
         // Once untimed, then free what is left: the timed pass finds the
         // pool holding its memory.
         pass(&mut addrs);
         for a in addrs.iter_mut().filter(|a| **a != 0) {
-            pool.deallocate(std::mem::take(a), StreamTag::NONE)?;
+            pool.deallocate(std::mem::take(a) as usize, StreamTag::NONE)?;
         }
     }
     let before = pool.upstream().calls();
@@ -456,8 +414,8 @@ pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_s
         peak_live: stats.peak_requested,
         peak_reserved: Some(stats.peak_mapped),
         failures,
-        map_calls: Some(after.maps - before.maps),
-        unmap_calls: Some(after.unmaps - before.unmaps),
+        map_calls: Some(after.map - before.map),
+        unmap_calls: Some(after.unmap - before.unmap),
         driver_calls: Some(super::Calls::between(&calls_before, &calls_after)),
         stream_waits,
         stream_wait_ns: 0,
@@ -497,19 +455,19 @@ mod tests {
         // Two pieces lent: their old places stay mapped, nothing unmapped yet.
         let lent = r.lend_within(&[piece(0), piece(1)], 2 * GRANULARITY, Queued::Nothing).unwrap();
         assert_eq!(lent.len(), 2);
-        assert_eq!(r.calls().unmaps, 0);
+        assert_eq!(r.calls().unmap, 0);
         // A map over one old place unmaps it first.
         let before = r.calls();
         r.map_runs(&[piece(0)]).unwrap();
-        assert_eq!(r.calls().unmaps - before.unmaps, 1, "the map unmapped the old mapping in its way");
+        assert_eq!(r.calls().unmap - before.unmap, 1, "the map unmapped the old mapping in its way");
         // The other goes once the pool has made no move for the quiet spell.
-        for _ in 0..quiet_ops().saturating_sub(1) {
+        for _ in 0..settings().1.saturating_sub(1) {
             r.tick();
         }
-        assert_eq!(r.calls().unmaps - before.unmaps, 1, "the mapper waited for the quiet spell");
+        assert_eq!(r.calls().unmap - before.unmap, 1, "the mapper waited for the quiet spell");
         r.tick();
         r.tick();
-        assert_eq!(r.calls().unmaps - before.unmaps, 2, "the mapper unmapped the last old mapping");
+        assert_eq!(r.calls().unmap - before.unmap, 2, "the mapper unmapped the last old mapping");
         assert!(!r.stale.load(std::sync::atomic::Ordering::Relaxed));
     }
 }

@@ -75,13 +75,4 @@ __attribute__((visibility("default"))) uint64_t cumem_torch_native_instance_id()
   return cumem_instance_id();
 }
 
-// The PyTorch version this library was built against ("2.11.0").
-__attribute__((visibility("default"))) const char* cumem_torch_native_torch_version() {
-#ifdef CUMEM_TORCH_VERSION
-  return CUMEM_TORCH_VERSION;
-#else
-  return "";
-#endif
-}
-
 } // extern "C"
