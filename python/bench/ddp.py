@@ -49,7 +49,6 @@ import types
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from real_workloads import mib  # noqa: E402  (the single-GPU benchmark's helpers)
 from workloads import timed_step  # noqa: E402
 
 ALLOCATORS = ["torch", "cumem"]
@@ -66,6 +65,11 @@ SCALES = {
 
 
 # ------------------------------------------------------------- schedule --
+
+
+def mib(b):
+    return f"{b / 2**20:,.0f}"
+
 
 def seq_len(p, step):
     """The sequence length of `step`: the same on every rank (the ranks'

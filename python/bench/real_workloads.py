@@ -1,35 +1,27 @@
-#!/usr/bin/env python3
-"""Real PyTorch workloads on four allocators: PyTorch's caching allocator
-(`pytorch`), the same with `expandable_segments:True` (`expandable`),
-PyTorch's cudaMallocAsync backend, and cumem (`cumem_torch.install()`, the
-native backend).
+"""Real PyTorch workloads in a benchmark process: the allocators
+(PyTorch's caching allocator `pytorch`, the same with
+`expandable_segments:True` `expandable`, PyTorch's cudaMallocAsync
+backend, cumem through `cumem_torch.install()`, and a few variants) and
+their environments, each workload's sizes, the process's deterministic
+start, the thread that samples physical device memory, and one workload's
+run with its figures. steptime.py drives processes of them (alternated,
+with intervals), fit.py and probes.py the largest size that fits,
+ddp.py the multi-GPU runs.
 
-    python3 real_workloads.py [--workloads encoder_bucketed,...] [--allocators pytorch,expandable,...]
-                              [--rounds 3] [--scale full|tiny] [--json results.json]
+Models are built from configs with random weights (no downloads), seeded,
+under deterministic settings: the loss (for generation, logit or token)
+sequence of a process can be compared bit for bit with another's.
 
-Each allocator runs in fresh processes (this script with --child): one
-process runs every workload in turn, emptying the cache and resetting the
-peaks between them; `--rounds` processes per allocator, the allocators
-alternated (A B C D, D C B A, A B C D). Models are built from configs with
-random weights (no downloads), seeded, under deterministic settings: the
-loss (for generation, logit or token) sequence of every process is compared
-with the first PyTorch process's, bit for bit.
-
-Per workload and allocator: the median over processes of the median step
-time, and each process's; the peak physical device memory (the device's
-used memory, NVML's figure when pynvml imports, sampled every 2 ms by a
-thread over the whole workload, minus the figure just before the model is
-built); the allocator's own peak reserved bytes
+Per workload: the median step time; the peak physical device memory (the
+device's used memory, NVML's figure when pynvml imports, sampled every
+2 ms by a thread over the whole workload, minus the figure just before the
+model is built); the allocator's own peak reserved bytes
 (`torch.cuda.max_memory_reserved()`, which cumem's native backend
-answers); whether the values equal PyTorch's.
+answers); the values.
 """
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 from workloads import RUNNERS
@@ -239,15 +231,6 @@ def run_workload(torch, sampler, workload, params, allocator, kind):
     return result
 
 
-def child(workloads, allocator, scale, out_path):
-    torch, kind = setup(allocator)
-    sampler = PhysicalSampler(torch)
-    results = [run_workload(torch, sampler, w, SCALES[scale][w], allocator, kind) for w in workloads]
-    sampler.close()
-    with open(out_path, "w") as f:
-        json.dump(results, f)
-
-
 def driver_counts(torch, kind):
     """Device allocation/free calls so far (PyTorch's statistics; with
     cumem: page maps and unmaps) and, with cumem, its cross-stream waits."""
@@ -283,105 +266,3 @@ def env_for(allocator):
 
 def mib(b):
     return f"{b / 2**20:,.0f}"
-
-
-def pct(a, b):
-    return f"{(a / b - 1) * 100:+.1f}%"
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--allocators", default=",".join(ALLOCATORS))
-    ap.add_argument("--scale", default="full", choices=sorted(SCALES))
-    ap.add_argument("--rounds", type=int, default=3, help="processes per allocator, in alternated order")
-    ap.add_argument("--json", default="real_workloads.json")
-    ap.add_argument("--child-timeout", type=float, default=150.0, help="seconds one process may take")
-    ap.add_argument("--deadline", type=float, default=0, help="start no process after this many seconds")
-    ap.add_argument("--child", nargs=3, metavar=("WORKLOADS", "ALLOCATOR", "OUT"))
-    a = ap.parse_args()
-    if a.child:
-        child(a.child[0].split(","), a.child[1], a.scale, a.child[2])
-        return
-    workloads = a.workloads.split(",")
-    allocs = a.allocators.split(",")
-    runs, failures = [], []
-    t_all = time.time()
-    for rnd in range(a.rounds):
-        order = allocs if rnd % 2 == 0 else list(reversed(allocs))
-        for al in order:
-            if a.deadline and time.time() - t_all > a.deadline:
-                print(f"-- deadline: {al} of round {rnd} not run", flush=True)
-                continue
-            out = f"/tmp/real_workloads_{al}_{rnd}.json"
-            if os.path.exists(out):
-                os.remove(out)
-            t0 = time.time()
-            print(f"round {rnd}: {al}", flush=True)
-            try:
-                r = subprocess.run([sys.executable, __file__, "--scale", a.scale, "--child", ",".join(workloads), al,
-                                    out], env=env_for(al), stdout=None, stderr=subprocess.PIPE, text=True,
-                                   timeout=a.child_timeout)
-            except subprocess.TimeoutExpired as e:
-                r = subprocess.CompletedProcess(e.cmd, -9, "", f"timed out after {a.child_timeout} s\n{e.stderr or ''}")
-            took = time.time() - t0
-            if r.returncode != 0 or not os.path.exists(out):
-                failures.append((al, rnd))
-                print(f"!! {al} round {rnd} failed (rc {r.returncode}) after {took:.0f} s:\n{(r.stderr or '')[-3000:]}",
-                      flush=True)
-                continue
-            with open(out) as f:
-                for res in json.load(f):
-                    res["round"] = rnd
-                    if "error" in res:
-                        failures.append((al, rnd, res["workload"], res["error"]))
-                        continue
-                    res["process_s"] = took
-                    runs.append(res)
-    table = summarise(runs, workloads, allocs)
-    print(f"\ndevice: {runs[0]['device'] if runs else '?'}; sampler {runs[0]['sampler'] if runs else '?'}; "
-          f"total {time.time() - t_all:.0f} s")
-    with open(a.json, "w") as f:
-        json.dump({"runs": runs, "summary": table, "failures": failures}, f, indent=1)
-    sys.exit(1 if failures else 0)
-
-
-def summarise(runs, workloads, allocs):
-    """One row per (workload, allocator): medians over its processes, their
-    spread, the peak physical memory, and whether each process's values
-    equal the first PyTorch process's."""
-    rows = []
-    print("\n| workload | allocator | median step (ms) | spread (ms) | vs faster PyTorch | peak physical (MiB) "
-          "| vs default | vs expandable | own peak reserved (MiB) | values = PyTorch's |")
-    print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    for w in workloads:
-        ref = next((r for r in runs if r["workload"] == w and r["allocator"] == "pytorch"), None)
-        per = {}
-        for al in allocs:
-            rs = [r for r in runs if r["workload"] == w and r["allocator"] == al]
-            if not rs:
-                continue
-            meds = [r["median_step_ms"] for r in rs]
-            per[al] = {
-                "median_ms": statistics.median(meds), "medians_ms": meds,
-                "peak_physical": max(r["peak_physical_bytes"] for r in rs),
-                "own_peak": max(r["own_peak_reserved_bytes"] for r in rs),
-                "same": "n/a" if ref is None else
-                ("yes" if all(r["values"] == ref["values"] for r in rs) else
-                 f"NO ({sum(r['values'] == ref['values'] for r in rs)}/{len(rs)})"),
-            }
-        fastest = min((per[k]["median_ms"] for k in ("pytorch", "expandable") if k in per), default=None)
-        for al, v in per.items():
-            d, e = per.get("pytorch"), per.get("expandable")
-            row = {"workload": w, "allocator": al, **v}
-            rows.append(row)
-            print(f"| {w} | {al} | {v['median_ms']:.2f} | {' / '.join(f'{m:.2f}' for m in v['medians_ms'])} | "
-                  f"{pct(v['median_ms'], fastest) if fastest else ''} | {mib(v['peak_physical'])} | "
-                  f"{pct(v['peak_physical'], d['peak_physical']) if d else ''} | "
-                  f"{pct(v['peak_physical'], e['peak_physical']) if e else ''} | {mib(v['own_peak'])} | {v['same']} |",
-                  flush=True)
-    return rows
-
-
-if __name__ == "__main__":
-    main()

@@ -32,6 +32,9 @@ own peak reserved bytes.
 `--budget-s` starts no round that the last round's time says would end
 after it, so every allocator has the same number of processes.
 `--dry-run` prints the processes in order with their settings and sizes.
+Every process's values (losses; for generation, logits or tokens) are
+compared bit for bit with the first PyTorch process's. `--scale tiny
+--processes 1` checks that everything runs.
 """
 
 import argparse
@@ -196,28 +199,34 @@ def fmt_interval(row):
 
 def summarise(runs, workloads, allocs):
     """The table: per workload and allocator, step time (wall and device)
-    with intervals and verdicts, and the peaks' spread over processes."""
+    with intervals and verdicts, the peaks' spread over processes, and
+    whether every process's values equal the first PyTorch process's."""
     rows = []
     print("\n| workload | allocator | processes | median step, ms [interval] (coverage) | vs faster PyTorch "
           "(wall) | median device step, ms [interval] | vs faster PyTorch (device) | peak physical, worst "
-          "process (MiB) | spread of peak physical | spread of own peak reserved |")
-    print("| --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: |")
+          "process (MiB) | spread of peak physical | spread of own peak reserved | values = PyTorch's |")
+    print("| --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: | --- |")
     for w in workloads:
         per = {al: [r for r in runs if r["workload"] == w and r["allocator"] == al] for al in allocs}
         wall = stepstats.compare({al: [r["median_step_ms"] for r in rs] for al, rs in per.items()})
         gpu = stepstats.compare({al: [r["median_gpu_step_ms"] for r in rs if r.get("median_gpu_step_ms")]
                                  for al, rs in per.items()})
+        # Every process's values against the first PyTorch process's, bit
+        # for bit.
+        ref = min(per.get("pytorch") or [{}], key=lambda r: r.get("round", 0)).get("values")
         for al in allocs:
             rs = per[al]
             if not rs:
                 continue
+            same = sum(r["values"] == ref for r in rs)
+            values = "n/a" if ref is None else "yes" if same == len(rs) else f"NO ({same}/{len(rs)})"
             phys = [r["peak_physical_bytes"] for r in rs]
             own = [r["own_peak_reserved_bytes"] for r in rs]
             row = {"workload": w, "allocator": al, "wall": wall.get(al), "gpu": gpu.get(al),
                    "peak_physical": phys, "own_peak_reserved": own, "peak_physical_worst": max(phys),
                    "peak_physical_spread": stepstats.spread(phys) if min(phys) > 0 else None,
                    "own_peak_reserved_spread": stepstats.spread(own) if min(own) > 0 else None,
-                   "worst_round": rs[phys.index(max(phys))]["round"]}
+                   "worst_round": rs[phys.index(max(phys))]["round"], "values_same": values}
             rows.append(row)
             g = gpu.get(al)
             sp = row["peak_physical_spread"]
@@ -225,7 +234,7 @@ def summarise(runs, workloads, allocs):
             print(f"| {w} | {al} | {len(rs)} | {fmt_interval(wall[al])} | {wall[al]['verdict']} | "
                   f"{fmt_interval(g) if g else '-'} | {g['verdict'] if g else '-'} | "
                   f"{max(phys) / MIB:,.0f} (round {row['worst_round']}) | "
-                  f"{'-' if sp is None else f'{sp * 100:.2f}%'} | {'-' if so is None else f'{so * 100:.2f}%'} |",
+                  f"{'-' if sp is None else f'{sp * 100:.2f}%'} | {'-' if so is None else f'{so * 100:.2f}%'} | {values} |",
                   flush=True)
     return rows
 
