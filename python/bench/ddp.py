@@ -49,7 +49,8 @@ import types
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import timed_step  # noqa: E402
+from real_workloads import deterministic, mib  # noqa: E402
+from workloads import length8, timed_step  # noqa: E402
 
 ALLOCATORS = ["torch", "cumem"]
 
@@ -66,16 +67,10 @@ SCALES = {
 
 # ------------------------------------------------------------- schedule --
 
-
-def mib(b):
-    return f"{b / 2**20:,.0f}"
-
-
 def seq_len(p, step):
     """The sequence length of `step`: the same on every rank (the ranks'
     work stays balanced), varying from step to step, a multiple of 8."""
-    rng = random.Random(1234 + step)
-    return rng.randrange(p["min_len"] // 8, p["max_len"] // 8 + 1) * 8
+    return length8(random.Random(1234 + step), p["min_len"], p["max_len"])
 
 
 def batch_seed(rank, step):
@@ -84,19 +79,6 @@ def batch_seed(rank, step):
 
 
 # ------------------------------------------------------------- training --
-
-def install_cumem(local_rank):
-    """Makes cumem PyTorch's allocator, with this rank's GPU as cumem's
-    default device: the manager retains that device's context when it is
-    made, and without `device=` every rank would create a context on GPU 0
-    (memory there, and a skewed figure for rank 0)."""
-    conf = os.environ.get("CUMEM_CONF", "")
-    if "device=" not in conf:
-        os.environ["CUMEM_CONF"] = ",".join(x for x in (conf, f"device={local_rank}") if x)
-    import cumem_torch
-    cumem_torch.install()
-    return cumem_torch
-
 
 def train(a):
     p = dict(SCALES[a.scale])
@@ -109,18 +91,18 @@ def train(a):
         raise SystemExit("--device cpu runs PyTorch's allocator only")
 
     # cumem first: PyTorch refuses to swap an allocator it has initialised
-    # (set_device initialises CUDA, and with it the allocator).
-    cumem_torch = install_cumem(local) if a.allocator == "cumem" else None
+    # (set_device initialises CUDA, and with it the allocator). Under
+    # torchrun, install() makes the rank's GPU cumem's default device.
+    cumem_torch = None
+    if a.allocator == "cumem":
+        import cumem_torch
+        cumem_torch.install()
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
+    deterministic(torch)
 
     if cpu:
         device = torch.device("cpu")
