@@ -60,28 +60,38 @@ class Ballast:
             self.bytes += piece
 
 
+def read_line(proc, timeout):
+    """A line of `proc`'s output, or "" when none came in `timeout` seconds."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline() if ready else ""
+
+
+def stop(proc, timeout):
+    """Closes `proc`'s input (its sign to end) and waits for it; kills it
+    after `timeout` seconds."""
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 class Holder:
-    """A process of its own (`probes.py --hold`) that takes all of the device's
-    free memory but `leave` bytes (a Ballast on its own context), so that
-    each probe's own ballast is small: a few GiB instead of most of the
-    device, which the driver takes seconds to map and to unmap."""
+    """The ballast's bulk: a process of its own (`probes.py --hold`) that
+    takes all of the device's free memory but `leave` bytes (a Ballast on
+    its own context) until `close()`."""
 
     def __init__(self, leave):
         self.proc = subprocess.Popen([sys.executable, HERE, "--hold", str(leave)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
-        line = self.proc.stdout.readline() if ready else ""
+        line = read_line(self.proc, 120)
         if not line.startswith("{"):
             self.close()
             raise SystemExit("the memory holder (probes.py --hold) did not start")
         self.info = json.loads(line)
 
     def close(self):
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop(self.proc, 60)
 
 
 def hold(leave):
@@ -258,14 +268,11 @@ class Runner:
         self.workloads = workloads
         self.spawned = set(allocators) if spawn else set()
         self.trusted = set()  # allocators whose server gave a probe without error
-        self.servers = {}
+        self.servers = {al: self._server(al) for al in allocators if al not in self.spawned}
         self.count = 0
         self.most_free = 0
-        for al in allocators:
-            if al not in self.spawned:
-                self.servers[al] = self._server(al)
         for al, srv in self.servers.items():
-            line = self._line(srv, 600)
+            line = read_line(srv, 600)
             ready = json.loads(line) if line.startswith("{") else {}
             if not ready.get("ready"):
                 raise SystemExit(f"the probe server of {al} did not start (log: {srv.log})")
@@ -282,11 +289,6 @@ class Runner:
                                    text=True, bufsize=1)
         srv.log = log
         return srv
-
-    @staticmethod
-    def _line(srv, timeout):
-        ready, _, _ = select.select([srv.stdout], [], [], timeout)
-        return srv.stdout.readline() if ready else ""
 
     def ask(self, al, workload, n, params):
         """Probes `workload` with `params` (`n`: the size, for the names):
@@ -318,7 +320,7 @@ class Runner:
             srv = self.servers[al]
             srv.stdin.write(json.dumps(req) + "\n")
             srv.stdin.flush()
-            line = self._line(srv, req["timeout"] + 60)
+            line = read_line(srv, req["timeout"] + 60)
             rc = json.loads(line)["rc"] if line.startswith("{") else None
         else:
             with open(req["log"], "w") as log:
@@ -339,11 +341,7 @@ class Runner:
 
     def close(self):
         for srv in self.servers.values():
-            srv.stdin.close()
-            try:
-                srv.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                srv.kill()
+            stop(srv, 30)
 
 
 def prepare_cumem(allocators):
