@@ -236,13 +236,10 @@ def library():
         # both see one cumem manager.
         _lib.lib()
         l = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-        l.cumem_torch_native_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-        l.cumem_torch_native_install.restype = ctypes.c_int
-        l.cumem_torch_native_active.argtypes = []
-        l.cumem_torch_native_active.restype = ctypes.c_int
+        _lib.declare(l, "cumem_torch_native_install", [ctypes.c_char_p, ctypes.c_size_t])
+        _lib.declare(l, "cumem_torch_native_active", [])
         try:
-            l.cumem_torch_native_instance_id.argtypes = []
-            l.cumem_torch_native_instance_id.restype = ctypes.c_uint64
+            _lib.declare(l, "cumem_torch_native_instance_id", [], ctypes.c_uint64)
         except AttributeError:
             raise NativeUnavailable(f"{path} predates cumem_torch_native_instance_id (a stale build)") from None
         check_one_manager(l.cumem_torch_native_instance_id(), path)
