@@ -42,7 +42,6 @@ import os
 import random
 import statistics
 import sys
-import time
 import types
 
 # cuBLAS reads this when its first handle is made: set it before torch.
@@ -81,10 +80,7 @@ def batch_seed(rank, step):
 # ------------------------------------------------------------- training --
 
 def train(a):
-    p = dict(SCALES[a.scale])
-    for k in ("steps", "warmup", "batch"):
-        if getattr(a, k) is not None:
-            p[k] = getattr(a, k)
+    p = SCALES[a.scale]
     rank, local, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     cpu = a.device == "cpu"
     if cpu and a.allocator != "torch":
@@ -145,21 +141,19 @@ def train(a):
     ddp = DDP(model, device_ids=None if cpu else [local])
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
-    def step_fn(step):
-        def run():
-            gen = torch.Generator(device=device).manual_seed(batch_seed(rank, step))
-            ids = torch.randint(0, cfg.vocab_size, (p["batch"], seq_len(p, step)), device=device, generator=gen)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = ddp(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
-        return run
+    def run(step):
+        gen = torch.Generator(device=device).manual_seed(batch_seed(rank, step))
+        ids = torch.randint(0, cfg.vocab_size, (p["batch"], seq_len(p, step)), device=device, generator=gen)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = ddp(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
 
     losses, times = [], []
     for step in range(p["warmup"] + p["steps"]):
-        losses.append(timed_step(sync_torch, step_fn(step), times, step >= p["warmup"]))
+        losses.append(timed_step(sync_torch, lambda: run(step), times, step >= p["warmup"]))
         sample()
 
     mine = {
@@ -318,9 +312,6 @@ def main():
     ap.add_argument("--allocator", choices=ALLOCATORS, default="torch")
     ap.add_argument("--out", default="ddp.json")
     ap.add_argument("--scale", choices=sorted(SCALES), default="full")
-    ap.add_argument("--steps", type=int, help="timed steps (default: the scale's)")
-    ap.add_argument("--warmup", type=int, help="untimed first steps (default: the scale's)")
-    ap.add_argument("--batch", type=int, help="sequences per rank and step (default: the scale's)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--pg-timeout", type=float, default=180.0, help="seconds a collective may wait")
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="compare the results of earlier runs")

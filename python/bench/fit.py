@@ -271,7 +271,6 @@ def main():
     ap.add_argument("--budget-s", type=float, default=450, help="start no probe after this many seconds")
     ap.add_argument("--probe-timeout", type=float, default=240, help="seconds one probe may take")
     ap.add_argument("--json", default="fit.json")
-    ap.add_argument("--out-dir", default="", help="probe logs and results (default: a new temporary folder)")
     ap.add_argument("--spawn", action="store_true", help="a new interpreter per probe instead of forks")
     ap.add_argument("--dry-run", action="store_true", help="print the plan against a made-up device")
     a = ap.parse_args()
@@ -288,8 +287,7 @@ def main():
     if a.dry_run:
         ask = dry_run_plan(a, allocs, workloads)
     else:
-        outdir = a.out_dir or tempfile.mkdtemp(prefix="fit-")
-        os.makedirs(outdir, exist_ok=True)
+        outdir = tempfile.mkdtemp(prefix="fit-")
         print(f"fit: {a.free_gib} GiB free, {a.steps} steps a probe; logs in {outdir}", flush=True)
         probes.prepare_cumem(allocs)
         holder = probes.Holder(int((a.free_gib + HOLD_SLACK_GIB) * GIB))
@@ -337,10 +335,9 @@ def dry_run_plan(a, allocs, workloads):
     print(f"process: {sys.executable} {me} --hold {int((a.free_gib + HOLD_SLACK_GIB) * GIB)}  (holds all but "
           f"{a.free_gib + HOLD_SLACK_GIB:g} GiB of the device for the whole run; each probe's ballast takes the rest "
           f"but {a.free_gib:g} GiB)")
+    how = "spawned per probe" if a.spawn else "a probe server, forking each probe"
     for al in allocs:
-        conf = {k: v for k, v in probes.env_of(al).items() if k in ("PYTORCH_CUDA_ALLOC_CONF", "CUMEM_CONF")}
-        how = "spawned per probe" if a.spawn else "a probe server, forking each probe"
-        print(f"process: {sys.executable} {me} --zygote {al}  ({how}; {conf or 'no allocator settings'})")
+        print(f"process: {sys.executable} {me} --zygote {al}  ({how}; {probes.settings(al)})")
     for w in workloads:
         k = KNOBS[w]
         n = start_of(w, a.free_gib, {})

@@ -258,6 +258,12 @@ def env_of(allocator):
     return dict(real_workloads.env_for(allocator), PYTORCH_NVML_BASED_CUDA_CHECK="1")
 
 
+def settings(allocator):
+    """The allocator's settings in its environment, for a dry run's plan."""
+    env = real_workloads.env_for(allocator)
+    return {k: env[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "CUMEM_CONF") if k in env} or "no allocator settings"
+
+
 class Runner:
     """Runs probes: forked from a server per allocator, or (`spawn`, or
     for an allocator whose forked probe failed where a new interpreter did
