@@ -293,7 +293,7 @@ def main():
         holder = probes.Holder(int((a.free_gib + HOLD_SLACK_GIB) * GIB))
         print(f"memory holder: {holder.info['held'] / GIB:.1f} GiB held of {holder.info['total'] / GIB:.1f}",
               flush=True)
-        runner = probes.Runner(allocs, workloads, outdir, a.spawn, int(a.free_gib * GIB), a.probe_timeout)
+        runner = probes.Runner(allocs, outdir, a.spawn, int(a.free_gib * GIB), a.probe_timeout)
 
         def ask(al, w, n):
             res = runner.ask(al, w, n, KNOBS[w].params(n, a.steps))

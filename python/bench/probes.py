@@ -191,24 +191,22 @@ def probe(allocator, req):
         json.dump(res, f)
 
 
-# The transformers classes of the workloads, imported by a probe server.
-MODEL_CLASSES = {"encoder_bucketed": "BertForMaskedLM", "seq2seq_varlen": "T5ForConditionalGeneration",
-                 "gpt2_varlen": "GPT2LMHeadModel", "generate_padded": "LlamaForCausalLM"}
+# The transformers classes of fit.py's workloads, imported by a probe server.
+MODEL_CLASSES = ("BertForMaskedLM", "T5ForConditionalGeneration", "GPT2LMHeadModel", "LlamaForCausalLM")
 
 
-def zygote(allocator, workloads):
+def zygote(allocator):
     """The probe server of one allocator: imports what the probes need, then
     forks a probe for each request line on stdin and answers its exit
     status on stdout."""
     import torch
     import transformers
-    from workloads import RUNNERS
-    for w in workloads:
-        if w in MODEL_CLASSES:
-            getattr(transformers, MODEL_CLASSES[w])
+    import workloads  # noqa: F401 - imported once, for every fork
+    for name in MODEL_CLASSES:
+        getattr(transformers, name)
     threads = len(os.listdir("/proc/self/task"))
     print(json.dumps({"ready": True, "torch": torch.__version__, "cuda_initialized": torch.cuda.is_initialized(),
-                      "threads": threads, "workloads": sorted(set(workloads) & set(RUNNERS))}), flush=True)
+                      "threads": threads}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         sys.stdout.flush()
@@ -269,9 +267,8 @@ class Runner:
     for an allocator whose forked probe failed where a new interpreter did
     not) as new interpreters. Logs and results go to `outdir`."""
 
-    def __init__(self, allocators, workloads, outdir, spawn, free_bytes, timeout):
+    def __init__(self, allocators, outdir, spawn, free_bytes, timeout):
         self.outdir, self.free_bytes, self.timeout = outdir, free_bytes, timeout
-        self.workloads = workloads
         self.spawned = set(allocators) if spawn else set()
         self.trusted = set()  # allocators whose server gave a probe without error
         self.servers = {al: self._server(al) for al in allocators if al not in self.spawned}
@@ -290,9 +287,8 @@ class Runner:
     def _server(self, al):
         log = os.path.join(self.outdir, f"server-{al}.log")
         with open(log, "w") as err:
-            srv = subprocess.Popen([sys.executable, HERE, "--zygote", al, "--workloads", ",".join(self.workloads)],
-                                   env=env_of(al), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                   text=True, bufsize=1)
+            srv = subprocess.Popen([sys.executable, HERE, "--zygote", al], env=env_of(al), stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
         srv.log = log
         return srv
 
@@ -369,13 +365,12 @@ def main():
     ap = argparse.ArgumentParser(description="fit.py's and steptime.py's processes (not run by hand)")
     ap.add_argument("--hold", type=int, metavar="BYTES", help="hold all of the device's memory but BYTES")
     ap.add_argument("--zygote", metavar="ALLOCATOR", help="a probe server")
-    ap.add_argument("--workloads", default="", help="the probe server's workloads (their classes imported)")
     ap.add_argument("--probe", nargs=2, metavar=("ALLOCATOR", "REQUEST"), help="one probe (a JSON request)")
     a = ap.parse_args()
     if a.hold is not None:
         hold(a.hold)
     elif a.zygote:
-        zygote(a.zygote, [w for w in a.workloads.split(",") if w])
+        zygote(a.zygote)
     elif a.probe:
         probe(a.probe[0], json.loads(a.probe[1]))
     else:

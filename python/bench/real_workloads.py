@@ -3,9 +3,9 @@
 `expandable_segments:True` `expandable`, PyTorch's cudaMallocAsync
 backend, cumem through `cumem_torch.install()`) and their environments,
 each workload's sizes, the process's deterministic start, the thread that
-samples physical device memory, and one workload's run with its figures. steptime.py drives processes of them (alternated,
-with intervals), fit.py and probes.py the largest size that fits,
-ddp.py the multi-GPU runs.
+samples physical device memory, and one workload's run with its figures.
+steptime.py drives processes of them (alternated, with intervals), fit.py
+and probes.py the largest size that fits, ddp.py the multi-GPU runs.
 
 Models are built from configs with random weights (no downloads), seeded,
 under deterministic settings: the loss (for generation, logit or token)
