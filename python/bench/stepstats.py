@@ -62,11 +62,12 @@ def u_counts(n, m):
         return (1,)
     # U counts pairs (a, b) with a > b; the largest of all n + m values is
     # either an a (beating all m b's) or a b (beating none).
-    with_a = (0,) * m + u_counts(n - 1, m)
-    with_b = u_counts(n, m - 1)
-    size = n * m + 1
-    return tuple((with_a[u] if u < len(with_a) else 0) + (with_b[u] if u < len(with_b) else 0)
-                 for u in range(size))
+    counts = [0] * (n * m + 1)
+    for u, c in enumerate(u_counts(n - 1, m)):
+        counts[u + m] += c
+    for u, c in enumerate(u_counts(n, m - 1)):
+        counts[u] += c
+    return tuple(counts)
 
 
 def mann_whitney_k(n, m, level=LEVEL):
@@ -84,25 +85,16 @@ def mann_whitney_k(n, m, level=LEVEL):
     return best
 
 
-def shift_interval(a, b, level=LEVEL):
-    """(estimate, lo, hi, coverage) of the shift d with a - d distributed
-    as b; None when the samples are too small for `level`."""
+def ratio_interval(a, b, level=LEVEL):
+    """(estimate, lo, hi, coverage) of the ratio of `a`'s times to `b`'s:
+    the exponential of the shift d with log a - d distributed as log b;
+    None when the samples are too small for `level`."""
     found = mann_whitney_k(len(a), len(b), level)
     if found is None:
         return None
     k, cov = found
-    d = sorted(x - y for x in a for y in b)
-    return statistics.median(d), d[k - 1], d[len(d) - k], cov
-
-
-def ratio_interval(a, b, level=LEVEL):
-    """(estimate, lo, hi, coverage) of the ratio of `a`'s times to `b`'s
-    (shift_interval on logarithms); None when too few."""
-    r = shift_interval([math.log(x) for x in a], [math.log(y) for y in b], level)
-    if r is None:
-        return None
-    est, lo, hi, cov = r
-    return math.exp(est), math.exp(lo), math.exp(hi), cov
+    d = sorted(math.log(x) - math.log(y) for x in a for y in b)
+    return math.exp(statistics.median(d)), math.exp(d[k - 1]), math.exp(d[len(d) - k]), cov
 
 
 def pct(r):
@@ -130,18 +122,13 @@ def spread(xs):
     return (max(xs) - min(xs)) / min(xs)
 
 
-def faster_of(medians, candidates=("pytorch", "expandable")):
-    """The candidate with the lowest median of process medians, of those in
-    `medians` ({allocator: [process medians]}); None if none is."""
-    have = [c for c in candidates if medians.get(c)]
-    return min(have, key=lambda c: statistics.median(medians[c])) if have else None
-
-
 def compare(medians, candidates=("pytorch", "expandable"), level=LEVEL):
     """Per allocator of `medians` ({allocator: [process medians]}): its
     median and interval, its ratio interval against the faster candidate
-    and the verdict ("reference" for the candidate itself)."""
-    ref = faster_of(medians, candidates)
+    (the lowest median of process medians) and the verdict ("reference"
+    for that candidate itself)."""
+    have = [c for c in candidates if medians.get(c)]
+    ref = min(have, key=lambda c: statistics.median(medians[c])) if have else None
     out = {}
     for al, xs in medians.items():
         if not xs:
