@@ -176,19 +176,16 @@ def fit_workload(workload, allocators, ask, start, out_of_time):
     found = {al: {"workload": workload, "allocator": al, "lo": 0, "hi": None, "probes": []} for al in allocators}
 
     def drive(searches, order):
-        current = {}  # the size each unfinished search probes next
+        # The size each unfinished search probes next. A search probes only
+        # between the largest size that fitted and the smallest that did
+        # not, so its last probes are its answer, also when it is cut short.
+        current = {}
 
         def advance(al, res=None):
             try:
                 current[al] = searches[al].send(res)
-            except StopIteration as stop:
-                found[al]["lo"], found[al]["hi"] = stop.value
+            except StopIteration:
                 current.pop(al, None)
-
-        def stop(al, **why):
-            found[al].update(why)
-            found[al]["lo"], found[al]["hi"] = bounds(found[al]["probes"])
-            current.pop(al)
 
         for al in searches:
             advance(al)
@@ -198,17 +195,19 @@ def fit_workload(workload, allocators, ask, start, out_of_time):
                 if al not in current:
                     continue
                 if out_of_time():
-                    for a in list(current):
-                        stop(a, stopped="out of time")
+                    for a in current:
+                        found[a]["stopped"] = "out of time"
                     return
-                n = current[al]
+                n, f = current[al], found[al]
                 res = ask(al, workload, n)
-                found[al]["probes"].append({"n": n, "tokens": knob.tokens(n), "fits": res.get("fits"),
-                                            "error": res.get("error")})
+                f["probes"].append({"n": n, "tokens": knob.tokens(n), "fits": res.get("fits"),
+                                    "error": res.get("error")})
                 if "error" in res:
-                    stop(al, error=res["error"])
-                else:
-                    advance(al, res)
+                    f["error"] = res["error"]
+                    del current[al]
+                    continue
+                f["lo" if res["fits"] else "hi"] = n
+                advance(al, res)
             rnd += 1
 
     first, rest = allocators[0], allocators[1:]
@@ -221,13 +220,6 @@ def fit_workload(workload, allocators, ask, start, out_of_time):
         f["lo_tokens"] = knob.tokens(f["lo"]) if f["lo"] else 0
         f["hi_tokens"] = knob.tokens(f["hi"]) if f["hi"] else None
     return [found[al] for al in allocators]
-
-
-def bounds(probes):
-    """(largest size that fitted, smallest that did not) among `probes`."""
-    fits = [p["n"] for p in probes if p["fits"] is True]
-    fails = [p["n"] for p in probes if p["fits"] is False]
-    return (max(fits) if fits else 0), (min(fails) if fails else None)
 
 
 # --------------------------------------------------------------- driver --
