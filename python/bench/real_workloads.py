@@ -94,9 +94,7 @@ class PhysicalSampler:
         self.torch = torch
         self.interval = interval
         self.read = self._reader()
-        self.base = self.read()
-        self.high = 0
-        self.count = 0
+        self.start_phase()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -122,9 +120,7 @@ class PhysicalSampler:
 
     def _loop(self):
         while not self.stop.is_set():
-            v = self.read()
-            if v > self.high:
-                self.high = v
+            self.high = max(self.high, self.read())
             self.count += 1
             self.stop.wait(self.interval)
 
@@ -200,7 +196,6 @@ def run_workload(torch, sampler, workload, params, allocator, kind):
         "device": torch.cuda.get_device_name(),
         "steps": len(times),
         "median_step_ms": statistics.median(times) * 1e3,
-        "mean_step_ms": statistics.fmean(times) * 1e3,
         "step_ms": [t * 1e3 for t in times],
         "gpu_step_ms": [t * 1e3 for t in times.gpu],
         "median_gpu_step_ms": statistics.median(times.gpu) * 1e3 if times.gpu else None,
