@@ -4,26 +4,6 @@ only; `python/tests/host_steptime_stats.py` checks them).
 The unit is a process: each process gives one number per workload, the
 median of its steps' times, and the processes of one allocator are taken
 as independent draws (they alternate with the other allocators' in time).
-
-- `median_interval`: the median of the process medians with a
-  distribution-free interval from their order statistics: [x(k),
-  x(n+1-k)] covers the true median with probability 1 - 2 P(B <= k-1),
-  B ~ Binomial(n, 1/2), whatever the distribution. Five processes give at
-  most 93.75% (the smallest and the largest); six give 96.9%.
-- `ratio_interval`: how much slower or faster one allocator is than
-  another, as the ratio of their step times, with a distribution-free 95%
-  interval: the Hodges-Lehmann estimate and the interval of the
-  Mann-Whitney (Wilcoxon rank-sum) test inverted (Lehmann 1963; Hollander
-  & Wolfe, "Nonparametric Statistical Methods", 4.3), on the logarithms
-  of the process medians: of all n*m differences log a_i - log b_j, the
-  median is the estimate and [D(k), D(nm+1-k)] the interval, k-1 being
-  the largest u with 2 P(U <= u) <= 5% under the exact null distribution
-  of the Mann-Whitney U. It assumes only that one allocator's log-times
-  are the other's shifted; five processes each give 96.8% coverage.
-- `verdict`: "within 1%" when that interval lies within [0.99, 1.01],
-  "slower by X-Y%" or "faster by X-Y%" when it lies wholly above or below
-  1, else "can't tell"; never a bare percentage.
-- `spread`: (max - min) / min, of the processes' peaks.
 """
 
 import math
@@ -34,10 +14,13 @@ LEVEL = 0.95
 
 
 def median_interval(xs, level=LEVEL):
-    """(median, lo, hi, coverage) of `xs`: the order-statistic interval
-    [x(k), x(n+1-k)] with the largest k whose coverage is at least
-    `level`; with too few values for `level`, the smallest and largest
-    and their (lower) coverage."""
+    """(median, lo, hi, coverage) of `xs` (process medians), with a
+    distribution-free interval from their order statistics: [x(k),
+    x(n+1-k)] covers the true median with probability 1 - 2 P(B <= k-1),
+    B ~ Binomial(n, 1/2), whatever the distribution. k is the largest
+    whose coverage is at least `level`; with too few values for `level`,
+    the smallest and largest and their (lower) coverage: five processes
+    give 93.75%, six 96.9%."""
     s = sorted(xs)
     n = len(s)
     if n == 0:
@@ -72,7 +55,9 @@ def u_counts(n, m):
 
 def mann_whitney_k(n, m, level=LEVEL):
     """(k, coverage): the order k of the interval's ends among the n*m
-    differences, and its exact coverage; None when no k reaches `level`."""
+    differences (k-1 the largest u with 2 P(U <= u) <= 1 - `level` under
+    the exact null distribution of U), and its exact coverage; None when
+    no k reaches `level`."""
     counts = u_counts(n, m)
     total = math.comb(n + m, n)
     alpha = (1 - level) / 2
@@ -86,9 +71,15 @@ def mann_whitney_k(n, m, level=LEVEL):
 
 
 def ratio_interval(a, b, level=LEVEL):
-    """(estimate, lo, hi, coverage) of the ratio of `a`'s times to `b`'s:
-    the exponential of the shift d with log a - d distributed as log b;
-    None when the samples are too small for `level`."""
+    """(estimate, lo, hi, coverage) of the ratio of `a`'s times to `b`'s
+    (how much slower or faster), distribution-free: the Hodges-Lehmann
+    estimate and the interval of the Mann-Whitney (Wilcoxon rank-sum) test
+    inverted (Lehmann 1963; Hollander & Wolfe, "Nonparametric Statistical
+    Methods", 4.3), on logarithms: of all n*m differences log a_i - log
+    b_j, the median is the estimate and [D(k), D(nm+1-k)] the interval. It
+    assumes only that one allocator's log-times are the other's shifted;
+    five processes each give 96.8% coverage. None when the samples are too
+    small for `level`."""
     found = mann_whitney_k(len(a), len(b), level)
     if found is None:
         return None
@@ -104,7 +95,9 @@ def pct(r):
 
 def verdict(interval, tol=0.01):
     """The verdict on a ratio interval (estimate, lo, hi, coverage), or on
-    None (too few processes): never a bare percentage."""
+    None (too few processes): "within 1%" when it lies within [0.99,
+    1.01], "slower by X-Y%" or "faster by X-Y%" when it lies wholly above
+    or below 1, else "can't tell"; never a bare percentage."""
     if interval is None:
         return "can't tell (too few processes for a 95% interval)"
     _, lo, hi, _ = interval
@@ -118,7 +111,7 @@ def verdict(interval, tol=0.01):
 
 
 def spread(xs):
-    """(max - min) / min."""
+    """(max - min) / min, of the processes' peaks."""
     return (max(xs) - min(xs)) / min(xs)
 
 
