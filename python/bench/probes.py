@@ -215,10 +215,9 @@ def zygote(allocator):
         if pid == 0:
             code = 1
             try:
-                fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                os.close(fd)
+                with open(req["log"], "w") as log:
+                    os.dup2(log.fileno(), 1)
+                    os.dup2(log.fileno(), 2)
                 probe(allocator, req)
                 code = 0
             except BaseException:  # noqa: BLE001 - the child must never return into the server's loop

@@ -8,6 +8,7 @@ each step's shape with that list, in turn (`fit.py` gives schedules that
 grow with its knob); without it the draws are the ones the published
 tables were measured with."""
 
+import functools
 import itertools
 import random
 import time
@@ -46,10 +47,7 @@ def schedule(p, draw):
     """The shape of the next step: `p["shapes"]` in turn where given, else
     `draw()` (the workload's seeded random draw)."""
     shapes = p.get("shapes")
-    if not shapes:
-        return draw
-    it = itertools.cycle(shapes)
-    return lambda: next(it)
+    return functools.partial(next, itertools.cycle(shapes)) if shapes else draw
 
 
 def length8(rng, lo, hi):
