@@ -262,9 +262,8 @@ def settings(allocator):
 
 
 class Runner:
-    """Runs probes: forked from a server per allocator, or (`spawn`, or
-    for an allocator whose forked probe failed where a new interpreter did
-    not) as new interpreters. Logs and results go to `outdir`."""
+    """Runs probes, forked or spawned as the module says; their logs and
+    results go to `outdir`."""
 
     def __init__(self, allocators, outdir, spawn, free_bytes, timeout):
         self.outdir, self.free_bytes, self.timeout = outdir, free_bytes, timeout

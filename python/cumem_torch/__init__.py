@@ -153,8 +153,7 @@ def install(conf=None, native=True):
             if e.status != "CUMEM_STATUS_ALREADY_INITIALIZED":
                 raise
     if native:
-        from . import _native
-        _native.install()
+        _native.install()  # imported above, where the native backend loaded
         _installed = "native"
     else:
         torch.cuda.memory.change_current_allocator(_allocator())
