@@ -269,8 +269,7 @@ def compare(runs, names):
         dt = "" if not base_step else f"{(step / base_step - 1) * 100:+.1f}%"
         dm = "" if not base_peak or not sum(base_peak) else f"{(sum(peak) / sum(base_peak) - 1) * 100:+.1f}%"
         print(f"| {alloc} | {len(rs)} | {step:.2f} | {dt} | {' / '.join(mib(b) for b in peak)} | {dm} |")
-    repeats = [n for n, r in zip(names, runs) if r["allocator"] == "torch" and r is not ref]
-    if repeats:
+    if len(by.get("torch", [])) > 1:
         same = all(losses_match(r, ref)[0] for r in runs if r["allocator"] == "torch")
         print(f"\nPyTorch's allocator repeats its own losses bit for bit across runs: {'yes' if same else 'NO'}")
     if ref["world_size"] == 1:

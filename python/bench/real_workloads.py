@@ -81,8 +81,6 @@ for _scale in SCALES.values():
     _scale["llama_generate"] = dict(_scale["llama_generate_eager"], attn="sdpa")
 
 
-# ---------------------------------------------------------------- child --
-
 class PhysicalSampler:
     """Samples the device's used memory every `interval` seconds on a thread
     of its own (NVML when importable, else cudaMemGetInfo), so a peak inside

@@ -45,7 +45,7 @@ from ._lib import CumemError, library_path
 from ._sleep import current_tag, sleep, tag, tag_usage, wake_up
 
 __all__ = [
-    "install", "is_installed", "backend_kind", "native_error", "native_conf", "init", "MemPool", "record_stream",
+    "install", "is_installed", "native_error", "native_conf", "init", "MemPool", "record_stream",
     "current_device", "stats", "pinned_stats",
     "torch_counters", "memory_summary", "backend", "empty_cache", "reset_peak_stats",
     "shutdown", "flush_log", "library_path", "CumemError", "tag", "current_tag", "sleep", "wake_up", "tag_usage",
@@ -177,13 +177,9 @@ def native_error():
 
 
 def is_installed():
-    """Whether `install()` made cumem PyTorch's allocator."""
+    """Whether `install()` made cumem PyTorch's allocator (which backend:
+    `install()`'s answer)."""
     return bool(_installed)
-
-
-def backend_kind():
-    """"native", "pluggable", or None before `install()`."""
-    return _installed or None
 
 
 def MemPool(**kwargs):
