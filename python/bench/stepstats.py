@@ -111,8 +111,8 @@ def verdict(interval, tol=0.01):
 
 
 def spread(xs):
-    """(max - min) / min, of the processes' peaks."""
-    return (max(xs) - min(xs)) / min(xs)
+    """(max - min) / min, of the processes' peaks; None where one is 0."""
+    return (max(xs) - min(xs)) / min(xs) if min(xs) > 0 else None
 
 
 def compare(medians, candidates=("pytorch", "expandable"), level=LEVEL):

@@ -190,6 +190,10 @@ def fmt_interval(row):
     return f"{row['median']:.2f} [{row['lo']:.2f}, {row['hi']:.2f}] ({row['coverage'] * 100:.1f}%)"
 
 
+def fmt_spread(x):
+    return "-" if x is None else f"{x * 100:.2f}%"
+
+
 def summarise(runs, workloads, allocs):
     """The table: per workload and allocator, step time (wall and device)
     with intervals and verdicts, the peaks' spread over processes, and
@@ -217,18 +221,14 @@ def summarise(runs, workloads, allocs):
             own = [r["own_peak_reserved_bytes"] for r in rs]
             row = {"workload": w, "allocator": al, "wall": wall.get(al), "gpu": gpu.get(al),
                    "peak_physical": phys, "own_peak_reserved": own, "peak_physical_worst": max(phys),
-                   "peak_physical_spread": stepstats.spread(phys) if min(phys) > 0 else None,
-                   "own_peak_reserved_spread": stepstats.spread(own) if min(own) > 0 else None,
+                   "peak_physical_spread": stepstats.spread(phys), "own_peak_reserved_spread": stepstats.spread(own),
                    "worst_round": rs[phys.index(max(phys))]["round"], "values_same": values}
             rows.append(row)
             g = gpu.get(al)
-            sp = row["peak_physical_spread"]
-            so = row["own_peak_reserved_spread"]
             print(f"| {w} | {al} | {len(rs)} | {fmt_interval(wall[al])} | {wall[al]['verdict']} | "
                   f"{fmt_interval(g) if g else '-'} | {g['verdict'] if g else '-'} | "
-                  f"{max(phys) / MIB:,.0f} (round {row['worst_round']}) | "
-                  f"{'-' if sp is None else f'{sp * 100:.2f}%'} | {'-' if so is None else f'{so * 100:.2f}%'} | {values} |",
-                  flush=True)
+                  f"{max(phys) / MIB:,.0f} (round {row['worst_round']}) | {fmt_spread(row['peak_physical_spread'])} | "
+                  f"{fmt_spread(row['own_peak_reserved_spread'])} | {values} |", flush=True)
     return rows
 
 

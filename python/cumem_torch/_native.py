@@ -257,11 +257,8 @@ def _file_mappings():
         fields = line.rstrip("\n").split(None, 5)
         if len(fields) < 6 or not fields[5].startswith("/"):
             continue
-        path = fields[5]
-        if path.endswith(" (deleted)"):
-            path = path[:-len(" (deleted)")]
         start, end = (int(x, 16) for x in fields[0].split("-"))
-        out.append((start, end, fields[3], fields[4], path))
+        out.append((start, end, fields[3], fields[4], fields[5].removesuffix(" (deleted)")))
     return out
 
 
