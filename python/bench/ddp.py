@@ -42,14 +42,14 @@ import os
 import random
 import statistics
 import sys
-import time
 import types
 
 # cuBLAS reads this when its first handle is made: set it before torch.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import timed_step  # noqa: E402
+from real_workloads import deterministic, mib  # noqa: E402
+from workloads import length8, timed_step  # noqa: E402
 
 ALLOCATORS = ["torch", "cumem"]
 
@@ -66,16 +66,10 @@ SCALES = {
 
 # ------------------------------------------------------------- schedule --
 
-
-def mib(b):
-    return f"{b / 2**20:,.0f}"
-
-
 def seq_len(p, step):
     """The sequence length of `step`: the same on every rank (the ranks'
     work stays balanced), varying from step to step, a multiple of 8."""
-    rng = random.Random(1234 + step)
-    return rng.randrange(p["min_len"] // 8, p["max_len"] // 8 + 1) * 8
+    return length8(random.Random(1234 + step), p["min_len"], p["max_len"])
 
 
 def batch_seed(rank, step):
@@ -85,42 +79,26 @@ def batch_seed(rank, step):
 
 # ------------------------------------------------------------- training --
 
-def install_cumem(local_rank):
-    """Makes cumem PyTorch's allocator, with this rank's GPU as cumem's
-    default device: the manager retains that device's context when it is
-    made, and without `device=` every rank would create a context on GPU 0
-    (memory there, and a skewed figure for rank 0)."""
-    conf = os.environ.get("CUMEM_CONF", "")
-    if "device=" not in conf:
-        os.environ["CUMEM_CONF"] = ",".join(x for x in (conf, f"device={local_rank}") if x)
-    import cumem_torch
-    cumem_torch.install()
-    return cumem_torch
-
-
 def train(a):
-    p = dict(SCALES[a.scale])
-    for k in ("steps", "warmup", "batch"):
-        if getattr(a, k) is not None:
-            p[k] = getattr(a, k)
+    p = SCALES[a.scale]
     rank, local, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     cpu = a.device == "cpu"
     if cpu and a.allocator != "torch":
         raise SystemExit("--device cpu runs PyTorch's allocator only")
 
     # cumem first: PyTorch refuses to swap an allocator it has initialised
-    # (set_device initialises CUDA, and with it the allocator).
-    cumem_torch = install_cumem(local) if a.allocator == "cumem" else None
+    # (set_device initialises CUDA, and with it the allocator). Under
+    # torchrun, install() makes the rank's GPU cumem's default device.
+    cumem_torch = None
+    if a.allocator == "cumem":
+        import cumem_torch
+        cumem_torch.install()
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
+    deterministic(torch)
 
     if cpu:
         device = torch.device("cpu")
@@ -163,21 +141,19 @@ def train(a):
     ddp = DDP(model, device_ids=None if cpu else [local])
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
-    def step_fn(step):
-        def run():
-            gen = torch.Generator(device=device).manual_seed(batch_seed(rank, step))
-            ids = torch.randint(0, cfg.vocab_size, (p["batch"], seq_len(p, step)), device=device, generator=gen)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = ddp(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
-        return run
+    def run(step):
+        gen = torch.Generator(device=device).manual_seed(batch_seed(rank, step))
+        ids = torch.randint(0, cfg.vocab_size, (p["batch"], seq_len(p, step)), device=device, generator=gen)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = ddp(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
 
     losses, times = [], []
     for step in range(p["warmup"] + p["steps"]):
-        losses.append(timed_step(sync_torch, step_fn(step), times, step >= p["warmup"]))
+        losses.append(timed_step(sync_torch, lambda: run(step), times, step >= p["warmup"]))
         sample()
 
     mine = {
@@ -293,8 +269,7 @@ def compare(runs, names):
         dt = "" if not base_step else f"{(step / base_step - 1) * 100:+.1f}%"
         dm = "" if not base_peak or not sum(base_peak) else f"{(sum(peak) / sum(base_peak) - 1) * 100:+.1f}%"
         print(f"| {alloc} | {len(rs)} | {step:.2f} | {dt} | {' / '.join(mib(b) for b in peak)} | {dm} |")
-    repeats = [n for n, r in zip(names, runs) if r["allocator"] == "torch" and r is not ref]
-    if repeats:
+    if len(by.get("torch", [])) > 1:
         same = all(losses_match(r, ref)[0] for r in runs if r["allocator"] == "torch")
         print(f"\nPyTorch's allocator repeats its own losses bit for bit across runs: {'yes' if same else 'NO'}")
     if ref["world_size"] == 1:
@@ -336,9 +311,6 @@ def main():
     ap.add_argument("--allocator", choices=ALLOCATORS, default="torch")
     ap.add_argument("--out", default="ddp.json")
     ap.add_argument("--scale", choices=sorted(SCALES), default="full")
-    ap.add_argument("--steps", type=int, help="timed steps (default: the scale's)")
-    ap.add_argument("--warmup", type=int, help="untimed first steps (default: the scale's)")
-    ap.add_argument("--batch", type=int, help="sequences per rank and step (default: the scale's)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--pg-timeout", type=float, default=180.0, help="seconds a collective may wait")
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="compare the results of earlier runs")

@@ -42,6 +42,7 @@ import random
 import sys
 import tempfile
 import time
+from collections import namedtuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probes  # noqa: E402
@@ -59,14 +60,15 @@ def r8(x):
     return max(8, int(round(x / 8)) * 8)
 
 
-class Knob:
+class Knob(namedtuple("Knob", "unit start most tokens shape")):
     """A workload's size as one integer `n`: `tokens(n)` tokens per step
     (batch x length of its largest step), `params(n, steps)` the
-    workload's parameters (workloads.py), `start` a first guess of the
-    answer with 8 GiB free, `most` the largest n the model allows."""
+    workload's parameters (workloads.py; `shape(n)` without the steps),
+    `start` a first guess of the answer with 8 GiB free, `most` the
+    largest n the model allows."""
 
-    def __init__(self, unit, start, most, tokens, params):
-        self.unit, self.start, self.most, self.tokens, self.params = unit, start, most, tokens, params
+    def params(self, n, steps):
+        return dict(self.shape(n), warmup=0, steps=steps)
 
 
 BERT = dict(hidden=768, layers=12, heads=12, positions=4096)
@@ -82,35 +84,29 @@ _rng = random.Random(17)
 PROMPT_FRACTIONS = [[_rng.uniform(0.125, 1.0) for _ in range(rows)] for rows in (16, 32, 24)]
 PROMPT_FRACTIONS[1][0] = 1.0
 
-
-def _steps(steps):
-    return dict(warmup=0, steps=steps)
-
-
 KNOBS = {
     # Longest length 8n (4 rows); buckets of a quarter, all and half of it.
     "encoder_bucketed": Knob(
         "longest length / 8", 96, 512, lambda n: 32 * n,
-        lambda n, s: dict(BERT, tokens=32 * n, shapes=[r8(2 * n), 8 * n, r8(4 * n)], **_steps(s))),
+        lambda n: dict(BERT, tokens=32 * n, shapes=[r8(2 * n), 8 * n, r8(4 * n)])),
     # Source up to 8n, target up to half of it, 4 rows.
     "seq2seq_varlen": Knob(
         "longest source / 8", 135, 1024, lambda n: 4 * (8 * n + r8(4 * n)),
-        lambda n, s: dict(T5, batch=4, shapes=[(r8(4 * n), r8(4 * n)), (8 * n, r8(4 * n)), (r8(6 * n), r8(2 * n))],
-                          **_steps(s))),
+        lambda n: dict(T5, batch=4, shapes=[(r8(4 * n), r8(4 * n)), (8 * n, r8(4 * n)), (r8(6 * n), r8(2 * n))])),
     # GPT-2 small, 4 rows of lengths 4n, 8n and 6n (the issue's 512/1024/768).
     "gpt2_varlen": Knob(
         "longest length / 8", 85, 512, lambda n: 32 * n,
-        lambda n, s: dict(batch=4, positions=4096, shapes=[r8(4 * n), 8 * n, r8(6 * n)], **_steps(s))),
+        lambda n: dict(batch=4, positions=4096, shapes=[r8(4 * n), 8 * n, r8(6 * n)])),
     # Batch 8 x length 8n, compiled once for any length (dynamic), so that
     # probes of other lengths reuse the compile cache.
     "gpt_compiled": Knob(
         "length / 8", 150, 512, lambda n: 64 * n,
-        lambda n, s: dict(GPT_COMPILED, positions=4096, length=8 * n, dynamic=True, **_steps(s))),
+        lambda n: dict(GPT_COMPILED, positions=4096, length=8 * n, dynamic=True)),
     # The longest prompt, n tokens; 24 new tokens a call.
     "generate_padded": Knob(
         "longest prompt", 2000, 16000, lambda n: 32 * (n + NEW_TOKENS),
-        lambda n, s: dict(LLAMA_SDPA, new_tokens=NEW_TOKENS,
-                          shapes=[[max(1, round(n * f)) for f in rows] for rows in PROMPT_FRACTIONS], **_steps(s))),
+        lambda n: dict(LLAMA_SDPA, new_tokens=NEW_TOKENS,
+                       shapes=[[max(1, round(n * f)) for f in rows] for rows in PROMPT_FRACTIONS])),
 }
 
 
@@ -180,12 +176,19 @@ def fit_workload(workload, allocators, ask, start, out_of_time):
     found = {al: {"workload": workload, "allocator": al, "lo": 0, "hi": None, "probes": []} for al in allocators}
 
     def drive(searches, order):
+        # The size each unfinished search probes next. A search probes only
+        # between the largest size that fitted and the smallest that did
+        # not, so its last probes are its answer, also when it is cut short.
         current = {}
-        for al, gen in searches.items():
+
+        def advance(al, res=None):
             try:
-                current[al] = next(gen)
-            except StopIteration as stop:
-                found[al]["lo"], found[al]["hi"] = stop.value
+                current[al] = searches[al].send(res)
+            except StopIteration:
+                current.pop(al, None)
+
+        for al in searches:
+            advance(al)
         rnd = 0
         while current:
             for al in (order if rnd % 2 == 0 else order[::-1]):
@@ -194,22 +197,17 @@ def fit_workload(workload, allocators, ask, start, out_of_time):
                 if out_of_time():
                     for a in current:
                         found[a]["stopped"] = "out of time"
-                        found[a]["lo"], found[a]["hi"] = bounds(found[a]["probes"])
                     return
-                n = current[al]
+                n, f = current[al], found[al]
                 res = ask(al, workload, n)
-                found[al]["probes"].append({"n": n, "tokens": knob.tokens(n), "fits": res.get("fits"),
-                                            "error": res.get("error")})
+                f["probes"].append({"n": n, "tokens": knob.tokens(n), "fits": res.get("fits"),
+                                    "error": res.get("error")})
                 if "error" in res:
-                    found[al]["error"] = res["error"]
-                    found[al]["lo"], found[al]["hi"] = bounds(found[al]["probes"])
+                    f["error"] = res["error"]
                     del current[al]
                     continue
-                try:
-                    current[al] = searches[al].send(res)
-                except StopIteration as stop:
-                    found[al]["lo"], found[al]["hi"] = stop.value
-                    del current[al]
+                f["lo" if res["fits"] else "hi"] = n
+                advance(al, res)
             rnd += 1
 
     first, rest = allocators[0], allocators[1:]
@@ -224,31 +222,7 @@ def fit_workload(workload, allocators, ask, start, out_of_time):
     return [found[al] for al in allocators]
 
 
-def bounds(probes):
-    """(largest size that fitted, smallest that did not) among `probes`."""
-    fits = [p["n"] for p in probes if p["fits"] is True]
-    fails = [p["n"] for p in probes if p["fits"] is False]
-    return (max(fits) if fits else 0), (min(fails) if fails else None)
-
-
 # --------------------------------------------------------------- driver --
-
-def simulated(free_gib):
-    """A made-up device for --dry-run: expandable segments fit 25% more
-    than the start guess (scaled to the budget), cumem 5% more than that,
-    PyTorch's default 10% less, cudaMallocAsync 5% less; a third of the
-    budget is the model's, the rest grows with the tokens."""
-    factor = {"expandable": 1.0, "cumem": 1.05, "pytorch": 0.9, "cuda_malloc_async": 0.95}
-    budget = free_gib * GIB
-
-    def ask(al, workload, n):
-        knob = KNOBS[workload]
-        cap = knob.tokens(start_of(workload, free_gib, {})) * 1.25 * factor.get(al, 1.0)
-        peak = budget / 3 + 2 * budget / 3 * knob.tokens(n) / cap
-        return {"fits": peak <= budget, "peak_reserved_bytes": peak * 0.98, "free_after": budget,
-                "free_before": 140 * GIB, "wall_s": 0}
-    return ask
-
 
 def start_of(workload, free_gib, given):
     """The first size to probe: --start's, else the knob's guess scaled to
@@ -289,7 +263,6 @@ def main():
     ap.add_argument("--budget-s", type=float, default=450, help="start no probe after this many seconds")
     ap.add_argument("--probe-timeout", type=float, default=240, help="seconds one probe may take")
     ap.add_argument("--json", default="fit.json")
-    ap.add_argument("--out-dir", default="", help="probe logs and results (default: a new temporary folder)")
     ap.add_argument("--spawn", action="store_true", help="a new interpreter per probe instead of forks")
     ap.add_argument("--dry-run", action="store_true", help="print the plan against a made-up device")
     a = ap.parse_args()
@@ -306,14 +279,13 @@ def main():
     if a.dry_run:
         ask = dry_run_plan(a, allocs, workloads)
     else:
-        outdir = a.out_dir or tempfile.mkdtemp(prefix="fit-")
-        os.makedirs(outdir, exist_ok=True)
+        outdir = tempfile.mkdtemp(prefix="fit-")
         print(f"fit: {a.free_gib} GiB free, {a.steps} steps a probe; logs in {outdir}", flush=True)
         probes.prepare_cumem(allocs)
         holder = probes.Holder(int((a.free_gib + HOLD_SLACK_GIB) * GIB))
         print(f"memory holder: {holder.info['held'] / GIB:.1f} GiB held of {holder.info['total'] / GIB:.1f}",
               flush=True)
-        runner = probes.Runner(allocs, workloads, outdir, a.spawn, int(a.free_gib * GIB), a.probe_timeout)
+        runner = probes.Runner(allocs, outdir, a.spawn, int(a.free_gib * GIB), a.probe_timeout)
 
         def ask(al, w, n):
             res = runner.ask(al, w, n, KNOBS[w].params(n, a.steps))
@@ -344,7 +316,10 @@ def main():
 
 def dry_run_plan(a, allocs, workloads):
     """Prints the processes and returns the made-up device's probe answers,
-    printing each planned probe."""
+    printing each planned probe. On that device expandable segments fit
+    25% more than the start guess (scaled to the budget), cumem 5% more
+    than that, PyTorch's default 10% less, cudaMallocAsync 5% less; a
+    third of the budget is the model's, the rest grows with the tokens."""
     me = probes.HERE
     print(f"fit --dry-run: {a.free_gib} GiB free, {a.steps} steps a probe, budget {a.budget_s:.0f} s")
     if any(al.startswith("cumem") for al in allocs):
@@ -352,24 +327,26 @@ def dry_run_plan(a, allocs, workloads):
     print(f"process: {sys.executable} {me} --hold {int((a.free_gib + HOLD_SLACK_GIB) * GIB)}  (holds all but "
           f"{a.free_gib + HOLD_SLACK_GIB:g} GiB of the device for the whole run; each probe's ballast takes the rest "
           f"but {a.free_gib:g} GiB)")
+    how = "spawned per probe" if a.spawn else "a probe server, forking each probe"
     for al in allocs:
-        conf = {k: v for k, v in probes.env_of(al).items() if k in ("PYTORCH_CUDA_ALLOC_CONF", "CUMEM_CONF")}
-        how = "spawned per probe" if a.spawn else "a probe server, forking each probe"
-        print(f"process: {sys.executable} {me} --zygote {al}  ({how}; {conf or 'no allocator settings'})")
+        print(f"process: {sys.executable} {me} --zygote {al}  ({how}; {probes.settings(al)})")
     for w in workloads:
         k = KNOBS[w]
         n = start_of(w, a.free_gib, {})
         print(f"workload {w}: n = {k.unit}, tokens(n) = {k.tokens(n):,} at the start n={n}; "
               f"params {json.dumps(k.params(n, a.steps))[:300]}")
-    ask = simulated(a.free_gib)
+    factor = {"expandable": 1.0, "cumem": 1.05, "pytorch": 0.9, "cuda_malloc_async": 0.95}
+    budget = a.free_gib * GIB
     count = [0]
 
     def planned(al, w, n):
         count[0] += 1
-        res = ask(al, w, n)
-        print(f"  probe {count[0]:3}: {al:18} {w:17} n={n:<6} {KNOBS[w].tokens(n):>8,} tokens -> "
-              f"{'fits' if res['fits'] else 'out of memory'} (made up)")
-        return res
+        knob = KNOBS[w]
+        cap = knob.tokens(start_of(w, a.free_gib, {})) * 1.25 * factor.get(al, 1.0)
+        peak = budget / 3 + 2 * budget / 3 * knob.tokens(n) / cap
+        print(f"  probe {count[0]:3}: {al:18} {w:17} n={n:<6} {knob.tokens(n):>8,} tokens -> "
+              f"{'fits' if peak <= budget else 'out of memory'} (made up)")
+        return {"fits": peak <= budget, "peak_reserved_bytes": peak * 0.98, "free_after": budget}
     return planned
 
 

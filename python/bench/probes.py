@@ -60,28 +60,38 @@ class Ballast:
             self.bytes += piece
 
 
+def read_line(proc, timeout):
+    """A line of `proc`'s output, or "" when none came in `timeout` seconds."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline() if ready else ""
+
+
+def stop(proc, timeout):
+    """Closes `proc`'s input (its sign to end) and waits for it; kills it
+    after `timeout` seconds."""
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 class Holder:
-    """A process of its own (`probes.py --hold`) that takes all of the device's
-    free memory but `leave` bytes (a Ballast on its own context), so that
-    each probe's own ballast is small: a few GiB instead of most of the
-    device, which the driver takes seconds to map and to unmap."""
+    """The ballast's bulk: a process of its own (`probes.py --hold`) that
+    takes all of the device's free memory but `leave` bytes (a Ballast on
+    its own context) until `close()`."""
 
     def __init__(self, leave):
         self.proc = subprocess.Popen([sys.executable, HERE, "--hold", str(leave)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
-        line = self.proc.stdout.readline() if ready else ""
+        line = read_line(self.proc, 120)
         if not line.startswith("{"):
             self.close()
             raise SystemExit("the memory holder (probes.py --hold) did not start")
         self.info = json.loads(line)
 
     def close(self):
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop(self.proc, 60)
 
 
 def hold(leave):
@@ -181,24 +191,22 @@ def probe(allocator, req):
         json.dump(res, f)
 
 
-# The transformers classes of the workloads, imported by a probe server.
-MODEL_CLASSES = {"encoder_bucketed": "BertForMaskedLM", "seq2seq_varlen": "T5ForConditionalGeneration",
-                 "gpt2_varlen": "GPT2LMHeadModel", "generate_padded": "LlamaForCausalLM"}
+# The transformers classes of fit.py's workloads, imported by a probe server.
+MODEL_CLASSES = ("BertForMaskedLM", "T5ForConditionalGeneration", "GPT2LMHeadModel", "LlamaForCausalLM")
 
 
-def zygote(allocator, workloads):
+def zygote(allocator):
     """The probe server of one allocator: imports what the probes need, then
     forks a probe for each request line on stdin and answers its exit
     status on stdout."""
     import torch
     import transformers
-    from workloads import RUNNERS
-    for w in workloads:
-        if w in MODEL_CLASSES:
-            getattr(transformers, MODEL_CLASSES[w])
+    import workloads  # noqa: F401 - imported once, for every fork
+    for name in MODEL_CLASSES:
+        getattr(transformers, name)
     threads = len(os.listdir("/proc/self/task"))
     print(json.dumps({"ready": True, "torch": torch.__version__, "cuda_initialized": torch.cuda.is_initialized(),
-                      "threads": threads, "workloads": sorted(set(workloads) & set(RUNNERS))}), flush=True)
+                      "threads": threads}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         sys.stdout.flush()
@@ -207,10 +215,9 @@ def zygote(allocator, workloads):
         if pid == 0:
             code = 1
             try:
-                fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                os.close(fd)
+                with open(req["log"], "w") as log:
+                    os.dup2(log.fileno(), 1)
+                    os.dup2(log.fileno(), 2)
                 probe(allocator, req)
                 code = 0
             except BaseException:  # noqa: BLE001 - the child must never return into the server's loop
@@ -248,24 +255,25 @@ def env_of(allocator):
     return dict(real_workloads.env_for(allocator), PYTORCH_NVML_BASED_CUDA_CHECK="1")
 
 
-class Runner:
-    """Runs probes: forked from a server per allocator, or (`spawn`, or
-    for an allocator whose forked probe failed where a new interpreter did
-    not) as new interpreters. Logs and results go to `outdir`."""
+def settings(allocator):
+    """The allocator's settings in its environment, for a dry run's plan."""
+    env = real_workloads.env_for(allocator)
+    return {k: env[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "CUMEM_CONF") if k in env} or "no allocator settings"
 
-    def __init__(self, allocators, workloads, outdir, spawn, free_bytes, timeout):
+
+class Runner:
+    """Runs probes, forked or spawned as the module says; their logs and
+    results go to `outdir`."""
+
+    def __init__(self, allocators, outdir, spawn, free_bytes, timeout):
         self.outdir, self.free_bytes, self.timeout = outdir, free_bytes, timeout
-        self.workloads = workloads
         self.spawned = set(allocators) if spawn else set()
         self.trusted = set()  # allocators whose server gave a probe without error
-        self.servers = {}
+        self.servers = {al: self._server(al) for al in allocators if al not in self.spawned}
         self.count = 0
         self.most_free = 0
-        for al in allocators:
-            if al not in self.spawned:
-                self.servers[al] = self._server(al)
         for al, srv in self.servers.items():
-            line = self._line(srv, 600)
+            line = read_line(srv, 600)
             ready = json.loads(line) if line.startswith("{") else {}
             if not ready.get("ready"):
                 raise SystemExit(f"the probe server of {al} did not start (log: {srv.log})")
@@ -277,16 +285,10 @@ class Runner:
     def _server(self, al):
         log = os.path.join(self.outdir, f"server-{al}.log")
         with open(log, "w") as err:
-            srv = subprocess.Popen([sys.executable, HERE, "--zygote", al, "--workloads", ",".join(self.workloads)],
-                                   env=env_of(al), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                   text=True, bufsize=1)
+            srv = subprocess.Popen([sys.executable, HERE, "--zygote", al], env=env_of(al), stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
         srv.log = log
         return srv
-
-    @staticmethod
-    def _line(srv, timeout):
-        ready, _, _ = select.select([srv.stdout], [], [], timeout)
-        return srv.stdout.readline() if ready else ""
 
     def ask(self, al, workload, n, params):
         """Probes `workload` with `params` (`n`: the size, for the names):
@@ -318,7 +320,7 @@ class Runner:
             srv = self.servers[al]
             srv.stdin.write(json.dumps(req) + "\n")
             srv.stdin.flush()
-            line = self._line(srv, req["timeout"] + 60)
+            line = read_line(srv, req["timeout"] + 60)
             rc = json.loads(line)["rc"] if line.startswith("{") else None
         else:
             with open(req["log"], "w") as log:
@@ -339,11 +341,7 @@ class Runner:
 
     def close(self):
         for srv in self.servers.values():
-            srv.stdin.close()
-            try:
-                srv.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                srv.kill()
+            stop(srv, 30)
 
 
 def prepare_cumem(allocators):
@@ -365,13 +363,12 @@ def main():
     ap = argparse.ArgumentParser(description="fit.py's and steptime.py's processes (not run by hand)")
     ap.add_argument("--hold", type=int, metavar="BYTES", help="hold all of the device's memory but BYTES")
     ap.add_argument("--zygote", metavar="ALLOCATOR", help="a probe server")
-    ap.add_argument("--workloads", default="", help="the probe server's workloads (their classes imported)")
     ap.add_argument("--probe", nargs=2, metavar=("ALLOCATOR", "REQUEST"), help="one probe (a JSON request)")
     a = ap.parse_args()
     if a.hold is not None:
         hold(a.hold)
     elif a.zygote:
-        zygote(a.zygote, [w for w in a.workloads.split(",") if w])
+        zygote(a.zygote)
     elif a.probe:
         probe(a.probe[0], json.loads(a.probe[1]))
     else:

@@ -1,12 +1,11 @@
 """Real PyTorch workloads in a benchmark process: the allocators
 (PyTorch's caching allocator `pytorch`, the same with
 `expandable_segments:True` `expandable`, PyTorch's cudaMallocAsync
-backend, cumem through `cumem_torch.install()`, and a few variants) and
-their environments, each workload's sizes, the process's deterministic
-start, the thread that samples physical device memory, and one workload's
-run with its figures. steptime.py drives processes of them (alternated,
-with intervals), fit.py and probes.py the largest size that fits,
-ddp.py the multi-GPU runs.
+backend, cumem through `cumem_torch.install()`) and their environments,
+each workload's sizes, the process's deterministic start, the thread that
+samples physical device memory, and one workload's run with its figures.
+steptime.py drives processes of them (alternated, with intervals), fit.py
+and probes.py the largest size that fits, ddp.py the multi-GPU runs.
 
 Models are built from configs with random weights (no downloads), seeded,
 under deterministic settings: the loss (for generation, logit or token)
@@ -26,37 +25,21 @@ import time
 
 from workloads import RUNNERS
 
-# "pytorch_repeat" is PyTorch's allocator again: whether a workload repeats
-# itself bit for bit at all.
 ALLOCATORS = ["pytorch", "expandable", "cuda_malloc_async", "cumem"]
-# "cumem_slack" and "cumem_noremap" tell whether page remapping costs step
-# time: remapped memory may rise to 11 times the page floor before pages
-# move (remap_slack=10: maps, no moves within a run), or no remapping at all
-# (expandable=false: chunks from cuMemAlloc).
-EXTRA_ALLOCATORS = ["pytorch_repeat", "cumem_slack", "cumem_noremap"]
-# "cumem_base": cumem from the package directory named by
-# CUMEM_BASE_PYTHONPATH (another build, for a before/after comparison).
-EXTRA_ALLOCATORS.append("cumem_base")
-EXTRA_CONF = {
-    "cumem_slack": "remap_slack=10",
-    "cumem_noremap": "expandable=false",
-}
-# Generation runs with eager attention: with SDPA, PyTorch's own allocator
-# does not repeat its own logits bit for bit from one process to the next
-# (measured on the H100: `--workloads llama_generate --allocators
-# pytorch,pytorch_repeat`), so no allocator could be checked against it.
-WORKLOADS = ["encoder_bucketed", "seq2seq_varlen", "vit_prefetch", "generate_padded", "gpt2_varlen", "resnet50",
-             "llama_generate_eager"]
+# PYTORCH_CUDA_ALLOC_CONF per allocator. "pytorch_repeat" is PyTorch's
+# allocator again: whether a workload repeats itself bit for bit at all.
+# cumem's own settings come from CUMEM_CONF, passed on as it is.
+PYTORCH_CONF = {"pytorch": None, "pytorch_repeat": None, "expandable": "expandable_segments:True",
+                "cuda_malloc_async": "backend:cudaMallocAsync", "cumem": None}
 
 # Sizes per scale: "tiny" checks that everything runs; "full" is the
-# measurement (about 8 minutes for all nine processes on an H100).
+# measurement (every workload in one process per allocator, about 25 s of
+# work per process on an H100).
 LLAMA = dict(hidden=1024, layers=16, heads=16, kv_heads=16, intermediate=2816, attn="eager")
 # The compiled run of issue 56: a 4-layer GPT, 1024 wide, batch 8 x 512.
 GPT_COMPILED = dict(hidden=1024, layers=4, heads=16, vocab=50257, positions=1024, batch=8, length=512)
 LLAMA_TINY = dict(hidden=256, layers=2, heads=4, kv_heads=4, intermediate=512, attn="eager")
 SCALES = {
-    # The measurement: every workload in one process per allocator, about
-    # 25 s of work per process on an H100.
     "full": {
         "encoder_bucketed": dict(warmup=3, steps=24, hidden=768, layers=12, heads=12, tokens=16384,
                                  buckets=[64, 128, 256, 512]),
@@ -67,8 +50,11 @@ SCALES = {
                                 new_tokens=24, **LLAMA),
         "gpt2_varlen": dict(warmup=3, steps=24, batch=8, min_len=64, max_len=1024),
         "resnet50": dict(warmup=3, steps=20, batch=64, image=224),
-        "llama_generate": dict(warmup=8, rounds=2, new_tokens=48, batch=16, min_prompt=128, max_prompt=640,
-                               **{**LLAMA, "attn": "sdpa"}),
+        # Generation with eager attention: with SDPA, PyTorch's own allocator
+        # does not repeat its own logits bit for bit from one process to the
+        # next (measured on the H100: `--workloads llama_generate
+        # --allocators pytorch,pytorch_repeat`), so no allocator could be
+        # checked against it.
         "llama_generate_eager": dict(warmup=8, rounds=2, new_tokens=48, batch=16, min_prompt=128, max_prompt=640,
                                      **LLAMA),
         # Not in the default list (its compile takes most of a process):
@@ -84,17 +70,16 @@ SCALES = {
                                 new_tokens=4, **LLAMA_TINY),
         "gpt2_varlen": dict(warmup=1, steps=3, batch=2, min_len=16, max_len=128),
         "resnet50": dict(warmup=1, steps=3, batch=4, image=64),
-        "llama_generate": dict(warmup=2, rounds=2, new_tokens=4, batch=2, min_prompt=8, max_prompt=32,
-                               **{**LLAMA_TINY, "attn": "sdpa"}),
         "llama_generate_eager": dict(warmup=2, rounds=2, new_tokens=4, batch=2, min_prompt=8, max_prompt=32,
                                      **LLAMA_TINY),
         "gpt_compiled": dict(warmup=3, steps=2, **{**GPT_COMPILED, "hidden": 128, "layers": 2, "heads": 2,
                                                     "batch": 2, "length": 64}),
     },
 }
+# llama_generate: the same with SDPA attention.
+for _scale in SCALES.values():
+    _scale["llama_generate"] = dict(_scale["llama_generate_eager"], attn="sdpa")
 
-
-# ---------------------------------------------------------------- child --
 
 class PhysicalSampler:
     """Samples the device's used memory every `interval` seconds on a thread
@@ -107,9 +92,7 @@ class PhysicalSampler:
         self.torch = torch
         self.interval = interval
         self.read = self._reader()
-        self.base = self.read()
-        self.high = 0
-        self.count = 0
+        self.start_phase()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -135,9 +118,7 @@ class PhysicalSampler:
 
     def _loop(self):
         while not self.stop.is_set():
-            v = self.read()
-            if v > self.high:
-                self.high = v
+            self.high = max(self.high, self.read())
             self.count += 1
             self.stop.wait(self.interval)
 
@@ -166,14 +147,20 @@ def setup(allocator):
     import torch
 
     torch.manual_seed(0)
+    deterministic(torch)
+    torch.cuda.init()
+    torch.cuda.synchronize()
+    return torch, kind
+
+
+def deterministic(torch):
+    """Deterministic algorithms (warnings only where there is none), no
+    cuDNN benchmarking, no TF32: runs comparable bit for bit."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    torch.cuda.init()
-    torch.cuda.synchronize()
-    return torch, kind
 
 
 def run_workload(torch, sampler, workload, params, allocator, kind):
@@ -207,7 +194,6 @@ def run_workload(torch, sampler, workload, params, allocator, kind):
         "device": torch.cuda.get_device_name(),
         "steps": len(times),
         "median_step_ms": statistics.median(times) * 1e3,
-        "mean_step_ms": statistics.fmean(times) * 1e3,
         "step_ms": [t * 1e3 for t in times],
         "gpu_step_ms": [t * 1e3 for t in times.gpu],
         "median_gpu_step_ms": statistics.median(times.gpu) * 1e3 if times.gpu else None,
@@ -246,21 +232,15 @@ def driver_counts(torch, kind):
 
 
 def env_for(allocator):
-    env = dict(os.environ)
+    """The environment of a benchmark process of `allocator` (SystemExit for
+    an unknown one)."""
+    if allocator not in PYTORCH_CONF:
+        raise SystemExit(f"unknown allocator {allocator} (known: {', '.join(PYTORCH_CONF)})")
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", TOKENIZERS_PARALLELISM="false",
+               TRANSFORMERS_VERBOSITY="error")
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    env["TRANSFORMERS_VERBOSITY"] = "error"
-    if allocator not in ALLOCATORS + EXTRA_ALLOCATORS:
-        raise SystemExit(f"unknown allocator {allocator}")
-    if allocator == "cuda_malloc_async":
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
-    if allocator == "expandable":
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if allocator == "cumem_base":
-        env["PYTHONPATH"] = os.environ["CUMEM_BASE_PYTHONPATH"]
-    if allocator in EXTRA_CONF:
-        env["CUMEM_CONF"] = EXTRA_CONF[allocator]
+    if PYTORCH_CONF[allocator]:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = PYTORCH_CONF[allocator]
     return env
 
 

@@ -4,26 +4,6 @@ only; `python/tests/host_steptime_stats.py` checks them).
 The unit is a process: each process gives one number per workload, the
 median of its steps' times, and the processes of one allocator are taken
 as independent draws (they alternate with the other allocators' in time).
-
-- `median_interval`: the median of the process medians with a
-  distribution-free interval from their order statistics: [x(k),
-  x(n+1-k)] covers the true median with probability 1 - 2 P(B <= k-1),
-  B ~ Binomial(n, 1/2), whatever the distribution. Five processes give at
-  most 93.75% (the smallest and the largest); six give 96.9%.
-- `ratio_interval`: how much slower or faster one allocator is than
-  another, as the ratio of their step times, with a distribution-free 95%
-  interval: the Hodges-Lehmann estimate and the interval of the
-  Mann-Whitney (Wilcoxon rank-sum) test inverted (Lehmann 1963; Hollander
-  & Wolfe, "Nonparametric Statistical Methods", 4.3), on the logarithms
-  of the process medians: of all n*m differences log a_i - log b_j, the
-  median is the estimate and [D(k), D(nm+1-k)] the interval, k-1 being
-  the largest u with 2 P(U <= u) <= 5% under the exact null distribution
-  of the Mann-Whitney U. It assumes only that one allocator's log-times
-  are the other's shifted; five processes each give 96.8% coverage.
-- `verdict`: "within 1%" when that interval lies within [0.99, 1.01],
-  "slower by X-Y%" or "faster by X-Y%" when it lies wholly above or below
-  1, else "can't tell"; never a bare percentage.
-- `spread`: (max - min) / min, of the processes' peaks.
 """
 
 import math
@@ -34,10 +14,13 @@ LEVEL = 0.95
 
 
 def median_interval(xs, level=LEVEL):
-    """(median, lo, hi, coverage) of `xs`: the order-statistic interval
-    [x(k), x(n+1-k)] with the largest k whose coverage is at least
-    `level`; with too few values for `level`, the smallest and largest
-    and their (lower) coverage."""
+    """(median, lo, hi, coverage) of `xs` (process medians), with a
+    distribution-free interval from their order statistics: [x(k),
+    x(n+1-k)] covers the true median with probability 1 - 2 P(B <= k-1),
+    B ~ Binomial(n, 1/2), whatever the distribution. k is the largest
+    whose coverage is at least `level`; with too few values for `level`,
+    the smallest and largest and their (lower) coverage: five processes
+    give 93.75%, six 96.9%."""
     s = sorted(xs)
     n = len(s)
     if n == 0:
@@ -62,16 +45,19 @@ def u_counts(n, m):
         return (1,)
     # U counts pairs (a, b) with a > b; the largest of all n + m values is
     # either an a (beating all m b's) or a b (beating none).
-    with_a = (0,) * m + u_counts(n - 1, m)
-    with_b = u_counts(n, m - 1)
-    size = n * m + 1
-    return tuple((with_a[u] if u < len(with_a) else 0) + (with_b[u] if u < len(with_b) else 0)
-                 for u in range(size))
+    counts = [0] * (n * m + 1)
+    for u, c in enumerate(u_counts(n - 1, m)):
+        counts[u + m] += c
+    for u, c in enumerate(u_counts(n, m - 1)):
+        counts[u] += c
+    return tuple(counts)
 
 
 def mann_whitney_k(n, m, level=LEVEL):
     """(k, coverage): the order k of the interval's ends among the n*m
-    differences, and its exact coverage; None when no k reaches `level`."""
+    differences (k-1 the largest u with 2 P(U <= u) <= 1 - `level` under
+    the exact null distribution of U), and its exact coverage; None when
+    no k reaches `level`."""
     counts = u_counts(n, m)
     total = math.comb(n + m, n)
     alpha = (1 - level) / 2
@@ -84,25 +70,22 @@ def mann_whitney_k(n, m, level=LEVEL):
     return best
 
 
-def shift_interval(a, b, level=LEVEL):
-    """(estimate, lo, hi, coverage) of the shift d with a - d distributed
-    as b; None when the samples are too small for `level`."""
+def ratio_interval(a, b, level=LEVEL):
+    """(estimate, lo, hi, coverage) of the ratio of `a`'s times to `b`'s
+    (how much slower or faster), distribution-free: the Hodges-Lehmann
+    estimate and the interval of the Mann-Whitney (Wilcoxon rank-sum) test
+    inverted (Lehmann 1963; Hollander & Wolfe, "Nonparametric Statistical
+    Methods", 4.3), on logarithms: of all n*m differences log a_i - log
+    b_j, the median is the estimate and [D(k), D(nm+1-k)] the interval. It
+    assumes only that one allocator's log-times are the other's shifted;
+    five processes each give 96.8% coverage. None when the samples are too
+    small for `level`."""
     found = mann_whitney_k(len(a), len(b), level)
     if found is None:
         return None
     k, cov = found
-    d = sorted(x - y for x in a for y in b)
-    return statistics.median(d), d[k - 1], d[len(d) - k], cov
-
-
-def ratio_interval(a, b, level=LEVEL):
-    """(estimate, lo, hi, coverage) of the ratio of `a`'s times to `b`'s
-    (shift_interval on logarithms); None when too few."""
-    r = shift_interval([math.log(x) for x in a], [math.log(y) for y in b], level)
-    if r is None:
-        return None
-    est, lo, hi, cov = r
-    return math.exp(est), math.exp(lo), math.exp(hi), cov
+    d = sorted(math.log(x) - math.log(y) for x in a for y in b)
+    return math.exp(statistics.median(d)), math.exp(d[k - 1]), math.exp(d[len(d) - k]), cov
 
 
 def pct(r):
@@ -112,7 +95,9 @@ def pct(r):
 
 def verdict(interval, tol=0.01):
     """The verdict on a ratio interval (estimate, lo, hi, coverage), or on
-    None (too few processes): never a bare percentage."""
+    None (too few processes): "within 1%" when it lies within [0.99,
+    1.01], "slower by X-Y%" or "faster by X-Y%" when it lies wholly above
+    or below 1, else "can't tell"; never a bare percentage."""
     if interval is None:
         return "can't tell (too few processes for a 95% interval)"
     _, lo, hi, _ = interval
@@ -126,22 +111,17 @@ def verdict(interval, tol=0.01):
 
 
 def spread(xs):
-    """(max - min) / min."""
-    return (max(xs) - min(xs)) / min(xs)
-
-
-def faster_of(medians, candidates=("pytorch", "expandable")):
-    """The candidate with the lowest median of process medians, of those in
-    `medians` ({allocator: [process medians]}); None if none is."""
-    have = [c for c in candidates if medians.get(c)]
-    return min(have, key=lambda c: statistics.median(medians[c])) if have else None
+    """(max - min) / min, of the processes' peaks; None where one is 0."""
+    return (max(xs) - min(xs)) / min(xs) if min(xs) > 0 else None
 
 
 def compare(medians, candidates=("pytorch", "expandable"), level=LEVEL):
     """Per allocator of `medians` ({allocator: [process medians]}): its
     median and interval, its ratio interval against the faster candidate
-    and the verdict ("reference" for the candidate itself)."""
-    ref = faster_of(medians, candidates)
+    (the lowest median of process medians) and the verdict ("reference"
+    for that candidate itself)."""
+    have = [c for c in candidates if medians.get(c)]
+    ref = min(have, key=lambda c: statistics.median(medians[c])) if have else None
     out = {}
     for al, xs in medians.items():
         if not xs:

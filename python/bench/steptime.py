@@ -51,7 +51,6 @@ import real_workloads  # noqa: E402
 import stepstats  # noqa: E402
 from probes import GIB, HOLD_SLACK_GIB, MIB  # noqa: E402
 
-ALLOCATORS = ["pytorch", "expandable", "cuda_malloc_async", "cumem"]
 WORKLOADS = ["encoder_bucketed", "seq2seq_varlen", "gpt2_varlen"]
 
 
@@ -76,15 +75,12 @@ def child(allocator, req):
 def sizes(a, workloads):
     """[(workload, params)] and the bytes to leave free (None: no ballast)."""
     if not a.fit_json:
-        scale = real_workloads.SCALES[a.scale]
-        out = []
-        for w in workloads:
-            p = dict(scale[w])
+        out = [(w, dict(real_workloads.SCALES[a.scale][w])) for w in workloads]
+        for _, p in out:
             if a.warmup is not None:
                 p["warmup"] = a.warmup
             if a.steps is not None and "steps" in p:
                 p["steps"] = a.steps
-            out.append((w, p))
         return out, None
     import fit
     with open(a.fit_json) as f:
@@ -107,7 +103,7 @@ def sizes(a, workloads):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--allocators", default=",".join(ALLOCATORS))
+    ap.add_argument("--allocators", default=",".join(real_workloads.ALLOCATORS))
     ap.add_argument("--processes", type=int, default=5, help="processes per allocator (rounds); at least 5")
     ap.add_argument("--scale", default="full", choices=sorted(real_workloads.SCALES))
     ap.add_argument("--fit-json", help="sizes: the largest that expandable segments fitted in fit.py's run")
@@ -140,13 +136,10 @@ def main():
             print(f"workload {w}: {json.dumps(p)[:400]}")
         for r, o in enumerate(order):
             for al in o:
-                conf = {k: v for k, v in real_workloads.env_for(al).items()
-                        if k in ("PYTORCH_CUDA_ALLOC_CONF", "CUMEM_CONF")}
                 print(f"round {r}: {sys.executable} {os.path.abspath(__file__)} --child {al} ...  "
-                      f"({conf or 'no allocator settings'})")
+                      f"({probes.settings(al)})")
         return
-    if any(al.startswith("cumem") for al in allocs):
-        probes.prepare_cumem(allocs)
+    probes.prepare_cumem(allocs)
     holder = probes.Holder(free + HOLD_SLACK_GIB * GIB) if free else None
     runs, failures, most_free = [], [], 0
     t_all, last_round = time.time(), 0.0
@@ -197,6 +190,10 @@ def fmt_interval(row):
     return f"{row['median']:.2f} [{row['lo']:.2f}, {row['hi']:.2f}] ({row['coverage'] * 100:.1f}%)"
 
 
+def fmt_spread(x):
+    return "-" if x is None else f"{x * 100:.2f}%"
+
+
 def summarise(runs, workloads, allocs):
     """The table: per workload and allocator, step time (wall and device)
     with intervals and verdicts, the peaks' spread over processes, and
@@ -224,18 +221,14 @@ def summarise(runs, workloads, allocs):
             own = [r["own_peak_reserved_bytes"] for r in rs]
             row = {"workload": w, "allocator": al, "wall": wall.get(al), "gpu": gpu.get(al),
                    "peak_physical": phys, "own_peak_reserved": own, "peak_physical_worst": max(phys),
-                   "peak_physical_spread": stepstats.spread(phys) if min(phys) > 0 else None,
-                   "own_peak_reserved_spread": stepstats.spread(own) if min(own) > 0 else None,
+                   "peak_physical_spread": stepstats.spread(phys), "own_peak_reserved_spread": stepstats.spread(own),
                    "worst_round": rs[phys.index(max(phys))]["round"], "values_same": values}
             rows.append(row)
             g = gpu.get(al)
-            sp = row["peak_physical_spread"]
-            so = row["own_peak_reserved_spread"]
             print(f"| {w} | {al} | {len(rs)} | {fmt_interval(wall[al])} | {wall[al]['verdict']} | "
                   f"{fmt_interval(g) if g else '-'} | {g['verdict'] if g else '-'} | "
-                  f"{max(phys) / MIB:,.0f} (round {row['worst_round']}) | "
-                  f"{'-' if sp is None else f'{sp * 100:.2f}%'} | {'-' if so is None else f'{so * 100:.2f}%'} | {values} |",
-                  flush=True)
+                  f"{max(phys) / MIB:,.0f} (round {row['worst_round']}) | {fmt_spread(row['peak_physical_spread'])} | "
+                  f"{fmt_spread(row['own_peak_reserved_spread'])} | {values} |", flush=True)
     return rows
 
 

@@ -8,7 +8,9 @@ each step's shape with that list, in turn (`fit.py` gives schedules that
 grow with its knob); without it the draws are the ones the published
 tables were measured with."""
 
+import functools
 import itertools
+import random
 import time
 
 
@@ -45,22 +47,30 @@ def schedule(p, draw):
     """The shape of the next step: `p["shapes"]` in turn where given, else
     `draw()` (the workload's seeded random draw)."""
     shapes = p.get("shapes")
-    if not shapes:
-        return draw
-    it = itertools.cycle(shapes)
-    return lambda: next(it)
+    return functools.partial(next, itertools.cycle(shapes)) if shapes else draw
 
 
-def run_steps(torch, p, step, times, values):
-    for i in range(p["warmup"] + p["steps"]):
-        values.append(timed_step(torch, step, times, i >= p["warmup"]))
+def length8(rng, lo, hi):
+    """A length drawn from lo..hi, a multiple of 8."""
+    return rng.randrange(lo // 8, hi // 8 + 1) * 8
 
 
-def train_steps(torch, p, opt, loss_of, times, values):
-    """Warm-up and timed training steps: `loss_of()` makes a batch and
-    returns its loss (run under bf16 autocast, which leaves the random
-    inputs as they are); then backward, the optimizer's step, gradients
-    dropped. A step's value is its loss."""
+def build(torch, make):
+    """`make()` on the device after seeding: every process builds the same
+    weights."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return make()
+
+
+def train_steps(torch, p, model, loss_of, times, values, opt=None):
+    """Warm-up and timed training steps of `model` (with `opt`, by default
+    AdamW at 1e-4): `loss_of()` makes a batch and returns its loss (run
+    under bf16 autocast, which leaves the random inputs as they are); then
+    backward, the optimizer's step, gradients dropped. A step's value is
+    its loss."""
+    model.train()
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -70,31 +80,27 @@ def train_steps(torch, p, opt, loss_of, times, values):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    run_steps(torch, p, step, times, values)
+    for i in range(p["warmup"] + p["steps"]):
+        values.append(timed_step(torch, step, times, i >= p["warmup"]))
 
 
 def gpt2_varlen(torch, p, times, values):
     """GPT-2 small training, batches of varying sequence length."""
     from transformers import GPT2Config, GPT2LMHeadModel
-    import random
 
     cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=p.get("positions", 1024), vocab_size=50257,
                      attn_implementation="eager")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = GPT2LMHeadModel(cfg)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = build(torch, lambda: GPT2LMHeadModel(cfg))
     rng = random.Random(1234)
     gen = torch.Generator(device="cuda").manual_seed(42)
-    next_length = schedule(p, lambda: rng.randrange(p["min_len"] // 8, p["max_len"] // 8 + 1) * 8)
+    next_length = schedule(p, lambda: length8(rng, p["min_len"], p["max_len"]))
 
     def loss_of():
         length = next_length()
         ids = torch.randint(0, cfg.vocab_size, (p["batch"], length), device="cuda", generator=gen)
         return model(input_ids=ids, labels=ids).loss
 
-    train_steps(torch, p, opt, loss_of, times, values)
+    train_steps(torch, p, model, loss_of, times, values)
 
 
 def resnet50(torch, p, times, values):
@@ -107,7 +113,6 @@ def resnet50(torch, p, times, values):
     try:
         torch.manual_seed(0)
         model = torchvision.models.resnet50(weights=None).cuda()
-        model.train()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         gen = torch.Generator(device="cuda").manual_seed(7)
         loss_fn = torch.nn.CrossEntropyLoss()
@@ -117,7 +122,7 @@ def resnet50(torch, p, times, values):
             y = torch.randint(0, 1000, (p["batch"],), device="cuda", generator=gen)
             return loss_fn(model(x), y)
 
-        train_steps(torch, p, opt, loss_of, times, values)
+        train_steps(torch, p, model, loss_of, times, values, opt)
     finally:
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
@@ -128,17 +133,12 @@ def encoder_bucketed(torch, p, times, values):
     token budget per batch, so short sequences come in big batches and long
     ones in small ones (batch and length both vary)."""
     from transformers import BertConfig, BertForMaskedLM
-    import random
 
     cfg = BertConfig(hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
                      intermediate_size=4 * p["hidden"], vocab_size=30522,
                      max_position_embeddings=p.get("positions", 1024),
                      attn_implementation="eager")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = BertForMaskedLM(cfg)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = build(torch, lambda: BertForMaskedLM(cfg))
     rng = random.Random(5)
     gen = torch.Generator(device="cuda").manual_seed(11)
     next_length = schedule(p, lambda: rng.choice(p["buckets"]))
@@ -150,27 +150,22 @@ def encoder_bucketed(torch, p, times, values):
         labels = torch.where(torch.rand(ids.shape, device="cuda", generator=gen) < 0.15, ids, -100)
         return model(input_ids=ids, labels=labels).loss
 
-    train_steps(torch, p, opt, loss_of, times, values)
+    train_steps(torch, p, model, loss_of, times, values)
 
 
 def seq2seq_varlen(torch, p, times, values):
     """A T5-style encoder-decoder trained on pairs of varying source and
     target lengths."""
     from transformers import T5Config, T5ForConditionalGeneration
-    import random
 
     cfg = T5Config(d_model=p["d_model"], d_ff=4 * p["d_model"], num_layers=p["layers"],
                    num_decoder_layers=p["layers"], num_heads=p["heads"], d_kv=p["d_model"] // p["heads"],
                    vocab_size=32128, decoder_start_token_id=0, pad_token_id=0)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = T5ForConditionalGeneration(cfg)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = build(torch, lambda: T5ForConditionalGeneration(cfg))
     rng = random.Random(8)
     gen = torch.Generator(device="cuda").manual_seed(13)
-    next_lengths = schedule(p, lambda: (rng.randrange(p["min_src"] // 8, p["max_src"] // 8 + 1) * 8,
-                                        rng.randrange(p["min_tgt"] // 8, p["max_tgt"] // 8 + 1) * 8))
+    next_lengths = schedule(p, lambda: (length8(rng, p["min_src"], p["max_src"]),
+                                        length8(rng, p["min_tgt"], p["max_tgt"])))
 
     def loss_of():
         src, tgt = next_lengths()
@@ -178,7 +173,7 @@ def seq2seq_varlen(torch, p, times, values):
         labels = torch.randint(1, cfg.vocab_size, (p["batch"], tgt), device="cuda", generator=gen)
         return model(input_ids=ids, labels=labels).loss
 
-    train_steps(torch, p, opt, loss_of, times, values)
+    train_steps(torch, p, model, loss_of, times, values)
 
 
 def vit_prefetch(torch, p, times, values):
@@ -230,20 +225,11 @@ def vit_prefetch(torch, p, times, values):
     preload()
     for _ in range(p["warmup"]):
         step()
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if hasattr(times, "gpu") else None
-    if events:
-        events[0].record()
-    t0 = time.perf_counter()
-    for _ in range(p["steps"]):
-        step()
-    if events:
-        events[1].record()
-    torch.cuda.synchronize()
-    per = (time.perf_counter() - t0) / p["steps"]
-    times.extend([per] * p["steps"])
-    if events:
-        times.gpu.extend([events[0].elapsed_time(events[1]) / 1e3 / p["steps"]] * p["steps"])
+    loop = StepTimes()
+    timed_step(torch, lambda: [step() for _ in range(p["steps"])], loop, True)
+    times.extend([loop[0] / p["steps"]] * p["steps"])
+    if hasattr(times, "gpu"):
+        times.gpu.extend([loop.gpu[0] / p["steps"]] * p["steps"])
     values.extend(float(v) for v in torch.stack(losses).float().cpu())
 
 
@@ -254,9 +240,7 @@ def llama_model(torch, p):
                       num_key_value_heads=p["kv_heads"], intermediate_size=p["intermediate"], vocab_size=32000,
                       max_position_embeddings=p.get("positions", 4096), attn_implementation=p.get("attn", "sdpa"),
                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = build(torch, lambda: LlamaForCausalLM(cfg).to(torch.bfloat16))
     model.eval()
     return cfg, model
 
@@ -266,7 +250,6 @@ def llama_generate(torch, p, times, values):
     (transformers' DynamicCache): rounds of prompts of varying length, one
     step per new token; the value of a step is the sum of its last logits."""
     from transformers import DynamicCache
-    import random
 
     cfg, model = llama_model(torch, p)
     rng = random.Random(99)
@@ -295,8 +278,6 @@ def generate_padded(torch, p, times, values):
     """transformers' `generate()` (greedy) on left-padded batches of varying
     size and prompt length, as a server batching requests sees them; one
     step per `generate()` call, its value the sum of the tokens made."""
-    import random
-
     cfg, model = llama_model(torch, p)
     rng = random.Random(17)
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -366,31 +347,18 @@ def gpt_compiled(torch, p, times, values):
             logits = F.linear(self.ln(x), self.tok.weight)
             return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = GPT()
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = build(torch, GPT)
     compiled = torch.compile(model, mode="reduce-overhead", dynamic=p.get("dynamic", False))
     gen = torch.Generator(device="cuda").manual_seed(23)
 
-    def step():
+    def loss_of():
         torch.compiler.cudagraph_mark_step_begin()
-        ids = torch.randint(0, p["vocab"], (p["batch"], p["length"]), device="cuda", generator=gen)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = compiled(ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return compiled(torch.randint(0, p["vocab"], (p["batch"], p["length"]), device="cuda", generator=gen))
 
-    run_steps(torch, p, step, times, values)
+    train_steps(torch, p, model, loss_of, times, values)
 
 
 RUNNERS = {"gpt2_varlen": gpt2_varlen, "resnet50": resnet50, "llama_generate": llama_generate,
            "llama_generate_eager": llama_generate, "encoder_bucketed": encoder_bucketed,
            "seq2seq_varlen": seq2seq_varlen, "vit_prefetch": vit_prefetch, "generate_padded": generate_padded,
            "gpt_compiled": gpt_compiled}
-
-
-# --------------------------------------------------------------- driver --

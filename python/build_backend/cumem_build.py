@@ -79,27 +79,22 @@ def _build_library():
     return pathlib.Path(found)
 
 
+# PyTorch and CUDA as the interpreter with PyTorch sees them (`-I`: outside
+# pip's build isolation), found as first use finds them (`_native`).
 _FIND_TORCH = r"""
 import json, os, sys
 import torch
-from torch.utils import cpp_extension
-root = os.path.dirname(torch.__file__)
-cuda = None
-for p in sys.path:
-    for sub in ("nvidia/cu13", "nvidia/cuda_runtime"):
-        d = os.path.join(p, sub)
-        if os.path.exists(os.path.join(d, "include", "cuda_runtime.h")):
-            cuda = cuda or d
-home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-if cuda is None and os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
-    cuda = home
-print(json.dumps({"root": root, "version": torch.__version__.split("+")[0], "cuda": cuda,
-                  "cuda_built": torch.version.cuda}))
+sys.path.insert(0, sys.argv[1])
+from cumem_torch import _native
+print(json.dumps({"root": os.path.dirname(torch.__file__), "version": torch.__version__.split("+")[0],
+                  "cuda_built": torch.version.cuda, "include": _native.cuda_include_dirs(),
+                  "cudart": _native.cudart_dirs()}))
 """
 
 
 def _find_torch():
-    """(torch root, version, CUDA root) or a reason string."""
+    """(torch root, version, CUDA header folders, libcudart folders) or a
+    reason string."""
     if os.environ.get("CUMEM_TORCH_NATIVE") == "0":
         return "CUMEM_TORCH_NATIVE=0"
     root = os.environ.get("CUMEM_TORCH_ROOT")
@@ -107,8 +102,12 @@ def _find_torch():
         # The version `install()` compares with: PyTorch's, without its
         # local part ("2.11.0+cu130" is stamped "2.11.0").
         version = os.environ.get("CUMEM_TORCH_VERSION", "").split("+")[0]
-        return root, version, os.environ.get("CUMEM_CUDA_ROOT")
-    r = subprocess.run([sys.executable, "-I", "-c", _FIND_TORCH], stdout=subprocess.PIPE,
+        cuda = os.environ.get("CUMEM_CUDA_ROOT")
+        if not cuda:
+            return root, version, [], []
+        cudart = [d for d in (f"{cuda}/lib", f"{cuda}/lib64") if list(pathlib.Path(d).glob("libcudart.so*"))]
+        return root, version, [f"{cuda}/include"], cudart
+    r = subprocess.run([sys.executable, "-I", "-c", _FIND_TORCH, str(PYTHON_DIR)], stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["?"])[-1]
@@ -116,7 +115,7 @@ def _find_torch():
     info = json.loads(r.stdout.strip().splitlines()[-1])
     if not info.get("cuda_built"):
         return f"PyTorch {info['version']} is built without CUDA"
-    return info["root"], info["version"], info.get("cuda")
+    return info["root"], info["version"], info["include"], info["cudart"]
 
 
 def _build_native(tmp, libcumem):
@@ -124,20 +123,17 @@ def _build_native(tmp, libcumem):
     found = _find_torch()
     if isinstance(found, str):
         return [], f"native backend skipped: {found}"
-    root, version, cuda = found
-    if not cuda:
-        return [], f"native backend skipped: no CUDA headers found for PyTorch {version} (set CUDA_HOME)"
+    root, version, include, cudart = found
+    if not include or not cudart:
+        return [], f"native backend skipped: no CUDA headers or libcudart found for PyTorch {version} (set CUDA_HOME)"
     sys.path.insert(0, str(PYTHON_DIR))
     try:
         from cumem_torch import _native  # the compile step is shared with first use
     finally:
         sys.path.pop(0)
-    cudart = pathlib.Path(cuda) / "lib"
-    if not list(cudart.glob("libcudart.so*")):
-        cudart = pathlib.Path(cuda) / "lib64"
     out = pathlib.Path(tmp) / _native.LIB_NAME
     try:
-        _native.compile_library(out, f"{root}/include", f"{root}/lib", f"{cuda}/include", str(cudart),
+        _native.compile_library(out, f"{root}/include", f"{root}/lib", include, cudart[0],
                                 str(REPO / "cumem-c" / "include"), str(pathlib.Path(libcumem).parent),
                                 sources_dir=PYTHON_DIR / PACKAGE / "csrc")
     except _native.NativeUnavailable as e:

@@ -45,7 +45,7 @@ from ._lib import CumemError, library_path
 from ._sleep import current_tag, sleep, tag, tag_usage, wake_up
 
 __all__ = [
-    "install", "is_installed", "backend_kind", "native_error", "native_conf", "init", "MemPool", "record_stream",
+    "install", "is_installed", "native_error", "native_conf", "init", "MemPool", "record_stream",
     "current_device", "stats", "pinned_stats",
     "torch_counters", "memory_summary", "backend", "empty_cache", "reset_peak_stats",
     "shutdown", "flush_log", "library_path", "CumemError", "tag", "current_tag", "sleep", "wake_up", "tag_usage",
@@ -81,8 +81,7 @@ def rank_conf(env_conf, local_rank, device_count):
     CUMEM_CONF) with `device=<local_rank>` added when it names no device,
     `local_rank` is a number below `device_count`, and there are several
     devices; else None (CUMEM_CONF as it is)."""
-    keys = [kv.split("=", 1)[0].strip() for kv in (env_conf or "").split(",") if kv.strip()]
-    if "device" in keys or local_rank is None or not str(local_rank).isdigit():
+    if "device" in conf_keys(env_conf) or local_rank is None or not str(local_rank).isdigit():
         return None
     rank = int(local_rank)
     if device_count <= 1 or rank >= device_count:
@@ -93,9 +92,13 @@ def rank_conf(env_conf, local_rank, device_count):
 def native_conf(conf):
     """The configuration the native backend runs cumem with: `conf` with
     `promise_registered_captures=true` added where it does not name it."""
-    keys = [kv.split("=", 1)[0].strip() for kv in (conf or "").split(",") if kv.strip()]
-    extra = [k + "=" + v for k, v in (("promise_registered_captures", "true"),) if k not in keys]
+    extra = [] if "promise_registered_captures" in conf_keys(conf) else ["promise_registered_captures=true"]
     return ",".join(x for x in [(conf or "").strip()] + extra if x)
+
+
+def conf_keys(conf):
+    """The keys a configuration string (CUMEM_CONF's syntax) sets."""
+    return [kv.split("=", 1)[0].strip() for kv in (conf or "").split(",") if kv.strip()]
 
 
 _native_error = None
@@ -150,8 +153,7 @@ def install(conf=None, native=True):
             if e.status != "CUMEM_STATUS_ALREADY_INITIALIZED":
                 raise
     if native:
-        from . import _native
-        _native.install()
+        _native.install()  # imported above, where the native backend loaded
         _installed = "native"
     else:
         torch.cuda.memory.change_current_allocator(_allocator())
@@ -175,13 +177,9 @@ def native_error():
 
 
 def is_installed():
-    """Whether `install()` made cumem PyTorch's allocator."""
+    """Whether `install()` made cumem PyTorch's allocator (which backend:
+    `install()`'s answer)."""
     return bool(_installed)
-
-
-def backend_kind():
-    """"native", "pluggable", or None before `install()`."""
-    return _installed or None
 
 
 def MemPool(**kwargs):
@@ -237,11 +235,7 @@ def stats(device=None):
     (tagged_in_use, tagged_mapped: not in "pool"; per tag: `tag_usage()`),
     and move_waits (the sync pool's page moves that waited for the device).
     No device: `current_device()`."""
-    if device is None:
-        device = current_device()
-    s = _lib.DeviceStats()
-    _lib.check(_lib.lib().cumem_device_stats(device, ctypes.byref(s)))
-    return _lib.as_dict(s)
+    return _lib.fill(_lib.DeviceStats, _lib.lib().cumem_device_stats, current_device() if device is None else device)
 
 
 def peak_reserved(device=None):
@@ -255,17 +249,13 @@ def peak_reserved(device=None):
 
 def pinned_stats():
     """The pinned host pool's figures as a dict."""
-    s = _lib.PoolStats()
-    _lib.check(_lib.lib().cumem_pinned_stats(ctypes.byref(s)))
-    return _lib.as_dict(s)
+    return _lib.fill(_lib.PoolStats, _lib.lib().cumem_pinned_stats)
 
 
 def torch_counters():
     """Failures of the PyTorch entry points (which can't report them) and
     the waits `record_stream` added."""
-    c = _lib.TorchCounters()
-    _lib.check(_lib.lib().cumem_torch_counters(ctypes.byref(c)))
-    return _lib.as_dict(c)
+    return _lib.fill(_lib.TorchCounters, _lib.lib().cumem_torch_counters)
 
 
 def memory_summary():
@@ -295,6 +285,4 @@ def reset_peak_stats():
 def shutdown():
     """Stops cumem serving memory and releases what is free; returns what is
     still live as a dict. Only at the very end of a program."""
-    r = _lib.ShutdownReport()
-    _lib.check(_lib.lib().cumem_shutdown(ctypes.byref(r)))
-    return _lib.as_dict(r)
+    return _lib.fill(_lib.ShutdownReport, _lib.lib().cumem_shutdown)

@@ -21,29 +21,27 @@ def library_path():
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "libcumem_c.so")
 
 
+def sizes(*names):  # Structure fields of type size_t
+    return [(n, ctypes.c_size_t) for n in names]
+
+
+def u64s(*names):  # and of type uint64_t
+    return [(n, ctypes.c_uint64) for n in names]
+
+
 class PoolStats(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "in_use", "peak_in_use", "requested", "peak_requested", "reserved", "peak_reserved",
-        "cached", "live_blocks", "free_blocks", "chunks", "largest_free")]
+    _fields_ = sizes("in_use", "peak_in_use", "requested", "peak_requested", "reserved", "peak_reserved",
+                     "cached", "live_blocks", "free_blocks", "chunks", "largest_free")
 
 
 class DeviceStats(ctypes.Structure):
-    _fields_ = [
-        ("pool", PoolStats),
-        ("stream_ordered_in_use", ctypes.c_size_t),
-        ("stream_ordered_peak_in_use", ctypes.c_size_t),
-        ("stream_ordered_live", ctypes.c_size_t),
-        ("native_reserved", ctypes.c_uint64),
-        ("native_peak_reserved", ctypes.c_uint64),
-        ("graph_reserved", ctypes.c_size_t),
-        ("graph_peak_reserved", ctypes.c_size_t),
-        ("stream_waits", ctypes.c_uint64),
-        ("stream_waits_elided", ctypes.c_uint64),
-        ("tagged_in_use", ctypes.c_size_t),
-        ("tagged_mapped", ctypes.c_size_t),
-        ("tagged_peak_mapped", ctypes.c_size_t),
-        ("move_waits", ctypes.c_uint64),
-    ]
+    _fields_ = ([("pool", PoolStats)]
+                + sizes("stream_ordered_in_use", "stream_ordered_peak_in_use", "stream_ordered_live")
+                + u64s("native_reserved", "native_peak_reserved")
+                + sizes("graph_reserved", "graph_peak_reserved")
+                + u64s("stream_waits", "stream_waits_elided")
+                + sizes("tagged_in_use", "tagged_mapped", "tagged_peak_mapped")
+                + u64s("move_waits"))
 
 # CUMEM_TAG_NAME_CAP (cumem.h): the longest tag name and its NUL.
 TAG_NAME_CAP = 129
@@ -52,28 +50,27 @@ TAG_STATES = ("awake", "sleeping", "asleep", "waking")
 
 
 class TagUsage(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char * TAG_NAME_CAP), ("device", ctypes.c_int), ("state", ctypes.c_int)] + [
-        (n, ctypes.c_size_t) for n in ("in_use", "requested", "mapped", "reserved", "live_blocks", "offloaded")]
+    _fields_ = [("name", ctypes.c_char * TAG_NAME_CAP), ("device", ctypes.c_int), ("state", ctypes.c_int)] + sizes(
+        "in_use", "requested", "mapped", "reserved", "live_blocks", "offloaded")
+
+
+SECONDS = [("copy_seconds", ctypes.c_double), ("seconds", ctypes.c_double)]
 
 
 class SleepReport(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("tags", "offloaded", "discarded", "released")] + [
-        ("copy_seconds", ctypes.c_double), ("seconds", ctypes.c_double)]
+    _fields_ = sizes("tags", "offloaded", "discarded", "released") + SECONDS
 
 
 class WakeReport(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("tags", "restored", "mapped")] + [
-        ("copy_seconds", ctypes.c_double), ("seconds", ctypes.c_double)]
+    _fields_ = sizes("tags", "restored", "mapped") + SECONDS
 
 
 class TorchCounters(ctypes.Structure):
-    _fields_ = [("alloc_failures", ctypes.c_uint64), ("free_failures", ctypes.c_uint64),
-                ("recorded_stream_waits", ctypes.c_uint64)]
+    _fields_ = u64s("alloc_failures", "free_failures", "recorded_stream_waits")
 
 
 class ShutdownReport(ctypes.Structure):
-    _fields_ = [("live_count", ctypes.c_size_t), ("live_bytes", ctypes.c_size_t),
-                ("released_bytes", ctypes.c_size_t)]
+    _fields_ = sizes("live_count", "live_bytes", "released_bytes")
 
 
 def _declare(lib):
@@ -105,16 +102,18 @@ def _declare(lib):
         "cumem_tag_usage": [P(TagUsage), c_size, P(c_size)],
     }
     for name, args in sigs.items():
-        f = getattr(lib, name)
-        f.argtypes = args
-        f.restype = c_int
-    lib.cumem_last_error.argtypes = []
-    lib.cumem_last_error.restype = cp
-    lib.cumem_status_name.argtypes = [ctypes.c_int32]
-    lib.cumem_status_name.restype = cp
-    lib.cumem_instance_id.argtypes = []
-    lib.cumem_instance_id.restype = ctypes.c_uint64
+        declare(lib, name, args)
+    declare(lib, "cumem_last_error", [], cp)
+    declare(lib, "cumem_status_name", [ctypes.c_int32], cp)
+    declare(lib, "cumem_instance_id", [], ctypes.c_uint64)
     return lib
+
+
+def declare(lib, name, argtypes, restype=ctypes.c_int):
+    """Sets the C signature of `lib`'s function `name`; returns it."""
+    f = getattr(lib, name)
+    f.argtypes, f.restype = argtypes, restype
+    return f
 
 
 def lib():
@@ -140,6 +139,14 @@ def check(status):
     if status != OK:
         l = lib()
         raise CumemError(l.cumem_status_name(status).decode(), l.cumem_last_error().decode(errors="replace"))
+
+
+def fill(struct, fn, *args):
+    """Calls `fn(*args, &s)` for a new `struct` s, checks its status and
+    returns s as a dict."""
+    s = struct()
+    check(fn(*args, ctypes.byref(s)))
+    return as_dict(s)
 
 
 def text(fn):

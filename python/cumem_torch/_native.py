@@ -77,14 +77,16 @@ def cudart_dirs():
     return _cuda_dirs("lib", ("lib64", "lib"), "libcudart.so*")
 
 
-def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cumem_include, cumem_lib_dir,
+def compile_library(out, torch_include, torch_lib, cuda_includes, cudart_dir, cumem_include, cumem_lib_dir,
                     sources_dir=None, cxx=None, rpath=None):
     """Compiles and links the native backend into `out` (a path). Raises
     NativeUnavailable with the compiler's output when it fails. Shared by
-    the build backend (at `pip install`) and by first use. `rpath` is where
-    the library finds libcumem_c.so at run time (default: beside itself):
-    it must be the very file Python loads, or there would be two cumem
-    managers."""
+    the build backend (at `pip install`) and by first use. `cuda_includes`
+    are the CUDA header folders (`cuda_include_dirs()`: PyTorch's nvidia
+    wheel may hold cuda_runtime.h without the crt/ headers it includes,
+    which the toolkit has). `rpath` is where the library finds
+    libcumem_c.so at run time (default: beside itself): it must be the very
+    file Python loads, or there would be two cumem managers."""
     compilers = _compilers(cxx)
     if not compilers:
         raise NativeUnavailable("no C++ compiler (set CXX)")
@@ -92,10 +94,6 @@ def compile_library(out, torch_include, torch_lib, cuda_include, cudart_dir, cum
     cudart = sorted(pathlib.Path(cudart_dir).glob("libcudart.so.*"))
     if not cudart:
         raise NativeUnavailable(f"no libcudart.so.* in {cudart_dir}")
-    # One directory, or several: PyTorch's nvidia wheel may hold
-    # cuda_runtime.h without the crt/ headers it includes, which the
-    # toolkit (CUDA_HOME) has.
-    cuda_includes = [cuda_include] if isinstance(cuda_include, (str, os.PathLike)) else list(cuda_include)
     cmd = ["CXX", "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
            f"-D_GLIBCXX_USE_CXX11_ABI={_cxx11_abi()}",
            f"-I{torch_include}", f"-I{torch_include}/torch/csrc/api/include"]
@@ -223,7 +221,6 @@ def library():
             return _lib_native
         packaged = HERE / LIB_NAME
         stamp = HERE / "native_torch.txt"
-        path = None
         # The packaged library finds the package's libcumem_c.so; with
         # CUMEM_TORCH_LIB naming another, compile one that finds that.
         if (packaged.exists() and stamp.exists() and stamp.read_text().strip() == _torch_version()
@@ -236,13 +233,10 @@ def library():
         # both see one cumem manager.
         _lib.lib()
         l = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-        l.cumem_torch_native_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-        l.cumem_torch_native_install.restype = ctypes.c_int
-        l.cumem_torch_native_active.argtypes = []
-        l.cumem_torch_native_active.restype = ctypes.c_int
+        _lib.declare(l, "cumem_torch_native_install", [ctypes.c_char_p, ctypes.c_size_t])
+        _lib.declare(l, "cumem_torch_native_active", [])
         try:
-            l.cumem_torch_native_instance_id.argtypes = []
-            l.cumem_torch_native_instance_id.restype = ctypes.c_uint64
+            _lib.declare(l, "cumem_torch_native_instance_id", [], ctypes.c_uint64)
         except AttributeError:
             raise NativeUnavailable(f"{path} predates cumem_torch_native_instance_id (a stale build)") from None
         check_one_manager(l.cumem_torch_native_instance_id(), path)
@@ -263,11 +257,8 @@ def _file_mappings():
         fields = line.rstrip("\n").split(None, 5)
         if len(fields) < 6 or not fields[5].startswith("/"):
             continue
-        path = fields[5]
-        if path.endswith(" (deleted)"):
-            path = path[:-len(" (deleted)")]
         start, end = (int(x, 16) for x in fields[0].split("-"))
-        out.append((start, end, fields[3], fields[4], path))
+        out.append((start, end, fields[3], fields[4], fields[5].removesuffix(" (deleted)")))
     return out
 
 

@@ -68,9 +68,7 @@ def _drain_native_frees():
     l = _native._lib_native
     if l is None or not _native.active():
         return
-    f = l.cumem_torch_native_drain_frees
-    f.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    f.restype = ctypes.c_int
+    f = _lib.declare(l, "cumem_torch_native_drain_frees", [ctypes.c_char_p, ctypes.c_size_t])
     buf = ctypes.create_string_buffer(2048)
     if f(buf, len(buf)) != 0:
         raise RuntimeError("cumem_torch: completing pending frees before sleep failed: "
@@ -102,9 +100,7 @@ def sleep(offload_tags=(), discard_tags=(), *, collect=True):
     if collect:
         gc.collect()
     _drain_native_frees()
-    r = _lib.SleepReport()
-    _lib.check(_lib.lib().cumem_sleep(offload, n_offload, discard, n_discard, ctypes.byref(r)))
-    out = _lib.as_dict(r)
+    out = _lib.fill(_lib.SleepReport, _lib.lib().cumem_sleep, offload, n_offload, discard, n_discard)
     out["tags"] = [t.decode() for t in offload[:n_offload]] + [t.decode() for t in discard[:n_discard]]
     return out
 
@@ -125,9 +121,7 @@ def wake_up(tags=None):
     else:
         arr, n = _lib.names(tags, "tags")
         names = [t.decode() for t in arr[:n]]
-    r = _lib.WakeReport()
-    _lib.check(_lib.lib().cumem_wake(arr, n, ctypes.byref(r)))
-    out = _lib.as_dict(r)
+    out = _lib.fill(_lib.WakeReport, _lib.lib().cumem_wake, arr, n)
     out["tags"] = names
     return out
 
