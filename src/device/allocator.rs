@@ -287,21 +287,12 @@ impl DeviceAllocator {
 
     /// Allocates from the device's sync pool, ordering the block's reuse
     /// on `stream` after the work of the stream that freed it.
-    ///
-    /// The requesting stream is registered first (one atomic load once it
-    /// is): a page move takes memory freed on other streams behind a fence
-    /// that this stream waits for, which needs its handle, so a stream that
-    /// has never freed doesn't make the move wait for the whole device.
     #[inline(always)]
     fn allocate_sync_pool(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
-        let user = stream.filter(|s| !s.is_host());
-        let want = user.map_or(0, Stream::id);
-        if let Some(s) = user {
-            self.streams.register(s);
-        }
-        let a = match self.pool.allocate_for(size, BLOCK_ALIGN, want) {
-            Ok(a) => a,
-            Err(e) => self.retry_out_of_memory(e, size, want)?,
+        let want = stream.filter(|s| !s.is_host()).map_or(0, Stream::id);
+        let a = match self.pool.allocate_quick(size, BLOCK_ALIGN, want) {
+            Some(a) => a,
+            None => self.allocate_sync_pool_slow(size, want, stream)?,
         };
         match &self.ctx {
             Some(ctx) if !StreamRegistry::reuse_is_ordered(a.tag, stream) => {
@@ -311,24 +302,33 @@ impl DeviceAllocator {
         }
     }
 
-    /// After the sync pool refused a request with `e`: out of memory, the
-    /// release of what the device caches elsewhere and one more try.
-    #[cold]
+    /// [`allocate_sync_pool`](Self::allocate_sync_pool) past the pool's
+    /// common case: growth, and out of memory, the release of what the
+    /// device caches elsewhere and one more try.
+    ///
+    /// The requesting stream is registered first (one atomic load once it
+    /// is): a page move here takes memory freed on other streams behind a
+    /// fence that this stream waits for, which needs its handle, so a
+    /// stream that has never freed doesn't make the move wait for the
+    /// whole device.
     #[inline(never)]
-    fn retry_out_of_memory(&self, e: Error, size: usize, want: u64) -> Result<Allocation> {
-        if !matches!(e, Error::OutOfMemory { .. })
-            || self.ctx.is_none()
-            || self.capture_under_way()?
-            || !self.holds_cached_memory()
-        {
-            return Err(e);
+    fn allocate_sync_pool_slow(&self, size: usize, want: u64, stream: Option<&Stream>) -> Result<Allocation> {
+        if let Some(s) = stream.filter(|s| !s.is_host()) {
+            self.streams.register(s);
         }
-        // The pool already released its own free chunks; memory may also
-        // sit in the native pools, or in chunks whose blocks were waiting
-        // on streams. Release all of it (after the streams' work), then
-        // try once more.
-        self.release_cached()?;
-        self.pool.allocate_for(size, BLOCK_ALIGN, want)
+        match self.pool.allocate_past_quick(size, BLOCK_ALIGN, want) {
+            Err(Error::OutOfMemory { .. })
+                if self.ctx.is_some() && !self.capture_under_way()? && self.holds_cached_memory() =>
+            {
+                // The pool already released its own free chunks; memory may
+                // also sit in the native pools, or in chunks whose blocks
+                // were waiting on streams. Release all of it (after the
+                // streams' work), then try once more.
+                self.release_cached()?;
+                self.pool.allocate_for(size, BLOCK_ALIGN, want)
+            }
+            other => other,
+        }
     }
 
     /// Orders the reuse of block `a` after the work of the stream that

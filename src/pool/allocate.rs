@@ -1,8 +1,10 @@
-//! The pool's allocation: one entry ([`Pool::allocate_for`]) over two
-//! paths, the common case with no error to carry (`allocate_quick`: the
+//! The pool's allocation: [`Pool::allocate_for`] over two paths, the
+//! common case with no error to carry ([`Pool::allocate_quick`]: the
 //! thread cache, or a placement in memory the pool holds), and the rest
-//! (`allocate_past_quick`: errors, growth, page maps, retries out of
-//! memory).
+//! ([`Pool::allocate_past_quick`]: errors, growth, page maps, retries out
+//! of memory). The device allocator calls the two itself, so that it can
+//! register the requesting stream before the rest (a page move's fence
+//! needs it) and keep the common case free of that.
 
 use super::cache::ThreadCaches;
 use super::{classes, remap, validate, Allocation, Inner, Pool};
@@ -52,7 +54,7 @@ impl<U: Upstream> Pool<U> {
     /// [`allocate_past_quick`](Self::allocate_past_quick), which reports
     /// what is wrong with it or does the rest.
     #[inline(always)]
-    fn allocate_quick(&self, size: usize, align: usize, stream: u64) -> Option<Allocation> {
+    pub(crate) fn allocate_quick(&self, size: usize, align: usize, stream: u64) -> Option<Allocation> {
         let rounded = validate(size, align).ok()?;
         let Some(cache) = self.serving_cache() else {
             return self.place_in_held(rounded, align, size);
@@ -78,7 +80,7 @@ impl<U: Upstream> Pool<U> {
     /// # Errors
     /// As [`allocate`](Pool::allocate).
     #[inline(never)]
-    fn allocate_past_quick(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
+    pub(crate) fn allocate_past_quick(&self, size: usize, align: usize, stream: u64) -> Result<Allocation> {
         let rounded = validate(size, align)?;
         let Some(cache) = self.serving_cache() else {
             return self.allocate_slow(rounded, align, size, stream);
