@@ -17,7 +17,8 @@ use crate::{pattern, Rng, Soak};
 pub fn worker(s: &Soak, seed: u64, life: Duration) {
     type TaskFn = fn(&Soak, &mut Rng) -> Res;
     // The last two synchronise the device or the legacy stream: they run
-    // apart from captures.
+    // apart from captures. (Tasks are named by their index here in
+    // reports.)
     const TASKS: [(TaskFn, usize); 6] = [
         (rust_cross_stream, 22),
         (c_abi_streams, 22),
@@ -52,6 +53,13 @@ pub fn worker(s: &Soak, seed: u64, life: Duration) {
         match r {
             Ok(()) => drop(s.ops.fetch_add(1, Ordering::Relaxed)),
             Err(e) => s.error(&e),
+        }
+        // A driver error that cudarc recorded (a drop that failed) is
+        // reported by whichever call binds the context next, far from its
+        // cause: look after every task, so that a report names the task
+        // this thread ran (another thread's may have recorded it).
+        if let Err(e) = s.ctx.check_err() {
+            s.error(&format!("a driver error recorded during task {i} (or beside it): {e}"));
         }
     }
 }
