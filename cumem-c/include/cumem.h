@@ -88,6 +88,10 @@ typedef enum {
   CUMEM_TAG_STATE_WAKING = 3,
 } CumemTagState;
 
+// A graph-private pool (opaque): made by `cumem_graph_pool_create`,
+// given back by `cumem_graph_pool_destroy`.
+typedef struct CumemGraphPool CumemGraphPool;
+
 // A raw CUDA stream (`cudaStream_t`, `CUstream`); NULL is the device's
 // legacy default stream. On the host fallback any value names a host
 // queue.
@@ -446,6 +450,82 @@ CumemStatus cumem_effective_device_allocator_mode(CumemMode *out);
 // # Safety
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_supports_async_device_allocator(int *out);
+
+// Makes a graph-private pool on device `device`, storing its handle in
+// `*out`. Its memory serves only `cumem_graph_pool_allocate` and
+// `cumem_graph_pool_allocate_at` on it, and goes back at
+// `cumem_graph_pool_destroy`.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `out`, a negative device),
+// `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_SHUT_DOWN`,
+// `CUMEM_STATUS_DRIVER`.
+//
+// # Safety
+// `out` must be NULL (an error) or valid for a write.
+CumemStatus cumem_graph_pool_create(int device, CumemGraphPool **out);
+
+// Allocates `size` bytes from `pool`, storing the pointer in `*out`.
+// Nothing orders the block's reuse: the caller orders the work of the
+// streams that use it. The pool grows when no free block holds the
+// request.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `pool` or `out`, size 0),
+// `CUMEM_STATUS_OUT_OF_MEMORY`, `CUMEM_STATUS_DRIVER`.
+//
+// # Safety
+// `pool` as in `cumem_graph_pool_destroy`; `out` NULL (an error) or
+// valid for a write.
+CumemStatus cumem_graph_pool_allocate(const CumemGraphPool *pool, size_t size, void **out);
+
+// Takes `size` bytes at `ptr` out of `pool`'s free memory (all of it in
+// one free block): a block put back where it was, as a checkpoint of the
+// pool restores it. Free it with `cumem_graph_pool_free`.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `pool`, size 0);
+// `CUMEM_STATUS_OTHER` when the range is not free in one block of the
+// pool (nothing changes then).
+//
+// # Safety
+// `pool` as in `cumem_graph_pool_destroy`.
+CumemStatus cumem_graph_pool_allocate_at(const CumemGraphPool *pool, void *ptr, size_t size);
+
+// Frees a block of `pool` into it: the pool's later allocations may
+// reuse it at once. The memory stays the pool's.
+//
+// # Errors
+// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
+// `CUMEM_STATUS_UNKNOWN_POINTER`; nothing changes then.
+//
+// # Safety
+// `pool` as in `cumem_graph_pool_destroy`.
+CumemStatus cumem_graph_pool_free(const CumemGraphPool *pool, void *ptr);
+
+// Stores the bytes `pool` holds from the driver in `*reserved` and those
+// in its live blocks in `*in_use` (either may be NULL).
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `pool`).
+//
+// # Safety
+// `pool` as in `cumem_graph_pool_destroy`; `reserved` and `in_use` NULL
+// or valid for a write.
+CumemStatus cumem_graph_pool_usage(const CumemGraphPool *pool, size_t *reserved, size_t *in_use);
+
+// Destroys the handle: the pool's memory goes back once none of its
+// blocks is live (at once when none is; a block freed later through
+// `cumem_free_device` gives it back then). The caller first waits for
+// the work that used the pool's memory (graphs replayed from it).
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `pool`).
+//
+// # Safety
+// `pool` must be NULL (an error) or a live handle from
+// `cumem_graph_pool_create`, not used again after this call.
+CumemStatus cumem_graph_pool_destroy(CumemGraphPool *pool);
 
 // An identity of the loaded copy of cumem's library, and so of the
 // process-wide manager the calls reach: the same value for every caller

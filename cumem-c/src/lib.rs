@@ -22,6 +22,7 @@
 
 mod api;
 mod ffi;
+mod graph_pools;
 mod instance;
 mod ipc;
 mod recorded;
@@ -33,6 +34,7 @@ mod torch;
 mod torch_native;
 
 pub use api::*;
+pub use graph_pools::*;
 pub use instance::cumem_instance_id;
 pub use ipc::*;
 pub use stats::*;

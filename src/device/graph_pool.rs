@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+mod blocks;
+
 use super::allocator::DeviceAllocator;
 use super::captures::{Capture, GraphStats, Held, PrivatePool, StreamOrderedFree};
 use super::mode::DeviceAllocatorMode;

@@ -1,10 +1,8 @@
 //! What a pool answers about its blocks (sizes, liveness), resizing a
 //! block in place, statistics and peaks.
 
-use super::{round_size, BestFit, FreeError, Pool, PoolStats};
-#[cfg(doc)]
-use crate::error::Error;
-use crate::error::Result;
+use super::{round_size, Allocation, BestFit, FreeError, Pool, PoolStats};
+use crate::error::{Error, Result};
 use crate::upstream::Upstream;
 
 impl<U: Upstream> Pool<U> {
@@ -45,6 +43,30 @@ impl<U: Upstream> Pool<U> {
         }
         let r = self.inner.lock().fit.check_live(addr);
         r.map_err(|e| self.free_error(addr, e))
+    }
+
+    /// Allocates `size` bytes exactly at `addr`, which must lie in one
+    /// free block of the pool (nothing grows): for a caller that puts
+    /// blocks back where they were (a graph pool restoring a checkpoint).
+    ///
+    /// # Errors
+    /// [`Error::InvalidSize`] for size 0; [`Error::InvalidState`] when the
+    /// range is not free in one block, `addr` is not a multiple of 256 B,
+    /// or the pool remaps pages (a free block may have none mapped);
+    /// [`Error::ShutDown`].
+    pub fn allocate_at(&self, addr: usize, size: usize) -> Result<Allocation> {
+        let rounded = super::validate(size, crate::upstream::BLOCK_ALIGN)?;
+        if self.remap {
+            return Err(Error::InvalidState("a pool that remaps pages can't allocate at a given address".into()));
+        }
+        let mut inner = self.inner.lock();
+        if inner.shut_down {
+            return Err(Error::ShutDown("allocation"));
+        }
+        inner.used = true;
+        inner.fit.allocate_at(addr, rounded, size).ok_or_else(|| {
+            Error::InvalidState(format!("{rounded} B at {addr:#x} are not free in one block of the pool"))
+        })
     }
 
     /// Grows the live block at `addr` to hold `new_size` bytes without

@@ -1,14 +1,29 @@
 //! Resizing in place: a live block grown into, or shrunk back from, the
-//! free block after it; whole free chunks taken out; chunks extended or
-//! shrunk at their end (growth in place, page remapping).
+//! free block after it; a block taken at a given address; whole free
+//! chunks taken out; chunks extended or shrunk at their end (growth in
+//! place, page remapping).
 
-use super::{BestFit, Block, NIL};
+use super::{Allocation, BestFit, Block, NIL};
 
 use crate::upstream::{Chunk, BLOCK_ALIGN};
 
 use crate::tag::StreamTag;
 
 impl BestFit {
+    /// Allocates exactly `[addr, addr + size)` (`size` rounded) out of the
+    /// free block that holds all of it, splitting off what lies before
+    /// and after. `None` when no free block holds the range (nothing
+    /// changes then).
+    pub fn allocate_at(&mut self, addr: usize, size: usize, requested: usize) -> Option<Allocation> {
+        if size == 0 || size % BLOCK_ALIGN != 0 || addr % BLOCK_ALIGN != 0 {
+            return None;
+        }
+        let end = addr.checked_add(size)?;
+        self.flush_hot();
+        let &(_, _, slot) = self.free_index.at_least(size).find(|&&(bsize, at, _)| at <= addr && end <= at + bsize)?;
+        Some(self.allocate_slot_at(slot, addr, size, requested))
+    }
+
     /// Grows the live block at `addr` to `new_size` (rounded) in place, by
     /// taking the front of the free block after it. Returns whether it did.
     pub fn grow_in_place(&mut self, addr: usize, new_size: usize) -> bool {
