@@ -14,7 +14,9 @@
 #                                       # wheel from .whl/ in two folders sharing one native
 #                                       # backend build; python/tests/smoke_same_peak.py: two
 #                                       # processes of one training workload under cumem reach
-#                                       # the same peak; python3, or PYTHON, with PyTorch),
+#                                       # the same peak; python/tests/smoke_graph_pool.py: graphs
+#                                       # and MemPool at expandable segments' memory, values
+#                                       # bit-identical; python3, or PYTHON, with PyTorch),
 #                                       # tests-device1 (the test binaries again with
 #                                       # CUMEM_CONF=device=1: needs two GPUs),
 #                                       # memcheck (compute-sanitizer over the GPU modules of tests/gpu/),
@@ -180,7 +182,7 @@ run() {
             ;;
         python)
             local py=${PYTHON:-python3} t
-            for t in python/tests/smoke_one_manager.py python/tests/smoke_same_peak.py; do
+            for t in python/tests/smoke_one_manager.py python/tests/smoke_same_peak.py python/tests/smoke_graph_pool.py; do
                 echo "== $py $t"
                 if ! timeout 540 "$py" "$t" >"$out/python-$(basename "$t" .py).log" 2>&1; then
                     echo "FAILED: $t"; failed=1

@@ -139,6 +139,51 @@ pub unsafe extern "C" fn cumem_graph_pool_usage(
     })
 }
 
+/// One free block of a graph pool ([`cumem_graph_pool_free_blocks`]).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CumemFreeBlock {
+    /// Its first address.
+    pub addr: u64,
+    /// Its size in bytes.
+    pub size: usize,
+}
+
+/// Stores up to `cap` of `pool`'s free blocks, in address order, in
+/// `out`, and how many it has in `*count` (which may exceed `cap`: call
+/// again with room for them all).
+///
+/// # Errors
+/// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `pool` or `count`, NULL `out`
+/// with `cap` > 0).
+///
+/// # Safety
+/// `pool` as in `cumem_graph_pool_destroy`; `out` valid for writes of
+/// `cap` blocks (or NULL with `cap` 0); `count` NULL (an error) or valid
+/// for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cumem_graph_pool_free_blocks(
+    pool: *const CumemGraphPool,
+    out: *mut CumemFreeBlock,
+    cap: usize,
+    count: *mut usize,
+) -> CumemStatus {
+    guard(|| {
+        if out.is_null() && cap > 0 {
+            return Err(Failure::null("out"));
+        }
+        // SAFETY: the caller's promise about `pool`.
+        let blocks = unsafe { pool_of(pool) }?.free_blocks();
+        // SAFETY: the caller's promise about `count`.
+        unsafe { put(count, "count", blocks.len()) }?;
+        for (i, &(addr, size)) in blocks.iter().take(cap).enumerate() {
+            // SAFETY: `i < cap`, and `out` is valid for `cap` writes.
+            unsafe { out.add(i).write(CumemFreeBlock { addr, size }) };
+        }
+        Ok(())
+    })
+}
+
 /// Destroys the handle: the pool's memory goes back once none of its
 /// blocks is live (at once when none is; a block freed later through
 /// `cumem_free_device` gives it back then). The caller first waits for

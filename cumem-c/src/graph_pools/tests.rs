@@ -59,6 +59,10 @@ fn a_graph_pool_splits_and_coalesces_its_blocks_and_restores_them_in_place() {
     assert_eq!(ab, a, "the coalesced space serves a larger request");
     assert_eq!(usage(pool), (held, 4 * MIB), "the pool did not grow");
     assert_eq!(free(pool, ab), CumemStatus::Ok);
+    let (mut n, mut blocks) = (0, [CumemFreeBlock::default(); 4]);
+    // SAFETY: a live handle; `blocks` holds 4, `n` is valid for a write.
+    assert_eq!(unsafe { cumem_graph_pool_free_blocks(pool, blocks.as_mut_ptr(), 4, &mut n) }, CumemStatus::Ok);
+    assert!(n >= 1 && blocks[0] == CumemFreeBlock { addr: a as u64, size: 3 * MIB }, "{:?}", &blocks[..n.min(4)]);
     // Split: two requests of other sizes from the same space.
     let x = allocate(pool, 512 * 1024);
     let y = allocate(pool, 2 * MIB);

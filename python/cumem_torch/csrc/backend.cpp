@@ -336,7 +336,9 @@ void CumemAllocator::release_block(void* ptr, Block& b) {
 void CumemAllocator::finish_free(void* ptr, Block& b) {
   if (b.pool) {
     std::lock_guard<std::recursive_mutex> g(mutex_);
-    b.pool->free.emplace(b.pool->owned[ptr], ptr);
+    b.pool->owned.erase(ptr);
+    int st = cumem_graph_pool_free(b.pool->handle, ptr);
+    if (st != CUMEM_STATUS_OK) TORCH_WARN("cumem: freeing ", ptr, " into its private pool failed: ", last_error());
   } else if (!keep_for_stream(ptr, b)) {
     int st = cumem_torch_release(ptr, b.device, b.stream);
     if (st != CUMEM_STATUS_OK) {

@@ -14,6 +14,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cumem.h"
+
 namespace cumem_torch {
 
 namespace cca = c10::cuda::CUDACachingAllocator;
@@ -49,16 +51,18 @@ struct PendingFree {
   std::vector<cudaEvent_t> events;
 };
 
-// PyTorch's private pool (CUDA graphs, MemPool): whole cumem blocks that
-// only allocations routed to this pool reuse, kept until the pool is
-// released and emptied. Blocks are never split, so a block keeps its
-// address and size for the pool's life (what checkpoints rely on).
+// PyTorch's private pool (CUDA graphs, MemPool): a cumem graph pool of its
+// own (address space that grows at its end, blocks split and coalesced),
+// whose memory only allocations routed to this pool reuse, kept until
+// the pool is released and emptied. A checkpoint puts blocks back at
+// their addresses (cumem_graph_pool_allocate_at).
 struct PrivatePool {
   c10::MempoolId_t id;
   c10::DeviceIndex device = 0;
   int use_count = 0;
-  std::unordered_map<void*, size_t> owned; // every block, with its size
-  std::multimap<size_t, void*> free; // the free ones, by size
+  CumemGraphPool* handle = nullptr; // made at the pool's first allocation
+  // The blocks handed out and not yet freed into the pool, with their sizes.
+  std::unordered_map<void*, size_t> owned;
 };
 
 // A block a side stream allocated and other streams used through
@@ -175,7 +179,7 @@ class CumemAllocator final : public cca::CUDAAllocator {
   void release_kept(c10::DeviceIndex device, bool all_devices);
   void flush_deferred(bool all_captures_over);
   PrivatePool* routed_pool(c10::DeviceIndex device, cudaStream_t stream); // under mutex_
-  void* pool_alloc(PrivatePool& p, size_t rounded, c10::DeviceIndex device); // under mutex_ (unlocks to grow)
+  void* pool_alloc(PrivatePool& p, size_t rounded, c10::DeviceIndex device); // under mutex_
   void release_freeable_pools(bool sync);
   [[noreturn]] void raise_oom(size_t size, c10::DeviceIndex device, const char* why);
   void count_alloc(const Block& b);

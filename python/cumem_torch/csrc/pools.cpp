@@ -16,12 +16,6 @@ namespace cumem_torch {
 
 namespace {
 
-// A free pool block serves a request of `rounded` bytes only if it wastes
-// little: up to twice a small request, a quarter more for a large one.
-size_t fit_limit(size_t rounded) {
-  return rounded <= kSmallSize ? 2 * rounded : rounded + rounded / 4;
-}
-
 void raw_deleter_of_instance(void* ptr) {
   if (auto* a = instance()) a->free_from_deleter(ptr);
 }
@@ -34,19 +28,14 @@ constexpr char kHandleCudaMalloc = 'c';
 // ---- pools ----
 
 void* CumemAllocator::pool_alloc(PrivatePool& p, size_t rounded, c10::DeviceIndex device) {
-  auto it = p.free.lower_bound(rounded);
-  if (it != p.free.end() && it->first <= fit_limit(rounded)) {
-    void* ptr = it->second;
-    p.free.erase(it);
-    return ptr;
-  }
   void* ptr = nullptr;
-  int st;
+  int st = CUMEM_STATUS_OK;
   {
     // Memory for a capture: legal while this or another thread captures
     // (cumem's driver calls don't touch the capturing streams).
     c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
-    st = cumem_torch_allocate_unordered(rounded, device, &ptr);
+    if (!p.handle) st = cumem_graph_pool_create(device, &p.handle);
+    if (st == CUMEM_STATUS_OK) st = cumem_graph_pool_allocate(p.handle, rounded, &ptr);
   }
   if (st == CUMEM_STATUS_OUT_OF_MEMORY || st == CUMEM_STATUS_INVALID_ARGUMENT) {
     return nullptr; // the caller raises, with no lock held
@@ -119,38 +108,32 @@ void CumemAllocator::setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool) {
 }
 
 void CumemAllocator::setNoSplit(c10::DeviceIndex, c10::MempoolId_t) {
-  // Pool blocks are never split.
+  // cumem's graph pools split blocks: nothing asks them to keep whole.
 }
 
 void CumemAllocator::release_freeable_pools(bool sync) {
-  std::vector<void*> blocks;
+  std::vector<CumemGraphPool*> handles;
   {
     std::lock_guard<std::recursive_mutex> g(mutex_);
     if (!contexts_.empty()) return;
     for (auto it = pools_.begin(); it != pools_.end();) {
       PrivatePool& p = *it->second;
-      if (p.use_count > 0) {
+      // A pool goes once it is released and none of its blocks is live
+      // (nor waiting for events or a capture's end).
+      if (p.use_count > 0 || !p.owned.empty()) {
         ++it;
         continue;
       }
-      for (auto& f : p.free) {
-        blocks.push_back(f.second);
-        p.owned.erase(f.second);
-      }
-      p.free.clear();
-      if (p.owned.empty()) {
-        it = pools_.erase(it);
-      } else {
-        ++it;
-      }
+      if (p.handle) handles.push_back(p.handle);
+      it = pools_.erase(it);
     }
   }
-  if (blocks.empty()) return;
+  if (handles.empty()) return;
   // A graph that used them may still be replaying.
   if (sync) C10_CUDA_CHECK(cudaDeviceSynchronize());
-  for (void* b : blocks) {
-    int st = cumem_free_device(b);
-    if (st != CUMEM_STATUS_OK) TORCH_WARN("cumem: releasing a pool block failed: ", cumem_last_error());
+  for (CumemGraphPool* h : handles) {
+    int st = cumem_graph_pool_destroy(h);
+    if (st != CUMEM_STATUS_OK) TORCH_WARN("cumem: releasing a private pool failed: ", cumem_last_error());
   }
 }
 
@@ -193,9 +176,6 @@ cca::CheckpointDelta CumemAllocator::setCheckpointPoolState(c10::DeviceIndex dev
   auto it = pools_.find(state->id);
   TORCH_CHECK(it != pools_.end(), "setCheckpointPoolState: the pool is gone");
   PrivatePool* p = it->second.get();
-  for (auto& [ptr, b] : state->live) {
-    TORCH_CHECK(p->owned.count(ptr), "setCheckpointPoolState: a checkpointed block left the pool");
-  }
   cca::CheckpointDelta delta;
   // Free every live block of the pool, then allocate the checkpoint's.
   for (auto lit = live_.begin(); lit != live_.end();) {
@@ -207,21 +187,17 @@ cca::CheckpointDelta CumemAllocator::setCheckpointPoolState(c10::DeviceIndex dev
     TORCH_CHECK(b.uses.empty(), "setCheckpointPoolState: a live block has record_stream uses");
     count_free(b, true);
     count_free(b, false);
-    p->free.emplace(p->owned[lit->first], lit->first);
+    p->owned.erase(lit->first);
+    int st = cumem_graph_pool_free(p->handle, lit->first);
+    TORCH_CHECK(st == CUMEM_STATUS_OK, "setCheckpointPoolState: freeing a live block failed: ", cumem_last_error());
     delta.ptrs_freed.push_back(lit->first);
     lit = live_.erase(lit);
   }
   for (auto& [ptr, b] : state->live) {
-    auto range = p->free.equal_range(p->owned[ptr]);
-    bool found = false;
-    for (auto f = range.first; f != range.second; ++f) {
-      if (f->second == ptr) {
-        p->free.erase(f);
-        found = true;
-        break;
-      }
-    }
-    TORCH_CHECK(found, "setCheckpointPoolState: a checkpointed block is not free");
+    // Back at its address, out of the memory just freed.
+    TORCH_CHECK(p->handle && cumem_graph_pool_allocate_at(p->handle, ptr, b.size) == CUMEM_STATUS_OK,
+                "setCheckpointPoolState: a checkpointed block is not free in the pool: ", cumem_last_error());
+    p->owned.emplace(ptr, b.size);
     Block nb = b;
     nb.pool = p;
     nb.uses.clear();
@@ -292,7 +268,8 @@ cca::SnapshotInfo CumemAllocator::snapshot(c10::MempoolId_t mempool_id, bool inc
   const bool all = mempool_id == c10::MempoolId_t{0, 0};
   // Each cumem block handed out is shown as a segment of one block (cumem
   // does not tell this layer how its pools group blocks); a private
-  // pool's free blocks are segments with one free block.
+  // pool's free blocks (cumem_graph_pool_free_blocks) are segments with
+  // one free block.
   auto add = [&](void* ptr, const Block& b, bool allocated, bool active) {
     c10::MempoolId_t owner = b.pool ? b.pool->id : c10::MempoolId_t{0, 0};
     if (!all && owner != mempool_id) return;
@@ -323,13 +300,18 @@ cca::SnapshotInfo CumemAllocator::snapshot(c10::MempoolId_t mempool_id, bool inc
   for (auto& pf : pending_) add(pf.ptr, pf.block, false, true);
   for (auto& d : deferred_) add(d.first, d.second, false, true);
   for (auto& [id, p] : pools_) {
-    if (!all && id != mempool_id) continue;
-    for (auto& [size, ptr] : p->free) {
+    if ((!all && id != mempool_id) || !p->handle) continue;
+    size_t n = 0;
+    if (cumem_graph_pool_free_blocks(p->handle, nullptr, 0, &n) != CUMEM_STATUS_OK) continue;
+    std::vector<CumemFreeBlock> free_blocks(n);
+    if (n && cumem_graph_pool_free_blocks(p->handle, free_blocks.data(), n, &n) != CUMEM_STATUS_OK) continue;
+    free_blocks.resize(std::min(n, free_blocks.size()));
+    for (auto& f : free_blocks) {
       Block b;
-      b.size = size;
+      b.size = f.size;
       b.device = p->device;
       b.pool = p.get();
-      add(ptr, b, false, false);
+      add(reinterpret_cast<void*>(f.addr), b, false, false);
     }
   }
   std::sort(info.segments.begin(), info.segments.end(),

@@ -45,4 +45,10 @@ impl GraphPool<'_> {
     pub fn free(&self, addr: u64) -> Result<()> {
         self.inner.pool.deallocate(addr as usize, StreamTag::NONE).map(|_| ())
     }
+
+    /// The pool's free blocks as `(address, size)`, in address order (a
+    /// picture of the pool for snapshots).
+    pub fn free_blocks(&self) -> Vec<(u64, usize)> {
+        self.inner.pool.with_fit(|f| f.free_list()).into_iter().map(|(a, s)| (a as u64, s)).collect()
+    }
 }
