@@ -43,11 +43,7 @@
 //! - **Pieces**: new memory is mapped in pieces of at most
 //!   [`remap_piece`](crate::upstream::remap_piece) bytes (8 MiB, growing
 //!   to 32 MiB with the memory held; a piece is unmapped whole), so a
-//!   large block's pages can move a few at a time. As the device fills
-//!   they shrink to a 16th of its free memory, down to 2 MiB
-//!   ([`tight_piece`](crate::upstream::tight_piece)): a piece partly in
-//!   use can't be given back, so near the device's limit memory is mapped
-//!   in pieces that the retry out of memory can unmap and moves can take.
+//!   large block's pages can move a few at a time.
 //! - **Stream order**: the pages to reclaim are marked holes before the
 //!   pool lock is dropped, so no allocation lands on them while they move;
 //!   when a free block that gives pages carries a stream tag, the upstream

@@ -13,7 +13,7 @@ use super::region::{Region, SharedRegion, VmBackend};
 use super::{Chunk, Queued, Upstream};
 use crate::cuda::{captures_under_way, device_context, driver_err, follow_active_peers, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
-use crate::sync::{lock, AtomicUsize, Mutex, Ordering};
+use crate::sync::{lock, Mutex};
 
 mod remap;
 
@@ -206,15 +206,7 @@ impl Expandable {
 pub struct CudaVmm {
     inner: Expandable,
     ctx: std::sync::Arc<cudarc::driver::CudaContext>,
-    /// The device's free memory when last read, less what maps made since
-    /// (0: read it at the next map).
-    free_seen: AtomicUsize,
 }
-
-/// While more than this much of the device is known free, a map does not
-/// read the device's free memory again: pieces shrink only below it
-/// ([`tight_piece`](super::tight_piece)).
-const ROOMY: usize = 1 << 30;
 
 impl CudaVmm {
     /// An upstream on device `ordinal` whose reservation is the device's
@@ -239,7 +231,7 @@ impl CudaVmm {
     pub fn with_reservation(ordinal: usize, bytes: usize) -> Result<Self> {
         let ctx = device_context(ordinal)?.ok_or(Error::NeedsGpu("CudaVmm"))?;
         vmm::require_vmm(&ctx)?;
-        Ok(CudaVmm { inner: Expandable::new(&VmBackend::Cuda(ordinal), bytes)?, ctx, free_seen: AtomicUsize::new(0) })
+        Ok(CudaVmm { inner: Expandable::new(&VmBackend::Cuda(ordinal), bytes)?, ctx })
     }
 
     /// The same upstream for a pool whose owner waits for the work that
@@ -254,27 +246,6 @@ impl CudaVmm {
     /// The first address of the reserved range.
     pub fn base(&self) -> u64 {
         self.inner.base as u64
-    }
-
-    /// Tells the region how much of the device is free before a map of
-    /// `runs`, for the size of its pieces: what was free when last read,
-    /// less what was mapped since, while that stays above [`ROOMY`]; read
-    /// again (`cuMemGetInfo`) below it.
-    fn note_device_free(&self, runs: &[Chunk]) {
-        let want: usize = runs.iter().map(|r| r.size).sum();
-        let seen = self.free_seen.load(Ordering::Relaxed);
-        let (free, next) = if seen >= ROOMY.saturating_add(want) {
-            (seen, seen - want)
-        } else {
-            match vmm::memory_info(&self.ctx) {
-                Ok((free, _)) => (free, free.saturating_sub(want)),
-                // Not known: pieces as large as the pool's size allows,
-                // and a new look at the next map.
-                Err(_) => (usize::MAX, 0),
-            }
-        };
-        self.free_seen.store(next, Ordering::Relaxed);
-        lock(&self.inner.region).note_device_free(free);
     }
 
     /// The bytes of address space reserved.
@@ -319,7 +290,6 @@ impl Upstream for CudaVmm {
     }
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         let _relaxed = RelaxedCaptureMode::enter();
-        self.note_device_free(runs);
         self.inner.map_runs(runs, PoolKind::Device)
     }
     fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Result<Vec<Chunk>> {

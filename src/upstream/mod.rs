@@ -64,22 +64,6 @@ pub fn remap_piece(mapped: usize) -> usize {
     (mapped / 32).next_power_of_two().clamp(REMAP_PIECE, max)
 }
 
-/// The largest piece of new memory to map while `device_free` bytes of
-/// the device are free: a 16th of it (a power of two, at least 2 MiB).
-/// Near a full device a piece that is partly in use holds the rest of its
-/// memory until all of it is free, so pieces shrink as the device fills:
-/// memory mapped there can move and be given back page by page.
-pub(crate) fn tight_piece(device_free: usize) -> usize {
-    let sixteenth = device_free / 16;
-    if sixteenth < TIGHT_PIECE_MIN {
-        return TIGHT_PIECE_MIN;
-    }
-    1 << (usize::BITS - 1 - sixteenth.leading_zeros())
-}
-
-/// The smallest piece [`tight_piece`] gives (CUDA's usual granularity).
-const TIGHT_PIECE_MIN: usize = 2 << 20;
-
 /// What queued work may still use memory a page move lends
 /// ([`Upstream::lend_within`]).
 #[derive(Clone)]

@@ -194,9 +194,6 @@ pub(crate) struct Region {
     /// How shrinking, remapping and dropping wait for the work that may
     /// use the memory (`settle.rs`).
     waiter: Waiter,
-    /// The device's free memory noted before the latest map (`usize::MAX`:
-    /// not known): pieces shrink as it falls (`pages.rs`).
-    device_free: usize,
 }
 
 /// The guard after a reservation is this many times its size (at least
@@ -240,7 +237,6 @@ impl Region {
             stale: Vec::new(),
             stale_busy: Vec::new(),
             waiter: Waiter::None,
-            device_free: usize::MAX,
         };
         if let Space::Cuda { ctx, .. } = &region.space {
             region.waiter = Waiter::Device(ctx.clone());

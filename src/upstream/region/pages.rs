@@ -318,20 +318,10 @@ impl Region {
         Ok(at)
     }
 
-    /// The largest piece of new memory a map makes now: it grows with what
-    /// the region maps and shrinks as the device fills
-    /// ([`tight_piece`](crate::upstream::tight_piece) of the device's free
-    /// memory last noted, [`note_device_free`](Self::note_device_free)).
+    /// The largest piece of new memory a map makes now.
     fn piece_cap(&self) -> usize {
         let mapped: usize = self.pieces.iter().map(|p| p.size).sum();
-        let cap = crate::upstream::remap_piece(mapped).min(crate::upstream::tight_piece(self.device_free));
-        cap.next_multiple_of(self.granularity())
-    }
-
-    /// Notes the device's free memory before a map (`usize::MAX`: not
-    /// known), for the size of the pieces it makes.
-    pub(crate) fn note_device_free(&mut self, free: usize) {
-        self.device_free = free;
+        crate::upstream::remap_piece(mapped).next_multiple_of(self.granularity())
     }
 
     /// The largest spare of at most `rem` bytes, taken.
@@ -551,6 +541,3 @@ pub fn choose_pieces(pieces: &[(usize, usize)], spans: &[(usize, usize)], want: 
     }
     chosen
 }
-
-#[cfg(all(test, not(loom)))]
-mod tests;
