@@ -97,6 +97,14 @@ typedef struct CumemGraphPool CumemGraphPool;
 // queue.
 typedef void *CumemStream;
 
+// One free block of a graph pool ([`cumem_graph_pool_free_blocks`]).
+typedef struct {
+  // Its first address.
+  uint64_t addr;
+  // Its size in bytes.
+  size_t size;
+} CumemFreeBlock;
+
 // One pool's figures, in bytes or counts.
 typedef struct {
   // Bytes in live blocks.
@@ -513,6 +521,23 @@ CumemStatus cumem_graph_pool_free(const CumemGraphPool *pool, void *ptr);
 // `pool` as in `cumem_graph_pool_destroy`; `reserved` and `in_use` NULL
 // or valid for a write.
 CumemStatus cumem_graph_pool_usage(const CumemGraphPool *pool, size_t *reserved, size_t *in_use);
+
+// Stores up to `cap` of `pool`'s free blocks, in address order, in
+// `out`, and how many it has in `*count` (which may exceed `cap`: call
+// again with room for them all).
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `pool` or `count`, NULL `out`
+// with `cap` > 0).
+//
+// # Safety
+// `pool` as in `cumem_graph_pool_destroy`; `out` valid for writes of
+// `cap` blocks (or NULL with `cap` 0); `count` NULL (an error) or valid
+// for a write.
+CumemStatus cumem_graph_pool_free_blocks(const CumemGraphPool *pool,
+                                         CumemFreeBlock *out,
+                                         size_t cap,
+                                         size_t *count);
 
 // Destroys the handle: the pool's memory goes back once none of its
 // blocks is live (at once when none is; a block freed later through
