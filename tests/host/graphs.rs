@@ -537,3 +537,37 @@ fn a_shared_pool_outlives_its_handles_until_the_graphs_captured_into_it_are_gone
     std::thread::spawn(move || drop(exec)).join().unwrap();
     assert_eq!(graph_stats(&mm).pools, 0);
 }
+
+/// A pool handed out directly (a program that routes its captures itself,
+/// as PyTorch does): its blocks never reach eager work, even once freed;
+/// dropped with a block still live, it gives its memory back once that
+/// block is freed through the manager.
+#[test]
+fn a_graph_pool_used_directly_keeps_its_memory_and_gives_it_back_after_its_last_block() {
+    let _serial = serial();
+    let mm = manager();
+    let reserved_before = graph_stats(&mm).reserved;
+    let pool = mm.graph_pool().unwrap();
+    let a = pool.allocate(3 * MIB).unwrap();
+    let b = pool.allocate(MIB).unwrap();
+    pool.free(a).unwrap();
+    assert_eq!(pool.free_blocks().first().map(|f| f.0), Some(a), "a's space is the pool's, free");
+    let eager = mm.allocate_device(3 * MIB).unwrap();
+    assert!(!overlaps((eager, 3 * MIB), (a, 3 * MIB)), "a block freed into the pool reached eager work");
+    mm.free_device(eager).unwrap();
+    // a's space serves the pool again, and a piece of it is taken where
+    // it was (a checkpoint restored).
+    let c = pool.allocate(3 * MIB).unwrap();
+    assert_eq!(c, a);
+    pool.free(c).unwrap();
+    pool.allocate_at(a + MIB as u64, MIB).unwrap();
+    assert!(pool.allocate_at(a + MIB as u64, MIB).is_err(), "the range is taken");
+    assert!(matches!(pool.free(a + MIB as u64 + 256), Err(Error::InteriorPointer { .. })));
+    pool.free(a + MIB as u64).unwrap();
+    assert!(matches!(pool.free(a + MIB as u64), Err(Error::DoubleFree { .. })));
+    assert!(graph_stats(&mm).reserved > reserved_before);
+    drop(pool);
+    assert!(graph_stats(&mm).reserved > reserved_before, "b is live: the pool stays");
+    mm.free_device(b).unwrap();
+    assert_eq!(graph_stats(&mm).reserved, reserved_before, "the last block's free gave the pool's memory back");
+}
