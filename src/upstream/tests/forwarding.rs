@@ -78,6 +78,10 @@ impl Upstream for Recorder {
         self.saw("unmap_within");
         Ok(spans.to_vec())
     }
+    fn take_back(&self, lent: &[Chunk]) -> Vec<Chunk> {
+        self.saw("take_back");
+        lent.to_vec()
+    }
     fn release_kept(&self) {
         self.saw("release_kept");
     }
@@ -106,6 +110,7 @@ pub(crate) fn methods_not_forwarded(wrap: impl FnOnce(Box<dyn Upstream>) -> Box<
     let _ = u.try_extend_reserved(c, PAGE);
     let _ = u.map_runs(&[c]);
     let _ = u.unmap_within(&[c], PAGE, false, true);
+    let _ = u.take_back(&[c]);
     u.release_kept();
     let _ = u.kept();
     u.trim_kept(0);
@@ -115,7 +120,7 @@ pub(crate) fn methods_not_forwarded(wrap: impl FnOnce(Box<dyn Upstream>) -> Box<
 }
 
 /// Every method of [`Upstream`] but `inner` (a wrapper's own).
-const ALL: [&str; 17] = [
+const ALL: [&str; 18] = [
     "allocate_chunk",
     "deallocate_chunk",
     "try_extend",
@@ -130,6 +135,7 @@ const ALL: [&str; 17] = [
     "try_extend_reserved",
     "map_runs",
     "unmap_within",
+    "take_back",
     "release_kept",
     "kept",
     "trim_kept",
