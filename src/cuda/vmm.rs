@@ -400,12 +400,6 @@ impl PhysicalChunk {
         Ok(PhysicalChunk { ctx: ctx.clone(), handle, size })
     }
 
-    /// The driver's handle of the memory: one value per live allocation,
-    /// so it tells two pieces of memory apart.
-    pub(crate) fn id(&self) -> u64 {
-        self.handle
-    }
-
     /// The length in bytes.
     pub fn size(&self) -> usize {
         self.size

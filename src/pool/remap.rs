@@ -357,15 +357,6 @@ impl<U: Upstream> Pool<U> {
         if mapped.is_err() {
             self.upstream.release_kept();
         }
-        // Lent memory the map did not use (a piece larger than what was
-        // left of its runs) goes back where it still is mapped, instead of
-        // being kept beside the new memory made for the runs.
-        let back = match mapped {
-            Ok(_) if !unmapped.is_empty() && self.above_budget_after(&plan, &unmapped) => {
-                self.upstream.take_back(&unmapped)
-            }
-            _ => Vec::new(),
-        };
         let kept = self.upstream.kept();
         let took = t0.elapsed().as_nanos() as u64;
         let mut inner = self.inner.lock();
@@ -375,12 +366,11 @@ impl<U: Upstream> Pool<U> {
         for (span, _) in &plan.spans {
             pages.mark(*span, false);
         }
-        let moved: Vec<Chunk> = unmapped.into_iter().filter(|p| !back.contains(p)).collect();
-        for piece in &moved {
+        for piece in &unmapped {
             pages.mark(*piece, true);
             pages.mapped -= piece.size >> pages.shift();
         }
-        pages.unmap_calls += moved.len() as u64;
+        pages.unmap_calls += unmapped.len() as u64;
         match mapped {
             Ok(calls) => {
                 for run in &plan.runs {
@@ -451,20 +441,6 @@ impl<U: Upstream> Pool<U> {
             }
         }
         (out, waits, None)
-    }
-
-    /// Whether the pool holds more than its budget once `plan`'s runs are
-    /// mapped and the pieces `lent` left their places, with what is kept
-    /// now: then lent memory the map did not use goes back where it was
-    /// rather than being held twice over.
-    fn above_budget_after(&self, plan: &Plan, lent: &[Chunk]) -> bool {
-        let kept = self.upstream.kept();
-        let inner = self.inner.lock();
-        let pages = &inner.pages;
-        let runs: usize = plan.runs.iter().map(|r| r.size).sum();
-        let lent: usize = lent.iter().map(|c| c.size).sum();
-        let after = ((pages.mapped << pages.shift()) + runs + kept).saturating_sub(lent) >> pages.shift();
-        after > budget(&inner.fit, pages, self.config.remap_slack_ppm)
     }
 
     /// A fence at the end of the work queued so far on stream `on`, with

@@ -307,9 +307,6 @@ impl Upstream for CudaVmm {
             None => self.unmap_within(spans, want, waits, true),
         }
     }
-    fn take_back(&self, lent: &[Chunk]) -> Vec<Chunk> {
-        self.inner.take_back(lent)
-    }
     fn unmap_stale(&self, most: usize, wait: bool) -> usize {
         let _relaxed = RelaxedCaptureMode::enter();
         self.inner.unmap_stale(most, wait)

@@ -299,15 +299,6 @@ pub trait Upstream: Send + Sync + 'static {
         self.inner().is_some_and(|u| u.has_stale())
     }
 
-    /// Of the pieces a [`lend_within`](Upstream::lend_within) just lent,
-    /// those whose memory the [`map_runs`](Upstream::map_runs) after it
-    /// did not reuse and whose old mapping is still in place: mapped
-    /// where they were again, no longer kept; returns them. By default
-    /// none (what a map does not reuse stays kept).
-    fn take_back(&self, lent: &[Chunk]) -> Vec<Chunk> {
-        self.inner().map_or_else(Vec::new, |u| u.take_back(lent))
-    }
-
     /// Releases memory an [`unmap_within`](Upstream::unmap_within) kept
     /// and no [`map_runs`](Upstream::map_runs) reused.
     fn release_kept(&self) {

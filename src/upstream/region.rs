@@ -144,17 +144,6 @@ enum Backing {
     Host,
 }
 
-impl Backing {
-    /// Which memory it is (`None` on the host, where memory never moves
-    /// without an unmap).
-    fn id(&self) -> Option<u64> {
-        match self {
-            Backing::Cuda(chunk) => Some(chunk.id()),
-            Backing::Host => None,
-        }
-    }
-}
-
 #[derive(Debug)]
 struct Piece {
     offset: usize,

@@ -68,8 +68,6 @@ struct World {
     lent: u64,
     fenced: u64,
     fence_waits: u64,
-    /// Lent pieces a map did not use, taken back where they were.
-    taken_back: u64,
 }
 
 /// A model fence: (stream, point) for each stream it covers.
@@ -370,24 +368,6 @@ impl Upstream for Model {
             }
         }
         Ok(out)
-    }
-    fn take_back(&self, lent: &[Chunk]) -> Vec<Chunk> {
-        // Memory a map did not use, still mapped where it was: a piece of
-        // the region there again.
-        let mut w = self.world();
-        let mut back = Vec::new();
-        for c in lent {
-            let Some(i) = w.spare.iter().position(|&s| s == c.size) else { continue };
-            if w.stale.get(&c.addr).map(|(s, _)| *s) != Some(c.size) {
-                continue;
-            }
-            w.spare.swap_remove(i);
-            w.stale.remove(&c.addr);
-            w.pieces.insert(c.addr, c.size);
-            w.taken_back += 1;
-            back.push(*c);
-        }
-        back
     }
     fn unmap_stale(&self, most: usize, wait: bool) -> usize {
         let mut w = self.world();

@@ -330,23 +330,6 @@ impl Upstream for AddressRange {
         Ok(taken.into_iter().map(|(addr, size)| Chunk { addr, size }).collect())
     }
 
-    fn take_back(&self, lent: &[Chunk]) -> Vec<Chunk> {
-        let mut vm = lock(&self.vm);
-        let mut back = Vec::new();
-        for c in lent {
-            // Still mapped at its old place, and memory of its size unused.
-            let Some(i) = vm.spare.iter().position(|&s| s == c.size) else { continue };
-            if vm.stale.get(&c.addr) != Some(&c.size) {
-                continue;
-            }
-            vm.spare.swap_remove(i);
-            vm.stale.remove(&c.addr);
-            vm.pieces.insert(c.addr, c.size);
-            back.push(*c);
-        }
-        back
-    }
-
     fn release_kept(&self) {
         lock(&self.vm).release_spare();
     }

@@ -143,15 +143,6 @@ impl Expandable {
         Some(Ok(self.chunks_at(out)))
     }
 
-    /// The pieces of `lent` whose memory no map used, mapped where they
-    /// were again (`Region::take_back`).
-    pub(super) fn take_back(&self, lent: &[Chunk]) -> Vec<Chunk> {
-        let offsets: Vec<(usize, usize)> =
-            lent.iter().filter_map(|c| self.offset_of(*c).map(|o| (o, c.size))).collect();
-        let back = lock(&self.region).take_back(&offsets);
-        self.chunks_at(back)
-    }
-
     /// Unmaps at most `most` old mappings of lent memory with the
     /// region's lock dropped, waiting for their fences with `wait` and
     /// passing over those that have not passed without; returns how many.

@@ -25,9 +25,6 @@ use std::sync::Arc;
 pub(crate) struct Stale {
     pub(super) offset: usize,
     pub(super) size: usize,
-    /// The memory lent (`Backing::id`), which [`Region::take_back`] finds
-    /// among the spares.
-    pub(super) memory: Option<u64>,
     /// Work queued before it may still use the mapping (`None`: none).
     pub(super) fence: Option<Arc<dyn Fence>>,
 }
@@ -67,36 +64,10 @@ impl Region {
         let mut out = Vec::with_capacity(chosen.len());
         for piece in self.take_pieces(chosen) {
             out.push((piece.offset, piece.size));
-            let memory = piece.backing.id();
-            self.stale.push(Stale { offset: piece.offset, size: piece.size, memory, fence: fence.clone() });
+            self.stale.push(Stale { offset: piece.offset, size: piece.size, fence: fence.clone() });
             self.spare.push((piece.size, piece.backing));
         }
         Some(out)
-    }
-
-    /// Of the pieces `lent` (`(offset, size)`) by
-    /// [`lend_within`](Self::lend_within), those whose memory is still
-    /// spare (no map used it) and still mapped at its old place: they
-    /// become the region's pieces there again, as if never lent (no
-    /// driver call). Returns them. Nothing while peers have access: a
-    /// peer given access since the lend would lack it on the old place.
-    pub(crate) fn take_back(&mut self, lent: &[(usize, usize)]) -> Vec<(usize, usize)> {
-        let mut back = Vec::new();
-        if !self.peers.is_empty() {
-            return back;
-        }
-        for &(offset, size) in lent {
-            let Some(si) = self.stale.iter().position(|s| s.offset == offset && s.size == size) else { continue };
-            let memory = self.stale[si].memory;
-            let found = self.spare.iter().position(|(len, b)| *len == size && memory.is_some() && b.id() == memory);
-            let Some(pi) = found else { continue };
-            self.stale.remove(si);
-            let (_, backing) = self.spare.swap_remove(pi);
-            let at = self.pieces.partition_point(|p| p.offset < offset);
-            self.pieces.insert(at, super::Piece { offset, size, backing });
-            back.push((offset, size));
-        }
-        back
     }
 
     /// Whether [`lend_within`](Self::lend_within) would lend anything,

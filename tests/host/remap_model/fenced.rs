@@ -209,7 +209,7 @@ fn a_map_over_an_old_mapping_waits_for_its_fence() {
 
 /// Random allocations for random streams, frees on random streams, work
 /// completing now and then, the mapper's steps and the release path.
-fn run_seed(seed: u64, steps: usize) -> (u64, u64, u64) {
+fn run_seed(seed: u64, steps: usize) -> (u64, u64) {
     let model = Model::default();
     let pool = lending_pool(&model);
     // Pieces of 4 pages: moves take part of a free block.
@@ -243,21 +243,18 @@ fn run_seed(seed: u64, steps: usize) -> (u64, u64, u64) {
     let w = model.world();
     assert!(w.violations.is_empty(), "seed {seed}: {:?}", w.violations);
     assert!(w.stale.is_empty(), "seed {seed}: shutdown left old mappings");
-    (w.fenced, w.lent, w.taken_back)
+    (w.fenced, w.lent)
 }
 
 #[test]
 fn random_moves_behind_fences_keep_stream_order() {
     let mut totals: HashMap<&str, u64> = HashMap::new();
     for seed in [3u64, 7, 11, 19, 23, 29] {
-        let (fenced, lent, taken_back) = run_seed(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), 3000);
+        let (fenced, lent) = run_seed(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), 3000);
         *totals.entry("fenced").or_default() += fenced;
         *totals.entry("lent").or_default() += lent;
-        *totals.entry("taken back").or_default() += taken_back;
     }
-    // Both kinds of move happen, and lent pieces a map did not use are
-    // taken back where they were, so all three are checked.
+    // Both kinds of move happen, so both are checked.
     assert!(totals["fenced"] > 0, "no piece lent behind a fence: the check saw nothing, {totals:?}");
     assert!(totals["lent"] > totals["fenced"], "no piece lent without a fence, {totals:?}");
-    assert!(totals["taken back"] > 0, "no lent piece taken back: the check saw nothing, {totals:?}");
 }
