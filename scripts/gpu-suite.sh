@@ -1,35 +1,22 @@
 #!/usr/bin/env bash
 # The GPU suite: build here, run on a machine with a GPU.
 #
-#   scripts/gpu-suite.sh build          # here: build test, example, bench and tool
-#                                       # binaries, copy them (stripped) into gpu-bin/,
-#                                       # and the cumem_torch wheel into .whl/
-#   scripts/gpu-suite.sh run [what...]  # there: run them with CUMEM_REQUIRE_GPU=1;
-#                                       # what = tests examples nccl benches replay (default: all),
-#                                       # nccl (examples/nccl/, built with --features nccl,
-#                                       # with NCCL found as below and CUMEM_REQUIRE_NCCL=1),
-#                                       # ddp (scripts/ddp.sh: torchrun with PyTorch's allocator
-#                                       # and cumem_torch, alternated; needs the wheel in .whl/),
-#                                       # python (python/tests/smoke_one_manager.py: the
-#                                       # wheel from .whl/ in two folders sharing one native
-#                                       # backend build; python/tests/smoke_same_peak.py: two
-#                                       # processes of one training workload under cumem reach
-#                                       # the same peak; python/tests/smoke_graph_pool.py: graphs
-#                                       # and MemPool at expandable segments' memory, values
-#                                       # bit-identical; python3, or PYTHON, with PyTorch),
-#                                       # tests-device1 (the test binaries again with
-#                                       # CUMEM_CONF=device=1: needs two GPUs),
-#                                       # memcheck (compute-sanitizer over the GPU modules of tests/gpu/),
-#                                       # peers (cumem-replay/scripts/peers.sh: every trace through
-#                                       # cumem, PyTorch's caching allocator and, with RMM_DIR set,
-#                                       # RMM's pool, three rounds alternated),
-#                                       # bench:NAME (one bench),
-#                                       # soak[:SECS] (cumem-c/examples/soak, 600 s by default:
-#                                       # every kind of task at once, every value checked),
-#                                       # soak-memcheck (a light 60 s soak, its IPC child included,
-#                                       # under compute-sanitizer memcheck),
-#                                       # repeat:N (the threaded GPU tests N times, four at a
-#                                       # time, with every core busy: they must never fail)
+#   scripts/gpu-suite.sh build: (here) the test, example, bench and tool binaries, stripped,
+#     into gpu-bin/, and the cumem_torch wheel into .whl/.
+#   scripts/gpu-suite.sh run [what...]: (there) runs them with CUMEM_REQUIRE_GPU=1; what is
+#     tests, examples, nccl, benches, replay (the default: all five), or one of:
+#     nccl: examples/nccl/ (--features nccl; NCCL found as below, CUMEM_REQUIRE_NCCL=1);
+#     ddp: scripts/ddp.sh (torchrun, PyTorch's allocator and cumem_torch alternated; needs .whl/);
+#     python: python/tests/smoke_one_manager.py (two installs, one native build),
+#       smoke_same_peak.py (two processes, one peak), smoke_graph_pool.py (graphs and MemPool
+#       at expandable segments' memory, values bit-identical); python3 or PYTHON with PyTorch;
+#     tests-device1: the tests again with CUMEM_CONF=device=1 (two GPUs);
+#     memcheck: compute-sanitizer over the GPU modules of tests/gpu/;
+#     peers: cumem-replay/scripts/peers.sh (every trace through cumem, PyTorch's allocator
+#       and, with RMM_DIR, RMM's pool; three rounds alternated);
+#     bench:NAME; soak[:SECS] (cumem-c/examples/soak, 600 s by default, every value checked);
+#     soak-memcheck (a light 60 s soak under memcheck); repeat:N (the threaded GPU tests N
+#     times, four at a time, every core busy: they must never fail).
 #
 # Two GPUs: CUMEM_GPUS=2 scripts/gpu-suite.sh run tests tests-device1 examples
 # (CUMEM_GPUS=2 makes the two-GPU tests fail instead of skipping when a GPU

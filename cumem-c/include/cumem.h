@@ -88,8 +88,7 @@ typedef enum {
   CUMEM_TAG_STATE_WAKING = 3,
 } CumemTagState;
 
-// A graph-private pool (opaque): made by `cumem_graph_pool_create`,
-// given back by `cumem_graph_pool_destroy`.
+// A graph-private pool (opaque), from `cumem_graph_pool_create`.
 typedef struct CumemGraphPool CumemGraphPool;
 
 // A raw CUDA stream (`cudaStream_t`, `CUstream`); NULL is the device's
@@ -97,7 +96,7 @@ typedef struct CumemGraphPool CumemGraphPool;
 // queue.
 typedef void *CumemStream;
 
-// One free block of a graph pool ([`cumem_graph_pool_free_blocks`]).
+// One free block of a graph pool.
 typedef struct {
   // Its first address.
   uint64_t addr;
@@ -459,97 +458,74 @@ CumemStatus cumem_effective_device_allocator_mode(CumemMode *out);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_supports_async_device_allocator(int *out);
 
-// Makes a graph-private pool on device `device`, storing its handle in
-// `*out`. Its memory serves only `cumem_graph_pool_allocate` and
-// `cumem_graph_pool_allocate_at` on it, and goes back at
-// `cumem_graph_pool_destroy`.
+// Makes a graph-private pool on device `device` in `*out`; its memory
+// serves only allocations from it.
 //
 // # Errors
-// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `out`, a negative device),
-// `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_SHUT_DOWN`,
+// `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_NO_SUCH_DEVICE`,
+// `CUMEM_STATUS_SHUT_DOWN`, `CUMEM_STATUS_DRIVER`.
+//
+// # Safety
+// `out` is NULL (an error) or valid for a write.
+CumemStatus cumem_graph_pool_create(int device, CumemGraphPool **out);
+
+// Allocates `size` bytes from `pool` into `*out`, growing the pool when
+// no free block holds them. Nothing orders the block's reuse: the caller
+// orders the work of the streams that use it.
+//
+// # Errors
+// `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,
 // `CUMEM_STATUS_DRIVER`.
 //
 // # Safety
-// `out` must be NULL (an error) or valid for a write.
-CumemStatus cumem_graph_pool_create(int device, CumemGraphPool **out);
-
-// Allocates `size` bytes from `pool`, storing the pointer in `*out`.
-// Nothing orders the block's reuse: the caller orders the work of the
-// streams that use it. The pool grows when no free block holds the
-// request.
-//
-// # Errors
-// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `pool` or `out`, size 0),
-// `CUMEM_STATUS_OUT_OF_MEMORY`, `CUMEM_STATUS_DRIVER`.
-//
-// # Safety
-// `pool` as in `cumem_graph_pool_destroy`; `out` NULL (an error) or
+// `pool` is NULL (an error) or a live handle; `out` NULL (an error) or
 // valid for a write.
 CumemStatus cumem_graph_pool_allocate(const CumemGraphPool *pool, size_t size, void **out);
 
 // Takes `size` bytes at `ptr` out of `pool`'s free memory (all of it in
-// one free block): a block put back where it was, as a checkpoint of the
-// pool restores it. Free it with `cumem_graph_pool_free`.
+// one free block), as a checkpoint restores a block where it was.
 //
 // # Errors
-// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `pool`, size 0);
-// `CUMEM_STATUS_OTHER` when the range is not free in one block of the
-// pool (nothing changes then).
+// `CUMEM_STATUS_INVALID_ARGUMENT`; `CUMEM_STATUS_OTHER` when the range
+// is not free in one block (nothing changes).
 //
 // # Safety
-// `pool` as in `cumem_graph_pool_destroy`.
+// `pool` is NULL (an error) or a live handle.
 CumemStatus cumem_graph_pool_allocate_at(const CumemGraphPool *pool, void *ptr, size_t size);
 
-// Frees a block of `pool` into it: the pool's later allocations may
-// reuse it at once. The memory stays the pool's.
+// Frees a block of `pool` into it, for the pool's later allocations.
 //
 // # Errors
 // `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
-// `CUMEM_STATUS_UNKNOWN_POINTER`; nothing changes then.
+// `CUMEM_STATUS_UNKNOWN_POINTER` (nothing changes).
 //
 // # Safety
-// `pool` as in `cumem_graph_pool_destroy`.
+// `pool` is NULL (an error) or a live handle.
 CumemStatus cumem_graph_pool_free(const CumemGraphPool *pool, void *ptr);
 
-// Stores the bytes `pool` holds from the driver in `*reserved` and those
-// in its live blocks in `*in_use` (either may be NULL).
-//
-// # Errors
-// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `pool`).
-//
-// # Safety
-// `pool` as in `cumem_graph_pool_destroy`; `reserved` and `in_use` NULL
-// or valid for a write.
-CumemStatus cumem_graph_pool_usage(const CumemGraphPool *pool, size_t *reserved, size_t *in_use);
-
 // Stores up to `cap` of `pool`'s free blocks, in address order, in
-// `out`, and how many it has in `*count` (which may exceed `cap`: call
-// again with room for them all).
+// `out`, and how many there are in `*count`.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `pool` or `count`, NULL `out`
 // with `cap` > 0).
 //
 // # Safety
-// `pool` as in `cumem_graph_pool_destroy`; `out` valid for writes of
-// `cap` blocks (or NULL with `cap` 0); `count` NULL (an error) or valid
-// for a write.
+// `pool` is NULL (an error) or a live handle; `out` valid for `cap`
+// writes; `count` NULL (an error) or valid for a write.
 CumemStatus cumem_graph_pool_free_blocks(const CumemGraphPool *pool,
                                          CumemFreeBlock *out,
                                          size_t cap,
                                          size_t *count);
 
-// Destroys the handle: the pool's memory goes back once none of its
-// blocks is live (at once when none is; a block freed later through
-// `cumem_free_device` gives it back then). The caller first waits for
-// the work that used the pool's memory (graphs replayed from it).
+// Destroys the handle; the pool's memory goes back once none of its
+// blocks is live. The caller first waits for the work that used it.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `pool`).
 //
 // # Safety
-// `pool` must be NULL (an error) or a live handle from
-// `cumem_graph_pool_create`, not used again after this call.
+// `pool` is NULL (an error) or a live handle, never used after this.
 CumemStatus cumem_graph_pool_destroy(CumemGraphPool *pool);
 
 // An identity of the loaded copy of cumem's library, and so of the
@@ -899,20 +875,6 @@ CumemStatus cumem_torch_counters(CumemTorchCounters *out);
 // `out` must be NULL (an error) or valid for a write; `stream` as in
 // `cumem_torch_alloc`.
 CumemStatus cumem_torch_allocate(size_t size, int device, CumemStream stream, void **out);
-
-// Allocates `size` bytes on device `device`, usable at once by the host
-// and by any stream (no stream order), storing the pointer in `*out`.
-// For the backend's private pools (CUDA graphs, MemPool), which hand a
-// block to any allocation routed to the pool whatever its memory tag:
-// the block is never in a tag's arena, whatever tag the calling thread
-// has set (`cumem_tag_set`), and never sleeps.
-//
-// # Errors
-// As `cumem_torch_allocate`.
-//
-// # Safety
-// `out` must be NULL (an error) or valid for a write.
-CumemStatus cumem_torch_allocate_unordered(size_t size, int device, void **out);
 
 // Frees `ptr` in the order of `stream` of device `device` (work queued on
 // `stream` before this call may still use it). What `cumem_torch_free`

@@ -42,33 +42,6 @@ pub unsafe extern "C" fn cumem_torch_allocate(
     }
 }
 
-/// Allocates `size` bytes on device `device`, usable at once by the host
-/// and by any stream (no stream order), storing the pointer in `*out`.
-/// For the backend's private pools (CUDA graphs, MemPool), which hand a
-/// block to any allocation routed to the pool whatever its memory tag:
-/// the block is never in a tag's arena, whatever tag the calling thread
-/// has set (`cumem_tag_set`), and never sleeps.
-///
-/// # Errors
-/// As `cumem_torch_allocate`.
-///
-/// # Safety
-/// `out` must be NULL (an error) or valid for a write.
-#[no_mangle]
-pub unsafe extern "C" fn cumem_torch_allocate_unordered(
-    size: usize,
-    device: c_int,
-    out: *mut *mut c_void,
-) -> CumemStatus {
-    // SAFETY: the caller's promise about `out`.
-    unsafe {
-        allocate_into(out, || {
-            let _untagged = cumem::TagScope::untagged();
-            Ok(manager()?.allocate_device_for(ordinal(device)?, size)?)
-        })
-    }
-}
-
 /// Frees `ptr` in the order of `stream` of device `device` (work queued on
 /// `stream` before this call may still use it). What `cumem_torch_free`
 /// does, with a status.

@@ -219,14 +219,21 @@ fn tagged_blocks_count_in_the_tag_and_in_what_pytorch_reads() {
 fn private_pool_blocks_are_never_tagged() {
     let _serial = serial();
     assert_eq!(set_tag(Some("t_private")), CumemStatus::Ok);
-    let mut p = null_mut();
-    // SAFETY: `p` is valid for a write.
-    assert_eq!(unsafe { cumem_torch_allocate_unordered(MIB, 0, &mut p) }, CumemStatus::Ok);
-    assert_eq!(tag(), "t_private", "the thread's tag is back after the call");
+    let (mut pool, mut p) = (null_mut(), null_mut());
+    // SAFETY: `pool` and `p` are valid for writes; the handle is live.
+    unsafe {
+        assert_eq!(cumem_graph_pool_create(0, &mut pool), CumemStatus::Ok);
+        assert_eq!(cumem_graph_pool_allocate(pool, MIB, &mut p), CumemStatus::Ok);
+    }
+    assert_eq!(tag(), "t_private", "the thread's tag is as it was");
     let q = allocate(MIB).unwrap();
     assert_eq!(set_tag(None), CumemStatus::Ok);
     assert_eq!(usage_of("t_private").live_blocks, 1, "only the ordinary allocation is the tag's");
-    assert_eq!(cumem_free_device(p), CumemStatus::Ok);
+    // SAFETY: the handle is live, then not used again.
+    unsafe {
+        assert_eq!(cumem_graph_pool_free(pool, p), CumemStatus::Ok);
+        assert_eq!(cumem_graph_pool_destroy(pool), CumemStatus::Ok);
+    }
     assert_eq!(cumem_free_device(q), CumemStatus::Ok);
 }
 

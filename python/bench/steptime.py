@@ -146,10 +146,8 @@ def main():
     outdir = tempfile.mkdtemp(prefix="steptime-")
     try:
         if any("compiled" in w for w, _ in work):
-            # A compiled workload's first process compiles with a cold
-            # cache (Inductor's autotuning allocates memory no later
-            # process does): one process runs untimed first, so that every
-            # measured one finds the cache warm.
+            # One untimed process first fills Inductor's cache: a cold
+            # compile allocates memory no later process does.
             print(f"warm-up: {allocs[0]} (the compile cache; not measured)", flush=True)
             req = {"workloads": work, "free_bytes": free, "out": os.path.join(outdir, "warm-up.json"),
                    "expect_free": None}

@@ -45,15 +45,12 @@ impl<U: Upstream> Pool<U> {
         r.map_err(|e| self.free_error(addr, e))
     }
 
-    /// Allocates `size` bytes exactly at `addr`, which must lie in one
-    /// free block of the pool (nothing grows): for a caller that puts
-    /// blocks back where they were (a graph pool restoring a checkpoint).
+    /// Allocates `size` bytes at `addr`, in one free block (nothing grows):
+    /// a block put back where it was (a graph pool's checkpoint).
     ///
     /// # Errors
-    /// [`Error::InvalidSize`] for size 0; [`Error::InvalidState`] when the
-    /// range is not free in one block, `addr` is not a multiple of 256 B,
-    /// or the pool remaps pages (a free block may have none mapped);
-    /// [`Error::ShutDown`].
+    /// [`Error::InvalidSize`]; [`Error::InvalidState`] when the range is
+    /// not free in one block, or the pool remaps pages; [`Error::ShutDown`].
     pub fn allocate_at(&self, addr: usize, size: usize) -> Result<Allocation> {
         let rounded = super::validate(size, crate::upstream::BLOCK_ALIGN)?;
         if self.remap {
