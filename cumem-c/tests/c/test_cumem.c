@@ -318,10 +318,25 @@ static void torch_native_entry_points(void) {
   EXPECT(cumem_torch_allocate((size_t)1 << 62, 0, a, &p), CUMEM_STATUS_INVALID_ARGUMENT);
   EXPECT(cumem_torch_allocate(1 << 20, 0, a, &p), CUMEM_STATUS_OK);
   CHECK(p != NULL && (uintptr_t)p % 256 == 0);
-  EXPECT(cumem_torch_allocate_unordered(4096, 0, NULL), CUMEM_STATUS_INVALID_ARGUMENT);
-  EXPECT(cumem_torch_allocate_unordered(4096, -2, &q), CUMEM_STATUS_INVALID_ARGUMENT);
-  EXPECT(cumem_torch_allocate_unordered(4096, 0, &q), CUMEM_STATUS_OK);
+  /* A private pool of its own (PyTorch's graphs and MemPool). */
+  CumemGraphPool *g = NULL;
+  CumemFreeBlock fb[4];
+  size_t n = 0;
+  EXPECT(cumem_graph_pool_create(0, NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_graph_pool_create(-2, &g), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_graph_pool_create(0, &g), CUMEM_STATUS_OK);
+  EXPECT(cumem_graph_pool_allocate(NULL, 4096, &q), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_graph_pool_allocate(g, 4096, NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_graph_pool_allocate(g, 4096, &q), CUMEM_STATUS_OK);
   CHECK(q != NULL && q != p);
+  EXPECT(cumem_graph_pool_free(g, (char *)q + 256), CUMEM_STATUS_INTERIOR_POINTER);
+  EXPECT(cumem_graph_pool_free(g, q), CUMEM_STATUS_OK);
+  EXPECT(cumem_graph_pool_free(g, q), CUMEM_STATUS_DOUBLE_FREE);
+  EXPECT(cumem_graph_pool_free_blocks(g, NULL, 1, &n), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_graph_pool_free_blocks(g, fb, 4, &n), CUMEM_STATUS_OK);
+  CHECK(n >= 1 && fb[0].addr == (uint64_t)(uintptr_t)q);
+  EXPECT(cumem_graph_pool_allocate_at(g, q, 4096), CUMEM_STATUS_OK);
+  EXPECT(cumem_graph_pool_allocate_at(g, q, 4096), CUMEM_STATUS_OTHER);
   EXPECT(cumem_torch_figures(0, &f1), CUMEM_STATUS_OK);
   CHECK(f1.reserved >= (1 << 20) && f1.peak_reserved >= f1.reserved && f1.chunks >= 1);
   CHECK(f1.device_allocs >= f1.device_frees);
@@ -330,7 +345,9 @@ static void torch_native_entry_points(void) {
   EXPECT(cumem_torch_release(p, -1, a), CUMEM_STATUS_INVALID_ARGUMENT);
   EXPECT(cumem_torch_release(p, 0, a), CUMEM_STATUS_OK);
   EXPECT(cumem_torch_release(p, 0, a), CUMEM_STATUS_DOUBLE_FREE); /* nothing changes */
-  EXPECT(cumem_free_device(q), CUMEM_STATUS_OK);
+  EXPECT(cumem_graph_pool_free(g, q), CUMEM_STATUS_OK);
+  EXPECT(cumem_graph_pool_destroy(NULL), CUMEM_STATUS_INVALID_ARGUMENT);
+  EXPECT(cumem_graph_pool_destroy(g), CUMEM_STATUS_OK);
   EXPECT(cumem_stream_synchronize(a), CUMEM_STATUS_OK);
   EXPECT(cumem_stream_destroy(a), CUMEM_STATUS_OK);
 }
