@@ -290,7 +290,7 @@ impl Upstream for CudaVmm {
     }
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         let _relaxed = RelaxedCaptureMode::enter();
-        self.inner.map_runs(runs, PoolKind::Device)
+        self.inner.map_runs(runs, PoolKind::Device, &|| self.device_free().unwrap_or(usize::MAX))
     }
     fn lend_within(&self, spans: &[Chunk], want: usize, queued: Queued) -> Result<Vec<Chunk>> {
         // (A fence is made only on a stream that does not capture, and the
@@ -416,7 +416,7 @@ impl Upstream for HostExpandable {
         Ok(self.inner.try_extend_reserved(chunk, extra))
     }
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
-        self.inner.map_runs(runs, PoolKind::Standalone)
+        self.inner.map_runs(runs, PoolKind::Standalone, &|| usize::MAX)
     }
     fn unmap_within(&self, spans: &[Chunk], want: usize, pending: bool, keep: bool) -> Result<Vec<Chunk>> {
         // Host queues run their work at once: nothing to wait for.

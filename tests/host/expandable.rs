@@ -188,3 +188,21 @@ fn gpu_pool_over_cuda_vmm_grows_as_one_chunk() {
     up.deallocate_chunk(Chunk { addr: c.addr, size: 2 * g }).unwrap();
     assert_eq!(up.mapped(), 0);
 }
+
+#[test]
+fn remap_pieces_grow_with_the_pool_and_shrink_with_the_free_device() {
+    use cumem::upstream::{remap_piece, PRESSED_PIECE, REMAP_PIECE};
+    const GIB: usize = 1 << 30;
+    let roomy = usize::MAX;
+    // A 32nd of what is mapped, from 8 MiB up to the 32 MiB ceiling.
+    assert_eq!(remap_piece(0, roomy), REMAP_PIECE);
+    assert_eq!(remap_piece(512 * MIB, roomy), 16 * MIB);
+    assert_eq!(remap_piece(64 * GIB, roomy), 32 * MIB);
+    // A 512th of the device's free memory, a power of two, down to 2 MiB.
+    assert_eq!(remap_piece(64 * GIB, 16 * GIB), 32 * MIB);
+    assert_eq!(remap_piece(64 * GIB, 12 * GIB), 16 * MIB);
+    assert_eq!(remap_piece(64 * GIB, 4 * GIB), 8 * MIB);
+    assert_eq!(remap_piece(64 * GIB, GIB), PRESSED_PIECE);
+    assert_eq!(remap_piece(64 * GIB, 0), PRESSED_PIECE);
+    assert_eq!(remap_piece(0, 2 * GIB), 4 * MIB);
+}

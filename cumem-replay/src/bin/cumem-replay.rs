@@ -62,6 +62,12 @@ struct Args {
     /// Points per line in the plot.
     #[arg(long, default_value_t = 400)]
     plot_samples: usize,
+    /// What fits, instead of the replays: the smallest simulated device
+    /// (2 MiB steps) on which a cold `sim_device` replay of each trace
+    /// fails no allocation, against its peak of live bytes (bisection:
+    /// about a dozen replays a trace).
+    #[arg(long)]
+    fit: bool,
 }
 
 fn main() -> ExitCode {
@@ -77,6 +83,10 @@ fn main() -> ExitCode {
 
 fn run(args: &Args) -> cumem::Result<()> {
     let base: Config = args.conf.parse()?;
+    if args.fit {
+        let traces = args.traces.iter().map(|p| read_trace(p)).collect::<cumem::Result<Vec<_>>>()?;
+        return print_fits(&traces, &base, args);
+    }
     let mut targets = Target::parse_list(&args.target)?;
     let mut skipped = Vec::new();
     let backend = match driver_status() {
@@ -156,6 +166,36 @@ fn run(args: &Args) -> cumem::Result<()> {
         println!("{text}");
     } else {
         print_table(&backend, &traces, &floors, &results, args);
+    }
+    Ok(())
+}
+
+/// `--fit`: per trace, the smallest simulated device it fits on.
+fn print_fits(traces: &[Trace], base: &Config, args: &Args) -> cumem::Result<()> {
+    let mut rows = Vec::new();
+    for trace in traces {
+        let (fits, unbounded) = replay::smallest_fit(trace, base, args.one_stream)?;
+        let live = trace.peak_live.max(1) as f64;
+        rows.push(json!({
+            "trace": trace.name, "peak_live": trace.peak_live, "unbounded": unbounded, "fits": fits,
+            "unbounded_ratio": unbounded as f64 / live, "fits_ratio": fits as f64 / live,
+        }));
+        if !args.json {
+            println!(
+                "{:<28} peak live {:>10} MiB  unbounded {:>10} MiB ({:.3})  fits in {:>10} MiB ({:.3})",
+                trace.name,
+                mib(trace.peak_live),
+                mib(unbounded),
+                unbounded as f64 / live,
+                mib(fits),
+                fits as f64 / live
+            );
+        }
+    }
+    if args.json {
+        let out = json!({ "conf": args.conf, "one_stream": args.one_stream, "fits": rows });
+        let text = serde_json::to_string_pretty(&out).map_err(|e| cumem::Error::InvalidState(e.to_string()))?;
+        println!("{text}");
     }
     Ok(())
 }

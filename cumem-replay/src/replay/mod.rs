@@ -20,7 +20,7 @@ mod sim;
 
 pub use floor::{page_floor, PageFloor};
 
-pub use sim::AddressRange;
+pub use sim::{smallest_fit, AddressRange};
 
 use std::time::Instant;
 

@@ -25,13 +25,37 @@ use std::sync::{Mutex, MutexGuard};
 /// replayed operations without a move the simulated mapper waits before
 /// it unmaps old mappings of lent memory (default 10,000, about the
 /// mapper's 2 ms at the 150–250 ns per operation of a warm replay on a
-/// device).
-fn settings() -> (std::time::Duration, u64) {
-    static SETTINGS: std::sync::OnceLock<(std::time::Duration, u64)> = std::sync::OnceLock::new();
+/// device); and `CUMEM_SIM_CAPACITY_MIB`, the device's memory (0, the
+/// default: unbounded): making memory past it fails as out of memory, as
+/// `cuMemCreate` would.
+fn settings() -> (std::time::Duration, u64, usize) {
+    static SETTINGS: std::sync::OnceLock<(std::time::Duration, u64, usize)> = std::sync::OnceLock::new();
     *SETTINGS.get_or_init(|| {
-        let env = |name, default| std::env::var(name).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(default);
-        (std::time::Duration::from_micros(env("CUMEM_SIM_CALL_US", 0)), env("CUMEM_SIM_QUIET_OPS", 10_000))
+        let env = |name, default: u64| std::env::var(name).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(default);
+        let capacity = match env("CUMEM_SIM_CAPACITY_MIB", 0) as usize {
+            0 => usize::MAX,
+            mib => mib << 20,
+        };
+        (std::time::Duration::from_micros(env("CUMEM_SIM_CALL_US", 0)), env("CUMEM_SIM_QUIET_OPS", 10_000), capacity)
     })
+}
+
+/// The error of making memory past the simulated capacity.
+fn out_of_memory(size: usize) -> cumem::Error {
+    cumem::Error::OutOfMemory {
+        pool: cumem::PoolKind::Device,
+        requested: size,
+        state: Box::new(cumem::OomState {
+            upstream: Some("the simulated device is full".into()),
+            ..Default::default()
+        }),
+    }
+}
+
+/// The largest piece of new memory a map makes with `mapped` bytes mapped
+/// and `free` bytes free, as on a device.
+fn piece_cap(mapped: usize, free: usize) -> usize {
+    cumem::upstream::remap_piece(mapped, free).next_multiple_of(GRANULARITY)
 }
 
 /// The granularity of device memory (large pages).
@@ -64,7 +88,7 @@ pub struct AddressRange {
     stale: std::sync::atomic::AtomicBool,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Mapped {
     /// Mapped pieces, address → size.
     pieces: std::collections::BTreeMap<usize, usize>,
@@ -76,9 +100,30 @@ struct Mapped {
     last_move: u64,
     /// The driver calls a device would have made (none takes time).
     calls: DriverCalls,
+    /// The device's memory: making memory past it fails.
+    capacity: usize,
 }
 
 impl Mapped {
+    /// The memory held: mapped pieces and kept ones (old mappings of lent
+    /// memory share theirs).
+    fn held(&self) -> usize {
+        self.pieces.values().sum::<usize>() + self.spare.iter().sum::<usize>()
+    }
+
+    /// The memory the device has free (`usize::MAX`: no capacity).
+    fn free(&self) -> usize {
+        if self.capacity == usize::MAX {
+            return usize::MAX;
+        }
+        self.capacity.saturating_sub(self.held())
+    }
+
+    /// Whether `bytes` of new memory can be made.
+    fn room_for(&self, bytes: usize) -> bool {
+        self.held().saturating_add(bytes) <= self.capacity
+    }
+
     fn release_spare(&mut self) {
         for _ in 0..self.spare.len() {
             self.note(CallKind::Release);
@@ -153,11 +198,28 @@ impl Default for AddressRange {
 }
 
 impl AddressRange {
-    /// An empty range.
+    /// An empty range on a device of `CUMEM_SIM_CAPACITY_MIB` (unbounded
+    /// by default).
     pub fn new() -> Self {
+        AddressRange::with_capacity(settings().2)
+    }
+
+    /// An empty range on a device of `capacity` bytes: making memory past
+    /// it fails as out of memory, as `cuMemCreate` would, and new pieces
+    /// are sized for the memory left, as the device's free memory sizes
+    /// them ([`remap_piece`](cumem::upstream::remap_piece)).
+    pub fn with_capacity(capacity: usize) -> Self {
+        let vm = Mapped {
+            pieces: Default::default(),
+            spare: Vec::new(),
+            stale: Default::default(),
+            last_move: 0,
+            calls: DriverCalls::default(),
+            capacity,
+        };
         AddressRange {
             top: Mutex::new(BASE),
-            vm: Mutex::new(Mapped::default()),
+            vm: Mutex::new(vm),
             ops: std::sync::atomic::AtomicU64::new(0),
             stale: std::sync::atomic::AtomicBool::new(false),
         }
@@ -206,19 +268,27 @@ impl AddressRange {
     }
 
     /// Records one piece mapped with new memory (the plain growth path).
-    fn map_new(&self, addr: usize, size: usize) {
+    fn map_new(&self, addr: usize, size: usize) -> Result<()> {
         let mut vm = lock(&self.vm);
+        if !vm.room_for(size) {
+            return Err(out_of_memory(size));
+        }
         vm.pieces.insert(addr, size);
         vm.note(CallKind::Create);
         vm.note(CallKind::Map);
         vm.note(CallKind::SetAccess);
+        Ok(())
     }
 }
 
 impl Upstream for AddressRange {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
         let chunk = self.carve(size);
-        self.map_new(chunk.addr, chunk.size);
+        if let Err(e) = self.map_new(chunk.addr, chunk.size) {
+            let mut top = lock(&self.top);
+            *top = chunk.addr - GRANULARITY;
+            return Err(e);
+        }
         Ok(chunk)
     }
 
@@ -238,7 +308,10 @@ impl Upstream for AddressRange {
     fn try_extend(&self, chunk: Chunk, extra: usize) -> Result<bool> {
         let extended = self.extend_top(chunk, extra);
         if extended {
-            self.map_new(chunk.end(), extra);
+            if let Err(e) = self.map_new(chunk.end(), extra) {
+                *lock(&self.top) -= extra;
+                return Err(e);
+            }
         }
         Ok(extended)
     }
@@ -267,6 +340,34 @@ impl Upstream for AddressRange {
 
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         let mut vm = lock(&self.vm);
+        // What new memory the runs take once the kept memory is used (the
+        // same picks as below), checked first: a device that fails midway
+        // unmaps what the call mapped and releases the kept memory.
+        // New pieces are sized for the memory free now (a device reads it
+        // once per call).
+        let free = vm.free();
+        let mut spare = vm.spare.clone();
+        let mut mapped: usize = vm.pieces.values().sum();
+        let mut new = 0;
+        for run in runs {
+            let mut rem = run.size;
+            while rem > 0 {
+                let len = match (0..spare.len()).filter(|&i| spare[i] <= rem).max_by_key(|&i| spare[i]) {
+                    Some(i) => spare.swap_remove(i),
+                    None => {
+                        let len = rem.min(piece_cap(mapped, free));
+                        new += len;
+                        len
+                    }
+                };
+                mapped += len;
+                rem -= len;
+            }
+        }
+        if !vm.room_for(new) {
+            vm.release_spare();
+            return Err(out_of_memory(new));
+        }
         let mut maps = 0;
         for run in runs {
             // Old mappings still there go first, on this thread.
@@ -281,7 +382,7 @@ impl Upstream for AddressRange {
                     None => {
                         vm.note(CallKind::Create);
                         let mapped: usize = vm.pieces.values().sum();
-                        rem.min(cumem::upstream::remap_piece(mapped).next_multiple_of(GRANULARITY))
+                        rem.min(piece_cap(mapped, free))
                     }
                 };
                 vm.pieces.insert(at, len);
@@ -371,7 +472,43 @@ impl Upstream for AddressRange {
 /// allocation handed a block last freed on another stream counts as a
 /// stream wait (what the device pool would order with an event).
 pub(super) fn replay_simulated(trace: &Trace, config: &Config, warm: bool, one_stream: bool) -> Result<Measurement> {
-    let pool = Pool::new(AddressRange::new(), config.device_pool_config());
+    replay_on(AddressRange::new(), trace, config, warm, one_stream)
+}
+
+/// What fits: the smallest simulated device (in steps of its 2 MiB
+/// granularity) on which a cold replay of `trace` through the device
+/// pool of `config` has no failed allocation, found by bisection between
+/// the trace's peak of live bytes and the memory an unbounded replay
+/// held. Returns that capacity and the unbounded replay's peak.
+///
+/// # Errors
+/// A replay's error.
+pub fn smallest_fit(trace: &Trace, config: &Config, one_stream: bool) -> Result<(usize, usize)> {
+    let fits = |capacity| -> Result<bool> {
+        Ok(replay_on(AddressRange::with_capacity(capacity), trace, config, false, one_stream)?.failures == 0)
+    };
+    let unbounded = replay_on(AddressRange::with_capacity(usize::MAX), trace, config, false, one_stream)?;
+    let Some(peak) = unbounded.peak_reserved else { return Ok((0, 0)) };
+    // No capacity below the peak of live bytes fits; the unbounded peak
+    // does (a pool held no more there).
+    let (mut lo, mut hi) = (unbounded.peak_live / GRANULARITY, peak.div_ceil(GRANULARITY));
+    if !fits(hi * GRANULARITY)? {
+        return Ok((peak, peak));
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid * GRANULARITY)? {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Ok((hi * GRANULARITY, peak))
+}
+
+/// [`replay_simulated`] over `range`.
+fn replay_on(range: AddressRange, trace: &Trace, config: &Config, warm: bool, one_stream: bool) -> Result<Measurement> {
+    let pool = Pool::new(range, config.device_pool_config());
     // No work is ever queued on a simulated device: every free's work is
     // complete, as a replay's on a real device (no kernels run) soon is.
     pool.set_tag_oracle(std::sync::Arc::new(|_| true));

@@ -24,12 +24,18 @@ fn synchronize_peers(peers: &[usize]) -> Result<()> {
 }
 
 impl Expandable {
-    pub(super) fn map_runs(&self, runs: &[Chunk], kind: PoolKind) -> Result<u64> {
+    /// Maps `runs`. `device_free` reads the device's free memory, which
+    /// sizes new pieces ([`remap_piece`](crate::upstream::remap_piece));
+    /// it is read once, and only where the memory kept does not cover the
+    /// runs.
+    pub(super) fn map_runs(&self, runs: &[Chunk], kind: PoolKind, device_free: &dyn Fn() -> usize) -> Result<u64> {
         self.follow_peers()?;
+        let need: usize = runs.iter().map(|r| r.size).sum();
+        let free = if need > self.kept() { device_free() } else { usize::MAX };
         let mut calls = 0;
         for (i, run) in runs.iter().enumerate() {
             let r = match self.offset_of(*run) {
-                Some(offset) => self.map_one_run(offset, run.size),
+                Some(offset) => self.map_one_run(offset, run.size, free),
                 None => Err(Error::InvalidState(format!("run {:#x}+{} is outside the segment", run.addr, run.size))),
             };
             match r {
@@ -55,7 +61,7 @@ impl Expandable {
 
     /// Maps one run. On CUDA the driver calls run with the region's lock
     /// dropped (`RunMap`); host memory maps under the lock.
-    fn map_one_run(&self, offset: usize, size: usize) -> Result<u64> {
+    fn map_one_run(&self, offset: usize, size: usize, device_free: usize) -> Result<u64> {
         let plan = {
             let mut region = lock(&self.region);
             // Old mappings of moved memory there are being unmapped
@@ -67,9 +73,9 @@ impl Expandable {
                 attempt = attempt.saturating_add(1);
                 region = lock(&self.region);
             }
-            match region.plan_run(offset, size)? {
+            match region.plan_run(offset, size, device_free)? {
                 Some(plan) => plan,
-                None => return region.map_run(offset, size),
+                None => return region.map_run(offset, size, device_free),
             }
         };
         let done = plan.execute();

@@ -181,9 +181,11 @@ impl RunUnmap {
 impl Region {
     /// Maps memory over `[offset, offset + size)` (granularity multiples,
     /// unmapped, inside one segment): spares first, new memory for the
-    /// rest. Returns the number of map calls. On failure nothing new stays
-    /// mapped (spares used go back to the spares).
-    pub(crate) fn map_run(&mut self, offset: usize, size: usize) -> Result<u64> {
+    /// rest, in pieces sized for `device_free` bytes free on the device
+    /// ([`remap_piece`](crate::upstream::remap_piece)). Returns the number
+    /// of map calls. On failure nothing new stays mapped (spares used go
+    /// back to the spares).
+    pub(crate) fn map_run(&mut self, offset: usize, size: usize, device_free: usize) -> Result<u64> {
         let end = self.run_end(offset, size)?;
         let s = self.segment_of(offset);
         let seg_off = self.segments[s].offset;
@@ -195,7 +197,7 @@ impl Region {
         }
         self.unmap_stale_in(offset, end)?;
         let at = self.check_unmapped(offset, end)?;
-        let piece_cap = self.piece_cap();
+        let piece_cap = self.piece_cap(device_free);
         let mut new: Vec<Piece> = Vec::new();
         let mut cursor = offset;
         let mut failure = None;
@@ -243,8 +245,8 @@ impl Region {
     /// [`RunMap::execute`] to carry out with the lock dropped, and keeps
     /// other maps off the run meanwhile. `Ok(None)` where the run must be
     /// mapped under the lock ([`map_run`](Self::map_run)): host memory, or
-    /// a run across segments.
-    pub(crate) fn plan_run(&mut self, offset: usize, size: usize) -> Result<Option<RunMap>> {
+    /// a run across segments. `device_free`: as for `map_run`.
+    pub(crate) fn plan_run(&mut self, offset: usize, size: usize, device_free: usize) -> Result<Option<RunMap>> {
         let end = self.run_end(offset, size)?;
         self.unmap_stale_in(offset, end)?;
         let s = self.segment_of(offset);
@@ -258,7 +260,7 @@ impl Region {
         // holds the region (its `SharedRegion`), which keeps its
         // reservation.
         let range = unsafe { range.alias() };
-        let piece_cap = self.piece_cap();
+        let piece_cap = self.piece_cap(device_free);
         let mut pieces = Vec::new();
         let mut cursor = offset;
         while cursor < end {
@@ -318,10 +320,11 @@ impl Region {
         Ok(at)
     }
 
-    /// The largest piece of new memory a map makes now.
-    fn piece_cap(&self) -> usize {
+    /// The largest piece of new memory a map makes now, with
+    /// `device_free` bytes free on the device.
+    fn piece_cap(&self, device_free: usize) -> usize {
         let mapped: usize = self.pieces.iter().map(|p| p.size).sum();
-        crate::upstream::remap_piece(mapped).next_multiple_of(self.granularity())
+        crate::upstream::remap_piece(mapped, device_free).next_multiple_of(self.granularity())
     }
 
     /// The largest spare of at most `rem` bytes, taken.

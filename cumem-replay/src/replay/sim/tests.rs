@@ -37,3 +37,42 @@ fn lent_memory_keeps_its_old_mapping_until_the_mapper_or_a_map_needs_it() {
     assert_eq!(r.calls().unmap - before.unmap, 2, "the mapper unmapped the last old mapping");
     assert!(!r.stale.load(std::sync::atomic::Ordering::Relaxed));
 }
+
+#[test]
+fn new_pieces_shrink_as_the_simulated_device_fills() {
+    let calls_for = |capacity: usize| {
+        let r = AddressRange::with_capacity(capacity);
+        let space = r.reserve_chunk(64 * GRANULARITY).unwrap();
+        r.map_runs(&[Chunk { addr: space.addr, size: 32 * GRANULARITY }]).unwrap();
+        r.calls().map
+    };
+    // 64 MiB mapped: 8 MiB pieces on a roomy device; with 1 GiB free
+    // (a 512th is 2 MiB), one piece a granule.
+    assert_eq!(calls_for(usize::MAX), 8);
+    assert_eq!(calls_for(64 * GRANULARITY + (1 << 30)), 32);
+}
+
+#[test]
+fn making_memory_past_the_capacity_fails_and_maps_nothing() {
+    let r = AddressRange::with_capacity(4 * GRANULARITY);
+    let space = r.reserve_chunk(8 * GRANULARITY).unwrap();
+    let run = |i: usize, n: usize| Chunk { addr: space.addr + i * GRANULARITY, size: n * GRANULARITY };
+    r.map_runs(&[run(0, 3)]).unwrap();
+    let err = r.map_runs(&[run(3, 2)]).unwrap_err();
+    assert!(matches!(err, cumem::Error::OutOfMemory { .. }), "{err}");
+    assert_eq!(lock(&r.vm).held(), 3 * GRANULARITY, "the failed map left nothing mapped");
+    r.map_runs(&[run(3, 1)]).unwrap();
+    assert!(r.allocate_chunk(GRANULARITY).is_err(), "growth past the capacity fails too");
+}
+
+#[test]
+fn what_fits_is_bound_by_live_bytes_not_by_the_pieces() {
+    // A loop whose layout shifts: an unbounded pool holds 1.048 of its
+    // peak of live bytes (pieces of up to 32 MiB, some partly in use);
+    // on a device near that peak, pieces shrink and it fits within 1.02.
+    let trace = crate::synth::Spec::from_arg("synth:loop_fixed:1").unwrap().unwrap().trace();
+    let (fits, unbounded) = smallest_fit(&trace, &Config::new(), false).unwrap();
+    let live = trace.peak_live as f64;
+    assert!(unbounded as f64 > 1.04 * live, "unbounded {unbounded} B for {live} B live");
+    assert!((fits as f64) < 1.02 * live, "fits in {fits} B for {live} B live");
+}
