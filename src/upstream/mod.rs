@@ -67,10 +67,10 @@ pub const PRESSED_PIECE: usize = 2 << 20;
 /// so what a piece partly in use holds free is lost to a large request;
 /// small pieces near the device's limit keep that loss small, and the
 /// largest program that fits is bound by its live bytes, not by the
-/// layout. (On the simulated device, with the memory a replay needs as
-/// its capacity, 32 MiB pieces needed 1.010-1.116 of the peak of live
-/// bytes over seven captured logs, this rule 1.005-1.012.) A device with
-/// 16 GiB or more free maps 32 MiB pieces as before.
+/// layout. (The smallest simulated device a captured log of padded
+/// generation fits on: 1.116 of its peak of live bytes with 32 MiB
+/// pieces throughout, 1.012 with this rule; `cumem-replay --fit`.) A
+/// device with 16 GiB or more free maps 32 MiB pieces as before.
 pub fn remap_piece(mapped: usize, device_free: usize) -> usize {
     use crate::sync::{Ordering, StaticAtomicU64};
     /// The ceiling in bytes; 0 until read.
