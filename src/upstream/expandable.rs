@@ -30,6 +30,18 @@ struct Expandable {
     /// Whether the region maps device memory (peers are followed before
     /// each map: `cuda/peer.rs`).
     cuda: bool,
+    /// The last reading of the device's free memory (`remap.rs`).
+    free_seen: Mutex<FreeSeen>,
+}
+
+/// A reading of the device's free memory, which sizes new pieces
+/// ([`remap_piece`](crate::upstream::remap_piece)): when it was taken, what
+/// it said, and the new memory mapped since.
+#[derive(Debug, Default)]
+struct FreeSeen {
+    at: Option<std::time::Instant>,
+    free: usize,
+    made: usize,
 }
 
 impl Expandable {
@@ -40,7 +52,8 @@ impl Expandable {
             (r.base(), r.reserved(), r.granularity())
         };
         let cuda = matches!(backend, VmBackend::Cuda(_));
-        Ok(Expandable { base, reserved, granularity, region, reserved_top: Mutex::new(0), cuda })
+        let free_seen = Mutex::new(FreeSeen::default());
+        Ok(Expandable { base, reserved, granularity, region, reserved_top: Mutex::new(0), cuda, free_seen })
     }
 
     /// Gives peers that became active access before a map, with no lock of

@@ -38,9 +38,10 @@ pub const BLOCK_ALIGN: usize = 256;
 /// to the upstream's granularity).
 pub const REMAP_PIECE: usize = 8 << 20;
 
-/// The default of the largest piece of new memory a remapping pool maps
-/// once it holds a lot (see [`remap_piece`]; the environment variable
-/// `CUMEM_REMAP_PIECE_MAX` overrides it).
+/// The largest piece of new memory a remapping pool maps once it holds a
+/// lot (see [`remap_piece`]; 64 and 128 MiB measured no better on an H100,
+/// and 8 MiB throughout took 2-3.5 times as long per operation in warm
+/// replays on an H200).
 pub const REMAP_PIECE_MAX: usize = 32 << 20;
 
 /// The device's free memory per byte of the largest new piece mapped
@@ -57,9 +58,7 @@ pub const PRESSED_PIECE: usize = 2 << 20;
 /// two), from [`REMAP_PIECE`] to [`REMAP_PIECE_MAX`], so a pool growing
 /// from nothing makes fewer, larger `cuMemCreate` calls, while a small
 /// pool's memory still moves finely. Larger pieces move less finely once
-/// free (a piece is unmapped whole): `CUMEM_REMAP_PIECE_MAX` (in MiB, read
-/// once per process) sets the ceiling; at or below [`REMAP_PIECE`] pieces
-/// don't grow.
+/// free (a piece is unmapped whole).
 ///
 /// Under pressure pieces shrink: never larger than a 512th of the
 /// device's free memory ([`FREE_PER_PIECE_BYTE`], a power of two), down to
@@ -72,16 +71,7 @@ pub const PRESSED_PIECE: usize = 2 << 20;
 /// pieces throughout, 1.012 with this rule; `cumem-replay --fit`.) A
 /// device with 16 GiB or more free maps 32 MiB pieces as before.
 pub fn remap_piece(mapped: usize, device_free: usize) -> usize {
-    use crate::sync::{Ordering, StaticAtomicU64};
-    /// The ceiling in bytes; 0 until read.
-    static MAX: StaticAtomicU64 = StaticAtomicU64::new(0);
-    let mut max = MAX.load(Ordering::Relaxed) as usize;
-    if max == 0 {
-        let asked = std::env::var("CUMEM_REMAP_PIECE_MAX").ok().and_then(|v| v.trim().parse::<usize>().ok());
-        max = asked.and_then(|mib| mib.checked_mul(1 << 20)).unwrap_or(REMAP_PIECE_MAX).max(REMAP_PIECE);
-        MAX.store(max as u64, Ordering::Relaxed);
-    }
-    let grown = (mapped / 32).next_power_of_two().clamp(REMAP_PIECE, max);
+    let grown = (mapped / 32).next_power_of_two().clamp(REMAP_PIECE, REMAP_PIECE_MAX);
     let share = device_free / FREE_PER_PIECE_BYTE;
     // The largest power of two at most `share` (at least the floor).
     let pressed = if share <= PRESSED_PIECE { PRESSED_PIECE } else { 1 << share.ilog2() };

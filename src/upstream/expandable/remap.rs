@@ -25,13 +25,42 @@ fn synchronize_peers(peers: &[usize]) -> Result<()> {
 
 impl Expandable {
     /// Maps `runs`. `device_free` reads the device's free memory, which
-    /// sizes new pieces ([`remap_piece`](crate::upstream::remap_piece));
-    /// it is read once, and only where the memory kept does not cover the
-    /// runs.
+    /// sizes new pieces ([`remap_piece`](crate::upstream::remap_piece)),
+    /// only where the memory kept does not cover the runs
+    /// ([`free_for_pieces`](Self::free_for_pieces)).
     pub(super) fn map_runs(&self, runs: &[Chunk], kind: PoolKind, device_free: &dyn Fn() -> usize) -> Result<u64> {
         self.follow_peers()?;
         let need: usize = runs.iter().map(|r| r.size).sum();
-        let free = if need > self.kept() { device_free() } else { usize::MAX };
+        let new = need.saturating_sub(self.kept());
+        let free = if new > 0 { self.free_for_pieces(device_free) } else { usize::MAX };
+        let calls = self.map_each(runs, kind, free)?;
+        lock(&self.free_seen).made += new;
+        Ok(calls)
+    }
+
+    /// The device's free memory for sizing new pieces: the last reading
+    /// less the memory mapped since, while that is under a second old and
+    /// leaves twice what makes pieces shrink (a device that roomy maps
+    /// the largest pieces whatever it has free); else a new reading
+    /// (`read`: `cuMemGetInfo`, about 5.5 µs on an H200, which a cold
+    /// pass of the seq2seq log would otherwise make 479 times). Near the
+    /// limit every map reads it.
+    fn free_for_pieces(&self, read: &dyn Fn() -> usize) -> usize {
+        let roomy = 2 * crate::upstream::FREE_PER_PIECE_BYTE * crate::upstream::REMAP_PIECE_MAX;
+        {
+            let seen = lock(&self.free_seen);
+            let left = seen.free.saturating_sub(seen.made);
+            if seen.at.is_some_and(|at| at.elapsed() < std::time::Duration::from_secs(1)) && left >= roomy {
+                return left;
+            }
+        }
+        let free = read();
+        *lock(&self.free_seen) = super::FreeSeen { at: Some(std::time::Instant::now()), free, made: 0 };
+        free
+    }
+
+    /// Maps each of `runs` with new pieces sized for `free` bytes free.
+    fn map_each(&self, runs: &[Chunk], kind: PoolKind, free: usize) -> Result<u64> {
         let mut calls = 0;
         for (i, run) in runs.iter().enumerate() {
             let r = match self.offset_of(*run) {
