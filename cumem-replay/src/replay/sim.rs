@@ -340,55 +340,48 @@ impl Upstream for AddressRange {
 
     fn map_runs(&self, runs: &[Chunk]) -> Result<u64> {
         let mut vm = lock(&self.vm);
-        // What new memory the runs take once the kept memory is used (the
-        // same picks as below), checked first: a device that fails midway
-        // unmaps what the call mapped and releases the kept memory.
-        // New pieces are sized for the memory free now (a device reads it
-        // once per call).
-        let free = vm.free();
-        let mut spare = vm.spare.clone();
+        // The pieces first: kept ones of at most the run's remaining size
+        // (largest first), new ones for the rest, sized for the memory
+        // free now (a device reads it once per call). A device that runs
+        // out midway unmaps what the call mapped and releases the kept
+        // memory: the new memory is checked before anything is mapped.
+        let (free, held) = (vm.free(), vm.held());
         let mut mapped: usize = vm.pieces.values().sum();
-        let mut new = 0;
-        for run in runs {
-            let mut rem = run.size;
-            while rem > 0 {
-                let len = match (0..spare.len()).filter(|&i| spare[i] <= rem).max_by_key(|&i| spare[i]) {
-                    Some(i) => spare.swap_remove(i),
-                    None => {
-                        let len = rem.min(piece_cap(mapped, free));
-                        new += len;
-                        len
-                    }
-                };
-                mapped += len;
-                rem -= len;
-            }
-        }
-        if !vm.room_for(new) {
-            vm.release_spare();
-            return Err(out_of_memory(new));
-        }
-        let mut maps = 0;
-        for run in runs {
-            // Old mappings still there go first, on this thread.
-            vm.unmap_stale_in(run.addr, run.size);
-            self.stale.store(!vm.stale.is_empty(), std::sync::atomic::Ordering::Relaxed);
+        let (mut plan, mut new) = (Vec::new(), 0);
+        for (r, run) in runs.iter().enumerate() {
             let mut at = run.addr;
             while at < run.end() {
                 let rem = run.end() - at;
                 let pick = (0..vm.spare.len()).filter(|&i| vm.spare[i] <= rem).max_by_key(|&i| vm.spare[i]);
                 let len = match pick {
                     Some(i) => vm.spare.swap_remove(i),
-                    None => {
-                        vm.note(CallKind::Create);
-                        let mapped: usize = vm.pieces.values().sum();
-                        rem.min(piece_cap(mapped, free))
-                    }
+                    None => rem.min(piece_cap(mapped, free)),
                 };
+                new += if pick.is_none() { len } else { 0 };
+                plan.push((r, at, len, pick.is_none()));
+                mapped += len;
+                at += len;
+            }
+        }
+        if held.saturating_add(new) > vm.capacity {
+            for _ in plan.iter().filter(|p| !p.3) {
+                vm.note(CallKind::Release);
+            }
+            vm.release_spare();
+            return Err(out_of_memory(new));
+        }
+        let maps = plan.len() as u64;
+        let mut pieces = plan.into_iter().peekable();
+        for (r, run) in runs.iter().enumerate() {
+            // Old mappings still there go first, on this thread.
+            vm.unmap_stale_in(run.addr, run.size);
+            self.stale.store(!vm.stale.is_empty(), std::sync::atomic::Ordering::Relaxed);
+            while let Some((_, at, len, fresh)) = pieces.next_if(|p| p.0 == r) {
+                if fresh {
+                    vm.note(CallKind::Create);
+                }
                 vm.pieces.insert(at, len);
                 vm.note(CallKind::Map);
-                maps += 1;
-                at += len;
             }
             vm.note(CallKind::SetAccess);
         }
