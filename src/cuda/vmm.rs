@@ -19,8 +19,9 @@
 //! stays alive in the driver until it is unmapped, and an [`AddressRange`]
 //! freed while mapped makes `cuMemAddressFree` fail (the failure is logged).
 //!
-//! Every call that moves physical memory is counted and timed
-//! (`vmm/calls.rs`, read with [`driver_calls`]).
+//! Every call that moves physical memory, and every read of the device's
+//! free memory, is counted and timed (`vmm/calls.rs`, read with
+//! [`driver_calls`]).
 
 use std::sync::Arc;
 
@@ -473,7 +474,7 @@ pub fn is_out_of_memory(err: &Error) -> bool {
 /// A driver error.
 pub fn memory_info(ctx: &CudaContext) -> Result<(usize, usize)> {
     bind(ctx)?;
-    cudarc::driver::result::mem_get_info().map_err(driver_err("cuMemGetInfo"))
+    timed(CallKind::Query, cudarc::driver::result::mem_get_info).map_err(driver_err("cuMemGetInfo"))
 }
 
 /// Waits for all work on `ctx`'s device (`cuCtxSynchronize`), before

@@ -231,11 +231,13 @@ pub struct CallKinds {
     pub set_access: u64,
     /// `cuMemRelease`.
     pub release: u64,
+    /// `cuMemGetInfo` (the free memory that sizes new pieces).
+    pub query: u64,
     /// All of them.
     pub total: u64,
     /// Nanoseconds spent in them, by kind in the order above (none on
     /// `sim_device`, whose calls take no time).
-    pub ns: [u64; 5],
+    pub ns: [u64; 6],
     /// Nanoseconds spent in all of them.
     pub total_ns: u64,
 }
@@ -248,6 +250,7 @@ impl From<cumem::cuda::vmm::DriverCalls> for CallKinds {
             unmap: c.unmap,
             set_access: c.set_access,
             release: c.release,
+            query: c.query,
             total: c.total(),
             ns: c.ns,
             total_ns: c.total_ns(),

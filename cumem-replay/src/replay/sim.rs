@@ -141,6 +141,7 @@ impl Mapped {
             CallKind::Unmap => &mut c.unmap,
             CallKind::SetAccess => &mut c.set_access,
             CallKind::Release => &mut c.release,
+            CallKind::Query => &mut c.query,
         } += 1;
         record_call(kind);
         let cost = settings().0;
@@ -362,6 +363,10 @@ impl Upstream for AddressRange {
                 mapped += len;
                 at += len;
             }
+        }
+        if new > 0 && vm.capacity != usize::MAX {
+            // A bounded device reads its free memory for new pieces.
+            vm.note(CallKind::Query);
         }
         if held.saturating_add(new) > vm.capacity {
             for _ in plan.iter().filter(|p| !p.3) {

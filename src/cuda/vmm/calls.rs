@@ -1,5 +1,6 @@
-//! Counts of the VMM driver calls that move physical memory, and the time
-//! spent in them, kept apart for the program's threads and for cumem's
+//! Counts of the VMM driver calls that move physical memory (and of the
+//! reads of the device's free memory that size it), and the time spent
+//! in them, kept apart for the program's threads and for cumem's
 //! background mapper ([`driver_calls`]).
 
 /// A kind of driver call that moves physical memory, as counted by
@@ -16,7 +17,13 @@ pub enum CallKind {
     SetAccess,
     /// `cuMemRelease`: physical memory given back.
     Release,
+    /// `cuMemGetInfo`: the device's free memory read (it sizes new
+    /// pieces near a full device).
+    Query,
 }
+
+/// How many kinds of call there are.
+const KINDS: usize = 6;
 
 /// Counts of the driver calls that move physical memory, one per kind.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -31,16 +38,18 @@ pub struct DriverCalls {
     pub set_access: u64,
     /// `cuMemRelease` calls.
     pub release: u64,
+    /// `cuMemGetInfo` calls.
+    pub query: u64,
     /// Nanoseconds spent in these calls, by kind in [`CallKind`] order
     /// (wall-clock time on the calling threads, summed). Simulated calls
     /// add none.
-    pub ns: [u64; 5],
+    pub ns: [u64; KINDS],
 }
 
 impl DriverCalls {
     /// All calls together.
     pub fn total(&self) -> u64 {
-        self.create + self.map + self.unmap + self.set_access + self.release
+        self.create + self.map + self.unmap + self.set_access + self.release + self.query
     }
 
     /// The nanoseconds spent in all of them.
@@ -56,6 +65,7 @@ impl DriverCalls {
             unmap: self.unmap - before.unmap,
             set_access: self.set_access - before.set_access,
             release: self.release - before.release,
+            query: self.query - before.query,
             ns: std::array::from_fn(|k| self.ns[k] - before.ns[k]),
         }
     }
@@ -85,7 +95,7 @@ impl DriverCallCounts {
 /// One counter per kind (in [`CallKind`] order) for the program's threads,
 /// then one per kind for the background mapper; then the nanoseconds spent
 /// in calls, in the same order.
-static CALLS: [crate::sync::StaticAtomicU64; 20] = [const { crate::sync::StaticAtomicU64::new(0) }; 20];
+static CALLS: [crate::sync::StaticAtomicU64; 4 * KINDS] = [const { crate::sync::StaticAtomicU64::new(0) }; 4 * KINDS];
 
 std::thread_local! {
     /// Set on the background mapper's thread.
@@ -127,7 +137,7 @@ pub fn record_call(kind: CallKind) {
 
 /// The index of the calling thread's counter of `kind` in `CALLS`.
 fn counter(kind: CallKind) -> usize {
-    kind as usize + if on_background_mapper() { 5 } else { 0 }
+    kind as usize + if on_background_mapper() { KINDS } else { 0 }
 }
 
 /// Makes driver call `call` of `kind`, counted as [`record_call`] counts
@@ -137,7 +147,7 @@ pub(super) fn timed<T>(kind: CallKind, call: impl FnOnce() -> T) -> T {
     CALLS[i].fetch_add(1, crate::sync::Ordering::Relaxed);
     let start = std::time::Instant::now();
     let r = call();
-    CALLS[10 + i].fetch_add(start.elapsed().as_nanos() as u64, crate::sync::Ordering::Relaxed);
+    CALLS[2 * KINDS + i].fetch_add(start.elapsed().as_nanos() as u64, crate::sync::Ordering::Relaxed);
     r
 }
 
@@ -145,19 +155,20 @@ pub(super) fn timed<T>(kind: CallKind, call: impl FnOnce() -> T) -> T {
 /// whatever thread calls: for an upstream that simulates a device and
 /// models the mapper's work on the calling thread (the replay tool's).
 pub fn record_background_call(kind: CallKind) {
-    CALLS[kind as usize + 5].fetch_add(1, crate::sync::Ordering::Relaxed);
+    CALLS[kind as usize + KINDS].fetch_add(1, crate::sync::Ordering::Relaxed);
 }
 
 /// The driver calls that moved physical memory so far in this process
 /// (`cuMemCreate`, `cuMemMap`, `cuMemUnmap`, `cuMemSetAccess`,
-/// `cuMemRelease`), on the program's threads and on the background mapper.
+/// `cuMemRelease`, and `cuMemGetInfo`), on the program's threads and on
+/// the background mapper.
 /// Take the difference of two readings ([`DriverCallCounts::since`]) for
 /// the calls of a stretch of work.
 pub fn driver_calls() -> DriverCallCounts {
     let read = |base: usize| {
         let c = |k: usize| CALLS[base + k].load(crate::sync::Ordering::Relaxed);
-        let ns = std::array::from_fn(|k| c(10 + k));
-        DriverCalls { create: c(0), map: c(1), unmap: c(2), set_access: c(3), release: c(4), ns }
+        let ns = std::array::from_fn(|k| c(2 * KINDS + k));
+        DriverCalls { create: c(0), map: c(1), unmap: c(2), set_access: c(3), release: c(4), query: c(5), ns }
     };
-    DriverCallCounts { allocating: read(0), background: read(5) }
+    DriverCallCounts { allocating: read(0), background: read(KINDS) }
 }
