@@ -104,17 +104,26 @@ fn host_remap_path_keeps_contents() {
     buf.set_headroom(false);
     assert_eq!(buf.headroom_bytes(), 0);
     let mut blockers = Vec::new();
+    let mut blocked = 0;
     for round in 0..8 {
         let n = buf.capacity() - buf.len() + 17;
         let start = buf.len();
         let old_ptr = buf.device_ptr();
-        blockers.push(block_host_tail(&buf));
+        let blocker = block_host_tail(&buf);
+        // Where another thread's mapping stood in the way instead, it may
+        // be gone by the growth: only our own blocker makes it move.
+        let ours = !blocker.0.is_null();
+        blockers.push(blocker);
         buf.extend_from_host(&pattern(start, n)).unwrap();
-        assert_ne!(buf.device_ptr(), old_ptr, "round {round}: the pointer should move");
+        if ours {
+            blocked += 1;
+            assert_ne!(buf.device_ptr(), old_ptr, "round {round}: the pointer should move");
+        }
         assert_eq!(buf.to_vec().unwrap(), pattern(0, buf.len()), "round {round}");
     }
-    assert_eq!(buf.stats().remapped, 8);
-    assert_eq!(buf.stats().in_place, 0);
+    assert!(blocked > 0, "no round placed its blocker: the test checked nothing");
+    assert!(buf.stats().remapped >= blocked, "{:?}", buf.stats());
+    assert_eq!(buf.stats().remapped + buf.stats().in_place, 8);
     for (p, len) in blockers.into_iter().filter(|(p, _)| !p.is_null()) {
         // SAFETY: these pages were mapped above and nothing uses them.
         assert_eq!(unsafe { libc::munmap(p, len) }, 0);
