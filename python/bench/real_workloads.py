@@ -85,12 +85,15 @@ class PhysicalSampler:
     """Samples the device's used memory every `interval` seconds on a thread
     of its own (NVML when importable, else cudaMemGetInfo), so a peak inside
     a step is seen too. `start_phase()` takes the baseline and restarts the
-    maximum; `peak()` is the largest sample since, minus that baseline."""
+    maximum; `peak()` is the largest sample since, minus that baseline.
+    With NVML it also reads the SM clock every 25th sample: step times
+    that differ between processes can be set beside the clock."""
 
     def __init__(self, torch, interval=0.002):
         import threading
         self.torch = torch
         self.interval = interval
+        self.clock = None
         self.read = self._reader()
         self.start_phase()
         self.stop = threading.Event()
@@ -107,6 +110,7 @@ class PhysicalSampler:
                 index = int(visible.split(",")[index])
             h = pynvml.nvmlDeviceGetHandleByIndex(index)
             self.source = "nvml"
+            self.clock = lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
             return lambda: pynvml.nvmlDeviceGetMemoryInfo(h).used
         except Exception:  # noqa: BLE001 - any failure: the CUDA runtime's figure
             self.source = "cudaMemGetInfo"
@@ -120,12 +124,21 @@ class PhysicalSampler:
         while not self.stop.is_set():
             self.high = max(self.high, self.read())
             self.count += 1
+            if self.clock and self.count % 25 == 0:
+                self.clocks.append(self.clock())
             self.stop.wait(self.interval)
 
     def start_phase(self):
         self.base = self.read()
         self.high = self.base
         self.count = 0
+        self.clocks = []
+
+    def clock_mhz(self):
+        """The SM clock read every 25th sample since `start_phase()`:
+        [lowest, median, highest] MHz, or None without NVML."""
+        c = sorted(self.clocks)
+        return [c[0], c[len(c) // 2], c[-1]] if c else None
 
     def peak(self):
         return max(self.high, self.read()) - self.base
@@ -200,6 +213,7 @@ def run_workload(torch, sampler, workload, params, allocator, kind):
         "peak_physical_bytes": phys,
         "samples": sampler.count,
         "sampler": sampler.source,
+        "sm_clock_mhz": sampler.clock_mhz(),
         "own_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
         "values": [float(v).hex() for v in values],

@@ -405,6 +405,11 @@ impl PhysicalChunk {
     pub fn size(&self) -> usize {
         self.size
     }
+
+    /// The driver's handle: which memory this is, while it lives.
+    pub(crate) fn handle(&self) -> u64 {
+        self.handle
+    }
 }
 
 /// Whether `ctx`'s device can share memory as POSIX file descriptors

@@ -43,9 +43,10 @@ mod settle;
 mod stale;
 
 pub use pages::choose_pieces;
-pub(crate) use pages::Planned;
+pub(crate) use pages::{Planned, Released};
 pub(crate) use settle::{deferred_and_leaked, release_deferred, Settled, Waiter};
 use stale::Stale;
+pub(crate) use stale::StaleUnmap;
 
 /// Where a virtual region's memory lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,6 +143,16 @@ impl Reservation {
 enum Backing {
     Cuda(PhysicalChunk),
     Host,
+}
+
+impl Backing {
+    /// The device memory's handle (`None`: host memory).
+    fn handle(&self) -> Option<u64> {
+        match self {
+            Backing::Cuda(p) => Some(p.handle()),
+            Backing::Host => None,
+        }
+    }
 }
 
 #[derive(Debug)]

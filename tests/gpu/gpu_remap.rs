@@ -427,3 +427,54 @@ fn fenced_move(ctx: &Arc<CudaContext>, request: Request) {
         s.synchronize().unwrap();
     }
 }
+
+/// A fence the test passes by hand.
+#[derive(Default)]
+struct HandFence(std::sync::atomic::AtomicBool);
+
+impl cumem::pool::Fence for HandFence {
+    fn passed(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    fn wait(&self) -> cumem::Result<()> {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// Lent memory that is then released stays on the device while its old
+/// mapping stays: the mapping goes with the release where no queued work
+/// may use it, and, behind a fence, not before the fence has passed and
+/// then with the next map (not whenever the mapper thread gets to it).
+#[test]
+fn released_lent_memory_leaves_the_device_once_its_old_mapping_may_go() {
+    use cumem::upstream::{Chunk, Queued, Upstream};
+    let Some(ctx) = gpu_for_test("released_lent_memory_leaves_the_device_once_its_old_mapping_may_go") else { return };
+    let vmm = CudaVmm::new(ctx.ordinal()).expect("a VMM upstream");
+    let page = vmm.granularity();
+    let chunk = vmm.reserve_chunk(64 * page).expect("address space");
+    let at = |first: usize, pages: usize| Chunk { addr: chunk.addr + first * page, size: pages * page };
+    let (a, b) = (at(0, 16), at(16, 16));
+    vmm.map_runs(&[a, b]).expect("memory mapped");
+
+    // No queued work may use `a`'s memory.
+    let lent = vmm.lend_within(&[a], a.size, Queued::Nothing).expect("lent");
+    assert_eq!(lent.iter().map(|c| c.size).sum::<usize>(), a.size);
+    assert!(vmm.has_stale() && vmm.kept() == a.size);
+    vmm.trim_kept(0);
+    assert_eq!(vmm.kept(), 0);
+    assert!(!vmm.has_stale(), "the old mapping of released memory stayed");
+
+    // Work queued before a fence may use `b`'s memory.
+    let fence = Arc::new(HandFence::default());
+    let lent = vmm.lend_within(&[b], b.size, Queued::Before(fence.clone())).expect("lent");
+    assert_eq!(lent.iter().map(|c| c.size).sum::<usize>(), b.size);
+    vmm.trim_kept(0);
+    assert!(vmm.has_stale(), "an old mapping went before its fence had passed");
+    vmm.map_runs(&[at(32, 1)]).expect("a page mapped");
+    assert!(vmm.has_stale(), "an old mapping went before its fence had passed");
+    fence.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    vmm.map_runs(&[at(33, 1)]).expect("a page mapped");
+    assert!(!vmm.has_stale(), "the next map left the old mapping of released memory");
+    vmm.deallocate_chunk(chunk).expect("the chunk goes back");
+}

@@ -9,7 +9,7 @@ use super::Expandable;
 use crate::cuda::{captures_under_way, device_context, vmm};
 use crate::error::{Error, PoolKind, Result};
 use crate::sync::lock;
-use crate::upstream::region::Planned;
+use crate::upstream::region::{Planned, Region, Released, StaleUnmap};
 use crate::upstream::{Chunk, Queued};
 
 /// Waits for the work queued on each device in `peers` (work on a peer's
@@ -30,6 +30,7 @@ impl Expandable {
     /// ([`free_for_pieces`](Self::free_for_pieces)).
     pub(super) fn map_runs(&self, runs: &[Chunk], kind: PoolKind, device_free: &dyn Fn() -> usize) -> Result<u64> {
         self.follow_peers()?;
+        self.unmap_released();
         let need: usize = runs.iter().map(|r| r.size).sum();
         let new = need.saturating_sub(self.kept());
         let free = if new > 0 { self.free_for_pieces(device_free) } else { usize::MAX };
@@ -197,8 +198,7 @@ impl Expandable {
     }
 
     pub(super) fn release_kept(&self) {
-        let released = lock(&self.region).release_spare();
-        drop(released);
+        self.release(|region| region.release_spare());
     }
 
     pub(super) fn kept(&self) -> usize {
@@ -206,8 +206,38 @@ impl Expandable {
     }
 
     pub(super) fn trim_kept(&self, keep: usize) {
-        let released = lock(&self.region).release_spare_over(keep);
+        self.release(|region| region.release_spare_over(keep));
+    }
+
+    /// Releases the kept memory `take` takes out of the region. Lent
+    /// memory stays on the device until its old mapping goes: those that
+    /// no queued work may use are unmapped here, the rest by the next map
+    /// once their fences have passed ([`unmap_released`](Self::unmap_released)),
+    /// or by the mapper thread.
+    fn release(&self, take: impl FnOnce(&mut Region) -> Released) {
+        let (released, unmap) = {
+            let mut region = lock(&self.region);
+            let released = take(&mut region);
+            region.mark_released(&released);
+            (released, region.plan_released_unmap())
+        };
         drop(released);
+        self.finish_unmap_released(unmap);
+    }
+
+    /// Unmaps the old mappings of released memory whose fences have passed
+    /// (with the region's lock dropped): all that keeps that memory on the
+    /// device.
+    fn unmap_released(&self) {
+        let unmap = lock(&self.region).plan_released_unmap();
+        self.finish_unmap_released(unmap);
+    }
+
+    fn finish_unmap_released(&self, unmap: Option<StaleUnmap>) {
+        if let Some(plan) = unmap {
+            let done = plan.execute();
+            lock(&self.region).finish_stale_unmap(done);
+        }
     }
 
     pub(super) fn mapped_pieces(&self, addr: usize, size: usize) -> Option<Vec<Chunk>> {

@@ -159,6 +159,13 @@ pub(crate) struct UnmapDone {
 #[must_use = "dropping it releases the memory: drop it with the region's lock released"]
 pub(crate) struct Released(Vec<Backing>);
 
+impl Released {
+    /// The handles of the device memory released.
+    pub(super) fn handles(&self) -> Vec<u64> {
+        self.0.iter().filter_map(Backing::handle).collect()
+    }
+}
+
 impl RunUnmap {
     /// Runs `wait_first` (the caller's waits for peers), waits for the
     /// device if the plan says so, then unmaps every piece, with no lock

@@ -13,6 +13,7 @@
 //! back. A mapping lent before a fence (work queued on the stream the
 //! memory is lent for) is unmapped only once the fence has passed.
 
+use super::pages::Released;
 use super::{Region, Reservation, Space};
 use crate::cuda::vmm::RangeAlias;
 use crate::error::Result;
@@ -27,6 +28,12 @@ pub(crate) struct Stale {
     pub(super) size: usize,
     /// Work queued before it may still use the mapping (`None`: none).
     pub(super) fence: Option<Arc<dyn Fence>>,
+    /// The memory's handle (`None`: host memory).
+    pub(super) memory: Option<u64>,
+    /// Whether the memory was released while this mapping stayed: it is
+    /// freed on the device only once the mapping goes
+    /// ([`plan_released_unmap`](Region::plan_released_unmap)).
+    pub(super) released: bool,
 }
 
 impl std::fmt::Debug for Stale {
@@ -64,7 +71,9 @@ impl Region {
         let mut out = Vec::with_capacity(chosen.len());
         for piece in self.take_pieces(chosen) {
             out.push((piece.offset, piece.size));
-            self.stale.push(Stale { offset: piece.offset, size: piece.size, fence: fence.clone() });
+            let memory = piece.backing.handle();
+            let m = Stale { offset: piece.offset, size: piece.size, fence: fence.clone(), memory, released: false };
+            self.stale.push(m);
             self.spare.push((piece.size, piece.backing));
         }
         Some(out)
@@ -98,6 +107,31 @@ impl Region {
     /// Mappings whose fence has not passed are taken with `wait` (the
     /// execution waits for them) and passed over without.
     pub(crate) fn plan_stale_unmap(&mut self, most: usize, wait: bool) -> Option<StaleUnmap> {
+        self.plan_stale_unmap_of(most, wait, |_| true)
+    }
+
+    /// Notes that the memory in `released` is being released: its stale
+    /// mappings are all that keep it on the device.
+    pub(crate) fn mark_released(&mut self, released: &Released) {
+        let handles = released.handles();
+        for m in &mut self.stale {
+            m.released |= m.memory.is_some_and(|h| handles.contains(&h));
+        }
+    }
+
+    /// With the lock held: the stale mappings of released memory whose
+    /// fences have passed, for [`StaleUnmap::execute`]. Released memory is
+    /// freed only once its last mapping goes, so these go on the thread
+    /// that releases or maps memory, not behind it: the device's free
+    /// memory then follows what the pool counts, whenever the mapper runs.
+    /// Mappings behind a fence that has not passed wait for the next call.
+    pub(crate) fn plan_released_unmap(&mut self) -> Option<StaleUnmap> {
+        self.plan_stale_unmap_of(usize::MAX, false, |m| m.released)
+    }
+
+    /// [`plan_stale_unmap`](Self::plan_stale_unmap) of the mappings `pick`
+    /// chooses.
+    fn plan_stale_unmap_of(&mut self, most: usize, wait: bool, pick: impl Fn(&Stale) -> bool) -> Option<StaleUnmap> {
         if self.stale.is_empty() {
             return None;
         }
@@ -109,18 +143,19 @@ impl Region {
         // passed is asked once.
         let mut waiting: Option<Arc<dyn Fence>> = None;
         while i < self.stale.len() && maps.len() < most {
-            let ready = wait
-                || match &self.stale[i].fence {
-                    None => true,
-                    Some(f) if waiting.as_ref().is_some_and(|w| Arc::ptr_eq(w, f)) => false,
-                    Some(f) => {
-                        let passed = f.passed();
-                        if !passed {
-                            waiting = Some(f.clone());
+            let ready = pick(&self.stale[i])
+                && (wait
+                    || match &self.stale[i].fence {
+                        None => true,
+                        Some(f) if waiting.as_ref().is_some_and(|w| Arc::ptr_eq(w, f)) => false,
+                        Some(f) => {
+                            let passed = f.passed();
+                            if !passed {
+                                waiting = Some(f.clone());
+                            }
+                            passed
                         }
-                        passed
-                    }
-                };
+                    });
             if ready {
                 maps.push(self.stale.remove(i));
             } else {
