@@ -18,6 +18,10 @@
 //!   requesting stream, `remap.rs`) is passed over until its fence has
 //!   passed (asked, never waited for): a step that finds only such
 //!   mappings tries again every [`RETRY`], [`RETRIES`] times.
+//! - **Released memory** is not left here: the old mapping of lent memory
+//!   the pool released goes on the allocating thread, at the release or
+//!   the next map (`Region::plan_released_unmap`), since the memory stays
+//!   on the device until it does.
 //! - **One thread for the process**, started on demand: pools queue a
 //!   [`Job`] (their shared remapping state, held weakly by the queue);
 //!   the thread runs queued jobs one step at a time and exits after

@@ -61,7 +61,12 @@
 //!   about 15 µs, its `cuMemMap` 0.5 µs and its share of `cuMemSetAccess`
 //!   about 22 µs: `benches/vmm.rs`). Memory is never lent while work
 //!   that may use it could run beside the new owner's: through its old
-//!   place that work would reach the new owner's memory.
+//!   place that work would reach the new owner's memory. Lent memory the
+//!   map did not use and the pool then releases (above its budget)
+//!   leaves the device only with its old mapping: that mapping goes at
+//!   the release where no queued work may use it, else at the next map
+//!   once its fence has passed, not when the mapper gets to it (the
+//!   device held up to 458 MiB more than cumem counted otherwise).
 //! - **Moves behind a fence**: memory whose blocks were freed on a stream
 //!   is lent with no wait on the host. The pool asks its fence maker
 //!   ([`Pool::set_fence_maker`]; a device allocator records a CUDA event

@@ -92,8 +92,9 @@ pub struct AddressRange {
 struct Mapped {
     /// Mapped pieces, address → size.
     pieces: std::collections::BTreeMap<usize, usize>,
-    /// Sizes of unmapped pieces kept for the next map.
-    spare: Vec<usize>,
+    /// Unmapped pieces kept for the next map: size, and the address of
+    /// the old mapping of lent memory while it is still there.
+    spare: Vec<(usize, Option<usize>)>,
     /// Old mappings of lent memory, address → size, not yet unmapped.
     stale: std::collections::BTreeMap<usize, usize>,
     /// The operation of the last move.
@@ -108,7 +109,7 @@ impl Mapped {
     /// The memory held: mapped pieces and kept ones (old mappings of lent
     /// memory share theirs).
     fn held(&self) -> usize {
-        self.pieces.values().sum::<usize>() + self.spare.iter().sum::<usize>()
+        self.pieces.values().sum::<usize>() + self.spare_bytes()
     }
 
     /// The memory the device has free (`usize::MAX`: no capacity).
@@ -124,11 +125,34 @@ impl Mapped {
         self.held().saturating_add(bytes) <= self.capacity
     }
 
+    fn spare_bytes(&self) -> usize {
+        self.spare.iter().map(|s| s.0).sum()
+    }
+
     fn release_spare(&mut self) {
-        for _ in 0..self.spare.len() {
-            self.note(CallKind::Release);
+        for spare in std::mem::take(&mut self.spare) {
+            self.release(spare);
         }
-        self.spare.clear();
+    }
+
+    /// Releases a kept piece. Lent memory is freed only with its old
+    /// mapping, which goes now, on this thread, as on a device where no
+    /// queued work may use it (none here).
+    fn release(&mut self, (_, old): (usize, Option<usize>)) {
+        if let Some(addr) = old {
+            if self.stale.remove(&addr).is_some() {
+                self.note(CallKind::Unmap);
+            }
+        }
+        self.note(CallKind::Release);
+    }
+
+    /// The old mapping at `addr` is gone: its memory's kept piece, if kept,
+    /// has none.
+    fn forget_old(&mut self, addr: usize) {
+        for s in self.spare.iter_mut().filter(|s| s.1 == Some(addr)) {
+            s.1 = None;
+        }
     }
 
     /// Counts one call here and in the library's driver-call counters (on
@@ -177,6 +201,7 @@ impl Mapped {
             first.into_iter().chain(self.stale.range(addr..addr + size).map(|(&a, _)| a)).collect();
         for a in inside {
             self.stale.remove(&a);
+            self.forget_old(a);
             self.note(CallKind::Unmap);
         }
     }
@@ -241,6 +266,7 @@ impl AddressRange {
         }
         if let Some((&a, _)) = vm.stale.iter().next() {
             vm.stale.remove(&a);
+            vm.forget_old(a);
             vm.calls.unmap += 1;
             cumem::cuda::vmm::record_background_call(CallKind::Unmap);
         }
@@ -353,9 +379,9 @@ impl Upstream for AddressRange {
             let mut at = run.addr;
             while at < run.end() {
                 let rem = run.end() - at;
-                let pick = (0..vm.spare.len()).filter(|&i| vm.spare[i] <= rem).max_by_key(|&i| vm.spare[i]);
+                let pick = (0..vm.spare.len()).filter(|&i| vm.spare[i].0 <= rem).max_by_key(|&i| vm.spare[i].0);
                 let len = match pick {
-                    Some(i) => vm.spare.swap_remove(i),
+                    Some(i) => vm.spare.swap_remove(i).0,
                     None => rem.min(piece_cap(mapped, free)),
                 };
                 new += if pick.is_none() { len } else { 0 };
@@ -373,6 +399,7 @@ impl Upstream for AddressRange {
                 vm.note(CallKind::Release);
             }
             vm.release_spare();
+            self.stale.store(!vm.stale.is_empty(), std::sync::atomic::Ordering::Relaxed);
             return Err(out_of_memory(new));
         }
         let maps = plan.len() as u64;
@@ -400,7 +427,7 @@ impl Upstream for AddressRange {
         for &(_, size) in &taken {
             vm.note(CallKind::Unmap);
             if keep {
-                vm.spare.push(size);
+                vm.spare.push((size, None));
             } else {
                 vm.note(CallKind::Release);
             }
@@ -420,7 +447,7 @@ impl Upstream for AddressRange {
         let taken = vm.take_within(spans, want);
         for &(addr, size) in &taken {
             vm.stale.insert(addr, size);
-            vm.spare.push(size);
+            vm.spare.push((size, Some(addr)));
         }
         if !taken.is_empty() {
             vm.last_move = self.ops.load(std::sync::atomic::Ordering::Relaxed);
@@ -430,22 +457,25 @@ impl Upstream for AddressRange {
     }
 
     fn release_kept(&self) {
-        lock(&self.vm).release_spare();
+        let mut vm = lock(&self.vm);
+        vm.release_spare();
+        self.stale.store(!vm.stale.is_empty(), std::sync::atomic::Ordering::Relaxed);
     }
 
     fn kept(&self) -> usize {
-        lock(&self.vm).spare.iter().sum()
+        lock(&self.vm).spare_bytes()
     }
 
     fn trim_kept(&self, keep: usize) {
         let mut vm = lock(&self.vm);
-        vm.spare.sort_unstable();
-        let mut total: usize = vm.spare.iter().sum();
+        vm.spare.sort_unstable_by_key(|s| s.0);
+        let mut total = vm.spare_bytes();
         while total > keep {
-            let Some(size) = vm.spare.pop() else { break };
-            total -= size;
-            vm.note(CallKind::Release);
+            let Some(spare) = vm.spare.pop() else { break };
+            total -= spare.0;
+            vm.release(spare);
         }
+        self.stale.store(!vm.stale.is_empty(), std::sync::atomic::Ordering::Relaxed);
     }
 
     fn granularity(&self) -> usize {

@@ -39,6 +39,24 @@ fn lent_memory_keeps_its_old_mapping_until_the_mapper_or_a_map_needs_it() {
 }
 
 #[test]
+fn released_lent_memory_loses_its_old_mapping_at_the_release() {
+    let r = AddressRange::new();
+    let space = r.reserve_chunk(8 * GRANULARITY).unwrap();
+    let piece = |i: usize| Chunk { addr: space.addr + i * GRANULARITY, size: GRANULARITY };
+    r.map_runs(&[piece(0), piece(1), piece(2)]).unwrap();
+    r.lend_within(&[piece(0), piece(1)], 2 * GRANULARITY, Queued::Nothing).unwrap();
+    // One lent piece is mapped elsewhere: its old mapping stays for the
+    // mapper. The other is released: its old mapping goes with it.
+    r.map_runs(&[piece(4)]).unwrap();
+    let before = r.calls();
+    r.trim_kept(0);
+    let after = r.calls();
+    assert_eq!((after.release - before.release, after.unmap - before.unmap), (1, 1));
+    assert_eq!(lock(&r.vm).stale.len(), 1, "the old mapping of the piece in use stays");
+    assert!(r.has_stale());
+}
+
+#[test]
 fn new_pieces_shrink_as_the_simulated_device_fills() {
     let calls_for = |capacity: usize| {
         let r = AddressRange::with_capacity(capacity);
