@@ -10,7 +10,9 @@ processes of one program.
 `--processes` rounds, each one new interpreter per allocator, alternated
 (A B C D, D C B A, A B C D, ...); a process runs every workload in turn
 (real_workloads.py's run_workload: cache emptied and peaks reset between
-them). Sizes are real_workloads.py's `--scale`, or with `--fit-json` the
+them), or with `--fit-json` one workload, as fit.py's probes do (after
+another workload an allocator may hold memory the size leaves no room
+for). Sizes are real_workloads.py's `--scale`, or with `--fit-json` the
 largest size at which expandable segments fitted in fit.py's run, with the
 same ballast (`--free-gib`, by default that run's). Per step, the wall
 time between two device synchronisations and the time between two CUDA
@@ -38,6 +40,7 @@ compared bit for bit with the first PyTorch process's. `--scale tiny
 """
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -126,9 +129,13 @@ def main():
         print(f"-- {a.processes} processes per allocator: fewer than 5 resolve little (the brief asks at least 5)")
     work, free = sizes(a, a.workloads.split(","))
     order = [allocs if r % 2 == 0 else allocs[::-1] for r in range(a.processes)]
+    # At the sizes that fit, each workload starts in a process of its own,
+    # as fit.py's probes do: after another workload in the same process an
+    # allocator may hold memory that the size leaves no room for.
+    groups = [[w] for w in work] if free else [work]
     if a.dry_run:
-        print(f"steptime --dry-run: {a.processes} rounds x {len(allocs)} allocators = "
-              f"{a.processes * len(allocs)} processes, budget {a.budget_s:.0f} s")
+        print(f"steptime --dry-run: {a.processes} rounds x {len(allocs)} allocators x {len(groups)} = "
+              f"{a.processes * len(allocs) * len(groups)} processes, budget {a.budget_s:.0f} s")
         if free:
             print(f"process: {probes.HERE} --hold {free + HOLD_SLACK_GIB * GIB}  (the ballast's bulk, whole run); "
                   f"each process then leaves {free / GIB:g} GiB free")
@@ -136,8 +143,9 @@ def main():
             print(f"workload {w}: {json.dumps(p)[:400]}")
         for r, o in enumerate(order):
             for al in o:
-                print(f"round {r}: {sys.executable} {os.path.abspath(__file__)} --child {al} ...  "
-                      f"({probes.settings(al)})")
+                for g in groups:
+                    print(f"round {r}: {sys.executable} {os.path.abspath(__file__)} --child {al} ...  "
+                          f"({', '.join(w for w, _ in g)}; {probes.settings(al)})")
         return
     probes.prepare_cumem(allocs)
     holder = probes.Holder(free + HOLD_SLACK_GIB * GIB) if free else None
@@ -161,9 +169,9 @@ def main():
                 print(f"-- budget: rounds {r}..{a.processes - 1} not run (a round takes about {last_round:.0f} s)")
                 break
             t_round = time.time()
-            for al in o:
-                out = os.path.join(outdir, f"{al}-{r}.json")
-                req = {"workloads": work, "free_bytes": free, "out": out,
+            for al, (g, group) in itertools.product(o, enumerate(groups)):
+                out = os.path.join(outdir, f"{al}-{r}-{g}.json")
+                req = {"workloads": group, "free_bytes": free, "out": out,
                        "expect_free": most_free - GIB if most_free else None}
                 print(f"round {r}: {al}", flush=True)
                 try:
