@@ -13,12 +13,19 @@ fn the_top_chunk_grows_and_shrinks_in_place() {
     assert!(!r.try_shrink(a, GRANULARITY).unwrap());
 }
 
-#[test]
-fn lent_memory_keeps_its_old_mapping_until_the_mapper_or_a_map_needs_it() {
+/// A simulated range with 8 granules of address space, the first three
+/// mapped; and the chunk of granule `i`.
+fn three_pieces_mapped() -> (AddressRange, impl Fn(usize) -> Chunk) {
     let r = AddressRange::new();
     let space = r.reserve_chunk(8 * GRANULARITY).unwrap();
-    let piece = |i: usize| Chunk { addr: space.addr + i * GRANULARITY, size: GRANULARITY };
+    let piece = move |i: usize| Chunk { addr: space.addr + i * GRANULARITY, size: GRANULARITY };
     r.map_runs(&[piece(0), piece(1), piece(2)]).unwrap();
+    (r, piece)
+}
+
+#[test]
+fn lent_memory_keeps_its_old_mapping_until_the_mapper_or_a_map_needs_it() {
+    let (r, piece) = three_pieces_mapped();
     // Two pieces lent: their old places stay mapped, nothing unmapped yet.
     let lent = r.lend_within(&[piece(0), piece(1)], 2 * GRANULARITY, Queued::Nothing).unwrap();
     assert_eq!(lent.len(), 2);
@@ -40,10 +47,7 @@ fn lent_memory_keeps_its_old_mapping_until_the_mapper_or_a_map_needs_it() {
 
 #[test]
 fn released_lent_memory_loses_its_old_mapping_at_the_release() {
-    let r = AddressRange::new();
-    let space = r.reserve_chunk(8 * GRANULARITY).unwrap();
-    let piece = |i: usize| Chunk { addr: space.addr + i * GRANULARITY, size: GRANULARITY };
-    r.map_runs(&[piece(0), piece(1), piece(2)]).unwrap();
+    let (r, piece) = three_pieces_mapped();
     r.lend_within(&[piece(0), piece(1)], 2 * GRANULARITY, Queued::Nothing).unwrap();
     // One lent piece is mapped elsewhere: its old mapping stays for the
     // mapper. The other is released: its old mapping goes with it.
