@@ -5,7 +5,7 @@ processes of one program.
     python3 steptime.py [--workloads encoder_bucketed,seq2seq_varlen,gpt2_varlen]
                         [--allocators pytorch,expandable,cuda_malloc_async,cumem] [--processes 5]
                         [--scale full | --fit-json fit.json [--free-gib G]] [--warmup 3] [--steps 12]
-                        [--budget-s 460] [--cpus gpu|none|LIST] [--json steptime.json] [--dry-run]
+                        [--budget-s 460] [--json steptime.json] [--dry-run]
 
 `--processes` rounds, each one new interpreter per allocator, alternated
 (A B C D, D C B A, A B C D, ...); a process runs every workload in turn
@@ -30,11 +30,6 @@ peak physical memory of each process (NVML sampled every 2 ms by a
 thread, real_workloads.py's PhysicalSampler), its spread (max - min) / min
 per allocator and the worst process, and the spread of the allocator's
 own peak reserved bytes.
-
-Every process runs on the same CPUs (`--cpus`): by default the CPUs
-local to the GPU (its PCI device's `local_cpulist`, read by sysfs), so
-that no process's launches pay for a far NUMA node or share a core with
-another process; `none` leaves placement to the scheduler, as before.
 
 `--budget-s` starts no round that the last round's time says would end
 after it, so every allocator has the same number of processes.
@@ -62,37 +57,9 @@ from probes import GIB, HOLD_SLACK_GIB, MIB  # noqa: E402
 WORKLOADS = ["encoder_bucketed", "seq2seq_varlen", "gpt2_varlen"]
 
 
-def gpu_cpus(spec):
-    """The CPUs every process runs on (a sorted list; None: unpinned).
-    `spec`: "gpu" (the CPUs local to CUDA device 0 of this process, or
-    None when sysfs or nvidia-smi doesn't say), "none", or a list such as
-    "0-7,16"."""
-    if spec == "none":
-        return None
-    if spec == "gpu":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
-        try:
-            bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", visible],
-                                 capture_output=True, text=True, timeout=30).stdout.strip()
-            # nvidia-smi: 00000000:19:00.0; sysfs: 0000:19:00.0.
-            with open(f"/sys/bus/pci/devices/{bus[-12:].lower()}/local_cpulist") as f:
-                spec = f.read().strip()
-        except (OSError, subprocess.SubprocessError, IndexError):
-            print("-- --cpus gpu: the GPU's local CPUs are unknown here; processes are not pinned")
-            return None
-    cpus = set()
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    cpus &= os.sched_getaffinity(0)
-    return sorted(cpus) or None
-
-
 def child(allocator, req):
     """One process: every workload of the request in turn, its results to
     req["out"]."""
-    if req.get("cpus"):
-        os.sched_setaffinity(0, req["cpus"])
     torch, kind = real_workloads.setup(allocator)
     held = None
     if req.get("free_bytes"):
@@ -147,7 +114,6 @@ def main():
     ap.add_argument("--warmup", type=int, help="warm-up steps (default: the scale's; 3 with --fit-json)")
     ap.add_argument("--steps", type=int, help="timed steps (default: the scale's; 12 with --fit-json)")
     ap.add_argument("--budget-s", type=float, default=460, help="start no round that would end after this")
-    ap.add_argument("--cpus", default="gpu", help="CPUs of every process: gpu (local to the GPU), none, or a list")
     ap.add_argument("--child-timeout", type=float, default=150.0, help="seconds one process may take")
     ap.add_argument("--json", default="steptime.json")
     ap.add_argument("--dry-run", action="store_true", help="print the processes and sizes, run nothing")
@@ -167,7 +133,6 @@ def main():
     # as fit.py's probes do: after another workload in the same process an
     # allocator may hold memory that the size leaves no room for.
     groups = [[w] for w in work] if free else [work]
-    cpus = gpu_cpus(a.cpus)
     if a.dry_run:
         print(f"steptime --dry-run: {a.processes} rounds x {len(allocs)} allocators x {len(groups)} = "
               f"{a.processes * len(allocs) * len(groups)} processes, budget {a.budget_s:.0f} s")
@@ -176,7 +141,6 @@ def main():
                   f"each process then leaves {free / GIB:g} GiB free")
         for w, p in work:
             print(f"workload {w}: {json.dumps(p)[:400]}")
-        print(f"cpus: {cpus or 'not pinned'}")
         for r, o in enumerate(order):
             for al in o:
                 for g in groups:
@@ -194,7 +158,7 @@ def main():
             # compile allocates memory no later process does.
             print(f"warm-up: {allocs[0]} (the compile cache; not measured)", flush=True)
             req = {"workloads": work, "free_bytes": free, "out": os.path.join(outdir, "warm-up.json"),
-                   "expect_free": None, "cpus": cpus}
+                   "expect_free": None}
             try:
                 subprocess.run([sys.executable, os.path.abspath(__file__), "--child", allocs[0], json.dumps(req)],
                                env=real_workloads.env_for(allocs[0]), timeout=a.child_timeout)
@@ -208,7 +172,7 @@ def main():
             for al, (g, group) in itertools.product(o, enumerate(groups)):
                 out = os.path.join(outdir, f"{al}-{r}-{g}.json")
                 req = {"workloads": group, "free_bytes": free, "out": out,
-                       "expect_free": most_free - GIB if most_free else None, "cpus": cpus}
+                       "expect_free": most_free - GIB if most_free else None}
                 print(f"round {r}: {al}", flush=True)
                 try:
                     rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", al, json.dumps(req)],
@@ -234,10 +198,10 @@ def main():
             holder.close()
     table = summarise(runs, [w for w, _ in work], allocs)
     print(f"\ndevice: {runs[0]['device'] if runs else '?'}; sampler {runs[0]['sampler'] if runs else '?'}; "
-          f"cpus {cpus or 'not pinned'}; total {time.time() - t_all:.0f} s; failures: {failures or 'none'}")
+          f"total {time.time() - t_all:.0f} s; failures: {failures or 'none'}")
     with open(a.json, "w") as f:
         json.dump({"runs": runs, "summary": table, "failures": failures, "free_bytes": free,
-                   "sizes": work, "cpus": cpus}, f, indent=1)
+                   "sizes": work}, f, indent=1)
     sys.exit(1 if failures else 0)
 
 
