@@ -4,7 +4,9 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use allocator_api2::alloc::{AllocError, Allocator};
+use allocator_api2::alloc::AllocError;
+#[cfg(doc)]
+use allocator_api2::alloc::Allocator;
 
 use crate::manager::MemoryManager;
 use crate::pool::MAX_ALIGN;
@@ -225,36 +227,67 @@ pub(crate) unsafe fn resize(
     Ok(fresh)
 }
 
-// SAFETY: blocks come from the pinned pool, which hands out each address
-// range to one owner until it is freed, aligned to at least the layout's
-// alignment (checked ≤ MAX_ALIGN) and at least `layout.size()` long. The
-// returned slice's length is the block's real size, which the pool reserves
-// for this allocation. Clones of `PinnedAlloc` all name the same pool, so
-// memory from one may be freed through another.
-unsafe impl Allocator for PinnedAlloc {
-    fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        allocate(self, layout)
-    }
+/// Implements [`Allocator`] for a [`HostBlocks`] type, by the functions
+/// above (and allocator-api2 0.4's, see [`forward_allocator_api2_04`]).
+macro_rules! host_allocator {
+    ($alloc:ty) => {
+        const _: () = {
+            use std::alloc::Layout;
+            use std::ptr::NonNull;
 
-    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-        deallocate(self, ptr, layout)
-    }
+            use allocator_api2::alloc::{AllocError, Allocator};
 
-    unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: the caller's contract for `grow` is what `resize` needs.
-        unsafe { resize(self, ptr, old, new, false) }
-    }
+            // SAFETY: blocks come from one of the manager's pools of
+            // host-accessible memory (pinned or managed), which hands each
+            // address range to one owner until it is freed, aligned to at least
+            // the layout's alignment (checked ≤ MAX_ALIGN) and at least
+            // `layout.size()` long; the slice returned is the block's real size,
+            // all of it reserved for this allocation. Every value of the type
+            // names the same pool, so memory from one may be freed through
+            // another.
+            unsafe impl Allocator for $alloc {
+                fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+                    $crate::alloc::allocate(self, layout)
+                }
 
-    unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: as in `grow`.
-        unsafe { resize(self, ptr, old, new, true) }
-    }
+                unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+                    $crate::alloc::deallocate(self, ptr, layout)
+                }
 
-    unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: the caller's contract for `shrink` is what `shrink` needs.
-        unsafe { shrink(self, ptr, old, new) }
-    }
+                unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+                    // SAFETY: the caller's contract for `grow` is what `resize` needs.
+                    unsafe { $crate::alloc::resize(self, ptr, old, new, false) }
+                }
+
+                unsafe fn grow_zeroed(
+                    &self,
+                    ptr: NonNull<u8>,
+                    old: Layout,
+                    new: Layout,
+                ) -> Result<NonNull<[u8]>, AllocError> {
+                    // SAFETY: as in `grow`.
+                    unsafe { $crate::alloc::resize(self, ptr, old, new, true) }
+                }
+
+                unsafe fn shrink(
+                    &self,
+                    ptr: NonNull<u8>,
+                    old: Layout,
+                    new: Layout,
+                ) -> Result<NonNull<[u8]>, AllocError> {
+                    // SAFETY: the caller's contract for `shrink` is what `shrink` needs.
+                    unsafe { $crate::alloc::shrink(self, ptr, old, new) }
+                }
+            }
+        };
+
+        #[cfg(feature = "allocator-api2-04")]
+        $crate::alloc::forward_allocator_api2_04!($alloc);
+    };
 }
+pub(crate) use host_allocator;
+
+host_allocator!(PinnedAlloc);
 
 /// Implements allocator-api2 0.4's `Allocator` (feature
 /// `allocator-api2-04`) for an allocator that implements the 0.2 trait, by
@@ -314,6 +347,3 @@ macro_rules! forward_allocator_api2_04 {
 }
 #[cfg(feature = "allocator-api2-04")]
 pub(crate) use forward_allocator_api2_04;
-
-#[cfg(feature = "allocator-api2-04")]
-forward_allocator_api2_04!(PinnedAlloc);
