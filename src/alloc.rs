@@ -237,6 +237,8 @@ macro_rules! host_allocator {
 
             use allocator_api2::alloc::{AllocError, Allocator};
 
+            type AllocResult = Result<NonNull<[u8]>, AllocError>;
+
             // SAFETY: blocks come from one of the manager's pools of
             // host-accessible memory (pinned or managed), which hands each
             // address range to one owner until it is freed, aligned to at least
@@ -246,7 +248,7 @@ macro_rules! host_allocator {
             // names the same pool, so memory from one may be freed through
             // another.
             unsafe impl Allocator for $alloc {
-                fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+                fn allocate(&self, layout: Layout) -> AllocResult {
                     $crate::alloc::allocate(self, layout)
                 }
 
@@ -254,27 +256,17 @@ macro_rules! host_allocator {
                     $crate::alloc::deallocate(self, ptr, layout)
                 }
 
-                unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+                unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
                     // SAFETY: the caller's contract for `grow` is what `resize` needs.
                     unsafe { $crate::alloc::resize(self, ptr, old, new, false) }
                 }
 
-                unsafe fn grow_zeroed(
-                    &self,
-                    ptr: NonNull<u8>,
-                    old: Layout,
-                    new: Layout,
-                ) -> Result<NonNull<[u8]>, AllocError> {
+                unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
                     // SAFETY: as in `grow`.
                     unsafe { $crate::alloc::resize(self, ptr, old, new, true) }
                 }
 
-                unsafe fn shrink(
-                    &self,
-                    ptr: NonNull<u8>,
-                    old: Layout,
-                    new: Layout,
-                ) -> Result<NonNull<[u8]>, AllocError> {
+                unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
                     // SAFETY: the caller's contract for `shrink` is what `shrink` needs.
                     unsafe { $crate::alloc::shrink(self, ptr, old, new) }
                 }
@@ -303,12 +295,14 @@ macro_rules! forward_allocator_api2_04 {
             use allocator_api2::alloc::Allocator as Allocator02;
             use allocator_api2_04::alloc::{AllocError, Allocator};
 
+            type AllocResult = Result<NonNull<[u8]>, AllocError>;
+
             // SAFETY: every method forwards to the allocator-api2 0.2
             // implementation, whose contract is the same (the 0.4 trait has
             // the same methods, arguments and guarantees); only the error
             // type differs.
             unsafe impl Allocator for $alloc {
-                fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+                fn allocate(&self, layout: Layout) -> AllocResult {
                     Allocator02::allocate(self, layout).map_err(|_| AllocError)
                 }
 
@@ -317,27 +311,17 @@ macro_rules! forward_allocator_api2_04 {
                     unsafe { Allocator02::deallocate(self, ptr, layout) }
                 }
 
-                unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+                unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
                     // SAFETY: the caller's contract for `grow` is the 0.2 one.
                     unsafe { Allocator02::grow(self, ptr, old, new) }.map_err(|_| AllocError)
                 }
 
-                unsafe fn grow_zeroed(
-                    &self,
-                    ptr: NonNull<u8>,
-                    old: Layout,
-                    new: Layout,
-                ) -> Result<NonNull<[u8]>, AllocError> {
+                unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
                     // SAFETY: as in `grow`.
                     unsafe { Allocator02::grow_zeroed(self, ptr, old, new) }.map_err(|_| AllocError)
                 }
 
-                unsafe fn shrink(
-                    &self,
-                    ptr: NonNull<u8>,
-                    old: Layout,
-                    new: Layout,
-                ) -> Result<NonNull<[u8]>, AllocError> {
+                unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
                     // SAFETY: the caller's contract for `shrink` is the 0.2 one.
                     unsafe { Allocator02::shrink(self, ptr, old, new) }.map_err(|_| AllocError)
                 }
