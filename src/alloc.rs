@@ -9,7 +9,8 @@ use allocator_api2::alloc::AllocError;
 use allocator_api2::alloc::Allocator;
 
 use crate::manager::MemoryManager;
-use crate::pool::MAX_ALIGN;
+use crate::pool::{Pool, MAX_ALIGN};
+use crate::upstream::Upstream;
 
 /// A handle to the global manager's pinned pool that implements
 /// [`Allocator`] (allocator-api2 0.2, the version hashbrown uses), so that
@@ -100,10 +101,18 @@ pub(crate) trait HostBlocks {
     fn allocate_block(&self, size: usize, align: usize) -> crate::error::Result<crate::pool::Allocation>;
     /// Frees the block at `addr`.
     fn free_block(&self, addr: usize) -> crate::error::Result<()>;
+    /// The pool the blocks come from.
+    fn pool(&self) -> crate::error::Result<&'static Pool<Box<dyn Upstream>>>;
     /// Grows the live block at `addr` to `size` bytes in place; its new size.
-    fn grow_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>>;
+    fn grow_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>> {
+        let pool = self.pool()?;
+        Ok(pool.grow_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    }
     /// Shrinks the live block at `addr` to `size` bytes in place; its new size.
-    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>>;
+    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>> {
+        let pool = self.pool()?;
+        Ok(pool.shrink_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    }
     /// The allocator's name, for messages.
     fn name(&self) -> &'static str;
 }
@@ -117,14 +126,8 @@ impl HostBlocks for PinnedAlloc {
         MemoryManager::global()?.free_pinned(addr as *mut u8)
     }
 
-    fn grow_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>> {
-        let pool = MemoryManager::global()?.pinned_pool();
-        Ok(pool.grow_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
-    }
-
-    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>> {
-        let pool = MemoryManager::global()?.pinned_pool();
-        Ok(pool.shrink_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    fn pool(&self) -> crate::error::Result<&'static Pool<Box<dyn Upstream>>> {
+        Ok(MemoryManager::global()?.pinned_pool())
     }
 
     fn name(&self) -> &'static str {

@@ -148,14 +148,8 @@ impl HostBlocks for ManagedAlloc {
         MemoryManager::global()?.free_managed(addr as *mut u8)
     }
 
-    fn grow_in_place(&self, addr: usize, size: usize) -> Result<Option<usize>> {
-        let pool = MemoryManager::global()?.managed_pool()?;
-        Ok(pool.grow_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
-    }
-
-    fn shrink_in_place(&self, addr: usize, size: usize) -> Result<Option<usize>> {
-        let pool = MemoryManager::global()?.managed_pool()?;
-        Ok(pool.shrink_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    fn pool(&self) -> Result<&'static Pool<Box<dyn Upstream>>> {
+        MemoryManager::global()?.managed_pool()
     }
 
     fn name(&self) -> &'static str {
