@@ -230,29 +230,37 @@ pub(crate) unsafe fn resize(
     Ok(fresh)
 }
 
-/// Implements [`Allocator`] for a [`HostBlocks`] type, by the functions
-/// above (and allocator-api2 0.4's, see [`forward_allocator_api2_04`]).
+/// Implements [`Allocator`] for a [`HostBlocks`] type by the functions
+/// above: allocator-api2 0.2's (the version hashbrown uses) and, with the
+/// feature `allocator-api2-04`, 0.4's, so collections of either line use
+/// the same pool.
 macro_rules! host_allocator {
     ($alloc:ty) => {
+        $crate::alloc::host_allocator!($alloc, allocator_api2);
+        #[cfg(feature = "allocator-api2-04")]
+        $crate::alloc::host_allocator!($alloc, allocator_api2_04);
+    };
+    ($alloc:ty, $api:ident) => {
         const _: () = {
             use std::alloc::Layout;
             use std::ptr::NonNull;
 
-            use allocator_api2::alloc::{AllocError, Allocator};
+            use $api::alloc::{AllocError, Allocator};
 
             type AllocResult = Result<NonNull<[u8]>, AllocError>;
 
             // SAFETY: blocks come from one of the manager's pools of
             // host-accessible memory (pinned or managed), which hands each
-            // address range to one owner until it is freed, aligned to at least
-            // the layout's alignment (checked ≤ MAX_ALIGN) and at least
-            // `layout.size()` long; the slice returned is the block's real size,
-            // all of it reserved for this allocation. Every value of the type
-            // names the same pool, so memory from one may be freed through
-            // another.
+            // address range to one owner until it is freed, aligned to at
+            // least the layout's alignment (checked ≤ MAX_ALIGN) and at least
+            // `layout.size()` long; the slice returned is the block's real
+            // size, all of it reserved for this allocation. Every value of
+            // the type names the same pool, so memory from one may be freed
+            // through another. (The 0.4 trait has the same methods,
+            // arguments and guarantees; only the error type differs.)
             unsafe impl Allocator for $alloc {
                 fn allocate(&self, layout: Layout) -> AllocResult {
-                    $crate::alloc::allocate(self, layout)
+                    $crate::alloc::allocate(self, layout).map_err(|_| AllocError)
                 }
 
                 unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
@@ -261,76 +269,22 @@ macro_rules! host_allocator {
 
                 unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
                     // SAFETY: the caller's contract for `grow` is what `resize` needs.
-                    unsafe { $crate::alloc::resize(self, ptr, old, new, false) }
+                    unsafe { $crate::alloc::resize(self, ptr, old, new, false) }.map_err(|_| AllocError)
                 }
 
                 unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
                     // SAFETY: as in `grow`.
-                    unsafe { $crate::alloc::resize(self, ptr, old, new, true) }
+                    unsafe { $crate::alloc::resize(self, ptr, old, new, true) }.map_err(|_| AllocError)
                 }
 
                 unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
                     // SAFETY: the caller's contract for `shrink` is what `shrink` needs.
-                    unsafe { $crate::alloc::shrink(self, ptr, old, new) }
+                    unsafe { $crate::alloc::shrink(self, ptr, old, new) }.map_err(|_| AllocError)
                 }
             }
         };
-
-        #[cfg(feature = "allocator-api2-04")]
-        $crate::alloc::forward_allocator_api2_04!($alloc);
     };
 }
 pub(crate) use host_allocator;
 
 host_allocator!(PinnedAlloc);
-
-/// Implements allocator-api2 0.4's `Allocator` (feature
-/// `allocator-api2-04`) for an allocator that implements the 0.2 trait, by
-/// forwarding every method, so collections of that line
-/// (`allocator_api2_04::vec::Vec<T, A>`) use the same pool.
-#[cfg(feature = "allocator-api2-04")]
-macro_rules! forward_allocator_api2_04 {
-    ($alloc:ty) => {
-        const _: () = {
-            use std::alloc::Layout;
-            use std::ptr::NonNull;
-
-            use allocator_api2::alloc::Allocator as Allocator02;
-            use allocator_api2_04::alloc::{AllocError, Allocator};
-
-            type AllocResult = Result<NonNull<[u8]>, AllocError>;
-
-            // SAFETY: every method forwards to the allocator-api2 0.2
-            // implementation, whose contract is the same (the 0.4 trait has
-            // the same methods, arguments and guarantees); only the error
-            // type differs.
-            unsafe impl Allocator for $alloc {
-                fn allocate(&self, layout: Layout) -> AllocResult {
-                    Allocator02::allocate(self, layout).map_err(|_| AllocError)
-                }
-
-                unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-                    // SAFETY: the caller's contract for `deallocate` is the 0.2 one.
-                    unsafe { Allocator02::deallocate(self, ptr, layout) }
-                }
-
-                unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
-                    // SAFETY: the caller's contract for `grow` is the 0.2 one.
-                    unsafe { Allocator02::grow(self, ptr, old, new) }.map_err(|_| AllocError)
-                }
-
-                unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
-                    // SAFETY: as in `grow`.
-                    unsafe { Allocator02::grow_zeroed(self, ptr, old, new) }.map_err(|_| AllocError)
-                }
-
-                unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
-                    // SAFETY: the caller's contract for `shrink` is the 0.2 one.
-                    unsafe { Allocator02::shrink(self, ptr, old, new) }.map_err(|_| AllocError)
-                }
-            }
-        };
-    };
-}
-#[cfg(feature = "allocator-api2-04")]
-pub(crate) use forward_allocator_api2_04;
