@@ -35,7 +35,9 @@ namespace {
 
 void give_back(const KeptBlock& k) {
   int st = cumem_torch_release(k.ptr, k.device, k.stream);
-  if (st != CUMEM_STATUS_OK) TORCH_WARN("cumem: freeing ", k.ptr, " failed: ", cumem_status_name(st), ": ", last_error());
+  if (st != CUMEM_STATUS_OK) {
+    TORCH_WARN("cumem: freeing ", k.ptr, " failed: ", cumem_status_name(st), ": ", last_error());
+  }
 }
 
 } // namespace
