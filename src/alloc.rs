@@ -4,10 +4,13 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use allocator_api2::alloc::{AllocError, Allocator};
+use allocator_api2::alloc::AllocError;
+#[cfg(doc)]
+use allocator_api2::alloc::Allocator;
 
 use crate::manager::MemoryManager;
-use crate::pool::MAX_ALIGN;
+use crate::pool::{Pool, MAX_ALIGN};
+use crate::upstream::Upstream;
 
 /// A handle to the global manager's pinned pool that implements
 /// [`Allocator`] (allocator-api2 0.2, the version hashbrown uses), so that
@@ -98,10 +101,18 @@ pub(crate) trait HostBlocks {
     fn allocate_block(&self, size: usize, align: usize) -> crate::error::Result<crate::pool::Allocation>;
     /// Frees the block at `addr`.
     fn free_block(&self, addr: usize) -> crate::error::Result<()>;
+    /// The pool the blocks come from.
+    fn pool(&self) -> crate::error::Result<&'static Pool<Box<dyn Upstream>>>;
     /// Grows the live block at `addr` to `size` bytes in place; its new size.
-    fn grow_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>>;
+    fn grow_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>> {
+        let pool = self.pool()?;
+        Ok(pool.grow_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    }
     /// Shrinks the live block at `addr` to `size` bytes in place; its new size.
-    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>>;
+    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>> {
+        let pool = self.pool()?;
+        Ok(pool.shrink_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    }
     /// The allocator's name, for messages.
     fn name(&self) -> &'static str;
 }
@@ -115,14 +126,8 @@ impl HostBlocks for PinnedAlloc {
         MemoryManager::global()?.free_pinned(addr as *mut u8)
     }
 
-    fn grow_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>> {
-        let pool = MemoryManager::global()?.pinned_pool();
-        Ok(pool.grow_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
-    }
-
-    fn shrink_in_place(&self, addr: usize, size: usize) -> crate::error::Result<Option<usize>> {
-        let pool = MemoryManager::global()?.pinned_pool();
-        Ok(pool.shrink_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    fn pool(&self) -> crate::error::Result<&'static Pool<Box<dyn Upstream>>> {
+        Ok(MemoryManager::global()?.pinned_pool())
     }
 
     fn name(&self) -> &'static str {
@@ -225,95 +230,61 @@ pub(crate) unsafe fn resize(
     Ok(fresh)
 }
 
-// SAFETY: blocks come from the pinned pool, which hands out each address
-// range to one owner until it is freed, aligned to at least the layout's
-// alignment (checked ≤ MAX_ALIGN) and at least `layout.size()` long. The
-// returned slice's length is the block's real size, which the pool reserves
-// for this allocation. Clones of `PinnedAlloc` all name the same pool, so
-// memory from one may be freed through another.
-unsafe impl Allocator for PinnedAlloc {
-    fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        allocate(self, layout)
-    }
-
-    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-        deallocate(self, ptr, layout)
-    }
-
-    unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: the caller's contract for `grow` is what `resize` needs.
-        unsafe { resize(self, ptr, old, new, false) }
-    }
-
-    unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: as in `grow`.
-        unsafe { resize(self, ptr, old, new, true) }
-    }
-
-    unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: the caller's contract for `shrink` is what `shrink` needs.
-        unsafe { shrink(self, ptr, old, new) }
-    }
-}
-
-/// Implements allocator-api2 0.4's `Allocator` (feature
-/// `allocator-api2-04`) for an allocator that implements the 0.2 trait, by
-/// forwarding every method, so collections of that line
-/// (`allocator_api2_04::vec::Vec<T, A>`) use the same pool.
-#[cfg(feature = "allocator-api2-04")]
-macro_rules! forward_allocator_api2_04 {
+/// Implements [`Allocator`] for a [`HostBlocks`] type by the functions
+/// above: allocator-api2 0.2's (the version hashbrown uses) and, with the
+/// feature `allocator-api2-04`, 0.4's, so collections of either line use
+/// the same pool.
+macro_rules! host_allocator {
     ($alloc:ty) => {
+        $crate::alloc::host_allocator!($alloc, allocator_api2);
+        #[cfg(feature = "allocator-api2-04")]
+        $crate::alloc::host_allocator!($alloc, allocator_api2_04);
+    };
+    ($alloc:ty, $api:ident) => {
         const _: () = {
             use std::alloc::Layout;
             use std::ptr::NonNull;
 
-            use allocator_api2::alloc::Allocator as Allocator02;
-            use allocator_api2_04::alloc::{AllocError, Allocator};
+            use $api::alloc::{AllocError, Allocator};
 
-            // SAFETY: every method forwards to the allocator-api2 0.2
-            // implementation, whose contract is the same (the 0.4 trait has
-            // the same methods, arguments and guarantees); only the error
-            // type differs.
+            type AllocResult = Result<NonNull<[u8]>, AllocError>;
+
+            // SAFETY: blocks come from one of the manager's pools of
+            // host-accessible memory (pinned or managed), which hands each
+            // address range to one owner until it is freed, aligned to at
+            // least the layout's alignment (checked ≤ MAX_ALIGN) and at least
+            // `layout.size()` long; the slice returned is the block's real
+            // size, all of it reserved for this allocation. Every value of
+            // the type names the same pool, so memory from one may be freed
+            // through another. (The 0.4 trait has the same methods,
+            // arguments and guarantees; only the error type differs.)
             unsafe impl Allocator for $alloc {
-                fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-                    Allocator02::allocate(self, layout).map_err(|_| AllocError)
+                fn allocate(&self, layout: Layout) -> AllocResult {
+                    $crate::alloc::allocate(self, layout).map_err(|_| AllocError)
                 }
 
                 unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-                    // SAFETY: the caller's contract for `deallocate` is the 0.2 one.
-                    unsafe { Allocator02::deallocate(self, ptr, layout) }
+                    $crate::alloc::deallocate(self, ptr, layout)
                 }
 
-                unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-                    // SAFETY: the caller's contract for `grow` is the 0.2 one.
-                    unsafe { Allocator02::grow(self, ptr, old, new) }.map_err(|_| AllocError)
+                unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
+                    // SAFETY: the caller's contract for `grow` is what `resize` needs.
+                    unsafe { $crate::alloc::resize(self, ptr, old, new, false) }.map_err(|_| AllocError)
                 }
 
-                unsafe fn grow_zeroed(
-                    &self,
-                    ptr: NonNull<u8>,
-                    old: Layout,
-                    new: Layout,
-                ) -> Result<NonNull<[u8]>, AllocError> {
+                unsafe fn grow_zeroed(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
                     // SAFETY: as in `grow`.
-                    unsafe { Allocator02::grow_zeroed(self, ptr, old, new) }.map_err(|_| AllocError)
+                    unsafe { $crate::alloc::resize(self, ptr, old, new, true) }.map_err(|_| AllocError)
                 }
 
-                unsafe fn shrink(
-                    &self,
-                    ptr: NonNull<u8>,
-                    old: Layout,
-                    new: Layout,
-                ) -> Result<NonNull<[u8]>, AllocError> {
-                    // SAFETY: the caller's contract for `shrink` is the 0.2 one.
-                    unsafe { Allocator02::shrink(self, ptr, old, new) }.map_err(|_| AllocError)
+                unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> AllocResult {
+                    // SAFETY: the caller's contract for `shrink` is what `shrink` needs.
+                    unsafe { $crate::alloc::shrink(self, ptr, old, new) }.map_err(|_| AllocError)
                 }
             }
         };
     };
 }
-#[cfg(feature = "allocator-api2-04")]
-pub(crate) use forward_allocator_api2_04;
+pub(crate) use host_allocator;
 
-#[cfg(feature = "allocator-api2-04")]
-forward_allocator_api2_04!(PinnedAlloc);
+host_allocator!(PinnedAlloc);

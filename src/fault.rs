@@ -144,8 +144,6 @@ static STATE: StaticAtomicU64 = StaticAtomicU64::new(0);
 static COUNTDOWN: StaticAtomicU64 = StaticAtomicU64::new(0);
 /// Failures injected since the process began.
 static INJECTED: StaticAtomicU64 = StaticAtomicU64::new(0);
-/// Calls seen at armed points since the process began.
-static SEEN: StaticAtomicU64 = StaticAtomicU64::new(0);
 
 std::thread_local! {
     static ARMED_HERE: Cell<bool> = const { Cell::new(false) };
@@ -181,11 +179,6 @@ pub fn disarm() {
 /// Failures injected so far (in the whole process).
 pub fn injected() -> u64 {
     INJECTED.load(Ordering::Relaxed)
-}
-
-/// Calls seen at armed points so far (in the whole process).
-pub fn calls_seen() -> u64 {
-    SEEN.load(Ordering::Relaxed)
 }
 
 /// Arms what `CUMEM_FAULTS` asks for (see the module docs), process-wide;
@@ -273,7 +266,6 @@ fn fires() -> bool {
     if THIS_THREAD_ONLY.load(Ordering::Relaxed) != 0 && !ARMED_HERE.try_with(Cell::get).unwrap_or(false) {
         return false;
     }
-    SEEN.fetch_add(1, Ordering::Relaxed);
     let threshold = THRESHOLD.load(Ordering::Relaxed);
     if threshold != 0 {
         return draw() < threshold;

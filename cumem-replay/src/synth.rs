@@ -303,7 +303,7 @@ impl Recorder {
             Issuer::Compute => 0,
             Issuer::Loader => 1,
         };
-        self.records.push(Record { thread: id, time: self.time, action, pointer, size, stream: id });
+        self.records.push(Record { thread: id, time_us: self.time, action, pointer, size, stream: id });
     }
 
     /// Allocates at least `bytes` (rounded up to 512 B) on the compute

@@ -30,22 +30,8 @@ use std::path::Path;
 pub use cumem::log::Action;
 use cumem::{Error, Result};
 
-/// One line of a trace.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Record {
-    /// The thread that made the call.
-    pub thread: u64,
-    /// When, in microseconds.
-    pub time: u64,
-    /// What happened.
-    pub action: Action,
-    /// The address (0 for failures).
-    pub pointer: u64,
-    /// Bytes asked for (the allocation's size, for frees).
-    pub size: usize,
-    /// The stream (0: none or the default stream).
-    pub stream: u64,
-}
+/// One line of a trace: the event log's [`Event`](cumem::log::Event).
+pub type Record = cumem::log::Event;
 
 /// One operation of a replay, with pointers resolved to slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -267,7 +253,7 @@ impl Trace {
                 Action::Free => "free",
                 Action::AllocateFailure => "allocate failure",
             };
-            writeln!(w, "{},{},{},{:#x},{},{}", r.thread, r.time, action, r.pointer, r.size, r.stream)?;
+            writeln!(w, "{},{},{},{:#x},{},{}", r.thread, r.time_us, action, r.pointer, r.size, r.stream)?;
         }
         w.flush()
     }
@@ -372,7 +358,7 @@ fn parse_record(fields: &[&str], c: &Columns) -> std::result::Result<Record, Str
     let time = parse_time(fields[c.time]).ok_or_else(|| format!("time '{}' is not a time", fields[c.time]))?;
     let stream =
         parse_number(fields[c.stream]).ok_or_else(|| format!("stream '{}' is not a number", fields[c.stream]))?;
-    Ok(Record { thread, time, action, pointer, size, stream })
+    Ok(Record { thread, time_us: time, action, pointer, size, stream })
 }
 
 fn trace_error(source: &str, line: usize, reason: &str) -> Error {

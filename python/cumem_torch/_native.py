@@ -36,7 +36,7 @@ from . import _lib
 
 HERE = pathlib.Path(__file__).resolve().parent
 LIB_NAME = "libcumem_torch_native.so"
-SOURCES = ("backend.cpp", "pools.cpp", "stream_cache.cpp", "install.cpp")
+SOURCES = ("backend.cpp", "frees.cpp", "stats.cpp", "pools.cpp", "stream_cache.cpp", "install.cpp")
 
 _lock = threading.Lock()
 _lib_native = None

@@ -17,13 +17,13 @@ mod upstream;
 
 pub use upstream::CudaManagedMemory;
 
-use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use allocator_api2::alloc::{AllocError, Allocator};
+#[cfg(doc)]
+use allocator_api2::alloc::Allocator;
 use cudarc::driver::sys;
 
-use crate::alloc::{self as host, HostBlocks};
+use crate::alloc::HostBlocks;
 use crate::cuda::{driver_err, Stream};
 use crate::error::{Error, PoolKind, Result};
 use crate::manager::MemoryManager;
@@ -148,14 +148,8 @@ impl HostBlocks for ManagedAlloc {
         MemoryManager::global()?.free_managed(addr as *mut u8)
     }
 
-    fn grow_in_place(&self, addr: usize, size: usize) -> Result<Option<usize>> {
-        let pool = MemoryManager::global()?.managed_pool()?;
-        Ok(pool.grow_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
-    }
-
-    fn shrink_in_place(&self, addr: usize, size: usize) -> Result<Option<usize>> {
-        let pool = MemoryManager::global()?.managed_pool()?;
-        Ok(pool.shrink_in_place(addr, size).then(|| pool.block_size(addr).unwrap_or(size)))
+    fn pool(&self) -> Result<&'static Pool<Box<dyn Upstream>>> {
+        MemoryManager::global()?.managed_pool()
     }
 
     fn name(&self) -> &'static str {
@@ -163,51 +157,7 @@ impl HostBlocks for ManagedAlloc {
     }
 }
 
-// SAFETY: blocks come from the managed pool, which hands each address
-// range to one owner until it is freed, aligned to at least the layout's
-// alignment (checked ≤ MAX_ALIGN) and at least `layout.size()` long; the
-// slice returned is the block's real size, all of it reserved for this
-// allocation. Managed memory is host-accessible. All `ManagedAlloc`s name
-// the same pool, so any of them may free what another allocated.
-unsafe impl Allocator for ManagedAlloc {
-    fn allocate(&self, layout: Layout) -> std::result::Result<NonNull<[u8]>, AllocError> {
-        host::allocate(self, layout)
-    }
-
-    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-        host::deallocate(self, ptr, layout)
-    }
-
-    unsafe fn grow(
-        &self,
-        ptr: NonNull<u8>,
-        old: Layout,
-        new: Layout,
-    ) -> std::result::Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: the caller's contract for `grow` is what `resize` needs.
-        unsafe { host::resize(self, ptr, old, new, false) }
-    }
-
-    unsafe fn grow_zeroed(
-        &self,
-        ptr: NonNull<u8>,
-        old: Layout,
-        new: Layout,
-    ) -> std::result::Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: as in `grow`.
-        unsafe { host::resize(self, ptr, old, new, true) }
-    }
-
-    unsafe fn shrink(
-        &self,
-        ptr: NonNull<u8>,
-        old: Layout,
-        new: Layout,
-    ) -> std::result::Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: the caller's contract for `shrink` is what `shrink` needs.
-        unsafe { host::shrink(self, ptr, old, new) }
-    }
-}
+crate::alloc::host_allocator!(ManagedAlloc);
 
 /// Where managed pages should go.
 ///
@@ -325,8 +275,3 @@ pub fn advise<T>(data: &[T], advice: Advice, set: bool) -> Result<()> {
     // range is borrowed, so it is live.
     unsafe { sys::cuMemAdvise_v2(data.as_ptr() as u64, bytes, flag, loc) }.result().map_err(driver_err("cuMemAdvise"))
 }
-
-// The same allocator for allocator-api2 0.4 (feature `allocator-api2-04`),
-// so collections of that line use the managed pool too.
-#[cfg(feature = "allocator-api2-04")]
-crate::alloc::forward_allocator_api2_04!(ManagedAlloc);

@@ -118,34 +118,4 @@ impl PoolStats {
         self.peak_mapped = self.mapped;
         self.peak_touched = self.touched;
     }
-
-    /// Adds another pool's figures to these (for per-device totals).
-    pub fn accumulate(&mut self, o: &PoolStats) {
-        self.in_use += o.in_use;
-        self.peak_in_use += o.peak_in_use;
-        self.requested += o.requested;
-        self.peak_requested += o.peak_requested;
-        self.reserved += o.reserved;
-        self.peak_reserved += o.peak_reserved;
-        self.mapped += o.mapped;
-        self.peak_mapped += o.peak_mapped;
-        self.touched += o.touched;
-        self.peak_touched += o.peak_touched;
-        self.map_calls += o.map_calls;
-        self.unmap_calls += o.unmap_calls;
-        self.page_move_ns += o.page_move_ns;
-        self.move_waits += o.move_waits;
-        self.kept += o.kept;
-        self.cached += o.cached;
-        self.live_blocks += o.live_blocks;
-        self.free_blocks += o.free_blocks;
-        self.chunks += o.chunks;
-        self.largest_free = self.largest_free.max(o.largest_free);
-        self.allocations += o.allocations;
-        self.frees += o.frees;
-        self.upstream_allocs += o.upstream_allocs;
-        self.upstream_frees += o.upstream_frees;
-        self.oom_retries += o.oom_retries;
-        self.failed_allocations += o.failed_allocations;
-    }
 }

@@ -12,8 +12,8 @@ fn check_valid(t: &Trace) {
     let mut ever = std::collections::HashSet::new();
     let mut time = 0;
     for (i, r) in t.records.iter().enumerate() {
-        assert!(r.time > time, "{}: record {i}: time {} after {time}", t.name, r.time);
-        time = r.time;
+        assert!(r.time_us > time, "{}: record {i}: time {} after {time}", t.name, r.time_us);
+        time = r.time_us;
         assert!(r.size > 0 && r.size % SIZE_STEP == 0, "{}: record {i}: size {}", t.name, r.size);
         assert!(r.stream <= 1, "{}: record {i}: stream {}", t.name, r.stream);
         match r.action {

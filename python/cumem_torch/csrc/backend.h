@@ -229,4 +229,7 @@ class CumemAllocator final : public cca::CUDAAllocator {
 // The allocator install() made (nullptr before).
 CumemAllocator* instance();
 
+// cumem's last error message ("" when it has none).
+std::string last_error();
+
 } // namespace cumem_torch

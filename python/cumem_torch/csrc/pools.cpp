@@ -16,10 +16,6 @@ namespace cumem_torch {
 
 namespace {
 
-void raw_deleter_of_instance(void* ptr) {
-  if (auto* a = instance()) a->free_from_deleter(ptr);
-}
-
 constexpr char kHandleVersion = 2; // PyTorch's shareable-handle layout
 constexpr char kHandleCudaMalloc = 'c';
 
@@ -41,7 +37,7 @@ void* CumemAllocator::pool_alloc(PrivatePool& p, size_t rounded, c10::DeviceInde
     return nullptr; // the caller raises, with no lock held
   }
   TORCH_CHECK(st == CUMEM_STATUS_OK, "cumem could not allocate ", rounded, " bytes for a private pool: ",
-              cumem_status_name(st), ": ", cumem_last_error());
+              cumem_status_name(st), ": ", last_error());
   p.owned.emplace(ptr, rounded);
   return ptr;
 }
@@ -133,7 +129,7 @@ void CumemAllocator::release_freeable_pools(bool sync) {
   if (sync) C10_CUDA_CHECK(cudaDeviceSynchronize());
   for (CumemGraphPool* h : handles) {
     int st = cumem_graph_pool_destroy(h);
-    if (st != CUMEM_STATUS_OK) TORCH_WARN("cumem: releasing a private pool failed: ", cumem_last_error());
+    if (st != CUMEM_STATUS_OK) TORCH_WARN("cumem: releasing a private pool failed: ", last_error());
   }
 }
 
@@ -189,22 +185,21 @@ cca::CheckpointDelta CumemAllocator::setCheckpointPoolState(c10::DeviceIndex dev
     count_free(b, false);
     p->owned.erase(lit->first);
     int st = cumem_graph_pool_free(p->handle, lit->first);
-    TORCH_CHECK(st == CUMEM_STATUS_OK, "setCheckpointPoolState: freeing a live block failed: ", cumem_last_error());
+    TORCH_CHECK(st == CUMEM_STATUS_OK, "setCheckpointPoolState: freeing a live block failed: ", last_error());
     delta.ptrs_freed.push_back(lit->first);
     lit = live_.erase(lit);
   }
   for (auto& [ptr, b] : state->live) {
     // Back at its address, out of the memory just freed.
     TORCH_CHECK(p->handle && cumem_graph_pool_allocate_at(p->handle, ptr, b.size) == CUMEM_STATUS_OK,
-                "setCheckpointPoolState: a checkpointed block is not free in the pool: ", cumem_last_error());
+                "setCheckpointPoolState: a checkpointed block is not free in the pool: ", last_error());
     p->owned.emplace(ptr, b.size);
     Block nb = b;
     nb.pool = p;
     nb.uses.clear();
     count_alloc(nb);
     live_.emplace(ptr, std::move(nb));
-    delta.dataptrs_allocd.emplace_back(ptr, ptr, &raw_deleter_of_instance,
-                                       c10::Device(c10::DeviceType::CUDA, device));
+    delta.dataptrs_allocd.emplace_back(ptr, ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
   }
   return delta;
 }

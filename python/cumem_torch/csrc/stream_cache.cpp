@@ -36,8 +36,7 @@ namespace {
 void give_back(const KeptBlock& k) {
   int st = cumem_torch_release(k.ptr, k.device, k.stream);
   if (st != CUMEM_STATUS_OK) {
-    const char* e = cumem_last_error();
-    TORCH_WARN("cumem: freeing ", k.ptr, " failed: ", cumem_status_name(st), ": ", e ? e : "");
+    TORCH_WARN("cumem: freeing ", k.ptr, " failed: ", cumem_status_name(st), ": ", last_error());
   }
 }
 
