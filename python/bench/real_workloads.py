@@ -210,8 +210,6 @@ def run_workload(torch, sampler, workload, params, allocator, kind):
         "step_ms": [t * 1e3 for t in times],
         "gpu_step_ms": [t * 1e3 for t in times.gpu],
         "median_gpu_step_ms": statistics.median(times.gpu) * 1e3 if times.gpu else None,
-        "queued_ms": [t * 1e3 for t in times.queued],
-        "cpu_ms": [t * 1e3 for t in times.cpu],
         "peak_physical_bytes": phys,
         "samples": sampler.count,
         "sampler": sampler.source,

@@ -17,15 +17,11 @@ import time
 class StepTimes(list):
     """A step-time list (seconds of wall time, as before) that also gets
     each step's time on the device, from CUDA events recorded on the
-    current stream around the step, in `gpu` (seconds), and the host's
-    share: the wall time until the step's work is queued (`queued`) and
-    the main thread's CPU time meanwhile (`cpu`). A step whose work is
-    queued long before it ends waits for the device; one queued only just
-    before waits for the host."""
+    current stream around the step, in `gpu` (seconds)."""
 
     def __init__(self):
         super().__init__()
-        self.gpu, self.queued, self.cpu = [], [], []
+        self.gpu = []
 
 
 def timed_step(torch, fn, times, record):
@@ -34,19 +30,16 @@ def timed_step(torch, fn, times, record):
     if record and hasattr(times, "gpu"):
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         events[0].record()
-    t0, c0 = time.perf_counter(), time.thread_time()
+    t0 = time.perf_counter()
     value = fn()
     if events is not None:
         events[1].record()
-    queued, cpu = time.perf_counter() - t0, time.thread_time() - c0
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     if record:
         times.append(dt)
         if events is not None:
             times.gpu.append(events[0].elapsed_time(events[1]) / 1e3)
-            times.queued.append(queued)
-            times.cpu.append(cpu)
     return value
 
 
