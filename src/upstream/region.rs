@@ -45,8 +45,8 @@ mod stale;
 pub use pages::choose_pieces;
 pub(crate) use pages::{Planned, Released};
 pub(crate) use settle::{deferred_and_leaked, release_deferred, Settled, Waiter};
-use stale::Stale;
 pub(crate) use stale::StaleUnmap;
+use stale::{Lending, Stale};
 
 /// Where a virtual region's memory lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -202,6 +202,10 @@ pub(crate) struct Region {
     stale: Vec<Stale>,
     /// Stale mappings being unmapped with the lock dropped.
     stale_busy: Vec<(usize, usize)>,
+    /// The fences of the move under way: memory lent behind them is
+    /// mapped by that move's map, whose stream waits for them; any other
+    /// map passes it over until its fence has passed (`stale.rs`).
+    lending: Lending,
     /// How shrinking, remapping and dropping wait for the work that may
     /// use the memory (`settle.rs`).
     waiter: Waiter,
@@ -247,6 +251,7 @@ impl Region {
             in_flight: Vec::new(),
             stale: Vec::new(),
             stale_busy: Vec::new(),
+            lending: Lending::default(),
             waiter: Waiter::None,
         };
         if let Space::Cuda { ctx, .. } = &region.space {

@@ -28,15 +28,19 @@ impl Expandable {
     /// sizes new pieces ([`remap_piece`](crate::upstream::remap_piece)),
     /// only where the memory kept does not cover the runs
     /// ([`free_for_pieces`](Self::free_for_pieces)).
+    /// The map ends the move under way, if any ([`Region::end_move`]).
     pub(super) fn map_runs(&self, runs: &[Chunk], kind: PoolKind, device_free: &dyn Fn() -> usize) -> Result<u64> {
-        self.follow_peers()?;
-        self.unmap_released();
-        let need: usize = runs.iter().map(|r| r.size).sum();
-        let new = need.saturating_sub(self.kept());
-        let free = if new > 0 { self.free_for_pieces(device_free) } else { usize::MAX };
-        let calls = self.map_each(runs, kind, free)?;
-        lock(&self.free_seen).made += new;
-        Ok(calls)
+        let mapped = self.follow_peers().and_then(|()| {
+            self.unmap_released();
+            let need: usize = runs.iter().map(|r| r.size).sum();
+            let new = need.saturating_sub(self.kept());
+            let free = if new > 0 { self.free_for_pieces(device_free) } else { usize::MAX };
+            let calls = self.map_each(runs, kind, free)?;
+            lock(&self.free_seen).made += new;
+            Ok(calls)
+        });
+        lock(&self.region).end_move();
+        mapped
     }
 
     /// The device's free memory for sizing new pieces: the last reading

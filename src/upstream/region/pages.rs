@@ -334,9 +334,12 @@ impl Region {
         crate::upstream::remap_piece(mapped, device_free).next_multiple_of(self.granularity())
     }
 
-    /// The largest spare of at most `rem` bytes, taken.
+    /// The largest spare of at most `rem` bytes that may be mapped now
+    /// ([`spare_ready`](Region::spare_ready)), taken.
     fn take_spare(&mut self, rem: usize) -> Option<(usize, Backing)> {
-        let pick = (0..self.spare.len()).filter(|&i| self.spare[i].0 <= rem).max_by_key(|&i| self.spare[i].0)?;
+        let pick = (0..self.spare.len())
+            .filter(|&i| self.spare[i].0 <= rem && self.spare_ready(&self.spare[i].1))
+            .max_by_key(|&i| self.spare[i].0)?;
         Some(self.spare.swap_remove(pick))
     }
 
@@ -492,21 +495,28 @@ impl Region {
     /// Takes the spare memory out of the region, for the caller to
     /// release (`cuMemRelease` on CUDA) once the lock is dropped.
     pub(crate) fn release_spare(&mut self) -> Released {
+        self.end_move();
         Released(self.spare.drain(..).map(|(_, b)| b).collect())
     }
 
     /// Takes spare memory out of the region, largest first, until at most
     /// `keep` bytes of it remain, for the caller to release once the lock
-    /// is dropped.
+    /// is dropped. Memory whose old mapping waits for a fence that has
+    /// not passed stays (more than `keep` may remain): released, it would
+    /// stay on the device, uncounted, until that mapping goes.
     pub(crate) fn release_spare_over(&mut self, keep: usize) -> Released {
         let mut total = self.spare_bytes();
         let mut released = Released(Vec::new());
         // The largest last.
         self.spare.sort_by_key(|&(size, _)| size);
-        while total > keep {
-            let Some((size, backing)) = self.spare.pop() else { break };
-            released.0.push(backing);
-            total -= size;
+        let mut i = self.spare.len();
+        while total > keep && i > 0 {
+            i -= 1;
+            if self.spare_ready(&self.spare[i].1) {
+                let (size, backing) = self.spare.remove(i);
+                released.0.push(backing);
+                total -= size;
+            }
         }
         released
     }

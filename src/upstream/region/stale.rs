@@ -42,6 +42,22 @@ impl std::fmt::Debug for Stale {
     }
 }
 
+/// The fences of the move under way ([`Region::spare_ready`]).
+#[derive(Default)]
+pub(super) struct Lending(Vec<Arc<dyn Fence>>);
+
+impl Lending {
+    fn has(&self, fence: &Arc<dyn Fence>) -> bool {
+        self.0.iter().any(|l| Arc::ptr_eq(l, fence))
+    }
+}
+
+impl std::fmt::Debug for Lending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Lending({} fences)", self.0.len())
+    }
+}
+
 impl Region {
     /// Lends memory without unmapping it: the whole pieces inside the
     /// spans that [`unmap_within`](Self::unmap_within) would unmap (until
@@ -68,6 +84,9 @@ impl Region {
             return None;
         }
         let chosen = self.chosen_pieces(spans, want);
+        if let Some(f) = fence.as_ref().filter(|f| !self.lending.has(f)) {
+            self.lending.0.push(f.clone());
+        }
         let mut out = Vec::with_capacity(chosen.len());
         for piece in self.take_pieces(chosen) {
             out.push((piece.offset, piece.size));
@@ -88,6 +107,24 @@ impl Region {
             return None;
         }
         Some((!self.owner_settles).then(|| ctx.clone()))
+    }
+
+    /// Whether spare memory may be mapped now: each old mapping it still
+    /// has was lent behind no fence, behind one of the move under way
+    /// (whose map's stream waits for it), or behind one that has passed. Memory lent for one move and not mapped by it is
+    /// otherwise still reached by the work queued before its fence: a
+    /// later map, for another stream, would give it to work that may run
+    /// beside that.
+    pub(super) fn spare_ready(&self, backing: &super::Backing) -> bool {
+        let Some(handle) = backing.handle() else { return true };
+        let mut fences = self.stale.iter().filter(|m| m.memory == Some(handle)).filter_map(|m| m.fence.as_ref());
+        fences.all(|f| self.lending.has(f) || f.passed())
+    }
+
+    /// The move under way is over (its map made or failed): what it lent
+    /// and did not map waits for its fences like the rest.
+    pub(crate) fn end_move(&mut self) {
+        self.lending.0.clear();
     }
 
     /// Whether stale mappings wait to be unmapped.
