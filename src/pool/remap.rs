@@ -62,14 +62,12 @@
 //!   about 22 µs: `benches/vmm.rs`). Memory is never lent while work
 //!   that may use it could run beside the new owner's: through its old
 //!   place that work would reach the new owner's memory. Lent memory the
-//!   move's map did not use stays kept, and while its fence has not
-//!   passed no other map takes it (that map may be for another stream)
-//!   and the pool does not release it: released, it would stay on the
-//!   device, uncounted, until its old mapping went (padded generation's
-//!   device peak was 70 MiB above cumem's count on an H200 for this).
-//!   Released memory leaves the device with its old mapping, at the
-//!   release where no queued work may use it, else at the next map once
-//!   its fence has passed.
+//!   move's map did not use stays kept; a later map (maybe for another
+//!   stream) takes it only once its fence has passed, waiting for it on
+//!   the host if need be. Lent memory the pool releases (above its
+//!   budget) leaves the device only with its old mapping: at the release
+//!   where no queued work may use it, else at the next map once its
+//!   fence has passed.
 //! - **Moves behind a fence**: memory whose blocks were freed on a stream
 //!   is lent with no wait on the host. The pool asks its fence maker
 //!   ([`Pool::set_fence_maker`]; a device allocator records a CUDA event

@@ -204,7 +204,7 @@ pub(crate) struct Region {
     stale_busy: Vec<(usize, usize)>,
     /// The fences of the move under way: memory lent behind them is
     /// mapped by that move's map, whose stream waits for them; any other
-    /// map passes it over until its fence has passed (`stale.rs`).
+    /// map waits for its fence first (`stale.rs`).
     lending: Lending,
     /// How shrinking, remapping and dropping wait for the work that may
     /// use the memory (`settle.rs`).

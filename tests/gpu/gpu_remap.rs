@@ -444,10 +444,8 @@ impl cumem::pool::Fence for HandFence {
 
 /// Lent memory that is then released stays on the device while its old
 /// mapping stays: the mapping goes with the release where no queued work
-/// may use it. Behind a fence that has not passed, trimming keeps the
-/// memory (counted) instead of releasing it; released all the same (out
-/// of memory, sleep), its old mapping goes with the first map after the
-/// fence has passed (not whenever the mapper thread gets to it).
+/// may use it, and, behind a fence, not before the fence has passed and
+/// then with the next map (not whenever the mapper thread gets to it).
 #[test]
 fn released_lent_memory_leaves_the_device_once_its_old_mapping_may_go() {
     use cumem::upstream::{Chunk, Queued, Upstream};
@@ -467,42 +465,29 @@ fn released_lent_memory_leaves_the_device_once_its_old_mapping_may_go() {
     assert_eq!(vmm.kept(), 0);
     assert!(!vmm.has_stale(), "the old mapping of released memory stayed");
 
-    // Work queued before a fence may use `b`'s memory; the move maps one
-    // page, which its 16 pages don't fit.
+    // Work queued before a fence may use `b`'s memory.
     let fence = Arc::new(HandFence::default());
     let lent = vmm.lend_within(&[b], b.size, Queued::Before(fence.clone())).expect("lent");
     assert_eq!(lent.iter().map(|c| c.size).sum::<usize>(), b.size);
+    vmm.trim_kept(0);
+    assert!(vmm.has_stale(), "an old mapping went before its fence had passed");
     vmm.map_runs(&[at(32, 1)]).expect("a page mapped");
-    vmm.trim_kept(0);
-    assert_eq!(vmm.kept(), b.size, "memory behind a fence that has not passed was released, uncounted");
     assert!(vmm.has_stale(), "an old mapping went before its fence had passed");
     fence.0.store(true, std::sync::atomic::Ordering::SeqCst);
-    vmm.trim_kept(0);
-    assert_eq!(vmm.kept(), 0);
-    assert!(!vmm.has_stale(), "the old mapping of released memory stayed");
-
-    // Released behind a fence all the same: the first map after it goes.
-    let c = at(40, 8);
-    vmm.map_runs(&[c]).expect("memory mapped");
-    let fence = Arc::new(HandFence::default());
-    vmm.lend_within(&[c], c.size, Queued::Before(fence.clone())).expect("lent");
-    vmm.release_kept();
     vmm.map_runs(&[at(33, 1)]).expect("a page mapped");
-    assert!(vmm.has_stale(), "an old mapping went before its fence had passed");
-    fence.0.store(true, std::sync::atomic::Ordering::SeqCst);
-    vmm.map_runs(&[at(34, 1)]).expect("a page mapped");
     assert!(!vmm.has_stale(), "the next map left the old mapping of released memory");
     vmm.deallocate_chunk(chunk).expect("the chunk goes back");
 }
 
 /// Memory lent behind a fence is mapped by the move that lent it (whose
-/// stream waits for the fence), and by no later map before the fence has
-/// passed: that map may be for another stream, whose work could run
-/// beside the work still queued on the memory's old place.
+/// stream waits for the fence on the device) with no wait, and by a later
+/// map only once the fence has passed (waited for on the host if need
+/// be): that map may be for another stream, whose work could otherwise
+/// run beside the work still queued on the memory's old place.
 #[test]
-fn memory_lent_behind_a_fence_is_mapped_only_by_its_move_until_the_fence_passes() {
+fn memory_lent_behind_a_fence_is_mapped_by_another_map_only_after_the_fence() {
     use cumem::upstream::{Chunk, Queued, Upstream};
-    let name = "memory_lent_behind_a_fence_is_mapped_only_by_its_move_until_the_fence_passes";
+    let name = "memory_lent_behind_a_fence_is_mapped_by_another_map_only_after_the_fence";
     let Some(ctx) = gpu_for_test(name) else { return };
     let vmm = CudaVmm::new(ctx.ordinal()).expect("a VMM upstream");
     let page = vmm.granularity();
@@ -510,22 +495,24 @@ fn memory_lent_behind_a_fence_is_mapped_only_by_its_move_until_the_fence_passes(
     let at = |first: usize, pages: usize| Chunk { addr: chunk.addr + first * page, size: pages * page };
     let (a, b) = (at(0, 16), at(16, 16));
     vmm.map_runs(&[a, b]).expect("memory mapped");
+    let passed = |f: &HandFence| f.0.load(std::sync::atomic::Ordering::SeqCst);
 
-    // The move's own map takes what it lent.
+    // The move's own map takes what it lent, with no wait.
     let fence = Arc::new(HandFence::default());
     vmm.lend_within(&[a], a.size, Queued::Before(fence.clone())).expect("lent");
     vmm.map_runs(&[at(32, 16)]).expect("the move's map");
     assert_eq!(vmm.kept(), 0, "the move did not map the memory it lent");
+    assert!(!passed(&fence), "the move's own map waited for its fence");
 
-    // What a move lent and did not map waits for the fence.
+    // What a move lent and did not map: a later map takes it only after
+    // the fence.
     let fence = Arc::new(HandFence::default());
     vmm.lend_within(&[b], b.size, Queued::Before(fence.clone())).expect("lent");
     vmm.map_runs(&[at(48, 1)]).expect("the move's map");
     assert_eq!(vmm.kept(), b.size);
+    assert!(!passed(&fence));
     vmm.map_runs(&[at(64, 16)]).expect("a later map");
-    assert_eq!(vmm.kept(), b.size, "a later map took memory lent behind a fence that has not passed");
-    fence.0.store(true, std::sync::atomic::Ordering::SeqCst);
-    vmm.map_runs(&[at(80, 16)]).expect("a map after the fence");
-    assert_eq!(vmm.kept(), 0, "memory whose fence has passed was not mapped");
+    assert_eq!(vmm.kept(), 0, "the later map did not take the kept memory");
+    assert!(passed(&fence), "a later map took memory lent behind a fence without waiting for it");
     vmm.deallocate_chunk(chunk).expect("the chunk goes back");
 }

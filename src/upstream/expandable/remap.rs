@@ -94,8 +94,18 @@ impl Expandable {
     }
 
     /// Maps one run. On CUDA the driver calls run with the region's lock
-    /// dropped (`RunMap`); host memory maps under the lock.
+    /// dropped (`RunMap`); host memory maps under the lock. Spare memory
+    /// that another move lent behind a fence that has not passed is taken
+    /// only after a wait for that fence, with the lock dropped (the pool
+    /// holds its remap lock: the spares stay as they are meanwhile).
     fn map_one_run(&self, offset: usize, size: usize, device_free: usize) -> Result<u64> {
+        loop {
+            let fence = lock(&self.region).fence_before_map(size);
+            match fence {
+                Some(fence) => fence.wait()?,
+                None => break,
+            }
+        }
         let plan = {
             let mut region = lock(&self.region);
             // Old mappings of moved memory there are being unmapped

@@ -334,12 +334,9 @@ impl Region {
         crate::upstream::remap_piece(mapped, device_free).next_multiple_of(self.granularity())
     }
 
-    /// The largest spare of at most `rem` bytes that may be mapped now
-    /// ([`spare_ready`](Region::spare_ready)), taken.
+    /// The largest spare of at most `rem` bytes, taken.
     fn take_spare(&mut self, rem: usize) -> Option<(usize, Backing)> {
-        let pick = (0..self.spare.len())
-            .filter(|&i| self.spare[i].0 <= rem && self.spare_ready(&self.spare[i].1))
-            .max_by_key(|&i| self.spare[i].0)?;
+        let pick = self.pick_spare(rem, |_| false)?;
         Some(self.spare.swap_remove(pick))
     }
 
@@ -495,30 +492,46 @@ impl Region {
     /// Takes the spare memory out of the region, for the caller to
     /// release (`cuMemRelease` on CUDA) once the lock is dropped.
     pub(crate) fn release_spare(&mut self) -> Released {
-        self.end_move();
         Released(self.spare.drain(..).map(|(_, b)| b).collect())
     }
 
     /// Takes spare memory out of the region, largest first, until at most
     /// `keep` bytes of it remain, for the caller to release once the lock
-    /// is dropped. Memory whose old mapping waits for a fence that has
-    /// not passed stays (more than `keep` may remain): released, it would
-    /// stay on the device, uncounted, until that mapping goes.
+    /// is dropped.
     pub(crate) fn release_spare_over(&mut self, keep: usize) -> Released {
         let mut total = self.spare_bytes();
         let mut released = Released(Vec::new());
         // The largest last.
         self.spare.sort_by_key(|&(size, _)| size);
-        let mut i = self.spare.len();
-        while total > keep && i > 0 {
-            i -= 1;
-            if self.spare_ready(&self.spare[i].1) {
-                let (size, backing) = self.spare.remove(i);
-                released.0.push(backing);
-                total -= size;
-            }
+        while total > keep {
+            let Some((size, backing)) = self.spare.pop() else { break };
+            released.0.push(backing);
+            total -= size;
         }
         released
+    }
+
+    /// The index of the largest spare of at most `rem` bytes, passing
+    /// over those `taken` says a map took already.
+    fn pick_spare(&self, rem: usize, taken: impl Fn(usize) -> bool) -> Option<usize> {
+        (0..self.spare.len()).filter(|&i| self.spare[i].0 <= rem && !taken(i)).max_by_key(|&i| self.spare[i].0)
+    }
+
+    /// A fence that a map of `[offset, offset + size)` must wait for
+    /// first: one the spare memory it takes was lent behind, that has not
+    /// passed and is not the move's under way
+    /// ([`unready_fence`](Region::unready_fence)).
+    pub(crate) fn fence_before_map(&self, size: usize) -> Option<Arc<dyn crate::tag::Fence>> {
+        let mut taken = Vec::new();
+        let mut rem = size;
+        while let Some(i) = self.pick_spare(rem, |i| taken.contains(&i)) {
+            if let Some(fence) = self.unready_fence(&self.spare[i].1) {
+                return Some(fence);
+            }
+            rem -= self.spare[i].0;
+            taken.push(i);
+        }
+        None
     }
 
     /// The bytes of spare memory (unmapped, kept for the next map).

@@ -42,7 +42,7 @@ impl std::fmt::Debug for Stale {
     }
 }
 
-/// The fences of the move under way ([`Region::spare_ready`]).
+/// The fences of the move under way ([`Region::unready_fence`]).
 #[derive(Default)]
 pub(super) struct Lending(Vec<Arc<dyn Fence>>);
 
@@ -109,16 +109,16 @@ impl Region {
         Some((!self.owner_settles).then(|| ctx.clone()))
     }
 
-    /// Whether spare memory may be mapped now: each old mapping it still
-    /// has was lent behind no fence, behind one of the move under way
-    /// (whose map's stream waits for it), or behind one that has passed. Memory lent for one move and not mapped by it is
-    /// otherwise still reached by the work queued before its fence: a
-    /// later map, for another stream, would give it to work that may run
-    /// beside that.
-    pub(super) fn spare_ready(&self, backing: &super::Backing) -> bool {
-        let Some(handle) = backing.handle() else { return true };
+    /// The fence spare memory must wait for before a map takes it, if
+    /// any: one of its old mappings was lent behind a fence that has not
+    /// passed and is not the move's under way (whose map's stream waits
+    /// for it on the device). Memory a move lent and did not map is still
+    /// reached by the work queued before its fence, and a later map may
+    /// be for another stream, whose work could run beside that work.
+    pub(super) fn unready_fence(&self, backing: &super::Backing) -> Option<Arc<dyn Fence>> {
+        let handle = backing.handle()?;
         let mut fences = self.stale.iter().filter(|m| m.memory == Some(handle)).filter_map(|m| m.fence.as_ref());
-        fences.all(|f| self.lending.has(f) || f.passed())
+        fences.find(|f| !self.lending.has(f) && !f.passed()).cloned()
     }
 
     /// The move under way is over (its map made or failed): what it lent
