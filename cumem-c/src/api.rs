@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 use cumem::{Config, DeviceAllocatorMode, MemoryManager};
 
-use crate::ffi::{allocate_into, copy_text, manager, ordinal, put, put_opt};
+use crate::ffi::{allocate_into, answer, copy_text, manager, ordinal, put_opt};
 use crate::status::{guard, Failure, Outcome};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
@@ -87,11 +87,8 @@ pub unsafe extern "C" fn cumem_backend(buf: *mut c_char, len: usize, needed: *mu
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_is_host_fallback(out: *mut c_int) -> CumemStatus {
-    guard(|| {
-        let host = manager()?.backend().is_host();
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", c_int::from(host)) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(c_int::from(manager()?.backend().is_host()))) }
 }
 
 // ---- pinned host memory ----
@@ -343,11 +340,8 @@ pub unsafe extern "C" fn cumem_set_device_allocator_mode(mode: c_int, effective:
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_requested_device_allocator_mode(out: *mut CumemMode) -> CumemStatus {
-    guard(|| {
-        let m = CumemMode::of(manager()?.requested_device_allocator_mode());
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", m) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(CumemMode::of(manager()?.requested_device_allocator_mode()))) }
 }
 
 /// Stores the device allocator mode in effect on the default device in
@@ -357,11 +351,8 @@ pub unsafe extern "C" fn cumem_requested_device_allocator_mode(out: *mut CumemMo
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_effective_device_allocator_mode(out: *mut CumemMode) -> CumemStatus {
-    guard(|| {
-        let m = CumemMode::of(manager()?.effective_device_allocator_mode());
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", m) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(CumemMode::of(manager()?.effective_device_allocator_mode()))) }
 }
 
 /// Stores 1 in `*out` when the default device supports stream-ordered
@@ -371,11 +362,8 @@ pub unsafe extern "C" fn cumem_effective_device_allocator_mode(out: *mut CumemMo
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_supports_async_device_allocator(out: *mut c_int) -> CumemStatus {
-    guard(|| {
-        let yes = manager()?.supports_async_device_allocator();
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", c_int::from(yes)) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(c_int::from(manager()?.supports_async_device_allocator()))) }
 }
 
 #[cfg(test)]

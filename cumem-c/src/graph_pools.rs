@@ -8,7 +8,7 @@ use std::ffi::{c_int, c_void};
 
 use cumem::GraphPool;
 
-use crate::ffi::{allocate_into, manager, ordinal, put};
+use crate::ffi::{allocate_into, answer, manager, ordinal, put};
 use crate::status::{guard, Failure, Outcome};
 use crate::CumemStatus;
 
@@ -47,14 +47,9 @@ unsafe fn pool_of<'a>(pool: *const CumemGraphPool) -> Outcome<&'a GraphPool<'sta
 /// `out` is NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_graph_pool_create(device: c_int, out: *mut *mut CumemGraphPool) -> CumemStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let pool = manager()?.graph_pool_on(ordinal(device)?)?;
-        // SAFETY: non-null, and the caller's promise about `out`.
-        unsafe { put(out, "out", Box::into_raw(Box::new(CumemGraphPool { pool }))) }
-    })
+    let pool = || Ok(Box::into_raw(Box::new(CumemGraphPool { pool: manager()?.graph_pool_on(ordinal(device)?)? })));
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, pool) }
 }
 
 /// Allocates `size` bytes from `pool` into `*out`, growing the pool when

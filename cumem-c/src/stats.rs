@@ -4,7 +4,7 @@ use std::ffi::{c_char, c_int};
 
 use cumem::pool::PoolStats;
 
-use crate::ffi::{copy_text, manager, put, put_opt};
+use crate::ffi::{answer, copy_text, manager, put_opt};
 use crate::status::{guard, Failure};
 use crate::CumemStatus;
 
@@ -117,11 +117,8 @@ pub struct CumemShutdownReport {
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_pinned_stats(out: *mut CumemPoolStats) -> CumemStatus {
-    guard(|| {
-        let s = CumemPoolStats::from(manager()?.pinned_stats());
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", s) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(CumemPoolStats::from(manager()?.pinned_stats()))) }
 }
 
 /// Stores device `device`'s figures in `*out` (creating its allocator if
@@ -134,15 +131,12 @@ pub unsafe extern "C" fn cumem_pinned_stats(out: *mut CumemPoolStats) -> CumemSt
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDeviceStats) -> CumemStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
+    let stats = || {
         let ordinal = crate::ffi::ordinal(device)?;
         let d = manager()?.device_stats(ordinal)?;
         let natives = [d.native_pool.as_ref(), d.default_pool.as_ref()];
         let move_waits = d.pool.move_waits;
-        let s = CumemDeviceStats {
+        Ok(CumemDeviceStats {
             pool: d.pool.into(),
             stream_ordered_in_use: d.stream_ordered.in_use,
             stream_ordered_peak_in_use: d.stream_ordered.peak_in_use,
@@ -157,10 +151,10 @@ pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDevice
             tagged_mapped: d.tags.iter().map(|t| t.pool.mapped).sum(),
             tagged_peak_mapped: d.tags.iter().map(|t| t.pool.peak_mapped).sum(),
             move_waits,
-        };
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", s) }
-    })
+        })
+    };
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, stats) }
 }
 
 /// Stores cumem's default device in `*out`: the device its calls without
@@ -172,13 +166,13 @@ pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDevice
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_default_device(out: *mut c_int) -> CumemStatus {
-    guard(|| {
+    let device = || {
         let device = manager()?.config().device;
-        let device = c_int::try_from(device)
-            .map_err(|_| Failure::new(CumemStatus::Other, format!("device {device} does not fit an int")))?;
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", device) }
-    })
+        c_int::try_from(device)
+            .map_err(|_| Failure::new(CumemStatus::Other, format!("device {device} does not fit an int")))
+    };
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, device) }
 }
 
 /// Sets every peak figure to its current value.

@@ -63,27 +63,27 @@ pub enum CumemStatus {
     Tag = 18,
 }
 
-/// Every status, in the order of their values.
-const ALL: [CumemStatus; 19] = [
-    CumemStatus::Ok,
-    CumemStatus::InvalidArgument,
-    CumemStatus::OutOfMemory,
-    CumemStatus::UnknownPointer,
-    CumemStatus::InteriorPointer,
-    CumemStatus::DoubleFree,
-    CumemStatus::AlreadyInitialized,
-    CumemStatus::ConfigTooLate,
-    CumemStatus::Config,
-    CumemStatus::ShutDown,
-    CumemStatus::Driver,
-    CumemStatus::NoSuchDevice,
-    CumemStatus::Capture,
-    CumemStatus::BufferTooSmall,
-    CumemStatus::NeedsGpu,
-    CumemStatus::Panic,
-    CumemStatus::Other,
-    CumemStatus::Ipc,
-    CumemStatus::Tag,
+/// Every status with its name in the header, in the order of their values.
+const NAMES: [(CumemStatus, &std::ffi::CStr); 19] = [
+    (CumemStatus::Ok, c"CUMEM_STATUS_OK"),
+    (CumemStatus::InvalidArgument, c"CUMEM_STATUS_INVALID_ARGUMENT"),
+    (CumemStatus::OutOfMemory, c"CUMEM_STATUS_OUT_OF_MEMORY"),
+    (CumemStatus::UnknownPointer, c"CUMEM_STATUS_UNKNOWN_POINTER"),
+    (CumemStatus::InteriorPointer, c"CUMEM_STATUS_INTERIOR_POINTER"),
+    (CumemStatus::DoubleFree, c"CUMEM_STATUS_DOUBLE_FREE"),
+    (CumemStatus::AlreadyInitialized, c"CUMEM_STATUS_ALREADY_INITIALIZED"),
+    (CumemStatus::ConfigTooLate, c"CUMEM_STATUS_CONFIG_TOO_LATE"),
+    (CumemStatus::Config, c"CUMEM_STATUS_CONFIG"),
+    (CumemStatus::ShutDown, c"CUMEM_STATUS_SHUT_DOWN"),
+    (CumemStatus::Driver, c"CUMEM_STATUS_DRIVER"),
+    (CumemStatus::NoSuchDevice, c"CUMEM_STATUS_NO_SUCH_DEVICE"),
+    (CumemStatus::Capture, c"CUMEM_STATUS_CAPTURE"),
+    (CumemStatus::BufferTooSmall, c"CUMEM_STATUS_BUFFER_TOO_SMALL"),
+    (CumemStatus::NeedsGpu, c"CUMEM_STATUS_NEEDS_GPU"),
+    (CumemStatus::Panic, c"CUMEM_STATUS_PANIC"),
+    (CumemStatus::Other, c"CUMEM_STATUS_OTHER"),
+    (CumemStatus::Ipc, c"CUMEM_STATUS_IPC"),
+    (CumemStatus::Tag, c"CUMEM_STATUS_TAG"),
 ];
 
 impl CumemStatus {
@@ -111,27 +111,7 @@ impl CumemStatus {
 
     /// The status's name as it appears in the header.
     pub fn name(self) -> &'static std::ffi::CStr {
-        match self {
-            CumemStatus::Ok => c"CUMEM_STATUS_OK",
-            CumemStatus::InvalidArgument => c"CUMEM_STATUS_INVALID_ARGUMENT",
-            CumemStatus::OutOfMemory => c"CUMEM_STATUS_OUT_OF_MEMORY",
-            CumemStatus::UnknownPointer => c"CUMEM_STATUS_UNKNOWN_POINTER",
-            CumemStatus::InteriorPointer => c"CUMEM_STATUS_INTERIOR_POINTER",
-            CumemStatus::DoubleFree => c"CUMEM_STATUS_DOUBLE_FREE",
-            CumemStatus::AlreadyInitialized => c"CUMEM_STATUS_ALREADY_INITIALIZED",
-            CumemStatus::ConfigTooLate => c"CUMEM_STATUS_CONFIG_TOO_LATE",
-            CumemStatus::Config => c"CUMEM_STATUS_CONFIG",
-            CumemStatus::ShutDown => c"CUMEM_STATUS_SHUT_DOWN",
-            CumemStatus::Driver => c"CUMEM_STATUS_DRIVER",
-            CumemStatus::NoSuchDevice => c"CUMEM_STATUS_NO_SUCH_DEVICE",
-            CumemStatus::Capture => c"CUMEM_STATUS_CAPTURE",
-            CumemStatus::BufferTooSmall => c"CUMEM_STATUS_BUFFER_TOO_SMALL",
-            CumemStatus::NeedsGpu => c"CUMEM_STATUS_NEEDS_GPU",
-            CumemStatus::Panic => c"CUMEM_STATUS_PANIC",
-            CumemStatus::Other => c"CUMEM_STATUS_OTHER",
-            CumemStatus::Ipc => c"CUMEM_STATUS_IPC",
-            CumemStatus::Tag => c"CUMEM_STATUS_TAG",
-        }
+        NAMES[self as usize].1
     }
 }
 
@@ -217,7 +197,7 @@ pub extern "C" fn cumem_last_error() -> *const c_char {
 /// "CUMEM_STATUS_UNKNOWN" for a value that is not one.
 #[no_mangle]
 pub extern "C" fn cumem_status_name(status: i32) -> *const c_char {
-    ALL.iter().find(|s| **s as i32 == status).map_or(c"CUMEM_STATUS_UNKNOWN".as_ptr(), |s| s.name().as_ptr())
+    NAMES.iter().find(|(s, _)| *s as i32 == status).map_or(c"CUMEM_STATUS_UNKNOWN".as_ptr(), |(_, n)| n.as_ptr())
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use std::ffi::{c_char, c_int, CStr};
 
 use cumem::{SleepReport, TagState, TagUsage, WakeReport};
 
-use crate::ffi::{copy_text, manager, put, put_opt};
+use crate::ffi::{answer, copy_text, manager, put, put_opt};
 use crate::status::{guard, Failure, Outcome};
 use crate::CumemStatus;
 
@@ -248,11 +248,8 @@ pub unsafe extern "C" fn cumem_tag_get(buf: *mut c_char, len: usize, needed: *mu
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_tag_is_set(out: *mut c_int) -> CumemStatus {
-    guard(|| {
-        let set = cumem::device::current_tag().is_some();
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", c_int::from(set)) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(c_int::from(cumem::device::current_tag().is_some()))) }
 }
 
 /// Puts memory tags to sleep: the live blocks of the `n_offload` tags in

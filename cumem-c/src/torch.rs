@@ -20,7 +20,7 @@
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::ffi::{manager, ordinal, put};
+use crate::ffi::{answer, manager, ordinal};
 use crate::recorded::free_on;
 use crate::status::{guard, panic_message, set_last_error, Failure, Outcome};
 use crate::streams::{stream_for, CumemStream};
@@ -136,13 +136,13 @@ pub unsafe extern "C" fn cumem_record_stream(ptr: *mut c_void, device: c_int, st
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_torch_counters(out: *mut CumemTorchCounters) -> CumemStatus {
-    guard(|| {
-        let c = CumemTorchCounters {
+    let counters = || {
+        Ok(CumemTorchCounters {
             alloc_failures: ALLOC_FAILURES.load(Ordering::Relaxed),
             free_failures: FREE_FAILURES.load(Ordering::Relaxed),
             recorded_stream_waits: crate::recorded::recorded_waits(),
-        };
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", c) }
-    })
+        })
+    };
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, counters) }
 }

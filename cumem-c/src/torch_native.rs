@@ -8,7 +8,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use crate::ffi::{allocate_into, manager, ordinal, put};
+use crate::ffi::{allocate_into, answer, manager, ordinal};
 use crate::recorded::free_on;
 use crate::status::{guard, Failure};
 use crate::streams::{stream_for, CumemStream};
@@ -107,15 +107,12 @@ pub struct CumemTorchFigures {
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_torch_figures(device: c_int, out: *mut CumemTorchFigures) -> CumemStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
+    let figures = || {
         let d = manager()?.device_stats(ordinal(device)?)?;
         let natives = [d.native_pool.as_ref(), d.default_pool.as_ref()];
         let p = &d.pool;
         let tags = |f: fn(&cumem::pool::PoolStats) -> usize| d.tags.iter().map(|t| f(&t.pool)).sum::<usize>();
-        let f = CumemTorchFigures {
+        Ok(CumemTorchFigures {
             reserved: (p.mapped + tags(|t| t.mapped) + d.graphs.reserved) as u64
                 + natives.iter().flatten().map(|a| a.reserved_current).sum::<u64>(),
             peak_reserved: (p.peak_mapped + tags(|t| t.peak_mapped) + d.graphs.peak_reserved) as u64
@@ -129,8 +126,8 @@ pub unsafe extern "C" fn cumem_torch_figures(device: c_int, out: *mut CumemTorch
             tagged_in_use: tags(|t| t.in_use) as u64,
             tagged_requested: tags(|t| t.requested) as u64,
             tagged_mapped: tags(|t| t.mapped) as u64,
-        };
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", f) }
-    })
+        })
+    };
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, figures) }
 }
