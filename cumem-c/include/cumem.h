@@ -65,8 +65,7 @@ typedef enum {
   CUMEM_STATUS_TAG = 18,
 } CumemStatus;
 
-// A device allocator mode (`cumem_set_device_allocator_mode` takes its
-// value as an `int`).
+// A device allocator mode (an `int` for `cumem_set_device_allocator_mode`).
 typedef enum {
   // cumem's own pool, stream-ordered reuse through events.
   CUMEM_MODE_SYNC_POOL = 0,
@@ -296,16 +295,15 @@ extern "C" {
 // `conf` must be NULL or a NUL-terminated string.
 CumemStatus cumem_init(const char *conf);
 
-// Writes a description of what the manager runs on ("CUDA (1 device(s))"
-// or "host fallback, no GPU in use (why)") into `buf`; see
-// `cumem_memory_summary` for `len` and `needed`.
+// Writes what the manager runs on ("CUDA (1 device(s))", "host fallback,
+// no GPU in use (why)") into `buf`, as `cumem_memory_summary` does.
 //
 // # Safety
 // As `cumem_memory_summary`.
 CumemStatus cumem_backend(char *buf, size_t len, size_t *needed);
 
-// Stores 1 in `*out` on the host fallback (no GPU: ordinary host memory
-// stands in for device memory), 0 on CUDA.
+// Stores 1 in `*out` on the host fallback (host memory stands in for
+// device memory), 0 on CUDA.
 //
 // # Safety
 // `out` must be NULL (an error) or valid for a write.
@@ -322,8 +320,8 @@ CumemStatus cumem_is_host_fallback(int *out);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_allocate_pinned(size_t size, void **out);
 
-// Returns pinned memory to the pool. It must no longer be used (by the
-// host or by queued copies).
+// Returns pinned memory to the pool; nothing (host or queued copy) may
+// use it any more.
 //
 // # Errors
 // `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
@@ -331,9 +329,9 @@ CumemStatus cumem_allocate_pinned(size_t size, void **out);
 // pinned pool did not hand out); the pool is unchanged then.
 CumemStatus cumem_free_pinned(void *ptr);
 
-// Allocates `size` bytes of device memory on the default device, usable
-// at once by the host and by any stream; stores the device pointer in
-// `*out` (never to be dereferenced on the host).
+// Allocates `size` bytes on the default device, usable at once by any
+// stream; stores the device pointer (never dereferenced on the host) in
+// `*out`.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,
@@ -355,8 +353,8 @@ CumemStatus cumem_allocate_device(size_t size, void **out);
 // memory is freed and the frees queued on it have run.
 CumemStatus cumem_allocate_device_on(size_t size, CumemStream stream, void **out);
 
-// Frees device memory at once: no queued work on any stream may still use
-// it (synchronise first, or use `cumem_free_device_on`).
+// Frees device memory at once: no queued work may still use it
+// (synchronise first, or use `cumem_free_device_on`).
 //
 // # Errors
 // `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
@@ -411,14 +409,11 @@ CumemStatus cumem_set_pinned_pool_size(size_t size);
 // `CUMEM_STATUS_CONFIG_TOO_LATE` after the first device allocation.
 CumemStatus cumem_set_device_pool_size(size_t size);
 
-// Lets kernels on device `accessor` read and write all memory of device
-// `owner` that cumem hands out, now and later (see
-// `MemoryManager::enable_peer_access`). A program that enables peer
-// access itself (`cudaDeviceEnablePeerAccess`) calls this too when it
-// reads memory mapped before the accessor's context existed without a
-// cumem allocation in between (cumem gives access to peers whose context
-// is active at its next mapping). Granting twice, or `accessor ==
-// owner`, is harmless; one-way.
+// Lets kernels on device `accessor` use all memory of device `owner` that
+// cumem hands out, now and later (`MemoryManager::enable_peer_access`;
+// one-way; twice, or `accessor == owner`, is harmless). Needed even after
+// `cudaDeviceEnablePeerAccess` for memory mapped before the accessor's
+// context existed, with no cumem allocation since.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` for a negative device;
@@ -426,10 +421,10 @@ CumemStatus cumem_set_device_pool_size(size_t size);
 // have no peer path; `CUMEM_STATUS_DRIVER`.
 CumemStatus cumem_enable_peer_access(int accessor, int owner);
 
-// Requests device allocator mode `mode` (a `CumemMode` value) for every
-// device; stores the mode in effect on the default device in
-// `*effective` when it is not NULL (`CUMEM_MODE_SYNC_POOL` where the
-// device can't allocate stream-ordered). Live allocations stay valid.
+// Requests device allocator mode `mode` (a `CumemMode`) for every device;
+// stores the default device's mode in effect (`CUMEM_MODE_SYNC_POOL`
+// without stream-ordered allocation) in `*effective` unless NULL. Live
+// allocations stay valid.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` for a value that is not a mode.
@@ -444,8 +439,7 @@ CumemStatus cumem_set_device_allocator_mode(int mode, CumemMode *effective);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_requested_device_allocator_mode(CumemMode *out);
 
-// Stores the device allocator mode in effect on the default device in
-// `*out`.
+// Stores the default device's device allocator mode in effect in `*out`.
 //
 // # Safety
 // `out` must be NULL (an error) or valid for a write.

@@ -11,8 +11,7 @@ use crate::status::{guard, Failure, Outcome};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
 
-/// A device allocator mode (`cumem_set_device_allocator_mode` takes its
-/// value as an `int`).
+/// A device allocator mode (an `int` for `cumem_set_device_allocator_mode`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CumemMode {
@@ -65,9 +64,8 @@ pub unsafe extern "C" fn cumem_init(conf: *const c_char) -> CumemStatus {
     })
 }
 
-/// Writes a description of what the manager runs on ("CUDA (1 device(s))"
-/// or "host fallback, no GPU in use (why)") into `buf`; see
-/// `cumem_memory_summary` for `len` and `needed`.
+/// Writes what the manager runs on ("CUDA (1 device(s))", "host fallback,
+/// no GPU in use (why)") into `buf`, as `cumem_memory_summary` does.
 ///
 /// # Safety
 /// As `cumem_memory_summary`.
@@ -80,8 +78,8 @@ pub unsafe extern "C" fn cumem_backend(buf: *mut c_char, len: usize, needed: *mu
     })
 }
 
-/// Stores 1 in `*out` on the host fallback (no GPU: ordinary host memory
-/// stands in for device memory), 0 on CUDA.
+/// Stores 1 in `*out` on the host fallback (host memory stands in for
+/// device memory), 0 on CUDA.
 ///
 /// # Safety
 /// `out` must be NULL (an error) or valid for a write.
@@ -108,8 +106,8 @@ pub unsafe extern "C" fn cumem_allocate_pinned(size: usize, out: *mut *mut c_voi
     unsafe { allocate_into(out, || Ok(manager()?.allocate_pinned(size)?.as_ptr() as usize as u64)) }
 }
 
-/// Returns pinned memory to the pool. It must no longer be used (by the
-/// host or by queued copies).
+/// Returns pinned memory to the pool; nothing (host or queued copy) may
+/// use it any more.
 ///
 /// # Errors
 /// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
@@ -122,9 +120,9 @@ pub extern "C" fn cumem_free_pinned(ptr: *mut c_void) -> CumemStatus {
 
 // ---- device memory ----
 
-/// Allocates `size` bytes of device memory on the default device, usable
-/// at once by the host and by any stream; stores the device pointer in
-/// `*out` (never to be dereferenced on the host).
+/// Allocates `size` bytes on the default device, usable at once by any
+/// stream; stores the device pointer (never dereferenced on the host) in
+/// `*out`.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,
@@ -163,8 +161,8 @@ pub unsafe extern "C" fn cumem_allocate_device_on(
     }
 }
 
-/// Frees device memory at once: no queued work on any stream may still use
-/// it (synchronise first, or use `cumem_free_device_on`).
+/// Frees device memory at once: no queued work may still use it
+/// (synchronise first, or use `cumem_free_device_on`).
 ///
 /// # Errors
 /// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
@@ -283,14 +281,11 @@ pub extern "C" fn cumem_set_device_pool_size(size: usize) -> CumemStatus {
 
 // ---- peers ----
 
-/// Lets kernels on device `accessor` read and write all memory of device
-/// `owner` that cumem hands out, now and later (see
-/// `MemoryManager::enable_peer_access`). A program that enables peer
-/// access itself (`cudaDeviceEnablePeerAccess`) calls this too when it
-/// reads memory mapped before the accessor's context existed without a
-/// cumem allocation in between (cumem gives access to peers whose context
-/// is active at its next mapping). Granting twice, or `accessor ==
-/// owner`, is harmless; one-way.
+/// Lets kernels on device `accessor` use all memory of device `owner` that
+/// cumem hands out, now and later (`MemoryManager::enable_peer_access`;
+/// one-way; twice, or `accessor == owner`, is harmless). Needed even after
+/// `cudaDeviceEnablePeerAccess` for memory mapped before the accessor's
+/// context existed, with no cumem allocation since.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT` for a negative device;
@@ -304,10 +299,10 @@ pub extern "C" fn cumem_enable_peer_access(accessor: c_int, owner: c_int) -> Cum
     })
 }
 
-/// Requests device allocator mode `mode` (a `CumemMode` value) for every
-/// device; stores the mode in effect on the default device in
-/// `*effective` when it is not NULL (`CUMEM_MODE_SYNC_POOL` where the
-/// device can't allocate stream-ordered). Live allocations stay valid.
+/// Requests device allocator mode `mode` (a `CumemMode`) for every device;
+/// stores the default device's mode in effect (`CUMEM_MODE_SYNC_POOL`
+/// without stream-ordered allocation) in `*effective` unless NULL. Live
+/// allocations stay valid.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT` for a value that is not a mode.
@@ -344,8 +339,7 @@ pub unsafe extern "C" fn cumem_requested_device_allocator_mode(out: *mut CumemMo
     unsafe { answer(out, || Ok(CumemMode::of(manager()?.requested_device_allocator_mode()))) }
 }
 
-/// Stores the device allocator mode in effect on the default device in
-/// `*out`.
+/// Stores the default device's device allocator mode in effect in `*out`.
 ///
 /// # Safety
 /// `out` must be NULL (an error) or valid for a write.

@@ -22,50 +22,40 @@
 //!   keeps the accessor in its list, which every later mapping names.
 //!
 //! **Peer access enabled the CUDA way.** Programs enable peer access with
-//! `cuCtxEnablePeerAccess` / `cudaDeviceEnablePeerAccess` (PyTorch does),
-//! never telling cumem, and expect every pointer of the owner to be
-//! reachable from then on. For `cuMemMap` memory that takes a
-//! `cuMemSetAccess` naming the accessor, and the driver offers no way to
-//! learn that a context enabled peer access. A `cuMemSetAccess` that names
-//! a peer is also dear: about 1 ms (2 to 128 MiB; about 10.5 ms from 512
-//! MiB) on two H200s against 0.04 to 0.6 ms for the owner alone, 1.5 to
-//! 1.7 ms (11 ms) while the peer's context does not exist. So a mapping names, in its one
-//! `cuMemSetAccess` call, the owner, the peers granted with
+//! `cudaDeviceEnablePeerAccess` (PyTorch does), never telling cumem, and
+//! expect every pointer of the owner to be reachable from then on. For
+//! `cuMemMap` memory that takes a `cuMemSetAccess` naming the accessor;
+//! the driver can't say that a context enabled peer access, and naming a
+//! peer is dear (about 1 ms a mapping against well under 1 ms for the
+//! owner alone: docs/multi-gpu.md#peer-access-enabled-the-cuda-way). So a
+//! mapping's one `cuMemSetAccess` names the owner, the peers granted with
 //! [`enable_peer_access`] (or `peer_access` in `CUMEM_CONF`), and the
-//! peers that can reach the owner (`cuDeviceCanAccessPeer`) and whose
-//! primary context is active in this process (`cuDevicePrimaryCtxGetState`):
-//! a kernel can only run on, and peer access only be enabled from, a
-//! device whose context exists. A process that uses one GPU (one per
-//! process, as in DDP) names no peer and pays nothing.
+//! peers that can reach the owner (`cuDeviceCanAccessPeer`) whose primary
+//! context is active (`cuDevicePrimaryCtxGetState`): a kernel runs, and
+//! peer access is enabled, only from a device whose context exists. A
+//! process using one GPU (as in DDP) names no peer and pays nothing.
 //!
 //! cumem follows peers that become active: before it maps (a region
 //! reserved or grown, a piece mapped or remapped, an IPC import), with no
-//! pool or region lock held, it looks for reachable peers it has not yet
-//! seen active ([`follow_active_peers`]); one that is active now is given
-//! access to the live regions of every device it can reach, and recorded
-//! so that their later mappings name it. A program whose peers are all
-//! seen pays one relaxed load for this; the driver is asked only about
-//! reachable peers not seen active yet. The follow grant makes only the
-//! `cuMemSetAccess` calls: it does not enable context peer access (the
-//! program's own `cudaDeviceEnablePeerAccess` would then fail with
-//! "already enabled") nor open native pools (context peer access does not
-//! reach them in CUDA either).
+//! pool or region lock held, [`follow_active_peers`] looks for reachable
+//! peers not yet seen active; one active now gets access to the live
+//! regions of every device it can reach, and later mappings name it. Once
+//! all peers are seen this costs one relaxed load. The follow grant makes
+//! only the `cuMemSetAccess` calls: no context peer access (the program's
+//! own `cudaDeviceEnablePeerAccess` would fail "already enabled"), no
+//! native pools (context peer access does not reach them in CUDA either).
 //!
 //! What remains: memory mapped before a peer's context existed becomes
 //! reachable from it at cumem's next mapping on any device, or at an
-//! explicit grant. A program that creates the peer's context, enables
-//! peer access the CUDA way and reads such old memory with no cumem
-//! mapping in between must call [`enable_peer_access`]
-//! (`cumem_enable_peer_access` in C; cumem_torch does it in PyTorch's
-//! `enablePeerAccess` hook, which PyTorch calls before peer copies). IPC
-//! imports name the peers known when they are opened and are not
-//! followed later.
+//! explicit grant. A program that reads such memory from the peer with no
+//! cumem mapping in between must call [`enable_peer_access`]
+//! (`cumem_enable_peer_access`; cumem_torch does it in PyTorch's
+//! `enablePeerAccess` hook). IPC imports name the peers known when opened.
 //!
 //! `CUMEM_MAP_PEERS` (read once) picks the peers a mapping names besides
 //! the owner and the explicit grants: `active` (the default, above),
 //! `all` (every reachable peer, from the start: sound for any program,
-//! at the cost above on every mapping), `0` / `off` (explicit grants
-//! only).
+//! dear on every mapping), `0` / `off` (explicit grants only).
 //!
 //! A grant holds the table's lock while it applies itself, and a pool or
 //! region registers under the same lock, so each one either sees the grant
