@@ -696,27 +696,23 @@ CumemStatus cumem_stream_destroy(CumemStream stream);
 // done (`cuStreamSynchronize`); returns at once on the host fallback.
 CumemStatus cumem_stream_synchronize(CumemStream stream);
 
-// Says the program is about to destroy `stream` (of the default device),
-// a stream it made itself (`cudaStreamCreate`): call it before
-// `cudaStreamDestroy` / `cuStreamDestroy` when cumem may have seen the
-// stream (memory allocated or freed on it). cumem waits once for the work
-// queued on it (`cuStreamSynchronize`), so every free on it is complete,
-// forgets it, and never asks, waits on or synchronises the handle again
-// (not even in `cumem_release_cached`). A stream cumem never saw, or one
-// already forgotten, is fine (nothing to do). Seen again later (a new
-// stream with the same handle), the handle is a new stream to cumem.
+// Call before destroying `stream` (of the default device), one the
+// program made itself, when cumem may have seen it (memory allocated or
+// freed on it). cumem waits once for its queued work
+// (`cuStreamSynchronize`), so every free on it is complete, and never
+// touches the handle again (not even in `cumem_release_cached`); seen
+// again later, the handle is a new stream. A stream cumem never saw, or
+// one already forgotten, is nothing to do.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` for NULL (the legacy default stream)
-// or a stream made by `cumem_stream_create` (destroy it with
-// `cumem_stream_destroy`); a
-// capture error while the stream captures a graph (nothing changes); a
-// driver error from the wait (the stream is then not forgotten).
+// or a stream of `cumem_stream_create` (use `cumem_stream_destroy`); a
+// capture error while the stream captures (nothing changes); a driver
+// error from the wait (the stream is then not forgotten).
 CumemStatus cumem_stream_forget(CumemStream stream);
 
-// Stores in `*out` how many raw streams cumem's table of them holds now
-// (streams seen through the C ABI and streams `cumem_stream_create`
-// made), for programs that watch it stay flat.
+// Stores in `*out` how many raw streams cumem's table holds now (seen
+// through the C ABI or made by `cumem_stream_create`).
 //
 // # Safety
 // `out` must be NULL (an error) or valid for a write of one `size_t`.
