@@ -113,9 +113,8 @@ typedef struct {
   size_t requested;
   // The largest `requested` since the last peak reset.
   size_t peak_requested;
-  // Bytes of physical memory the pool holds from the driver: its mapped
-  // pages where it remaps pages (its address space can be larger),
-  // else its chunks.
+  // Physical bytes the pool holds from the driver: its mapped pages
+  // where it remaps pages, else its chunks.
   size_t reserved;
   // The largest `reserved` since the last peak reset.
   size_t peak_reserved;
@@ -141,32 +140,28 @@ typedef struct {
   size_t stream_ordered_peak_in_use;
   // Live stream-ordered allocations.
   size_t stream_ordered_live;
-  // Bytes the driver's pools (the device's default pool and the
-  // dedicated one) reserve now (0 before they are used).
+  // Bytes the driver's pools (the default and the dedicated one)
+  // reserve now.
   uint64_t native_reserved;
-  // The largest reservation of those pools (the driver's high-water
-  // attribute).
+  // Their largest reservation (the driver's high-water attribute).
   uint64_t native_peak_reserved;
   // Bytes the graph-private pools hold from the driver.
   size_t graph_reserved;
   // The largest `graph_reserved`.
   size_t graph_peak_reserved;
-  // Sync-pool reuses of a block freed on another stream that waited for
-  // that stream's work.
+  // Sync-pool reuses of a block freed on another stream that waited.
   uint64_t stream_waits;
   // Cross-stream reuses that needed no new wait.
   uint64_t stream_waits_elided;
-  // Bytes in live blocks of the memory tags' arenas (not in `pool`;
-  // per tag: `cumem_tag_usage`).
+  // Bytes in live blocks of the memory tags (not in `pool`; per tag:
+  // `cumem_tag_usage`).
   size_t tagged_in_use;
-  // Physical bytes mapped for the memory tags (0 for a tag while it
-  // sleeps).
+  // Physical bytes mapped for the memory tags (none while asleep).
   size_t tagged_mapped;
   // The sum of the tags' largest `mapped` since the last peak reset.
   size_t tagged_peak_mapped;
-  // Page moves of the sync pool that waited for the device before they
-  // took memory: moves for a request on no stream, or where no fence on
-  // the freeing streams could be made (the others wait for no device).
+  // Page moves of the sync pool that waited for the device (a request
+  // on no stream, or no fence on the freeing streams could be made).
   uint64_t move_waits;
 } CumemDeviceStats;
 
@@ -452,8 +447,7 @@ CumemStatus cumem_effective_device_allocator_mode(CumemMode *out);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_supports_async_device_allocator(int *out);
 
-// Makes a graph-private pool on device `device` in `*out`; its memory
-// serves only allocations from it.
+// Makes a graph-private pool on device `device` in `*out`.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_NO_SUCH_DEVICE`,
@@ -464,8 +458,7 @@ CumemStatus cumem_supports_async_device_allocator(int *out);
 CumemStatus cumem_graph_pool_create(int device, CumemGraphPool **out);
 
 // Allocates `size` bytes from `pool` into `*out`, growing the pool when
-// no free block holds them. Nothing orders the block's reuse: the caller
-// orders the work of the streams that use it.
+// no free block holds them. The caller orders the block's reuse.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,
@@ -523,19 +516,16 @@ CumemStatus cumem_graph_pool_free_blocks(const CumemGraphPool *pool,
 CumemStatus cumem_graph_pool_destroy(CumemGraphPool *pool);
 
 // An identity of the loaded copy of cumem's library, and so of the
-// process-wide manager the calls reach: the same value for every caller
-// that reaches this copy, a different one for another copy (a second
-// file, or the same file loaded twice). It is the address of a private
-// static of the library, inside the library's own mapping (the file's
-// path in `/proc/self/maps` names the copy). Never 0. Creates no manager
-// and cannot fail.
+// manager the calls reach: equal for every caller of this copy, different
+// for another copy. It is a private static's address, inside the
+// library's own mapping (`/proc/self/maps` names the file). Never 0;
+// creates no manager, cannot fail.
 uint64_t cumem_instance_id(void);
 
 // Exports the live device block at `ptr` (its start) over the connected
-// Unix stream socket `socket` and stores the export's id in `*export_id`.
-// The block stays allocated, where it is, until the export is released
-// (`cumem_ipc_wait_closed` or `cumem_ipc_release`), even if it is freed
-// meanwhile: the free then takes effect at the release.
+// Unix stream socket `socket`, storing the export's id in `*export_id`.
+// The block stays until the export is released (`cumem_ipc_wait_closed`,
+// `cumem_ipc_release`); a free meanwhile takes effect then.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `export_id`, a negative socket),
@@ -554,9 +544,8 @@ CumemStatus cumem_ipc_export(void *ptr, int socket, uint64_t *export_id);
 //
 // # Errors
 // `CUMEM_STATUS_IPC` for an unknown export, a message about another
-// export, or a socket that failed. The export then stays open and the
-// block pinned: `cumem_ipc_release` frees it once the importer is known
-// to be gone (its process exited).
+// export, or a socket that failed; the export then stays open (release it
+// with `cumem_ipc_release` once the importer is known to be gone).
 CumemStatus cumem_ipc_wait_closed(int socket, uint64_t export_id);
 
 // Releases export `export_id` without a message, for programs that learn
@@ -599,7 +588,7 @@ CumemStatus cumem_ipc_close(void *ptr, int socket);
 CumemStatus cumem_pinned_stats(CumemPoolStats *out);
 
 // Stores device `device`'s figures in `*out` (creating its allocator if
-// no call used the device yet).
+// need be).
 //
 // # Errors
 // `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_INVALID_ARGUMENT`.
@@ -608,10 +597,8 @@ CumemStatus cumem_pinned_stats(CumemPoolStats *out);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_device_stats(int device, CumemDeviceStats *out);
 
-// Stores cumem's default device in `*out`: the device its calls without
-// a device use (`device=` of the configuration, 0 when unset), and the
-// one to ask `cumem_device_stats` about when the program names none.
-// Creates nothing on any device beyond what creating the manager does.
+// Stores cumem's default device in `*out`: the one calls without a device
+// use (`device=` of the configuration, default 0).
 //
 // # Safety
 // `out` must be NULL (an error) or valid for a write.
@@ -632,30 +619,26 @@ CumemStatus cumem_reset_peak_stats(void);
 CumemStatus cumem_release_cached(size_t *released);
 
 // Writes a readable table of every pool's state into `buf` (`len`
-// bytes), NUL-terminated. `*needed` (when not NULL) gets the bytes the
-// whole table needs, its NUL included: call with `buf` NULL and `len` 0
-// to learn it. A buffer too small gets as much as fits and
-// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+// bytes), NUL-terminated; `*needed` (unless NULL) gets the bytes it needs
+// with its NUL (`buf` NULL and `len` 0 to learn it). A buffer too small
+// gets as much as fits and `CUMEM_STATUS_BUFFER_TOO_SMALL`.
 //
 // # Safety
 // `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
 // valid for a write.
 CumemStatus cumem_memory_summary(char *buf, size_t len, size_t *needed);
 
-// Waits until every allocation and free recorded so far is written to the
-// event log (`log=` in the configuration). Nothing to do without a log or
-// before cumem's manager exists (it makes none). The log's writer thread
-// ends with the process, so a program that exits without this call loses
-// what was still buffered: `cumem_torch` calls it at exit.
+// Waits until every allocation and free recorded so far is in the event
+// log (`log=`; nothing to do without one or before the manager exists).
+// A program that exits without it loses what was still buffered.
 //
 // # Errors
-// The status of an error writing the log file (the error is kept: later
-// flushes report it too).
+// An error writing the log file (kept: later flushes report it too).
 CumemStatus cumem_flush_log(void);
 
-// Stops serving allocations, returns all free memory to the driver, and
-// stores what is still live in `*report` when it is not NULL. Live memory
-// stays valid (and can still be freed). Calling it twice is harmless.
+// Stops serving allocations, returns all free memory to the driver and
+// stores what is still live (valid, and freeable) in `*report` unless
+// NULL. Twice is harmless.
 //
 // # Errors
 // `CUMEM_STATUS_DRIVER` (what could be released, was);
@@ -719,10 +702,9 @@ CumemStatus cumem_stream_forget(CumemStream stream);
 CumemStatus cumem_stream_table_size(size_t *out);
 
 // Sets `name` as the calling thread's memory tag (NULL clears it): the
-// thread's device allocations from now on come from the tag's own address
-// space, which `cumem_sleep` and `cumem_wake` put away and bring back as
-// one. Allocations during a graph capture cumem routes into a private
-// pool are not tagged. Frees need no tag.
+// thread's device allocations now come from the tag's own address space,
+// which `cumem_sleep` and `cumem_wake` put away and bring back as one
+// (not those of a graph capture cumem routes into a private pool).
 //
 // # Errors
 // `CUMEM_STATUS_CONFIG`: a name that is empty, longer than
@@ -732,11 +714,9 @@ CumemStatus cumem_stream_table_size(size_t *out);
 // `name` must be NULL or a NUL-terminated string.
 CumemStatus cumem_tag_set(const char *name);
 
-// Writes the calling thread's memory tag into `buf` (`len` bytes),
-// NUL-terminated: "" when none is set. `*needed` (when not NULL) gets the
-// bytes the name needs with its NUL (at most `CUMEM_TAG_NAME_CAP`). A
-// buffer too small gets as much as fits and
-// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+// Writes the calling thread's memory tag ("" when none is set) into
+// `buf`, as `cumem_memory_summary` does (it needs at most
+// `CUMEM_TAG_NAME_CAP` bytes).
 //
 // # Safety
 // `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
@@ -744,7 +724,7 @@ CumemStatus cumem_tag_set(const char *name);
 CumemStatus cumem_tag_get(char *buf, size_t len, size_t *needed);
 
 // Stores 1 in `*out` when the calling thread has a memory tag set, else
-// 0 (one read of a thread-local: cheap enough for every allocation).
+// 0 (a thread-local read, cheap enough for every allocation).
 //
 // # Safety
 // `out` must be NULL (an error) or valid for a write.
@@ -752,13 +732,12 @@ CumemStatus cumem_tag_is_set(int *out);
 
 // Puts memory tags to sleep: the live blocks of the `n_offload` tags in
 // `offload` are copied to pinned host memory, those of the `n_discard`
-// tags in `discard` are not; then every physical page of these tags is
-// given back to the driver (no tag named: nothing to do). Their addresses stay reserved, and
-// `cumem_wake` brings memory back at the same addresses. The program must
-// not use the tags' memory from the call until `cumem_wake` returns (work
-// queued before the call is waited for); allocating in a sleeping tag
-// fails with `CUMEM_STATUS_TAG`, freeing its blocks is fine. Stores what
-// was done in `*out` when it is not NULL.
+// tags in `discard` are not; then every physical page of these tags goes
+// back to the driver, their addresses kept for `cumem_wake`. From the
+// call (which waits for work queued before it) until `cumem_wake`
+// returns, the tags' memory must not be used; allocating in them fails
+// with `CUMEM_STATUS_TAG`, freeing is fine. Stores what was done in
+// `*out` unless NULL.
 //
 // # Errors
 // Nothing is released when the call fails:
@@ -779,12 +758,11 @@ CumemStatus cumem_sleep(const char *const *offload,
                         size_t n_discard,
                         CumemSleepReport *out);
 
-// Wakes the `n` tags in `tags` put to sleep by `cumem_sleep` (`n` 0:
-// every sleeping tag): new physical memory is mapped under their live
-// blocks at the same addresses and the offloaded contents are copied back
-// (a discarded tag's blocks hold no defined contents). CUDA graphs
-// captured before the sleep replay as before. Stores what was done in
-// `*out` when it is not NULL.
+// Wakes the `n` sleeping tags in `tags` (`n` 0: all): new memory is
+// mapped under their live blocks at the same addresses and the offloaded
+// contents copied back (discarded ones are undefined); graphs captured
+// before the sleep replay as before. Stores what was done in `*out`
+// unless NULL.
 //
 // # Errors
 // Nothing changes when the call fails (the tags stay asleep, their
@@ -800,10 +778,9 @@ CumemStatus cumem_sleep(const char *const *offload,
 CumemStatus cumem_wake(const char *const *tags, size_t n, CumemWakeReport *out);
 
 // Writes the figures of every memory tag on every device in use (one
-// entry per tag and device, in the order they were made) into `out`, an
-// array of `cap` entries, and their number into `*count`. Call with `out`
-// NULL and `cap` 0 to learn the number. An array too small gets the
-// first `cap` entries and `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+// entry per tag and device, in the order made) into `out` (`cap`
+// entries) and their number into `*count` (`out` NULL and `cap` 0 to
+// learn it). Too small an array gets the first `cap` entries.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` (`count` NULL, `out` NULL with `cap`
@@ -814,10 +791,9 @@ CumemStatus cumem_wake(const char *const *tags, size_t n, CumemWakeReport *out);
 // (an error) or valid for a write.
 CumemStatus cumem_tag_usage(CumemTagUsage *out, size_t cap, size_t *count);
 
-// PyTorch's allocation entry point: `size` bytes of device memory on
-// `device` for work on `stream`. Returns NULL for size 0, and NULL on
-// failure (the message is the thread's last error, and the first few are
-// printed to stderr: PyTorch's pluggable allocator does not check).
+// PyTorch's allocation entry point: `size` bytes on `device` for work on
+// `stream`. NULL for size 0 and on failure (the thread's last error says
+// why; the first few are printed, as PyTorch does not check).
 //
 // # Safety
 // `stream` must be a stream of `device`'s primary context (PyTorch's
@@ -825,19 +801,16 @@ CumemStatus cumem_tag_usage(CumemTagUsage *out, size_t cap, size_t *count);
 void *cumem_torch_alloc(size_t size, int device, CumemStream stream);
 
 // PyTorch's free entry point: frees `ptr` in the order of `stream` (the
-// allocation's stream). NULL is ignored; a failure (a pointer cumem did
-// not hand out, a double free) changes nothing, becomes the thread's last
-// error and is counted (`cumem_torch_counters`).
+// allocation's). NULL is ignored; a failure (an unknown pointer, a double
+// free) changes nothing, becomes the thread's last error and is counted.
 //
 // # Safety
 // As `cumem_torch_alloc`.
 void cumem_torch_free(void *ptr, size_t size, int device, CumemStream stream);
 
-// Notes that device memory `ptr` (a live allocation start) is used by
-// work on `stream` of `device` besides its own stream: when it is freed
-// (`cumem_torch_free`, `cumem_free_device_on`), the freeing stream first
-// waits for the work queued on `stream` up to then. What
-// `Tensor.record_stream` does for PyTorch's own allocator.
+// Notes that allocation `ptr` is used by work on `stream` of `device`
+// besides its own stream (`Tensor.record_stream`): its free first makes
+// the freeing stream wait for the work queued on `stream` up to now.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` (NULL, a negative device).
@@ -852,9 +825,7 @@ CumemStatus cumem_record_stream(void *ptr, int device, CumemStream stream);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_torch_counters(CumemTorchCounters *out);
 
-// Allocates `size` bytes on device `device` for work on `stream` (a
-// stream of that device's primary context), storing the pointer in
-// `*out`. What `cumem_torch_alloc` does, with a status instead of NULL.
+// `cumem_torch_alloc` with a status: stores the pointer in `*out`.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` (size 0, NULL `out`, a negative
@@ -866,9 +837,7 @@ CumemStatus cumem_torch_counters(CumemTorchCounters *out);
 // `cumem_torch_alloc`.
 CumemStatus cumem_torch_allocate(size_t size, int device, CumemStream stream, void **out);
 
-// Frees `ptr` in the order of `stream` of device `device` (work queued on
-// `stream` before this call may still use it). What `cumem_torch_free`
-// does, with a status.
+// `cumem_torch_free` with a status.
 //
 // # Errors
 // `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,

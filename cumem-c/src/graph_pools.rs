@@ -36,8 +36,7 @@ unsafe fn pool_of<'a>(pool: *const CumemGraphPool) -> Outcome<&'a GraphPool<'sta
     Ok(&unsafe { pool.as_ref() }.ok_or_else(|| Failure::null("pool"))?.pool)
 }
 
-/// Makes a graph-private pool on device `device` in `*out`; its memory
-/// serves only allocations from it.
+/// Makes a graph-private pool on device `device` in `*out`.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_NO_SUCH_DEVICE`,
@@ -53,8 +52,7 @@ pub unsafe extern "C" fn cumem_graph_pool_create(device: c_int, out: *mut *mut C
 }
 
 /// Allocates `size` bytes from `pool` into `*out`, growing the pool when
-/// no free block holds them. Nothing orders the block's reuse: the caller
-/// orders the work of the streams that use it.
+/// no free block holds them. The caller orders the block's reuse.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,

@@ -56,10 +56,9 @@ fn with_socket<T>(fd: c_int, f: impl FnOnce(&UnixStream) -> cumem::Result<T>) ->
 }
 
 /// Exports the live device block at `ptr` (its start) over the connected
-/// Unix stream socket `socket` and stores the export's id in `*export_id`.
-/// The block stays allocated, where it is, until the export is released
-/// (`cumem_ipc_wait_closed` or `cumem_ipc_release`), even if it is freed
-/// meanwhile: the free then takes effect at the release.
+/// Unix stream socket `socket`, storing the export's id in `*export_id`.
+/// The block stays until the export is released (`cumem_ipc_wait_closed`,
+/// `cumem_ipc_release`); a free meanwhile takes effect then.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `export_id`, a negative socket),
@@ -98,9 +97,8 @@ pub unsafe extern "C" fn cumem_ipc_export(ptr: *mut c_void, socket: c_int, expor
 ///
 /// # Errors
 /// `CUMEM_STATUS_IPC` for an unknown export, a message about another
-/// export, or a socket that failed. The export then stays open and the
-/// block pinned: `cumem_ipc_release` frees it once the importer is known
-/// to be gone (its process exited).
+/// export, or a socket that failed; the export then stays open (release it
+/// with `cumem_ipc_release` once the importer is known to be gone).
 #[no_mangle]
 pub extern "C" fn cumem_ipc_wait_closed(socket: c_int, export_id: u64) -> CumemStatus {
     guard(|| {

@@ -20,9 +20,8 @@ pub struct CumemPoolStats {
     pub requested: usize,
     /// The largest `requested` since the last peak reset.
     pub peak_requested: usize,
-    /// Bytes of physical memory the pool holds from the driver: its mapped
-    /// pages where it remaps pages (its address space can be larger),
-    /// else its chunks.
+    /// Physical bytes the pool holds from the driver: its mapped pages
+    /// where it remaps pages, else its chunks.
     pub reserved: usize,
     /// The largest `reserved` since the last peak reset.
     pub peak_reserved: usize,
@@ -70,32 +69,28 @@ pub struct CumemDeviceStats {
     pub stream_ordered_peak_in_use: usize,
     /// Live stream-ordered allocations.
     pub stream_ordered_live: usize,
-    /// Bytes the driver's pools (the device's default pool and the
-    /// dedicated one) reserve now (0 before they are used).
+    /// Bytes the driver's pools (the default and the dedicated one)
+    /// reserve now.
     pub native_reserved: u64,
-    /// The largest reservation of those pools (the driver's high-water
-    /// attribute).
+    /// Their largest reservation (the driver's high-water attribute).
     pub native_peak_reserved: u64,
     /// Bytes the graph-private pools hold from the driver.
     pub graph_reserved: usize,
     /// The largest `graph_reserved`.
     pub graph_peak_reserved: usize,
-    /// Sync-pool reuses of a block freed on another stream that waited for
-    /// that stream's work.
+    /// Sync-pool reuses of a block freed on another stream that waited.
     pub stream_waits: u64,
     /// Cross-stream reuses that needed no new wait.
     pub stream_waits_elided: u64,
-    /// Bytes in live blocks of the memory tags' arenas (not in `pool`;
-    /// per tag: `cumem_tag_usage`).
+    /// Bytes in live blocks of the memory tags (not in `pool`; per tag:
+    /// `cumem_tag_usage`).
     pub tagged_in_use: usize,
-    /// Physical bytes mapped for the memory tags (0 for a tag while it
-    /// sleeps).
+    /// Physical bytes mapped for the memory tags (none while asleep).
     pub tagged_mapped: usize,
     /// The sum of the tags' largest `mapped` since the last peak reset.
     pub tagged_peak_mapped: usize,
-    /// Page moves of the sync pool that waited for the device before they
-    /// took memory: moves for a request on no stream, or where no fence on
-    /// the freeing streams could be made (the others wait for no device).
+    /// Page moves of the sync pool that waited for the device (a request
+    /// on no stream, or no fence on the freeing streams could be made).
     pub move_waits: u64,
 }
 
@@ -122,7 +117,7 @@ pub unsafe extern "C" fn cumem_pinned_stats(out: *mut CumemPoolStats) -> CumemSt
 }
 
 /// Stores device `device`'s figures in `*out` (creating its allocator if
-/// no call used the device yet).
+/// need be).
 ///
 /// # Errors
 /// `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_INVALID_ARGUMENT`.
@@ -157,10 +152,8 @@ pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDevice
     unsafe { answer(out, stats) }
 }
 
-/// Stores cumem's default device in `*out`: the device its calls without
-/// a device use (`device=` of the configuration, 0 when unset), and the
-/// one to ask `cumem_device_stats` about when the program names none.
-/// Creates nothing on any device beyond what creating the manager does.
+/// Stores cumem's default device in `*out`: the one calls without a device
+/// use (`device=` of the configuration, default 0).
 ///
 /// # Safety
 /// `out` must be NULL (an error) or valid for a write.
@@ -204,10 +197,9 @@ pub unsafe extern "C" fn cumem_release_cached(released: *mut usize) -> CumemStat
 }
 
 /// Writes a readable table of every pool's state into `buf` (`len`
-/// bytes), NUL-terminated. `*needed` (when not NULL) gets the bytes the
-/// whole table needs, its NUL included: call with `buf` NULL and `len` 0
-/// to learn it. A buffer too small gets as much as fits and
-/// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+/// bytes), NUL-terminated; `*needed` (unless NULL) gets the bytes it needs
+/// with its NUL (`buf` NULL and `len` 0 to learn it). A buffer too small
+/// gets as much as fits and `CUMEM_STATUS_BUFFER_TOO_SMALL`.
 ///
 /// # Safety
 /// `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
@@ -221,15 +213,12 @@ pub unsafe extern "C" fn cumem_memory_summary(buf: *mut c_char, len: usize, need
     })
 }
 
-/// Waits until every allocation and free recorded so far is written to the
-/// event log (`log=` in the configuration). Nothing to do without a log or
-/// before cumem's manager exists (it makes none). The log's writer thread
-/// ends with the process, so a program that exits without this call loses
-/// what was still buffered: `cumem_torch` calls it at exit.
+/// Waits until every allocation and free recorded so far is in the event
+/// log (`log=`; nothing to do without one or before the manager exists).
+/// A program that exits without it loses what was still buffered.
 ///
 /// # Errors
-/// The status of an error writing the log file (the error is kept: later
-/// flushes report it too).
+/// An error writing the log file (kept: later flushes report it too).
 #[no_mangle]
 pub extern "C" fn cumem_flush_log() -> CumemStatus {
     guard(|| {
@@ -240,9 +229,9 @@ pub extern "C" fn cumem_flush_log() -> CumemStatus {
     })
 }
 
-/// Stops serving allocations, returns all free memory to the driver, and
-/// stores what is still live in `*report` when it is not NULL. Live memory
-/// stays valid (and can still be freed). Calling it twice is harmless.
+/// Stops serving allocations, returns all free memory to the driver and
+/// stores what is still live (valid, and freeable) in `*report` unless
+/// NULL. Twice is harmless.
 ///
 /// # Errors
 /// `CUMEM_STATUS_DRIVER` (what could be released, was);

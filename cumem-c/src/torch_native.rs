@@ -1,10 +1,8 @@
-//! Entry points for cumem_torch's native PyTorch backend (a C++ class
-//! derived from PyTorch's `CUDAAllocator`, in `python/cumem_torch/csrc/`):
-//! allocation and stream-ordered free on a given device that return a
-//! status (the backend turns an out-of-memory status into PyTorch's
-//! `OutOfMemoryError`), and the device figures PyTorch's statistics need
-//! that the other statistics entry points don't carry (driver calls,
-//! retries, the largest free block).
+//! Entry points for cumem_torch's native backend (a PyTorch
+//! `CUDAAllocator` in `python/cumem_torch/csrc/`): allocation and
+//! stream-ordered free that return a status (out of memory becomes
+//! PyTorch's `OutOfMemoryError`), and the figures PyTorch's statistics
+//! need beyond the other statistics entry points.
 
 use std::ffi::{c_int, c_void};
 
@@ -14,9 +12,7 @@ use crate::status::{guard, Failure};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
 
-/// Allocates `size` bytes on device `device` for work on `stream` (a
-/// stream of that device's primary context), storing the pointer in
-/// `*out`. What `cumem_torch_alloc` does, with a status instead of NULL.
+/// `cumem_torch_alloc` with a status: stores the pointer in `*out`.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT` (size 0, NULL `out`, a negative
@@ -42,9 +38,7 @@ pub unsafe extern "C" fn cumem_torch_allocate(
     }
 }
 
-/// Frees `ptr` in the order of `stream` of device `device` (work queued on
-/// `stream` before this call may still use it). What `cumem_torch_free`
-/// does, with a status.
+/// `cumem_torch_free` with a status.
 ///
 /// # Errors
 /// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
