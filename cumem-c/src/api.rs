@@ -4,10 +4,10 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
-use cumem::{Config, DeviceAllocatorMode, MemoryManager};
+use cumem::{Config, DeviceAllocatorMode, MemoryManager, Stream};
 
 use crate::ffi::{allocate_into, answer, copy_text, manager, ordinal, put_opt};
-use crate::status::{guard, Failure, Outcome};
+use crate::status::{guard, Failure};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
 
@@ -194,15 +194,21 @@ pub unsafe extern "C" fn cumem_free_device_on(ptr: *mut c_void, stream: CumemStr
 
 // ---- copies ----
 
-fn check_copy(dst: *const c_void, src: *const c_void, size: usize) -> Outcome {
-    if size > 0 && dst.is_null() {
-        return Err(Failure::null("dst"));
-    }
-    if size > 0 && src.is_null() {
-        return Err(Failure::null("src"));
-    }
-    Ok(())
+/// Checks a copy's pointers, then runs it on the default device's `stream`.
+fn copy(dst: *const c_void, src: *const c_void, size: usize, stream: CumemStream, run: CopyFn) -> CumemStatus {
+    guard(|| {
+        if size > 0 && dst.is_null() {
+            return Err(Failure::null("dst"));
+        }
+        if size > 0 && src.is_null() {
+            return Err(Failure::null("src"));
+        }
+        let mm = manager()?;
+        Ok(run(mm, &stream_for(mm.config().device, stream)?)?)
+    })
 }
+
+type CopyFn<'a> = &'a dyn Fn(&MemoryManager, &Stream) -> cumem::Result<()>;
 
 /// Queues a copy of `size` bytes from host memory `src` to device memory
 /// `dst` on `stream` (`cuMemcpyHtoDAsync`; asynchronous from pinned
@@ -223,13 +229,9 @@ pub unsafe extern "C" fn cumem_copy_to_device_async(
     size: usize,
     stream: CumemStream,
 ) -> CumemStatus {
-    guard(|| {
-        check_copy(dst, src, size)?;
-        let mm = manager()?;
-        let s = stream_for(mm.config().device, stream)?;
+    copy(dst, src, size, stream, &|mm, s| {
         // SAFETY: the caller's promises are copy_to_device_async's.
-        unsafe { mm.copy_to_device_async(dst as usize as u64, src.cast(), size, &s)? };
-        Ok(())
+        unsafe { mm.copy_to_device_async(dst as usize as u64, src.cast(), size, s) }
     })
 }
 
@@ -249,13 +251,9 @@ pub unsafe extern "C" fn cumem_copy_to_host_async(
     size: usize,
     stream: CumemStream,
 ) -> CumemStatus {
-    guard(|| {
-        check_copy(dst, src, size)?;
-        let mm = manager()?;
-        let s = stream_for(mm.config().device, stream)?;
+    copy(dst, src, size, stream, &|mm, s| {
         // SAFETY: the caller's promises are copy_to_host_async's.
-        unsafe { mm.copy_to_host_async(dst.cast(), src as usize as u64, size, &s)? };
-        Ok(())
+        unsafe { mm.copy_to_host_async(dst.cast(), src as usize as u64, size, s) }
     })
 }
 
