@@ -35,12 +35,10 @@
 //! - Every [`LOOK_EVERY`] frees into a cache, each bin gives three quarters
 //!   of the blocks it held throughout since the last look (its low-water
 //!   mark: the oldest blocks, which no hit took) back to the pool, so a
-//!   cache holds about what its thread reuses, not its whole budget of
-//!   blocks of sizes it no longer asks for, which other threads could
-//!   use.
+//!   cache holds about what its thread reuses, not a whole budget of
+//!   sizes it no longer asks for, which other threads could use.
 //! - A thread's exit flushes its cache (a thread-local destructor); its live
-//!   blocks stay lent to the dead cache and go straight back to the pool
-//!   when freed.
+//!   blocks stay lent to the dead cache, and go back to the pool when freed.
 //! - Before the pool grows, the growing thread's cache is flushed and the
 //!   pool tried again; an allocation that would fail drains every cache.
 //! - `release_cached`, `shutdown` and the pool's drop drain every cache in

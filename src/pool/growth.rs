@@ -122,8 +122,7 @@ impl<U: Upstream> Pool<U> {
         Ok(growth)
     }
 
-    /// Obtains the planned memory from the upstream (no lock held) and adds
-    /// it to the pool.
+    /// Gets the planned memory from the upstream (no lock held), adds it.
     pub(super) fn grow(&self, plan: Growth) -> Result<()> {
         match plan {
             Growth::Extend { chunk, extra, need } => {

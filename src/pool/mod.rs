@@ -286,9 +286,8 @@ impl<U: Upstream> Pool<U> {
         self.after_shutdown_free(inner, addr, freed)
     }
 
-    /// A free after shutdown, with the pool lock `inner` held: nothing is
-    /// cached any more, so the block's chunk goes back as soon as its last
-    /// block is free.
+    /// A free after shutdown, under the pool lock `inner`: nothing is cached
+    /// any more, so a chunk goes back once its last block is free.
     #[inline(never)]
     fn after_shutdown_free(&self, mut inner: SpinGuard<'_, Inner>, addr: usize, freed: Freed) -> Result<Freed> {
         if let Some((chunk, _)) = inner.fit.take_free_chunk_at(addr) {
@@ -312,9 +311,8 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// Stops serving allocations, returns all free memory to the upstream
-    /// and lists the blocks still live. Live blocks stay valid; each chunk
-    /// goes back as soon as its last block is freed. Calling it twice is
-    /// harmless.
+    /// and lists the blocks still live (valid; each chunk goes back once
+    /// its last block is freed). Twice is harmless.
     ///
     /// # Errors
     /// An upstream error while returning free chunks.

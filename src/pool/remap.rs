@@ -86,11 +86,9 @@
 //!   that may be queued: without fences every move would wait for the
 //!   whole device.
 //! - **Kept memory**: memory unmapped to move is kept (with no address)
-//!   for the next map, which maps it before it makes new memory; it counts
-//!   as held.
+//!   for the next map, which maps it before making new memory (held).
 //! - **Out of memory**: [`Pool::release_cached`] unmaps every wholly free
-//!   piece and releases the kept memory, the first step of the retry
-//!   ladder.
+//!   piece and releases the kept memory: the retry ladder's first step.
 //! - Pools with [`PoolConfig::keep_chunks`](super::PoolConfig::keep_chunks)
 //!   never remap (their graphs replay later into free-looking blocks).
 
@@ -102,8 +100,7 @@ use crate::sync::lock;
 use crate::tag::StreamTag;
 use crate::upstream::{Chunk, Queued, Upstream};
 
-/// How many best-fit candidates placement looks at for one that touches
-/// only mapped pages.
+/// Best-fit candidates placement tries for one touching only mapped pages.
 pub const RANK_LIMIT: usize = 16;
 
 /// The work one remap step does outside the pool lock.
@@ -230,8 +227,7 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// The slow path of [`allocate_remapping`](Self::allocate_remapping):
-    /// under the remap lock, place again and map the holes the placement
-    /// touches.
+    /// under the remap lock, place again and map the holes touched.
     #[cold]
     fn map_for(&self, rounded: usize, align: usize, size: usize, stream: u64) -> Result<Option<Allocation>> {
         let _remap = lock(&self.remap_lock);

@@ -99,8 +99,7 @@ impl<T> Deref for SpinGuard<'_, T> {
 impl<T> DerefMut for SpinGuard<'_, T> {
     fn deref_mut(&mut self) -> &mut T {
         #[cfg(not(loom))]
-        // SAFETY: as in `deref`; `&mut self` makes this the only access
-        // through the guard.
+        // SAFETY: as in `deref`; `&mut self` makes this the guard's only use.
         return unsafe { &mut *self.lock.value.get() };
         #[cfg(loom)]
         // SAFETY: as above; loom checks it.

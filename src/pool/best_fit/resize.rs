@@ -136,8 +136,7 @@ impl BestFit {
         Some((info.chunk, if last.free { last.size } else { 0 }))
     }
 
-    /// Every chunk whose last block is free and not the whole chunk, with
-    /// that free tail's size.
+    /// Chunks whose last block is free but not the whole chunk, and its size.
     pub fn free_tails(&mut self) -> Vec<(Chunk, usize)> {
         self.flush_hot();
         self.chunks_by_addr

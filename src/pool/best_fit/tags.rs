@@ -47,8 +47,7 @@ impl Oracle {
         self.memo.iter().any(|e| e.get() != StreamTag::NONE && covers(e.get()))
     }
 
-    /// Whether the work of a free tagged `tag` (not `NONE`, not `MIXED`)
-    /// is known complete.
+    /// Whether a free tagged `tag` (not `NONE`/`MIXED`) is known complete.
     fn done(&self, tag: StreamTag) -> bool {
         if self.known(tag) {
             return true;
@@ -70,8 +69,7 @@ impl std::fmt::Debug for Oracle {
 }
 
 impl BestFit {
-    /// Sets what merges of blocks freed on different streams ask (see
-    /// [`TagOracle`]).
+    /// Sets what merges across streams ask ([`TagOracle`]).
     pub fn set_tag_oracle(&mut self, oracle: TagOracle) {
         self.oracle = Oracle { ask: Some(oracle), ..Oracle::default() };
     }
