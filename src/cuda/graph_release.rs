@@ -33,8 +33,7 @@ pub(crate) fn next_host_capture_id() -> u64 {
     (1 << 63) | NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Ids posted by destructors that run on other threads, for cumem to act
-/// on at its next call.
+/// Ids posted by destructors on other threads, for cumem's next call.
 #[doc(hidden)]
 #[derive(Debug, Default)]
 pub struct ReleaseQueue {
@@ -48,8 +47,7 @@ impl ReleaseQueue {
         ReleaseQueue { pending: AtomicBool::new(false), items: Mutex::new(Vec::new()) }
     }
 
-    /// Posts `id`. Any thread, at any time; makes no CUDA call and holds
-    /// the lock only to push.
+    /// Posts `id` (any thread, any time; no CUDA call; locks only to push).
     pub fn post(&self, id: u64) {
         lock(&self.items).push(id);
         self.pending.store(true, Ordering::Release);
@@ -140,8 +138,7 @@ pub struct HostGraph {
 }
 
 impl HostGraph {
-    /// An executable of the graph (`cuGraphInstantiate`): it keeps the
-    /// graph's memory too.
+    /// An executable of the graph (`cuGraphInstantiate`): it keeps the memory.
     pub fn instantiate(&self) -> HostGraphExec {
         HostGraphExec { _refs: self.refs.clone() }
     }

@@ -23,16 +23,14 @@ fn bind(ctx: &CudaContext) -> Result<()> {
 pub(crate) fn allocation_range(ctx: &CudaContext, addr: u64) -> Result<(u64, usize)> {
     bind(ctx)?;
     let (mut base, mut size) = (0, 0);
-    // SAFETY: both out-pointers are valid locals; the driver only looks the
-    // address up.
+    // SAFETY: both out-pointers are locals; the driver only looks `ptr` up.
     unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }
         .result()
         .map_err(driver_err("cuMemGetAddressRange"))?;
     Ok((base, size))
 }
 
-/// The IPC handle of the `cuMemAlloc` allocation that starts at `base`
-/// (`cuIpcGetMemHandle`).
+/// The IPC handle of the `cuMemAlloc` block at `base` (`cuIpcGetMemHandle`).
 ///
 /// # Errors
 /// A driver error (for example memory that is not a `cuMemAlloc` base).
@@ -96,8 +94,7 @@ pub(crate) fn import_pool(ctx: &CudaContext, fd: BorrowedFd<'_>, grant_access: b
             },
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: `pool` was imported above; one descriptor that outlives
-        // the call.
+        // SAFETY: `pool` was imported above; the descriptor outlives the call.
         let rc = unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) };
         if let Err(e) = rc.result() {
             // SAFETY: the imported pool has no allocation yet.
@@ -124,8 +121,7 @@ pub(crate) fn import_pool_pointer(ctx: &CudaContext, pool: sys::CUmemoryPool, da
     Ok(ptr)
 }
 
-/// Frees an imported pointer (`cuMemFree`) and then the imported pool
-/// (`cuMemPoolDestroy`).
+/// Frees an imported pointer (`cuMemFree`), then its pool (`cuMemPoolDestroy`).
 ///
 /// # Safety
 /// Nothing may use the memory any more.
@@ -149,8 +145,7 @@ pub(crate) fn device_uuid(ctx: &CudaContext) -> Result<[u8; 16]> {
     Ok(uuid.bytes.map(|b| b as u8))
 }
 
-/// The ordinal, in this process, of the device with `uuid`, if it is
-/// visible here.
+/// The ordinal here of the device with `uuid`, if this process sees it.
 pub(crate) fn ordinal_of_uuid(uuid: &[u8; 16]) -> Option<usize> {
     let n = super::driver_status().devices();
     (0..n).find(|&d| {

@@ -131,8 +131,7 @@ pub fn peers_of(owner: usize) -> Vec<usize> {
 }
 
 /// Whether kernels on device `accessor` can be given access to device
-/// `owner`'s memory (`cuDeviceCanAccessPeer`). A device can always access
-/// its own memory.
+/// `owner`'s memory (`cuDeviceCanAccessPeer`; always for its own).
 ///
 /// # Errors
 /// [`Error::NoSuchDevice`], [`Error::NeedsGpu`] on the host fallback, or a
@@ -144,8 +143,7 @@ pub fn can_access_peer(accessor: usize, owner: usize) -> Result<bool> {
         return Ok(true);
     }
     let mut can = 0i32;
-    // SAFETY: `can` is a valid out-pointer; both device handles come from
-    // live contexts.
+    // SAFETY: `can` is a local; both device handles are of live contexts.
     unsafe { sys::cuDeviceCanAccessPeer(&mut can, a.cu_device(), b.cu_device()) }
         .result()
         .map_err(driver_err("cuDeviceCanAccessPeer"))?;
@@ -179,14 +177,12 @@ fn parse_map_peers(var: Option<&str>) -> std::result::Result<MapPeers, String> {
 }
 
 /// The peer facts of this process, asked once: the mode, and which devices
-/// can reach which (`cuDeviceCanAccessPeer` via `cuDeviceGet`: no context
-/// is created).
+/// reach which (`cuDeviceCanAccessPeer` via `cuDeviceGet`: no context).
 struct Reach {
     mode: MapPeers,
     /// By owner: the other devices that can reach it.
     peers: Vec<Vec<usize>>,
-    /// The devices (below 64) that can reach some other device: those to
-    /// follow.
+    /// The devices (below 64) that can reach another: those to follow.
     followers: u64,
     /// The device handles, by ordinal.
     devices: Vec<Option<sys::CUdevice>>,
@@ -233,8 +229,7 @@ fn reachable_peers(owner: usize) -> &'static [usize] {
 }
 
 /// The peers a fresh VMM region of `owner` starts with, before the table's
-/// grants are added: every reachable peer under `CUMEM_MAP_PEERS=all`,
-/// none otherwise.
+/// grants: every reachable one under `CUMEM_MAP_PEERS=all`, else none.
 pub(crate) fn initial_peers(owner: usize) -> Vec<usize> {
     match reach().mode {
         MapPeers::All => reachable_peers(owner).to_vec(),
@@ -298,8 +293,7 @@ fn primary_active(device: Option<sys::CUdevice>) -> bool {
 /// One relaxed load when every follower has been seen.
 ///
 /// # Errors
-/// A driver error from `cuMemSetAccess` (the peer is asked about again at
-/// the next mapping).
+/// A driver error from `cuMemSetAccess` (the next mapping asks again).
 pub(crate) fn follow_active_peers() -> Result<()> {
     let reach = reach();
     if reach.mode != MapPeers::Active || reach.followers == 0 {
@@ -363,8 +357,7 @@ fn pool_set_access(ctx: &CudaContext, pool: sys::CUmemoryPool, accessor: usize) 
 /// VMM region of the owner (expandable segments, growable buffers).
 /// Granting twice is harmless; `accessor == owner` does nothing.
 ///
-/// Access is one-way: call it again with the roles swapped for the other
-/// direction.
+/// Access is one-way: swap the roles for the other direction.
 ///
 /// # Errors
 /// [`Error::PeerAccess`] when the devices can't reach each other;
@@ -413,18 +406,15 @@ pub fn enable_peer_access(accessor: usize, owner: usize) -> Result<()> {
         table.granted.push((accessor, owner));
     }
     drop(table);
-    // A region whose owner let go meanwhile is dropped here, outside the
-    // lock.
+    // A region whose owner let go meanwhile drops here, outside the lock.
     drop(regions);
     applied
 }
 
-/// Registers a dedicated native pool of device `owner` and gives it the
-/// access granted so far.
+/// Registers a dedicated native pool of `owner`, with the access so far.
 ///
 /// # Errors
-/// A driver error from `cuMemPoolSetAccess` (the pool is not registered
-/// then).
+/// A driver error from `cuMemPoolSetAccess` (the pool is not registered).
 pub(crate) fn register_pool(ctx: &CudaContext, pool: sys::CUmemoryPool) -> Result<()> {
     let owner = ctx.ordinal();
     let mut table = lock(&TABLE);

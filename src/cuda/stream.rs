@@ -43,9 +43,8 @@ pub struct Stream {
 struct StreamInner {
     id: u64,
     cuda: Option<Arc<CudaStream>>,
-    /// The ordinal of the stream's device (from its context, read once
-    /// here so that dispatch by stream costs no driver call); `None` for a
-    /// host queue.
+    /// The ordinal of the stream's device (read once, so dispatch by stream
+    /// costs no driver call); `None` for a host queue.
     device: Option<usize>,
     /// The sequence numbers of frees on this stream, and which are known
     /// complete (the host synchronised the stream after them).
@@ -189,8 +188,7 @@ impl Stream {
         self.inner.host_capture.store(id.unwrap_or(0), Ordering::Release);
     }
 
-    /// The "graph" of the host capture under way, when it was begun
-    /// without telling cumem.
+    /// The "graph" of a host capture under way that cumem was not told of.
     pub(crate) fn host_graph(&self) -> Option<crate::sync::Arc<HostGraphRefs>> {
         lock(&self.inner.host_graph).clone()
     }
@@ -203,8 +201,7 @@ impl Stream {
         std::mem::replace(&mut *lock(&self.inner.host_graph), refs)
     }
 
-    /// Whether `self` and `other` are the same stream (clones of one
-    /// `Stream`).
+    /// Whether `self` and `other` are clones of one `Stream`.
     pub fn same_as(&self, other: &Stream) -> bool {
         self.inner.id == other.inner.id
     }
@@ -269,8 +266,7 @@ impl Stream {
             }
         }
         self.inner.calls.fetch_add(1, Ordering::SeqCst);
-        // Counted down however `f` ends (a panic too: the forget must not
-        // wait forever).
+        // Counted down however `f` ends (a panic too: forget must not hang).
         let _call = Call(&self.inner.calls);
         if self.inner.gone.load(Ordering::SeqCst) {
             return Ok(None);
@@ -326,8 +322,7 @@ impl Stream {
     /// # Errors
     /// A driver error from the stream's work.
     pub(crate) fn poll_idle(&self) -> Result<bool> {
-        // A forgotten stream's frees were all complete when it was
-        // forgotten.
+        // A forgotten stream's frees were all complete when it was forgotten.
         Ok(self.unless_gone(|| self.poll_idle_now())?.unwrap_or(true))
     }
 

@@ -1,5 +1,4 @@
-//! CUDA virtual memory management: address ranges, physical chunks, and the
-//! mappings between them.
+//! CUDA virtual memory management: address ranges, chunks, their mappings.
 //!
 //! ```text
 //!  AddressRange (cuMemAddressReserve)      PhysicalChunk (cuMemCreate)
@@ -20,8 +19,7 @@
 //! freed while mapped makes `cuMemAddressFree` fail (the failure is logged).
 //!
 //! Every call that moves physical memory, and every read of the device's
-//! free memory, is counted and timed (`vmm/calls.rs`, read with
-//! [`driver_calls`]).
+//! free memory, is counted and timed ([`driver_calls`]).
 
 use std::sync::Arc;
 
@@ -237,9 +235,8 @@ impl AddressRange {
         check("cuMemMap", rc)
     }
 
-    /// Gives this device (and each device in `peers`, by ordinal)
-    /// read-write access to `size` mapped bytes at `offset`
-    /// (`cuMemSetAccess`).
+    /// Gives this device (and each ordinal in `peers`) read-write access to
+    /// `size` mapped bytes at `offset` (`cuMemSetAccess`).
     ///
     /// # Errors
     /// [`Error::InvalidState`] for a span outside the range; a driver error

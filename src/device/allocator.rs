@@ -82,8 +82,7 @@ impl DeviceAllocator {
     /// asks whether the stream captures a graph, and a capture cumem was not
     /// told of gets a private pool made by `make_graph_pool`, unless
     /// `promise_registered_captures` is set (then only registered captures
-    /// are routed). Tagged allocations go to pools made by
-    /// `make_tag_pool`.
+    /// are routed). Tagged allocations go to `make_tag_pool`'s pools.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         ordinal: usize,
@@ -117,9 +116,8 @@ impl DeviceAllocator {
         // tag (instead of a MIXED tag that waits for every stream).
         let streams = a.streams.clone();
         a.pool.set_tag_oracle(Arc::new(move |t| streams.completed(t)));
-        // Page moves of memory whose work is queued on one stream wait for
-        // a fence there, on the device, not for the device on the host
-        // (`cuda/fence.rs`).
+        // Page moves of memory whose work is queued on one stream wait for a
+        // fence there on the device, not for the device (`cuda/fence.rs`).
         let streams = a.streams.clone();
         a.pool.set_fence_maker(Arc::new(move |on, then| streams.fence_on(on, then)));
         a.set_mode(mode);
@@ -188,9 +186,8 @@ impl DeviceAllocator {
         self.ctx.as_ref().ok_or(Error::NeedsGpu("stream-ordered allocation"))
     }
 
-    /// The device's own stream (created on first use): cumem orders its
-    /// internal work on it; it never captures and is never the legacy
-    /// stream.
+    /// The device's own stream (made on first use) for cumem's internal
+    /// work; it never captures and is never the legacy stream.
     ///
     /// # Errors
     /// [`Error::NeedsGpu`] on the host fallback; a driver error.

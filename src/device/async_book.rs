@@ -34,8 +34,7 @@ impl AsyncBook {
         st.allocations += 1;
     }
 
-    /// Counts the free of an allocation of `size` bytes, already out of
-    /// the live map.
+    /// Counts the free of a `size`-byte allocation, already out of the map.
     pub(super) fn count_free(&mut self, size: usize) {
         let st = &mut self.stats;
         st.in_use -= size;

@@ -1,6 +1,5 @@
-//! How a device allocator is assembled: its sync pool and where it takes
-//! its chunks, the factories of graph-private pools and memory tags'
-//! pools, the modes.
+//! How a device allocator is assembled: its sync pool and its chunks'
+//! source, the factories of graph pools and memory tags' pools, the modes.
 //!
 //! The manager hands plain configuration values down ([`DeviceSetup`]);
 //! everything composed from them (upstreams, pools, the pool factories)
@@ -43,8 +42,7 @@ pub(crate) struct DeviceSetup {
 }
 
 impl DeviceSetup {
-    /// The allocator of device `ordinal` (`ctx` is `None` on the host
-    /// fallback).
+    /// The allocator of device `ordinal` (`ctx`: `None` on the host fallback).
     ///
     /// # Errors
     /// Errors making the sync pool's upstream (a driver error, or no

@@ -192,16 +192,14 @@ pub(super) struct Graphs {
     /// registered capture is under way (unless the program promised to
     /// register its captures).
     pub(super) detect: bool,
-    /// Makes the pools of implicit captures (`None`: such captures get an
-    /// error).
+    /// Makes the pools of implicit captures (`None`: they get an error).
     pub(super) make_pool: Option<GraphPoolFactory>,
     /// Implicit captures whose graphs are alive.
     pub(super) implicit: AtomicUsize,
     /// Implicit pools whose graphs are gone, posted by the user objects'
     /// destructors (driver threads) for the next call to release.
     pub(super) releases: crate::sync::Arc<ReleaseQueue>,
-    /// Retired registered pools wait for a capture to end (the next call
-    /// retries).
+    /// Retired registered pools waiting for a capture to end (retried).
     pub(super) deferred: AtomicBool,
     /// Private pools alive: frees of pointers the device pool does not
     /// know look there while > 0.
@@ -250,8 +248,7 @@ impl Graphs {
         self.watching() || self.held.load(Ordering::Acquire) > 0
     }
 
-    /// Whether private pools exist (a pointer unknown to the device pool
-    /// may be theirs).
+    /// Whether private pools exist (an unknown pointer may be theirs).
     #[inline]
     pub(super) fn has_pools(&self) -> bool {
         self.pools.load(Ordering::Acquire) > 0
@@ -317,8 +314,7 @@ impl PrivatePool {
         lock(&self.held).iter().map(Held::size).sum()
     }
 
-    /// The tag for a block freed into this pool on `stream` (`None`: no
-    /// pending work).
+    /// The tag of a block freed into this pool on `stream` (`None`: no work).
     pub(super) fn free_tag(&self, stream: Option<&Stream>, in_capture: bool) -> StreamTag {
         match stream {
             Some(s) if !s.is_host() || in_capture => {

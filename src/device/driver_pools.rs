@@ -96,8 +96,7 @@ impl DriverPools {
     /// descriptor and the pointer's export data.
     ///
     /// # Errors
-    /// [`Error::Ipc`] for a mode whose memory can't be exported; driver
-    /// errors.
+    /// [`Error::Ipc`] for a mode whose memory can't be exported; driver errors.
     pub(super) fn export(&self, mode: DeviceAllocatorMode, ptr: u64) -> Result<(OwnedFd, [u8; 64])> {
         Self::check_exportable(mode, ptr)?;
         self.stream_ordered(mode)?.export(ptr)

@@ -127,8 +127,7 @@ impl DeviceAllocator {
         self.defer_pinned_free(addr, stream)
     }
 
-    /// [`defer_exported_free`](Self::defer_exported_free) of a block that
-    /// is pinned.
+    /// [`defer_exported_free`](Self::defer_exported_free) of a pinned block.
     #[cold]
     fn defer_pinned_free(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
         let capture = match stream {

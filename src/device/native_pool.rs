@@ -1,6 +1,5 @@
-//! The driver's own stream-ordered memory pools: a dedicated pool
-//! (`cuMemPoolCreate`) and the device's default pool behind
-//! `cuMemAllocAsync`.
+//! The driver's stream-ordered memory pools: a dedicated one
+//! (`cuMemPoolCreate`) and the default one behind `cuMemAllocAsync`.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -138,8 +137,7 @@ impl NativePool {
     /// (`cuMemPoolExportPointer`).
     ///
     /// # Errors
-    /// [`Error::Ipc`] for a pool made without an exportable handle type;
-    /// a driver error.
+    /// [`Error::Ipc`] for a pool with no exportable handle type; driver errors.
     pub fn export(&self, ptr: u64) -> Result<(std::os::fd::OwnedFd, [u8; 64])> {
         use std::os::fd::FromRawFd;
         if !self.exportable {
@@ -162,8 +160,7 @@ impl NativePool {
         if fd < 0 {
             return Err(Error::Ipc(format!("cuMemPoolExportToShareableHandle returned descriptor {fd}")));
         }
-        // SAFETY: the driver made this descriptor for the caller, who owns
-        // it from now on.
+        // SAFETY: the driver made this descriptor for the caller, its owner.
         let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
         // SAFETY: CUmemPoolPtrExportData is 64 plain bytes.
         let mut data: sys::CUmemPoolPtrExportData = unsafe { std::mem::zeroed() };
@@ -277,8 +274,7 @@ impl Drop for NativePool {
     }
 }
 
-/// Allocates `size` bytes from the device's current pool in stream order
-/// (`cuMemAllocAsync`).
+/// `size` bytes from the current pool, in stream order (`cuMemAllocAsync`).
 ///
 /// # Errors
 /// [`Error::OutOfMemory`] or another driver error.

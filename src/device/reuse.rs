@@ -173,8 +173,7 @@ impl StreamRegistry {
         let start = std::time::Instant::now();
         let mut waited = false;
         for src in sources.iter().filter(|s| user.is_none_or(|u| u.id() != s.id())) {
-            // A stream that already waited for a later point of the source
-            // needs no second wait.
+            // A stream that waited for a later point of the source: no wait.
             if user.is_some_and(|u| !u.is_host() && u.waited_for(src, tag)) {
                 self.elided.fetch_add(1, Ordering::Relaxed);
                 continue;

@@ -22,8 +22,8 @@
 //!   the state to Sleeping and then waits until no allocation is in flight
 //!   (each write followed by a sequentially consistent fence before the
 //!   read, so either the allocation sees Sleeping and backs out, or sleep
-//!   sees it in flight and waits for it). Only an Awake pool allocates; frees work in every state (a freed block is
-//!   not copied back).
+//!   sees it in flight and waits for it). Only an Awake pool allocates;
+//!   frees work in every state (a freed block is not copied back).
 //! - What sleep copies, where, and when the device is synchronised is the
 //!   manager's part (`manager/sleep/`); this file moves the states, and
 //!   the pool the pages ([`Pool::unmap_all`], [`Pool::map_ranges`]).
@@ -322,12 +322,10 @@ impl TagPools {
         TagPools { pools: Mutex::new(Vec::new()), count: AtomicUsize::new(0), make }
     }
 
-    /// The pool of `name`, made on first use (with no lock held while
-    /// its pool is made).
+    /// The pool of `name`, made on first use (with no lock held).
     ///
     /// # Errors
-    /// [`Error::Tag`] when this device can't remap pages; the
-    /// error making the pool.
+    /// [`Error::Tag`] when this device can't remap pages; the pool's errors.
     pub(crate) fn pool(&self, name: &StdArc<str>) -> Result<Arc<TagPool>> {
         if let Some(a) = self.find(name) {
             return Ok(a);
