@@ -35,8 +35,7 @@ pub struct GrowStats {
     pub within_reservation: u64,
     /// Growths that extended the reservation in place (pointer unchanged).
     pub in_place: u64,
-    /// Growths that remapped the memory into a new range (pointer changed,
-    /// nothing copied).
+    /// Growths remapped into a new range (pointer changed, nothing copied).
     pub remapped: u64,
     /// Map operations over the buffer's life (each maps one piece per
     /// reserved segment it spans).
@@ -113,9 +112,8 @@ pub struct GrowableBuffer<T: Copy> {
     stream: Option<Stream>,
     len: usize,
     stats: GrowStats,
-    /// cudarc's view of the first `len` values, made on first use and
-    /// released whenever the length or the address changes
-    /// (`buffer::interop`).
+    /// cudarc's view of the first `len` values, made on first use, released
+    /// when the length or the address changes (`buffer::interop`).
     cuda: CudaShadow<T>,
     _marker: PhantomData<T>,
 }
@@ -256,8 +254,7 @@ impl<T: Copy> GrowableBuffer<T> {
     }
 
     /// The bytes of address space (no memory) held right after the
-    /// reservation so that growth can extend in place; 0 when there is no
-    /// such guard.
+    /// reservation so that growth can extend in place (0: none).
     pub fn headroom_bytes(&self) -> usize {
         self.region().headroom()
     }
@@ -320,8 +317,7 @@ impl<T: Copy> GrowableBuffer<T> {
         }
         match self.map(mapped, target - mapped) {
             Ok(()) => {}
-            // Doubling asked for more than the device has: map just what
-            // was asked for.
+            // Doubling asked more than the device has: map just what was asked.
             Err(Error::OutOfMemory { .. }) if target > needed => self.map(mapped, needed - mapped)?,
             Err(e) => return Err(e),
         }

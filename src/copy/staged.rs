@@ -1,8 +1,7 @@
 //! Copies between pageable host memory (a plain `&[T]` / `&mut [T]`) and
-//! device memory through a pinned staging ring from the pinned pool: the
-//! public calls, their tuning and the driver side of the pipeline
-//! (`pipeline.rs` cuts the copy and runs it; `workers.rs` keeps the
-//! helper threads).
+//! device memory through a pinned staging ring: the public calls, their
+//! tuning and the driver side of the pipeline (`pipeline.rs` cuts the copy
+//! and runs it; `workers.rs` keeps the helper threads).
 //!
 //! # Implementation details
 //! All DMAs go to the caller's stream (`cuMemcpyHtoDAsync` /
@@ -291,8 +290,7 @@ impl MemoryManager {
         if !self.backend().is_host() && stream.is_host() {
             return Err(Error::InvalidState("a host queue can't copy CUDA device memory; use a CUDA stream".into()));
         }
-        // On the host fallback device memory is host memory, whatever the
-        // stream.
+        // On the host fallback device memory is host memory, any stream.
         let Some(cs) = stream.cudarc().filter(|_| !self.backend().is_host()) else {
             let (h, d) = (host as *mut u8, dev as usize as *mut u8);
             // SAFETY: on the host fallback device memory is host memory;

@@ -14,8 +14,7 @@
 /// devices before it returns.
 ///
 /// # Safety
-/// `src` is valid for `len` reads, `dst` for `len` writes, and they don't
-/// overlap.
+/// `src` is valid for `len` reads, `dst` for `len` writes; no overlap.
 pub(super) unsafe fn copy_to_ring(src: *const u8, dst: *mut u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the caller's contract.

@@ -51,8 +51,7 @@ static HELPERS: Lazy<Helpers> = Lazy::new(|| {
     Helpers { tasks, queue, started: StaticAtomicU64::new(0) }
 });
 
-/// The next task: polled for [`LINGER`], then waited for; `None` once the
-/// channel is closed.
+/// The next task: polled for [`LINGER`], then waited for (`None`: closed).
 fn next_task(queue: &Receiver<Task>) -> Option<Task> {
     let since = Instant::now();
     let mut rounds = 0u32;
@@ -82,8 +81,7 @@ fn helper(queue: Receiver<Task>) {
     }
 }
 
-/// Starts helpers until `n` exist, as far as threads can be had; returns
-/// how many exist.
+/// Starts helpers until `n` exist (as threads can be had); how many do.
 fn ensure_helpers(n: usize) -> usize {
     let h = &*HELPERS;
     loop {

@@ -68,8 +68,7 @@ struct Saved {
 pub(crate) struct Away {
     device: usize,
     tag: String,
-    /// The pinned block holding the contents (`None`: discarded, or no
-    /// live block).
+    /// The pinned block holding the contents (`None`: discarded or none).
     pinned: Option<usize>,
     saved: Vec<Saved>,
 }
@@ -270,8 +269,7 @@ impl MemoryManager {
             note(if p.offload { p.tag.pool.unmap_free() } else { p.tag.pool.unmap_all() });
         }
         for q in &queued {
-            // A copy that fails leaves its blocks mapped (nothing more is
-            // given back behind it).
+            // A failed copy leaves its blocks mapped (and gives back no more).
             match q.mark.wait() {
                 Ok(()) => note(parts[q.part].tag.pool.unmap_ranges(&q.ranges)),
                 Err(e) => {

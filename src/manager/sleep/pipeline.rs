@@ -24,8 +24,7 @@ pub(super) enum Direction {
     In,
 }
 
-/// The point the copies queued so far reach (`None`: done, on the host
-/// fallback).
+/// The point the copies queued so far reach (`None`: done: host fallback).
 pub(super) struct Mark(Option<[CudaEvent; 2]>);
 
 impl Mark {
@@ -120,8 +119,7 @@ fn stream(d: &DeviceAllocator) -> Result<Stream> {
     }
 }
 
-/// `saved` (in address order) cut into consecutive batches of about
-/// [`BATCH`] bytes.
+/// `saved` (in address order) cut into batches of about [`BATCH`] bytes.
 pub(super) fn batches(saved: &[Saved]) -> Vec<&[Saved]> {
     let mut out = Vec::new();
     let (mut start, mut bytes) = (0, 0);
