@@ -179,7 +179,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// which returns once the copy is complete).
     ///
     /// # Errors
-    /// [`Error::InvalidState`] if `dst` outgrows the buffer; a driver error.
+    /// [`Error::InvalidState`] if `dst` is longer than the buffer; a driver error.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         // SAFETY: `dst` is a live, exclusive slice of `dst.len()` elements.
         unsafe { self.read_into(dst.as_mut_ptr(), dst.len()) }
