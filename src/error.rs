@@ -158,8 +158,7 @@ pub enum Error {
         /// Why not.
         reason: String,
     },
-    /// Peer access between two devices that can't have it, or that the
-    /// driver refused.
+    /// Peer access two devices can't have, or that the driver refused.
     #[error("device {accessor} can't access the memory of device {owner}: {reason}")]
     PeerAccess {
         /// The device whose kernels were to access the memory.

@@ -127,8 +127,7 @@ pub enum Trigger {
 pub enum Scope {
     /// Every thread's (a process-wide soak or GPU run).
     Process,
-    /// Only the calls of the thread that armed it (tests that share a
-    /// process with others).
+    /// Only the calls of the thread that armed it (tests sharing a process).
     ThisThread,
 }
 

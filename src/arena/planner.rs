@@ -180,8 +180,7 @@ pub(crate) struct Planner {
 }
 
 impl Planner {
-    /// A planner for a host block of `host` bytes and a device block of
-    /// `device` bytes.
+    /// A planner for blocks of `host` (host) and `device` (device) bytes.
     pub(crate) fn new(host: usize, device: usize) -> Self {
         Planner { blocks: [Block::new(host), Block::new(device)] }
     }

@@ -105,8 +105,7 @@ impl ImportedMemory {
                 match ipc::import_pool_pointer(&ctx, pool, data) {
                     Ok(ptr) => (ptr + offset, Opened::NativePool { pool, ptr }),
                     Err(e) => {
-                        // SAFETY: the pool was just imported and has no
-                        // imported pointer.
+                        // SAFETY: just imported, no pointer imported.
                         let _ = unsafe { sys::cuMemPoolDestroy(pool) };
                         return Err(e);
                     }
@@ -155,8 +154,7 @@ impl ImportedMemory {
     /// this process no longer uses the block ([`super::send_closed`]).
     ///
     /// # Errors
-    /// As [`close`](Self::close) (nothing is sent then), or [`Error::Os`]
-    /// when the socket fails.
+    /// As [`close`](Self::close) (nothing sent), or [`Error::Os`] (socket).
     pub fn close_and_notify(mut self, socket: &UnixStream) -> Result<()> {
         self.close_now()?;
         super::send_closed(socket, self.id)

@@ -12,9 +12,8 @@ use crate::upstream::{Chunk, Upstream};
 /// every device (`cuMemAllocManaged(CU_MEM_ATTACH_GLOBAL)` / `cuMemFree`).
 /// The driver migrates pages to whoever touches them.
 ///
-/// The manager's managed pool uses it; see
-/// [`MemoryManager::managed_pool`](crate::MemoryManager::managed_pool) for an
-/// example of the pool.
+/// The manager's managed pool uses it (example:
+/// [`MemoryManager::managed_pool`](crate::MemoryManager::managed_pool)).
 pub struct CudaManagedMemory {
     ctx: Arc<CudaContext>,
 }

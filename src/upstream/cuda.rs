@@ -90,8 +90,7 @@ impl Upstream for CudaDeviceMemory {
 /// from `cuMemHostAlloc(CU_MEMHOSTALLOC_PORTABLE)` / `cuMemFreeHost`.
 pub struct CudaPinnedMemory {
     ctx: Arc<CudaContext>,
-    /// The chunks that came from `cuMemHostAlloc` (the others were
-    /// registered).
+    /// The chunks from `cuMemHostAlloc` (the others were registered).
     host_allocated: Mutex<HashSet<usize>>,
 }
 
@@ -104,9 +103,8 @@ impl CudaPinnedMemory {
         CudaPinnedMemory { ctx, host_allocated: Mutex::new(HashSet::new()) }
     }
 
-    /// `size` bytes of anonymous memory starting on a 2 MiB boundary,
-    /// registered with the driver; `None` where that fails (nothing is
-    /// left behind then).
+    /// `size` bytes of anonymous memory on a 2 MiB boundary, registered with
+    /// the driver; `None` where that fails (leaving nothing behind).
     fn register(&self, size: usize) -> Option<Chunk> {
         // Over-reserved by a huge page, then trimmed to the aligned range.
         let span = size.checked_add(HUGE_PAGE)?;
@@ -179,8 +177,7 @@ impl Upstream for CudaPinnedMemory {
         let _relaxed = RelaxedCaptureMode::enter();
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         if lock(&self.host_allocated).remove(&chunk.addr) {
-            // SAFETY: the chunk came from `cuMemHostAlloc` and no block in
-            // it is live.
+            // SAFETY: from `cuMemHostAlloc`, and no block in it is live.
             return unsafe { result::free_host(chunk.addr as *mut std::ffi::c_void) }
                 .map_err(driver_err("cuMemFreeHost"));
         }
