@@ -54,7 +54,7 @@ impl MemoryManager {
     /// fallback).
     ///
     /// # Errors
-    /// [`Error::InvalidState`] if the device lacks managed memory; driver errors.
+    /// [`Error::InvalidState`] where managed memory is lacking; driver errors.
     pub fn managed_pool(&self) -> Result<&Pool<Box<dyn Upstream>>> {
         let (cell, ctx) = self.managed_cell();
         cell.get_or_try_init(|| {
