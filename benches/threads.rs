@@ -97,8 +97,7 @@ impl Target for Pinned {
     }
 }
 
-/// Raw `cuMemAllocAsync` from the device's default pool, every thread on
-/// one stream.
+/// Raw `cuMemAllocAsync` from the default pool, every thread on one stream.
 struct Raw {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -114,8 +113,7 @@ impl Target for Raw {
         unsafe { result::malloc_async(self.stream.cu_stream(), size) }.expect("cuMemAllocAsync")
     }
     fn free(&self, _: &(), ptr: u64) {
-        // SAFETY: `ptr` came from `cuMemAllocAsync` on this context and no
-        // work uses it.
+        // SAFETY: `ptr` is this context's `cuMemAllocAsync`'s; no work uses it.
         unsafe { result::free_async(ptr, self.stream.cu_stream()) }.expect("cuMemFreeAsync");
     }
     fn finish(&self, _: &()) {
@@ -124,8 +122,7 @@ impl Target for Raw {
 }
 
 /// `threads` new threads run `ops` steps each of the peers' workload (seeds
-/// from `seed`), timed from the first thread's start after a barrier to
-/// the last one's end.
+/// from `seed`), timed from the first start after a barrier to the last end.
 fn pass<T: Target>(t: &T, threads: usize, ops: u64, seed: u64) -> Duration {
     let go = Barrier::new(threads);
     let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {

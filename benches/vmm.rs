@@ -61,8 +61,7 @@ fn main() -> cumem::Result<()> {
             range.unmap(0, size)?;
             drop(chunk);
             let t = Instant::now();
-            // SAFETY: the context is current; the memory is freed at once
-            // and never touched.
+            // SAFETY: the context is current; the memory is freed, untouched.
             let p =
                 unsafe { result::malloc_sync(size) }.map_err(|e| Error::InvalidState(format!("cuMemAlloc: {e}")))?;
             times[3].push(us(t));

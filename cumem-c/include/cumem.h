@@ -21,8 +21,7 @@ typedef enum {
   // A null pointer where one is required, a zero or absurd size, a bad
   // alignment, a mode or device number out of range.
   CUMEM_STATUS_INVALID_ARGUMENT = 1,
-  // The pool could not serve the request, even after releasing cached
-  // memory.
+  // The pool could not serve the request, even after releasing its cache.
   CUMEM_STATUS_OUT_OF_MEMORY = 2,
   // A pointer cumem never handed out (or a pinned pointer given to a
   // device call, and the reverse).
@@ -34,8 +33,7 @@ typedef enum {
   // `cumem_init` after the manager was created (by `cumem_init` or by
   // any other call, which configures it from `CUMEM_CONF`).
   CUMEM_STATUS_ALREADY_INITIALIZED = 6,
-  // A setting changed after its moment passed (pool sizes after the
-  // first allocation).
+  // A setting changed too late (pool sizes after the first allocation).
   CUMEM_STATUS_CONFIG_TOO_LATE = 7,
   // A bad configuration string (`cumem_init`'s or `CUMEM_CONF`).
   CUMEM_STATUS_CONFIG = 8,
@@ -91,8 +89,7 @@ typedef enum {
 typedef struct CumemGraphPool CumemGraphPool;
 
 // A raw CUDA stream (`cudaStream_t`, `CUstream`); NULL is the device's
-// legacy default stream. On the host fallback any value names a host
-// queue.
+// legacy default stream. On the host fallback, any value is a host queue.
 typedef void *CumemStream;
 
 // One free block of a graph pool.
@@ -140,8 +137,7 @@ typedef struct {
   size_t stream_ordered_peak_in_use;
   // Live stream-ordered allocations.
   size_t stream_ordered_live;
-  // Bytes the driver's pools (the default and the dedicated one)
-  // reserve now.
+  // Bytes the driver's pools (the default, the dedicated) reserve now.
   uint64_t native_reserved;
   // Their largest reservation (the driver's high-water attribute).
   uint64_t native_peak_reserved;
@@ -233,8 +229,7 @@ typedef struct {
   uint64_t alloc_failures;
   // `cumem_torch_free` calls that failed (the block stayed as it was).
   uint64_t free_failures;
-  // Frees that first ordered their stream after streams noted with
-  // `cumem_record_stream`.
+  // Frees first ordered after streams noted by `cumem_record_stream`.
   uint64_t recorded_stream_waits;
 } CumemTorchCounters;
 
@@ -244,17 +239,13 @@ typedef struct {
   // the memory tags' mapped pages (0 for a tag while it sleeps), the
   // driver pools' reservation and the graph pools' chunks.
   uint64_t reserved;
-  // The largest `reserved` since the last peak reset (the sum of the
-  // parts' peaks).
+  // The largest `reserved` since the last peak reset (the parts' peaks).
   uint64_t peak_reserved;
-  // Driver allocation calls of the sync pool (page maps; chunks where
-  // it does not remap).
+  // The sync pool's driver allocations (page maps, or chunks).
   uint64_t device_allocs;
-  // Driver free calls of the sync pool (page unmaps; chunk frees where
-  // it does not remap).
+  // The sync pool's driver frees (page unmaps, or chunk frees).
   uint64_t device_frees;
-  // Allocations that failed at the driver, released cached memory and
-  // tried again.
+  // Allocations that failed at the driver, released the cache, retried.
   uint64_t alloc_retries;
   // Chunks the sync pool holds.
   uint64_t chunks;
@@ -315,8 +306,7 @@ CumemStatus cumem_is_host_fallback(int *out);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_allocate_pinned(size_t size, void **out);
 
-// Returns pinned memory to the pool; nothing (host or queued copy) may
-// use it any more.
+// Returns pinned memory to the pool; no host code or copy may use it now.
 //
 // # Errors
 // `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
@@ -325,8 +315,7 @@ CumemStatus cumem_allocate_pinned(size_t size, void **out);
 CumemStatus cumem_free_pinned(void *ptr);
 
 // Allocates `size` bytes on the default device, usable at once by any
-// stream; stores the device pointer (never dereferenced on the host) in
-// `*out`.
+// stream, into `*out` (a device pointer, never dereferenced on the host).
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,
@@ -587,8 +576,7 @@ CumemStatus cumem_ipc_close(void *ptr, int socket);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_pinned_stats(CumemPoolStats *out);
 
-// Stores device `device`'s figures in `*out` (creating its allocator if
-// need be).
+// Stores `device`'s figures in `*out` (making its allocator if need be).
 //
 // # Errors
 // `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_INVALID_ARGUMENT`.
@@ -649,9 +637,8 @@ CumemStatus cumem_flush_log(void);
 CumemStatus cumem_shutdown(CumemShutdownReport *report);
 
 // The message of the last failing cumem call on the calling thread ("" if
-// none failed yet). Successful calls leave it as it is. The text stays
-// valid until the next failing cumem call on this thread; copy it to keep
-// it.
+// none failed yet; successful calls leave it). The text stays valid until
+// the next failing cumem call on this thread: copy it to keep it.
 const char *cumem_last_error(void);
 
 // The name of a status code as a static string ("CUMEM_STATUS_OK", ...);

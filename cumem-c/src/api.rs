@@ -51,8 +51,7 @@ pub unsafe extern "C" fn cumem_init(conf: *const c_char) -> CumemStatus {
         let config = if conf.is_null() {
             Config::from_env()?
         } else {
-            // SAFETY: non-null, and the caller promises a NUL-terminated
-            // string.
+            // SAFETY: non-null, and NUL-terminated (the caller's promise).
             let text = unsafe { CStr::from_ptr(conf) };
             let text = text
                 .to_str()
@@ -106,8 +105,7 @@ pub unsafe extern "C" fn cumem_allocate_pinned(size: usize, out: *mut *mut c_voi
     unsafe { allocate_into(out, || Ok(manager()?.allocate_pinned(size)?.as_ptr() as usize as u64)) }
 }
 
-/// Returns pinned memory to the pool; nothing (host or queued copy) may
-/// use it any more.
+/// Returns pinned memory to the pool; no host code or copy may use it now.
 ///
 /// # Errors
 /// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
@@ -121,8 +119,7 @@ pub extern "C" fn cumem_free_pinned(ptr: *mut c_void) -> CumemStatus {
 // ---- device memory ----
 
 /// Allocates `size` bytes on the default device, usable at once by any
-/// stream; stores the device pointer (never dereferenced on the host) in
-/// `*out`.
+/// stream, into `*out` (a device pointer, never dereferenced on the host).
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,

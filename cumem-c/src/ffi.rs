@@ -26,8 +26,7 @@ pub(crate) unsafe fn put<T>(out: *mut T, name: &str, value: T) -> Outcome {
     Ok(())
 }
 
-/// Runs `body` in the guard and stores its value in `*out` (left
-/// unchanged on failure).
+/// Runs `body` in the guard, storing its value in `*out` (kept on failure).
 ///
 /// # Safety
 /// `out` must be NULL (an error, and `body` does not run) or valid for a

@@ -151,8 +151,7 @@ pub unsafe extern "C" fn cumem_graph_pool_destroy(pool: *mut CumemGraphPool) -> 
         if pool.is_null() {
             return Err(Failure::null("pool"));
         }
-        // SAFETY: the caller's promise: a live handle (a `Box`), not used
-        // again.
+        // SAFETY: the caller's promise: a live handle (a `Box`), unused after.
         drop(unsafe { Box::from_raw(pool) });
         Ok(())
     })

@@ -43,8 +43,7 @@ fn ipc_failure(e: Error) -> Failure {
     }
 }
 
-/// Runs `f` on the caller's socket without taking it over (it is never
-/// closed here).
+/// Runs `f` on the caller's socket without taking it over (or closing it).
 fn with_socket<T>(fd: c_int, f: impl FnOnce(&UnixStream) -> cumem::Result<T>) -> Outcome<T> {
     if fd < 0 {
         return Err(Failure::new(CumemStatus::InvalidArgument, format!("socket {fd} is not a descriptor")));
@@ -106,8 +105,7 @@ pub extern "C" fn cumem_ipc_wait_closed(socket: c_int, export_id: u64) -> CumemS
         let mut export = export.ok_or_else(|| Failure::new(CumemStatus::Ipc, format!("no open export {export_id}")))?;
         let r = with_socket(socket, |s| export.wait_closed(s));
         if !export.is_released() {
-            // Still open: `cumem_ipc_release` can free it once the importer
-            // is known to be gone.
+            // Still open, for `cumem_ipc_release` once the importer is gone.
             lock(&EXPORTS).get_or_insert_with(HashMap::new).insert(export_id, export);
         }
         r

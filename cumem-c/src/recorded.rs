@@ -1,6 +1,5 @@
 //! The streams a device block was used on besides its own
-//! (`cumem_record_stream`), and the free that orders its stream after
-//! them (see `torch.rs`).
+//! (`cumem_record_stream`), and the free ordered after them (`torch.rs`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -13,8 +12,7 @@ use crate::streams::{stream_for, CumemStream};
 /// Frees that first ordered their stream after recorded streams.
 static RECORDED_WAITS: AtomicU64 = AtomicU64::new(0);
 
-/// How many frees so far first ordered their stream after recorded
-/// streams.
+/// How many frees so far first ordered their stream after recorded ones.
 pub(crate) fn recorded_waits() -> u64 {
     RECORDED_WAITS.load(Ordering::Relaxed)
 }

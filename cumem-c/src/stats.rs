@@ -69,8 +69,7 @@ pub struct CumemDeviceStats {
     pub stream_ordered_peak_in_use: usize,
     /// Live stream-ordered allocations.
     pub stream_ordered_live: usize,
-    /// Bytes the driver's pools (the default and the dedicated one)
-    /// reserve now.
+    /// Bytes the driver's pools (the default, the dedicated) reserve now.
     pub native_reserved: u64,
     /// Their largest reservation (the driver's high-water attribute).
     pub native_peak_reserved: u64,
@@ -116,8 +115,7 @@ pub unsafe extern "C" fn cumem_pinned_stats(out: *mut CumemPoolStats) -> CumemSt
     unsafe { answer(out, || Ok(CumemPoolStats::from(manager()?.pinned_stats()))) }
 }
 
-/// Stores device `device`'s figures in `*out` (creating its allocator if
-/// need be).
+/// Stores `device`'s figures in `*out` (making its allocator if need be).
 ///
 /// # Errors
 /// `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_INVALID_ARGUMENT`.

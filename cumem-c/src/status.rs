@@ -1,6 +1,5 @@
 //! Status codes, the thread-local last error, and the guard every entry
-//! point runs its body in (a panic becomes [`CumemStatus::Panic`]; nothing
-//! unwinds into C).
+//! point runs in (a panic becomes [`CumemStatus::Panic`], never unwinds).
 
 use std::cell::RefCell;
 use std::ffi::{c_char, CString};
@@ -19,8 +18,7 @@ pub enum CumemStatus {
     /// A null pointer where one is required, a zero or absurd size, a bad
     /// alignment, a mode or device number out of range.
     InvalidArgument = 1,
-    /// The pool could not serve the request, even after releasing cached
-    /// memory.
+    /// The pool could not serve the request, even after releasing its cache.
     OutOfMemory = 2,
     /// A pointer cumem never handed out (or a pinned pointer given to a
     /// device call, and the reverse).
@@ -32,8 +30,7 @@ pub enum CumemStatus {
     /// `cumem_init` after the manager was created (by `cumem_init` or by
     /// any other call, which configures it from `CUMEM_CONF`).
     AlreadyInitialized = 6,
-    /// A setting changed after its moment passed (pool sizes after the
-    /// first allocation).
+    /// A setting changed too late (pool sizes after the first allocation).
     ConfigTooLate = 7,
     /// A bad configuration string (`cumem_init`'s or `CUMEM_CONF`).
     Config = 8,
@@ -185,9 +182,8 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// The message of the last failing cumem call on the calling thread ("" if
-/// none failed yet). Successful calls leave it as it is. The text stays
-/// valid until the next failing cumem call on this thread; copy it to keep
-/// it.
+/// none failed yet; successful calls leave it). The text stays valid until
+/// the next failing cumem call on this thread: copy it to keep it.
 #[no_mangle]
 pub extern "C" fn cumem_last_error() -> *const c_char {
     catch_unwind(|| LAST_ERROR.try_with(|slot| slot.borrow().as_ptr()).unwrap_or(c"".as_ptr())).unwrap_or(c"".as_ptr())

@@ -1,5 +1,4 @@
-//! Raw CUDA streams from C (a `cudaStream_t` / `CUstream`) as cumem
-//! [`Stream`]s.
+//! Raw CUDA streams from C (`cudaStream_t`, `CUstream`) as [`Stream`]s.
 //!
 //! cumem orders reuse by stream identity, so one raw stream must always be
 //! the same `Stream`: the first time a raw stream of a device is seen, it
@@ -33,8 +32,7 @@ use crate::status::{Failure, Outcome};
 use crate::CumemStatus;
 
 /// A raw CUDA stream (`cudaStream_t`, `CUstream`); NULL is the device's
-/// legacy default stream. On the host fallback any value names a host
-/// queue.
+/// legacy default stream. On the host fallback, any value is a host queue.
 pub type CumemStream = *mut c_void;
 
 /// (device, raw stream value).
@@ -84,8 +82,7 @@ fn lock_table() -> std::sync::MutexGuard<'static, Table> {
     table().lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Bumped whenever an entry leaves the table: threads then drop their
-/// copies.
+/// Bumped whenever an entry leaves the table: threads drop their copies.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
@@ -93,8 +90,7 @@ thread_local! {
     static LOCAL: RefCell<(u64, Vec<(Key, Stream)>)> = const { RefCell::new((0, Vec::new())) };
 }
 
-/// How many streams a thread keeps copies of (a linear scan: programs use
-/// a handful of streams).
+/// How many streams a thread keeps copies of (scanned: programs use few).
 const LOCAL_MAX: usize = 16;
 
 /// The cumem stream for raw stream `raw` of device `device`.
@@ -209,8 +205,7 @@ pub extern "C" fn cumem_stream_destroy(stream: CumemStream) -> CumemStatus {
                 let entry = t.map.remove(&key);
                 GENERATION.fetch_add(1, Ordering::AcqRel);
                 drop(t);
-                // The wrapper goes (and with its last clone the stream)
-                // outside the lock.
+                // The wrapper (with its last clone, the stream) goes unlocked.
                 drop(entry);
                 Ok(())
             }

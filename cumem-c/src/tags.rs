@@ -180,14 +180,12 @@ unsafe fn tag_names<'a>(list: *const *const c_char, n: usize, what: &str) -> Out
     }
     (0..n)
         .map(|i| {
-            // SAFETY: `list` is valid for `n` reads (the caller's promise)
-            // and `i < n`.
+            // SAFETY: `list` is valid for `n` reads (promised) and `i < n`.
             let p = unsafe { list.add(i).read() };
             if p.is_null() {
                 return Err(Failure::null(&format!("{what}[{i}]")));
             }
-            // SAFETY: non-null, and the caller promises a NUL-terminated
-            // string.
+            // SAFETY: non-null, and NUL-terminated (the caller's promise).
             unsafe { tag_name(p, &format!("{what}[{i}]")) }
         })
         .collect()
@@ -210,8 +208,7 @@ pub unsafe extern "C" fn cumem_tag_set(name: *const c_char) -> CumemStatus {
         let name = if name.is_null() {
             None
         } else {
-            // SAFETY: non-null, and the caller promises a NUL-terminated
-            // string.
+            // SAFETY: non-null, and NUL-terminated (the caller's promise).
             Some(unsafe { tag_name(name, "name") }?)
         };
         cumem::device::set_thread_tag(name)?;

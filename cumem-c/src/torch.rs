@@ -32,8 +32,7 @@ pub struct CumemTorchCounters {
     pub alloc_failures: u64,
     /// `cumem_torch_free` calls that failed (the block stayed as it was).
     pub free_failures: u64,
-    /// Frees that first ordered their stream after streams noted with
-    /// `cumem_record_stream`.
+    /// Frees first ordered after streams noted by `cumem_record_stream`.
     pub recorded_stream_waits: u64,
 }
 
@@ -109,8 +108,7 @@ pub unsafe extern "C" fn cumem_record_stream(ptr: *mut c_void, device: c_int, st
         if ptr.is_null() {
             return Err(Failure::null("ptr"));
         }
-        // Wrap the stream now, so a bad device fails here and not at the
-        // free.
+        // Wrap the stream now: a bad device fails here, not at the free.
         stream_for(ordinal(device)?, stream)?;
         crate::recorded::note(ptr as usize, stream);
         Ok(())

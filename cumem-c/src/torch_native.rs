@@ -64,17 +64,13 @@ pub struct CumemTorchFigures {
     /// the memory tags' mapped pages (0 for a tag while it sleeps), the
     /// driver pools' reservation and the graph pools' chunks.
     pub reserved: u64,
-    /// The largest `reserved` since the last peak reset (the sum of the
-    /// parts' peaks).
+    /// The largest `reserved` since the last peak reset (the parts' peaks).
     pub peak_reserved: u64,
-    /// Driver allocation calls of the sync pool (page maps; chunks where
-    /// it does not remap).
+    /// The sync pool's driver allocations (page maps, or chunks).
     pub device_allocs: u64,
-    /// Driver free calls of the sync pool (page unmaps; chunk frees where
-    /// it does not remap).
+    /// The sync pool's driver frees (page unmaps, or chunk frees).
     pub device_frees: u64,
-    /// Allocations that failed at the driver, released cached memory and
-    /// tried again.
+    /// Allocations that failed at the driver, released the cache, retried.
     pub alloc_retries: u64,
     /// Chunks the sync pool holds.
     pub chunks: u64,

@@ -170,8 +170,7 @@ struct Resolver {
 }
 
 impl Trace {
-    /// Reads a trace file, gzip-compressed (detected by its magic bytes) or
-    /// plain.
+    /// Reads a trace file, gzip-compressed (by its magic bytes) or plain.
     ///
     /// # Errors
     /// [`Error::Os`] when the file can't be opened or read;
@@ -380,8 +379,7 @@ pub fn parse_str(text: &str) -> Result<Trace> {
     Trace::parse(text.as_bytes(), "<string>")
 }
 
-/// Parses a trace from a reader, gzip-compressed (detected by its magic
-/// bytes) or plain.
+/// Parses a trace from a reader, gzip-compressed (magic bytes) or plain.
 ///
 /// # Errors
 /// As [`Trace::parse`].

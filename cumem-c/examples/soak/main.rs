@@ -19,8 +19,7 @@
 //! It exits non-zero on any error or wrong value.
 //!
 //! Options: `--secs N` (600 by default), `--report-secs N`, `--threads N`
-//! (live workers, 6), `--light` (small blocks, few rewrites: for
-//! compute-sanitizer).
+//! (live workers, 6), `--light` (small and few: for compute-sanitizer).
 
 mod crash;
 mod graphs;

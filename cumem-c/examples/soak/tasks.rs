@@ -17,8 +17,7 @@ use crate::{pattern, Rng, Soak};
 pub fn worker(s: &Soak, seed: u64, life: Duration) {
     type TaskFn = fn(&Soak, &mut Rng) -> Res;
     // The last two synchronise the device or the legacy stream: they run
-    // apart from captures. (Tasks are named by their index here in
-    // reports.)
+    // apart from captures. (Reports name tasks by their index here.)
     const TASKS: [(TaskFn, usize); 6] = [
         (rust_cross_stream, 22),
         (c_abi_streams, 22),

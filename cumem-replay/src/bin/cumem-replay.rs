@@ -14,8 +14,7 @@ use cumem_replay::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-/// Replay allocation traces and report ns per operation and peak reserved /
-/// peak live bytes.
+/// Replay allocation traces: ns per operation, peak reserved / peak live.
 #[derive(Parser, Debug)]
 #[command(name = "cumem-replay", version, about)]
 struct Args {

@@ -52,8 +52,7 @@ pub enum Target {
     Host,
     /// `cuMemAlloc` / `cuMemFree`, one call per operation.
     RawCuMemAlloc,
-    /// `cuMemAllocAsync` / `cuMemFreeAsync` on one stream, from the
-    /// device's default pool.
+    /// `cuMemAllocAsync` / `cuMemFreeAsync` on one stream, the default pool.
     RawCuMemAllocAsync,
     /// cumem's pool over a simulated device address range
     /// ([`AddressRange`]: 2 MiB granularity, the top chunk grows in place
@@ -191,8 +190,7 @@ pub struct ReplayReport {
 }
 
 impl ReplayReport {
-    /// The report of `measured`, the replays of `trace` through `target`
-    /// (at least one).
+    /// The report of `measured` (1 or more replays of `trace` on `target`).
     pub fn new(trace: &Trace, target: Target, pass: Pass, measured: &[Measurement]) -> ReplayReport {
         let ops = trace.operations().max(1) as f64;
         let mut per_op: Vec<f64> = measured.iter().map(|m| m.elapsed_ns as f64 / ops).collect();
