@@ -225,8 +225,7 @@ def per_rank(run, key):
 
 
 def compare(runs, names):
-    """Prints the comparison; returns whether every run's losses equal the
-    reference's."""
+    """Prints the comparison; whether all runs' losses equal the reference's."""
     ref_i = next((i for i, r in enumerate(runs) if r["allocator"] == "torch"), 0)
     ref = runs[ref_i]
     print(f"reference: {names[ref_i]} ({ref['allocator']}); {ref['world_size']} rank(s) on {ref['device']}, "

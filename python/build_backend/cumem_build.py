@@ -91,8 +91,7 @@ print(json.dumps({"root": os.path.dirname(torch.__file__), "version": torch.__ve
 
 
 def _find_torch():
-    """(torch root, version, CUDA header folders, libcudart folders) or a
-    reason string."""
+    """(torch root, version, CUDA header dirs, libcudart dirs), or why not."""
     if os.environ.get("CUMEM_TORCH_NATIVE") == "0":
         return "CUMEM_TORCH_NATIVE=0"
     root = os.environ.get("CUMEM_TORCH_ROOT")

@@ -101,8 +101,7 @@ def install(conf=None, native=True):
     """Makes cumem PyTorch's CUDA allocator, before the first CUDA
     allocation (PyTorch refuses to swap an allocator it has used). `conf`
     configures cumem (else CUMEM_CONF). `native=False` (or
-    CUMEM_TORCH_NATIVE=0) takes the pluggable path. Returns "native" or
-    "pluggable".
+    CUMEM_TORCH_NATIVE=0) takes the pluggable path. Returns which.
 
     One cumem manager per process: where a second copy of libcumem_c.so is
     in the process (a native library linked against another install's),
@@ -154,8 +153,7 @@ def install(conf=None, native=True):
 
 def flush_log():
     """Waits until every allocation and free recorded so far is in cumem's
-    event log (`log=FILE`); `install()` runs it at exit, else the end of the
-    log is lost."""
+    event log (`log=FILE`); `install()` runs it at exit, lest the end be lost."""
     _lib.check(_lib.lib().cumem_flush_log())
 
 
@@ -165,8 +163,7 @@ def native_error():
 
 
 def is_installed():
-    """Whether `install()` made cumem PyTorch's allocator (which backend:
-    `install()`'s answer)."""
+    """Whether `install()` made cumem PyTorch's allocator."""
     return bool(_installed)
 
 
@@ -248,9 +245,8 @@ def backend():
 
 
 def empty_cache():
-    """Returns cumem's cached free memory to the driver (what
-    torch.cuda.empty_cache() does with the native backend) and the bytes
-    released."""
+    """Returns cumem's cached free memory to the driver, and the bytes
+    released (torch.cuda.empty_cache() does it with the native backend)."""
     n = ctypes.c_size_t(0)
     _lib.check(_lib.lib().cumem_release_cached(ctypes.byref(n)))
     return n.value
