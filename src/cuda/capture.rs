@@ -52,8 +52,7 @@ pub(crate) fn count_capture(begins: bool) {
 fn has_capture_info() -> bool {
     static HAS: OnceCell<bool> = OnceCell::new();
     *HAS.get_or_init(|| {
-        // SAFETY: only looks a symbol up in the already loaded driver
-        // library; nothing is called.
+        // SAFETY: only looks a symbol up in the loaded driver; calls nothing.
         unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuStreamGetCaptureInfo_v3") }.is_ok()
     })
 }
@@ -69,8 +68,7 @@ fn has_capture_info() -> bool {
 /// the program may change the thread's context between two calls.
 fn make_current(ctx: &cudarc::driver::CudaContext) -> Result<()> {
     let mut current: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: `current` is a valid out-location; the call only reads the
-    // calling thread's current context.
+    // SAFETY: `current` is a local; the call reads this thread's context.
     unsafe { sys::cuCtxGetCurrent(&mut current) }.result().map_err(super::driver_err("cuCtxGetCurrent"))?;
     if current != ctx.cu_ctx() {
         ctx.bind_to_thread().map_err(super::driver_err("cuCtxSetCurrent"))?;
@@ -84,8 +82,7 @@ fn make_current(ctx: &cudarc::driver::CudaContext) -> Result<()> {
 /// own (a capture is then recognised only on the stream it began on).
 ///
 /// # Errors
-/// [`Error::Capture`] when the capture was invalidated (something illegal
-/// happened on it); a driver error.
+/// [`Error::Capture`] when something illegal invalidated it; a driver error.
 pub(crate) fn capture_of(stream: &Stream) -> Result<Option<u64>> {
     Ok(capture_info(stream)?.map(|(id, _)| id))
 }

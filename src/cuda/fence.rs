@@ -115,8 +115,7 @@ fn record_for(on: &Stream, then: &Stream, pool: &Arc<EventPool>) -> Option<CudaE
         return None;
     }
     let other = then.id() != on.id();
-    // The requesting stream does not capture (its allocation would not be
-    // here); another one might.
+    // The requesting stream does not capture (else it would not be here).
     if other && !matches!(on.unless_gone(|| super::capture_of(on)), Ok(Some(None))) {
         return None;
     }

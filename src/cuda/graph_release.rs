@@ -26,8 +26,7 @@ use std::ffi::c_void;
 
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 
-/// A fresh capture id for a host queue. Host ids have the top bit set, so
-/// they never meet the driver's.
+/// A fresh capture id for a host queue (top bit set: never the driver's).
 pub(crate) fn next_host_capture_id() -> u64 {
     static NEXT: crate::sync::StaticAtomicU64 = crate::sync::StaticAtomicU64::new(1);
     (1 << 63) | NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -68,8 +67,7 @@ impl ReleaseQueue {
     }
 }
 
-/// What a user object's destructor gets: the queue to post to and the id
-/// of the pool to release.
+/// What a user object's destructor gets: the queue and the pool's id.
 pub(super) struct Release {
     queue: Arc<ReleaseQueue>,
     pool: u64,

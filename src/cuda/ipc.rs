@@ -15,8 +15,7 @@ fn bind(ctx: &CudaContext) -> Result<()> {
     ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
 }
 
-/// The base and size of the `cuMemAlloc` allocation that holds `addr`
-/// (`cuMemGetAddressRange`).
+/// The `cuMemAlloc` block holding `addr`: base, size (`cuMemGetAddressRange`).
 ///
 /// # Errors
 /// A driver error (not device memory of this context).
@@ -47,8 +46,7 @@ pub(crate) fn ipc_handle(ctx: &CudaContext, base: u64) -> Result<[u8; 64]> {
 /// (`cuIpcOpenMemHandle` with lazy peer access); returns its base here.
 ///
 /// # Errors
-/// A driver error: a malformed handle, or one of this same process (the
-/// driver does not open those).
+/// A driver error: a malformed handle, or this process's (never opened).
 pub(crate) fn open_ipc_handle(ctx: &CudaContext, handle: &[u8; 64]) -> Result<u64> {
     bind(ctx)?;
     let raw = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
@@ -65,8 +63,7 @@ pub(crate) fn open_ipc_handle(ctx: &CudaContext, handle: &[u8; 64]) -> Result<u6
 /// Nothing may use the memory any more: its address stops being valid here.
 pub(crate) unsafe fn close_ipc_handle(ctx: &CudaContext, base: u64) -> Result<()> {
     bind(ctx)?;
-    // SAFETY: `base` came from `cuIpcOpenMemHandle` and is closed once; the
-    // caller guarantees no work uses it.
+    // SAFETY: from `cuIpcOpenMemHandle`, closed once; unused (the caller).
     unsafe { sys::cuIpcCloseMemHandle(base) }.result().map_err(driver_err("cuIpcCloseMemHandle"))
 }
 

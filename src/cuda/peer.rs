@@ -156,8 +156,7 @@ pub fn can_access_peer(accessor: usize, owner: usize) -> Result<bool> {
 pub(crate) enum MapPeers {
     /// Every device that can reach the owner, from the start.
     All,
-    /// The reachable devices whose primary context is active, followed as
-    /// they become active (the default).
+    /// The reachable devices whose primary context is active (the default).
     Active,
     /// None: explicit grants only.
     Off,
@@ -339,8 +338,7 @@ fn access_desc(device: usize) -> sys::CUmemAccessDesc {
     }
 }
 
-/// Gives device `accessor` read-write access to the memory of native pool
-/// `pool` (`cuMemPoolSetAccess`).
+/// Gives `accessor` read-write access to `pool` (`cuMemPoolSetAccess`).
 fn pool_set_access(ctx: &CudaContext, pool: sys::CUmemoryPool, accessor: usize) -> Result<()> {
     ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
     let desc = access_desc(accessor);

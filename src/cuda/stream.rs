@@ -62,8 +62,7 @@ struct StreamInner {
     /// other stream's free counts read before its event was recorded. Work
     /// queued here since is ordered after every free counted there.
     waited: Mutex<Vec<(u64, Box<[u64]>)>>,
-    /// Whether the program said the CUDA handle is gone
-    /// ([`Stream::forget_handle`]).
+    /// Whether the CUDA handle is gone ([`Stream::forget_handle`]).
     gone: AtomicBool,
     /// Driver calls cumem makes on the stream for its own reasons now:
     /// [`Stream::forget_handle`] waits until none is left, so the handle
@@ -103,8 +102,7 @@ impl std::fmt::Debug for Stream {
 }
 
 impl Stream {
-    /// A new non-blocking stream on device `ordinal` (`cuStreamCreate`), or
-    /// a host queue on the fallback.
+    /// A new non-blocking stream on `ordinal` (`cuStreamCreate`); a host queue.
     ///
     /// # Errors
     /// A driver error, or [`Error::NoSuchDevice`](crate::Error::NoSuchDevice).
@@ -233,8 +231,7 @@ impl Stream {
         self.inner.frees.all_complete()
     }
 
-    /// Waits until all work queued on the stream is done
-    /// (`cuStreamSynchronize`).
+    /// Waits until the stream's queued work is done (`cuStreamSynchronize`).
     ///
     /// # Errors
     /// A driver error from the stream's work.

@@ -38,8 +38,7 @@ pub use calls::{
     driver_calls, on_background_mapper, record_background_call, record_call, CallKind, DriverCallCounts, DriverCalls,
 };
 
-/// The allocation granularity of a device's physical memory
-/// (`cuMemGetAllocationGranularity`).
+/// A device's allocation granularity (`cuMemGetAllocationGranularity`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Granularity {
     /// Sizes and offsets of chunks and ranges must be multiples of this.
@@ -423,8 +422,7 @@ pub fn posix_fd_supported(ctx: &CudaContext) -> bool {
 /// `cuMemRelease` of the retained handle.
 ///
 /// # Errors
-/// A driver error: nothing mapped there, or memory made without an
-/// exportable handle type.
+/// A driver error: nothing mapped there, or no exportable handle type.
 pub fn export_mapping(ctx: &CudaContext, addr: u64) -> Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;
     bind(ctx)?;

@@ -50,8 +50,7 @@ pub struct DeviceAllocator {
     /// The driver pools of the stream-ordered modes (`driver_pools.rs`).
     driver: DriverPools,
     internal_stream: OnceCell<Stream>,
-    /// Stream-ordered allocations (address → size and mode) and their
-    /// figures, under one lock.
+    /// Stream-ordered allocations (address → size, mode), figures; one lock.
     pub(super) async_book: Mutex<AsyncBook>,
     /// How many stream-ordered allocations are live: frees skip the book's
     /// lock while it is 0 (the sync pool's frees, most of the time).
@@ -228,8 +227,7 @@ impl DeviceAllocator {
         self.driver.get(mode)
     }
 
-    /// Allocates `size` bytes for work on `stream` (`None`: usable at once
-    /// by the host and any stream).
+    /// Allocates `size` bytes for work on `stream` (`None`: usable at once).
     ///
     /// # Errors
     /// Invalid sizes, [`Error::OutOfMemory`], driver errors.
@@ -457,8 +455,7 @@ impl DeviceAllocator {
         Ok(released)
     }
 
-    /// Releases what is free and lists what is live (sync pool blocks and
-    /// stream-ordered allocations).
+    /// Releases what is free, lists what is live (blocks, stream-ordered).
     pub(crate) fn shutdown(&self) -> Result<Vec<LiveBlock>> {
         if self.capture_under_way()? {
             return Err(Error::Capture("shutdown() while a graph capture is under way".into()));

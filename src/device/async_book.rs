@@ -15,8 +15,7 @@ pub(super) struct AsyncBlock {
     pub(super) capture: u64,
 }
 
-/// The live stream-ordered allocations (address → block) and their
-/// figures, under one lock.
+/// Live stream-ordered allocations (address → block), figures, one lock.
 #[derive(Debug, Default)]
 pub(super) struct AsyncBook {
     pub(super) live: hashbrown::HashMap<usize, AsyncBlock>,

@@ -22,8 +22,7 @@ use crate::upstream::{Host, HostExpandable, Upstream};
 /// with expandable segments (committed as the pool grows).
 const HOST_DEVICE_RESERVATION: usize = 64 << 30;
 
-/// What a device allocator is made of, as plain values (the manager's
-/// configuration, resolved).
+/// A device allocator as plain values (the manager's configuration, resolved).
 #[derive(Debug, Clone)]
 pub(crate) struct DeviceSetup {
     /// The sync pool's settings (its initial size included).
@@ -100,8 +99,7 @@ impl DeviceSetup {
     }
 }
 
-/// Where a device pool of the context's device (the host fallback's
-/// without one) takes its chunks.
+/// Where a device pool takes its chunks (the host fallback's: no context).
 fn device_upstream(ctx: Option<&Arc<CudaContext>>, expandable: bool) -> Result<Box<dyn Upstream>> {
     Ok(match ctx {
         Some(ctx) => crate::upstream::device_upstream(ctx.clone(), expandable)?,

@@ -1,5 +1,4 @@
-//! Graph-private pools: memory that captured work uses belongs to the
-//! graph until the graph is gone.
+//! Graph-private pools: memory captured work uses is the graph's until it goes.
 //!
 //! # Implementation details
 //!
@@ -105,8 +104,7 @@ pub(crate) type GraphPoolFactory = Box<dyn Fn() -> Result<Pool<Box<dyn Upstream>
 pub(super) enum StreamOrderedFree {
     /// Made outside the capture that frees it: the graph keeps it.
     Held,
-    /// Made and freed in one capture: a graph free node (`cuMemFreeAsync`
-    /// on the capturing stream).
+    /// Made and freed in one capture: a graph free node (`cuMemFreeAsync`).
     InCapture,
     /// No capture: an ordinary `cuMemFreeAsync`.
     Eager,
@@ -129,8 +127,7 @@ pub(super) struct PrivatePool {
     pub(super) untied: AtomicBool,
     /// A capture is routed into the pool now.
     pub(super) capturing: AtomicBool,
-    /// Blocks were freed into the pool on a stream outside a capture since
-    /// the last capture began.
+    /// Blocks were freed into the pool outside a capture since the last began.
     pub(super) tagged_outside: AtomicBool,
     pub(super) held: Mutex<Vec<Held>>,
 }
@@ -201,8 +198,7 @@ pub(super) struct Graphs {
     pub(super) releases: crate::sync::Arc<ReleaseQueue>,
     /// Retired registered pools waiting for a capture to end (retried).
     pub(super) deferred: AtomicBool,
-    /// Private pools alive: frees of pointers the device pool does not
-    /// know look there while > 0.
+    /// Private pools alive: frees the device pool lacks look there while > 0.
     pub(super) pools: AtomicUsize,
     /// Held blocks: frees check them while > 0.
     pub(super) held: AtomicUsize,

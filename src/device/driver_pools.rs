@@ -73,8 +73,7 @@ impl DriverPools {
         self.default.get().into_iter().chain(self.native.get())
     }
 
-    /// Allocates `size` bytes stream-ordered on `on` from `mode`'s pool
-    /// (a stream-ordered mode).
+    /// Allocates `size` bytes on `on` from stream-ordered `mode`'s pool.
     ///
     /// # Errors
     /// [`Error::OutOfMemory`], driver errors.

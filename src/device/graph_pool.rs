@@ -311,8 +311,7 @@ impl DeviceAllocator {
         Ok(id)
     }
 
-    /// Waits for the streams that freed blocks into `p` outside a capture,
-    /// then clears the blocks' tags.
+    /// Waits for the streams that freed into `p` uncaptured; clears the tags.
     fn settle_outside_frees(&self, p: &PrivatePool) -> Result<()> {
         if !p.tagged_outside.load(Ordering::Acquire) {
             return Ok(());
@@ -453,8 +452,7 @@ impl DeviceAllocator {
             } else {
                 lock(&self.graphs.state).retired.extend(untied);
                 if self.graphs.active() == 0 {
-                    // No registered capture will come back here when it
-                    // ends: the next call retries.
+                    // No registered capture ends here: the next call retries.
                     self.graphs.deferred.store(true, Ordering::Release);
                 }
             }

@@ -48,8 +48,7 @@ pub struct NativePool {
     exportable: bool,
 }
 
-// SAFETY: a CUmemoryPool handle may be used from any thread; every call
-// binds the owning context first.
+// SAFETY: a CUmemoryPool handle works on any thread; calls bind its context.
 unsafe impl Send for NativePool {}
 // SAFETY: the driver synchronises concurrent calls on one pool.
 unsafe impl Sync for NativePool {}
@@ -197,8 +196,7 @@ impl NativePool {
         })
     }
 
-    /// Resets both high-water marks to the current values (setting them to
-    /// 0 is how the driver resets them).
+    /// Resets both high-water marks to the current values (by setting 0).
     ///
     /// # Errors
     /// A driver error.
@@ -208,8 +206,7 @@ impl NativePool {
         self.set_u64(CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0, "cuMemPoolSetAttribute(USED_MEM_HIGH)")
     }
 
-    /// Releases free memory until the pool holds at most `min_bytes_to_keep`
-    /// of it (`cuMemPoolTrimTo`).
+    /// Releases free memory down to `min_bytes_to_keep` (`cuMemPoolTrimTo`).
     ///
     /// # Errors
     /// A driver error.
@@ -219,8 +216,7 @@ impl NativePool {
         unsafe { result::mem_pool::trim_to(self.pool, min_bytes_to_keep) }.map_err(driver_err("cuMemPoolTrimTo"))
     }
 
-    /// Allocates `size` bytes in stream order on `stream`
-    /// (`cuMemAllocFromPoolAsync`).
+    /// `size` bytes in stream order on `stream` (`cuMemAllocFromPoolAsync`).
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] or another driver error.
@@ -280,8 +276,7 @@ impl Drop for NativePool {
 /// [`Error::OutOfMemory`] or another driver error.
 pub fn allocate_async(ctx: &CudaContext, size: usize, stream: &Stream) -> Result<u64> {
     ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-    // SAFETY: the stream belongs to the current context; the memory is
-    // handed out as an address.
+    // SAFETY: the stream is the current context's; memory leaves as an address.
     unsafe { result::malloc_async(stream.cu_stream(), size) }.map_err(|e| {
         if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
             Error::OutOfMemory {

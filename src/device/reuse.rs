@@ -21,8 +21,7 @@ pub(crate) struct StreamRegistry {
     /// or the host waiting), and the nanoseconds those waits took to issue.
     waits: AtomicU64,
     wait_ns: AtomicU64,
-    /// Waits left out: the using stream had already waited for a later
-    /// point of the freeing stream.
+    /// Waits left out: the user had waited for a later point of the freer.
     elided: AtomicU64,
     /// Events for the fences of page moves ([`fence_on`](Self::fence_on)).
     events: Arc<EventPool>,
@@ -244,8 +243,7 @@ impl StreamRegistry {
         (self.waits.load(Ordering::Relaxed), self.wait_ns.load(Ordering::Relaxed))
     }
 
-    /// Waits left out because the using stream had already waited for a
-    /// later point of the freeing stream.
+    /// Waits left out: the user had waited for a later point of the freer.
     pub(crate) fn waits_elided(&self) -> u64 {
         self.elided.load(Ordering::Relaxed)
     }

@@ -84,8 +84,7 @@ impl DeviceAllocator {
         Some(Ok(block.size))
     }
 
-    /// The size, mode and capture of the live stream-ordered allocation at
-    /// `addr`, if there is one.
+    /// Size, mode and capture of a stream-ordered allocation at `addr`.
     pub(super) fn stream_ordered_block(&self, addr: usize) -> Option<(usize, DeviceAllocatorMode, u64)> {
         if self.async_live.load(Ordering::Acquire) == 0 {
             return None;

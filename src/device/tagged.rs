@@ -14,8 +14,7 @@ impl DeviceAllocator {
     /// (stream order included); the pool is made on first use here.
     ///
     /// # Errors
-    /// [`Error::Tag`] when the tag sleeps or the device can't remap pages;
-    /// the sync pool's errors.
+    /// [`Error::Tag`] (asleep, or no page remapping); the sync pool's errors.
     pub(super) fn allocate_tagged(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         let Some(name) = current_tag() else {
             return Err(Error::InvalidState("a tagged allocation with no tag set".into()));

@@ -201,8 +201,7 @@ impl std::fmt::Debug for TagPool {
     }
 }
 
-/// An allocation counted in (the pool was awake when it looked); sleep
-/// waits until it is dropped.
+/// An allocation counted in (the pool was awake); sleep waits for its drop.
 #[derive(Debug)]
 pub struct Entered<'a>(&'a TagPool);
 
@@ -234,8 +233,7 @@ impl TagPool {
     /// [`Error::Tag`] when it is not awake.
     pub fn enter(&self) -> Result<Entered<'_>> {
         self.inflight.fetch_add(1, Ordering::SeqCst);
-        // Pairs with the fence in `begin_sleep`: of the two threads, at
-        // least one sees the other's write.
+        // Pairs with `begin_sleep`'s fence: one thread sees the other's write.
         fence(Ordering::SeqCst);
         let entered = Entered(self);
         match self.state.load(Ordering::SeqCst) {
@@ -299,8 +297,7 @@ impl TagPool {
     }
 }
 
-/// Makes a tag's pool (device layer: over CUDA VMM or the host fallback's
-/// reserved address space).
+/// Makes a tag's pool (over CUDA VMM or the host fallback's address space).
 pub(crate) type TagPoolFactory = Box<dyn Fn() -> Result<Pool<Box<dyn Upstream>>> + Send + Sync>;
 
 /// The tag pools of one device.

@@ -99,8 +99,7 @@ pub struct Allocation {
     pub addr: usize,
     /// The block's size (the request rounded up to 256 B).
     pub size: usize,
-    /// The stream that last freed (part of) the block: work queued there
-    /// before that free may still use it.
+    /// The stream that last freed (part of) the block, whose work may use it.
     pub tag: StreamTag,
 }
 

@@ -16,8 +16,7 @@ pub enum CallKind {
     SetAccess,
     /// `cuMemRelease`: physical memory given back.
     Release,
-    /// `cuMemGetInfo`: the device's free memory read (it sizes new
-    /// pieces near a full device).
+    /// `cuMemGetInfo`: free memory read (it sizes pieces near a full device).
     Query,
 }
 

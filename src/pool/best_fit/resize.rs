@@ -78,8 +78,7 @@ impl BestFit {
         true
     }
 
-    /// Sets the requested size recorded for the live block at `addr`
-    /// (after an in-place resize).
+    /// Sets the requested size of the live block at `addr` (in-place resize).
     pub fn set_requested(&mut self, addr: usize, requested: usize) {
         if let Some(slot) = self.live.get(addr) {
             let b = &mut self.blocks[slot as usize];

@@ -36,8 +36,7 @@ impl Default for Oracle {
 }
 
 impl Oracle {
-    /// Whether the memo alone says the work of a free tagged `tag` is
-    /// complete (no question asked).
+    /// Whether the memo alone says a free tagged `tag` is complete.
     fn known(&self, tag: StreamTag) -> bool {
         let covers = |e: StreamTag| {
             e.stream == tag.stream
