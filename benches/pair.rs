@@ -67,8 +67,7 @@ fn size_name(size: usize) -> String {
     }
 }
 
-/// Allocate + free of `size` bytes of device memory through `mm`, on
-/// `stream` or (`None`) on no stream.
+/// Allocate + free of `size` device bytes through `mm`, on `stream` (or none).
 fn manager_pair(
     c: &mut Criterion,
     group: &'static str,

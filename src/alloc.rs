@@ -64,8 +64,7 @@ thread_local! {
     static LAST_ERROR: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Records why a request was refused, for [`PinnedAlloc::last_error`], and
-/// turns it into the trait's error.
+/// Records a refusal for [`PinnedAlloc::last_error`]; returns [`AllocError`].
 fn refused(why: impl std::fmt::Display) -> AllocError {
     let text = why.to_string();
     // A thread being torn down has no slot left: nothing to record then.

@@ -169,8 +169,7 @@ pub unsafe extern "C" fn cumem_allocate_device_on(
 pub extern "C" fn cumem_free_device(ptr: *mut c_void) -> CumemStatus {
     guard(|| {
         manager()?.free_device(ptr as usize as u64)?;
-        // No queued work uses the block (the caller's promise): streams
-        // noted for it need no wait.
+        // No queued work uses it (promised): its noted streams need no wait.
         crate::recorded::forget_recorded(ptr as usize);
         Ok(())
     })

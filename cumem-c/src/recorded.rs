@@ -48,8 +48,7 @@ pub(crate) fn forget_recorded(ptr: usize) {
     drop(take_recorded(ptr));
 }
 
-/// Frees `ptr` on `stream` of `device`, first ordering `stream` after the
-/// streams recorded for it.
+/// Frees `ptr` on `stream` of `device`, ordered after its recorded streams.
 pub(crate) fn free_on(ptr: usize, device: usize, stream: CumemStream) -> Outcome {
     let mm = manager()?;
     let s = stream_for(device, stream)?;

@@ -150,8 +150,7 @@ pub(crate) fn set_last_error(message: &str) {
     // A message with an interior NUL (never made by cumem) is cut there.
     let end = message.find('\0').unwrap_or(message.len());
     let text = CString::new(&message[..end]).unwrap_or_default();
-    // `try_with`: during thread teardown the slot may be gone; the status
-    // code still reports the failure.
+    // `try_with`: in thread teardown the slot may be gone; the status tells.
     let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = text);
 }
 

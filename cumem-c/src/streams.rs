@@ -152,8 +152,7 @@ fn shared_stream(key: Key) -> Outcome<Stream> {
         None => Stream::host(),
     };
     let mut t = lock_table();
-    // Another thread may have entered it meanwhile: theirs wins, so the
-    // raw stream keeps one identity.
+    // Another thread may have entered it: theirs wins (one identity).
     let stream = t.map.entry(key).or_insert(Entry { stream: wrapped, owned: false }).stream.clone();
     let gone = if t.map.len() >= t.prune_at.max(PRUNE_FIRST) { t.prune() } else { Vec::new() };
     drop(t);

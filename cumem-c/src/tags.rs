@@ -339,8 +339,7 @@ pub unsafe extern "C" fn cumem_tag_usage(out: *mut CumemTagUsage, cap: usize, co
         unsafe { put(count, "count", all.len()) }?;
         for (i, u) in all.iter().take(cap).enumerate() {
             let entry = CumemTagUsage::of(u)?;
-            // SAFETY: `out` is valid for `cap` entries (the caller's
-            // promise) and `i < cap`.
+            // SAFETY: `out` is valid for `cap` entries (promised); `i < cap`.
             unsafe { out.add(i).write(entry) };
         }
         if all.len() > cap {

@@ -265,8 +265,7 @@ struct Block {
     size: usize,
 }
 
-/// Where a record comes from: the compute (thread 0, stream 0) or the data
-/// loader (thread 1, stream 1).
+/// A record's source: compute (thread 0, stream 0) or loader (1, 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Issuer {
     Compute,

@@ -548,8 +548,7 @@ impl ArenaPlan {
 /// stream (`cuStreamSynchronize(NULL)`), where the synchronous copies and
 /// memsets run.
 fn sync_legacy_stream() -> Result<()> {
-    // SAFETY: the null stream is the current context's legacy stream; the
-    // caller bound the context.
+    // SAFETY: the null stream is the bound current context's legacy stream.
     unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result().map_err(driver_err("cuStreamSynchronize"))
 }
 

@@ -225,8 +225,7 @@ impl Planner {
         Ok(Placement { blocks })
     }
 
-    /// Assigns the offsets of `placement`, made by [`plan`](Self::plan)
-    /// with no request added since.
+    /// Assigns the offsets [`plan`](Self::plan) made, with no request since.
     pub(crate) fn apply(&mut self, placement: Placement) {
         for (block, (offsets, end)) in self.blocks.iter_mut().zip(placement.blocks) {
             debug_assert_eq!(offsets.len(), block.pending.len(), "requests were added after plan()");

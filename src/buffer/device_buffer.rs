@@ -247,8 +247,7 @@ impl<T: Copy> DeviceBuffer<T> {
     /// A driver error.
     pub fn to_vec(&self) -> Result<Vec<T>> {
         let mut v = Vec::with_capacity(self.len);
-        // SAFETY: the vector's spare capacity holds `len` values and is
-        // distinct from the buffer.
+        // SAFETY: spare capacity for `len` values, distinct from the buffer.
         unsafe { self.copy_out(v.as_mut_ptr())? };
         // SAFETY: `copy_out` initialised all `len` values.
         unsafe { v.set_len(self.len) };
@@ -368,8 +367,7 @@ impl<T: Copy + DeviceRepr> DeviceBuffer<T> {
     /// A driver error.
     pub fn zero(&mut self) -> Result<()> {
         if self.mm.backend().is_host() {
-            // SAFETY: host fallback: the buffer is `num_bytes()` bytes of
-            // host memory owned by `self`.
+            // SAFETY: host fallback: `num_bytes()` host bytes `self` owns.
             unsafe { std::ptr::write_bytes(self.ptr as usize as *mut u8, 0, self.num_bytes()) };
             return Ok(());
         }

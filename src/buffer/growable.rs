@@ -337,8 +337,7 @@ impl<T: Copy> GrowableBuffer<T> {
         self.grow(want)
     }
 
-    /// Sets the length to `new_len`, filling new elements with `value`
-    /// (copied from the host).
+    /// Sets the length to `new_len`, new elements `value` (from the host).
     ///
     /// # Errors
     /// As [`grow`](Self::grow) and the copies.
@@ -358,8 +357,7 @@ impl<T: Copy> GrowableBuffer<T> {
         Ok(())
     }
 
-    /// Shortens the buffer to `new_len` elements (no effect if it is
-    /// shorter); the memory stays mapped.
+    /// Shortens the buffer to `new_len` (if longer); the memory stays mapped.
     pub fn truncate(&mut self, new_len: usize) {
         self.forget_cuda();
         self.len = self.len.min(new_len);

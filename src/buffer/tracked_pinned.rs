@@ -63,8 +63,7 @@ impl<T> TrackedPinnedVec<T> {
         self.vec.is_empty()
     }
 
-    /// Waits for the copies cudarc queued with this vector
-    /// (`cuEventSynchronize`).
+    /// Waits for the copies cudarc queued with it (`cuEventSynchronize`).
     ///
     /// # Errors
     /// A driver error (from the copies' stream).

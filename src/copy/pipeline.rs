@@ -273,8 +273,7 @@ impl Job {
         }
     }
 
-    /// The calling thread copies the next piece if it may; whether it
-    /// did (or lost a race for it).
+    /// Copies the next piece if it may; whether it did (or lost the race).
     fn help_once(&self) -> bool {
         let i = self.claimed.load(Ordering::Relaxed);
         if i >= self.plan.pieces() || i / self.plan.per_chunk >= self.gate.load(Ordering::Acquire) {

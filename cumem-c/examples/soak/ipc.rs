@@ -26,8 +26,7 @@ fn seed_of(first: u32) -> u32 {
     first ^ (first >> 15) ^ (first >> 30)
 }
 
-/// The parent's half: rounds until the soak stops, then hangs up and
-/// checks the child's exit status.
+/// The parent's half: rounds until the soak stops; hangs up, checks the child.
 pub fn parent(s: &Soak) {
     if let Err(e) = parent_rounds(s) {
         s.error(&format!("ipc: {e}"));

@@ -12,8 +12,7 @@ use cumem_c::CumemStream;
 use crate::work::{add_copy, c, check, err, fill, read, Res};
 use crate::{pattern, Rng, Soak};
 
-/// A worker: tasks drawn at random (with weights, percent) until its life
-/// ends or the soak stops.
+/// A worker: weighted random tasks until its life ends or the soak stops.
 pub fn worker(s: &Soak, seed: u64, life: Duration) {
     type TaskFn = fn(&Soak, &mut Rng) -> Res;
     // The last two synchronise the device or the legacy stream: they run
@@ -203,8 +202,7 @@ fn growable(s: &Soak, rng: &mut Rng) -> Res {
     verify(&g, "a shrunk growable buffer", keep)
 }
 
-/// Pinned vectors grown by pushes (the allocator's grow), and a device
-/// round trip through them.
+/// Pinned vectors grown by pushes, and a device round trip through them.
 fn pinned(s: &Soak, rng: &mut Rng) -> Res {
     let seed = rng.next() as u32;
     let n = rng.range(16, s.max_values);

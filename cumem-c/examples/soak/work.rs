@@ -62,8 +62,7 @@ pub fn check(s: &Soak, what: &str, v: &[u32], seed: u32, k: u32) {
     }
 }
 
-/// Reads `n` values at `p` after the work queued on `stream`, through a
-/// pinned vector and the Rust API.
+/// Reads `n` values at `p` after `stream`'s work, through a pinned vector.
 pub fn read(s: &Soak, stream: &Stream, p: u64, n: usize) -> Result<Vec<u32>, String> {
     let mut host: PinnedVec<u32> = PinnedVec::with_capacity_in(n, PinnedAlloc);
     host.resize(n, 0);

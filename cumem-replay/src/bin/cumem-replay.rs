@@ -199,8 +199,7 @@ fn print_fits(traces: &[Trace], base: &Config, args: &Args) -> cumem::Result<()>
     Ok(())
 }
 
-/// Reads the trace file at `path`, or generates the synthetic trace it
-/// names (`synth:NAME[:SEED]`).
+/// Reads the trace file at `path`, or makes the `synth:NAME[:SEED]` it names.
 fn read_trace(path: &std::path::Path) -> cumem::Result<Trace> {
     match path.to_str().and_then(Spec::from_arg) {
         Some(spec) => Ok(spec?.trace()),

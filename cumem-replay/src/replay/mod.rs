@@ -256,8 +256,7 @@ impl From<cumem::cuda::vmm::DriverCalls> for CallKinds {
     }
 }
 
-/// The driver calls of a timed pass, on the allocating thread and on
-/// cumem's background mapper.
+/// A timed pass's driver calls, on the allocating thread and the mapper.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Calls {
     /// Made by the thread that replays the trace.
