@@ -46,8 +46,7 @@ pub struct OomState {
     pub upstream: Option<String>,
     /// Advice that applies to this failure, if any.
     pub hint: Option<&'static str>,
-    /// The device whose memory ran out, when the request was for device
-    /// memory of a known device.
+    /// The device whose memory ran out, for a request on a known device.
     pub device: Option<usize>,
 }
 

@@ -117,8 +117,7 @@ pub enum Trigger {
         /// The generator's seed.
         seed: u64,
     },
-    /// The n-th call (counted from 1, over all armed points) fails, once;
-    /// then the injection disarms itself.
+    /// The n-th call (from 1, over all armed points) fails once, then disarms.
     Nth(u64),
 }
 

@@ -106,8 +106,7 @@ impl std::fmt::Debug for EventLog {
 }
 
 impl EventLog {
-    /// Creates (or truncates) the file at `path`, writes the header and
-    /// starts the writer thread.
+    /// Creates (or truncates) `path`, writes the header, starts the writer.
     ///
     /// # Errors
     /// [`Error::Os`] when the file can't be created or the thread started.
@@ -136,8 +135,7 @@ impl EventLog {
     pub fn record(&self, action: Action, pointer: u64, size: usize, stream: u64) {
         let event = Event { thread: thread_id(), time_us: now_us(), action, pointer, size, stream };
         if let Some(tx) = &self.tx {
-            // A send fails only when the writer has stopped after a write
-            // error, which `flush` reports.
+            // A send fails only after a write error, which `flush` reports.
             let _ = tx.send(Message::Event(event));
         }
     }

@@ -37,8 +37,7 @@ pub struct GrowStats {
     pub in_place: u64,
     /// Growths remapped into a new range (pointer changed, nothing copied).
     pub remapped: u64,
-    /// Map operations over the buffer's life (each maps one piece per
-    /// reserved segment it spans).
+    /// Map operations so far (one piece per reserved segment each spans).
     pub pieces_mapped: u64,
 }
 

@@ -81,8 +81,7 @@ impl MemoryTag {
         DeviceBuffer::new(len)
     }
 
-    /// A [`DeviceBuffer`] of `len` values in this tag for work on `stream`
-    /// ([`DeviceBuffer::new_on`]).
+    /// [`DeviceBuffer::new_on`] in this tag: `len` values for work on `stream`.
     ///
     /// # Errors
     /// As [`buffer`](Self::buffer).

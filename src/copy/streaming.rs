@@ -32,8 +32,7 @@ pub(super) unsafe fn copy_to_ring(src: *const u8, dst: *mut u8, len: usize) {
 mod x86 {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
 
-    /// Bytes moved per round: one cache line, so the write-combining
-    /// buffers send whole lines.
+    /// Bytes per round: a cache line, so write-combining sends whole lines.
     const LINE: usize = 64;
 
     /// # Safety

@@ -179,8 +179,7 @@ impl ImportedMemory {
                 // The range is freed, then the pieces released.
                 Ok(())
             }
-            // SAFETY: the device is idle and the memory is marked closed
-            // before anything else can use it.
+            // SAFETY: the device is idle; the memory is closed before any use.
             Opened::Allocation { base } => unsafe { ipc::close_ipc_handle(&self.ctx, *base) },
             // SAFETY: as above.
             Opened::NativePool { pool, ptr } => unsafe { ipc::close_pool_import(&self.ctx, *pool, *ptr) },

@@ -266,7 +266,6 @@ pub fn advise<T>(data: &[T], advice: Advice, set: bool) -> Result<()> {
         (Advice::AccessedBy(l), false) => (A::CU_MEM_ADVISE_UNSET_ACCESSED_BY, l),
     };
     let loc = location(at)?;
-    // SAFETY: advice changes where pages live, never their contents; the
-    // range is borrowed, so it is live.
+    // SAFETY: advice moves pages, never changes them; the range is borrowed.
     unsafe { sys::cuMemAdvise_v2(data.as_ptr() as u64, bytes, flag, loc) }.result().map_err(driver_err("cuMemAdvise"))
 }

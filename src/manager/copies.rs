@@ -26,8 +26,7 @@ impl MemoryManager {
         match stream.context() {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(crate::cuda::driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the caller guarantees both ranges for `size` bytes
-                // until the stream's copy is done.
+                // SAFETY: the caller guarantees both ranges until it is done.
                 unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), size, stream.cu_stream()) }
                     .result()
                     .map_err(crate::cuda::driver_err("cuMemcpyHtoDAsync"))

@@ -478,8 +478,7 @@ impl MemoryManager {
         Ok(released)
     }
 
-    /// A readable table of every pool's state, in the spirit of
-    /// `torch.cuda.memory_summary()`.
+    /// A readable table of every pool's state (`torch.cuda.memory_summary()`).
     pub fn memory_summary(&self) -> String {
         summary::render(self)
     }

@@ -11,8 +11,7 @@ use crate::cuda::{driver_err, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, Mutex};
 
-/// Chunks are rounded to 2 MiB, the size of the large pages the driver
-/// maps device memory with.
+/// Chunks are rounded to 2 MiB, the driver's large-page size for device memory.
 const DEVICE_GRANULARITY: usize = 2 << 20;
 
 fn is_oom(e: &DriverError) -> bool {
@@ -44,8 +43,7 @@ impl Upstream for CudaDeviceMemory {
         let _relaxed = RelaxedCaptureMode::enter();
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         let fault = crate::fault::check_driver(crate::fault::Point::Create);
-        // SAFETY: the context is current; the memory is only used through
-        // the addresses the pool hands out.
+        // SAFETY: the context is current; the memory is used only by address.
         let got = fault.and_then(|()| unsafe { result::malloc_sync(size) });
         match got {
             Ok(ptr) => Ok(Chunk { addr: ptr as usize, size }),

@@ -128,8 +128,7 @@ impl Chunk {
 
 /// A source of chunks for a pool.
 ///
-/// Implementations are called outside the pool's lock and may be called
-/// from several threads at once.
+/// Called outside the pool's lock, from several threads at once.
 ///
 /// # Wrappers
 /// An upstream that wraps another (to count, book or route its chunks)

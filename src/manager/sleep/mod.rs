@@ -365,8 +365,7 @@ impl MemoryManager {
             plans.push(saved);
             lives.push(live);
         }
-        // Pages under them, a batch at a time, each batch copied back
-        // while the next one maps.
+        // Pages under them, a batch at a time, mapping one while one copies.
         let copy_start = Instant::now();
         let mut lanes = LaneSet::default();
         let mut mapped = Vec::new();
