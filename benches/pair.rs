@@ -9,8 +9,7 @@
 //! - pinned (GPU only): the pinned pool against `cuMemHostAlloc` /
 //!   `cuMemFreeHost`.
 //!
-//! The managers start from `CUMEM_CONF` (the defaults when unset), so
-//! one binary compares configurations.
+//! The managers start from `CUMEM_CONF`: one binary compares configurations.
 //!
 //! Criterion runs each case with few samples; every timed batch is also
 //! recorded here, and a plain summary (median ns per pair, ratio against

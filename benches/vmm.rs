@@ -6,8 +6,7 @@
 //! grant), so builds of the library can be compared. The replay's cold
 //! figures are mostly these costs.
 //!
-//! Prints the median of several rounds per size, in microseconds. Without a
-//! GPU it says so and measures nothing.
+//! Prints the median of several rounds per size, in µs; without a GPU, why.
 
 use std::time::Instant;
 

@@ -528,8 +528,7 @@ uint64_t cumem_instance_id(void);
 // stream socket.
 CumemStatus cumem_ipc_export(void *ptr, int socket, uint64_t *export_id);
 
-// Waits on `socket` for the importer's "closed" message for export
-// `export_id`, then releases it.
+// Waits on `socket` for the importer's "closed" for `export_id`; releases it.
 //
 // # Errors
 // `CUMEM_STATUS_IPC` for an unknown export, a message about another
@@ -537,8 +536,7 @@ CumemStatus cumem_ipc_export(void *ptr, int socket, uint64_t *export_id);
 // with `cumem_ipc_release` once the importer is known to be gone).
 CumemStatus cumem_ipc_wait_closed(int socket, uint64_t export_id);
 
-// Releases export `export_id` without a message, for programs that learn
-// of the importer's close their own way.
+// Releases `export_id` with no message (the importer's close known otherwise).
 //
 // # Errors
 // `CUMEM_STATUS_IPC` for an unknown export; the deferred free's error.

@@ -91,8 +91,7 @@ pub unsafe extern "C" fn cumem_ipc_export(ptr: *mut c_void, socket: c_int, expor
     })
 }
 
-/// Waits on `socket` for the importer's "closed" message for export
-/// `export_id`, then releases it.
+/// Waits on `socket` for the importer's "closed" for `export_id`; releases it.
 ///
 /// # Errors
 /// `CUMEM_STATUS_IPC` for an unknown export, a message about another
@@ -112,8 +111,7 @@ pub extern "C" fn cumem_ipc_wait_closed(socket: c_int, export_id: u64) -> CumemS
     })
 }
 
-/// Releases export `export_id` without a message, for programs that learn
-/// of the importer's close their own way.
+/// Releases `export_id` with no message (the importer's close known otherwise).
 ///
 /// # Errors
 /// `CUMEM_STATUS_IPC` for an unknown export; the deferred free's error.

@@ -38,8 +38,7 @@ pub type Record = cumem::log::Event;
 pub enum Op {
     /// Allocate `size` bytes and keep the pointer in `slot`.
     Allocate {
-        /// Where the replay keeps the pointer (slots are numbered in order
-        /// of allocation, from 0).
+        /// Where the replay keeps the pointer (slots count allocations from 0).
         slot: u32,
         /// Bytes asked for.
         size: usize,
@@ -200,8 +199,7 @@ impl Trace {
                 continue;
             }
             let fields: Vec<&str> = line.split(',').map(str::trim).collect();
-            // The first line is the header, or (starting with a digit) a
-            // record in the default column order.
+            // The first line: the header, or (a digit first) a record in order.
             let cols = match columns {
                 Some(c) => c,
                 None => {

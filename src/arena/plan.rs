@@ -504,8 +504,7 @@ impl ArenaPlan {
         match &self.ctx {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the caller vouches for both ranges for the whole
-                // synchronous call.
+                // SAFETY: the caller vouches for both ranges for the call.
                 unsafe { sys::cuMemcpyHtoD_v2(dst, src.cast(), bytes) }.result().map_err(driver_err("cuMemcpyHtoD"))?;
                 // From pageable memory the call returns once the data is
                 // staged, before it reaches the device: wait for it, so the
@@ -530,8 +529,7 @@ impl ArenaPlan {
         match &self.ctx {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the caller vouches for both ranges for the whole
-                // synchronous call.
+                // SAFETY: the caller vouches for both ranges for the call.
                 unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), src, bytes) }.result().map_err(driver_err("cuMemcpyDtoH"))
             }
             None => {

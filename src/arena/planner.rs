@@ -305,8 +305,7 @@ pub struct BlockReport {
 }
 
 impl BlockReport {
-    /// The bytes sharing saves: `requested_bytes - planned_bytes`, or 0
-    /// when padding outweighs sharing.
+    /// The bytes sharing saves: `requested_bytes - planned_bytes`, at least 0.
     pub fn saved_bytes(&self) -> usize {
         self.requested_bytes.saturating_sub(self.planned_bytes)
     }

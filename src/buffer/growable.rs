@@ -296,15 +296,13 @@ impl<T: Copy> GrowableBuffer<T> {
     /// and OS errors. The contents are unchanged on error.
     pub fn grow(&mut self, min_capacity: usize) -> Result<GrowPath> {
         self.forget_cuda();
-        // Mapping touches no stream: legal beside another thread's
-        // global-mode capture in the relaxed mode.
+        // Mapping touches no stream: legal beside a global capture (relaxed).
         let _relaxed = RelaxedCaptureMode::enter();
         if min_capacity <= self.capacity() {
             return Ok(GrowPath::Unchanged);
         }
         if self.ctx.is_some() {
-            // Peers that became active get access before the map, with the
-            // region's lock not held (`cuda/peer.rs`).
+            // Newly active peers get access before the map, region unlocked.
             follow_active_peers()?;
         }
         let needed = self.region().round(Self::bytes_for(min_capacity)?)?;

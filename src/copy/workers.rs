@@ -74,8 +74,7 @@ fn next_task(queue: &Receiver<Task>) -> Option<Task> {
 
 fn helper(queue: Receiver<Task>) {
     while let Some(task) = next_task(&queue) {
-        // SAFETY: `run_with_helpers` keeps the work alive until this
-        // task's answer is received (see `Task`).
+        // SAFETY: `run_with_helpers` keeps the work alive until our answer.
         let answer = catch_unwind(AssertUnwindSafe(|| unsafe { (*task.work)() }));
         let _ = task.done.send(answer);
     }

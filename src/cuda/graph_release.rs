@@ -90,8 +90,7 @@ pub unsafe extern "C" fn run_release(payload: *mut c_void) {
     if payload.is_null() {
         return;
     }
-    // SAFETY: the caller passes a pointer made by `release_payload`
-    // (`Box::into_raw` of a `Release`), once.
+    // SAFETY: the caller passes `release_payload`'s `Box::into_raw`, once.
     let release = unsafe { Box::from_raw(payload.cast::<Release>()) };
     // A panic must not cross into the driver's thread; `post` has nothing
     // that panics but an allocation failure, which aborts anyway.

@@ -124,8 +124,7 @@ pub(crate) fn import_pool_pointer(ctx: &CudaContext, pool: sys::CUmemoryPool, da
 /// Nothing may use the memory any more.
 pub(crate) unsafe fn close_pool_import(ctx: &CudaContext, pool: sys::CUmemoryPool, ptr: u64) -> Result<()> {
     bind(ctx)?;
-    // SAFETY: `ptr` came from `cuMemPoolImportPointer` and is freed once;
-    // the caller guarantees no work uses it.
+    // SAFETY: from `cuMemPoolImportPointer`, freed once; unused (the caller).
     let freed = unsafe { sys::cuMemFree_v2(ptr) }.result().map_err(driver_err("cuMemFree"));
     // SAFETY: the pool was imported and its one imported pointer is freed.
     let destroyed = unsafe { sys::cuMemPoolDestroy(pool) }.result().map_err(driver_err("cuMemPoolDestroy"));

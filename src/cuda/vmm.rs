@@ -443,8 +443,7 @@ pub fn export_mapping(ctx: &CudaContext, addr: u64) -> Result<std::os::fd::Owned
     if fd < 0 {
         return Err(Error::InvalidState(format!("cuMemExportToShareableHandle returned descriptor {fd}")));
     }
-    // SAFETY: the driver created this descriptor for the caller, who owns
-    // it from now on; nothing else closes it.
+    // SAFETY: the driver made this descriptor for the caller, its sole owner.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
 

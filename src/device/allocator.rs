@@ -252,8 +252,7 @@ impl DeviceAllocator {
             return self.allocate_tagged(size, stream);
         }
         match self.effective_mode() {
-            // The default mode, called directly (no dynamic dispatch, so
-            // the pool's path inlines into this one).
+            // The default mode, called directly: the pool's path inlines here.
             DeviceAllocatorMode::SyncPool => self.allocate_sync_pool(size, stream),
             mode => self.allocate_stream_ordered(size, stream, mode, 0),
         }

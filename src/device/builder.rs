@@ -103,8 +103,7 @@ impl DeviceSetup {
 fn device_upstream(ctx: Option<&Arc<CudaContext>>, expandable: bool) -> Result<Box<dyn Upstream>> {
     Ok(match ctx {
         Some(ctx) => crate::upstream::device_upstream(ctx.clone(), expandable)?,
-        // The host twin of expandable segments: address space reserved up
-        // front, committed as the pool grows.
+        // Host expandable segments: address space reserved, committed as used.
         None if expandable => Box::new(HostExpandable::new(HOST_DEVICE_RESERVATION)?),
         None => Box::new(Host::new()),
     })

@@ -1,5 +1,4 @@
-//! The workers' tasks. Each returns an error for a failed call; wrong
-//! values are counted where they are found.
+//! The workers' tasks: a failed call is an error; wrong values are counted.
 
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -131,8 +130,7 @@ fn c_abi_work(s: &Soak, rng: &mut Rng, owned: CumemStream, foreign: CumemStream)
     let mut host: *mut c_void = std::ptr::null_mut();
     // SAFETY: `host` is valid for a write.
     c(unsafe { cumem_c::cumem_allocate_pinned(bytes, &mut host) }, "cumem_allocate_pinned")?;
-    // SAFETY: cumem handed out `bytes` bytes of pinned host memory, 256-byte
-    // aligned, that only this task uses.
+    // SAFETY: cumem handed out `bytes` pinned, 256-aligned bytes; ours alone.
     let staging = unsafe { std::slice::from_raw_parts_mut(host.cast::<u32>(), n) };
     staging.iter_mut().enumerate().for_each(|(i, v)| *v = pattern(seed1, i));
     let mut p: *mut c_void = std::ptr::null_mut();

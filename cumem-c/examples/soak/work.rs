@@ -20,8 +20,7 @@ pub fn c(status: CumemStatus, what: &str) -> Res {
     if status == CumemStatus::Ok {
         return Ok(());
     }
-    // SAFETY: cumem_last_error returns a NUL-terminated string valid until
-    // this thread's next failing call.
+    // SAFETY: a NUL-terminated string, valid until this thread's next failure.
     let msg = unsafe { std::ffi::CStr::from_ptr(cumem_c::cumem_last_error()) }.to_string_lossy().into_owned();
     Err(format!("{what}: {status:?}: {msg}"))
 }

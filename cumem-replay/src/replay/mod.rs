@@ -181,8 +181,7 @@ pub struct ReplayReport {
     pub trace_peak_live: usize,
     /// `peak_reserved / trace_peak_live` of the last replay.
     pub ratio: Option<f64>,
-    /// The CUDA streams (or stream tags) the replay used: the trace's
-    /// streams, or 1 with `--one-stream`.
+    /// The streams (or stream tags) used: the trace's, or 1 (`--one-stream`).
     pub streams: usize,
     /// The last replay's figures (peaks, failures, calls, waits).
     #[serde(flatten)]
@@ -233,8 +232,7 @@ pub struct CallKinds {
     pub query: u64,
     /// All of them.
     pub total: u64,
-    /// Nanoseconds spent in them, by kind in the order above (none on
-    /// `sim_device`, whose calls take no time).
+    /// Nanoseconds in them, by kind in the order above (none on `sim_device`).
     pub ns: [u64; 6],
     /// Nanoseconds spent in all of them.
     pub total_ns: u64,

@@ -270,7 +270,6 @@ impl<T: Copy> GrowableBuffer<T> {
 /// Waits for the current context's legacy stream (`cuStreamSynchronize` of
 /// the null stream), after a copy queued there.
 fn legacy_synchronize() -> Result<()> {
-    // SAFETY: the null stream is the current context's legacy stream (the
-    // caller bound the buffer's context).
+    // SAFETY: the null stream is the bound current context's legacy stream.
     unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result().map_err(driver_err("cuStreamSynchronize"))
 }
