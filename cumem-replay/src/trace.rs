@@ -199,7 +199,7 @@ impl Trace {
                 continue;
             }
             let fields: Vec<&str> = line.split(',').map(str::trim).collect();
-            // The first line: the header, or (a digit first) a record in order.
+            // First line: the header, or (digit first) a record in default order.
             let cols = match columns {
                 Some(c) => c,
                 None => {
