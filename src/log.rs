@@ -176,8 +176,7 @@ impl EventLog {
         }
     }
 
-    /// Waits until every event recorded before this call is written to the
-    /// file (and the file's buffer flushed).
+    /// Waits until every event recorded so far is in the file (flushed).
     ///
     /// # Errors
     /// [`Error::Os`]: the writer's first write error (later events are lost).

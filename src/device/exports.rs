@@ -87,8 +87,7 @@ impl DeviceAllocator {
         made
     }
 
-    /// Releases one export of `ptr`: once all of its exports are released,
-    /// a free made meanwhile takes effect.
+    /// Releases an export of `ptr`; at the last, a pending free takes effect.
     ///
     /// # Errors
     /// [`Error::Ipc`] when `ptr` is not exported; the deferred free's error.

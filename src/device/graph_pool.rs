@@ -372,8 +372,7 @@ impl DeviceAllocator {
         Ok(Some(size))
     }
 
-    /// Frees `addr` into the private pool that holds it, outside a capture
-    /// (`Ok(None)`: no private pool holds it).
+    /// Frees `addr` into its private pool, uncaptured (`Ok(None)`: none).
     pub(super) fn free_into_private(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
         let Some(p) = self.graphs.pool_containing(addr) else { return Ok(None) };
         let tag = p.free_tag(stream, false);

@@ -237,8 +237,7 @@ impl StreamRegistry {
         crate::cuda::fence_on(&on, &then, &self.events)
     }
 
-    /// Reuses that waited for another stream's work so far, and the
-    /// nanoseconds issuing those waits took.
+    /// Reuses that waited for another stream so far, and ns spent issuing them.
     pub(crate) fn waits(&self) -> (u64, u64) {
         (self.waits.load(Ordering::Relaxed), self.wait_ns.load(Ordering::Relaxed))
     }

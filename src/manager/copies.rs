@@ -66,8 +66,7 @@ impl MemoryManager {
             }
             None => {
                 self.host_copy_check()?;
-                // SAFETY: on the host fallback device memory is host memory;
-                // the caller guarantees both ranges.
+                // SAFETY: host memory on the fallback; the caller vouches.
                 unsafe { std::ptr::copy_nonoverlapping(src as usize as *const u8, dst, size) };
                 Ok(())
             }

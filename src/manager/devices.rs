@@ -93,8 +93,7 @@ impl MemoryManager {
         r
     }
 
-    /// Bookkeeping after a free on device `ordinal`: a pointer that device
-    /// does not know is tried on the others.
+    /// After a free on device `ordinal`: a pointer it lacks is tried elsewhere.
     #[inline]
     pub(super) fn device_freed(
         &self,
@@ -227,8 +226,7 @@ impl MemoryManager {
     /// # Errors
     /// [`Error::NoSuchDevice`]; a driver error creating its context.
     pub fn device(&self, ordinal: usize) -> Result<&DeviceAllocator> {
-        // Not `ok_or`: the error is built only when it is returned (this
-        // runs on every allocation and free).
+        // Not `ok_or`: the error is built only when needed (a hot path).
         let Some(cell) = self.devices.get(ordinal) else {
             return Err(Error::NoSuchDevice { ordinal, count: self.devices.len() });
         };

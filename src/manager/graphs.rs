@@ -118,8 +118,7 @@ fn check_device(stream: &Stream, pool: &GraphPool<'_>) -> Result<()> {
     }
 }
 
-/// Ends the capture on `stream`: the graph the driver made (`None` on the
-/// host fallback, or for an empty capture).
+/// Ends `stream`'s capture: the driver's graph (`None`: host fallback, empty).
 fn end_capture(stream: &Stream) -> Result<Option<CudaGraph>> {
     match stream.cudarc() {
         Some(s) => {

@@ -267,8 +267,7 @@ impl MemoryManager {
         Ok(NonNull::new(a.addr as *mut u8).expect("pools never hand out address 0"))
     }
 
-    /// Allocates pinned memory and returns the whole block (for
-    /// `PinnedAlloc`, which may use all of it).
+    /// Allocates pinned memory, returning the whole block (for `PinnedAlloc`).
     pub(crate) fn allocate_pinned_block(&self, size: usize, align: usize) -> Result<crate::pool::Allocation> {
         self.check_running("pinned allocation")?;
         let r = self.pinned.allocate(size, align);
@@ -276,8 +275,7 @@ impl MemoryManager {
         r
     }
 
-    /// Bookkeeping after every allocation attempt: the event log (when on)
-    /// and allocation-site tracking (when on).
+    /// After every allocation attempt: the event log, allocation sites (if on).
     pub(super) fn note_allocation<E>(&self, kind: PoolKind, r: &std::result::Result<u64, E>, size: usize, stream: u64) {
         EventLog::note_allocation(&self.log, r, size, stream);
         if let (Some(t), Ok(addr)) = (&self.sites, r) {
@@ -427,8 +425,7 @@ impl MemoryManager {
         self.default_device().map_or(self.config.mode, |d| d.requested_mode())
     }
 
-    /// The mode in use on the default device: `SyncPool` when the requested
-    /// stream-ordered mode is not supported.
+    /// The default device's mode in use (`SyncPool` if the one asked can't be).
     pub fn effective_device_allocator_mode(&self) -> DeviceAllocatorMode {
         self.default_device().map_or(DeviceAllocatorMode::SyncPool, |d| d.effective_mode())
     }

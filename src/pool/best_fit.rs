@@ -278,8 +278,7 @@ impl BestFit {
         self.chunks[id as usize].as_mut().expect("chunk id refers to a live chunk")
     }
 
-    /// The smallest free block that can hold `size` bytes at an `align`
-    /// boundary, ties to the lowest address.
+    /// The smallest free block holding `size` bytes at `align`, lowest first.
     fn find(&self, size: usize, align: usize) -> Option<u32> {
         if align <= BLOCK_ALIGN {
             return self.free_index.best_fit(size).map(|(_, _, slot)| slot);

@@ -94,8 +94,7 @@ use crate::sync::{lock, Arc, Mutex};
 
 /// Blocks one bin holds before its older half is flushed.
 pub const BIN_MAX: usize = 32;
-/// Frees into a cache between two looks at which of its blocks no hit
-/// took (see the module docs).
+/// Frees into a cache between two looks at which blocks no hit took.
 pub const LOOK_EVERY: u32 = 256;
 const LENT_SHARDS: usize = 16;
 /// Larger classes a miss may take a cached block from.
@@ -396,8 +395,7 @@ impl ThreadCaches {
         CacheFree::Cached(freed)
     }
 
-    /// Under the owner's lock: unlends the live block `e`, which can't be
-    /// cached; the pool frees it.
+    /// Under the owner's lock: unlends the uncacheable live block `e` (freed).
     #[cold]
     fn give_back(&self, l: &mut Local, addr: usize, e: LiveEntry, freed: Freed) -> CacheFree {
         lock(&self.lent[lent_shard(addr)]).remove(&addr);
@@ -433,8 +431,7 @@ impl ThreadCaches {
         }
         let mut inner = self.pool.lock();
         for b in blocks {
-            // Still under the pool's lock: nobody can lend the block anew
-            // before its old entry is gone.
+            // Under the pool lock still: none lends it anew before this goes.
             lock(&self.lent[lent_shard(b.addr)]).remove(&b.addr);
             let r = inner.fit.free(b.addr, b.tag);
             debug_assert!(r.is_ok(), "a cached block was not live in the pool: {r:?}");

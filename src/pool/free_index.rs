@@ -170,8 +170,7 @@ pub(super) struct FreeIndex {
     /// non-empty class reads two words, not every word up to it.
     words: u64,
     len: usize,
-    /// Inserts and removals so far: two looks at an index with the same
-    /// count see the same blocks.
+    /// Inserts and removals so far: the same count, the same blocks.
     changes: u64,
 }
 
@@ -239,8 +238,7 @@ impl FreeIndex {
         self.len
     }
 
-    /// Inserts and removals so far: two looks at an index with the same
-    /// count see the same blocks.
+    /// Inserts and removals so far: the same count, the same blocks.
     pub(super) fn changes(&self) -> u64 {
         self.changes
     }

@@ -86,8 +86,7 @@ pub(crate) enum Progress {
     Waiting,
 }
 
-/// What the mapper thread runs (under loom the models call the steps
-/// themselves: there is no mapper thread).
+/// What the mapper thread runs (loom models, with no such thread, call steps).
 #[cfg_attr(loom, allow(dead_code))]
 pub(crate) trait Step: Send + Sync {
     /// One step of work.

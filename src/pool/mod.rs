@@ -1,5 +1,4 @@
-//! Best-fit pools: the algorithm ([`BestFit`]) and a thread-safe pool over
-//! an upstream ([`Pool`]).
+//! Best-fit pools: the algorithm ([`BestFit`]), a thread-safe [`Pool`] on top.
 //!
 //! # Implementation details
 //!
@@ -49,8 +48,7 @@ use crate::upstream::Upstream;
 use cache::{CacheFree, ThreadCaches};
 use spin::{SpinGuard, SpinLock};
 
-/// Why a pool setting is refused once the pool has allocated
-/// ([`Error::ConfigTooLate`]).
+/// Why a setting is refused once allocating began ([`Error::ConfigTooLate`]).
 pub(crate) const FIRST_ALLOCATION: &str =
     "it must be set before the first allocation from that pool (set it in the Config, or right after init())";
 
@@ -223,8 +221,7 @@ impl<U: Upstream> Pool<U> {
         self.mapper.as_ref().is_some_and(|job| job.run_step() == mapper::Progress::More)
     }
 
-    /// Closes the background mapper's job and waits until its thread let
-    /// go of it (shutdown and drop).
+    /// Closes the mapper's job; waits until its thread let go (shutdown, drop).
     fn stop_mapper(&self) {
         if let Some(job) = &self.mapper {
             job.close();

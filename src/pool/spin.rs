@@ -19,8 +19,7 @@
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
 
-// Under loom the value sits in loom's cell, so models check that holders'
-// accesses never overlap.
+// Under loom the value sits in loom's cell: models check holders never overlap.
 #[cfg(loom)]
 use loom::cell::UnsafeCell;
 

@@ -125,15 +125,13 @@ impl CudaPinnedMemory {
         let start = base.next_multiple_of(HUGE_PAGE);
         let unmap = |addr: usize, len: usize| {
             if len > 0 {
-                // SAFETY: `addr..addr + len` lies in the mapping made above,
-                // which only this function knows of.
+                // SAFETY: `addr..addr + len` is in our own mapping above.
                 unsafe { libc::munmap(addr as *mut libc::c_void, len) };
             }
         };
         unmap(base, start - base);
         unmap(start + size, base + span - (start + size));
-        // SAFETY: the range is ours (above); a failed advice changes
-        // nothing but the page size.
+        // SAFETY: the range is ours; advice changes at most the page size.
         unsafe { libc::madvise(start as *mut libc::c_void, size, libc::MADV_HUGEPAGE) };
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the context is current; the range is a live mapping of

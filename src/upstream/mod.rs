@@ -158,8 +158,7 @@ pub trait Upstream: Send + Sync + 'static {
     /// [`granularity`]: Upstream::granularity
     fn allocate_chunk(&self, size: usize) -> Result<Chunk>;
 
-    /// Returns a chunk this upstream allocated. The pool calls it only once
-    /// no block of the chunk is in use.
+    /// Returns a chunk this upstream allocated, none of its blocks in use.
     ///
     /// # Errors
     /// A driver or OS error; the chunk is then leaked, never reused.

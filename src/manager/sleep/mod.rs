@@ -432,8 +432,7 @@ impl MemoryManager {
         out
     }
 
-    /// Gives the offloaded contents of sleeping tags back to the pinned
-    /// pool (shutdown: the program is ending).
+    /// Gives sleeping tags' offloaded contents back to the pinned pool.
     pub(crate) fn drop_offloaded(&self) {
         let mut book = lock(&self.sleep_book);
         for a in book.away.drain(..) {

@@ -60,8 +60,7 @@ impl LaneSet {
         Ok(&mut self.0[i])
     }
 
-    /// Queues the copies of `batch` between device `d` and the pinned
-    /// block at `host`, and marks their end.
+    /// Queues `batch`'s copies between device `d` and `host`; marks their end.
     ///
     /// # Safety
     /// Every `host + offset .. + len` lies in a pinned block nothing else
