@@ -431,7 +431,7 @@ impl ThreadCaches {
         }
         let mut inner = self.pool.lock();
         for b in blocks {
-            // Under the pool lock still: none lends it anew before this goes.
+            // Under the pool lock: nobody lends it anew before its entry goes.
             lock(&self.lent[lent_shard(b.addr)]).remove(&b.addr);
             let r = inner.fit.free(b.addr, b.tag);
             debug_assert!(r.is_ok(), "a cached block was not live in the pool: {r:?}");
