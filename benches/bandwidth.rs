@@ -49,8 +49,7 @@ fn time_copies(host: *mut u8, dev: u64, stream: &Stream, to_device: bool, bytes:
 /// Median seconds of staged copies of `host.len()` bytes.
 fn time_staged(mm: &MemoryManager, host: &mut [u8], dev: u64, stream: &Stream, to_device: bool) -> f64 {
     median(|| {
-        // SAFETY: `dev` is a device buffer at least `host.len()` bytes long
-        // that nothing else uses meanwhile.
+        // SAFETY: `dev` is a device buffer of `host.len()` bytes, unshared.
         let r = unsafe {
             if to_device {
                 mm.copy_from_pageable(dev, host, stream)

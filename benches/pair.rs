@@ -9,8 +9,7 @@
 //! - pinned (GPU only): the pinned pool against `cuMemHostAlloc` /
 //!   `cuMemFreeHost`.
 //!
-//! The managers start from `CUMEM_CONF` (the defaults when unset), so
-//! one binary compares configurations.
+//! The managers start from `CUMEM_CONF`: one binary compares configurations.
 //!
 //! Criterion runs each case with few samples; every timed batch is also
 //! recorded here, and a plain summary (median ns per pair, ratio against
@@ -54,8 +53,7 @@ fn bench_pair(c: &mut Criterion, group: &'static str, target: &str, size: usize,
     g.finish();
 }
 
-/// The configuration every manager here starts from: `CUMEM_CONF`, or
-/// the defaults.
+/// Every manager's configuration here: `CUMEM_CONF`, or the defaults.
 fn base() -> Config {
     Config::from_env().expect("CUMEM_CONF")
 }
@@ -68,8 +66,7 @@ fn size_name(size: usize) -> String {
     }
 }
 
-/// Allocate + free of `size` bytes of device memory through `mm`, on
-/// `stream` or (`None`) on no stream.
+/// Allocate + free of `size` device bytes through `mm`, on `stream` (or none).
 fn manager_pair(
     c: &mut Criterion,
     group: &'static str,
@@ -111,9 +108,8 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
     // reaches cumem: its question needs the context current on the thread.
     let legacy = Stream::from_cudarc(ctx.default_stream());
     for mode in DeviceAllocatorMode::ALL.map(Some).into_iter().chain([None]) {
-        // `None`: the sync pool with per-thread caches from the start (a
-        // block freed on a stream is reused by that stream without the
-        // pool's lock).
+        // `None`: the sync pool with per-thread caches from the start (a block
+        // freed on a stream is reused by that stream without the pool lock).
         let (config, name) = match mode {
             Some(m) => (base().mode(m), m.name().to_string()),
             None => (base().device_thread_cache(true), "sync_pool_thread_cache".to_string()),
@@ -146,8 +142,7 @@ fn device_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
     let cu = stream.cu_stream();
     for size in DEVICE_SIZES {
         bench_pair(c, "device", "raw_cumemalloc", size, || {
-            // SAFETY: the context is current; the memory is freed at once
-            // and never touched.
+            // SAFETY: the context is current; the memory is freed, untouched.
             let p = unsafe { result::malloc_sync(size) }.expect("cuMemAlloc");
             // SAFETY: `p` came from cuMemAlloc just now and is freed once.
             unsafe { result::free_sync(std::hint::black_box(p)) }.expect("cuMemFree");
@@ -174,8 +169,7 @@ fn pinned_benches(c: &mut Criterion, ctx: &std::sync::Arc<cudarc::driver::CudaCo
     ctx.bind_to_thread().expect("bind");
     for size in PINNED_SIZES {
         bench_pair(c, "pinned", "raw_cumemhostalloc", size, || {
-            // SAFETY: the context is current; the memory is freed at once
-            // and never touched.
+            // SAFETY: the context is current; the memory is freed, untouched.
             let p = unsafe { result::malloc_host(size, sys::CU_MEMHOSTALLOC_PORTABLE) }.expect("cuMemHostAlloc");
             // SAFETY: `p` came from cuMemHostAlloc just now, freed once.
             unsafe { result::free_host(std::hint::black_box(p)) }.expect("cuMemFreeHost");

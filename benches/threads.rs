@@ -4,33 +4,25 @@
 //! multiplies the operations per thread (0.1 for a quick look).
 //!
 //! - `peers`: the peers' workload (`ANCHORS.md`): per thread, N steps
-//!   (200,000 for one thread, 100,000 per thread otherwise): if fewer than
-//!   1,000 blocks are live and (none is, or a fair coin says so), allocate
-//!   a size uniform in 1 B..4 MiB, else free a live block chosen uniformly.
-//!   One process, one manager: `MemoryManager::global()` with the default
-//!   configuration (or `CUMEM_CONF`). Both pools are warmed first by 16
-//!   threads with seeds of their own. Then for each thread count 1, 2, 4,
-//!   8, 16 the rows run interleaved: the device on one shared stream, the
-//!   device with a new stream per thread, the pinned pool, and (on a GPU)
-//!   raw `cuMemAllocAsync` / `cuMemFreeAsync` on one shared stream (a tenth
-//!   of N: it is 50-100x slower); each row on NEW threads with their own
-//!   seeds, timed from the first thread's start to the last one's end (the
-//!   final frees and stream synchronisation included; `CUMEM_CHECK_NOSYNC=1` leaves the
-//!   synchronisation out). Beside each figure: the device's upstream calls,
-//!   page maps and cross-stream waits during the row.
-//!   `CUMEM_CHECK_ROWS=one,each,pinned,raw` (any of them) runs only those.
-//! - `pool`: rounds of fresh OS threads, 1 to 32 a round (a seeded draw,
-//!   the first rounds 1 and 32), each thread a mix of device work (one
-//!   shared stream) and pinned work (a fair coin per allocation), sizes
-//!   uniform in 1 B..4 MiB, at most 200 live blocks per thread; at its end
-//!   each thread leaves half of what it holds to the next round, whose
-//!   threads free it first. Through `MemoryManager::new` with the default
-//!   configuration (or `CUMEM_CONF`); `CUMEM_CHECK_SEED` draws other rounds
-//!   (default 0x9001). Printed per pool: physical memory held at the end
-//!   (device: mapped; pinned: reserved) over the most bytes held at once
-//!   (as asked); the pool's peak physical memory (and on the device the
-//!   most pages live blocks touched, the floor) over the same; the
-//!   upstream calls, page maps and unmaps.
+//!   (`ops_per_thread`): if fewer than 1,000 blocks are live and (none
+//!   is, or a fair coin says so), allocate 1 B..4 MiB, else free a live
+//!   block chosen uniformly. Through `MemoryManager::global()`, both pools
+//!   warmed first. For 1, 2, 4, 8, 16 threads the rows run interleaved,
+//!   each on new threads, timed from the first thread's start to the last
+//!   one's end (final frees and stream synchronisation included;
+//!   `CUMEM_CHECK_NOSYNC=1` leaves the synchronisation out): the device on
+//!   one shared stream, on a stream per thread, the pinned pool, and (on a
+//!   GPU) raw `cuMemAllocAsync` on one stream (a tenth of N). Beside each:
+//!   the device's upstream calls, page maps and cross-stream waits.
+//!   `CUMEM_CHECK_ROWS=one,each,pinned,raw` (any of them) picks rows.
+//! - `pool`: rounds of 1 to 32 fresh OS threads (a seeded draw, the first
+//!   rounds 1 and 32; `CUMEM_CHECK_SEED`), each mixing device (one shared
+//!   stream) and pinned allocations of 1 B..4 MiB, at most 200 live; each
+//!   thread leaves half of what it holds to the next round, which frees it
+//!   first. Through `MemoryManager::new`. Printed per pool: physical memory
+//!   held at the end and the pool's peak (on the device also the floor of
+//!   touched pages) over the most bytes held at once; upstream calls, page
+//!   maps and unmaps.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
@@ -105,8 +97,7 @@ impl Target for Pinned {
     }
 }
 
-/// Raw `cuMemAllocAsync` from the device's default pool, every thread on
-/// one stream.
+/// Raw `cuMemAllocAsync` from the default pool, every thread on one stream.
 struct Raw {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -122,8 +113,7 @@ impl Target for Raw {
         unsafe { result::malloc_async(self.stream.cu_stream(), size) }.expect("cuMemAllocAsync")
     }
     fn free(&self, _: &(), ptr: u64) {
-        // SAFETY: `ptr` came from `cuMemAllocAsync` on this context and no
-        // work uses it.
+        // SAFETY: `ptr` is this context's `cuMemAllocAsync`'s; no work uses it.
         unsafe { result::free_async(ptr, self.stream.cu_stream()) }.expect("cuMemFreeAsync");
     }
     fn finish(&self, _: &()) {
@@ -132,8 +122,7 @@ impl Target for Raw {
 }
 
 /// `threads` new threads run `ops` steps each of the peers' workload (seeds
-/// from `seed`), timed from the first thread's start after a barrier to
-/// the last one's end.
+/// from `seed`), timed from the first start after a barrier to the last end.
 fn pass<T: Target>(t: &T, threads: usize, ops: u64, seed: u64) -> Duration {
     let go = Barrier::new(threads);
     let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {

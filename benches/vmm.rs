@@ -6,8 +6,7 @@
 //! grant), so builds of the library can be compared. The replay's cold
 //! figures are mostly these costs.
 //!
-//! Prints the median of several rounds per size, in microseconds. Without a
-//! GPU it says so and measures nothing.
+//! Prints the median of several rounds per size, in µs; without a GPU, why.
 
 use std::time::Instant;
 
@@ -61,8 +60,7 @@ fn main() -> cumem::Result<()> {
             range.unmap(0, size)?;
             drop(chunk);
             let t = Instant::now();
-            // SAFETY: the context is current; the memory is freed at once
-            // and never touched.
+            // SAFETY: the context is current; the memory is freed, untouched.
             let p =
                 unsafe { result::malloc_sync(size) }.map_err(|e| Error::InvalidState(format!("cuMemAlloc: {e}")))?;
             times[3].push(us(t));

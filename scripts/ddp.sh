@@ -2,21 +2,17 @@
 # DistributedDataParallel with PyTorch's allocator and with cumem
 # (cumem_torch), alternated: python/bench/ddp.py under torchrun.
 #
-#   scripts/ddp.sh build   # here: the cumem_torch wheel into .whl/ (git-ignored;
-#                          # pip wheel runs cargo, see docs/python.md)
-#   scripts/ddp.sh run     # on the GPU machine: installs .whl/cumem_torch-*.whl into a
-#                          # folder of its own (PYTHONPATH), then runs torchrun with
-#                          # --allocator torch, cumem, torch, cumem on every GPU and
-#                          # compares; JSONs, logs and comparison.txt go to $OUT
-#                          # (or ddp-logs/)
+#   scripts/ddp.sh build   # here: the cumem_torch wheel into .whl/ (git-ignored)
+#   scripts/ddp.sh run     # on the GPU machine (carry .whl/): installs the wheel into a
+#                          # folder on PYTHONPATH, runs torchrun on every GPU with
+#                          # --allocator torch, cumem, torch, cumem and compares;
+#                          # JSONs, logs and comparison.txt go to $OUT (or ddp-logs/)
 #
-# Carry .whl/ to the GPU machine. Environment (all optional): PYTHON (the
-# Python with torch and transformers; default python3, else
-# /opt/torch/.venv/bin/python3), DDP_GPUS (ranks; default every GPU),
-# DDP_PAIRS (torch/cumem pairs; default 2), DDP_ALLOCATORS (one pair's
-# order; default "torch cumem"), DDP_ARGS (more ddp.py options,
-# e.g. "--scale tiny"), DDP_TIMEOUT (seconds per torchrun; default 240),
-# NCCL_DEBUG (default WARN). One GPU runs --nproc_per_node=1 and says so.
+# Optional environment: PYTHON (one with torch and transformers; default
+# python3, else /opt/torch/.venv/bin/python3), DDP_GPUS (default: all),
+# DDP_PAIRS (default 2), DDP_ALLOCATORS (one pair's order; default "torch
+# cumem"), DDP_ARGS (more ddp.py options), DDP_TIMEOUT (seconds per
+# torchrun; default 240), NCCL_DEBUG (default WARN).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -108,10 +108,9 @@ run() {
         tests-device1) CUMEM_CONF=device=1 run_tests "$out" "-device1" || failed=1 ;;
         memcheck)
             command -v compute-sanitizer >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
-            # The modules of tests/gpu/ that were GPU test binaries, each
-            # in a process of its own. The control that faults on purpose
-            # is left out, and the tests that break a capture on purpose
-            # (API errors).
+            # The modules of tests/gpu/ that were GPU test binaries, each in
+            # a process of its own, less the control that faults and the
+            # tests that break a capture on purpose (API errors).
             local t="$BIN/tests/test-gpu" m
             for m in gpu_ipc multi_gpu gpu_graphs cudarc_interop managed_alloc gpu_remap gpu_threads gpu_training_threads gpu_dropped_streams staged_copy sleep; do
                 local names
@@ -234,8 +233,7 @@ run() {
 }
 
 # Finds NCCL for cudarc: prints the library used, then a fresh folder
-# holding a libnccl.so link to it (for LD_LIBRARY_PATH). Fails when there
-# is none.
+# holding a libnccl.so link to it (for LD_LIBRARY_PATH); fails without.
 nccl_library_path() {
     local so dir
     for so in ${CUMEM_NCCL:-} /usr/lib/x86_64-linux-gnu/libnccl.so.2 \

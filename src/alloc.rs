@@ -1,5 +1,4 @@
-//! [`PinnedAlloc`]: the pinned pool as an `Allocator`, so collections live
-//! in page-locked memory.
+//! [`PinnedAlloc`]: the pinned pool as an `Allocator` for collections.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -65,8 +64,7 @@ thread_local! {
     static LAST_ERROR: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Records why a request was refused, for [`PinnedAlloc::last_error`], and
-/// turns it into the trait's error.
+/// Records a refusal for [`PinnedAlloc::last_error`]; returns [`AllocError`].
 fn refused(why: impl std::fmt::Display) -> AllocError {
     let text = why.to_string();
     // A thread being torn down has no slot left: nothing to record then.
@@ -223,8 +221,7 @@ pub(crate) unsafe fn resize(
     }
     let keep = old.size().min(new.size());
     // SAFETY: `ptr` holds `old.size()` bytes owned by the caller, `fresh` at
-    // least `new.size()`; they are distinct live blocks, so they don't
-    // overlap.
+    // least `new.size()`; distinct live blocks don't overlap.
     unsafe { std::ptr::copy_nonoverlapping(ptr.as_ptr(), fresh.as_ptr().cast::<u8>(), keep) };
     deallocate(blocks, ptr, old);
     Ok(fresh)

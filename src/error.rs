@@ -46,8 +46,7 @@ pub struct OomState {
     pub upstream: Option<String>,
     /// Advice that applies to this failure, if any.
     pub hint: Option<&'static str>,
-    /// The device whose memory ran out, when the request was for device
-    /// memory of a known device.
+    /// The device whose memory ran out, for a request on a known device.
     pub device: Option<usize>,
 }
 
@@ -158,8 +157,7 @@ pub enum Error {
         /// Why not.
         reason: String,
     },
-    /// Peer access between two devices that can't have it, or that the
-    /// driver refused.
+    /// Peer access two devices can't have, or that the driver refused.
     #[error("device {accessor} can't access the memory of device {owner}: {reason}")]
     PeerAccess {
         /// The device whose kernels were to access the memory.

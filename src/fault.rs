@@ -117,8 +117,7 @@ pub enum Trigger {
         /// The generator's seed.
         seed: u64,
     },
-    /// The n-th call (counted from 1, over all armed points) fails, once;
-    /// then the injection disarms itself.
+    /// The n-th call (from 1, over all armed points) fails once, then disarms.
     Nth(u64),
 }
 
@@ -127,8 +126,7 @@ pub enum Trigger {
 pub enum Scope {
     /// Every thread's (a process-wide soak or GPU run).
     Process,
-    /// Only the calls of the thread that armed it (tests that share a
-    /// process with others).
+    /// Only the calls of the thread that armed it (tests sharing a process).
     ThisThread,
 }
 

@@ -106,12 +106,10 @@ impl std::fmt::Debug for EventLog {
 }
 
 impl EventLog {
-    /// Creates (or truncates) the file at `path`, writes the header and
-    /// starts the writer thread.
+    /// Creates (or truncates) `path`, writes the header, starts the writer.
     ///
     /// # Errors
-    /// [`Error::Os`] when the file can't be created or the thread can't be
-    /// started.
+    /// [`Error::Os`] when the file can't be created or the thread started.
     pub fn create(path: impl AsRef<Path>) -> Result<EventLog> {
         let path = path.as_ref().to_path_buf();
         let file = File::create(&path).map_err(|source| Error::Os { call: "create (event log file)", source })?;
@@ -133,13 +131,11 @@ impl EventLog {
         &self.path
     }
 
-    /// Records an event. Waits only when the writer is 65,536 events
-    /// behind.
+    /// Records an event (waits only when the writer is 65,536 behind).
     pub fn record(&self, action: Action, pointer: u64, size: usize, stream: u64) {
         let event = Event { thread: thread_id(), time_us: now_us(), action, pointer, size, stream };
         if let Some(tx) = &self.tx {
-            // A send fails only when the writer has stopped after a write
-            // error, which `flush` reports.
+            // A send fails only after a write error, which `flush` reports.
             let _ = tx.send(Message::Event(event));
         }
     }
@@ -159,8 +155,7 @@ impl EventLog {
         self.record(Action::Free, pointer, size, stream);
     }
 
-    /// Records the outcome of an allocation: `allocate` with the pointer,
-    /// or `allocate failure`.
+    /// Records an allocation (`allocate` and the pointer, `allocate failure`).
     pub(crate) fn note_allocation<E>(
         log: &Option<EventLog>,
         r: &std::result::Result<u64, E>,
@@ -181,12 +176,10 @@ impl EventLog {
         }
     }
 
-    /// Waits until every event recorded before this call is written to the
-    /// file (and the file's buffer flushed).
+    /// Waits until every event recorded so far is in the file (flushed).
     ///
     /// # Errors
-    /// [`Error::Os`] with the first write error the writer met (events
-    /// after it are lost).
+    /// [`Error::Os`]: the writer's first write error (later events are lost).
     pub fn flush(&self) -> Result<()> {
         let (ack_tx, ack_rx) = channel::bounded(1);
         let sent = self.tx.as_ref().is_some_and(|tx| tx.send(Message::Flush(ack_tx)).is_ok());
@@ -207,8 +200,7 @@ impl EventLog {
 
 impl Drop for EventLog {
     fn drop(&mut self) {
-        // Closing the channel tells the writer to write what is left,
-        // flush and stop.
+        // A closed channel tells the writer to write what is left and stop.
         drop(self.tx.take());
         if let Some(w) = self.writer.take() {
             if w.join().is_err() {

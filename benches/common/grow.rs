@@ -111,9 +111,8 @@ impl Env {
         out
     }
 
-    /// Runs both methods `reps` times from 2 MiB to the largest size and
-    /// prints, per size, the median time of the growth that reached it and
-    /// the ratio.
+    /// Runs both methods `reps` times from 2 MiB to the largest size; prints
+    /// per size the median time of the growth that reached it, and the ratio.
     pub fn print_table(&self, reps: usize) {
         let sizes: Vec<usize> =
             std::iter::successors(Some(2 * MIB), |s| Some(s * 2)).take_while(|s| *s <= self.max_size).collect();

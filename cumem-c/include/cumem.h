@@ -21,8 +21,7 @@ typedef enum {
   // A null pointer where one is required, a zero or absurd size, a bad
   // alignment, a mode or device number out of range.
   CUMEM_STATUS_INVALID_ARGUMENT = 1,
-  // The pool could not serve the request, even after releasing cached
-  // memory.
+  // The pool could not serve the request, even after releasing its cache.
   CUMEM_STATUS_OUT_OF_MEMORY = 2,
   // A pointer cumem never handed out (or a pinned pointer given to a
   // device call, and the reverse).
@@ -34,8 +33,7 @@ typedef enum {
   // `cumem_init` after the manager was created (by `cumem_init` or by
   // any other call, which configures it from `CUMEM_CONF`).
   CUMEM_STATUS_ALREADY_INITIALIZED = 6,
-  // A setting changed after its moment passed (pool sizes after the
-  // first allocation).
+  // A setting changed too late (pool sizes after the first allocation).
   CUMEM_STATUS_CONFIG_TOO_LATE = 7,
   // A bad configuration string (`cumem_init`'s or `CUMEM_CONF`).
   CUMEM_STATUS_CONFIG = 8,
@@ -65,8 +63,7 @@ typedef enum {
   CUMEM_STATUS_TAG = 18,
 } CumemStatus;
 
-// A device allocator mode (`cumem_set_device_allocator_mode` takes its
-// value as an `int`).
+// A device allocator mode (an `int` for `cumem_set_device_allocator_mode`).
 typedef enum {
   // cumem's own pool, stream-ordered reuse through events.
   CUMEM_MODE_SYNC_POOL = 0,
@@ -92,8 +89,7 @@ typedef enum {
 typedef struct CumemGraphPool CumemGraphPool;
 
 // A raw CUDA stream (`cudaStream_t`, `CUstream`); NULL is the device's
-// legacy default stream. On the host fallback any value names a host
-// queue.
+// legacy default stream. On the host fallback, any value is a host queue.
 typedef void *CumemStream;
 
 // One free block of a graph pool.
@@ -114,9 +110,8 @@ typedef struct {
   size_t requested;
   // The largest `requested` since the last peak reset.
   size_t peak_requested;
-  // Bytes of physical memory the pool holds from the driver: its mapped
-  // pages where it remaps pages (its address space can be larger),
-  // else its chunks.
+  // Physical bytes the pool holds from the driver: its mapped pages
+  // where it remaps pages, else its chunks.
   size_t reserved;
   // The largest `reserved` since the last peak reset.
   size_t peak_reserved;
@@ -142,32 +137,27 @@ typedef struct {
   size_t stream_ordered_peak_in_use;
   // Live stream-ordered allocations.
   size_t stream_ordered_live;
-  // Bytes the driver's pools (the device's default pool and the
-  // dedicated one) reserve now (0 before they are used).
+  // Bytes the driver's pools (the default, the dedicated) reserve now.
   uint64_t native_reserved;
-  // The largest reservation of those pools (the driver's high-water
-  // attribute).
+  // Their largest reservation (the driver's high-water attribute).
   uint64_t native_peak_reserved;
   // Bytes the graph-private pools hold from the driver.
   size_t graph_reserved;
   // The largest `graph_reserved`.
   size_t graph_peak_reserved;
-  // Sync-pool reuses of a block freed on another stream that waited for
-  // that stream's work.
+  // Sync-pool reuses of a block freed on another stream that waited.
   uint64_t stream_waits;
   // Cross-stream reuses that needed no new wait.
   uint64_t stream_waits_elided;
-  // Bytes in live blocks of the memory tags' arenas (not in `pool`;
-  // per tag: `cumem_tag_usage`).
+  // Bytes in live blocks of the memory tags (not in `pool`; per tag:
+  // `cumem_tag_usage`).
   size_t tagged_in_use;
-  // Physical bytes mapped for the memory tags (0 for a tag while it
-  // sleeps).
+  // Physical bytes mapped for the memory tags (none while asleep).
   size_t tagged_mapped;
   // The sum of the tags' largest `mapped` since the last peak reset.
   size_t tagged_peak_mapped;
-  // Page moves of the sync pool that waited for the device before they
-  // took memory: moves for a request on no stream, or where no fence on
-  // the freeing streams could be made (the others wait for no device).
+  // Page moves of the sync pool that waited for the device (a request
+  // on no stream, or no fence on the freeing streams could be made).
   uint64_t move_waits;
 } CumemDeviceStats;
 
@@ -239,8 +229,7 @@ typedef struct {
   uint64_t alloc_failures;
   // `cumem_torch_free` calls that failed (the block stayed as it was).
   uint64_t free_failures;
-  // Frees that first ordered their stream after streams noted with
-  // `cumem_record_stream`.
+  // Frees first ordered after streams noted by `cumem_record_stream`.
   uint64_t recorded_stream_waits;
 } CumemTorchCounters;
 
@@ -250,17 +239,13 @@ typedef struct {
   // the memory tags' mapped pages (0 for a tag while it sleeps), the
   // driver pools' reservation and the graph pools' chunks.
   uint64_t reserved;
-  // The largest `reserved` since the last peak reset (the sum of the
-  // parts' peaks).
+  // The largest `reserved` since the last peak reset (the parts' peaks).
   uint64_t peak_reserved;
-  // Driver allocation calls of the sync pool (page maps; chunks where
-  // it does not remap).
+  // The sync pool's driver allocations (page maps, or chunks).
   uint64_t device_allocs;
-  // Driver free calls of the sync pool (page unmaps; chunk frees where
-  // it does not remap).
+  // The sync pool's driver frees (page unmaps, or chunk frees).
   uint64_t device_frees;
-  // Allocations that failed at the driver, released cached memory and
-  // tried again.
+  // Allocations that failed at the driver, released the cache, retried.
   uint64_t alloc_retries;
   // Chunks the sync pool holds.
   uint64_t chunks;
@@ -296,16 +281,15 @@ extern "C" {
 // `conf` must be NULL or a NUL-terminated string.
 CumemStatus cumem_init(const char *conf);
 
-// Writes a description of what the manager runs on ("CUDA (1 device(s))"
-// or "host fallback, no GPU in use (why)") into `buf`; see
-// `cumem_memory_summary` for `len` and `needed`.
+// Writes what the manager runs on ("CUDA (1 device(s))", "host fallback,
+// no GPU in use (why)") into `buf`, as `cumem_memory_summary` does.
 //
 // # Safety
 // As `cumem_memory_summary`.
 CumemStatus cumem_backend(char *buf, size_t len, size_t *needed);
 
-// Stores 1 in `*out` on the host fallback (no GPU: ordinary host memory
-// stands in for device memory), 0 on CUDA.
+// Stores 1 in `*out` on the host fallback (host memory stands in for
+// device memory), 0 on CUDA.
 //
 // # Safety
 // `out` must be NULL (an error) or valid for a write.
@@ -322,8 +306,7 @@ CumemStatus cumem_is_host_fallback(int *out);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_allocate_pinned(size_t size, void **out);
 
-// Returns pinned memory to the pool. It must no longer be used (by the
-// host or by queued copies).
+// Returns pinned memory to the pool; no host code or copy may use it now.
 //
 // # Errors
 // `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
@@ -331,9 +314,8 @@ CumemStatus cumem_allocate_pinned(size_t size, void **out);
 // pinned pool did not hand out); the pool is unchanged then.
 CumemStatus cumem_free_pinned(void *ptr);
 
-// Allocates `size` bytes of device memory on the default device, usable
-// at once by the host and by any stream; stores the device pointer in
-// `*out` (never to be dereferenced on the host).
+// Allocates `size` bytes on the default device, usable at once by any
+// stream, into `*out` (a device pointer, never dereferenced on the host).
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,
@@ -355,8 +337,8 @@ CumemStatus cumem_allocate_device(size_t size, void **out);
 // memory is freed and the frees queued on it have run.
 CumemStatus cumem_allocate_device_on(size_t size, CumemStream stream, void **out);
 
-// Frees device memory at once: no queued work on any stream may still use
-// it (synchronise first, or use `cumem_free_device_on`).
+// Frees device memory at once: no queued work may still use it
+// (synchronise first, or use `cumem_free_device_on`).
 //
 // # Errors
 // `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
@@ -411,14 +393,11 @@ CumemStatus cumem_set_pinned_pool_size(size_t size);
 // `CUMEM_STATUS_CONFIG_TOO_LATE` after the first device allocation.
 CumemStatus cumem_set_device_pool_size(size_t size);
 
-// Lets kernels on device `accessor` read and write all memory of device
-// `owner` that cumem hands out, now and later (see
-// `MemoryManager::enable_peer_access`). A program that enables peer
-// access itself (`cudaDeviceEnablePeerAccess`) calls this too when it
-// reads memory mapped before the accessor's context existed without a
-// cumem allocation in between (cumem gives access to peers whose context
-// is active at its next mapping). Granting twice, or `accessor ==
-// owner`, is harmless; one-way.
+// Lets kernels on device `accessor` use all memory of device `owner` that
+// cumem hands out, now and later (`MemoryManager::enable_peer_access`;
+// one-way; twice, or `accessor == owner`, is harmless). Needed even after
+// `cudaDeviceEnablePeerAccess` for memory mapped before the accessor's
+// context existed, with no cumem allocation since.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` for a negative device;
@@ -426,10 +405,10 @@ CumemStatus cumem_set_device_pool_size(size_t size);
 // have no peer path; `CUMEM_STATUS_DRIVER`.
 CumemStatus cumem_enable_peer_access(int accessor, int owner);
 
-// Requests device allocator mode `mode` (a `CumemMode` value) for every
-// device; stores the mode in effect on the default device in
-// `*effective` when it is not NULL (`CUMEM_MODE_SYNC_POOL` where the
-// device can't allocate stream-ordered). Live allocations stay valid.
+// Requests device allocator mode `mode` (a `CumemMode`) for every device;
+// stores the default device's mode in effect (`CUMEM_MODE_SYNC_POOL`
+// without stream-ordered allocation) in `*effective` unless NULL. Live
+// allocations stay valid.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` for a value that is not a mode.
@@ -444,8 +423,7 @@ CumemStatus cumem_set_device_allocator_mode(int mode, CumemMode *effective);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_requested_device_allocator_mode(CumemMode *out);
 
-// Stores the device allocator mode in effect on the default device in
-// `*out`.
+// Stores the default device's device allocator mode in effect in `*out`.
 //
 // # Safety
 // `out` must be NULL (an error) or valid for a write.
@@ -458,8 +436,7 @@ CumemStatus cumem_effective_device_allocator_mode(CumemMode *out);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_supports_async_device_allocator(int *out);
 
-// Makes a graph-private pool on device `device` in `*out`; its memory
-// serves only allocations from it.
+// Makes a graph-private pool on device `device` in `*out`.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_NO_SUCH_DEVICE`,
@@ -470,8 +447,7 @@ CumemStatus cumem_supports_async_device_allocator(int *out);
 CumemStatus cumem_graph_pool_create(int device, CumemGraphPool **out);
 
 // Allocates `size` bytes from `pool` into `*out`, growing the pool when
-// no free block holds them. Nothing orders the block's reuse: the caller
-// orders the work of the streams that use it.
+// no free block holds them. The caller orders the block's reuse.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,
@@ -529,19 +505,16 @@ CumemStatus cumem_graph_pool_free_blocks(const CumemGraphPool *pool,
 CumemStatus cumem_graph_pool_destroy(CumemGraphPool *pool);
 
 // An identity of the loaded copy of cumem's library, and so of the
-// process-wide manager the calls reach: the same value for every caller
-// that reaches this copy, a different one for another copy (a second
-// file, or the same file loaded twice). It is the address of a private
-// static of the library, inside the library's own mapping (the file's
-// path in `/proc/self/maps` names the copy). Never 0. Creates no manager
-// and cannot fail.
+// manager the calls reach: equal for every caller of this copy, different
+// for another copy. It is a private static's address, inside the
+// library's own mapping (`/proc/self/maps` names the file). Never 0;
+// creates no manager, cannot fail.
 uint64_t cumem_instance_id(void);
 
 // Exports the live device block at `ptr` (its start) over the connected
-// Unix stream socket `socket` and stores the export's id in `*export_id`.
-// The block stays allocated, where it is, until the export is released
-// (`cumem_ipc_wait_closed` or `cumem_ipc_release`), even if it is freed
-// meanwhile: the free then takes effect at the release.
+// Unix stream socket `socket`, storing the export's id in `*export_id`.
+// The block stays until the export is released (`cumem_ipc_wait_closed`,
+// `cumem_ipc_release`); a free meanwhile takes effect then.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `export_id`, a negative socket),
@@ -555,18 +528,15 @@ uint64_t cumem_instance_id(void);
 // stream socket.
 CumemStatus cumem_ipc_export(void *ptr, int socket, uint64_t *export_id);
 
-// Waits on `socket` for the importer's "closed" message for export
-// `export_id`, then releases it.
+// Waits on `socket` for the importer's "closed" for `export_id`; releases it.
 //
 // # Errors
 // `CUMEM_STATUS_IPC` for an unknown export, a message about another
-// export, or a socket that failed. The export then stays open and the
-// block pinned: `cumem_ipc_release` frees it once the importer is known
-// to be gone (its process exited).
+// export, or a socket that failed; the export then stays open (release it
+// with `cumem_ipc_release` once the importer is known to be gone).
 CumemStatus cumem_ipc_wait_closed(int socket, uint64_t export_id);
 
-// Releases export `export_id` without a message, for programs that learn
-// of the importer's close their own way.
+// Releases `export_id` with no message (the importer's close known otherwise).
 //
 // # Errors
 // `CUMEM_STATUS_IPC` for an unknown export; the deferred free's error.
@@ -604,8 +574,7 @@ CumemStatus cumem_ipc_close(void *ptr, int socket);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_pinned_stats(CumemPoolStats *out);
 
-// Stores device `device`'s figures in `*out` (creating its allocator if
-// no call used the device yet).
+// Stores `device`'s figures in `*out` (making its allocator if need be).
 //
 // # Errors
 // `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_INVALID_ARGUMENT`.
@@ -614,10 +583,8 @@ CumemStatus cumem_pinned_stats(CumemPoolStats *out);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_device_stats(int device, CumemDeviceStats *out);
 
-// Stores cumem's default device in `*out`: the device its calls without
-// a device use (`device=` of the configuration, 0 when unset), and the
-// one to ask `cumem_device_stats` about when the program names none.
-// Creates nothing on any device beyond what creating the manager does.
+// Stores cumem's default device in `*out`: the one calls without a device
+// use (`device=` of the configuration, default 0).
 //
 // # Safety
 // `out` must be NULL (an error) or valid for a write.
@@ -638,30 +605,26 @@ CumemStatus cumem_reset_peak_stats(void);
 CumemStatus cumem_release_cached(size_t *released);
 
 // Writes a readable table of every pool's state into `buf` (`len`
-// bytes), NUL-terminated. `*needed` (when not NULL) gets the bytes the
-// whole table needs, its NUL included: call with `buf` NULL and `len` 0
-// to learn it. A buffer too small gets as much as fits and
-// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+// bytes), NUL-terminated; `*needed` (unless NULL) gets the bytes it needs
+// with its NUL (`buf` NULL and `len` 0 to learn it). A buffer too small
+// gets as much as fits and `CUMEM_STATUS_BUFFER_TOO_SMALL`.
 //
 // # Safety
 // `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
 // valid for a write.
 CumemStatus cumem_memory_summary(char *buf, size_t len, size_t *needed);
 
-// Waits until every allocation and free recorded so far is written to the
-// event log (`log=` in the configuration). Nothing to do without a log or
-// before cumem's manager exists (it makes none). The log's writer thread
-// ends with the process, so a program that exits without this call loses
-// what was still buffered: `cumem_torch` calls it at exit.
+// Waits until every allocation and free recorded so far is in the event
+// log (`log=`; nothing to do without one or before the manager exists).
+// A program that exits without it loses what was still buffered.
 //
 // # Errors
-// The status of an error writing the log file (the error is kept: later
-// flushes report it too).
+// An error writing the log file (kept: later flushes report it too).
 CumemStatus cumem_flush_log(void);
 
-// Stops serving allocations, returns all free memory to the driver, and
-// stores what is still live in `*report` when it is not NULL. Live memory
-// stays valid (and can still be freed). Calling it twice is harmless.
+// Stops serving allocations, returns all free memory to the driver and
+// stores what is still live (valid, and freeable) in `*report` unless
+// NULL. Twice is harmless.
 //
 // # Errors
 // `CUMEM_STATUS_DRIVER` (what could be released, was);
@@ -672,9 +635,8 @@ CumemStatus cumem_flush_log(void);
 CumemStatus cumem_shutdown(CumemShutdownReport *report);
 
 // The message of the last failing cumem call on the calling thread ("" if
-// none failed yet). Successful calls leave it as it is. The text stays
-// valid until the next failing cumem call on this thread; copy it to keep
-// it.
+// none failed yet; successful calls leave it). The text stays valid until
+// the next failing cumem call on this thread: copy it to keep it.
 const char *cumem_last_error(void);
 
 // The name of a status code as a static string ("CUMEM_STATUS_OK", ...);
@@ -702,37 +664,32 @@ CumemStatus cumem_stream_destroy(CumemStream stream);
 // done (`cuStreamSynchronize`); returns at once on the host fallback.
 CumemStatus cumem_stream_synchronize(CumemStream stream);
 
-// Says the program is about to destroy `stream` (of the default device),
-// a stream it made itself (`cudaStreamCreate`): call it before
-// `cudaStreamDestroy` / `cuStreamDestroy` when cumem may have seen the
-// stream (memory allocated or freed on it). cumem waits once for the work
-// queued on it (`cuStreamSynchronize`), so every free on it is complete,
-// forgets it, and never asks, waits on or synchronises the handle again
-// (not even in `cumem_release_cached`). A stream cumem never saw, or one
-// already forgotten, is fine (nothing to do). Seen again later (a new
-// stream with the same handle), the handle is a new stream to cumem.
+// Call before destroying `stream` (of the default device), one the
+// program made itself, when cumem may have seen it (memory allocated or
+// freed on it). cumem waits once for its queued work
+// (`cuStreamSynchronize`), so every free on it is complete, and never
+// touches the handle again (not even in `cumem_release_cached`); seen
+// again later, the handle is a new stream. A stream cumem never saw, or
+// one already forgotten, is nothing to do.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` for NULL (the legacy default stream)
-// or a stream made by `cumem_stream_create` (destroy it with
-// `cumem_stream_destroy`); a
-// capture error while the stream captures a graph (nothing changes); a
-// driver error from the wait (the stream is then not forgotten).
+// or a stream of `cumem_stream_create` (use `cumem_stream_destroy`); a
+// capture error while the stream captures (nothing changes); a driver
+// error from the wait (the stream is then not forgotten).
 CumemStatus cumem_stream_forget(CumemStream stream);
 
-// Stores in `*out` how many raw streams cumem's table of them holds now
-// (streams seen through the C ABI and streams `cumem_stream_create`
-// made), for programs that watch it stay flat.
+// Stores in `*out` how many raw streams cumem's table holds now (seen
+// through the C ABI or made by `cumem_stream_create`).
 //
 // # Safety
 // `out` must be NULL (an error) or valid for a write of one `size_t`.
 CumemStatus cumem_stream_table_size(size_t *out);
 
 // Sets `name` as the calling thread's memory tag (NULL clears it): the
-// thread's device allocations from now on come from the tag's own address
-// space, which `cumem_sleep` and `cumem_wake` put away and bring back as
-// one. Allocations during a graph capture cumem routes into a private
-// pool are not tagged. Frees need no tag.
+// thread's device allocations now come from the tag's own address space,
+// which `cumem_sleep` and `cumem_wake` put away and bring back as one
+// (not those of a graph capture cumem routes into a private pool).
 //
 // # Errors
 // `CUMEM_STATUS_CONFIG`: a name that is empty, longer than
@@ -742,11 +699,9 @@ CumemStatus cumem_stream_table_size(size_t *out);
 // `name` must be NULL or a NUL-terminated string.
 CumemStatus cumem_tag_set(const char *name);
 
-// Writes the calling thread's memory tag into `buf` (`len` bytes),
-// NUL-terminated: "" when none is set. `*needed` (when not NULL) gets the
-// bytes the name needs with its NUL (at most `CUMEM_TAG_NAME_CAP`). A
-// buffer too small gets as much as fits and
-// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+// Writes the calling thread's memory tag ("" when none is set) into
+// `buf`, as `cumem_memory_summary` does (it needs at most
+// `CUMEM_TAG_NAME_CAP` bytes).
 //
 // # Safety
 // `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
@@ -754,7 +709,7 @@ CumemStatus cumem_tag_set(const char *name);
 CumemStatus cumem_tag_get(char *buf, size_t len, size_t *needed);
 
 // Stores 1 in `*out` when the calling thread has a memory tag set, else
-// 0 (one read of a thread-local: cheap enough for every allocation).
+// 0 (a thread-local read, cheap enough for every allocation).
 //
 // # Safety
 // `out` must be NULL (an error) or valid for a write.
@@ -762,13 +717,12 @@ CumemStatus cumem_tag_is_set(int *out);
 
 // Puts memory tags to sleep: the live blocks of the `n_offload` tags in
 // `offload` are copied to pinned host memory, those of the `n_discard`
-// tags in `discard` are not; then every physical page of these tags is
-// given back to the driver (no tag named: nothing to do). Their addresses stay reserved, and
-// `cumem_wake` brings memory back at the same addresses. The program must
-// not use the tags' memory from the call until `cumem_wake` returns (work
-// queued before the call is waited for); allocating in a sleeping tag
-// fails with `CUMEM_STATUS_TAG`, freeing its blocks is fine. Stores what
-// was done in `*out` when it is not NULL.
+// tags in `discard` are not; then every physical page of these tags goes
+// back to the driver, their addresses kept for `cumem_wake`. From the
+// call (which waits for work queued before it) until `cumem_wake`
+// returns, the tags' memory must not be used; allocating in them fails
+// with `CUMEM_STATUS_TAG`, freeing is fine. Stores what was done in
+// `*out` unless NULL.
 //
 // # Errors
 // Nothing is released when the call fails:
@@ -789,12 +743,11 @@ CumemStatus cumem_sleep(const char *const *offload,
                         size_t n_discard,
                         CumemSleepReport *out);
 
-// Wakes the `n` tags in `tags` put to sleep by `cumem_sleep` (`n` 0:
-// every sleeping tag): new physical memory is mapped under their live
-// blocks at the same addresses and the offloaded contents are copied back
-// (a discarded tag's blocks hold no defined contents). CUDA graphs
-// captured before the sleep replay as before. Stores what was done in
-// `*out` when it is not NULL.
+// Wakes the `n` sleeping tags in `tags` (`n` 0: all): new memory is
+// mapped under their live blocks at the same addresses and the offloaded
+// contents copied back (discarded ones are undefined); graphs captured
+// before the sleep replay as before. Stores what was done in `*out`
+// unless NULL.
 //
 // # Errors
 // Nothing changes when the call fails (the tags stay asleep, their
@@ -810,10 +763,9 @@ CumemStatus cumem_sleep(const char *const *offload,
 CumemStatus cumem_wake(const char *const *tags, size_t n, CumemWakeReport *out);
 
 // Writes the figures of every memory tag on every device in use (one
-// entry per tag and device, in the order they were made) into `out`, an
-// array of `cap` entries, and their number into `*count`. Call with `out`
-// NULL and `cap` 0 to learn the number. An array too small gets the
-// first `cap` entries and `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+// entry per tag and device, in the order made) into `out` (`cap`
+// entries) and their number into `*count` (`out` NULL and `cap` 0 to
+// learn it). Too small an array gets the first `cap` entries.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` (`count` NULL, `out` NULL with `cap`
@@ -824,10 +776,9 @@ CumemStatus cumem_wake(const char *const *tags, size_t n, CumemWakeReport *out);
 // (an error) or valid for a write.
 CumemStatus cumem_tag_usage(CumemTagUsage *out, size_t cap, size_t *count);
 
-// PyTorch's allocation entry point: `size` bytes of device memory on
-// `device` for work on `stream`. Returns NULL for size 0, and NULL on
-// failure (the message is the thread's last error, and the first few are
-// printed to stderr: PyTorch's pluggable allocator does not check).
+// PyTorch's allocation entry point: `size` bytes on `device` for work on
+// `stream`. NULL for size 0 and on failure (the thread's last error says
+// why; the first few are printed, as PyTorch does not check).
 //
 // # Safety
 // `stream` must be a stream of `device`'s primary context (PyTorch's
@@ -835,19 +786,16 @@ CumemStatus cumem_tag_usage(CumemTagUsage *out, size_t cap, size_t *count);
 void *cumem_torch_alloc(size_t size, int device, CumemStream stream);
 
 // PyTorch's free entry point: frees `ptr` in the order of `stream` (the
-// allocation's stream). NULL is ignored; a failure (a pointer cumem did
-// not hand out, a double free) changes nothing, becomes the thread's last
-// error and is counted (`cumem_torch_counters`).
+// allocation's). NULL is ignored; a failure (an unknown pointer, a double
+// free) changes nothing, becomes the thread's last error and is counted.
 //
 // # Safety
 // As `cumem_torch_alloc`.
 void cumem_torch_free(void *ptr, size_t size, int device, CumemStream stream);
 
-// Notes that device memory `ptr` (a live allocation start) is used by
-// work on `stream` of `device` besides its own stream: when it is freed
-// (`cumem_torch_free`, `cumem_free_device_on`), the freeing stream first
-// waits for the work queued on `stream` up to then. What
-// `Tensor.record_stream` does for PyTorch's own allocator.
+// Notes that allocation `ptr` is used by work on `stream` of `device`
+// besides its own stream (`Tensor.record_stream`): its free first makes
+// the freeing stream wait for the work queued on `stream` up to now.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` (NULL, a negative device).
@@ -862,9 +810,7 @@ CumemStatus cumem_record_stream(void *ptr, int device, CumemStream stream);
 // `out` must be NULL (an error) or valid for a write.
 CumemStatus cumem_torch_counters(CumemTorchCounters *out);
 
-// Allocates `size` bytes on device `device` for work on `stream` (a
-// stream of that device's primary context), storing the pointer in
-// `*out`. What `cumem_torch_alloc` does, with a status instead of NULL.
+// `cumem_torch_alloc` with a status: stores the pointer in `*out`.
 //
 // # Errors
 // `CUMEM_STATUS_INVALID_ARGUMENT` (size 0, NULL `out`, a negative
@@ -876,9 +822,7 @@ CumemStatus cumem_torch_counters(CumemTorchCounters *out);
 // `cumem_torch_alloc`.
 CumemStatus cumem_torch_allocate(size_t size, int device, CumemStream stream, void **out);
 
-// Frees `ptr` in the order of `stream` of device `device` (work queued on
-// `stream` before this call may still use it). What `cumem_torch_free`
-// does, with a status.
+// `cumem_torch_free` with a status.
 //
 // # Errors
 // `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,

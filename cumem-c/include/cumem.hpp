@@ -46,24 +46,14 @@ class MemoryManager {
   MemoryManager& operator=(const MemoryManager&) = delete;
 
   // Pinned host memory.
-  void* allocatePinned(size_t size) {
-    void* p = nullptr;
-    check(cumem_allocate_pinned(size, &p));
-    return p;
-  }
+  void* allocatePinned(size_t size) { return out<void*>(cumem_allocate_pinned, size); }
   void freePinned(void* ptr) { check(cumem_free_pinned(ptr)); }
 
   // Device memory: usable at once by any stream, or (with a stream)
   // stream-ordered.
-  void* allocateDevice(size_t size) {
-    void* p = nullptr;
-    check(cumem_allocate_device(size, &p));
-    return p;
-  }
+  void* allocateDevice(size_t size) { return out<void*>(cumem_allocate_device, size); }
   void* allocateDevice(size_t size, CumemStream stream) {
-    void* p = nullptr;
-    check(cumem_allocate_device_on(size, stream, &p));
-    return p;
+    return out<void*>(cumem_allocate_device_on, size, stream);
   }
   void freeDevice(void* ptr) { check(cumem_free_device(ptr)); }
   void freeDevice(void* ptr, CumemStream stream) { check(cumem_free_device_on(ptr, stream)); }
@@ -86,20 +76,12 @@ class MemoryManager {
     check(cumem_set_device_allocator_mode(static_cast<int>(mode), nullptr));
   }
   DeviceAllocatorMode getRequestedDeviceAllocatorMode() const {
-    CumemMode m = CUMEM_MODE_SYNC_POOL;
-    check(cumem_requested_device_allocator_mode(&m));
-    return static_cast<DeviceAllocatorMode>(m);
+    return static_cast<DeviceAllocatorMode>(out<CumemMode>(cumem_requested_device_allocator_mode));
   }
   DeviceAllocatorMode getEffectiveDeviceAllocatorMode() const {
-    CumemMode m = CUMEM_MODE_SYNC_POOL;
-    check(cumem_effective_device_allocator_mode(&m));
-    return static_cast<DeviceAllocatorMode>(m);
+    return static_cast<DeviceAllocatorMode>(out<CumemMode>(cumem_effective_device_allocator_mode));
   }
-  bool supportsAsyncDeviceAllocator() const {
-    int yes = 0;
-    check(cumem_supports_async_device_allocator(&yes));
-    return yes != 0;
-  }
+  bool supportsAsyncDeviceAllocator() const { return out<int>(cumem_supports_async_device_allocator) != 0; }
 
   // What the manager runs on, and every pool's state.
   std::string backend() const { return text(cumem_backend); }
@@ -136,14 +118,18 @@ class MemoryManager {
   }
 
   // Cleanup: releases what is free; live memory stays valid.
-  CumemShutdownReport shutdown() {
-    CumemShutdownReport r{};
-    check(cumem_shutdown(&r));
-    return r;
-  }
+  CumemShutdownReport shutdown() { return out<CumemShutdownReport>(cumem_shutdown); }
 
  private:
   MemoryManager() = default;
+
+  // Calls `f(args..., &value)` and returns the value it stores.
+  template <typename T, typename F, typename... A>
+  static T out(F f, A... args) {
+    T value{};
+    check(f(args..., &value));
+    return value;
+  }
 
   static std::vector<const char*> c_names(const std::vector<std::string>& names) {
     std::vector<const char*> out;

@@ -4,15 +4,14 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
-use cumem::{Config, DeviceAllocatorMode, MemoryManager};
+use cumem::{Config, DeviceAllocatorMode, MemoryManager, Stream};
 
-use crate::ffi::{allocate_into, copy_text, manager, ordinal, put, put_opt};
-use crate::status::{guard, Failure, Outcome};
+use crate::ffi::{allocate_into, answer, copy_text, manager, ordinal, put_opt};
+use crate::status::{guard, Failure};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
 
-/// A device allocator mode (`cumem_set_device_allocator_mode` takes its
-/// value as an `int`).
+/// A device allocator mode (an `int` for `cumem_set_device_allocator_mode`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CumemMode {
@@ -52,8 +51,7 @@ pub unsafe extern "C" fn cumem_init(conf: *const c_char) -> CumemStatus {
         let config = if conf.is_null() {
             Config::from_env()?
         } else {
-            // SAFETY: non-null, and the caller promises a NUL-terminated
-            // string.
+            // SAFETY: non-null, and NUL-terminated (the caller's promise).
             let text = unsafe { CStr::from_ptr(conf) };
             let text = text
                 .to_str()
@@ -65,9 +63,8 @@ pub unsafe extern "C" fn cumem_init(conf: *const c_char) -> CumemStatus {
     })
 }
 
-/// Writes a description of what the manager runs on ("CUDA (1 device(s))"
-/// or "host fallback, no GPU in use (why)") into `buf`; see
-/// `cumem_memory_summary` for `len` and `needed`.
+/// Writes what the manager runs on ("CUDA (1 device(s))", "host fallback,
+/// no GPU in use (why)") into `buf`, as `cumem_memory_summary` does.
 ///
 /// # Safety
 /// As `cumem_memory_summary`.
@@ -80,18 +77,15 @@ pub unsafe extern "C" fn cumem_backend(buf: *mut c_char, len: usize, needed: *mu
     })
 }
 
-/// Stores 1 in `*out` on the host fallback (no GPU: ordinary host memory
-/// stands in for device memory), 0 on CUDA.
+/// Stores 1 in `*out` on the host fallback (host memory stands in for
+/// device memory), 0 on CUDA.
 ///
 /// # Safety
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_is_host_fallback(out: *mut c_int) -> CumemStatus {
-    guard(|| {
-        let host = manager()?.backend().is_host();
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", c_int::from(host)) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(c_int::from(manager()?.backend().is_host()))) }
 }
 
 // ---- pinned host memory ----
@@ -111,8 +105,7 @@ pub unsafe extern "C" fn cumem_allocate_pinned(size: usize, out: *mut *mut c_voi
     unsafe { allocate_into(out, || Ok(manager()?.allocate_pinned(size)?.as_ptr() as usize as u64)) }
 }
 
-/// Returns pinned memory to the pool. It must no longer be used (by the
-/// host or by queued copies).
+/// Returns pinned memory to the pool; no host code or copy may use it now.
 ///
 /// # Errors
 /// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
@@ -125,9 +118,8 @@ pub extern "C" fn cumem_free_pinned(ptr: *mut c_void) -> CumemStatus {
 
 // ---- device memory ----
 
-/// Allocates `size` bytes of device memory on the default device, usable
-/// at once by the host and by any stream; stores the device pointer in
-/// `*out` (never to be dereferenced on the host).
+/// Allocates `size` bytes on the default device, usable at once by any
+/// stream, into `*out` (a device pointer, never dereferenced on the host).
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,
@@ -166,8 +158,8 @@ pub unsafe extern "C" fn cumem_allocate_device_on(
     }
 }
 
-/// Frees device memory at once: no queued work on any stream may still use
-/// it (synchronise first, or use `cumem_free_device_on`).
+/// Frees device memory at once: no queued work may still use it
+/// (synchronise first, or use `cumem_free_device_on`).
 ///
 /// # Errors
 /// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
@@ -177,8 +169,7 @@ pub unsafe extern "C" fn cumem_allocate_device_on(
 pub extern "C" fn cumem_free_device(ptr: *mut c_void) -> CumemStatus {
     guard(|| {
         manager()?.free_device(ptr as usize as u64)?;
-        // No queued work uses the block (the caller's promise): streams
-        // noted for it need no wait.
+        // No queued work uses it (promised): its noted streams need no wait.
         crate::recorded::forget_recorded(ptr as usize);
         Ok(())
     })
@@ -199,15 +190,21 @@ pub unsafe extern "C" fn cumem_free_device_on(ptr: *mut c_void, stream: CumemStr
 
 // ---- copies ----
 
-fn check_copy(dst: *const c_void, src: *const c_void, size: usize) -> Outcome {
-    if size > 0 && dst.is_null() {
-        return Err(Failure::null("dst"));
-    }
-    if size > 0 && src.is_null() {
-        return Err(Failure::null("src"));
-    }
-    Ok(())
+/// Checks a copy's pointers, then runs it on the default device's `stream`.
+fn copy(dst: *const c_void, src: *const c_void, size: usize, stream: CumemStream, run: CopyFn) -> CumemStatus {
+    guard(|| {
+        if size > 0 && dst.is_null() {
+            return Err(Failure::null("dst"));
+        }
+        if size > 0 && src.is_null() {
+            return Err(Failure::null("src"));
+        }
+        let mm = manager()?;
+        Ok(run(mm, &stream_for(mm.config().device, stream)?)?)
+    })
 }
+
+type CopyFn<'a> = &'a dyn Fn(&MemoryManager, &Stream) -> cumem::Result<()>;
 
 /// Queues a copy of `size` bytes from host memory `src` to device memory
 /// `dst` on `stream` (`cuMemcpyHtoDAsync`; asynchronous from pinned
@@ -228,13 +225,9 @@ pub unsafe extern "C" fn cumem_copy_to_device_async(
     size: usize,
     stream: CumemStream,
 ) -> CumemStatus {
-    guard(|| {
-        check_copy(dst, src, size)?;
-        let mm = manager()?;
-        let s = stream_for(mm.config().device, stream)?;
+    copy(dst, src, size, stream, &|mm, s| {
         // SAFETY: the caller's promises are copy_to_device_async's.
-        unsafe { mm.copy_to_device_async(dst as usize as u64, src.cast(), size, &s)? };
-        Ok(())
+        unsafe { mm.copy_to_device_async(dst as usize as u64, src.cast(), size, s) }
     })
 }
 
@@ -254,13 +247,9 @@ pub unsafe extern "C" fn cumem_copy_to_host_async(
     size: usize,
     stream: CumemStream,
 ) -> CumemStatus {
-    guard(|| {
-        check_copy(dst, src, size)?;
-        let mm = manager()?;
-        let s = stream_for(mm.config().device, stream)?;
+    copy(dst, src, size, stream, &|mm, s| {
         // SAFETY: the caller's promises are copy_to_host_async's.
-        unsafe { mm.copy_to_host_async(dst.cast(), src as usize as u64, size, &s)? };
-        Ok(())
+        unsafe { mm.copy_to_host_async(dst.cast(), src as usize as u64, size, s) }
     })
 }
 
@@ -286,14 +275,11 @@ pub extern "C" fn cumem_set_device_pool_size(size: usize) -> CumemStatus {
 
 // ---- peers ----
 
-/// Lets kernels on device `accessor` read and write all memory of device
-/// `owner` that cumem hands out, now and later (see
-/// `MemoryManager::enable_peer_access`). A program that enables peer
-/// access itself (`cudaDeviceEnablePeerAccess`) calls this too when it
-/// reads memory mapped before the accessor's context existed without a
-/// cumem allocation in between (cumem gives access to peers whose context
-/// is active at its next mapping). Granting twice, or `accessor ==
-/// owner`, is harmless; one-way.
+/// Lets kernels on device `accessor` use all memory of device `owner` that
+/// cumem hands out, now and later (`MemoryManager::enable_peer_access`;
+/// one-way; twice, or `accessor == owner`, is harmless). Needed even after
+/// `cudaDeviceEnablePeerAccess` for memory mapped before the accessor's
+/// context existed, with no cumem allocation since.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT` for a negative device;
@@ -307,10 +293,10 @@ pub extern "C" fn cumem_enable_peer_access(accessor: c_int, owner: c_int) -> Cum
     })
 }
 
-/// Requests device allocator mode `mode` (a `CumemMode` value) for every
-/// device; stores the mode in effect on the default device in
-/// `*effective` when it is not NULL (`CUMEM_MODE_SYNC_POOL` where the
-/// device can't allocate stream-ordered). Live allocations stay valid.
+/// Requests device allocator mode `mode` (a `CumemMode`) for every device;
+/// stores the default device's mode in effect (`CUMEM_MODE_SYNC_POOL`
+/// without stream-ordered allocation) in `*effective` unless NULL. Live
+/// allocations stay valid.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT` for a value that is not a mode.
@@ -343,25 +329,18 @@ pub unsafe extern "C" fn cumem_set_device_allocator_mode(mode: c_int, effective:
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_requested_device_allocator_mode(out: *mut CumemMode) -> CumemStatus {
-    guard(|| {
-        let m = CumemMode::of(manager()?.requested_device_allocator_mode());
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", m) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(CumemMode::of(manager()?.requested_device_allocator_mode()))) }
 }
 
-/// Stores the device allocator mode in effect on the default device in
-/// `*out`.
+/// Stores the default device's device allocator mode in effect in `*out`.
 ///
 /// # Safety
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_effective_device_allocator_mode(out: *mut CumemMode) -> CumemStatus {
-    guard(|| {
-        let m = CumemMode::of(manager()?.effective_device_allocator_mode());
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", m) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(CumemMode::of(manager()?.effective_device_allocator_mode()))) }
 }
 
 /// Stores 1 in `*out` when the default device supports stream-ordered
@@ -371,11 +350,8 @@ pub unsafe extern "C" fn cumem_effective_device_allocator_mode(out: *mut CumemMo
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_supports_async_device_allocator(out: *mut c_int) -> CumemStatus {
-    guard(|| {
-        let yes = manager()?.supports_async_device_allocator();
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", c_int::from(yes)) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(c_int::from(manager()?.supports_async_device_allocator()))) }
 }
 
 #[cfg(test)]

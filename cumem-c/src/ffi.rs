@@ -26,24 +26,29 @@ pub(crate) unsafe fn put<T>(out: *mut T, name: &str, value: T) -> Outcome {
     Ok(())
 }
 
-/// Runs `allocate` and stores the pointer it makes (a device address) in
-/// `*out`, left unchanged on failure.
+/// Runs `body` in the guard, storing its value in `*out` (kept on failure).
 ///
 /// # Safety
-/// `out` must be NULL (an error, and `allocate` does not run) or valid for
-/// a write.
-pub(crate) unsafe fn allocate_into(
-    out: *mut *mut c_void,
-    allocate: impl FnOnce() -> Outcome<u64>,
-) -> crate::CumemStatus {
+/// `out` must be NULL (an error, and `body` does not run) or valid for a
+/// write of one `T`.
+pub(crate) unsafe fn answer<T>(out: *mut T, body: impl FnOnce() -> Outcome<T>) -> CumemStatus {
     crate::status::guard(|| {
         if out.is_null() {
             return Err(Failure::null("out"));
         }
-        let p = allocate()?;
+        let value = body()?;
         // SAFETY: non-null, and the caller's promise about `out`.
-        unsafe { put(out, "out", p as usize as *mut c_void) }
+        unsafe { put(out, "out", value) }
     })
+}
+
+/// [`answer`] for an allocation: the device address `allocate` makes.
+///
+/// # Safety
+/// As [`answer`].
+pub(crate) unsafe fn allocate_into(out: *mut *mut c_void, allocate: impl FnOnce() -> Outcome<u64>) -> CumemStatus {
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(allocate()? as usize as *mut c_void)) }
 }
 
 /// Writes `value` through `out` unless it is NULL (an optional result).

@@ -8,7 +8,7 @@ use std::ffi::{c_int, c_void};
 
 use cumem::GraphPool;
 
-use crate::ffi::{allocate_into, manager, ordinal, put};
+use crate::ffi::{allocate_into, answer, manager, ordinal, put};
 use crate::status::{guard, Failure, Outcome};
 use crate::CumemStatus;
 
@@ -36,8 +36,7 @@ unsafe fn pool_of<'a>(pool: *const CumemGraphPool) -> Outcome<&'a GraphPool<'sta
     Ok(&unsafe { pool.as_ref() }.ok_or_else(|| Failure::null("pool"))?.pool)
 }
 
-/// Makes a graph-private pool on device `device` in `*out`; its memory
-/// serves only allocations from it.
+/// Makes a graph-private pool on device `device` in `*out`.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_NO_SUCH_DEVICE`,
@@ -47,19 +46,13 @@ unsafe fn pool_of<'a>(pool: *const CumemGraphPool) -> Outcome<&'a GraphPool<'sta
 /// `out` is NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_graph_pool_create(device: c_int, out: *mut *mut CumemGraphPool) -> CumemStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let pool = manager()?.graph_pool_on(ordinal(device)?)?;
-        // SAFETY: non-null, and the caller's promise about `out`.
-        unsafe { put(out, "out", Box::into_raw(Box::new(CumemGraphPool { pool }))) }
-    })
+    let pool = || Ok(Box::into_raw(Box::new(CumemGraphPool { pool: manager()?.graph_pool_on(ordinal(device)?)? })));
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, pool) }
 }
 
 /// Allocates `size` bytes from `pool` into `*out`, growing the pool when
-/// no free block holds them. Nothing orders the block's reuse: the caller
-/// orders the work of the streams that use it.
+/// no free block holds them. The caller orders the block's reuse.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT`, `CUMEM_STATUS_OUT_OF_MEMORY`,
@@ -158,8 +151,7 @@ pub unsafe extern "C" fn cumem_graph_pool_destroy(pool: *mut CumemGraphPool) -> 
         if pool.is_null() {
             return Err(Failure::null("pool"));
         }
-        // SAFETY: the caller's promise: a live handle (a `Box`), not used
-        // again.
+        // SAFETY: the caller's promise: a live handle (a `Box`), unused after.
         drop(unsafe { Box::from_raw(pool) });
         Ok(())
     })

@@ -13,12 +13,10 @@
 static ANCHOR: u8 = 1;
 
 /// An identity of the loaded copy of cumem's library, and so of the
-/// process-wide manager the calls reach: the same value for every caller
-/// that reaches this copy, a different one for another copy (a second
-/// file, or the same file loaded twice). It is the address of a private
-/// static of the library, inside the library's own mapping (the file's
-/// path in `/proc/self/maps` names the copy). Never 0. Creates no manager
-/// and cannot fail.
+/// manager the calls reach: equal for every caller of this copy, different
+/// for another copy. It is a private static's address, inside the
+/// library's own mapping (`/proc/self/maps` names the file). Never 0;
+/// creates no manager, cannot fail.
 #[no_mangle]
 pub extern "C" fn cumem_instance_id() -> u64 {
     std::ptr::addr_of!(ANCHOR) as usize as u64

@@ -43,8 +43,7 @@ fn ipc_failure(e: Error) -> Failure {
     }
 }
 
-/// Runs `f` on the caller's socket without taking it over (it is never
-/// closed here).
+/// Runs `f` on the caller's socket without taking it over (or closing it).
 fn with_socket<T>(fd: c_int, f: impl FnOnce(&UnixStream) -> cumem::Result<T>) -> Outcome<T> {
     if fd < 0 {
         return Err(Failure::new(CumemStatus::InvalidArgument, format!("socket {fd} is not a descriptor")));
@@ -56,10 +55,9 @@ fn with_socket<T>(fd: c_int, f: impl FnOnce(&UnixStream) -> cumem::Result<T>) ->
 }
 
 /// Exports the live device block at `ptr` (its start) over the connected
-/// Unix stream socket `socket` and stores the export's id in `*export_id`.
-/// The block stays allocated, where it is, until the export is released
-/// (`cumem_ipc_wait_closed` or `cumem_ipc_release`), even if it is freed
-/// meanwhile: the free then takes effect at the release.
+/// Unix stream socket `socket`, storing the export's id in `*export_id`.
+/// The block stays until the export is released (`cumem_ipc_wait_closed`,
+/// `cumem_ipc_release`); a free meanwhile takes effect then.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL `export_id`, a negative socket),
@@ -93,14 +91,12 @@ pub unsafe extern "C" fn cumem_ipc_export(ptr: *mut c_void, socket: c_int, expor
     })
 }
 
-/// Waits on `socket` for the importer's "closed" message for export
-/// `export_id`, then releases it.
+/// Waits on `socket` for the importer's "closed" for `export_id`; releases it.
 ///
 /// # Errors
 /// `CUMEM_STATUS_IPC` for an unknown export, a message about another
-/// export, or a socket that failed. The export then stays open and the
-/// block pinned: `cumem_ipc_release` frees it once the importer is known
-/// to be gone (its process exited).
+/// export, or a socket that failed; the export then stays open (release it
+/// with `cumem_ipc_release` once the importer is known to be gone).
 #[no_mangle]
 pub extern "C" fn cumem_ipc_wait_closed(socket: c_int, export_id: u64) -> CumemStatus {
     guard(|| {
@@ -108,16 +104,14 @@ pub extern "C" fn cumem_ipc_wait_closed(socket: c_int, export_id: u64) -> CumemS
         let mut export = export.ok_or_else(|| Failure::new(CumemStatus::Ipc, format!("no open export {export_id}")))?;
         let r = with_socket(socket, |s| export.wait_closed(s));
         if !export.is_released() {
-            // Still open: `cumem_ipc_release` can free it once the importer
-            // is known to be gone.
+            // Still open, for `cumem_ipc_release` once the importer is gone.
             lock(&EXPORTS).get_or_insert_with(HashMap::new).insert(export_id, export);
         }
         r
     })
 }
 
-/// Releases export `export_id` without a message, for programs that learn
-/// of the importer's close their own way.
+/// Releases `export_id` with no message (the importer's close known otherwise).
 ///
 /// # Errors
 /// `CUMEM_STATUS_IPC` for an unknown export; the deferred free's error.

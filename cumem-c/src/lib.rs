@@ -1,8 +1,7 @@
 //! cumem's C ABI: the seed's `MemoryManager` API in C form, PyTorch's
 //! pluggable-allocator entry points, statistics, memory tags with sleep
 //! and wake, and a thread-local last error. Built as `libcumem_c.so` and
-//! `libcumem_c.a`; the header is
-//! `include/cumem.h` (generated from this crate by cbindgen, checked by
+//! `libcumem_c.a`; the header `include/cumem.h` is cbindgen's (checked by
 //! `tests/header.rs`), with a C++ wrapper in `include/cumem.hpp`.
 //!
 //! Every entry point returns a [`CumemStatus`] (the PyTorch ones, whose

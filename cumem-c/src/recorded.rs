@@ -1,6 +1,5 @@
 //! The streams a device block was used on besides its own
-//! (`cumem_record_stream`), and the free that orders its stream after
-//! them (see `torch.rs`).
+//! (`cumem_record_stream`), and the free ordered after them (`torch.rs`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -13,8 +12,7 @@ use crate::streams::{stream_for, CumemStream};
 /// Frees that first ordered their stream after recorded streams.
 static RECORDED_WAITS: AtomicU64 = AtomicU64::new(0);
 
-/// How many frees so far first ordered their stream after recorded
-/// streams.
+/// How many frees so far first ordered their stream after recorded ones.
 pub(crate) fn recorded_waits() -> u64 {
     RECORDED_WAITS.load(Ordering::Relaxed)
 }
@@ -50,8 +48,7 @@ pub(crate) fn forget_recorded(ptr: usize) {
     drop(take_recorded(ptr));
 }
 
-/// Frees `ptr` on `stream` of `device`, first ordering `stream` after the
-/// streams recorded for it.
+/// Frees `ptr` on `stream` of `device`, ordered after its recorded streams.
 pub(crate) fn free_on(ptr: usize, device: usize, stream: CumemStream) -> Outcome {
     let mm = manager()?;
     let s = stream_for(device, stream)?;

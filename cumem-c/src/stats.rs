@@ -4,7 +4,7 @@ use std::ffi::{c_char, c_int};
 
 use cumem::pool::PoolStats;
 
-use crate::ffi::{copy_text, manager, put, put_opt};
+use crate::ffi::{answer, copy_text, manager, put_opt};
 use crate::status::{guard, Failure};
 use crate::CumemStatus;
 
@@ -20,9 +20,8 @@ pub struct CumemPoolStats {
     pub requested: usize,
     /// The largest `requested` since the last peak reset.
     pub peak_requested: usize,
-    /// Bytes of physical memory the pool holds from the driver: its mapped
-    /// pages where it remaps pages (its address space can be larger),
-    /// else its chunks.
+    /// Physical bytes the pool holds from the driver: its mapped pages
+    /// where it remaps pages, else its chunks.
     pub reserved: usize,
     /// The largest `reserved` since the last peak reset.
     pub peak_reserved: usize,
@@ -70,32 +69,27 @@ pub struct CumemDeviceStats {
     pub stream_ordered_peak_in_use: usize,
     /// Live stream-ordered allocations.
     pub stream_ordered_live: usize,
-    /// Bytes the driver's pools (the device's default pool and the
-    /// dedicated one) reserve now (0 before they are used).
+    /// Bytes the driver's pools (the default, the dedicated) reserve now.
     pub native_reserved: u64,
-    /// The largest reservation of those pools (the driver's high-water
-    /// attribute).
+    /// Their largest reservation (the driver's high-water attribute).
     pub native_peak_reserved: u64,
     /// Bytes the graph-private pools hold from the driver.
     pub graph_reserved: usize,
     /// The largest `graph_reserved`.
     pub graph_peak_reserved: usize,
-    /// Sync-pool reuses of a block freed on another stream that waited for
-    /// that stream's work.
+    /// Sync-pool reuses of a block freed on another stream that waited.
     pub stream_waits: u64,
     /// Cross-stream reuses that needed no new wait.
     pub stream_waits_elided: u64,
-    /// Bytes in live blocks of the memory tags' arenas (not in `pool`;
-    /// per tag: `cumem_tag_usage`).
+    /// Bytes in live blocks of the memory tags (not in `pool`; per tag:
+    /// `cumem_tag_usage`).
     pub tagged_in_use: usize,
-    /// Physical bytes mapped for the memory tags (0 for a tag while it
-    /// sleeps).
+    /// Physical bytes mapped for the memory tags (none while asleep).
     pub tagged_mapped: usize,
     /// The sum of the tags' largest `mapped` since the last peak reset.
     pub tagged_peak_mapped: usize,
-    /// Page moves of the sync pool that waited for the device before they
-    /// took memory: moves for a request on no stream, or where no fence on
-    /// the freeing streams could be made (the others wait for no device).
+    /// Page moves of the sync pool that waited for the device (a request
+    /// on no stream, or no fence on the freeing streams could be made).
     pub move_waits: u64,
 }
 
@@ -117,15 +111,11 @@ pub struct CumemShutdownReport {
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_pinned_stats(out: *mut CumemPoolStats) -> CumemStatus {
-    guard(|| {
-        let s = CumemPoolStats::from(manager()?.pinned_stats());
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", s) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(CumemPoolStats::from(manager()?.pinned_stats()))) }
 }
 
-/// Stores device `device`'s figures in `*out` (creating its allocator if
-/// no call used the device yet).
+/// Stores `device`'s figures in `*out` (making its allocator if need be).
 ///
 /// # Errors
 /// `CUMEM_STATUS_NO_SUCH_DEVICE`, `CUMEM_STATUS_INVALID_ARGUMENT`.
@@ -134,15 +124,12 @@ pub unsafe extern "C" fn cumem_pinned_stats(out: *mut CumemPoolStats) -> CumemSt
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDeviceStats) -> CumemStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
+    let stats = || {
         let ordinal = crate::ffi::ordinal(device)?;
         let d = manager()?.device_stats(ordinal)?;
         let natives = [d.native_pool.as_ref(), d.default_pool.as_ref()];
         let move_waits = d.pool.move_waits;
-        let s = CumemDeviceStats {
+        Ok(CumemDeviceStats {
             pool: d.pool.into(),
             stream_ordered_in_use: d.stream_ordered.in_use,
             stream_ordered_peak_in_use: d.stream_ordered.peak_in_use,
@@ -157,28 +144,26 @@ pub unsafe extern "C" fn cumem_device_stats(device: c_int, out: *mut CumemDevice
             tagged_mapped: d.tags.iter().map(|t| t.pool.mapped).sum(),
             tagged_peak_mapped: d.tags.iter().map(|t| t.pool.peak_mapped).sum(),
             move_waits,
-        };
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", s) }
-    })
+        })
+    };
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, stats) }
 }
 
-/// Stores cumem's default device in `*out`: the device its calls without
-/// a device use (`device=` of the configuration, 0 when unset), and the
-/// one to ask `cumem_device_stats` about when the program names none.
-/// Creates nothing on any device beyond what creating the manager does.
+/// Stores cumem's default device in `*out`: the one calls without a device
+/// use (`device=` of the configuration, default 0).
 ///
 /// # Safety
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_default_device(out: *mut c_int) -> CumemStatus {
-    guard(|| {
+    let device = || {
         let device = manager()?.config().device;
-        let device = c_int::try_from(device)
-            .map_err(|_| Failure::new(CumemStatus::Other, format!("device {device} does not fit an int")))?;
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", device) }
-    })
+        c_int::try_from(device)
+            .map_err(|_| Failure::new(CumemStatus::Other, format!("device {device} does not fit an int")))
+    };
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, device) }
 }
 
 /// Sets every peak figure to its current value.
@@ -210,10 +195,9 @@ pub unsafe extern "C" fn cumem_release_cached(released: *mut usize) -> CumemStat
 }
 
 /// Writes a readable table of every pool's state into `buf` (`len`
-/// bytes), NUL-terminated. `*needed` (when not NULL) gets the bytes the
-/// whole table needs, its NUL included: call with `buf` NULL and `len` 0
-/// to learn it. A buffer too small gets as much as fits and
-/// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+/// bytes), NUL-terminated; `*needed` (unless NULL) gets the bytes it needs
+/// with its NUL (`buf` NULL and `len` 0 to learn it). A buffer too small
+/// gets as much as fits and `CUMEM_STATUS_BUFFER_TOO_SMALL`.
 ///
 /// # Safety
 /// `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
@@ -227,15 +211,12 @@ pub unsafe extern "C" fn cumem_memory_summary(buf: *mut c_char, len: usize, need
     })
 }
 
-/// Waits until every allocation and free recorded so far is written to the
-/// event log (`log=` in the configuration). Nothing to do without a log or
-/// before cumem's manager exists (it makes none). The log's writer thread
-/// ends with the process, so a program that exits without this call loses
-/// what was still buffered: `cumem_torch` calls it at exit.
+/// Waits until every allocation and free recorded so far is in the event
+/// log (`log=`; nothing to do without one or before the manager exists).
+/// A program that exits without it loses what was still buffered.
 ///
 /// # Errors
-/// The status of an error writing the log file (the error is kept: later
-/// flushes report it too).
+/// An error writing the log file (kept: later flushes report it too).
 #[no_mangle]
 pub extern "C" fn cumem_flush_log() -> CumemStatus {
     guard(|| {
@@ -246,9 +227,9 @@ pub extern "C" fn cumem_flush_log() -> CumemStatus {
     })
 }
 
-/// Stops serving allocations, returns all free memory to the driver, and
-/// stores what is still live in `*report` when it is not NULL. Live memory
-/// stays valid (and can still be freed). Calling it twice is harmless.
+/// Stops serving allocations, returns all free memory to the driver and
+/// stores what is still live (valid, and freeable) in `*report` unless
+/// NULL. Twice is harmless.
 ///
 /// # Errors
 /// `CUMEM_STATUS_DRIVER` (what could be released, was);

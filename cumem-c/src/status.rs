@@ -1,6 +1,5 @@
 //! Status codes, the thread-local last error, and the guard every entry
-//! point runs its body in (a panic becomes [`CumemStatus::Panic`]; nothing
-//! unwinds into C).
+//! point runs in (a panic becomes [`CumemStatus::Panic`], never unwinds).
 
 use std::cell::RefCell;
 use std::ffi::{c_char, CString};
@@ -19,8 +18,7 @@ pub enum CumemStatus {
     /// A null pointer where one is required, a zero or absurd size, a bad
     /// alignment, a mode or device number out of range.
     InvalidArgument = 1,
-    /// The pool could not serve the request, even after releasing cached
-    /// memory.
+    /// The pool could not serve the request, even after releasing its cache.
     OutOfMemory = 2,
     /// A pointer cumem never handed out (or a pinned pointer given to a
     /// device call, and the reverse).
@@ -32,8 +30,7 @@ pub enum CumemStatus {
     /// `cumem_init` after the manager was created (by `cumem_init` or by
     /// any other call, which configures it from `CUMEM_CONF`).
     AlreadyInitialized = 6,
-    /// A setting changed after its moment passed (pool sizes after the
-    /// first allocation).
+    /// A setting changed too late (pool sizes after the first allocation).
     ConfigTooLate = 7,
     /// A bad configuration string (`cumem_init`'s or `CUMEM_CONF`).
     Config = 8,
@@ -63,27 +60,27 @@ pub enum CumemStatus {
     Tag = 18,
 }
 
-/// Every status, in the order of their values.
-const ALL: [CumemStatus; 19] = [
-    CumemStatus::Ok,
-    CumemStatus::InvalidArgument,
-    CumemStatus::OutOfMemory,
-    CumemStatus::UnknownPointer,
-    CumemStatus::InteriorPointer,
-    CumemStatus::DoubleFree,
-    CumemStatus::AlreadyInitialized,
-    CumemStatus::ConfigTooLate,
-    CumemStatus::Config,
-    CumemStatus::ShutDown,
-    CumemStatus::Driver,
-    CumemStatus::NoSuchDevice,
-    CumemStatus::Capture,
-    CumemStatus::BufferTooSmall,
-    CumemStatus::NeedsGpu,
-    CumemStatus::Panic,
-    CumemStatus::Other,
-    CumemStatus::Ipc,
-    CumemStatus::Tag,
+/// Every status with its name in the header, in the order of their values.
+const NAMES: [(CumemStatus, &std::ffi::CStr); 19] = [
+    (CumemStatus::Ok, c"CUMEM_STATUS_OK"),
+    (CumemStatus::InvalidArgument, c"CUMEM_STATUS_INVALID_ARGUMENT"),
+    (CumemStatus::OutOfMemory, c"CUMEM_STATUS_OUT_OF_MEMORY"),
+    (CumemStatus::UnknownPointer, c"CUMEM_STATUS_UNKNOWN_POINTER"),
+    (CumemStatus::InteriorPointer, c"CUMEM_STATUS_INTERIOR_POINTER"),
+    (CumemStatus::DoubleFree, c"CUMEM_STATUS_DOUBLE_FREE"),
+    (CumemStatus::AlreadyInitialized, c"CUMEM_STATUS_ALREADY_INITIALIZED"),
+    (CumemStatus::ConfigTooLate, c"CUMEM_STATUS_CONFIG_TOO_LATE"),
+    (CumemStatus::Config, c"CUMEM_STATUS_CONFIG"),
+    (CumemStatus::ShutDown, c"CUMEM_STATUS_SHUT_DOWN"),
+    (CumemStatus::Driver, c"CUMEM_STATUS_DRIVER"),
+    (CumemStatus::NoSuchDevice, c"CUMEM_STATUS_NO_SUCH_DEVICE"),
+    (CumemStatus::Capture, c"CUMEM_STATUS_CAPTURE"),
+    (CumemStatus::BufferTooSmall, c"CUMEM_STATUS_BUFFER_TOO_SMALL"),
+    (CumemStatus::NeedsGpu, c"CUMEM_STATUS_NEEDS_GPU"),
+    (CumemStatus::Panic, c"CUMEM_STATUS_PANIC"),
+    (CumemStatus::Other, c"CUMEM_STATUS_OTHER"),
+    (CumemStatus::Ipc, c"CUMEM_STATUS_IPC"),
+    (CumemStatus::Tag, c"CUMEM_STATUS_TAG"),
 ];
 
 impl CumemStatus {
@@ -111,27 +108,7 @@ impl CumemStatus {
 
     /// The status's name as it appears in the header.
     pub fn name(self) -> &'static std::ffi::CStr {
-        match self {
-            CumemStatus::Ok => c"CUMEM_STATUS_OK",
-            CumemStatus::InvalidArgument => c"CUMEM_STATUS_INVALID_ARGUMENT",
-            CumemStatus::OutOfMemory => c"CUMEM_STATUS_OUT_OF_MEMORY",
-            CumemStatus::UnknownPointer => c"CUMEM_STATUS_UNKNOWN_POINTER",
-            CumemStatus::InteriorPointer => c"CUMEM_STATUS_INTERIOR_POINTER",
-            CumemStatus::DoubleFree => c"CUMEM_STATUS_DOUBLE_FREE",
-            CumemStatus::AlreadyInitialized => c"CUMEM_STATUS_ALREADY_INITIALIZED",
-            CumemStatus::ConfigTooLate => c"CUMEM_STATUS_CONFIG_TOO_LATE",
-            CumemStatus::Config => c"CUMEM_STATUS_CONFIG",
-            CumemStatus::ShutDown => c"CUMEM_STATUS_SHUT_DOWN",
-            CumemStatus::Driver => c"CUMEM_STATUS_DRIVER",
-            CumemStatus::NoSuchDevice => c"CUMEM_STATUS_NO_SUCH_DEVICE",
-            CumemStatus::Capture => c"CUMEM_STATUS_CAPTURE",
-            CumemStatus::BufferTooSmall => c"CUMEM_STATUS_BUFFER_TOO_SMALL",
-            CumemStatus::NeedsGpu => c"CUMEM_STATUS_NEEDS_GPU",
-            CumemStatus::Panic => c"CUMEM_STATUS_PANIC",
-            CumemStatus::Other => c"CUMEM_STATUS_OTHER",
-            CumemStatus::Ipc => c"CUMEM_STATUS_IPC",
-            CumemStatus::Tag => c"CUMEM_STATUS_TAG",
-        }
+        NAMES[self as usize].1
     }
 }
 
@@ -173,8 +150,7 @@ pub(crate) fn set_last_error(message: &str) {
     // A message with an interior NUL (never made by cumem) is cut there.
     let end = message.find('\0').unwrap_or(message.len());
     let text = CString::new(&message[..end]).unwrap_or_default();
-    // `try_with`: during thread teardown the slot may be gone; the status
-    // code still reports the failure.
+    // `try_with`: in thread teardown the slot may be gone; the status tells.
     let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = text);
 }
 
@@ -205,9 +181,8 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// The message of the last failing cumem call on the calling thread ("" if
-/// none failed yet). Successful calls leave it as it is. The text stays
-/// valid until the next failing cumem call on this thread; copy it to keep
-/// it.
+/// none failed yet; successful calls leave it). The text stays valid until
+/// the next failing cumem call on this thread: copy it to keep it.
 #[no_mangle]
 pub extern "C" fn cumem_last_error() -> *const c_char {
     catch_unwind(|| LAST_ERROR.try_with(|slot| slot.borrow().as_ptr()).unwrap_or(c"".as_ptr())).unwrap_or(c"".as_ptr())
@@ -217,7 +192,7 @@ pub extern "C" fn cumem_last_error() -> *const c_char {
 /// "CUMEM_STATUS_UNKNOWN" for a value that is not one.
 #[no_mangle]
 pub extern "C" fn cumem_status_name(status: i32) -> *const c_char {
-    ALL.iter().find(|s| **s as i32 == status).map_or(c"CUMEM_STATUS_UNKNOWN".as_ptr(), |s| s.name().as_ptr())
+    NAMES.iter().find(|(s, _)| *s as i32 == status).map_or(c"CUMEM_STATUS_UNKNOWN".as_ptr(), |(_, n)| n.as_ptr())
 }
 
 #[cfg(test)]

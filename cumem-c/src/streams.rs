@@ -1,5 +1,4 @@
-//! Raw CUDA streams from C (a `cudaStream_t` / `CUstream`) as cumem
-//! [`Stream`]s.
+//! Raw CUDA streams from C (`cudaStream_t`, `CUstream`) as [`Stream`]s.
 //!
 //! cumem orders reuse by stream identity, so one raw stream must always be
 //! the same `Stream`: the first time a raw stream of a device is seen, it
@@ -33,8 +32,7 @@ use crate::status::{Failure, Outcome};
 use crate::CumemStatus;
 
 /// A raw CUDA stream (`cudaStream_t`, `CUstream`); NULL is the device's
-/// legacy default stream. On the host fallback any value names a host
-/// queue.
+/// legacy default stream. On the host fallback, any value is a host queue.
 pub type CumemStream = *mut c_void;
 
 /// (device, raw stream value).
@@ -84,8 +82,7 @@ fn lock_table() -> std::sync::MutexGuard<'static, Table> {
     table().lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Bumped whenever an entry leaves the table: threads then drop their
-/// copies.
+/// Bumped whenever an entry leaves the table: threads drop their copies.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
@@ -93,8 +90,7 @@ thread_local! {
     static LOCAL: RefCell<(u64, Vec<(Key, Stream)>)> = const { RefCell::new((0, Vec::new())) };
 }
 
-/// How many streams a thread keeps copies of (a linear scan: programs use
-/// a handful of streams).
+/// How many streams a thread keeps copies of (scanned: programs use few).
 const LOCAL_MAX: usize = 16;
 
 /// The cumem stream for raw stream `raw` of device `device`.
@@ -156,8 +152,7 @@ fn shared_stream(key: Key) -> Outcome<Stream> {
         None => Stream::host(),
     };
     let mut t = lock_table();
-    // Another thread may have entered it meanwhile: theirs wins, so the
-    // raw stream keeps one identity.
+    // Another thread may have entered it: theirs wins (one identity).
     let stream = t.map.entry(key).or_insert(Entry { stream: wrapped, owned: false }).stream.clone();
     let gone = if t.map.len() >= t.prune_at.max(PRUNE_FIRST) { t.prune() } else { Vec::new() };
     drop(t);
@@ -180,20 +175,15 @@ fn host_token(s: &Stream) -> usize {
 /// `out` must be NULL (an error) or valid for a write of one `CumemStream`.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_stream_create(out: *mut CumemStream) -> CumemStatus {
-    crate::status::guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let mm = crate::ffi::manager()?;
-        let device = mm.config().device;
+    let create = || {
+        let device = crate::ffi::manager()?.config().device;
         let stream = Stream::new_on(device)?;
         let raw = if stream.is_host() { host_token(&stream) } else { stream.cu_stream() as usize };
         lock_table().map.insert((device, raw), Entry { stream, owned: true });
-        // SAFETY: `out` is non-null and the caller promises it is valid
-        // for a write.
-        unsafe { out.write(raw as CumemStream) };
-        Ok(())
-    })
+        Ok(raw as CumemStream)
+    };
+    // SAFETY: the caller's promise about `out`.
+    unsafe { crate::ffi::answer(out, create) }
 }
 
 /// Destroys a stream made by `cumem_stream_create` once cumem no longer
@@ -214,8 +204,7 @@ pub extern "C" fn cumem_stream_destroy(stream: CumemStream) -> CumemStatus {
                 let entry = t.map.remove(&key);
                 GENERATION.fetch_add(1, Ordering::AcqRel);
                 drop(t);
-                // The wrapper goes (and with its last clone the stream)
-                // outside the lock.
+                // The wrapper (with its last clone, the stream) goes unlocked.
                 drop(entry);
                 Ok(())
             }
@@ -238,22 +227,19 @@ pub extern "C" fn cumem_stream_synchronize(stream: CumemStream) -> CumemStatus {
     })
 }
 
-/// Says the program is about to destroy `stream` (of the default device),
-/// a stream it made itself (`cudaStreamCreate`): call it before
-/// `cudaStreamDestroy` / `cuStreamDestroy` when cumem may have seen the
-/// stream (memory allocated or freed on it). cumem waits once for the work
-/// queued on it (`cuStreamSynchronize`), so every free on it is complete,
-/// forgets it, and never asks, waits on or synchronises the handle again
-/// (not even in `cumem_release_cached`). A stream cumem never saw, or one
-/// already forgotten, is fine (nothing to do). Seen again later (a new
-/// stream with the same handle), the handle is a new stream to cumem.
+/// Call before destroying `stream` (of the default device), one the
+/// program made itself, when cumem may have seen it (memory allocated or
+/// freed on it). cumem waits once for its queued work
+/// (`cuStreamSynchronize`), so every free on it is complete, and never
+/// touches the handle again (not even in `cumem_release_cached`); seen
+/// again later, the handle is a new stream. A stream cumem never saw, or
+/// one already forgotten, is nothing to do.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT` for NULL (the legacy default stream)
-/// or a stream made by `cumem_stream_create` (destroy it with
-/// `cumem_stream_destroy`); a
-/// capture error while the stream captures a graph (nothing changes); a
-/// driver error from the wait (the stream is then not forgotten).
+/// or a stream of `cumem_stream_create` (use `cumem_stream_destroy`); a
+/// capture error while the stream captures (nothing changes); a driver
+/// error from the wait (the stream is then not forgotten).
 #[no_mangle]
 pub extern "C" fn cumem_stream_forget(stream: CumemStream) -> CumemStatus {
     crate::status::guard(|| {
@@ -290,24 +276,15 @@ pub extern "C" fn cumem_stream_forget(stream: CumemStream) -> CumemStatus {
     })
 }
 
-/// Stores in `*out` how many raw streams cumem's table of them holds now
-/// (streams seen through the C ABI and streams `cumem_stream_create`
-/// made), for programs that watch it stay flat.
+/// Stores in `*out` how many raw streams cumem's table holds now (seen
+/// through the C ABI or made by `cumem_stream_create`).
 ///
 /// # Safety
 /// `out` must be NULL (an error) or valid for a write of one `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_stream_table_size(out: *mut usize) -> CumemStatus {
-    crate::status::guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let n = lock_table().map.len();
-        // SAFETY: `out` is non-null and the caller promises it is valid for
-        // a write.
-        unsafe { out.write(n) };
-        Ok(())
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { crate::ffi::answer(out, || Ok(lock_table().map.len())) }
 }
 
 #[cfg(test)]

@@ -2,19 +2,16 @@
 //! (`cumem_tag_set`, `cumem_tag_get`), `cumem_sleep`, `cumem_wake` and
 //! the figures of every tag (`cumem_tag_usage`).
 //!
-//! A tag set on a thread sends that thread's device allocations (outside
-//! graph captures that cumem routes into private pools) to the tag's own
-//! address space, which sleeps and wakes as one: sleep copies its live
-//! blocks to pinned host memory (or discards them) and gives every
-//! physical page back; wake maps new pages at the same addresses and copies
-//! the contents back. The C ABI has no scope: a caller that nests tags
-//! reads the tag set before (`cumem_tag_get`) and sets it back.
+//! A tag set on a thread sends that thread's device allocations to the
+//! tag's own address space, which sleeps and wakes as one. The C ABI has
+//! no scope: a caller that nests tags reads the tag set before
+//! (`cumem_tag_get`) and sets it back.
 
 use std::ffi::{c_char, c_int, CStr};
 
 use cumem::{SleepReport, TagState, TagUsage, WakeReport};
 
-use crate::ffi::{copy_text, manager, put, put_opt};
+use crate::ffi::{answer, copy_text, manager, put, put_opt};
 use crate::status::{guard, Failure, Outcome};
 use crate::CumemStatus;
 
@@ -183,24 +180,21 @@ unsafe fn tag_names<'a>(list: *const *const c_char, n: usize, what: &str) -> Out
     }
     (0..n)
         .map(|i| {
-            // SAFETY: `list` is valid for `n` reads (the caller's promise)
-            // and `i < n`.
+            // SAFETY: `list` is valid for `n` reads (promised) and `i < n`.
             let p = unsafe { list.add(i).read() };
             if p.is_null() {
                 return Err(Failure::null(&format!("{what}[{i}]")));
             }
-            // SAFETY: non-null, and the caller promises a NUL-terminated
-            // string.
+            // SAFETY: non-null, and NUL-terminated (the caller's promise).
             unsafe { tag_name(p, &format!("{what}[{i}]")) }
         })
         .collect()
 }
 
 /// Sets `name` as the calling thread's memory tag (NULL clears it): the
-/// thread's device allocations from now on come from the tag's own address
-/// space, which `cumem_sleep` and `cumem_wake` put away and bring back as
-/// one. Allocations during a graph capture cumem routes into a private
-/// pool are not tagged. Frees need no tag.
+/// thread's device allocations now come from the tag's own address space,
+/// which `cumem_sleep` and `cumem_wake` put away and bring back as one
+/// (not those of a graph capture cumem routes into a private pool).
 ///
 /// # Errors
 /// `CUMEM_STATUS_CONFIG`: a name that is empty, longer than
@@ -214,8 +208,7 @@ pub unsafe extern "C" fn cumem_tag_set(name: *const c_char) -> CumemStatus {
         let name = if name.is_null() {
             None
         } else {
-            // SAFETY: non-null, and the caller promises a NUL-terminated
-            // string.
+            // SAFETY: non-null, and NUL-terminated (the caller's promise).
             Some(unsafe { tag_name(name, "name") }?)
         };
         cumem::device::set_thread_tag(name)?;
@@ -223,11 +216,9 @@ pub unsafe extern "C" fn cumem_tag_set(name: *const c_char) -> CumemStatus {
     })
 }
 
-/// Writes the calling thread's memory tag into `buf` (`len` bytes),
-/// NUL-terminated: "" when none is set. `*needed` (when not NULL) gets the
-/// bytes the name needs with its NUL (at most `CUMEM_TAG_NAME_CAP`). A
-/// buffer too small gets as much as fits and
-/// `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+/// Writes the calling thread's memory tag ("" when none is set) into
+/// `buf`, as `cumem_memory_summary` does (it needs at most
+/// `CUMEM_TAG_NAME_CAP` bytes).
 ///
 /// # Safety
 /// `buf` must be NULL or valid for writes of `len` bytes; `needed` NULL or
@@ -242,28 +233,24 @@ pub unsafe extern "C" fn cumem_tag_get(buf: *mut c_char, len: usize, needed: *mu
 }
 
 /// Stores 1 in `*out` when the calling thread has a memory tag set, else
-/// 0 (one read of a thread-local: cheap enough for every allocation).
+/// 0 (a thread-local read, cheap enough for every allocation).
 ///
 /// # Safety
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_tag_is_set(out: *mut c_int) -> CumemStatus {
-    guard(|| {
-        let set = cumem::device::current_tag().is_some();
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", c_int::from(set)) }
-    })
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, || Ok(c_int::from(cumem::device::current_tag().is_some()))) }
 }
 
 /// Puts memory tags to sleep: the live blocks of the `n_offload` tags in
 /// `offload` are copied to pinned host memory, those of the `n_discard`
-/// tags in `discard` are not; then every physical page of these tags is
-/// given back to the driver (no tag named: nothing to do). Their addresses stay reserved, and
-/// `cumem_wake` brings memory back at the same addresses. The program must
-/// not use the tags' memory from the call until `cumem_wake` returns (work
-/// queued before the call is waited for); allocating in a sleeping tag
-/// fails with `CUMEM_STATUS_TAG`, freeing its blocks is fine. Stores what
-/// was done in `*out` when it is not NULL.
+/// tags in `discard` are not; then every physical page of these tags goes
+/// back to the driver, their addresses kept for `cumem_wake`. From the
+/// call (which waits for work queued before it) until `cumem_wake`
+/// returns, the tags' memory must not be used; allocating in them fails
+/// with `CUMEM_STATUS_TAG`, freeing is fine. Stores what was done in
+/// `*out` unless NULL.
 ///
 /// # Errors
 /// Nothing is released when the call fails:
@@ -297,12 +284,11 @@ pub unsafe extern "C" fn cumem_sleep(
     })
 }
 
-/// Wakes the `n` tags in `tags` put to sleep by `cumem_sleep` (`n` 0:
-/// every sleeping tag): new physical memory is mapped under their live
-/// blocks at the same addresses and the offloaded contents are copied back
-/// (a discarded tag's blocks hold no defined contents). CUDA graphs
-/// captured before the sleep replay as before. Stores what was done in
-/// `*out` when it is not NULL.
+/// Wakes the `n` sleeping tags in `tags` (`n` 0: all): new memory is
+/// mapped under their live blocks at the same addresses and the offloaded
+/// contents copied back (discarded ones are undefined); graphs captured
+/// before the sleep replay as before. Stores what was done in `*out`
+/// unless NULL.
 ///
 /// # Errors
 /// Nothing changes when the call fails (the tags stay asleep, their
@@ -328,10 +314,9 @@ pub unsafe extern "C" fn cumem_wake(tags: *const *const c_char, n: usize, out: *
 }
 
 /// Writes the figures of every memory tag on every device in use (one
-/// entry per tag and device, in the order they were made) into `out`, an
-/// array of `cap` entries, and their number into `*count`. Call with `out`
-/// NULL and `cap` 0 to learn the number. An array too small gets the
-/// first `cap` entries and `CUMEM_STATUS_BUFFER_TOO_SMALL`.
+/// entry per tag and device, in the order made) into `out` (`cap`
+/// entries) and their number into `*count` (`out` NULL and `cap` 0 to
+/// learn it). Too small an array gets the first `cap` entries.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT` (`count` NULL, `out` NULL with `cap`
@@ -354,8 +339,7 @@ pub unsafe extern "C" fn cumem_tag_usage(out: *mut CumemTagUsage, cap: usize, co
         unsafe { put(count, "count", all.len()) }?;
         for (i, u) in all.iter().take(cap).enumerate() {
             let entry = CumemTagUsage::of(u)?;
-            // SAFETY: `out` is valid for `cap` entries (the caller's
-            // promise) and `i < cap`.
+            // SAFETY: `out` is valid for `cap` entries (promised); `i < cap`.
             unsafe { out.add(i).write(entry) };
         }
         if all.len() > cap {

@@ -2,25 +2,23 @@
 //! tell a pluggable allocator: the streams a tensor was used on besides
 //! its own (`record_stream`).
 //!
-//! PyTorch (`torch.cuda.memory.CUDAPluggableAllocator(path, "cumem_torch_alloc",
+//! PyTorch (`CUDAPluggableAllocator(path, "cumem_torch_alloc",
 //! "cumem_torch_free")`) calls `alloc(size, device, stream)` with the
-//! current stream and, when the tensor dies, `free(ptr, size, device,
-//! stream)` with the stream of the allocation. cumem frees in that
-//! stream's order: work PyTorch queued on the stream before the free may
-//! still use the block; another stream reuses it only after that work.
+//! current stream and `free(ptr, size, device, stream)` with the
+//! allocation's; cumem frees in that stream's order.
 //!
 //! `Tensor.record_stream(s)` never reaches a pluggable allocator from
-//! Python (PyTorch's Python binding sets no record-stream hook), so the
-//! block would be reused while `s` may still read it. The C entry
-//! [`cumem_record_stream`] (Python: `cumem_torch.record_stream(tensor,
-//! stream)`) notes such streams; the free then orders the allocation's
-//! stream after each of them (`cuEventRecord` + `cuStreamWaitEvent`)
-//! before freeing on it.
+//! Python (its binding sets no record-stream hook), so the block would be
+//! reused while `s` may still read it. [`cumem_record_stream`]
+//! (`cumem_torch.record_stream`) notes such streams; the free then orders
+//! the allocation's stream after each (`cuEventRecord` +
+//! `cuStreamWaitEvent`).
 
 use std::ffi::{c_int, c_void};
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::ffi::{manager, ordinal, put};
+use crate::ffi::{answer, manager, ordinal};
 use crate::recorded::free_on;
 use crate::status::{guard, panic_message, set_last_error, Failure, Outcome};
 use crate::streams::{stream_for, CumemStream};
@@ -34,8 +32,7 @@ pub struct CumemTorchCounters {
     pub alloc_failures: u64,
     /// `cumem_torch_free` calls that failed (the block stayed as it was).
     pub free_failures: u64,
-    /// Frees that first ordered their stream after streams noted with
-    /// `cumem_record_stream`.
+    /// Frees first ordered after streams noted by `cumem_record_stream`.
     pub recorded_stream_waits: u64,
 }
 
@@ -46,17 +43,24 @@ static FREE_FAILURES: AtomicU64 = AtomicU64::new(0);
 /// status; the first few say why a program then fails).
 const PRINTED_FAILURES: u64 = 8;
 
-fn report(counter: &AtomicU64, what: &str, message: &str) {
-    set_last_error(message);
+/// Runs the body of an entry point that can't return a status: a failure
+/// (or panic) becomes the thread's last error and is counted in `counter`.
+fn quietly<T>(counter: &AtomicU64, what: &str, body: impl FnOnce() -> Outcome<T>) -> Option<T> {
+    let message = match std::panic::catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(value)) => return Some(value),
+        Ok(Err(f)) => f.message,
+        Err(payload) => panic_message(payload.as_ref()),
+    };
+    set_last_error(&message);
     if counter.fetch_add(1, Ordering::Relaxed) < PRINTED_FAILURES {
         eprintln!("cumem: {what} failed: {message}");
     }
+    None
 }
 
-/// PyTorch's allocation entry point: `size` bytes of device memory on
-/// `device` for work on `stream`. Returns NULL for size 0, and NULL on
-/// failure (the message is the thread's last error, and the first few are
-/// printed to stderr: PyTorch's pluggable allocator does not check).
+/// PyTorch's allocation entry point: `size` bytes on `device` for work on
+/// `stream`. NULL for size 0 and on failure (the thread's last error says
+/// why; the first few are printed, as PyTorch does not check).
 ///
 /// # Safety
 /// `stream` must be a stream of `device`'s primary context (PyTorch's
@@ -66,28 +70,17 @@ pub unsafe extern "C" fn cumem_torch_alloc(size: usize, device: c_int, stream: C
     if size == 0 {
         return std::ptr::null_mut();
     }
-    let body = || -> Outcome<u64> {
+    let allocate = || {
         let mm = manager()?;
         let s = stream_for(ordinal(device)?, stream)?;
         Ok(mm.allocate_device_on(size, &s)?)
     };
-    match std::panic::catch_unwind(body) {
-        Ok(Ok(p)) => p as usize as *mut c_void,
-        Ok(Err(f)) => {
-            report(&ALLOC_FAILURES, "cumem_torch_alloc", &f.message);
-            std::ptr::null_mut()
-        }
-        Err(payload) => {
-            report(&ALLOC_FAILURES, "cumem_torch_alloc", &panic_message(payload.as_ref()));
-            std::ptr::null_mut()
-        }
-    }
+    quietly(&ALLOC_FAILURES, "cumem_torch_alloc", allocate).map_or(std::ptr::null_mut(), |p| p as usize as *mut c_void)
 }
 
 /// PyTorch's free entry point: frees `ptr` in the order of `stream` (the
-/// allocation's stream). NULL is ignored; a failure (a pointer cumem did
-/// not hand out, a double free) changes nothing, becomes the thread's last
-/// error and is counted (`cumem_torch_counters`).
+/// allocation's). NULL is ignored; a failure (an unknown pointer, a double
+/// free) changes nothing, becomes the thread's last error and is counted.
 ///
 /// # Safety
 /// As `cumem_torch_alloc`.
@@ -97,19 +90,12 @@ pub unsafe extern "C" fn cumem_torch_free(ptr: *mut c_void, size: usize, device:
     if ptr.is_null() {
         return;
     }
-    let body = || -> Outcome { free_on(ptr as usize, ordinal(device)?, stream) };
-    match std::panic::catch_unwind(body) {
-        Ok(Ok(())) => {}
-        Ok(Err(f)) => report(&FREE_FAILURES, "cumem_torch_free", &f.message),
-        Err(payload) => report(&FREE_FAILURES, "cumem_torch_free", &panic_message(payload.as_ref())),
-    }
+    quietly(&FREE_FAILURES, "cumem_torch_free", || free_on(ptr as usize, ordinal(device)?, stream));
 }
 
-/// Notes that device memory `ptr` (a live allocation start) is used by
-/// work on `stream` of `device` besides its own stream: when it is freed
-/// (`cumem_torch_free`, `cumem_free_device_on`), the freeing stream first
-/// waits for the work queued on `stream` up to then. What
-/// `Tensor.record_stream` does for PyTorch's own allocator.
+/// Notes that allocation `ptr` is used by work on `stream` of `device`
+/// besides its own stream (`Tensor.record_stream`): its free first makes
+/// the freeing stream wait for the work queued on `stream` up to now.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT` (NULL, a negative device).
@@ -122,8 +108,7 @@ pub unsafe extern "C" fn cumem_record_stream(ptr: *mut c_void, device: c_int, st
         if ptr.is_null() {
             return Err(Failure::null("ptr"));
         }
-        // Wrap the stream now, so a bad device fails here and not at the
-        // free.
+        // Wrap the stream now: a bad device fails here, not at the free.
         stream_for(ordinal(device)?, stream)?;
         crate::recorded::note(ptr as usize, stream);
         Ok(())
@@ -136,13 +121,13 @@ pub unsafe extern "C" fn cumem_record_stream(ptr: *mut c_void, device: c_int, st
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_torch_counters(out: *mut CumemTorchCounters) -> CumemStatus {
-    guard(|| {
-        let c = CumemTorchCounters {
+    let counters = || {
+        Ok(CumemTorchCounters {
             alloc_failures: ALLOC_FAILURES.load(Ordering::Relaxed),
             free_failures: FREE_FAILURES.load(Ordering::Relaxed),
             recorded_stream_waits: crate::recorded::recorded_waits(),
-        };
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", c) }
-    })
+        })
+    };
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, counters) }
 }

@@ -1,22 +1,18 @@
-//! Entry points for cumem_torch's native PyTorch backend (a C++ class
-//! derived from PyTorch's `CUDAAllocator`, in `python/cumem_torch/csrc/`):
-//! allocation and stream-ordered free on a given device that return a
-//! status (the backend turns an out-of-memory status into PyTorch's
-//! `OutOfMemoryError`), and the device figures PyTorch's statistics need
-//! that the other statistics entry points don't carry (driver calls,
-//! retries, the largest free block).
+//! Entry points for cumem_torch's native backend (a PyTorch
+//! `CUDAAllocator` in `python/cumem_torch/csrc/`): allocation and
+//! stream-ordered free that return a status (out of memory becomes
+//! PyTorch's `OutOfMemoryError`), and the figures PyTorch's statistics
+//! need beyond the other statistics entry points.
 
 use std::ffi::{c_int, c_void};
 
-use crate::ffi::{allocate_into, manager, ordinal, put};
+use crate::ffi::{allocate_into, answer, manager, ordinal};
 use crate::recorded::free_on;
 use crate::status::{guard, Failure};
 use crate::streams::{stream_for, CumemStream};
 use crate::CumemStatus;
 
-/// Allocates `size` bytes on device `device` for work on `stream` (a
-/// stream of that device's primary context), storing the pointer in
-/// `*out`. What `cumem_torch_alloc` does, with a status instead of NULL.
+/// `cumem_torch_alloc` with a status: stores the pointer in `*out`.
 ///
 /// # Errors
 /// `CUMEM_STATUS_INVALID_ARGUMENT` (size 0, NULL `out`, a negative
@@ -42,9 +38,7 @@ pub unsafe extern "C" fn cumem_torch_allocate(
     }
 }
 
-/// Frees `ptr` in the order of `stream` of device `device` (work queued on
-/// `stream` before this call may still use it). What `cumem_torch_free`
-/// does, with a status.
+/// `cumem_torch_free` with a status.
 ///
 /// # Errors
 /// `CUMEM_STATUS_DOUBLE_FREE`, `CUMEM_STATUS_INTERIOR_POINTER`,
@@ -70,17 +64,13 @@ pub struct CumemTorchFigures {
     /// the memory tags' mapped pages (0 for a tag while it sleeps), the
     /// driver pools' reservation and the graph pools' chunks.
     pub reserved: u64,
-    /// The largest `reserved` since the last peak reset (the sum of the
-    /// parts' peaks).
+    /// The largest `reserved` since the last peak reset (the parts' peaks).
     pub peak_reserved: u64,
-    /// Driver allocation calls of the sync pool (page maps; chunks where
-    /// it does not remap).
+    /// The sync pool's driver allocations (page maps, or chunks).
     pub device_allocs: u64,
-    /// Driver free calls of the sync pool (page unmaps; chunk frees where
-    /// it does not remap).
+    /// The sync pool's driver frees (page unmaps, or chunk frees).
     pub device_frees: u64,
-    /// Allocations that failed at the driver, released cached memory and
-    /// tried again.
+    /// Allocations that failed at the driver, released the cache, retried.
     pub alloc_retries: u64,
     /// Chunks the sync pool holds.
     pub chunks: u64,
@@ -107,15 +97,12 @@ pub struct CumemTorchFigures {
 /// `out` must be NULL (an error) or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cumem_torch_figures(device: c_int, out: *mut CumemTorchFigures) -> CumemStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
+    let figures = || {
         let d = manager()?.device_stats(ordinal(device)?)?;
         let natives = [d.native_pool.as_ref(), d.default_pool.as_ref()];
         let p = &d.pool;
         let tags = |f: fn(&cumem::pool::PoolStats) -> usize| d.tags.iter().map(|t| f(&t.pool)).sum::<usize>();
-        let f = CumemTorchFigures {
+        Ok(CumemTorchFigures {
             reserved: (p.mapped + tags(|t| t.mapped) + d.graphs.reserved) as u64
                 + natives.iter().flatten().map(|a| a.reserved_current).sum::<u64>(),
             peak_reserved: (p.peak_mapped + tags(|t| t.peak_mapped) + d.graphs.peak_reserved) as u64
@@ -129,8 +116,8 @@ pub unsafe extern "C" fn cumem_torch_figures(device: c_int, out: *mut CumemTorch
             tagged_in_use: tags(|t| t.in_use) as u64,
             tagged_requested: tags(|t| t.requested) as u64,
             tagged_mapped: tags(|t| t.mapped) as u64,
-        };
-        // SAFETY: the caller's promise about `out`.
-        unsafe { put(out, "out", f) }
-    })
+        })
+    };
+    // SAFETY: the caller's promise about `out`.
+    unsafe { answer(out, figures) }
 }

@@ -68,9 +68,8 @@ void free_all(torch::Tensor ptrs) {
 
 
 def read(path):
-    """The trace as op arrays: kind (0 allocate, 1 free), slot, size,
-    stream index; frees of pointers never seen allocated are skipped, as
-    cumem-replay does."""
+    """The trace as op arrays: kind (0 allocate, 1 free), slot, size, stream
+    index; frees of pointers never allocated are skipped (as cumem-replay)."""
     opener = gzip.open if path.endswith(".gz") else open
     kinds, slots, sizes, streams = [], [], [], []
     live, free_slots, nslots = {}, [], 0

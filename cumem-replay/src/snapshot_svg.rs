@@ -1,6 +1,5 @@
-//! A memory snapshot drawn as a segment map (SVG): per pool a heading
-//! with its figures, then one bar per chunk, its blocks coloured live /
-//! cached / free.
+//! A memory snapshot drawn as a segment map (SVG): per pool a heading with
+//! its figures, one bar per chunk, its blocks coloured live / cached / free.
 
 use cumem::manager::human_bytes;
 use cumem::pool::BlockState;

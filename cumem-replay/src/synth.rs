@@ -73,8 +73,7 @@ pub enum Workload {
     KvCache,
     /// Mixture of experts: per-expert buffers of widely varying sizes.
     Moe,
-    /// `PinnedTop` with data-loader buffers allocated on stream 1 and
-    /// freed on stream 0.
+    /// `PinnedTop` with loader buffers allocated on stream 1, freed on 0.
     TwoStreams,
     /// A training loop of one shape, repeated exactly.
     LoopFixed,
@@ -164,8 +163,7 @@ impl Spec {
     /// path), else the parsed spec.
     ///
     /// # Errors
-    /// [`Error::Config`] for an unknown workload or a seed that is not a
-    /// decimal `u64`.
+    /// [`Error::Config`] for an unknown workload or a seed not a decimal `u64`.
     pub fn from_arg(arg: &str) -> Option<Result<Spec>> {
         arg.starts_with(Spec::PREFIX).then(|| arg.parse())
     }
@@ -222,8 +220,7 @@ pub fn generate(workload: Workload, seed: u64) -> Trace {
     Trace::from_records(&Spec { workload, seed }.name(), r.records)
 }
 
-/// SplitMix64 (Steele, Lea, Flood 2014): small, fast, and good enough for
-/// shapes and sizes.
+/// SplitMix64 (Steele, Lea, Flood 2014): small, fast, enough for sizes.
 #[derive(Debug, Clone)]
 struct SplitMix64(u64);
 
@@ -268,8 +265,7 @@ struct Block {
     size: usize,
 }
 
-/// Where a record comes from: the compute (thread 0, stream 0) or the data
-/// loader (thread 1, stream 1).
+/// A record's source: compute (thread 0, stream 0) or loader (1, 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Issuer {
     Compute,
@@ -306,8 +302,7 @@ impl Recorder {
         self.records.push(Record { thread: id, time_us: self.time, action, pointer, size, stream: id });
     }
 
-    /// Allocates at least `bytes` (rounded up to 512 B) on the compute
-    /// stream.
+    /// Allocates `bytes` (rounded up to 512 B) on the compute stream.
     fn allocate(&mut self, bytes: usize) -> Block {
         self.allocate_by(Issuer::Compute, bytes)
     }

@@ -38,8 +38,7 @@ pub type Record = cumem::log::Event;
 pub enum Op {
     /// Allocate `size` bytes and keep the pointer in `slot`.
     Allocate {
-        /// Where the replay keeps the pointer (slots are numbered in order
-        /// of allocation, from 0).
+        /// Where the replay keeps the pointer (slots count allocations from 0).
         slot: u32,
         /// Bytes asked for.
         size: usize,
@@ -170,8 +169,7 @@ struct Resolver {
 }
 
 impl Trace {
-    /// Reads a trace file, gzip-compressed (detected by its magic bytes) or
-    /// plain.
+    /// Reads a trace file, gzip-compressed (by its magic bytes) or plain.
     ///
     /// # Errors
     /// [`Error::Os`] when the file can't be opened or read;
@@ -201,8 +199,7 @@ impl Trace {
                 continue;
             }
             let fields: Vec<&str> = line.split(',').map(str::trim).collect();
-            // The first line is the header, or (starting with a digit) a
-            // record in the default column order.
+            // First line: the header, or (digit first) a record in default order.
             let cols = match columns {
                 Some(c) => c,
                 None => {
@@ -380,8 +377,7 @@ pub fn parse_str(text: &str) -> Result<Trace> {
     Trace::parse(text.as_bytes(), "<string>")
 }
 
-/// Parses a trace from a reader, gzip-compressed (detected by its magic
-/// bytes) or plain.
+/// Parses a trace from a reader, gzip-compressed (magic bytes) or plain.
 ///
 /// # Errors
 /// As [`Trace::parse`].

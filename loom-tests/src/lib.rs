@@ -75,8 +75,7 @@ pub fn fake_pool(thread_cache: bool, budget: Option<usize>) -> Pool<FakeUpstream
     Pool::new(FakeUpstream::default(), c)
 }
 
-/// Runs `f` under loom with a small preemption bound, so each model ends
-/// in seconds.
+/// Runs `f` under loom with a small preemption bound: each model takes seconds.
 pub fn model<F: Fn() + Sync + Send + 'static>(f: F) {
     let mut b = loom::model::Builder::new();
     b.preemption_bound = Some(3);

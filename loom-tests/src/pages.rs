@@ -52,8 +52,7 @@ impl Device {
         }
     }
 
-    /// Panics unless every page of the block `[addr, addr + size)` is
-    /// mapped.
+    /// Panics unless every page of the block `[addr, addr + size)` is mapped.
     pub fn assert_mapped(&self, addr: usize, size: usize) {
         for page in (addr / PAGE * PAGE..addr + size).step_by(PAGE) {
             assert!(self.mapped(page), "block {addr:#x}+{size} on unmapped page {page:#x}");

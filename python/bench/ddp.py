@@ -6,24 +6,18 @@ PyTorch's caching allocator or with cumem (cumem_torch) as the allocator.
     python3 ddp.py --compare torch-1.json cumem-1.json [torch-2.json cumem-2.json ...]
     python3 ddp.py --self-test        # no torch needed: the schedule and the comparison
 
-Each rank sets its device, installs cumem before any CUDA allocation
-(`--allocator cumem`), builds GPT-2 from a config with random weights
-(4 layers, 512 wide, 8 heads, no dropout, eager attention; nothing is
-downloaded), wraps it in DistributedDataParallel over NCCL and trains
-with AdamW under bf16 autocast on token batches seeded per rank and step,
-whose sequence length varies per step (the same on every rank). Settings
-are deterministic (`torch.use_deterministic_algorithms(True,
-warn_only=True)`, `CUBLAS_WORKSPACE_CONFIG=:4096:8`, no TF32), so the
-losses with the two allocators can be compared bit for bit.
+Each rank installs cumem before any CUDA allocation (`--allocator
+cumem`), builds GPT-2 with random weights (4 layers, 512 wide; nothing is
+downloaded), wraps it in DistributedDataParallel over NCCL and trains with
+AdamW under bf16 autocast on batches seeded per rank and step, whose
+length varies per step. Settings are deterministic (`deterministic()`), so
+the losses with the two allocators compare bit for bit.
 
 Rank 0 writes a JSON (`--out`): every rank's per-step losses, the median
-step time after warm-up (a step is timed between two device synchronises;
-per step the slowest rank counts), and per rank the peak physical memory
-(the device's used memory from `torch.cuda.mem_get_info`, sampled after
-every step, minus the baseline taken once the device was set, before the
-process group and the model) and the allocator's own peak reserved bytes
-(`torch.cuda.max_memory_reserved()` for PyTorch's, `cumem_torch.peak_reserved()`
-for cumem).
+step time after warm-up (the slowest rank's, between two synchronises),
+and per rank the peak physical memory (`mem_get_info`'s used memory after
+every step, less the baseline before the process group and the model) and
+the allocator's own peak reserved bytes.
 
 `--compare` prints one row per run against the first run with PyTorch's
 allocator (losses equal, max abs difference, median step and difference,
@@ -231,8 +225,7 @@ def per_rank(run, key):
 
 
 def compare(runs, names):
-    """Prints the comparison; returns whether every run's losses equal the
-    reference's."""
+    """Prints the comparison; whether all runs' losses equal the reference's."""
     ref_i = next((i for i, r in enumerate(runs) if r["allocator"] == "torch"), 0)
     ref = runs[ref_i]
     print(f"reference: {names[ref_i]} ({ref['allocator']}); {ref['world_size']} rank(s) on {ref['device']}, "

@@ -13,13 +13,7 @@ allocator's search and is reported.
 
 The size is a knob, `n`, whose tokens per step (`tokens(n)`: batch x
 length of the largest step) grow in steps of at most about 2% where the
-answer lies (KNOBS): var-length training of an encoder (BERT-base,
-length-bucketed: 4 rows at the longest length, 8 and 16 at a half and a
-quarter of it), of a seq2seq model (T5, 6 + 6 layers) and of GPT-2 small,
-each a fixed schedule of three step shapes (short, long, medium) that all
-grow with the knob; `torch.compile(mode="reduce-overhead")` training of a
-4-layer GPT (batch 8); transformers' `generate()` (SDPA attention, 24 new
-tokens) on left-padded batches of 16, 32 and 24 prompts.
+answer lies; KNOBS describes each workload's shapes.
 
 The search (`search`): the first of `--allocators` (expandable segments
 by default) starts at a guess, moves up or down until one size fits and a
@@ -29,9 +23,8 @@ their probes alternate (B C D, D C B, ...). The result per allocator is
 the largest size that fitted and the smallest that did not, and its
 tokens against expandable segments'.
 
-`--dry-run` prints the plan without a GPU: the processes, their settings,
-each workload's parameters, and the probes the search would make on a
-made-up device where the allocators fit 5-10% apart.
+`--dry-run` prints the plan without a GPU, with the probes the search
+would make on a made-up device where the allocators fit 5-10% apart.
 """
 
 import argparse

@@ -67,8 +67,7 @@ def read_line(proc, timeout):
 
 
 def stop(proc, timeout):
-    """Closes `proc`'s input (its sign to end) and waits for it; kills it
-    after `timeout` seconds."""
+    """Closes `proc`'s input (its sign to end), waits `timeout` s, kills it."""
     proc.stdin.close()
     try:
         proc.wait(timeout=timeout)
@@ -116,10 +115,9 @@ def hold(leave):
 
 
 def leave_free(torch, want, expect_free=None, wait_s=20.0):
-    """Takes a ballast that leaves `want` bytes of the device free. Waits
-    first (up to `wait_s`) until at least `expect_free` is free: the last
-    probe's process may still be giving its memory back. Returns a dict of
-    what it saw."""
+    """Takes a ballast that leaves `want` bytes of the device free, after
+    waiting (up to `wait_s`) for `expect_free` to be free: the last probe's
+    process may still be giving memory back. Returns a dict of what it saw."""
     t0 = time.time()
     free, total = torch.cuda.mem_get_info()
     while expect_free and free < expect_free and time.time() - t0 < wait_s:
@@ -196,9 +194,8 @@ MODEL_CLASSES = ("BertForMaskedLM", "T5ForConditionalGeneration", "GPT2LMHeadMod
 
 
 def zygote(allocator):
-    """The probe server of one allocator: imports what the probes need, then
-    forks a probe for each request line on stdin and answers its exit
-    status on stdout."""
+    """The probe server of one allocator: imports what the probes need, forks
+    a probe per request line on stdin, answers its exit status on stdout."""
     import torch
     import transformers
     import workloads  # noqa: F401 - imported once, for every fork
@@ -262,8 +259,7 @@ def settings(allocator):
 
 
 class Runner:
-    """Runs probes, forked or spawned as the module says; their logs and
-    results go to `outdir`."""
+    """Runs probes, forked or spawned (module docs); logs, results: `outdir`."""
 
     def __init__(self, allocators, outdir, spawn, free_bytes, timeout):
         self.outdir, self.free_bytes, self.timeout = outdir, free_bytes, timeout

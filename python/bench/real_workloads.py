@@ -57,8 +57,7 @@ SCALES = {
         # checked against it.
         "llama_generate_eager": dict(warmup=8, rounds=2, new_tokens=48, batch=16, min_prompt=128, max_prompt=640,
                                      **LLAMA),
-        # Not in the default list (its compile takes most of a process):
-        # name it in --workloads.
+        # Not in the default list (its compile takes most of a process).
         "gpt_compiled": dict(warmup=3, steps=27, **GPT_COMPILED),
     },
     "tiny": {

@@ -227,8 +227,7 @@ def summarise(runs, workloads, allocs):
         wall = stepstats.compare({al: [r["median_step_ms"] for r in rs] for al, rs in per.items()})
         gpu = stepstats.compare({al: [r["median_gpu_step_ms"] for r in rs if r.get("median_gpu_step_ms")]
                                  for al, rs in per.items()})
-        # Every process's values against the first PyTorch process's, bit
-        # for bit.
+        # Every process's values against the first PyTorch one's, bit for bit.
         ref = min(per.get("pytorch") or [{}], key=lambda r: r.get("round", 0)).get("values")
         for al in allocs:
             rs = per[al]

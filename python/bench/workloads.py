@@ -104,8 +104,7 @@ def gpt2_varlen(torch, p, times, values):
 
 
 def resnet50(torch, p, times, values):
-    """ResNet-50 training, fixed batch, cudnn.benchmark on (as vision
-    training sets it)."""
+    """ResNet-50 training, fixed batch, cudnn.benchmark on (as vision does)."""
     import torchvision
 
     torch.backends.cudnn.benchmark = True
@@ -154,8 +153,7 @@ def encoder_bucketed(torch, p, times, values):
 
 
 def seq2seq_varlen(torch, p, times, values):
-    """A T5-style encoder-decoder trained on pairs of varying source and
-    target lengths."""
+    """A T5-style encoder-decoder trained on pairs of varying lengths."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     cfg = T5Config(d_model=p["d_model"], d_ff=4 * p["d_model"], num_layers=p["layers"],

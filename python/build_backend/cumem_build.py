@@ -3,14 +3,12 @@ the Python standard library: it builds cumem's C ABI crate (cumem-c) with
 cargo and packs the shared library with the Python package into a wheel.
 
 Where PyTorch is found, it also compiles the native backend
-(`cumem_torch/csrc/`, a C++ `CUDAAllocator` over cumem) against it into
-`libcumem_torch_native.so`, with `native_torch.txt` naming the PyTorch
-version; `native_build.txt` in the wheel says what was done or why it was
-skipped. Neither library is a Python extension module (both are loaded
-with ctypes; the native one needs no Python.h), so the wheel is tagged
-`py3-none-<platform>`: one wheel for every Python 3 version. The C++
-sources and cumem.h go into the wheel too, for `install()` to compile the
-backend on first use against another PyTorch.
+(`cumem_torch/csrc/`) against it into `libcumem_torch_native.so`, with
+`native_torch.txt` naming the PyTorch version (`native_build.txt` says
+what was done or why not). Neither library is a Python extension module
+(both are loaded with ctypes), so one `py3-none-<platform>` wheel serves
+every Python 3. The C++ sources and cumem.h go in too, for `install()` to
+compile the backend on first use against another PyTorch.
 
 Environment: CARGO (the cargo to run), CARGO_TARGET_DIR (honoured by
 cargo), CUMEM_PROFILE (`release`, the default, or `dev`); CXX (the C++
@@ -93,8 +91,7 @@ print(json.dumps({"root": os.path.dirname(torch.__file__), "version": torch.__ve
 
 
 def _find_torch():
-    """(torch root, version, CUDA header folders, libcudart folders) or a
-    reason string."""
+    """(torch root, version, CUDA header dirs, libcudart dirs), or why not."""
     if os.environ.get("CUMEM_TORCH_NATIVE") == "0":
         return "CUMEM_TORCH_NATIVE=0"
     root = os.environ.get("CUMEM_TORCH_ROOT")

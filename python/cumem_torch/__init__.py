@@ -7,18 +7,14 @@ caching allocator.
     print(torch.cuda.memory_stats()["allocated_bytes.all.peak"])
 
 `install()` makes cumem PyTorch's allocator through the native backend: a
-C++ allocator built against the installed PyTorch (at `pip install`, or
-compiled on first use; see `_native`) that implements PyTorch's whole
-allocator interface over cumem: `torch.cuda.memory_stats()` and the calls
-built on it, `empty_cache`, `set_per_process_memory_fraction`,
-`Tensor.record_stream`, CUDA graph pools and `MemPool`, checkpoints for
-`torch.compile(mode="reduce-overhead")`, `_record_memory_history` and
-snapshots, `OutOfMemoryError`. Where it can't be built or loaded,
-`install()` falls back to PyTorch's CUDAPluggableAllocator over cumem's
-two C entry points (ctypes) with a warning: there PyTorch's statistics,
-snapshots, `record_stream`, graph pools, MemPool, the memory fraction and
-cudnn's benchmark mode do not work (`cumem_torch.record_stream`,
-`stats()` and `empty_cache()` stand in for some of them).
+C++ allocator built against the installed PyTorch (see `_native`) that
+implements PyTorch's whole allocator interface over cumem (statistics,
+`empty_cache`, the memory fraction, `record_stream`, graph pools and
+`MemPool`, snapshots, `OutOfMemoryError`). Where it can't be built or
+loaded, `install()` warns and falls back to PyTorch's
+CUDAPluggableAllocator over cumem's two C entry points, where much of that
+does not work (the warning lists it; `record_stream`, `stats()` and
+`empty_cache()` here stand in for some).
 
 Sleep and wake (`tag`, `sleep`, `wake_up`, `tag_usage`; see `_sleep`):
 tensors allocated inside `with cumem_torch.tag("weights"):` can give
@@ -27,12 +23,9 @@ pinned host memory, or dropped with `discard_tags`) and get it back at the
 same addresses (`wake_up()`), so CUDA graphs captured before still replay.
 
 Configuration is `CUMEM_CONF` (as for Rust programs), or `install(conf=...)`
-with the same syntax (cumem keeps one pool per device for all of
-PyTorch's threads: autograd's backward pass runs on a thread of its own).
-The native backend adds `promise_registered_captures=true` (the backend
-routes captures into PyTorch's graph pools itself) unless the
-configuration names it. Under torchrun (`LOCAL_RANK` set) with several
-GPUs and no `device=`, cumem's default device is the rank's GPU.
+with the same syntax; the native backend adds
+`promise_registered_captures=true` (`native_conf`). Under torchrun with
+several GPUs and no `device=`, cumem's default device is the rank's GPU.
 """
 
 import atexit
@@ -105,18 +98,14 @@ _native_error = None
 
 
 def install(conf=None, native=True):
-    """Makes cumem PyTorch's CUDA allocator. Must run before the first CUDA
+    """Makes cumem PyTorch's CUDA allocator, before the first CUDA
     allocation (PyTorch refuses to swap an allocator it has used). `conf`
     configures cumem (else CUMEM_CONF). `native=False` (or
-    CUMEM_TORCH_NATIVE=0) takes the ctypes pluggable path; the native
-    backend is otherwise used, with a warning and the pluggable path where
-    it can't be built or loaded. Returns "native" or "pluggable".
+    CUMEM_TORCH_NATIVE=0) takes the pluggable path. Returns which.
 
-    One cumem manager per process: the native backend allocates from the
-    very copy of libcumem_c.so that Python's calls (this configuration,
-    `tag`, `sleep`, `stats`, ...) reach. Where a second copy is in the
-    process (a native library linked against another install's), this
-    raises RuntimeError (`_native.TwoManagers`) naming both files, and
+    One cumem manager per process: where a second copy of libcumem_c.so is
+    in the process (a native library linked against another install's),
+    this raises RuntimeError (`_native.TwoManagers`) naming both files, and
     installs nothing."""
     global _installed, _native_error
     import torch
@@ -163,11 +152,8 @@ def install(conf=None, native=True):
 
 
 def flush_log():
-    """Writes every allocation and free recorded so far to cumem's event
-    log (`log=FILE` in the configuration) and waits until they are in the
-    file; nothing to do without a log. `install()` registers it to run at
-    interpreter exit: the log's writer thread does not outlive the process,
-    and without it the end of the log is lost."""
+    """Waits until every allocation and free recorded so far is in cumem's
+    event log (`log=FILE`); `install()` runs it at exit, lest the end be lost."""
     _lib.check(_lib.lib().cumem_flush_log())
 
 
@@ -177,20 +163,16 @@ def native_error():
 
 
 def is_installed():
-    """Whether `install()` made cumem PyTorch's allocator (which backend:
-    `install()`'s answer)."""
+    """Whether `install()` made cumem PyTorch's allocator."""
     return bool(_installed)
 
 
 def MemPool(**kwargs):
-    """A `torch.cuda.MemPool` whose memory comes from cumem. With the
-    native backend installed, a plain `torch.cuda.MemPool()` (cumem's
-    private pool). Without `install()`, PyTorch's allocator caches blocks
-    inside the segments cumem hands it. Use with
-    `torch.cuda.use_mem_pool(pool)`; keyword arguments go to MemPool. For
-    programs that keep PyTorch's allocator (no `install()`): PyTorch's
-    pluggable allocator can't hold pools, so with cumem installed this
-    raises RuntimeError."""
+    """A `torch.cuda.MemPool` whose memory comes from cumem (keyword
+    arguments go to MemPool). With the native backend installed, a plain
+    `torch.cuda.MemPool()`; without `install()`, PyTorch's allocator caches
+    blocks inside segments cumem hands it. With the pluggable allocator
+    installed (which can't hold pools) this raises RuntimeError."""
     import torch
     if _installed == "native":
         return torch.cuda.MemPool(**kwargs)
@@ -202,10 +184,8 @@ def MemPool(**kwargs):
 
 
 def record_stream(tensor, stream):
-    """What `tensor.record_stream(stream)` does for PyTorch's allocator:
-    when the tensor's memory is freed, the free first waits for the work
-    queued on `stream` (PyTorch does not pass record_stream on to a
-    pluggable allocator)."""
+    """`tensor.record_stream(stream)`, which PyTorch does not pass on to a
+    pluggable allocator: the tensor's free first waits for `stream`'s work."""
     if _installed == "native":
         tensor.record_stream(stream)
         return
@@ -217,8 +197,7 @@ def record_stream(tensor, stream):
 
 def current_device():
     """The device `stats()` describes when given none: PyTorch's current
-    device once PyTorch has initialised CUDA (as torch.cuda.memory_stats()
-    does), else cumem's default device (the rank's GPU under torchrun).
+    device once PyTorch has initialised CUDA, else cumem's default device.
     Opens no context on any other GPU."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
@@ -229,12 +208,9 @@ def current_device():
 
 
 def stats(device=None):
-    """Device `device`'s figures (bytes, counts) as a dict: "pool" (the
-    sync pool: in_use, peak_in_use, reserved, peak_reserved, ...), the
-    stream-ordered modes', the graph pools' and the memory tags' figures
-    (tagged_in_use, tagged_mapped: not in "pool"; per tag: `tag_usage()`),
-    and move_waits (the sync pool's page moves that waited for the device).
-    No device: `current_device()`."""
+    """Device `device`'s figures (default: `current_device()`) as a dict of
+    CumemDeviceStats' fields: "pool" (the sync pool's), the stream-ordered
+    modes', the graph pools' and the memory tags' figures."""
     return _lib.fill(_lib.DeviceStats, _lib.lib().cumem_device_stats, current_device() if device is None else device)
 
 
@@ -269,9 +245,8 @@ def backend():
 
 
 def empty_cache():
-    """Returns cumem's cached free memory to the driver (what
-    torch.cuda.empty_cache() does with the native backend; it does not
-    reach a pluggable allocator). Returns the bytes released."""
+    """Returns cumem's cached free memory to the driver, and the bytes
+    released (torch.cuda.empty_cache() does it with the native backend)."""
     n = ctypes.c_size_t(0)
     _lib.check(_lib.lib().cumem_release_cached(ctypes.byref(n)))
     return n.value

@@ -142,8 +142,7 @@ def check(status):
 
 
 def fill(struct, fn, *args):
-    """Calls `fn(*args, &s)` for a new `struct` s, checks its status and
-    returns s as a dict."""
+    """Calls `fn(*args, &s)` for a new `struct` s; checks, returns s as a dict."""
     s = struct()
     check(fn(*args, ctypes.byref(s)))
     return as_dict(s)

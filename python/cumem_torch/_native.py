@@ -47,9 +47,8 @@ class NativeUnavailable(RuntimeError):
 
 
 class TwoManagers(RuntimeError):
-    """Two copies of cumem's library in the process, so two cumem managers
-    (Python's calls would reach one, PyTorch's allocations the other); the
-    message names the files."""
+    """Two copies of cumem's library in the process, so two managers (Python's
+    calls would reach one, PyTorch's allocations the other); names the files."""
 
 
 def _torch_version():

@@ -10,12 +10,10 @@ cumem_wake, cumem_tag_usage), shaped like an LLM engine's own sleep mode:
     cumem_torch.wake_up(["weights"])     # same addresses, same weights
     cumem_torch.wake_up()                # every sleeping tag (the cache, empty)
 
-A tag is the calling thread's: PyTorch allocates on the thread that runs
-the operation, so every tensor made inside `with tag(...)` on this thread
-is the tag's, and tensors made on other threads (autograd's backward
+A tag is the calling thread's: tensors made inside `with tag(...)` on this
+thread are the tag's, those made on other threads (autograd's backward
 thread, a data loader's) are not. Allocations during a CUDA graph capture
-(torch.cuda.graph, torch.compile's "reduce-overhead") go to the graph's
-private pool and are never tagged: they don't sleep.
+go to the graph's private pool and are never tagged.
 """
 
 import contextlib
@@ -38,13 +36,12 @@ def _set(name):
 
 @contextlib.contextmanager
 def tag(name):
-    """Sets `name` as the calling thread's memory tag inside the block (a
-    context manager, also usable as a decorator): the CUDA memory PyTorch
+    """Sets `name` (None: no tag) as the calling thread's memory tag inside
+    the block (a context manager, or a decorator): the CUDA memory PyTorch
     allocates on this thread then comes from the tag's own address space,
     which `sleep()` and `wake_up()` put away and bring back as one. Blocks
-    nest; the tag set before comes back at the end. `name=None` clears the
-    tag inside the block. Freeing needs no tag. Under asyncio the tag
-    stays set while the block awaits: other tasks of the thread get it.
+    nest. Under asyncio the tag stays set while the block awaits: other
+    tasks of the thread get it.
 
     Raises CumemError (CUMEM_STATUS_CONFIG) for a name that is empty or
     longer than 128 bytes, ValueError for a name holding a NUL."""
@@ -60,10 +57,8 @@ def tag(name):
 
 def _drain_native_frees():
     """With the native backend: completes the frees that wait for
-    record_stream's events (tensors the program dropped), so that sleep
-    does not offload them as live. The backend keeps no other tagged
-    memory: its per-stream kept blocks are never tagged, and its private
-    pools (graphs, MemPool) take untagged blocks only."""
+    record_stream's events, so that sleep does not offload dropped tensors
+    as live (the backend keeps no other tagged memory)."""
     from . import _native
     l = _native._lib_native
     if l is None or not _native.active():
@@ -79,13 +74,11 @@ def sleep(offload_tags=(), discard_tags=(), *, collect=True):
     """Puts memory tags to sleep: the live tensors' memory of each tag in
     `offload_tags` is copied to pinned host memory, that of each tag in
     `discard_tags` is dropped; then every physical page of these tags goes
-    back to the driver (`torch.cuda.mem_get_info()` shows it free). Tensors
-    keep their addresses: `wake_up()` brings memory back under them, and
-    CUDA graphs captured before replay after it. Until then the program
-    must not touch these tensors (work queued before the call is waited
-    for); allocating in a sleeping tag raises. A tag or a list of tags;
-    only the named tags sleep (unlike vLLM's allocator, which discards
-    every tag it does not offload).
+    back to the driver. Tensors keep their addresses: `wake_up()` brings
+    memory back under them, and graphs captured before replay after it.
+    Until then the program must not touch these tensors (work queued before
+    the call is waited for); allocating in a sleeping tag raises. Only the
+    named tags sleep (vLLM's allocator discards every tag not offloaded).
 
     `collect` runs the garbage collector first, so that tensors nobody
     holds are freed rather than offloaded. Returns a dict: tags (the names),

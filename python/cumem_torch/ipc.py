@@ -98,8 +98,7 @@ class _Raw:
 
 
 class SharedTensor:
-    """Another process's tensor opened here: `tensor` uses its memory until
-    `close`."""
+    """Another process's tensor opened here (`tensor`, until `close`)."""
 
     def __init__(self, ptr, size, export_id, device, tensor):
         self.ptr, self.size, self.export_id, self.device = ptr, size, export_id, device

@@ -33,8 +33,7 @@ macro_rules! handle {
                 self.key.len
             }
 
-            /// Whether no values were requested (never: empty requests are
-            /// refused).
+            /// Whether no values were requested (never: those are refused).
             pub fn is_empty(&self) -> bool {
                 self.key.len == 0
             }

@@ -114,8 +114,7 @@ impl ArenaPlan {
         Self::with_manager_on_device(MemoryManager::global()?, ordinal, host_bytes, device_bytes)
     }
 
-    /// As [`with_manager`](Self::with_manager), with the device block on
-    /// device `ordinal`.
+    /// As [`with_manager`](Self::with_manager), on device `ordinal`.
     ///
     /// # Errors
     /// [`Error::NoSuchDevice`]; the manager's allocation errors.
@@ -210,8 +209,7 @@ impl ArenaPlan {
     /// bytes.
     ///
     /// # Errors
-    /// As [`want_host`](Self::want_host), and [`Error::InvalidState`] for
-    /// an empty range.
+    /// As [`want_host`](Self::want_host); [`Error::InvalidState`] for no steps.
     pub fn want_host_for<T: Pod>(&mut self, len: usize, steps: RangeInclusive<usize>) -> Result<HostHandle<T>> {
         let key = self.want::<T>(Memory::Host, len, Lifetime::new(steps)?)?;
         Ok(HostHandle::new(key))
@@ -226,8 +224,7 @@ impl ArenaPlan {
         Ok(DeviceHandle::new(key))
     }
 
-    /// Requests `len` values of `T` in device memory, used during the steps
-    /// `steps` only.
+    /// Requests `len` values of `T` in device memory during `steps` only.
     ///
     /// # Errors
     /// As [`want_host_for`](Self::want_host_for).
@@ -320,8 +317,7 @@ impl ArenaPlan {
     /// The memory keeps its contents; new requests over it see them.
     ///
     /// # Errors
-    /// A driver error from the work queued on the device (the plan is reset
-    /// all the same).
+    /// A driver error from the device's queued work (the plan is reset anyway).
     pub fn release_all(&mut self) -> Result<()> {
         let synced = self.synchronize();
         self.planner.clear();
@@ -368,14 +364,12 @@ impl ArenaPlan {
     /// The offset of a host request in the pinned block (a multiple of 256).
     ///
     /// # Errors
-    /// [`Error::InvalidHandle`]: another plan's handle, a stale one, or one
-    /// not assigned yet.
+    /// [`Error::InvalidHandle`]: another plan's, a stale or an unassigned one.
     pub fn host_offset<T>(&self, h: &HostHandle<T>) -> Result<usize> {
         self.resolve(Memory::Host, &h.key)
     }
 
-    /// The offset of a device request in the device block (a multiple of
-    /// 256).
+    /// A device request's offset in the device block (a multiple of 256).
     ///
     /// # Errors
     /// As [`host_offset`](Self::host_offset).
@@ -453,8 +447,7 @@ impl ArenaPlan {
     /// request's.
     ///
     /// # Errors
-    /// [`Error::InvalidHandle`], a length mismatch ([`Error::InvalidState`]),
-    /// a driver error.
+    /// [`Error::InvalidHandle`], a length mismatch, a driver error.
     pub fn copy_to_device<T: Pod>(&mut self, h: &DeviceHandle<T>, src: &[T]) -> Result<()> {
         Self::check_len(h.len(), src.len())?;
         let dst = self.device_ptr(h)?;
@@ -490,8 +483,7 @@ impl ArenaPlan {
         unsafe { self.htod(dst, src.cast_const().cast(), to.num_bytes()) }
     }
 
-    /// Copies a device request into a host request of the same length and
-    /// waits.
+    /// Copies a device request into a host request of its length and waits.
     ///
     /// # Errors
     /// As [`copy_to_device`](Self::copy_to_device).
@@ -512,8 +504,7 @@ impl ArenaPlan {
         match &self.ctx {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the caller vouches for both ranges for the whole
-                // synchronous call.
+                // SAFETY: the caller vouches for both ranges for the call.
                 unsafe { sys::cuMemcpyHtoD_v2(dst, src.cast(), bytes) }.result().map_err(driver_err("cuMemcpyHtoD"))?;
                 // From pageable memory the call returns once the data is
                 // staged, before it reaches the device: wait for it, so the
@@ -538,8 +529,7 @@ impl ArenaPlan {
         match &self.ctx {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the caller vouches for both ranges for the whole
-                // synchronous call.
+                // SAFETY: the caller vouches for both ranges for the call.
                 unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), src, bytes) }.result().map_err(driver_err("cuMemcpyDtoH"))
             }
             None => {
@@ -556,8 +546,7 @@ impl ArenaPlan {
 /// stream (`cuStreamSynchronize(NULL)`), where the synchronous copies and
 /// memsets run.
 fn sync_legacy_stream() -> Result<()> {
-    // SAFETY: the null stream is the current context's legacy stream; the
-    // caller bound the context.
+    // SAFETY: the null stream is the bound current context's legacy stream.
     unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result().map_err(driver_err("cuStreamSynchronize"))
 }
 

@@ -180,8 +180,7 @@ pub(crate) struct Planner {
 }
 
 impl Planner {
-    /// A planner for a host block of `host` bytes and a device block of
-    /// `device` bytes.
+    /// A planner for blocks of `host` (host) and `device` (device) bytes.
     pub(crate) fn new(host: usize, device: usize) -> Self {
         Planner { blocks: [Block::new(host), Block::new(device)] }
     }
@@ -226,8 +225,7 @@ impl Planner {
         Ok(Placement { blocks })
     }
 
-    /// Assigns the offsets of `placement`, made by [`plan`](Self::plan)
-    /// with no request added since.
+    /// Assigns the offsets [`plan`](Self::plan) made, with no request since.
     pub(crate) fn apply(&mut self, placement: Placement) {
         for (block, (offsets, end)) in self.blocks.iter_mut().zip(placement.blocks) {
             debug_assert_eq!(offsets.len(), block.pending.len(), "requests were added after plan()");
@@ -307,8 +305,7 @@ pub struct BlockReport {
 }
 
 impl BlockReport {
-    /// The bytes sharing saves: `requested_bytes - planned_bytes`, or 0
-    /// when padding outweighs sharing.
+    /// The bytes sharing saves: `requested_bytes - planned_bytes`, at least 0.
     pub fn saved_bytes(&self) -> usize {
         self.requested_bytes.saturating_sub(self.planned_bytes)
     }

@@ -1,5 +1,4 @@
-//! [`DeviceBuffer`]: typed device memory from the manager, freed on drop in
-//! stream order.
+//! [`DeviceBuffer`]: typed device memory, freed on drop in stream order.
 
 use std::marker::PhantomData;
 use std::mem::size_of;
@@ -225,8 +224,7 @@ impl<T: Copy> DeviceBuffer<T> {
     /// Copies the whole buffer to `dst` and waits.
     ///
     /// # Safety
-    /// `dst` is valid for writes of `len` values and does not overlap the
-    /// buffer.
+    /// `dst` is valid for writes of `len` values, not overlapping the buffer.
     unsafe fn copy_out(&self, dst: *mut T) -> Result<()> {
         if self.mm.backend().is_host() {
             // SAFETY: on the host fallback the buffer is host memory of
@@ -249,16 +247,14 @@ impl<T: Copy> DeviceBuffer<T> {
     /// A driver error.
     pub fn to_vec(&self) -> Result<Vec<T>> {
         let mut v = Vec::with_capacity(self.len);
-        // SAFETY: the vector's spare capacity holds `len` values and is
-        // distinct from the buffer.
+        // SAFETY: spare capacity for `len` values, distinct from the buffer.
         unsafe { self.copy_out(v.as_mut_ptr())? };
         // SAFETY: `copy_out` initialised all `len` values.
         unsafe { v.set_len(self.len) };
         Ok(v)
     }
 
-    /// Queues a copy of `src` into the buffer on `stream`
-    /// (`cuMemcpyHtoDAsync`).
+    /// Queues a copy from `src` on `stream` (`cuMemcpyHtoDAsync`).
     ///
     /// # Safety
     /// `src` must stay alive and unmodified until the copy is done
@@ -273,8 +269,7 @@ impl<T: Copy> DeviceBuffer<T> {
         unsafe { self.mm.copy_to_device_async(self.ptr, src.as_ptr().cast(), self.num_bytes(), stream) }
     }
 
-    /// Queues a copy of the buffer into `dst` on `stream`
-    /// (`cuMemcpyDtoHAsync`).
+    /// Queues a copy into `dst` on `stream` (`cuMemcpyDtoHAsync`).
     ///
     /// # Safety
     /// `dst` must stay alive and untouched until the copy is done
@@ -300,8 +295,7 @@ impl<T: Copy> DeviceBuffer<T> {
     /// `src` from another stream, races with the copy.
     ///
     /// # Errors
-    /// A length mismatch ([`Error::InvalidState`]) or a driver error naming
-    /// the call and device.
+    /// A length mismatch ([`Error::InvalidState`]) or a driver error.
     pub unsafe fn copy_from_buffer_async(&mut self, src: &DeviceBuffer<T>, stream: &Stream) -> Result<()> {
         self.check_len(src.len)?;
         // SAFETY: both ranges are whole buffers of `num_bytes()` bytes on
@@ -373,8 +367,7 @@ impl<T: Copy + DeviceRepr> DeviceBuffer<T> {
     /// A driver error.
     pub fn zero(&mut self) -> Result<()> {
         if self.mm.backend().is_host() {
-            // SAFETY: host fallback: the buffer is `num_bytes()` bytes of
-            // host memory owned by `self`.
+            // SAFETY: host fallback: `num_bytes()` host bytes `self` owns.
             unsafe { std::ptr::write_bytes(self.ptr as usize as *mut u8, 0, self.num_bytes()) };
             return Ok(());
         }
@@ -416,8 +409,7 @@ impl<T> DeviceBuffer<T> {
         self.mm.device(self.device)?.internal_stream()
     }
 
-    /// The context of the device the memory is on (`None` on the host
-    /// fallback).
+    /// The context of the memory's device (`None` on the host fallback).
     pub(super) fn cuda_context(&self) -> Result<Option<std::sync::Arc<cudarc::driver::CudaContext>>> {
         if let Some(ctx) = self.stream.as_ref().and_then(|s| s.context()) {
             return Ok(Some(ctx.clone()));

@@ -35,11 +35,9 @@ pub struct GrowStats {
     pub within_reservation: u64,
     /// Growths that extended the reservation in place (pointer unchanged).
     pub in_place: u64,
-    /// Growths that remapped the memory into a new range (pointer changed,
-    /// nothing copied).
+    /// Growths remapped into a new range (pointer changed, nothing copied).
     pub remapped: u64,
-    /// Map operations over the buffer's life (each maps one piece per
-    /// reserved segment it spans).
+    /// Map operations so far (one piece per reserved segment each spans).
     pub pieces_mapped: u64,
 }
 
@@ -113,9 +111,8 @@ pub struct GrowableBuffer<T: Copy> {
     stream: Option<Stream>,
     len: usize,
     stats: GrowStats,
-    /// cudarc's view of the first `len` values, made on first use and
-    /// released whenever the length or the address changes
-    /// (`buffer::interop`).
+    /// cudarc's view of the first `len` values, made on first use, released
+    /// when the length or the address changes (`buffer::interop`).
     cuda: CudaShadow<T>,
     _marker: PhantomData<T>,
 }
@@ -256,8 +253,7 @@ impl<T: Copy> GrowableBuffer<T> {
     }
 
     /// The bytes of address space (no memory) held right after the
-    /// reservation so that growth can extend in place; 0 when there is no
-    /// such guard.
+    /// reservation so that growth can extend in place (0: none).
     pub fn headroom_bytes(&self) -> usize {
         self.region().headroom()
     }
@@ -300,15 +296,13 @@ impl<T: Copy> GrowableBuffer<T> {
     /// and OS errors. The contents are unchanged on error.
     pub fn grow(&mut self, min_capacity: usize) -> Result<GrowPath> {
         self.forget_cuda();
-        // Mapping touches no stream: legal beside another thread's
-        // global-mode capture in the relaxed mode.
+        // Mapping touches no stream: legal beside a global capture (relaxed).
         let _relaxed = RelaxedCaptureMode::enter();
         if min_capacity <= self.capacity() {
             return Ok(GrowPath::Unchanged);
         }
         if self.ctx.is_some() {
-            // Peers that became active get access before the map, with the
-            // region's lock not held (`cuda/peer.rs`).
+            // Newly active peers get access before the map, region unlocked.
             follow_active_peers()?;
         }
         let needed = self.region().round(Self::bytes_for(min_capacity)?)?;
@@ -320,8 +314,7 @@ impl<T: Copy> GrowableBuffer<T> {
         }
         match self.map(mapped, target - mapped) {
             Ok(()) => {}
-            // Doubling asked for more than the device has: map just what
-            // was asked for.
+            // Doubling asked more than the device has: map just what was asked.
             Err(Error::OutOfMemory { .. }) if target > needed => self.map(mapped, needed - mapped)?,
             Err(e) => return Err(e),
         }
@@ -341,8 +334,7 @@ impl<T: Copy> GrowableBuffer<T> {
         self.grow(want)
     }
 
-    /// Sets the length to `new_len`, filling new elements with `value`
-    /// (copied from the host).
+    /// Sets the length to `new_len`, new elements `value` (from the host).
     ///
     /// # Errors
     /// As [`grow`](Self::grow) and the copies.
@@ -362,8 +354,7 @@ impl<T: Copy> GrowableBuffer<T> {
         Ok(())
     }
 
-    /// Shortens the buffer to `new_len` elements (no effect if it is
-    /// shorter); the memory stays mapped.
+    /// Shortens the buffer to `new_len` (if longer); the memory stays mapped.
     pub fn truncate(&mut self, new_len: usize) {
         self.forget_cuda();
         self.len = self.len.min(new_len);

@@ -55,8 +55,7 @@ impl MemoryTag {
     /// ([`MemoryManager::allocate_device`]).
     ///
     /// # Errors
-    /// As `allocate_device`; [`Error::Tag`](crate::Error::Tag) while the
-    /// tag sleeps.
+    /// As `allocate_device`; [`Error::Tag`](crate::Error::Tag) while asleep.
     pub fn allocate(&self, mm: &MemoryManager, size: usize) -> Result<u64> {
         let _tag = self.scope();
         mm.allocate_device(size)
@@ -76,15 +75,13 @@ impl MemoryTag {
     /// default device, [`DeviceBuffer::new`]).
     ///
     /// # Errors
-    /// As [`DeviceBuffer::new`]; [`Error::Tag`](crate::Error::Tag) while the
-    /// tag sleeps.
+    /// As [`DeviceBuffer::new`]; [`Error::Tag`](crate::Error::Tag) asleep.
     pub fn buffer<T: Copy>(&self, len: usize) -> Result<DeviceBuffer<T>> {
         let _tag = self.scope();
         DeviceBuffer::new(len)
     }
 
-    /// A [`DeviceBuffer`] of `len` values in this tag for work on `stream`
-    /// ([`DeviceBuffer::new_on`]).
+    /// [`DeviceBuffer::new_on`] in this tag: `len` values for work on `stream`.
     ///
     /// # Errors
     /// As [`buffer`](Self::buffer).

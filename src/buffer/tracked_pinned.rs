@@ -63,8 +63,7 @@ impl<T> TrackedPinnedVec<T> {
         self.vec.is_empty()
     }
 
-    /// Waits for the copies cudarc queued with this vector
-    /// (`cuEventSynchronize`).
+    /// Waits for the copies cudarc queued with it (`cuEventSynchronize`).
     ///
     /// # Errors
     /// A driver error (from the copies' stream).
@@ -96,8 +95,7 @@ impl<T> TrackedPinnedVec<T> {
     /// The vector, once the queued copies are done.
     ///
     /// # Errors
-    /// As [`wait`](Self::wait); the vector is then kept (and waited for
-    /// again when dropped).
+    /// As [`wait`](Self::wait); the vector is kept (waited for again on drop).
     pub fn into_inner(mut self) -> Result<PinnedVec<T>> {
         self.wait()?;
         self.event.take();

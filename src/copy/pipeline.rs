@@ -46,8 +46,7 @@ pub(super) enum Direction {
     ToHost,
 }
 
-/// The smallest chunk (DMA) unless the copy is smaller: below it a DMA's
-/// fixed cost dominates.
+/// The smallest chunk (DMA) of a larger copy: below it, fixed costs dominate.
 pub(super) const MIN_CHUNK: usize = 256 << 10;
 /// Chunks a copy is cut into, where the size allows.
 const CHUNKS: usize = 8;
@@ -59,8 +58,7 @@ const MAX_PIECE: usize = 256 << 10;
 /// The staging ring's bytes, where the chunks allow (at least two slots).
 const RING: usize = 16 << 20;
 /// Bytes per helper thread: more helpers on a small copy cost more (in
-/// hand-offs and in threads spinning beside the copying ones) than they
-/// bring.
+/// hand-offs, in threads spinning beside the copying ones) than they bring.
 const PER_HELPER: usize = 2 << 20;
 
 /// How a copy of `bytes` is cut.
@@ -188,8 +186,7 @@ pub(super) struct Job {
     gate: AtomicUsize,
     /// Pieces copied, per chunk.
     done: Vec<AtomicUsize>,
-    /// Set when the copy failed (a driver error or a helper's panic):
-    /// everyone stops.
+    /// Set when the copy failed (a driver error, a helper's panic): all stop.
     abort: AtomicBool,
 }
 
@@ -276,8 +273,7 @@ impl Job {
         }
     }
 
-    /// The calling thread copies the next piece if it may; whether it
-    /// did (or lost a race for it).
+    /// Copies the next piece if it may; whether it did (or lost the race).
     fn help_once(&self) -> bool {
         let i = self.claimed.load(Ordering::Relaxed);
         if i >= self.plan.pieces() || i / self.plan.per_chunk >= self.gate.load(Ordering::Acquire) {

@@ -1,8 +1,7 @@
 //! Copies between pageable host memory (a plain `&[T]` / `&mut [T]`) and
-//! device memory through a pinned staging ring from the pinned pool: the
-//! public calls, their tuning and the driver side of the pipeline
-//! (`pipeline.rs` cuts the copy and runs it; `workers.rs` keeps the
-//! helper threads).
+//! device memory through a pinned staging ring: the public calls, their
+//! tuning and the driver side of the pipeline (`pipeline.rs` cuts the copy
+//! and runs it; `workers.rs` keeps the helper threads).
 //!
 //! # Implementation details
 //! All DMAs go to the caller's stream (`cuMemcpyHtoDAsync` /
@@ -165,8 +164,7 @@ unsafe fn staged_cuda(
     let job = unsafe { Job::new(dir, host, stage.as_ptr() as usize, bytes, plan) };
     let mut cuda = Cuda { stream: cs, dir, dev, events: &events };
     let result = run_with_helpers(plan.helpers, &|| job.help(), |_| job.drive(&mut cuda));
-    // After an error an event may have missed its DMA: only an idle
-    // stream proves the ring unused.
+    // After an error an event may miss its DMA: only an idle stream proves it.
     let idle = result.is_ok() || cs.synchronize().is_ok();
     if idle {
         // A free of a block this copy allocated can't fail; if it did,
@@ -243,8 +241,7 @@ impl MemoryManager {
     /// ```
     pub unsafe fn copy_from_pageable<T: Copy>(&self, dst: u64, src: &[T], stream: &Stream) -> Result<()> {
         let bytes = std::mem::size_of_val(src);
-        // SAFETY: the caller's contract, and `src` is valid for `bytes`
-        // reads for the whole call.
+        // SAFETY: the caller's contract; `src` holds `bytes` for the call.
         unsafe { self.staged(Direction::ToDevice, src.as_ptr() as usize, dst, bytes, stream) }
     }
 
@@ -291,8 +288,7 @@ impl MemoryManager {
         if !self.backend().is_host() && stream.is_host() {
             return Err(Error::InvalidState("a host queue can't copy CUDA device memory; use a CUDA stream".into()));
         }
-        // On the host fallback device memory is host memory, whatever the
-        // stream.
+        // On the host fallback device memory is host memory, any stream.
         let Some(cs) = stream.cudarc().filter(|_| !self.backend().is_host()) else {
             let (h, d) = (host as *mut u8, dev as usize as *mut u8);
             // SAFETY: on the host fallback device memory is host memory;

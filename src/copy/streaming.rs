@@ -14,8 +14,7 @@
 /// devices before it returns.
 ///
 /// # Safety
-/// `src` is valid for `len` reads, `dst` for `len` writes, and they don't
-/// overlap.
+/// `src` is valid for `len` reads, `dst` for `len` writes; no overlap.
 pub(super) unsafe fn copy_to_ring(src: *const u8, dst: *mut u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the caller's contract.
@@ -33,8 +32,7 @@ pub(super) unsafe fn copy_to_ring(src: *const u8, dst: *mut u8, len: usize) {
 mod x86 {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
 
-    /// Bytes moved per round: one cache line, so the write-combining
-    /// buffers send whole lines.
+    /// Bytes per round: a cache line, so write-combining sends whole lines.
     const LINE: usize = 64;
 
     /// # Safety

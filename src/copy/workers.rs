@@ -51,8 +51,7 @@ static HELPERS: Lazy<Helpers> = Lazy::new(|| {
     Helpers { tasks, queue, started: StaticAtomicU64::new(0) }
 });
 
-/// The next task: polled for [`LINGER`], then waited for; `None` once the
-/// channel is closed.
+/// The next task: polled for [`LINGER`], then waited for (`None`: closed).
 fn next_task(queue: &Receiver<Task>) -> Option<Task> {
     let since = Instant::now();
     let mut rounds = 0u32;
@@ -75,15 +74,13 @@ fn next_task(queue: &Receiver<Task>) -> Option<Task> {
 
 fn helper(queue: Receiver<Task>) {
     while let Some(task) = next_task(&queue) {
-        // SAFETY: `run_with_helpers` keeps the work alive until this
-        // task's answer is received (see `Task`).
+        // SAFETY: `run_with_helpers` keeps the work alive until our answer.
         let answer = catch_unwind(AssertUnwindSafe(|| unsafe { (*task.work)() }));
         let _ = task.done.send(answer);
     }
 }
 
-/// Starts helpers until `n` exist, as far as threads can be had; returns
-/// how many exist.
+/// Starts helpers until `n` exist (as threads can be had); how many do.
 fn ensure_helpers(n: usize) -> usize {
     let h = &*HELPERS;
     loop {

@@ -17,10 +17,9 @@
 //!   queues take part through a capture id of their own, so the graph
 //!   rules are tested on machines without a GPU.
 //! - [`RelaxedCaptureMode`]: switches the calling thread to the relaxed
-//!   capture mode (`cuThreadExchangeStreamCaptureMode`) for the duration of
-//!   a growth or release call, so that mapping more memory while another
-//!   thread captures is legal (the driver's mapping calls don't touch any
-//!   stream).
+//!   capture mode (`cuThreadExchangeStreamCaptureMode`) during a growth or
+//!   release call, so mapping memory while another thread captures is
+//!   legal (the driver's mapping calls don't touch any stream).
 
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
@@ -49,13 +48,11 @@ pub(crate) fn count_capture(begins: bool) {
     }
 }
 
-/// Whether `cuStreamGetCaptureInfo_v3` exists in the loaded driver
-/// (CUDA 12.3 and later).
+/// Whether the driver has `cuStreamGetCaptureInfo_v3` (CUDA 12.3 on).
 fn has_capture_info() -> bool {
     static HAS: OnceCell<bool> = OnceCell::new();
     *HAS.get_or_init(|| {
-        // SAFETY: only looks a symbol up in the already loaded driver
-        // library; nothing is called.
+        // SAFETY: only looks a symbol up in the loaded driver; calls nothing.
         unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuStreamGetCaptureInfo_v3") }.is_ok()
     })
 }
@@ -71,8 +68,7 @@ fn has_capture_info() -> bool {
 /// the program may change the thread's context between two calls.
 fn make_current(ctx: &cudarc::driver::CudaContext) -> Result<()> {
     let mut current: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: `current` is a valid out-location; the call only reads the
-    // calling thread's current context.
+    // SAFETY: `current` is a local; the call reads this thread's context.
     unsafe { sys::cuCtxGetCurrent(&mut current) }.result().map_err(super::driver_err("cuCtxGetCurrent"))?;
     if current != ctx.cu_ctx() {
         ctx.bind_to_thread().map_err(super::driver_err("cuCtxSetCurrent"))?;
@@ -80,15 +76,13 @@ fn make_current(ctx: &cudarc::driver::CudaContext) -> Result<()> {
     Ok(())
 }
 
-/// The id of the capture `stream` takes part in, or `None` when it does
-/// not capture.
+/// The id of the capture `stream` takes part in (`None`: it does not).
 ///
 /// On drivers without `cuStreamGetCaptureInfo_v3` the id is the stream's
 /// own (a capture is then recognised only on the stream it began on).
 ///
 /// # Errors
-/// [`Error::Capture`] when the capture was invalidated (something illegal
-/// happened on it); a driver error.
+/// [`Error::Capture`] when something illegal invalidated it; a driver error.
 pub(crate) fn capture_of(stream: &Stream) -> Result<Option<u64>> {
     Ok(capture_info(stream)?.map(|(id, _)| id))
 }
@@ -114,8 +108,7 @@ pub(crate) fn capture_info(stream: &Stream) -> Result<Option<(u64, CaptureGraph)
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // The cheaper question first (about a fifth less on an H100): most
     // streams asked do not capture.
-    // SAFETY: the stream is alive (held by `stream`); `status` is a valid
-    // local.
+    // SAFETY: the stream is alive (held by `stream`); `status` is a local.
     unsafe { sys::cuStreamIsCapturing(cuda.cu_stream(), &mut status) }
         .result()
         .map_err(super::driver_err("cuStreamIsCapturing"))?;
@@ -169,8 +162,7 @@ impl RelaxedCaptureMode {
             return RelaxedCaptureMode { previous: None };
         }
         let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-        // SAFETY: `mode` is a valid in/out location; the call only swaps the
-        // calling thread's mode.
+        // SAFETY: `mode` is an in/out local; only this thread's mode swaps.
         let ok = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }.result().is_ok();
         RelaxedCaptureMode { previous: ok.then_some(mode) }
     }

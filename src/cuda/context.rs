@@ -109,9 +109,8 @@ pub fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) ->
 
 /// For GPU tests: the context of the default device (`CUMEM_CONF`'s
 /// `device`, 0 when unset), or `None` after printing why the test is
-/// skipped. With `CUMEM_REQUIRE_GPU=1` set, a missing GPU is a failure
-/// instead, so a GPU test on the device machine can never pass by
-/// skipping.
+/// skipped. With `CUMEM_REQUIRE_GPU=1` a missing GPU is a failure instead,
+/// so a GPU test on the device machine can't pass by skipping.
 ///
 /// # Panics
 /// When `CUMEM_REQUIRE_GPU=1` and no device is usable.
@@ -135,11 +134,10 @@ pub fn gpu_for_test(test: &str) -> Option<Arc<CudaContext>> {
 
 /// For tests that need `n` GPUs: the contexts of devices `0..n`, or `None`
 /// after printing why the test is skipped (no GPU, or fewer than `n`).
-/// With `CUMEM_REQUIRE_GPU=1`, having no GPU is a failure, and so is
-/// having fewer than `n` when `CUMEM_GPUS` is set to `n` or more, so the
-/// test can't pass by skipping on the machine meant to run it; with
-/// `CUMEM_REQUIRE_GPU=1` alone, one GPU still skips (the single-GPU
-/// suite).
+/// With `CUMEM_REQUIRE_GPU=1`, no GPU is a failure, and so are fewer than
+/// `n` when `CUMEM_GPUS` is `n` or more, so the test can't pass by
+/// skipping on the machine meant to run it (with `CUMEM_REQUIRE_GPU=1`
+/// alone, one GPU still skips: the single-GPU suite).
 ///
 /// # Panics
 /// When `CUMEM_REQUIRE_GPU=1` and the test can't run for a reason other

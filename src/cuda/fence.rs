@@ -24,8 +24,7 @@ use crate::error::Result;
 use crate::sync::{lock, Mutex};
 use crate::tag::Fence;
 
-/// Events kept for reuse per device (more are destroyed when they come
-/// back).
+/// Events kept for reuse per device (more are destroyed on return).
 const KEPT: usize = 64;
 
 /// A device's events for fences, made on demand and reused.
@@ -108,17 +107,15 @@ pub(crate) fn fence_on_all(streams: &[Stream], then: &Stream, pool: &Arc<EventPo
     Some(Arc::new(AllOf(events)))
 }
 
-/// An event recorded at the end of the work queued so far on `on`, with
-/// `then` made to wait for it when it is another stream (see
-/// [`fence_on`]).
+/// An event recorded after the work queued so far on `on`, which `then`
+/// waits for when it is another stream (see [`fence_on`]).
 fn record_for(on: &Stream, then: &Stream, pool: &Arc<EventPool>) -> Option<CudaEvent> {
     let cuda = on.cudarc()?;
     if super::captures_under_way() {
         return None;
     }
     let other = then.id() != on.id();
-    // The requesting stream does not capture (its allocation would not be
-    // here); another one might.
+    // The requesting stream does not capture (else it would not be here).
     if other && !matches!(on.unless_gone(|| super::capture_of(on)), Ok(Some(None))) {
         return None;
     }

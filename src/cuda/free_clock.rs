@@ -99,8 +99,7 @@ impl FreeClock {
         self.freed.iter().zip(seen).all(|(f, &n)| f.load(Ordering::Acquire) <= n)
     }
 
-    /// Records the counts of [`seen`](Self::seen) as complete (after the
-    /// host waited for the stream).
+    /// Records [`seen`](Self::seen)'s counts complete (the host waited).
     pub fn mark_complete(&self, seen: &[u64]) {
         for (s, &n) in self.synced.iter().zip(seen).filter(|&(_, &n)| n > 0) {
             s.fetch_max(n, Ordering::AcqRel);

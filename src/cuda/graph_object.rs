@@ -60,8 +60,7 @@ pub(crate) fn tie_to_graph(graph: &CaptureGraph, queue: &Arc<ReleaseQueue>, pool
             }
             .result();
             if let Err(e) = created {
-                // SAFETY: the driver did not take the payload; it is ours
-                // to drop, once.
+                // SAFETY: the driver did not take the payload: ours to drop.
                 drop(unsafe { Box::from_raw(payload.cast::<Release>()) });
                 return Err(driver_err("cuUserObjectCreate")(e));
             }

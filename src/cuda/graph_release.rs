@@ -26,15 +26,13 @@ use std::ffi::c_void;
 
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 
-/// A fresh capture id for a host queue. Host ids have the top bit set, so
-/// they never meet the driver's.
+/// A fresh capture id for a host queue (top bit set: never the driver's).
 pub(crate) fn next_host_capture_id() -> u64 {
     static NEXT: crate::sync::StaticAtomicU64 = crate::sync::StaticAtomicU64::new(1);
     (1 << 63) | NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Ids posted by destructors that run on other threads, for cumem to act
-/// on at its next call.
+/// Ids posted by destructors on other threads, for cumem's next call.
 #[doc(hidden)]
 #[derive(Debug, Default)]
 pub struct ReleaseQueue {
@@ -48,8 +46,7 @@ impl ReleaseQueue {
         ReleaseQueue { pending: AtomicBool::new(false), items: Mutex::new(Vec::new()) }
     }
 
-    /// Posts `id`. Any thread, at any time; makes no CUDA call and holds
-    /// the lock only to push.
+    /// Posts `id` (any thread, any time; no CUDA call; locks only to push).
     pub fn post(&self, id: u64) {
         lock(&self.items).push(id);
         self.pending.store(true, Ordering::Release);
@@ -70,8 +67,7 @@ impl ReleaseQueue {
     }
 }
 
-/// What a user object's destructor gets: the queue to post to and the id
-/// of the pool to release.
+/// What a user object's destructor gets: the queue and the pool's id.
 pub(super) struct Release {
     queue: Arc<ReleaseQueue>,
     pool: u64,
@@ -94,8 +90,7 @@ pub unsafe extern "C" fn run_release(payload: *mut c_void) {
     if payload.is_null() {
         return;
     }
-    // SAFETY: the caller passes a pointer made by `release_payload`
-    // (`Box::into_raw` of a `Release`), once.
+    // SAFETY: the caller passes `release_payload`'s `Box::into_raw`, once.
     let release = unsafe { Box::from_raw(payload.cast::<Release>()) };
     // A panic must not cross into the driver's thread; `post` has nothing
     // that panics but an allocation failure, which aborts anyway.
@@ -140,8 +135,7 @@ pub struct HostGraph {
 }
 
 impl HostGraph {
-    /// An executable of the graph (`cuGraphInstantiate`): it keeps the
-    /// graph's memory too.
+    /// An executable of the graph (`cuGraphInstantiate`): it keeps the memory.
     pub fn instantiate(&self) -> HostGraphExec {
         HostGraphExec { _refs: self.refs.clone() }
     }

@@ -15,24 +15,21 @@ fn bind(ctx: &CudaContext) -> Result<()> {
     ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
 }
 
-/// The base and size of the `cuMemAlloc` allocation that holds `addr`
-/// (`cuMemGetAddressRange`).
+/// The `cuMemAlloc` block holding `addr`: base, size (`cuMemGetAddressRange`).
 ///
 /// # Errors
 /// A driver error (not device memory of this context).
 pub(crate) fn allocation_range(ctx: &CudaContext, addr: u64) -> Result<(u64, usize)> {
     bind(ctx)?;
     let (mut base, mut size) = (0, 0);
-    // SAFETY: both out-pointers are valid locals; the driver only looks the
-    // address up.
+    // SAFETY: both out-pointers are locals; the driver only looks `ptr` up.
     unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }
         .result()
         .map_err(driver_err("cuMemGetAddressRange"))?;
     Ok((base, size))
 }
 
-/// The IPC handle of the `cuMemAlloc` allocation that starts at `base`
-/// (`cuIpcGetMemHandle`).
+/// The IPC handle of the `cuMemAlloc` block at `base` (`cuIpcGetMemHandle`).
 ///
 /// # Errors
 /// A driver error (for example memory that is not a `cuMemAlloc` base).
@@ -49,8 +46,7 @@ pub(crate) fn ipc_handle(ctx: &CudaContext, base: u64) -> Result<[u8; 64]> {
 /// (`cuIpcOpenMemHandle` with lazy peer access); returns its base here.
 ///
 /// # Errors
-/// A driver error: a malformed handle, or one of this same process (the
-/// driver does not open those).
+/// A driver error: a malformed handle, or this process's (never opened).
 pub(crate) fn open_ipc_handle(ctx: &CudaContext, handle: &[u8; 64]) -> Result<u64> {
     bind(ctx)?;
     let raw = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
@@ -67,8 +63,7 @@ pub(crate) fn open_ipc_handle(ctx: &CudaContext, handle: &[u8; 64]) -> Result<u6
 /// Nothing may use the memory any more: its address stops being valid here.
 pub(crate) unsafe fn close_ipc_handle(ctx: &CudaContext, base: u64) -> Result<()> {
     bind(ctx)?;
-    // SAFETY: `base` came from `cuIpcOpenMemHandle` and is closed once; the
-    // caller guarantees no work uses it.
+    // SAFETY: from `cuIpcOpenMemHandle`, closed once; unused (the caller).
     unsafe { sys::cuIpcCloseMemHandle(base) }.result().map_err(driver_err("cuIpcCloseMemHandle"))
 }
 
@@ -96,8 +91,7 @@ pub(crate) fn import_pool(ctx: &CudaContext, fd: BorrowedFd<'_>, grant_access: b
             },
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: `pool` was imported above; one descriptor that outlives
-        // the call.
+        // SAFETY: `pool` was imported above; the descriptor outlives the call.
         let rc = unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) };
         if let Err(e) = rc.result() {
             // SAFETY: the imported pool has no allocation yet.
@@ -124,15 +118,13 @@ pub(crate) fn import_pool_pointer(ctx: &CudaContext, pool: sys::CUmemoryPool, da
     Ok(ptr)
 }
 
-/// Frees an imported pointer (`cuMemFree`) and then the imported pool
-/// (`cuMemPoolDestroy`).
+/// Frees an imported pointer (`cuMemFree`), then its pool (`cuMemPoolDestroy`).
 ///
 /// # Safety
 /// Nothing may use the memory any more.
 pub(crate) unsafe fn close_pool_import(ctx: &CudaContext, pool: sys::CUmemoryPool, ptr: u64) -> Result<()> {
     bind(ctx)?;
-    // SAFETY: `ptr` came from `cuMemPoolImportPointer` and is freed once;
-    // the caller guarantees no work uses it.
+    // SAFETY: from `cuMemPoolImportPointer`, freed once; unused (the caller).
     let freed = unsafe { sys::cuMemFree_v2(ptr) }.result().map_err(driver_err("cuMemFree"));
     // SAFETY: the pool was imported and its one imported pointer is freed.
     let destroyed = unsafe { sys::cuMemPoolDestroy(pool) }.result().map_err(driver_err("cuMemPoolDestroy"));
@@ -149,8 +141,7 @@ pub(crate) fn device_uuid(ctx: &CudaContext) -> Result<[u8; 16]> {
     Ok(uuid.bytes.map(|b| b as u8))
 }
 
-/// The ordinal, in this process, of the device with `uuid`, if it is
-/// visible here.
+/// The ordinal here of the device with `uuid`, if this process sees it.
 pub(crate) fn ordinal_of_uuid(uuid: &[u8; 16]) -> Option<usize> {
     let n = super::driver_status().devices();
     (0..n).find(|&d| {

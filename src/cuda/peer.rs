@@ -22,50 +22,40 @@
 //!   keeps the accessor in its list, which every later mapping names.
 //!
 //! **Peer access enabled the CUDA way.** Programs enable peer access with
-//! `cuCtxEnablePeerAccess` / `cudaDeviceEnablePeerAccess` (PyTorch does),
-//! never telling cumem, and expect every pointer of the owner to be
-//! reachable from then on. For `cuMemMap` memory that takes a
-//! `cuMemSetAccess` naming the accessor, and the driver offers no way to
-//! learn that a context enabled peer access. A `cuMemSetAccess` that names
-//! a peer is also dear: about 1 ms (2 to 128 MiB; about 10.5 ms from 512
-//! MiB) on two H200s against 0.04 to 0.6 ms for the owner alone, 1.5 to
-//! 1.7 ms (11 ms) while the peer's context does not exist. So a mapping names, in its one
-//! `cuMemSetAccess` call, the owner, the peers granted with
+//! `cudaDeviceEnablePeerAccess` (PyTorch does), never telling cumem, and
+//! expect every pointer of the owner to be reachable from then on. For
+//! `cuMemMap` memory that takes a `cuMemSetAccess` naming the accessor;
+//! the driver can't say that a context enabled peer access, and naming a
+//! peer is dear (about 1 ms a mapping against well under 1 ms for the
+//! owner alone: docs/multi-gpu.md#peer-access-enabled-the-cuda-way). So a
+//! mapping's one `cuMemSetAccess` names the owner, the peers granted with
 //! [`enable_peer_access`] (or `peer_access` in `CUMEM_CONF`), and the
-//! peers that can reach the owner (`cuDeviceCanAccessPeer`) and whose
-//! primary context is active in this process (`cuDevicePrimaryCtxGetState`):
-//! a kernel can only run on, and peer access only be enabled from, a
-//! device whose context exists. A process that uses one GPU (one per
-//! process, as in DDP) names no peer and pays nothing.
+//! peers that can reach the owner (`cuDeviceCanAccessPeer`) whose primary
+//! context is active (`cuDevicePrimaryCtxGetState`): a kernel runs, and
+//! peer access is enabled, only from a device whose context exists. A
+//! process using one GPU (as in DDP) names no peer and pays nothing.
 //!
 //! cumem follows peers that become active: before it maps (a region
 //! reserved or grown, a piece mapped or remapped, an IPC import), with no
-//! pool or region lock held, it looks for reachable peers it has not yet
-//! seen active ([`follow_active_peers`]); one that is active now is given
-//! access to the live regions of every device it can reach, and recorded
-//! so that their later mappings name it. A program whose peers are all
-//! seen pays one relaxed load for this; the driver is asked only about
-//! reachable peers not seen active yet. The follow grant makes only the
-//! `cuMemSetAccess` calls: it does not enable context peer access (the
-//! program's own `cudaDeviceEnablePeerAccess` would then fail with
-//! "already enabled") nor open native pools (context peer access does not
-//! reach them in CUDA either).
+//! pool or region lock held, [`follow_active_peers`] looks for reachable
+//! peers not yet seen active; one active now gets access to the live
+//! regions of every device it can reach, and later mappings name it. Once
+//! all peers are seen this costs one relaxed load. The follow grant makes
+//! only the `cuMemSetAccess` calls: no context peer access (the program's
+//! own `cudaDeviceEnablePeerAccess` would fail "already enabled"), no
+//! native pools (context peer access does not reach them in CUDA either).
 //!
 //! What remains: memory mapped before a peer's context existed becomes
 //! reachable from it at cumem's next mapping on any device, or at an
-//! explicit grant. A program that creates the peer's context, enables
-//! peer access the CUDA way and reads such old memory with no cumem
-//! mapping in between must call [`enable_peer_access`]
-//! (`cumem_enable_peer_access` in C; cumem_torch does it in PyTorch's
-//! `enablePeerAccess` hook, which PyTorch calls before peer copies). IPC
-//! imports name the peers known when they are opened and are not
-//! followed later.
+//! explicit grant. A program that reads such memory from the peer with no
+//! cumem mapping in between must call [`enable_peer_access`]
+//! (`cumem_enable_peer_access`; cumem_torch does it in PyTorch's
+//! `enablePeerAccess` hook). IPC imports name the peers known when opened.
 //!
 //! `CUMEM_MAP_PEERS` (read once) picks the peers a mapping names besides
 //! the owner and the explicit grants: `active` (the default, above),
 //! `all` (every reachable peer, from the start: sound for any program,
-//! at the cost above on every mapping), `0` / `off` (explicit grants
-//! only).
+//! dear on every mapping), `0` / `off` (explicit grants only).
 //!
 //! A grant holds the table's lock while it applies itself, and a pool or
 //! region registers under the same lock, so each one either sees the grant
@@ -141,8 +131,7 @@ pub fn peers_of(owner: usize) -> Vec<usize> {
 }
 
 /// Whether kernels on device `accessor` can be given access to device
-/// `owner`'s memory (`cuDeviceCanAccessPeer`). A device can always access
-/// its own memory.
+/// `owner`'s memory (`cuDeviceCanAccessPeer`; always for its own).
 ///
 /// # Errors
 /// [`Error::NoSuchDevice`], [`Error::NeedsGpu`] on the host fallback, or a
@@ -154,8 +143,7 @@ pub fn can_access_peer(accessor: usize, owner: usize) -> Result<bool> {
         return Ok(true);
     }
     let mut can = 0i32;
-    // SAFETY: `can` is a valid out-pointer; both device handles come from
-    // live contexts.
+    // SAFETY: `can` is a local; both device handles are of live contexts.
     unsafe { sys::cuDeviceCanAccessPeer(&mut can, a.cu_device(), b.cu_device()) }
         .result()
         .map_err(driver_err("cuDeviceCanAccessPeer"))?;
@@ -168,8 +156,7 @@ pub fn can_access_peer(accessor: usize, owner: usize) -> Result<bool> {
 pub(crate) enum MapPeers {
     /// Every device that can reach the owner, from the start.
     All,
-    /// The reachable devices whose primary context is active, followed as
-    /// they become active (the default).
+    /// The reachable devices whose primary context is active (the default).
     Active,
     /// None: explicit grants only.
     Off,
@@ -189,14 +176,12 @@ fn parse_map_peers(var: Option<&str>) -> std::result::Result<MapPeers, String> {
 }
 
 /// The peer facts of this process, asked once: the mode, and which devices
-/// can reach which (`cuDeviceCanAccessPeer` via `cuDeviceGet`: no context
-/// is created).
+/// reach which (`cuDeviceCanAccessPeer` via `cuDeviceGet`: no context).
 struct Reach {
     mode: MapPeers,
     /// By owner: the other devices that can reach it.
     peers: Vec<Vec<usize>>,
-    /// The devices (below 64) that can reach some other device: those to
-    /// follow.
+    /// The devices (below 64) that can reach another: those to follow.
     followers: u64,
     /// The device handles, by ordinal.
     devices: Vec<Option<sys::CUdevice>>,
@@ -243,8 +228,7 @@ fn reachable_peers(owner: usize) -> &'static [usize] {
 }
 
 /// The peers a fresh VMM region of `owner` starts with, before the table's
-/// grants are added: every reachable peer under `CUMEM_MAP_PEERS=all`,
-/// none otherwise.
+/// grants: every reachable one under `CUMEM_MAP_PEERS=all`, else none.
 pub(crate) fn initial_peers(owner: usize) -> Vec<usize> {
     match reach().mode {
         MapPeers::All => reachable_peers(owner).to_vec(),
@@ -308,8 +292,7 @@ fn primary_active(device: Option<sys::CUdevice>) -> bool {
 /// One relaxed load when every follower has been seen.
 ///
 /// # Errors
-/// A driver error from `cuMemSetAccess` (the peer is asked about again at
-/// the next mapping).
+/// A driver error from `cuMemSetAccess` (the next mapping asks again).
 pub(crate) fn follow_active_peers() -> Result<()> {
     let reach = reach();
     if reach.mode != MapPeers::Active || reach.followers == 0 {
@@ -355,8 +338,7 @@ fn access_desc(device: usize) -> sys::CUmemAccessDesc {
     }
 }
 
-/// Gives device `accessor` read-write access to the memory of native pool
-/// `pool` (`cuMemPoolSetAccess`).
+/// Gives `accessor` read-write access to `pool` (`cuMemPoolSetAccess`).
 fn pool_set_access(ctx: &CudaContext, pool: sys::CUmemoryPool, accessor: usize) -> Result<()> {
     ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
     let desc = access_desc(accessor);
@@ -373,8 +355,7 @@ fn pool_set_access(ctx: &CudaContext, pool: sys::CUmemoryPool, accessor: usize) 
 /// VMM region of the owner (expandable segments, growable buffers).
 /// Granting twice is harmless; `accessor == owner` does nothing.
 ///
-/// Access is one-way: call it again with the roles swapped for the other
-/// direction.
+/// Access is one-way: swap the roles for the other direction.
 ///
 /// # Errors
 /// [`Error::PeerAccess`] when the devices can't reach each other;
@@ -423,18 +404,15 @@ pub fn enable_peer_access(accessor: usize, owner: usize) -> Result<()> {
         table.granted.push((accessor, owner));
     }
     drop(table);
-    // A region whose owner let go meanwhile is dropped here, outside the
-    // lock.
+    // A region whose owner let go meanwhile drops here, outside the lock.
     drop(regions);
     applied
 }
 
-/// Registers a dedicated native pool of device `owner` and gives it the
-/// access granted so far.
+/// Registers a dedicated native pool of `owner`, with the access so far.
 ///
 /// # Errors
-/// A driver error from `cuMemPoolSetAccess` (the pool is not registered
-/// then).
+/// A driver error from `cuMemPoolSetAccess` (the pool is not registered).
 pub(crate) fn register_pool(ctx: &CudaContext, pool: sys::CUmemoryPool) -> Result<()> {
     let owner = ctx.ordinal();
     let mut table = lock(&TABLE);

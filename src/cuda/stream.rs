@@ -43,9 +43,8 @@ pub struct Stream {
 struct StreamInner {
     id: u64,
     cuda: Option<Arc<CudaStream>>,
-    /// The ordinal of the stream's device (from its context, read once
-    /// here so that dispatch by stream costs no driver call); `None` for a
-    /// host queue.
+    /// The ordinal of the stream's device (read once, so dispatch by stream
+    /// costs no driver call); `None` for a host queue.
     device: Option<usize>,
     /// The sequence numbers of frees on this stream, and which are known
     /// complete (the host synchronised the stream after them).
@@ -63,8 +62,7 @@ struct StreamInner {
     /// other stream's free counts read before its event was recorded. Work
     /// queued here since is ordered after every free counted there.
     waited: Mutex<Vec<(u64, Box<[u64]>)>>,
-    /// Whether the program said the CUDA handle is gone
-    /// ([`Stream::forget_handle`]).
+    /// Whether the CUDA handle is gone ([`Stream::forget_handle`]).
     gone: AtomicBool,
     /// Driver calls cumem makes on the stream for its own reasons now:
     /// [`Stream::forget_handle`] waits until none is left, so the handle
@@ -104,8 +102,7 @@ impl std::fmt::Debug for Stream {
 }
 
 impl Stream {
-    /// A new non-blocking stream on device `ordinal` (`cuStreamCreate`), or
-    /// a host queue on the fallback.
+    /// A new non-blocking stream on `ordinal` (`cuStreamCreate`); a host queue.
     ///
     /// # Errors
     /// A driver error, or [`Error::NoSuchDevice`](crate::Error::NoSuchDevice).
@@ -189,8 +186,7 @@ impl Stream {
         self.inner.host_capture.store(id.unwrap_or(0), Ordering::Release);
     }
 
-    /// The "graph" of the host capture under way, when it was begun
-    /// without telling cumem.
+    /// The "graph" of a host capture under way that cumem was not told of.
     pub(crate) fn host_graph(&self) -> Option<crate::sync::Arc<HostGraphRefs>> {
         lock(&self.inner.host_graph).clone()
     }
@@ -203,8 +199,7 @@ impl Stream {
         std::mem::replace(&mut *lock(&self.inner.host_graph), refs)
     }
 
-    /// Whether `self` and `other` are the same stream (clones of one
-    /// `Stream`).
+    /// Whether `self` and `other` are clones of one `Stream`.
     pub fn same_as(&self, other: &Stream) -> bool {
         self.inner.id == other.inner.id
     }
@@ -236,8 +231,7 @@ impl Stream {
         self.inner.frees.all_complete()
     }
 
-    /// Waits until all work queued on the stream is done
-    /// (`cuStreamSynchronize`).
+    /// Waits until the stream's queued work is done (`cuStreamSynchronize`).
     ///
     /// # Errors
     /// A driver error from the stream's work.
@@ -269,8 +263,7 @@ impl Stream {
             }
         }
         self.inner.calls.fetch_add(1, Ordering::SeqCst);
-        // Counted down however `f` ends (a panic too: the forget must not
-        // wait forever).
+        // Counted down however `f` ends (a panic too: forget must not hang).
         let _call = Call(&self.inner.calls);
         if self.inner.gone.load(Ordering::SeqCst) {
             return Ok(None);
@@ -326,8 +319,7 @@ impl Stream {
     /// # Errors
     /// A driver error from the stream's work.
     pub(crate) fn poll_idle(&self) -> Result<bool> {
-        // A forgotten stream's frees were all complete when it was
-        // forgotten.
+        // A forgotten stream's frees were all complete when it was forgotten.
         Ok(self.unless_gone(|| self.poll_idle_now())?.unwrap_or(true))
     }
 

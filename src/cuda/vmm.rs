@@ -1,5 +1,4 @@
-//! CUDA virtual memory management: address ranges, physical chunks, and the
-//! mappings between them.
+//! CUDA virtual memory management: address ranges, chunks, their mappings.
 //!
 //! ```text
 //!  AddressRange (cuMemAddressReserve)      PhysicalChunk (cuMemCreate)
@@ -20,8 +19,7 @@
 //! freed while mapped makes `cuMemAddressFree` fail (the failure is logged).
 //!
 //! Every call that moves physical memory, and every read of the device's
-//! free memory, is counted and timed (`vmm/calls.rs`, read with
-//! [`driver_calls`]).
+//! free memory, is counted and timed ([`driver_calls`]).
 
 use std::sync::Arc;
 
@@ -40,8 +38,7 @@ pub use calls::{
     driver_calls, on_background_mapper, record_background_call, record_call, CallKind, DriverCallCounts, DriverCalls,
 };
 
-/// The allocation granularity of a device's physical memory
-/// (`cuMemGetAllocationGranularity`).
+/// A device's allocation granularity (`cuMemGetAllocationGranularity`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Granularity {
     /// Sizes and offsets of chunks and ranges must be multiples of this.
@@ -237,9 +234,8 @@ impl AddressRange {
         check("cuMemMap", rc)
     }
 
-    /// Gives this device (and each device in `peers`, by ordinal)
-    /// read-write access to `size` mapped bytes at `offset`
-    /// (`cuMemSetAccess`).
+    /// Gives this device (and each ordinal in `peers`) read-write access to
+    /// `size` mapped bytes at `offset` (`cuMemSetAccess`).
     ///
     /// # Errors
     /// [`Error::InvalidState`] for a span outside the range; a driver error
@@ -426,8 +422,7 @@ pub fn posix_fd_supported(ctx: &CudaContext) -> bool {
 /// `cuMemRelease` of the retained handle.
 ///
 /// # Errors
-/// A driver error: nothing mapped there, or memory made without an
-/// exportable handle type.
+/// A driver error: nothing mapped there, or no exportable handle type.
 pub fn export_mapping(ctx: &CudaContext, addr: u64) -> Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;
     bind(ctx)?;
@@ -448,8 +443,7 @@ pub fn export_mapping(ctx: &CudaContext, addr: u64) -> Result<std::os::fd::Owned
     if fd < 0 {
         return Err(Error::InvalidState(format!("cuMemExportToShareableHandle returned descriptor {fd}")));
     }
-    // SAFETY: the driver created this descriptor for the caller, who owns
-    // it from now on; nothing else closes it.
+    // SAFETY: the driver made this descriptor for the caller, its sole owner.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
 

@@ -50,8 +50,7 @@ pub struct DeviceAllocator {
     /// The driver pools of the stream-ordered modes (`driver_pools.rs`).
     driver: DriverPools,
     internal_stream: OnceCell<Stream>,
-    /// Stream-ordered allocations (address → size and mode) and their
-    /// figures, under one lock.
+    /// Stream-ordered allocations (address → size, mode), figures; one lock.
     pub(super) async_book: Mutex<AsyncBook>,
     /// How many stream-ordered allocations are live: frees skip the book's
     /// lock while it is 0 (the sync pool's frees, most of the time).
@@ -82,8 +81,7 @@ impl DeviceAllocator {
     /// asks whether the stream captures a graph, and a capture cumem was not
     /// told of gets a private pool made by `make_graph_pool`, unless
     /// `promise_registered_captures` is set (then only registered captures
-    /// are routed). Tagged allocations go to pools made by
-    /// `make_tag_pool`.
+    /// are routed). Tagged allocations go to `make_tag_pool`'s pools.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         ordinal: usize,
@@ -117,9 +115,8 @@ impl DeviceAllocator {
         // tag (instead of a MIXED tag that waits for every stream).
         let streams = a.streams.clone();
         a.pool.set_tag_oracle(Arc::new(move |t| streams.completed(t)));
-        // Page moves of memory whose work is queued on one stream wait for
-        // a fence there, on the device, not for the device on the host
-        // (`cuda/fence.rs`).
+        // Page moves of memory whose work is queued on one stream wait for a
+        // fence there on the device, not for the device (`cuda/fence.rs`).
         let streams = a.streams.clone();
         a.pool.set_fence_maker(Arc::new(move |on, then| streams.fence_on(on, then)));
         a.set_mode(mode);
@@ -188,9 +185,8 @@ impl DeviceAllocator {
         self.ctx.as_ref().ok_or(Error::NeedsGpu("stream-ordered allocation"))
     }
 
-    /// The device's own stream (created on first use): cumem orders its
-    /// internal work on it; it never captures and is never the legacy
-    /// stream.
+    /// The device's own stream (made on first use) for cumem's internal
+    /// work; it never captures and is never the legacy stream.
     ///
     /// # Errors
     /// [`Error::NeedsGpu`] on the host fallback; a driver error.
@@ -231,8 +227,7 @@ impl DeviceAllocator {
         self.driver.get(mode)
     }
 
-    /// Allocates `size` bytes for work on `stream` (`None`: usable at once
-    /// by the host and any stream).
+    /// Allocates `size` bytes for work on `stream` (`None`: usable at once).
     ///
     /// # Errors
     /// Invalid sizes, [`Error::OutOfMemory`], driver errors.
@@ -257,8 +252,7 @@ impl DeviceAllocator {
             return self.allocate_tagged(size, stream);
         }
         match self.effective_mode() {
-            // The default mode, called directly (no dynamic dispatch, so
-            // the pool's path inlines into this one).
+            // The default mode, called directly: the pool's path inlines here.
             DeviceAllocatorMode::SyncPool => self.allocate_sync_pool(size, stream),
             mode => self.allocate_stream_ordered(size, stream, mode, 0),
         }
@@ -460,8 +454,7 @@ impl DeviceAllocator {
         Ok(released)
     }
 
-    /// Releases what is free and lists what is live (sync pool blocks and
-    /// stream-ordered allocations).
+    /// Releases what is free, lists what is live (blocks, stream-ordered).
     pub(crate) fn shutdown(&self) -> Result<Vec<LiveBlock>> {
         if self.capture_under_way()? {
             return Err(Error::Capture("shutdown() while a graph capture is under way".into()));

@@ -15,8 +15,7 @@ pub(super) struct AsyncBlock {
     pub(super) capture: u64,
 }
 
-/// The live stream-ordered allocations (address → block) and their
-/// figures, under one lock.
+/// Live stream-ordered allocations (address → block), figures, one lock.
 #[derive(Debug, Default)]
 pub(super) struct AsyncBook {
     pub(super) live: hashbrown::HashMap<usize, AsyncBlock>,
@@ -34,8 +33,7 @@ impl AsyncBook {
         st.allocations += 1;
     }
 
-    /// Counts the free of an allocation of `size` bytes, already out of
-    /// the live map.
+    /// Counts the free of a `size`-byte allocation, already out of the map.
     pub(super) fn count_free(&mut self, size: usize) {
         let st = &mut self.stats;
         st.in_use -= size;

@@ -1,6 +1,5 @@
-//! How a device allocator is assembled: its sync pool and where it takes
-//! its chunks, the factories of graph-private pools and memory tags'
-//! pools, the modes.
+//! How a device allocator is assembled: its sync pool and its chunks'
+//! source, the factories of graph pools and memory tags' pools, the modes.
 //!
 //! The manager hands plain configuration values down ([`DeviceSetup`]);
 //! everything composed from them (upstreams, pools, the pool factories)
@@ -23,8 +22,7 @@ use crate::upstream::{Host, HostExpandable, Upstream};
 /// with expandable segments (committed as the pool grows).
 const HOST_DEVICE_RESERVATION: usize = 64 << 30;
 
-/// What a device allocator is made of, as plain values (the manager's
-/// configuration, resolved).
+/// A device allocator as plain values (the manager's configuration, resolved).
 #[derive(Debug, Clone)]
 pub(crate) struct DeviceSetup {
     /// The sync pool's settings (its initial size included).
@@ -43,8 +41,7 @@ pub(crate) struct DeviceSetup {
 }
 
 impl DeviceSetup {
-    /// The allocator of device `ordinal` (`ctx` is `None` on the host
-    /// fallback).
+    /// The allocator of device `ordinal` (`ctx`: `None` on the host fallback).
     ///
     /// # Errors
     /// Errors making the sync pool's upstream (a driver error, or no
@@ -102,13 +99,11 @@ impl DeviceSetup {
     }
 }
 
-/// Where a device pool of the context's device (the host fallback's
-/// without one) takes its chunks.
+/// Where a device pool takes its chunks (the host fallback's: no context).
 fn device_upstream(ctx: Option<&Arc<CudaContext>>, expandable: bool) -> Result<Box<dyn Upstream>> {
     Ok(match ctx {
         Some(ctx) => crate::upstream::device_upstream(ctx.clone(), expandable)?,
-        // The host twin of expandable segments: address space reserved up
-        // front, committed as the pool grows.
+        // Host expandable segments: address space reserved, committed as used.
         None if expandable => Box::new(HostExpandable::new(HOST_DEVICE_RESERVATION)?),
         None => Box::new(Host::new()),
     })

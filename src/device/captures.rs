@@ -1,5 +1,4 @@
-//! Graph-private pools: memory that captured work uses belongs to the
-//! graph until the graph is gone.
+//! Graph-private pools: memory captured work uses is the graph's until it goes.
 //!
 //! # Implementation details
 //!
@@ -105,8 +104,7 @@ pub(crate) type GraphPoolFactory = Box<dyn Fn() -> Result<Pool<Box<dyn Upstream>
 pub(super) enum StreamOrderedFree {
     /// Made outside the capture that frees it: the graph keeps it.
     Held,
-    /// Made and freed in one capture: a graph free node (`cuMemFreeAsync`
-    /// on the capturing stream).
+    /// Made and freed in one capture: a graph free node (`cuMemFreeAsync`).
     InCapture,
     /// No capture: an ordinary `cuMemFreeAsync`.
     Eager,
@@ -129,8 +127,7 @@ pub(super) struct PrivatePool {
     pub(super) untied: AtomicBool,
     /// A capture is routed into the pool now.
     pub(super) capturing: AtomicBool,
-    /// Blocks were freed into the pool on a stream outside a capture since
-    /// the last capture began.
+    /// Blocks were freed into the pool outside a capture since the last began.
     pub(super) tagged_outside: AtomicBool,
     pub(super) held: Mutex<Vec<Held>>,
 }
@@ -192,19 +189,16 @@ pub(super) struct Graphs {
     /// registered capture is under way (unless the program promised to
     /// register its captures).
     pub(super) detect: bool,
-    /// Makes the pools of implicit captures (`None`: such captures get an
-    /// error).
+    /// Makes the pools of implicit captures (`None`: they get an error).
     pub(super) make_pool: Option<GraphPoolFactory>,
     /// Implicit captures whose graphs are alive.
     pub(super) implicit: AtomicUsize,
     /// Implicit pools whose graphs are gone, posted by the user objects'
     /// destructors (driver threads) for the next call to release.
     pub(super) releases: crate::sync::Arc<ReleaseQueue>,
-    /// Retired registered pools wait for a capture to end (the next call
-    /// retries).
+    /// Retired registered pools waiting for a capture to end (retried).
     pub(super) deferred: AtomicBool,
-    /// Private pools alive: frees of pointers the device pool does not
-    /// know look there while > 0.
+    /// Private pools alive: frees the device pool lacks look there while > 0.
     pub(super) pools: AtomicUsize,
     /// Held blocks: frees check them while > 0.
     pub(super) held: AtomicUsize,
@@ -250,8 +244,7 @@ impl Graphs {
         self.watching() || self.held.load(Ordering::Acquire) > 0
     }
 
-    /// Whether private pools exist (a pointer unknown to the device pool
-    /// may be theirs).
+    /// Whether private pools exist (an unknown pointer may be theirs).
     #[inline]
     pub(super) fn has_pools(&self) -> bool {
         self.pools.load(Ordering::Acquire) > 0
@@ -317,8 +310,7 @@ impl PrivatePool {
         lock(&self.held).iter().map(Held::size).sum()
     }
 
-    /// The tag for a block freed into this pool on `stream` (`None`: no
-    /// pending work).
+    /// The tag of a block freed into this pool on `stream` (`None`: no work).
     pub(super) fn free_tag(&self, stream: Option<&Stream>, in_capture: bool) -> StreamTag {
         match stream {
             Some(s) if !s.is_host() || in_capture => {

@@ -73,8 +73,7 @@ impl DriverPools {
         self.default.get().into_iter().chain(self.native.get())
     }
 
-    /// Allocates `size` bytes stream-ordered on `on` from `mode`'s pool
-    /// (a stream-ordered mode).
+    /// Allocates `size` bytes on `on` from stream-ordered `mode`'s pool.
     ///
     /// # Errors
     /// [`Error::OutOfMemory`], driver errors.
@@ -96,8 +95,7 @@ impl DriverPools {
     /// descriptor and the pointer's export data.
     ///
     /// # Errors
-    /// [`Error::Ipc`] for a mode whose memory can't be exported; driver
-    /// errors.
+    /// [`Error::Ipc`] for a mode whose memory can't be exported; driver errors.
     pub(super) fn export(&self, mode: DeviceAllocatorMode, ptr: u64) -> Result<(OwnedFd, [u8; 64])> {
         Self::check_exportable(mode, ptr)?;
         self.stream_ordered(mode)?.export(ptr)

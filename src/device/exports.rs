@@ -87,8 +87,7 @@ impl DeviceAllocator {
         made
     }
 
-    /// Releases one export of `ptr`: once all of its exports are released,
-    /// a free made meanwhile takes effect.
+    /// Releases an export of `ptr`; at the last, a pending free takes effect.
     ///
     /// # Errors
     /// [`Error::Ipc`] when `ptr` is not exported; the deferred free's error.
@@ -127,8 +126,7 @@ impl DeviceAllocator {
         self.defer_pinned_free(addr, stream)
     }
 
-    /// [`defer_exported_free`](Self::defer_exported_free) of a block that
-    /// is pinned.
+    /// [`defer_exported_free`](Self::defer_exported_free) of a pinned block.
     #[cold]
     fn defer_pinned_free(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
         let capture = match stream {

@@ -1,6 +1,5 @@
-//! The device allocator's statistics and peaks, gathered from its modes,
-//! its graph pools, its stream registry and its memory tags' pools into a
-//! [`DeviceStats`].
+//! The device allocator's [`DeviceStats`], gathered from its modes, graph
+//! pools, stream registry and memory tags' pools.
 
 use super::allocator::DeviceAllocator;
 use super::mode::DeviceAllocatorMode;

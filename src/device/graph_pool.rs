@@ -130,8 +130,7 @@ impl DeviceAllocator {
             )));
         };
         if matches!(graph, cuda::CaptureGraph::Unknown) {
-            // Nothing to tie a pool's life to: refuse before any memory
-            // goes into the capture.
+            // Nothing to tie a pool's life to: refuse before it is used.
             return cuda::tie_to_graph(&graph, &self.graphs.releases, 0).map(|()| None);
         }
         let pool = {
@@ -165,10 +164,9 @@ impl DeviceAllocator {
             // page remapping waits for no device while its graph lives.
             cuda::count_capture(true);
         }
-        // Outside the lock: driver calls. If the pool can't be tied to the
-        // graph it stays routed and is never released (another stream of
-        // the capture may use it already): a leak, never a reuse too
-        // early.
+        // Outside the lock: driver calls. A pool that can't be tied to the
+        // graph stays routed, never released (another stream of the capture
+        // may use it already): a leak, never a reuse too early.
         cuda::tie_to_graph(&graph, &self.graphs.releases, inner.id)?;
         Ok(Some((id, inner)))
     }
@@ -241,10 +239,7 @@ impl DeviceAllocator {
         Ok(false)
     }
 
-    /// A new private pool over `pool` (its own upstream; no thread caches,
-    /// `keep_chunks` set).
-    /// A new graph-private pool, made as the device's pools of implicit
-    /// captures are.
+    /// A new graph-private pool, made as implicit captures' pools are.
     ///
     /// # Errors
     /// Errors making the pool's upstream.
@@ -254,6 +249,8 @@ impl DeviceAllocator {
         Ok(self.new_graph_pool(make()?))
     }
 
+    /// A new private pool over `pool` (its own upstream; no thread caches,
+    /// `keep_chunks` set).
     pub(crate) fn new_graph_pool(&self, pool: Pool<Box<dyn Upstream>>) -> GraphPool<'_> {
         debug_assert!(pool.config().keep_chunks && !pool.config().thread_cache);
         let inner = Arc::new(PrivatePool {
@@ -314,8 +311,7 @@ impl DeviceAllocator {
         Ok(id)
     }
 
-    /// Waits for the streams that freed blocks into `p` outside a capture,
-    /// then clears the blocks' tags.
+    /// Waits for the streams that freed into `p` uncaptured; clears the tags.
     fn settle_outside_frees(&self, p: &PrivatePool) -> Result<()> {
         if !p.tagged_outside.load(Ordering::Acquire) {
             return Ok(());
@@ -370,15 +366,13 @@ impl DeviceAllocator {
             let tag = p.free_tag(stream, true);
             return Ok(Some(p.pool.deallocate(addr, tag)?.size));
         }
-        // A block of the device pool that captured work used: the graph
-        // keeps it.
+        // A block of the device pool that captured work used: the graph's.
         let size = self.pool.check_live(addr)?;
         self.graphs.hold(&p, Held::Pool { addr, size })?;
         Ok(Some(size))
     }
 
-    /// Frees `addr` into the private pool that holds it, outside a capture
-    /// (`Ok(None)`: no private pool holds it).
+    /// Frees `addr` into its private pool, uncaptured (`Ok(None)`: none).
     pub(super) fn free_into_private(&self, addr: usize, stream: Option<&Stream>) -> Result<Option<usize>> {
         let Some(p) = self.graphs.pool_containing(addr) else { return Ok(None) };
         let tag = p.free_tag(stream, false);
@@ -457,8 +451,7 @@ impl DeviceAllocator {
             } else {
                 lock(&self.graphs.state).retired.extend(untied);
                 if self.graphs.active() == 0 {
-                    // No registered capture will come back here when it
-                    // ends: the next call retries.
+                    // No registered capture ends here: the next call retries.
                     self.graphs.deferred.store(true, Ordering::Release);
                 }
             }
@@ -486,8 +479,7 @@ impl DeviceAllocator {
                 }
             }
             if !p.untied.load(Ordering::Acquire) && !self.settle_pool_streams(&p, &mut first_err) {
-                // A stream that freed into the pool captures now: the next
-                // call retries.
+                // A stream that freed into the pool captures: retried later.
                 lock(&self.graphs.state).retired.push(p);
                 self.graphs.deferred.store(true, Ordering::Release);
                 continue;

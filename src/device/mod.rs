@@ -5,9 +5,8 @@
 //! [`crate::pool`]; the manager holds one [`DeviceAllocator`] per device.
 //! `DeviceSetup` (`builder.rs`) assembles an allocator from plain
 //! configuration values. The CUDA and upstream names re-exported at the
-//! end keep older paths (`cumem::device::Stream`) working; their owners are
-//! [`crate::cuda`] and [`crate::upstream`], and cumem's own code names
-//! those.
+//! end keep older paths (`cumem::device::Stream`) working; cumem's own
+//! code names their owners, [`crate::cuda`] and [`crate::upstream`].
 
 mod allocator;
 mod async_book;

@@ -18,8 +18,7 @@ use crate::error::{Error, Result};
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum DeviceAllocatorMode {
-    /// cumem's own best-fit pool over driver memory, with stream-ordered
-    /// reuse.
+    /// cumem's own best-fit pool over driver memory, stream-ordered reuse.
     #[default]
     SyncPool,
     /// `cuMemAllocAsync` / `cuMemFreeAsync` from the device's default pool,

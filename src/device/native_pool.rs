@@ -1,6 +1,5 @@
-//! The driver's own stream-ordered memory pools: a dedicated pool
-//! (`cuMemPoolCreate`) and the device's default pool behind
-//! `cuMemAllocAsync`.
+//! The driver's stream-ordered memory pools: a dedicated one
+//! (`cuMemPoolCreate`) and the default one behind `cuMemAllocAsync`.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -49,8 +48,7 @@ pub struct NativePool {
     exportable: bool,
 }
 
-// SAFETY: a CUmemoryPool handle may be used from any thread; every call
-// binds the owning context first.
+// SAFETY: a CUmemoryPool handle works on any thread; calls bind its context.
 unsafe impl Send for NativePool {}
 // SAFETY: the driver synchronises concurrent calls on one pool.
 unsafe impl Sync for NativePool {}
@@ -138,8 +136,7 @@ impl NativePool {
     /// (`cuMemPoolExportPointer`).
     ///
     /// # Errors
-    /// [`Error::Ipc`] for a pool made without an exportable handle type;
-    /// a driver error.
+    /// [`Error::Ipc`] for a pool with no exportable handle type; driver errors.
     pub fn export(&self, ptr: u64) -> Result<(std::os::fd::OwnedFd, [u8; 64])> {
         use std::os::fd::FromRawFd;
         if !self.exportable {
@@ -162,8 +159,7 @@ impl NativePool {
         if fd < 0 {
             return Err(Error::Ipc(format!("cuMemPoolExportToShareableHandle returned descriptor {fd}")));
         }
-        // SAFETY: the driver made this descriptor for the caller, who owns
-        // it from now on.
+        // SAFETY: the driver made this descriptor for the caller, its owner.
         let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
         // SAFETY: CUmemPoolPtrExportData is 64 plain bytes.
         let mut data: sys::CUmemPoolPtrExportData = unsafe { std::mem::zeroed() };
@@ -200,8 +196,7 @@ impl NativePool {
         })
     }
 
-    /// Resets both high-water marks to the current values (setting them to
-    /// 0 is how the driver resets them).
+    /// Resets both high-water marks to the current values (by setting 0).
     ///
     /// # Errors
     /// A driver error.
@@ -211,8 +206,7 @@ impl NativePool {
         self.set_u64(CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0, "cuMemPoolSetAttribute(USED_MEM_HIGH)")
     }
 
-    /// Releases free memory until the pool holds at most `min_bytes_to_keep`
-    /// of it (`cuMemPoolTrimTo`).
+    /// Releases free memory down to `min_bytes_to_keep` (`cuMemPoolTrimTo`).
     ///
     /// # Errors
     /// A driver error.
@@ -222,8 +216,7 @@ impl NativePool {
         unsafe { result::mem_pool::trim_to(self.pool, min_bytes_to_keep) }.map_err(driver_err("cuMemPoolTrimTo"))
     }
 
-    /// Allocates `size` bytes in stream order on `stream`
-    /// (`cuMemAllocFromPoolAsync`).
+    /// `size` bytes in stream order on `stream` (`cuMemAllocFromPoolAsync`).
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] or another driver error.
@@ -277,15 +270,13 @@ impl Drop for NativePool {
     }
 }
 
-/// Allocates `size` bytes from the device's current pool in stream order
-/// (`cuMemAllocAsync`).
+/// `size` bytes from the current pool, in stream order (`cuMemAllocAsync`).
 ///
 /// # Errors
 /// [`Error::OutOfMemory`] or another driver error.
 pub fn allocate_async(ctx: &CudaContext, size: usize, stream: &Stream) -> Result<u64> {
     ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-    // SAFETY: the stream belongs to the current context; the memory is
-    // handed out as an address.
+    // SAFETY: the stream is the current context's; memory leaves as an address.
     unsafe { result::malloc_async(stream.cu_stream(), size) }.map_err(|e| {
         if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
             Error::OutOfMemory {

@@ -29,8 +29,7 @@ struct Pinned {
     size: usize,
     /// Exports not yet released.
     open: u32,
-    /// The free made while pinned, with its stream (`Some(None)`: a free
-    /// with no stream).
+    /// The free made while pinned, with its stream (`Some(None)`: none).
     freed: Option<Option<Stream>>,
     /// Freed during a capture: a graph's private pool holds the block and
     /// frees it when it retires (unless the export outlives that).
@@ -118,8 +117,7 @@ impl Pins {
         }
     }
 
-    /// Undoes [`give_to_graph`](Self::give_to_graph) (the graph refused
-    /// the block).
+    /// Undoes [`give_to_graph`](Self::give_to_graph) (the graph refused it).
     pub(super) fn take_back_from_graph(&self, addr: usize) {
         if let Some(p) = lock(&self.book).get_mut(&addr) {
             p.by_graph = false;

@@ -21,8 +21,7 @@ pub(crate) struct StreamRegistry {
     /// or the host waiting), and the nanoseconds those waits took to issue.
     waits: AtomicU64,
     wait_ns: AtomicU64,
-    /// Waits left out: the using stream had already waited for a later
-    /// point of the freeing stream.
+    /// Waits left out: the user had waited for a later point of the freer.
     elided: AtomicU64,
     /// Events for the fences of page moves ([`fence_on`](Self::fence_on)).
     events: Arc<EventPool>,
@@ -173,8 +172,7 @@ impl StreamRegistry {
         let start = std::time::Instant::now();
         let mut waited = false;
         for src in sources.iter().filter(|s| user.is_none_or(|u| u.id() != s.id())) {
-            // A stream that already waited for a later point of the source
-            // needs no second wait.
+            // A stream that waited for a later point of the source: no wait.
             if user.is_some_and(|u| !u.is_host() && u.waited_for(src, tag)) {
                 self.elided.fetch_add(1, Ordering::Relaxed);
                 continue;
@@ -239,14 +237,12 @@ impl StreamRegistry {
         crate::cuda::fence_on(&on, &then, &self.events)
     }
 
-    /// Reuses that waited for another stream's work so far, and the
-    /// nanoseconds issuing those waits took.
+    /// Reuses that waited for another stream so far, and ns spent issuing them.
     pub(crate) fn waits(&self) -> (u64, u64) {
         (self.waits.load(Ordering::Relaxed), self.wait_ns.load(Ordering::Relaxed))
     }
 
-    /// Waits left out because the using stream had already waited for a
-    /// later point of the freeing stream.
+    /// Waits left out: the user had waited for a later point of the freer.
     pub(crate) fn waits_elided(&self) -> u64 {
         self.elided.load(Ordering::Relaxed)
     }

@@ -1,5 +1,4 @@
-//! The device allocator's figures: [`DeviceStats`] across its modes, and
-//! what one mode holds ([`ModeMemory`]).
+//! The device allocator's [`DeviceStats`] and one mode's [`ModeMemory`].
 
 use super::captures::GraphStats;
 use super::mode::DeviceAllocatorMode;

@@ -1,7 +1,6 @@
 //! The device allocator's stream-ordered allocations (the async and
 //! native-pool modes): `cuMemAllocAsync` and `cuMemFreeAsync` on an
-//! ordering stream, each recorded in the allocator's book
-//! (`async_book.rs`).
+//! ordering stream, each in the allocator's book (`async_book.rs`).
 
 use super::allocator::DeviceAllocator;
 use super::async_book::AsyncBlock;
@@ -37,8 +36,7 @@ impl DeviceAllocator {
         let ptr = match attempt() {
             Ok(p) => p,
             Err(Error::OutOfMemory { .. }) if !self.capture_under_way()? => {
-                // Release what is cached everywhere on this device, then
-                // try once more.
+                // Release what this device caches anywhere, then retry once.
                 lock(&self.async_book).stats.oom_retries += 1;
                 self.release_cached()?;
                 attempt()?
@@ -56,8 +54,7 @@ impl DeviceAllocator {
         Ok(ptr)
     }
 
-    /// [`free`](Self::free) of a live stream-ordered allocation (`None`:
-    /// `ptr` is not one).
+    /// [`free`](Self::free) of a stream-ordered allocation (`None`: not one).
     #[inline(never)]
     pub(super) fn free_if_stream_ordered(&self, ptr: u64, stream: Option<&Stream>) -> Option<Result<usize>> {
         let addr = ptr as usize;
@@ -87,8 +84,7 @@ impl DeviceAllocator {
         Some(Ok(block.size))
     }
 
-    /// The size, mode and capture of the live stream-ordered allocation at
-    /// `addr`, if there is one.
+    /// Size, mode and capture of a stream-ordered allocation at `addr`.
     pub(super) fn stream_ordered_block(&self, addr: usize) -> Option<(usize, DeviceAllocatorMode, u64)> {
         if self.async_live.load(Ordering::Acquire) == 0 {
             return None;
@@ -127,8 +123,7 @@ impl DeviceAllocator {
         lock(&self.async_book).count_free(size);
     }
 
-    /// Frees a stream-ordered allocation a graph held, once the device is
-    /// idle (captures.rs).
+    /// Frees a stream-ordered allocation a graph held, the device idle.
     pub(super) fn free_stream_ordered_now(&self, addr: usize, size: usize, _mode: DeviceAllocatorMode) -> Result<()> {
         self.free_stream_ordered(addr as u64, self.internal_stream()?)?;
         self.count_stream_ordered_free(size);

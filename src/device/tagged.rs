@@ -10,13 +10,11 @@ use crate::tag::StreamTag;
 use crate::upstream::BLOCK_ALIGN;
 
 impl DeviceAllocator {
-    /// Allocates in the pool of this thread's tag, as the sync pool does
-    /// (stream order included); the pool is made on the tag's first use
-    /// on this device.
+    /// Allocates in the pool of this thread's tag as the sync pool does
+    /// (stream order included); the pool is made on first use here.
     ///
     /// # Errors
-    /// [`Error::Tag`] when the tag sleeps or the device can't remap pages;
-    /// the sync pool's errors.
+    /// [`Error::Tag`] (asleep, or no page remapping); the sync pool's errors.
     pub(super) fn allocate_tagged(&self, size: usize, stream: Option<&Stream>) -> Result<u64> {
         let Some(name) = current_tag() else {
             return Err(Error::InvalidState("a tagged allocation with no tag set".into()));
@@ -87,8 +85,7 @@ impl DeviceAllocator {
     /// copy and unmap memory that queued work may still use).
     ///
     /// # Errors
-    /// [`Error::Capture`] while a capture is under way on the device; a
-    /// driver error.
+    /// [`Error::Capture`] while the device has a capture; a driver error.
     pub(crate) fn synchronize_for_tags(&self) -> Result<()> {
         if self.capture_under_way()? {
             return Err(Error::Capture(

@@ -22,8 +22,8 @@
 //!   the state to Sleeping and then waits until no allocation is in flight
 //!   (each write followed by a sequentially consistent fence before the
 //!   read, so either the allocation sees Sleeping and backs out, or sleep
-//!   sees it in flight and waits for it). Only an Awake pool allocates; frees work in every state (a freed block is
-//!   not copied back).
+//!   sees it in flight and waits for it). Only an Awake pool allocates;
+//!   frees work in every state (a freed block is not copied back).
 //! - What sleep copies, where, and when the device is synchronised is the
 //!   manager's part (`manager/sleep/`); this file moves the states, and
 //!   the pool the pages ([`Pool::unmap_all`], [`Pool::map_ranges`]).
@@ -201,8 +201,7 @@ impl std::fmt::Debug for TagPool {
     }
 }
 
-/// An allocation counted in (the pool was awake when it looked); sleep
-/// waits until it is dropped.
+/// An allocation counted in (the pool was awake); sleep waits for its drop.
 #[derive(Debug)]
 pub struct Entered<'a>(&'a TagPool);
 
@@ -234,8 +233,7 @@ impl TagPool {
     /// [`Error::Tag`] when it is not awake.
     pub fn enter(&self) -> Result<Entered<'_>> {
         self.inflight.fetch_add(1, Ordering::SeqCst);
-        // Pairs with the fence in `begin_sleep`: of the two threads, at
-        // least one sees the other's write.
+        // Pairs with `begin_sleep`'s fence: one thread sees the other's write.
         fence(Ordering::SeqCst);
         let entered = Entered(self);
         match self.state.load(Ordering::SeqCst) {
@@ -299,8 +297,7 @@ impl TagPool {
     }
 }
 
-/// Makes a tag's pool (device layer: over CUDA VMM or the host fallback's
-/// reserved address space).
+/// Makes a tag's pool (over CUDA VMM or the host fallback's address space).
 pub(crate) type TagPoolFactory = Box<dyn Fn() -> Result<Pool<Box<dyn Upstream>>> + Send + Sync>;
 
 /// The tag pools of one device.
@@ -322,12 +319,10 @@ impl TagPools {
         TagPools { pools: Mutex::new(Vec::new()), count: AtomicUsize::new(0), make }
     }
 
-    /// The pool of `name`, made on first use (with no lock held while
-    /// its pool is made).
+    /// The pool of `name`, made on first use (with no lock held).
     ///
     /// # Errors
-    /// [`Error::Tag`] when this device can't remap pages; the
-    /// error making the pool.
+    /// [`Error::Tag`] when this device can't remap pages; the pool's errors.
     pub(crate) fn pool(&self, name: &StdArc<str>) -> Result<Arc<TagPool>> {
         if let Some(a) = self.find(name) {
             return Ok(a);

@@ -105,8 +105,7 @@ impl ImportedMemory {
                 match ipc::import_pool_pointer(&ctx, pool, data) {
                     Ok(ptr) => (ptr + offset, Opened::NativePool { pool, ptr }),
                     Err(e) => {
-                        // SAFETY: the pool was just imported and has no
-                        // imported pointer.
+                        // SAFETY: just imported, no pointer imported.
                         let _ = unsafe { sys::cuMemPoolDestroy(pool) };
                         return Err(e);
                     }
@@ -155,8 +154,7 @@ impl ImportedMemory {
     /// this process no longer uses the block ([`super::send_closed`]).
     ///
     /// # Errors
-    /// As [`close`](Self::close) (nothing is sent then), or [`Error::Os`]
-    /// when the socket fails.
+    /// As [`close`](Self::close) (nothing sent), or [`Error::Os`] (socket).
     pub fn close_and_notify(mut self, socket: &UnixStream) -> Result<()> {
         self.close_now()?;
         super::send_closed(socket, self.id)
@@ -181,8 +179,7 @@ impl ImportedMemory {
                 // The range is freed, then the pieces released.
                 Ok(())
             }
-            // SAFETY: the device is idle and the memory is marked closed
-            // before anything else can use it.
+            // SAFETY: the device is idle; the memory is closed before any use.
             Opened::Allocation { base } => unsafe { ipc::close_ipc_handle(&self.ctx, *base) },
             // SAFETY: as above.
             Opened::NativePool { pool, ptr } => unsafe { ipc::close_pool_import(&self.ctx, *pool, *ptr) },

@@ -116,8 +116,7 @@ impl IpcHandle {
         self.uuid
     }
 
-    /// How the memory is shared: `"vmm"`, `"cuIpcMemHandle"` or
-    /// `"native pool"`.
+    /// How the memory is shared: `"vmm"`, `"cuIpcMemHandle"`, `"native pool"`.
     pub fn mechanism(&self) -> &'static str {
         match self.kind {
             HandleKind::Mapped { .. } => "vmm",
@@ -156,8 +155,7 @@ impl IpcHandle {
         wire::encode_handle(self)
     }
 
-    /// The descriptors, in the order [`from_parts`](Self::from_parts)
-    /// takes them.
+    /// The descriptors, in [`from_parts`](Self::from_parts)' order.
     pub fn fds(&self) -> &[OwnedFd] {
         &self.fds
     }
@@ -166,8 +164,7 @@ impl IpcHandle {
     /// [`fds`](Self::fds) listed (duplicates are fine).
     ///
     /// # Errors
-    /// [`Error::Ipc`] for malformed bytes or the wrong number of
-    /// descriptors.
+    /// [`Error::Ipc`] for malformed bytes or a wrong number of descriptors.
     pub fn from_parts(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<IpcHandle> {
         match wire::decode(bytes)? {
             wire::Message::Handle { mut handle, fds: n } if n == fds.len() => {

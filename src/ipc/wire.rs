@@ -1,5 +1,4 @@
-//! What crosses the socket: a handle's bytes and its file descriptors, and
-//! the importer's "closed" message.
+//! What crosses the socket: a handle's bytes, its descriptors, "closed".
 //!
 //! ```text
 //!  message  = len: u32 LE | body (len bytes)
@@ -234,8 +233,7 @@ fn send_fds(socket: &UnixStream, fds: &[OwnedFd]) -> Result<()> {
 fn recv_fds(socket: &UnixStream, want: usize) -> Result<Vec<OwnedFd>> {
     let payload = want * std::mem::size_of::<libc::c_int>();
     with_one_byte_msg(payload, |msg| {
-        // SAFETY: `msg` and everything it points at live across the call;
-        // descriptors arrive close-on-exec.
+        // SAFETY: `msg` and all it points at live across the call; cloexec fds.
         let n = retry(|| unsafe { libc::recvmsg(socket.as_raw_fd(), &mut *msg, libc::MSG_CMSG_CLOEXEC) });
         if n == -1 {
             return Err(os("recvmsg")(std::io::Error::last_os_error()));

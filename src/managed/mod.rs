@@ -54,8 +54,7 @@ impl MemoryManager {
     /// fallback).
     ///
     /// # Errors
-    /// [`Error::InvalidState`] when the device can't allocate managed
-    /// memory; driver errors.
+    /// [`Error::InvalidState`] where managed memory is lacking; driver errors.
     pub fn managed_pool(&self) -> Result<&Pool<Box<dyn Upstream>>> {
         let (cell, ctx) = self.managed_cell();
         cell.get_or_try_init(|| {
@@ -97,8 +96,7 @@ impl MemoryManager {
         self.managed_pool()?.allocate(size, align)
     }
 
-    /// Returns managed memory to the pool. Nothing (host or queued work)
-    /// may use it any more.
+    /// Returns managed memory to the pool; nothing (host or device) may use it.
     ///
     /// # Errors
     /// [`Error::DoubleFree`], [`Error::InteriorPointer`],
@@ -123,8 +121,7 @@ impl MemoryManager {
 /// back without a copy. `grow` and `shrink` resize in place when the next
 /// block is free.
 ///
-/// Without a GPU the pool holds ordinary host memory and everything works
-/// the same on the host.
+/// Without a GPU the pool holds ordinary host memory, and works the same.
 ///
 /// # Examples
 /// ```
@@ -201,8 +198,7 @@ fn location(at: Location) -> Result<sys::CUmemLocation> {
     })
 }
 
-/// The manager, with its context current on this thread; `None` on the
-/// host fallback.
+/// The manager, its context current on this thread (`None`: host fallback).
 fn cuda_manager() -> Result<Option<&'static MemoryManager>> {
     let mm = MemoryManager::global()?;
     match mm.managed_cell().1 {
@@ -220,8 +216,7 @@ fn cuda_manager() -> Result<Option<&'static MemoryManager>> {
 /// host fallback or for an empty slice.
 ///
 /// # Errors
-/// [`Error::NoSuchDevice`]; a driver error, for example when `data` is not
-/// managed memory.
+/// [`Error::NoSuchDevice`]; a driver error (`data` not managed memory, ...).
 ///
 /// # Examples
 /// See [`ManagedAlloc`].
@@ -271,7 +266,6 @@ pub fn advise<T>(data: &[T], advice: Advice, set: bool) -> Result<()> {
         (Advice::AccessedBy(l), false) => (A::CU_MEM_ADVISE_UNSET_ACCESSED_BY, l),
     };
     let loc = location(at)?;
-    // SAFETY: advice changes where pages live, never their contents; the
-    // range is borrowed, so it is live.
+    // SAFETY: advice moves pages, never changes them; the range is borrowed.
     unsafe { sys::cuMemAdvise_v2(data.as_ptr() as u64, bytes, flag, loc) }.result().map_err(driver_err("cuMemAdvise"))
 }

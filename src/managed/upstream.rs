@@ -12,9 +12,8 @@ use crate::upstream::{Chunk, Upstream};
 /// every device (`cuMemAllocManaged(CU_MEM_ATTACH_GLOBAL)` / `cuMemFree`).
 /// The driver migrates pages to whoever touches them.
 ///
-/// The manager's managed pool uses it; see
-/// [`MemoryManager::managed_pool`](crate::MemoryManager::managed_pool) for an
-/// example of the pool.
+/// The manager's managed pool uses it (example:
+/// [`MemoryManager::managed_pool`](crate::MemoryManager::managed_pool)).
 pub struct CudaManagedMemory {
     ctx: Arc<CudaContext>,
 }
@@ -42,8 +41,7 @@ impl CudaManagedMemory {
 impl Upstream for CudaManagedMemory {
     fn allocate_chunk(&self, size: usize) -> Result<Chunk> {
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-        // SAFETY: the context is current; the memory is used only through
-        // the addresses the pool hands out.
+        // SAFETY: the context is current; the memory is used only by address.
         match unsafe { result::malloc_managed(size, sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL) } {
             Ok(ptr) => Ok(Chunk { addr: ptr as usize, size }),
             Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::OutOfMemory {

@@ -1,5 +1,4 @@
-//! Copies on a stream: host to device, device to host, and between
-//! devices (peer copies).
+//! Copies on a stream: host to device, device to host, between devices.
 
 use cudarc::driver::sys;
 
@@ -27,8 +26,7 @@ impl MemoryManager {
         match stream.context() {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(crate::cuda::driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the caller guarantees both ranges for `size` bytes
-                // until the stream's copy is done.
+                // SAFETY: the caller guarantees both ranges until it is done.
                 unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), size, stream.cu_stream()) }
                     .result()
                     .map_err(crate::cuda::driver_err("cuMemcpyHtoDAsync"))
@@ -61,16 +59,14 @@ impl MemoryManager {
         match stream.context() {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(crate::cuda::driver_err("cuCtxSetCurrent"))?;
-                // SAFETY: the caller guarantees both ranges until the copy is
-                // done.
+                // SAFETY: the caller guarantees both ranges until it is done.
                 unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, size, stream.cu_stream()) }
                     .result()
                     .map_err(crate::cuda::driver_err("cuMemcpyDtoHAsync"))
             }
             None => {
                 self.host_copy_check()?;
-                // SAFETY: on the host fallback device memory is host memory;
-                // the caller guarantees both ranges.
+                // SAFETY: host memory on the fallback; the caller vouches.
                 unsafe { std::ptr::copy_nonoverlapping(src as usize as *const u8, dst, size) };
                 Ok(())
             }
@@ -116,8 +112,7 @@ impl MemoryManager {
             (Some(d), Some(s), Some(own)) => {
                 own.bind_to_thread().map_err(crate::cuda::driver_err("cuCtxSetCurrent"))?;
                 let rc = if dst_device == src_device {
-                    // SAFETY: the caller guarantees both ranges until the
-                    // stream's copy is done.
+                    // SAFETY: the caller guarantees both until it is done.
                     unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, size, stream.cu_stream()) }
                 } else {
                     // SAFETY: as above; both contexts are live primary
@@ -129,8 +124,7 @@ impl MemoryManager {
             }
             (None, None, None) => {
                 // SAFETY: on the host fallback device memory is host memory;
-                // the caller guarantees both ranges and that they don't
-                // overlap.
+                // the caller guarantees both ranges, not overlapping.
                 unsafe { std::ptr::copy_nonoverlapping(src as usize as *const u8, dst as usize as *mut u8, size) };
                 Ok(())
             }

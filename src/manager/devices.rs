@@ -1,7 +1,6 @@
-//! Several devices: making each device's allocator on first use (from
-//! plain configuration values, `DeviceSetup`), choosing the device of a
-//! call, finding the device that owns a pointer, peer access and peer
-//! copies.
+//! Several devices: each device's allocator made on first use (from plain
+//! configuration values, `DeviceSetup`), the device of a call, the device
+//! that owns a pointer, peer access and peer copies.
 //!
 //! # Implementation details
 //!
@@ -22,10 +21,8 @@ use crate::device::{DeviceAllocator, DeviceSetup, DeviceStats, NativePoolOptions
 use crate::error::{Error, PoolKind, Result};
 
 impl MemoryManager {
-    /// Allocates `size` bytes of device memory on device `ordinal`, usable
-    /// at once by the host (copies) and by any stream of that device (as
-    /// [`allocate_device`](Self::allocate_device) does on the default
-    /// device).
+    /// [`allocate_device`](Self::allocate_device) on device `ordinal`:
+    /// usable at once by the host (copies) and any stream of that device.
     ///
     /// # Errors
     /// [`Error::NoSuchDevice`]; as [`allocate_device`](Self::allocate_device),
@@ -69,8 +66,7 @@ impl MemoryManager {
         Err(unknown.unwrap_or(Error::UnknownPointer { pool: PoolKind::Device, addr: ptr as usize }))
     }
 
-    /// The device a stream's calls work on: its own, or the default device
-    /// for a host queue.
+    /// The device of a stream's calls: its own (a host queue's: the default).
     #[inline]
     pub(crate) fn ordinal_of(&self, stream: &Stream) -> usize {
         stream.device().unwrap_or(self.config.device)
@@ -97,8 +93,7 @@ impl MemoryManager {
         r
     }
 
-    /// Bookkeeping after a free on device `ordinal`: a pointer that device
-    /// does not know is tried on the others.
+    /// After a free on device `ordinal`: a pointer it lacks is tried elsewhere.
     #[inline]
     pub(super) fn device_freed(
         &self,
@@ -231,8 +226,7 @@ impl MemoryManager {
     /// # Errors
     /// [`Error::NoSuchDevice`]; a driver error creating its context.
     pub fn device(&self, ordinal: usize) -> Result<&DeviceAllocator> {
-        // Not `ok_or`: the error is built only when it is returned (this
-        // runs on every allocation and free).
+        // Not `ok_or`: the error is built only when needed (a hot path).
         let Some(cell) = self.devices.get(ordinal) else {
             return Err(Error::NoSuchDevice { ordinal, count: self.devices.len() });
         };

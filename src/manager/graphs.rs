@@ -14,8 +14,7 @@ impl MemoryManager {
     /// A new graph-private pool on the default device. See [`GraphPool`].
     ///
     /// # Errors
-    /// [`Error::ShutDown`]; errors creating the device's allocator or the
-    /// pool's address range.
+    /// [`Error::ShutDown`]; errors making the device's allocator or the pool.
     pub fn graph_pool(&self) -> Result<GraphPool<'_>> {
         self.graph_pool_on(self.config.device)
     }
@@ -39,9 +38,8 @@ impl MemoryManager {
     /// The stream is synchronised first, so the capture starts with no
     /// queued work that pool blocks could wait on.
     ///
-    /// On the host fallback the capture records nothing and the graph
-    /// replays nothing, but the memory rules are the same (they are tested
-    /// there).
+    /// On the host fallback the graph is empty, but the memory rules are the
+    /// same (they are tested there).
     ///
     /// # Errors
     /// [`Error::Capture`] when `stream` belongs to another device than the
@@ -120,13 +118,11 @@ fn check_device(stream: &Stream, pool: &GraphPool<'_>) -> Result<()> {
     }
 }
 
-/// Ends the capture on `stream`: the graph the driver made (`None` on the
-/// host fallback, or for an empty capture).
+/// Ends `stream`'s capture: the driver's graph (`None`: host fallback, empty).
 fn end_capture(stream: &Stream) -> Result<Option<CudaGraph>> {
     match stream.cudarc() {
         Some(s) => {
-            // Instantiating is legal even while this thread captures
-            // another stream.
+            // Legal even while this thread captures another stream.
             let _relaxed = RelaxedCaptureMode::enter();
             s.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(driver_err("cuStreamEndCapture"))
         }
@@ -250,14 +246,12 @@ impl<'a> CapturedGraph<'a> {
         unsafe { sys::cuGraphLaunch(g.cu_graph_exec(), s.cu_stream()) }.result().map_err(driver_err("cuGraphLaunch"))
     }
 
-    /// The graph's pool (its memory figures, or to capture further graphs
-    /// that share it).
+    /// The graph's pool (its figures, or to capture more graphs into it).
     pub fn pool(&self) -> &GraphPool<'a> {
         &self.pool
     }
 
-    /// The cudarc graph (`None` on the host fallback or for an empty
-    /// capture).
+    /// The cudarc graph (`None` on the host fallback or for an empty capture).
     pub fn cudarc(&self) -> Option<&CudaGraph> {
         self.graph.as_ref()
     }

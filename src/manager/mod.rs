@@ -1,5 +1,4 @@
-//! The [`MemoryManager`] singleton: configuration, dispatch, statistics,
-//! shutdown.
+//! [`MemoryManager`]: configuration, dispatch, statistics, shutdown.
 
 mod config;
 mod config_text;
@@ -71,8 +70,7 @@ impl std::fmt::Display for Backend {
     }
 }
 
-/// The memory manager: pools of pinned host memory and device memory,
-/// shared by all threads.
+/// The memory manager: pools of pinned and device memory for all threads.
 ///
 /// Use the process-wide instance: [`MemoryManager::init`] at program start
 /// to configure it, or [`MemoryManager::global`], which configures it from
@@ -101,11 +99,9 @@ pub struct MemoryManager {
     device_pool_size: crate::sync::Mutex<usize>,
     shut_down: AtomicBool,
     sites: Option<tracking::SiteTracker>,
-    /// The event log, when `Config::log_path` is set (accessors in
-    /// `crate::log`).
+    /// The event log, when `Config::log_path` is set (see `crate::log`).
     pub(crate) log: Option<EventLog>,
-    /// What sleeping memory tags left behind; held through a sleep or a
-    /// wake (`sleep.rs`).
+    /// What sleeping memory tags left behind; held through a sleep or wake.
     sleep_book: crate::sync::Mutex<sleep::SleepBook>,
 }
 
@@ -208,8 +204,7 @@ impl MemoryManager {
             return Err(Error::NoSuchDevice { ordinal: config.device, count: device_count });
         }
         let pinned_config = config.pinned_pool_config();
-        // The pinned pool grows geometrically, so it reaches a large size
-        // in few upstream calls.
+        // Geometric growth: a large pinned pool in few upstream calls.
         let pinned_inner: Box<dyn Upstream> = match &ctx {
             Some(ctx) => Box::new(CudaPinnedMemory::new(ctx.clone())),
             None => Box::new(Host::new()),
@@ -272,8 +267,7 @@ impl MemoryManager {
         Ok(NonNull::new(a.addr as *mut u8).expect("pools never hand out address 0"))
     }
 
-    /// Allocates pinned memory and returns the whole block (for
-    /// `PinnedAlloc`, which may use all of it).
+    /// Allocates pinned memory, returning the whole block (for `PinnedAlloc`).
     pub(crate) fn allocate_pinned_block(&self, size: usize, align: usize) -> Result<crate::pool::Allocation> {
         self.check_running("pinned allocation")?;
         let r = self.pinned.allocate(size, align);
@@ -281,8 +275,7 @@ impl MemoryManager {
         r
     }
 
-    /// Bookkeeping after every allocation attempt: the event log (when on)
-    /// and allocation-site tracking (when on).
+    /// After every allocation attempt: the event log, allocation sites (if on).
     pub(super) fn note_allocation<E>(&self, kind: PoolKind, r: &std::result::Result<u64, E>, size: usize, stream: u64) {
         EventLog::note_allocation(&self.log, r, size, stream);
         if let (Some(t), Ok(addr)) = (&self.sites, r) {
@@ -303,8 +296,7 @@ impl MemoryManager {
     ///
     /// # Errors
     /// [`Error::DoubleFree`], [`Error::InteriorPointer`],
-    /// [`Error::UnknownPointer`] (also for device pointers); the pool is
-    /// unchanged then.
+    /// [`Error::UnknownPointer`] (also for device pointers); no change then.
     pub fn free_pinned(&self, ptr: *mut u8) -> Result<()> {
         let r = self.pinned.deallocate(ptr as usize, crate::tag::StreamTag::NONE).map(|f| f.requested);
         self.note_free(PoolKind::Pinned, &r, ptr as u64, 0);
@@ -373,8 +365,7 @@ impl MemoryManager {
     ///
     /// # Errors
     /// [`Error::DoubleFree`], [`Error::InteriorPointer`],
-    /// [`Error::UnknownPointer`] (also for pinned pointers); nothing changes
-    /// then.
+    /// [`Error::UnknownPointer`] (also for pinned pointers); no change then.
     pub fn free_device(&self, ptr: u64) -> Result<()> {
         let ordinal = self.config.device;
         let r = self.device(ordinal)?.free(ptr, None);
@@ -434,8 +425,7 @@ impl MemoryManager {
         self.default_device().map_or(self.config.mode, |d| d.requested_mode())
     }
 
-    /// The mode in use on the default device: `SyncPool` when the requested
-    /// stream-ordered mode is not supported.
+    /// The default device's mode in use (`SyncPool` if the one asked can't be).
     pub fn effective_device_allocator_mode(&self) -> DeviceAllocatorMode {
         self.default_device().map_or(DeviceAllocatorMode::SyncPool, |d| d.effective_mode())
     }
@@ -485,8 +475,7 @@ impl MemoryManager {
         Ok(released)
     }
 
-    /// A readable table of every pool's state, in the spirit of
-    /// `torch.cuda.memory_summary()`.
+    /// A readable table of every pool's state (`torch.cuda.memory_summary()`).
     pub fn memory_summary(&self) -> String {
         summary::render(self)
     }

@@ -17,8 +17,7 @@ pub struct TableSizes {
 }
 
 impl MemoryManager {
-    /// The sizes of the internal tables now (one lock each, no driver
-    /// call).
+    /// The sizes of the internal tables now (one lock each, no driver call).
     pub fn table_sizes(&self) -> TableSizes {
         let mut t = TableSizes::default();
         for d in self.initialised_devices() {

@@ -89,8 +89,7 @@ impl<U: Upstream> Pool<U> {
         let class = cache_class(cache, rounded, align);
         let exact = class.map_or(rounded, |(_, block_size)| block_size);
         let a = match self.allocate_slow(exact, align, size, stream) {
-            // Memory parked in thread caches counts as used: flush it all
-            // and try once more.
+            // Memory parked in thread caches counts as used: flush, retry.
             Err(Error::OutOfMemory { .. }) if cache.drain_all(false) > 0 => {
                 self.allocate_slow(exact, align, size, stream)?
             }

@@ -46,8 +46,7 @@
 //! with the index's count of changes and not repeated while the count
 //! holds. All of it runs under the pool's lock, like everything here.
 //!
-//! Splitting and coalescing never cross a chunk boundary, because links
-//! never do.
+//! Splitting and coalescing never cross a chunk boundary: links never do.
 
 use std::collections::BTreeMap;
 
@@ -100,8 +99,7 @@ pub struct Allocation {
     pub addr: usize,
     /// The block's size (the request rounded up to 256 B).
     pub size: usize,
-    /// The stream that last freed (part of) the block: work queued there
-    /// before that free may still use it.
+    /// The stream that last freed (part of) the block, whose work may use it.
     pub tag: StreamTag,
 }
 
@@ -146,8 +144,7 @@ pub struct BestFit {
     oracle: Oracle,
     /// Touched-page accounting (page remapping): see [`PageCount`].
     pages: PageCount,
-    /// The block freed last, not yet coalesced nor indexed; see the
-    /// module docs.
+    /// The block freed last, not yet coalesced nor indexed (module docs).
     hot: HotSlot,
     /// Whether frees leave the freed block hot.
     hot_enabled: bool,
@@ -281,8 +278,7 @@ impl BestFit {
         self.chunks[id as usize].as_mut().expect("chunk id refers to a live chunk")
     }
 
-    /// The smallest free block that can hold `size` bytes at an `align`
-    /// boundary, ties to the lowest address.
+    /// The smallest free block holding `size` bytes at `align`, lowest first.
     fn find(&self, size: usize, align: usize) -> Option<u32> {
         if align <= BLOCK_ALIGN {
             return self.free_index.best_fit(size).map(|(_, _, slot)| slot);
@@ -382,8 +378,7 @@ impl BestFit {
     /// queued work may still use it. Coalesces with free neighbours.
     ///
     /// # Errors
-    /// A [`FreeError`] saying why `addr` is not a live block; nothing
-    /// changes then.
+    /// A [`FreeError`] saying why `addr` is not a live block (no change).
     pub fn free(&mut self, addr: usize, tag: StreamTag) -> Result<Freed, FreeError> {
         let Some(slot) = self.live.remove(addr) else {
             return Err(self.classify(addr));
@@ -482,8 +477,7 @@ impl BestFit {
         self.overlaps_chunk(Chunk { addr, size: 1 })
     }
 
-    /// The size of the live block at `addr`, or why freeing `addr` would
-    /// fail. Changes nothing.
+    /// The size of the live block at `addr`, or why freeing it would fail.
     pub fn check_live(&self, addr: usize) -> Result<usize, FreeError> {
         self.block_size(addr).ok_or_else(|| self.classify(addr))
     }

@@ -35,12 +35,10 @@
 //! - Every [`LOOK_EVERY`] frees into a cache, each bin gives three quarters
 //!   of the blocks it held throughout since the last look (its low-water
 //!   mark: the oldest blocks, which no hit took) back to the pool, so a
-//!   cache holds about what its thread reuses, not its whole budget of
-//!   blocks of sizes it no longer asks for, which other threads could
-//!   use.
+//!   cache holds about what its thread reuses, not a whole budget of
+//!   sizes it no longer asks for, which other threads could use.
 //! - A thread's exit flushes its cache (a thread-local destructor); its live
-//!   blocks stay lent to the dead cache and go straight back to the pool
-//!   when freed.
+//!   blocks stay lent to the dead cache, and go back to the pool when freed.
 //! - Before the pool grows, the growing thread's cache is flushed and the
 //!   pool tried again; an allocation that would fail drains every cache.
 //! - `release_cached`, `shutdown` and the pool's drop drain every cache in
@@ -96,8 +94,7 @@ use crate::sync::{lock, Arc, Mutex};
 
 /// Blocks one bin holds before its older half is flushed.
 pub const BIN_MAX: usize = 32;
-/// Frees into a cache between two looks at which of its blocks no hit
-/// took (see the module docs).
+/// Frees into a cache between two looks at which blocks no hit took.
 pub const LOOK_EVERY: u32 = 256;
 const LENT_SHARDS: usize = 16;
 /// Larger classes a miss may take a cached block from.
@@ -398,8 +395,7 @@ impl ThreadCaches {
         CacheFree::Cached(freed)
     }
 
-    /// Under the owner's lock: unlends the live block `e`, which can't be
-    /// cached; the pool frees it.
+    /// Under the owner's lock: unlends the uncacheable live block `e` (freed).
     #[cold]
     fn give_back(&self, l: &mut Local, addr: usize, e: LiveEntry, freed: Freed) -> CacheFree {
         lock(&self.lent[lent_shard(addr)]).remove(&addr);
@@ -435,8 +431,7 @@ impl ThreadCaches {
         }
         let mut inner = self.pool.lock();
         for b in blocks {
-            // Still under the pool's lock: nobody can lend the block anew
-            // before its old entry is gone.
+            // Under the pool lock: nobody lends it anew before its entry goes.
             lock(&self.lent[lent_shard(b.addr)]).remove(&b.addr);
             let r = inner.fit.free(b.addr, b.tag);
             debug_assert!(r.is_ok(), "a cached block was not live in the pool: {r:?}");

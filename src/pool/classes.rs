@@ -1,5 +1,4 @@
-//! Size classes of the thread caches, and a cheap hash for block
-//! addresses.
+//! Size classes of the thread caches, and a cheap hash of block addresses.
 //!
 //! Classes: exact 256 B steps up to 4 KiB (16 classes), then 16 classes per
 //! doubling up to [`MAX_CACHED_BLOCK`] (224 more), so a class is at most

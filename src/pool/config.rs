@@ -1,6 +1,5 @@
 //! [`PoolConfig`]: how a pool grows, how large it may get, and which of
-//! its optional parts (thread caches, page remapping, the hot block) are
-//! on.
+//! its parts (thread caches, page remapping, the hot block) are on.
 
 #[cfg(doc)]
 use super::{Pool, MAX_CACHED_BLOCK};

@@ -144,8 +144,7 @@ impl Bin {
     }
 }
 
-/// An ordered walk over part of a bin (no allocation: it runs under the
-/// pool's lock).
+/// An ordered walk over part of a bin (no allocation: under the pool lock).
 enum BinIter<'a> {
     Small(std::slice::Iter<'a, Key>),
     Large(std::collections::btree_set::Range<'a, Key>),
@@ -171,8 +170,7 @@ pub(super) struct FreeIndex {
     /// non-empty class reads two words, not every word up to it.
     words: u64,
     len: usize,
-    /// Inserts and removals so far: two looks at an index with the same
-    /// count see the same blocks.
+    /// Inserts and removals so far: the same count, the same blocks.
     changes: u64,
 }
 
@@ -240,8 +238,7 @@ impl FreeIndex {
         self.len
     }
 
-    /// Inserts and removals so far: two looks at an index with the same
-    /// count see the same blocks.
+    /// Inserts and removals so far: the same count, the same blocks.
     pub(super) fn changes(&self) -> u64 {
         self.changes
     }
@@ -266,8 +263,7 @@ impl FreeIndex {
         Some(w * 64 + self.nonempty[w].trailing_zeros() as usize)
     }
 
-    /// The smallest block of at least `size` bytes, ties to the lowest
-    /// address.
+    /// The smallest block of at least `size` bytes, ties to the lowest one.
     pub(super) fn best_fit(&self, size: usize) -> Option<Key> {
         let c = class_of(size);
         if let Some(&k) = self.bins[c].first_at_least(size) {

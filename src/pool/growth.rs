@@ -76,8 +76,7 @@ impl<U: Upstream> Pool<U> {
     /// Decides how to grow for a request of `rounded` bytes; books the
     /// growth against the limit. `Err(true)` when the limit forbids it.
     pub(super) fn plan_growth(&self, inner: &mut Inner, rounded: usize, align: usize) -> Result<Growth, bool> {
-        // With page remapping, chunks grow by whole pages, so that every
-        // page lies in one chunk.
+        // With page remapping, chunks grow by whole pages (each in one chunk).
         let gran = if self.remap { self.remap_page } else { self.upstream.granularity().max(BLOCK_ALIGN) };
         // Room for alignment padding beyond what the upstream guarantees.
         let need = rounded + align.saturating_sub(gran.min(4096)).min(align);
@@ -122,8 +121,7 @@ impl<U: Upstream> Pool<U> {
         Ok(growth)
     }
 
-    /// Obtains the planned memory from the upstream (no lock held) and adds
-    /// it to the pool.
+    /// Gets the planned memory from the upstream (no lock held), adds it.
     pub(super) fn grow(&self, plan: Growth) -> Result<()> {
         match plan {
             Growth::Extend { chunk, extra, need } => {
@@ -192,8 +190,7 @@ impl<U: Upstream> Pool<U> {
                 let added = inner.fit.add_chunk(chunk);
                 if added && self.remap {
                     inner.pages.add_unmapped(chunk.addr, chunk.size);
-                    // The first chunk of a pool given a size: that much
-                    // memory is mapped now and held.
+                    // The first chunk of a sized pool: mapped now and held.
                     let initial = inner.initial_size.unwrap_or(self.config.initial_size);
                     if inner.fit.stats().upstream_allocs == 1 && initial > 0 {
                         drop(inner);

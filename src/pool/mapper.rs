@@ -1,5 +1,4 @@
-//! The background mapper: old mappings of moved memory unmapped off the
-//! allocating thread.
+//! The background mapper: unmaps moved memory's old mappings off-thread.
 //!
 //! # Implementation details
 //!
@@ -61,8 +60,7 @@ pub(super) struct Job<U: Upstream> {
     pub(super) upstream: Arc<U>,
     pub(super) remap_lock: Arc<Mutex<()>>,
     slack_ppm: u32,
-    /// When the pool's last move ended (`moved`), in nanoseconds since
-    /// the job was made.
+    /// When the pool's last move ended (`moved`), ns since the job was made.
     #[cfg(not(loom))]
     last_move: std::sync::atomic::AtomicU64,
     #[cfg(not(loom))]
@@ -88,8 +86,7 @@ pub(crate) enum Progress {
     Waiting,
 }
 
-/// What the mapper thread runs (under loom the models call the steps
-/// themselves: there is no mapper thread).
+/// What the mapper thread runs (loom models, with no such thread, call steps).
 #[cfg_attr(loom, allow(dead_code))]
 pub(crate) trait Step: Send + Sync {
     /// One step of work.
@@ -122,8 +119,7 @@ impl<U: Upstream> Job<U> {
         }
     }
 
-    /// Notes that the pool just moved memory (the old mappings wait
-    /// [`QUIET`] after it).
+    /// Notes a move (the old mappings wait [`QUIET`] after it).
     pub(super) fn moved(&self) {
         #[cfg(not(loom))]
         self.last_move.store(self.born.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -140,8 +136,7 @@ impl<U: Upstream> Job<U> {
         false
     }
 
-    /// Stops the job: once this returns no step is running and none will
-    /// do anything.
+    /// Stops the job: then no step runs, and none will do anything.
     pub(super) fn close(&self) {
         let _remap = lock(&self.remap_lock);
         self.closed.store(true, Ordering::Release);
@@ -205,8 +200,7 @@ impl<U: Upstream> Step for Job<U> {
     }
 }
 
-/// Queues `job` for the mapper thread (once: a queued job is not queued
-/// again).
+/// Queues `job` for the mapper thread, unless it is queued already.
 pub(super) fn wake<U: Upstream>(job: &Arc<Job<U>>) {
     if !job.enqueue() {
         return;
@@ -302,8 +296,7 @@ mod thread {
                 }
             };
             let Some(job) = job.upgrade() else { continue };
-            // Out of the queue before the step: a wake during it queues
-            // the job again.
+            // Dequeued before the step: a wake during it queues it again.
             job.dequeued();
             let progress = job.step();
             let again = match progress {

@@ -1,5 +1,4 @@
-//! Best-fit pools: the algorithm ([`BestFit`]) and a thread-safe pool over
-//! an upstream ([`Pool`]).
+//! Best-fit pools: the algorithm ([`BestFit`]), a thread-safe [`Pool`] on top.
 //!
 //! # Implementation details
 //!
@@ -49,8 +48,7 @@ use crate::upstream::Upstream;
 use cache::{CacheFree, ThreadCaches};
 use spin::{SpinGuard, SpinLock};
 
-/// Why a pool setting is refused once the pool has allocated
-/// ([`Error::ConfigTooLate`]).
+/// Why a setting is refused once allocating began ([`Error::ConfigTooLate`]).
 pub(crate) const FIRST_ALLOCATION: &str =
     "it must be set before the first allocation from that pool (set it in the Config, or right after init())";
 
@@ -223,8 +221,7 @@ impl<U: Upstream> Pool<U> {
         self.mapper.as_ref().is_some_and(|job| job.run_step() == mapper::Progress::More)
     }
 
-    /// Closes the background mapper's job and waits until its thread let
-    /// go of it (shutdown and drop).
+    /// Closes the mapper's job; waits until its thread let go (shutdown, drop).
     fn stop_mapper(&self) {
         if let Some(job) = &self.mapper {
             job.close();
@@ -286,9 +283,8 @@ impl<U: Upstream> Pool<U> {
         self.after_shutdown_free(inner, addr, freed)
     }
 
-    /// A free after shutdown, with the pool lock `inner` held: nothing is
-    /// cached any more, so the block's chunk goes back as soon as its last
-    /// block is free.
+    /// A free after shutdown, under the pool lock `inner`: nothing is cached
+    /// any more, so a chunk goes back once its last block is free.
     #[inline(never)]
     fn after_shutdown_free(&self, mut inner: SpinGuard<'_, Inner>, addr: usize, freed: Freed) -> Result<Freed> {
         if let Some((chunk, _)) = inner.fit.take_free_chunk_at(addr) {
@@ -312,9 +308,8 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// Stops serving allocations, returns all free memory to the upstream
-    /// and lists the blocks still live. Live blocks stay valid; each chunk
-    /// goes back as soon as its last block is freed. Calling it twice is
-    /// harmless.
+    /// and lists the blocks still live (valid; each chunk goes back once
+    /// its last block is freed). Twice is harmless.
     ///
     /// # Errors
     /// An upstream error while returning free chunks.

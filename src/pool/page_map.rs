@@ -89,8 +89,7 @@ impl Pages {
         true
     }
 
-    /// How many pages `[addr, addr + size)` touches are holes (a word at a
-    /// time, no allocation).
+    /// How many pages of `[addr, addr + size)` are holes (no allocation).
     pub(super) fn hole_count(&self, addr: usize, size: usize) -> usize {
         if self.hole_count == 0 || addr < self.base || size == 0 {
             return 0;
@@ -162,8 +161,7 @@ impl Pages {
         Chunk { addr: self.base + (start << self.shift), size: (stop - start) << self.shift }
     }
 
-    /// The runs of holes that `[addr, addr + size)` touches, as page-aligned
-    /// chunks.
+    /// The runs of holes `[addr, addr + size)` touches (page-aligned).
     pub(super) fn holes_in(&self, addr: usize, size: usize) -> Vec<Chunk> {
         let (first, last) = (self.index(addr), self.index(addr + size - 1));
         self.runs(first, last + 1, true).map(|r| self.chunk_of(r)).collect()
@@ -180,8 +178,7 @@ impl Pages {
         self.runs(start, end, false).map(|r| self.chunk_of(r)).collect()
     }
 
-    /// Marks the pages of `run` (page-aligned) holes or not; returns how
-    /// many changed.
+    /// Marks `run`'s pages (page-aligned) holes or not; how many changed.
     pub(super) fn mark(&mut self, run: Chunk, hole: bool) -> usize {
         self.cover(run.addr, run.end());
         let first = self.index(run.addr);

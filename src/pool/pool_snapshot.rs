@@ -1,5 +1,4 @@
-//! [`Pool::snapshot`]: a copy of a pool's chunks and blocks, for pictures
-//! and checks.
+//! [`Pool::snapshot`]: a pool's chunks and blocks, for pictures and checks.
 //!
 //! # Implementation details
 //! Nothing is allocated while a lock is held: the counts are read under
@@ -25,8 +24,7 @@ pub enum BlockState {
     Live,
     /// Free in the shared pool.
     Free,
-    /// Freed by its user and parked in a thread cache (not yet back in the
-    /// shared pool).
+    /// Freed by its user, parked in a thread cache (not in the shared pool).
     Cached,
 }
 

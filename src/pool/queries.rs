@@ -1,5 +1,4 @@
-//! What a pool answers about its blocks (sizes, liveness), resizing a
-//! block in place, statistics and peaks.
+//! A pool's answers about blocks, resizing in place, statistics and peaks.
 
 use super::{round_size, Allocation, BestFit, FreeError, Pool, PoolStats};
 use crate::error::{Error, Result};

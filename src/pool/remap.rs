@@ -17,9 +17,8 @@
 //!   looks for a run of mapped pages inside a free block that holds the
 //!   request ([`BestFit::allocate_in_spans`](super::BestFit::allocate_in_spans):
 //!   the smallest such run among the best fits and the largest blocks) and
-//!   places it at the run's start. A large free block whose first page is
-//!   a hole often has hundreds of mapped pages further in; without this the
-//!   request went to a smaller block and memory moved to it.
+//!   places it at the run's start (a large free block whose first page is
+//!   a hole often has hundreds of mapped pages further in).
 //! - **Mapping** happens under the pool's remap lock, never under the pool
 //!   lock: a placement that needs pages mapped is only looked at, not
 //!   allocated ([`BestFit::place_preferring`]); the remap lock is taken,
@@ -55,19 +54,17 @@
 //!   ([`Upstream::lend_within`](crate::upstream::Upstream::lend_within)),
 //!   mapped at its new place while its old place stays mapped, and the
 //!   mapper thread unmaps the old place afterwards (a map that needs
-//!   those addresses first unmaps it, or waits while the mapper does). A
-//!   move then costs the allocating thread a map and an access call per
-//!   piece, not an unmap too (on an H200 a piece's `cuMemUnmap` took
-//!   about 15 µs, its `cuMemMap` 0.5 µs and its share of `cuMemSetAccess`
-//!   about 22 µs: `benches/vmm.rs`). Memory is never lent while work
-//!   that may use it could run beside the new owner's: through its old
-//!   place that work would reach the new owner's memory. Lent memory the
-//!   move's map did not use stays kept; a later map (maybe for another
-//!   stream) takes it only once its fence has passed, waiting for it on
-//!   the host if need be. Lent memory the pool releases (above its
-//!   budget) leaves the device only with its old mapping: at the release
-//!   where no queued work may use it, else at the next map once its
-//!   fence has passed.
+//!   those addresses first unmaps it, or waits while the mapper does), so
+//!   a move costs the allocating thread no unmap, the dearest of the calls
+//!   (docs/results.md#growth-and-page-moves-what-the-driver-calls-cost).
+//!   Memory is never lent while work that may use it could run beside the
+//!   new owner's: through its old place that work would reach the new
+//!   owner's memory. Lent memory the move's map did not use stays kept; a
+//!   later map (maybe for another stream) takes it only once its fence
+//!   has passed, waiting for it on the host if need be. Lent memory the
+//!   pool releases (above its budget) leaves the device only with its old
+//!   mapping: at the release where no queued work may use it, else at the
+//!   next map once its fence has passed.
 //! - **Moves behind a fence**: memory whose blocks were freed on a stream
 //!   is lent with no wait on the host. The pool asks its fence maker
 //!   ([`Pool::set_fence_maker`]; a device allocator records a CUDA event
@@ -79,23 +76,17 @@
 //!   fence has passed: the mapper thread passes over it until then, and a
 //!   map that needs those addresses waits for it. Memory moved for a
 //!   request on no stream, or where no fence can be made, moves after a
-//!   wait for the device and its peers, as before (and all memory of a
-//!   region that peers map). Free blocks give in the same order as
-//!   before, work known complete first and then the rest from the top
-//!   down; each run of spans of one kind is lent in one call, with one
-//!   fence per stream. (Giving the
-//!   requesting stream's memory before the rest's, wherever it lies, took
-//!   94 more calls a warm pass on the two-stream ViT log in `sim_device`
-//!   with no work known complete, 389 against 295.) A program's
-//!   allocating thread usually runs ahead of its streams, so nearly all
-//!   free memory has work that may be queued: before fences, every move
-//!   in such a program waited for the whole device.
+//!   wait for the device and its peers (as does all memory of a region
+//!   that peers map). Free blocks give work known complete first, then the
+//!   rest from the top down; each run of spans of one kind is lent in one
+//!   call, with one fence per stream. A program's allocating thread
+//!   usually runs ahead of its streams, so nearly all free memory has work
+//!   that may be queued: without fences every move would wait for the
+//!   whole device.
 //! - **Kept memory**: memory unmapped to move is kept (with no address)
-//!   for the next map, which maps it before it makes new memory; it counts
-//!   as held.
+//!   for the next map, which maps it before making new memory (held).
 //! - **Out of memory**: [`Pool::release_cached`] unmaps every wholly free
-//!   piece and releases the kept memory, the first step of the retry
-//!   ladder.
+//!   piece and releases the kept memory: the retry ladder's first step.
 //! - Pools with [`PoolConfig::keep_chunks`](super::PoolConfig::keep_chunks)
 //!   never remap (their graphs replay later into free-looking blocks).
 
@@ -107,8 +98,7 @@ use crate::sync::lock;
 use crate::tag::StreamTag;
 use crate::upstream::{Chunk, Queued, Upstream};
 
-/// How many best-fit candidates placement looks at for one that touches
-/// only mapped pages.
+/// Best-fit candidates placement tries for one touching only mapped pages.
 pub const RANK_LIMIT: usize = 16;
 
 /// The work one remap step does outside the pool lock.
@@ -235,8 +225,7 @@ impl<U: Upstream> Pool<U> {
     }
 
     /// The slow path of [`allocate_remapping`](Self::allocate_remapping):
-    /// under the remap lock, place again and map the holes the placement
-    /// touches.
+    /// under the remap lock, place again and map the holes touched.
     #[cold]
     fn map_for(&self, rounded: usize, align: usize, size: usize, stream: u64) -> Result<Option<Allocation>> {
         let _remap = lock(&self.remap_lock);

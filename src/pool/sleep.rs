@@ -61,8 +61,7 @@ impl<U: Upstream> Pool<U> {
     /// Returns the bytes unmapped. Neighbouring ranges are merged first, so
     /// a piece under several blocks goes when all of them are given.
     ///
-    /// The caller guarantees what [`unmap_all`](Self::unmap_all) needs, for
-    /// these ranges.
+    /// As for [`unmap_all`](Self::unmap_all), for these ranges.
     ///
     /// # Errors
     /// As [`unmap_all`](Self::unmap_all).

@@ -19,8 +19,7 @@
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
 
-// Under loom the value sits in loom's cell, so models check that holders'
-// accesses never overlap.
+// Under loom the value sits in loom's cell: models check holders never overlap.
 #[cfg(loom)]
 use loom::cell::UnsafeCell;
 
@@ -99,8 +98,7 @@ impl<T> Deref for SpinGuard<'_, T> {
 impl<T> DerefMut for SpinGuard<'_, T> {
     fn deref_mut(&mut self) -> &mut T {
         #[cfg(not(loom))]
-        // SAFETY: as in `deref`; `&mut self` makes this the only access
-        // through the guard.
+        // SAFETY: as in `deref`; `&mut self` makes this the guard's only use.
         return unsafe { &mut *self.lock.value.get() };
         #[cfg(loom)]
         // SAFETY: as above; loom checks it.

@@ -45,11 +45,9 @@ pub struct PoolStats {
     /// rests on the largest `touched` ever, which a peak reset leaves
     /// alone: resetting statistics changes no behaviour.)
     pub peak_touched: usize,
-    /// Map calls (one per piece of memory mapped; without remapping, the
-    /// upstream allocations).
+    /// Map calls (one per piece mapped; without remapping, upstream allocs).
     pub map_calls: u64,
-    /// Unmap calls (one per piece unmapped; without remapping, the upstream
-    /// frees).
+    /// Unmap calls (one per piece unmapped; without remapping, upstream frees).
     pub unmap_calls: u64,
     /// Nanoseconds the pool's allocating threads spent moving pages (page
     /// remapping): unmapping and mapping for their requests, with the
@@ -86,8 +84,7 @@ pub struct PoolStats {
     pub upstream_allocs: u64,
     /// Chunks returned to the upstream.
     pub upstream_frees: u64,
-    /// Times an allocation failed upstream, released cached chunks and
-    /// retried.
+    /// Allocations that failed upstream, released cached chunks and retried.
     pub oom_retries: u64,
     /// Allocations that failed for good.
     pub failed_allocations: u64,

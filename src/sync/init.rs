@@ -47,9 +47,8 @@ impl<T> InitCell<T> {
     /// The value, if set.
     pub fn get(&self) -> Option<&T> {
         if self.ready.load(Ordering::Acquire) {
-            // SAFETY: `ready` is set only after the value was written, and
-            // the value is never written again; the Acquire load makes the
-            // write visible here.
+            // SAFETY: `ready` is set only after the value was written, never
+            // written again; the Acquire load makes the write visible here.
             unsafe { (*self.value.get()).as_ref() }
         } else {
             None

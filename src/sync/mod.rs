@@ -43,9 +43,8 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
-/// Waits a moment in a spin loop. Spins for the first attempts, then yields
-/// the processor; under loom it always yields, so models of spin loops
-/// terminate.
+/// Waits a moment in a spin loop: spins at first, then yields (under loom
+/// always yields, so models of spin loops terminate).
 pub(crate) fn backoff(attempt: u32) {
     #[cfg(loom)]
     {

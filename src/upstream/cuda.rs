@@ -11,8 +11,7 @@ use crate::cuda::{driver_err, vmm, RelaxedCaptureMode};
 use crate::error::{Error, OomState, PoolKind, Result};
 use crate::sync::{lock, Mutex};
 
-/// Chunks are rounded to 2 MiB, the size of the large pages the driver
-/// maps device memory with.
+/// Chunks are rounded to 2 MiB, the driver's large-page size for device memory.
 const DEVICE_GRANULARITY: usize = 2 << 20;
 
 fn is_oom(e: &DriverError) -> bool {
@@ -44,8 +43,7 @@ impl Upstream for CudaDeviceMemory {
         let _relaxed = RelaxedCaptureMode::enter();
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         let fault = crate::fault::check_driver(crate::fault::Point::Create);
-        // SAFETY: the context is current; the memory is only used through
-        // the addresses the pool hands out.
+        // SAFETY: the context is current; the memory is used only by address.
         let got = fault.and_then(|()| unsafe { result::malloc_sync(size) });
         match got {
             Ok(ptr) => Ok(Chunk { addr: ptr as usize, size }),
@@ -90,8 +88,7 @@ impl Upstream for CudaDeviceMemory {
 /// from `cuMemHostAlloc(CU_MEMHOSTALLOC_PORTABLE)` / `cuMemFreeHost`.
 pub struct CudaPinnedMemory {
     ctx: Arc<CudaContext>,
-    /// The chunks that came from `cuMemHostAlloc` (the others were
-    /// registered).
+    /// The chunks from `cuMemHostAlloc` (the others were registered).
     host_allocated: Mutex<HashSet<usize>>,
 }
 
@@ -104,9 +101,8 @@ impl CudaPinnedMemory {
         CudaPinnedMemory { ctx, host_allocated: Mutex::new(HashSet::new()) }
     }
 
-    /// `size` bytes of anonymous memory starting on a 2 MiB boundary,
-    /// registered with the driver; `None` where that fails (nothing is
-    /// left behind then).
+    /// `size` bytes of anonymous memory on a 2 MiB boundary, registered with
+    /// the driver; `None` where that fails (leaving nothing behind).
     fn register(&self, size: usize) -> Option<Chunk> {
         // Over-reserved by a huge page, then trimmed to the aligned range.
         let span = size.checked_add(HUGE_PAGE)?;
@@ -129,15 +125,13 @@ impl CudaPinnedMemory {
         let start = base.next_multiple_of(HUGE_PAGE);
         let unmap = |addr: usize, len: usize| {
             if len > 0 {
-                // SAFETY: `addr..addr + len` lies in the mapping made above,
-                // which only this function knows of.
+                // SAFETY: `addr..addr + len` is in our own mapping above.
                 unsafe { libc::munmap(addr as *mut libc::c_void, len) };
             }
         };
         unmap(base, start - base);
         unmap(start + size, base + span - (start + size));
-        // SAFETY: the range is ours (above); a failed advice changes
-        // nothing but the page size.
+        // SAFETY: the range is ours; advice changes at most the page size.
         unsafe { libc::madvise(start as *mut libc::c_void, size, libc::MADV_HUGEPAGE) };
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the context is current; the range is a live mapping of
@@ -179,8 +173,7 @@ impl Upstream for CudaPinnedMemory {
         let _relaxed = RelaxedCaptureMode::enter();
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
         if lock(&self.host_allocated).remove(&chunk.addr) {
-            // SAFETY: the chunk came from `cuMemHostAlloc` and no block in
-            // it is live.
+            // SAFETY: from `cuMemHostAlloc`, and no block in it is live.
             return unsafe { result::free_host(chunk.addr as *mut std::ffi::c_void) }
                 .map_err(driver_err("cuMemFreeHost"));
         }

@@ -38,9 +38,8 @@ impl Upstream for Host {
         let ptr = if injected {
             libc::MAP_FAILED
         } else {
-            // SAFETY: an anonymous private mapping at an address of the
-            // kernel's choosing aliases nothing; the arguments are valid
-            // for mmap.
+            // SAFETY: an anonymous private mapping where the kernel chooses
+            // aliases nothing; the arguments are valid for mmap.
             unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),

@@ -39,9 +39,7 @@ pub const BLOCK_ALIGN: usize = 256;
 pub const REMAP_PIECE: usize = 8 << 20;
 
 /// The largest piece of new memory a remapping pool maps once it holds a
-/// lot (see [`remap_piece`]; 64 and 128 MiB measured no better on an H100,
-/// and 8 MiB throughout took 2-3.5 times as long per operation in warm
-/// replays on an H200).
+/// lot ([`remap_piece`]; measured in docs/replay.md, "Page moves").
 pub const REMAP_PIECE_MAX: usize = 32 << 20;
 
 /// The device's free memory per byte of the largest new piece mapped
@@ -96,8 +94,7 @@ pub enum Queued {
 }
 
 impl Queued {
-    /// Whether an upstream that unmaps instead of lending must wait for
-    /// the device first.
+    /// Whether an upstream that unmaps, not lends, must wait for the device.
     pub fn waits(&self) -> bool {
         !matches!(self, Queued::Nothing)
     }
@@ -131,8 +128,7 @@ impl Chunk {
 
 /// A source of chunks for a pool.
 ///
-/// Implementations are called outside the pool's lock and may be called
-/// from several threads at once.
+/// Called outside the pool's lock, from several threads at once.
 ///
 /// # Wrappers
 /// An upstream that wraps another (to count, book or route its chunks)
@@ -162,8 +158,7 @@ pub trait Upstream: Send + Sync + 'static {
     /// [`granularity`]: Upstream::granularity
     fn allocate_chunk(&self, size: usize) -> Result<Chunk>;
 
-    /// Returns a chunk this upstream allocated. The pool calls it only once
-    /// no block of the chunk is in use.
+    /// Returns a chunk this upstream allocated, none of its blocks in use.
     ///
     /// # Errors
     /// A driver or OS error; the chunk is then leaked, never reused.
@@ -210,14 +205,12 @@ pub trait Upstream: Send + Sync + 'static {
         self.inner().map_or("upstream", |u| u.name())
     }
 
-    /// Whether the host may read and write the memory (`false` unless an
-    /// upstream says so).
+    /// Whether the host may read and write the memory (default `false`).
     fn host_accessible(&self) -> bool {
         self.inner().is_some_and(|u| u.host_accessible())
     }
 
-    /// The device's free memory, where the upstream can ask (for error
-    /// messages).
+    /// The device's free memory, where the upstream can ask (error messages).
     fn device_free(&self) -> Option<usize> {
         self.inner().and_then(|u| u.device_free())
     }

@@ -26,8 +26,7 @@ const HOWS: [Option<sys::CUstreamCaptureMode>; 4] = [
 pub fn capture(s: &Soak, rng: &mut Rng) -> Res {
     let how = HOWS[rng.range(0, HOWS.len())];
     let global = how == Some(CU_STREAM_CAPTURE_MODE_GLOBAL);
-    // A global capture forbids unsafe calls in every other thread: it runs
-    // alone.
+    // A global capture forbids unsafe calls in other threads: it runs alone.
     let (_w, _r) = if global {
         (Some(s.exclusive.write().unwrap_or_else(|e| e.into_inner())), None)
     } else {

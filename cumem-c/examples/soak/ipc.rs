@@ -26,8 +26,7 @@ fn seed_of(first: u32) -> u32 {
     first ^ (first >> 15) ^ (first >> 30)
 }
 
-/// The parent's half: rounds until the soak stops, then hangs up and
-/// checks the child's exit status.
+/// The parent's half: rounds until the soak stops; hangs up, checks the child.
 pub fn parent(s: &Soak) {
     if let Err(e) = parent_rounds(s) {
         s.error(&format!("ipc: {e}"));
@@ -163,8 +162,7 @@ fn child_rounds() -> Res {
         } else {
             let (mut p, mut size, mut id) = (std::ptr::null_mut(), 0usize, 0u64);
             let fd = socket.as_raw_fd();
-            // SAFETY: the out-pointers are valid for writes; `fd` is an open
-            // Unix socket.
+            // SAFETY: the out-pointers are writable; `fd` is an open socket.
             c(unsafe { cumem_c::cumem_ipc_import(fd, -1, &mut p, &mut size, &mut id) }, "cumem_ipc_import")?;
             touch(p as u64, size)?;
             c(cumem_c::cumem_ipc_close(p, fd), "cumem_ipc_close")?;

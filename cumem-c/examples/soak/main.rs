@@ -19,8 +19,7 @@
 //! It exits non-zero on any error or wrong value.
 //!
 //! Options: `--secs N` (600 by default), `--report-secs N`, `--threads N`
-//! (live workers, 6), `--light` (small blocks, few rewrites: for
-//! compute-sanitizer).
+//! (live workers, 6), `--light` (small and few: for compute-sanitizer).
 
 mod crash;
 mod graphs;
@@ -181,8 +180,7 @@ fn main() {
     let mut rng = Rng::new(0x5eed_0000 ^ std::process::id() as u64);
     let mut next_report = t0 + Duration::from_secs(report_secs);
     while t0.elapsed() < Duration::from_secs(secs) {
-        // Threads come and go: finished workers are joined, new ones take
-        // their place with seeds of their own.
+        // Threads come and go: finished workers are joined, new ones seeded.
         workers.retain(|w| !w.is_finished());
         while workers.len() < threads as usize {
             let (s, seed, life) = (soak.clone(), rng.next(), Duration::from_millis(rng.range(300, 3000) as u64));

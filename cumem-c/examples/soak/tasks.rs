@@ -1,5 +1,4 @@
-//! The workers' tasks. Each returns an error for a failed call; wrong
-//! values are counted where they are found.
+//! The workers' tasks: a failed call is an error; wrong values are counted.
 
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -12,13 +11,11 @@ use cumem_c::CumemStream;
 use crate::work::{add_copy, c, check, err, fill, read, Res};
 use crate::{pattern, Rng, Soak};
 
-/// A worker: tasks drawn at random (with weights, percent) until its life
-/// ends or the soak stops.
+/// A worker: weighted random tasks until its life ends or the soak stops.
 pub fn worker(s: &Soak, seed: u64, life: Duration) {
     type TaskFn = fn(&Soak, &mut Rng) -> Res;
     // The last two synchronise the device or the legacy stream: they run
-    // apart from captures. (Tasks are named by their index here in
-    // reports.)
+    // apart from captures. (Reports name tasks by their index here.)
     const TASKS: [(TaskFn, usize); 6] = [
         (rust_cross_stream, 22),
         (c_abi_streams, 22),
@@ -133,8 +130,7 @@ fn c_abi_work(s: &Soak, rng: &mut Rng, owned: CumemStream, foreign: CumemStream)
     let mut host: *mut c_void = std::ptr::null_mut();
     // SAFETY: `host` is valid for a write.
     c(unsafe { cumem_c::cumem_allocate_pinned(bytes, &mut host) }, "cumem_allocate_pinned")?;
-    // SAFETY: cumem handed out `bytes` bytes of pinned host memory, 256-byte
-    // aligned, that only this task uses.
+    // SAFETY: cumem handed out `bytes` pinned, 256-aligned bytes; ours alone.
     let staging = unsafe { std::slice::from_raw_parts_mut(host.cast::<u32>(), n) };
     staging.iter_mut().enumerate().for_each(|(i, v)| *v = pattern(seed1, i));
     let mut p: *mut c_void = std::ptr::null_mut();
@@ -204,8 +200,7 @@ fn growable(s: &Soak, rng: &mut Rng) -> Res {
     verify(&g, "a shrunk growable buffer", keep)
 }
 
-/// Pinned vectors grown by pushes (the allocator's grow), and a device
-/// round trip through them.
+/// Pinned vectors grown by pushes, and a device round trip through them.
 fn pinned(s: &Soak, rng: &mut Rng) -> Res {
     let seed = rng.next() as u32;
     let n = rng.range(16, s.max_values);

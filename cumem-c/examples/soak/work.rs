@@ -20,8 +20,7 @@ pub fn c(status: CumemStatus, what: &str) -> Res {
     if status == CumemStatus::Ok {
         return Ok(());
     }
-    // SAFETY: cumem_last_error returns a NUL-terminated string valid until
-    // this thread's next failing call.
+    // SAFETY: a NUL-terminated string, valid until this thread's next failure.
     let msg = unsafe { std::ffi::CStr::from_ptr(cumem_c::cumem_last_error()) }.to_string_lossy().into_owned();
     Err(format!("{what}: {status:?}: {msg}"))
 }
@@ -62,8 +61,7 @@ pub fn check(s: &Soak, what: &str, v: &[u32], seed: u32, k: u32) {
     }
 }
 
-/// Reads `n` values at `p` after the work queued on `stream`, through a
-/// pinned vector and the Rust API.
+/// Reads `n` values at `p` after `stream`'s work, through a pinned vector.
 pub fn read(s: &Soak, stream: &Stream, p: u64, n: usize) -> Result<Vec<u32>, String> {
     let mut host: PinnedVec<u32> = PinnedVec::with_capacity_in(n, PinnedAlloc);
     host.resize(n, 0);

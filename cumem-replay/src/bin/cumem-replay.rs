@@ -14,8 +14,7 @@ use cumem_replay::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-/// Replay allocation traces and report ns per operation and peak reserved /
-/// peak live bytes.
+/// Replay allocation traces: ns per operation, peak reserved / peak live.
 #[derive(Parser, Debug)]
 #[command(name = "cumem-replay", version, about)]
 struct Args {
@@ -200,8 +199,7 @@ fn print_fits(traces: &[Trace], base: &Config, args: &Args) -> cumem::Result<()>
     Ok(())
 }
 
-/// Reads the trace file at `path`, or generates the synthetic trace it
-/// names (`synth:NAME[:SEED]`).
+/// Reads the trace file at `path`, or makes the `synth:NAME[:SEED]` it names.
 fn read_trace(path: &std::path::Path) -> cumem::Result<Trace> {
     match path.to_str().and_then(Spec::from_arg) {
         Some(spec) => Ok(spec?.trace()),

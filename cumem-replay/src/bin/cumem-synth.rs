@@ -18,8 +18,7 @@ struct Args {
     /// loop_lengths, loop_depart; SEED defaults to 1).
     #[arg(required_unless_present = "list")]
     specs: Vec<String>,
-    /// The folder the files go to, each named after its trace
-    /// (`synth_kv_cache_s7.csv.gz`).
+    /// The output folder; files are named like `synth_kv_cache_s7.csv.gz`.
     #[arg(long, short = 'd', default_value = ".")]
     dir: PathBuf,
     /// Write plain CSV (`.csv`) instead of gzip (`.csv.gz`).

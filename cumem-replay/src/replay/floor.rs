@@ -77,8 +77,7 @@ pub fn page_floor(trace: &Trace, page: usize) -> Option<PageFloor> {
     Some(PageFloor { page, top, touched: peak_touched * page })
 }
 
-/// The first and last page (counted from [`BASE`]) that `[addr, addr +
-/// size)` intersects.
+/// The first and last page (from [`BASE`]) `[addr, addr + size)` touches.
 fn pages_of(addr: usize, size: usize, page: usize) -> (usize, usize) {
     ((addr - BASE) / page, (addr - BASE + size - 1) / page)
 }

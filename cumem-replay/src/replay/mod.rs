@@ -52,8 +52,7 @@ pub enum Target {
     Host,
     /// `cuMemAlloc` / `cuMemFree`, one call per operation.
     RawCuMemAlloc,
-    /// `cuMemAllocAsync` / `cuMemFreeAsync` on one stream, from the
-    /// device's default pool.
+    /// `cuMemAllocAsync` / `cuMemFreeAsync` on one stream, the default pool.
     RawCuMemAllocAsync,
     /// cumem's pool over a simulated device address range
     /// ([`AddressRange`]: 2 MiB granularity, the top chunk grows in place
@@ -182,8 +181,7 @@ pub struct ReplayReport {
     pub trace_peak_live: usize,
     /// `peak_reserved / trace_peak_live` of the last replay.
     pub ratio: Option<f64>,
-    /// The CUDA streams (or stream tags) the replay used: the trace's
-    /// streams, or 1 with `--one-stream`.
+    /// The streams (or stream tags) used: the trace's, or 1 (`--one-stream`).
     pub streams: usize,
     /// The last replay's figures (peaks, failures, calls, waits).
     #[serde(flatten)]
@@ -191,8 +189,7 @@ pub struct ReplayReport {
 }
 
 impl ReplayReport {
-    /// The report of `measured`, the replays of `trace` through `target`
-    /// (at least one).
+    /// The report of `measured` (1 or more replays of `trace` on `target`).
     pub fn new(trace: &Trace, target: Target, pass: Pass, measured: &[Measurement]) -> ReplayReport {
         let ops = trace.operations().max(1) as f64;
         let mut per_op: Vec<f64> = measured.iter().map(|m| m.elapsed_ns as f64 / ops).collect();
@@ -235,8 +232,7 @@ pub struct CallKinds {
     pub query: u64,
     /// All of them.
     pub total: u64,
-    /// Nanoseconds spent in them, by kind in the order above (none on
-    /// `sim_device`, whose calls take no time).
+    /// Nanoseconds in them, by kind in the order above (none on `sim_device`).
     pub ns: [u64; 6],
     /// Nanoseconds spent in all of them.
     pub total_ns: u64,
@@ -258,8 +254,7 @@ impl From<cumem::cuda::vmm::DriverCalls> for CallKinds {
     }
 }
 
-/// The driver calls of a timed pass, on the allocating thread and on
-/// cumem's background mapper.
+/// A timed pass's driver calls, on the allocating thread and the mapper.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Calls {
     /// Made by the thread that replays the trace.

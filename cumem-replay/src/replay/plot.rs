@@ -56,8 +56,7 @@ fn live_series(trace: &Trace, samples: usize) -> Series {
     Series { name: "live (trace)".into(), points }
 }
 
-/// Replays `trace` through `target`, reading `reserved()` after each
-/// sampled operation.
+/// Replays `trace` through `target`, reading `reserved()` at each sample.
 fn replay_sampled(
     trace: &Trace,
     samples: usize,

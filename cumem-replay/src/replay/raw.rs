@@ -68,8 +68,7 @@ pub(super) fn replay_cumemallocasync(trace: &Trace, ordinal: usize, warm: bool) 
     if warm {
         pass(&mut ptrs);
         for p in ptrs.iter_mut().filter(|p| **p != 0) {
-            // SAFETY: a live allocation of the warm-up pass on `cu`, freed
-            // once (its slot is cleared).
+            // SAFETY: a live warm-up allocation on `cu`; `take` frees it once.
             unsafe { result::free_async(std::mem::take(p), cu) }.map_err(driver_err("cuMemFreeAsync"))?;
         }
         stream.synchronize().map_err(driver_err("cuStreamSynchronize"))?;

@@ -125,8 +125,7 @@ pub(super) fn training(r: &mut Recorder, loader: bool) {
         r.free(grad_x);
         r.free(loss);
 
-        // Adam: its state appears at the first step; one temporary per
-        // parameter; gradients are set to None.
+        // Adam: state from step one, a temporary per parameter, grads None.
         adam_step(r, &weights, &mut adam, grads);
         let (due, rest): (Vec<_>, Vec<_>) = cached.into_iter().partition(|&(until, _)| until <= it);
         cached = rest;

@@ -181,8 +181,7 @@ void* CumemAllocator::malloc(size_t size, c10::DeviceIndex device, cudaStream_t 
       }
       st = cumem_torch_allocate(size, device, stream, &p);
     }
-    // A size no machine has is refused as invalid by cumem: out of memory
-    // for PyTorch.
+    // A size no machine has is invalid to cumem: out of memory for PyTorch.
     if (st == CUMEM_STATUS_OUT_OF_MEMORY || st == CUMEM_STATUS_INVALID_ARGUMENT) raise_oom(size, device, nullptr);
     TORCH_CHECK(st == CUMEM_STATUS_OK, "cumem could not allocate ", size, " bytes on device ", int(device), ": ",
                 cumem_status_name(st), ": ", last_error());

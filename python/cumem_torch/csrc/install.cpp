@@ -29,8 +29,7 @@ void put_message(const std::string& m, char* buf, size_t len) {
 extern "C" {
 
 // Makes cumem's allocator PyTorch's CUDA allocator. Returns 0, or 1 with
-// the reason in `err` (PyTorch refuses once its own allocator has served
-// memory).
+// the reason in `err` (PyTorch refuses once its own has served memory).
 __attribute__((visibility("default"))) int cumem_torch_native_install(char* err, size_t len) {
   try {
     if (installed()) return 0;

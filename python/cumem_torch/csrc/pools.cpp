@@ -262,9 +262,8 @@ cca::SnapshotInfo CumemAllocator::snapshot(c10::MempoolId_t mempool_id, bool inc
   cca::SnapshotInfo info;
   const bool all = mempool_id == c10::MempoolId_t{0, 0};
   // Each cumem block handed out is shown as a segment of one block (cumem
-  // does not tell this layer how its pools group blocks); a private
-  // pool's free blocks (cumem_graph_pool_free_blocks) are segments with
-  // one free block.
+  // does not tell this layer how its pools group blocks); a private pool's
+  // free blocks (cumem_graph_pool_free_blocks) are one-block segments.
   auto add = [&](void* ptr, const Block& b, bool allocated, bool active) {
     c10::MempoolId_t owner = b.pool ? b.pool->id : c10::MempoolId_t{0, 0};
     if (!all && owner != mempool_id) return;

@@ -179,8 +179,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// which returns once the copy is complete).
     ///
     /// # Errors
-    /// [`Error::InvalidState`] when `dst` is longer than the buffer; a
-    /// driver error.
+    /// [`Error::InvalidState`] if `dst` is longer than the buffer; a driver error.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         // SAFETY: `dst` is a live, exclusive slice of `dst.len()` elements.
         unsafe { self.read_into(dst.as_mut_ptr(), dst.len()) }
@@ -237,8 +236,7 @@ impl<T: Copy> GrowableBuffer<T> {
     /// A driver error.
     pub fn to_vec(&self) -> Result<Vec<T>> {
         let mut out = Vec::with_capacity(self.len);
-        // SAFETY: the Vec's buffer takes `self.len` elements and is not
-        // part of this buffer.
+        // SAFETY: the Vec's buffer takes `self.len` elements, apart from this.
         unsafe { self.read_into(out.as_mut_ptr(), self.len)? };
         // SAFETY: all `self.len` elements were initialised just above.
         unsafe { out.set_len(self.len) };
@@ -272,7 +270,6 @@ impl<T: Copy> GrowableBuffer<T> {
 /// Waits for the current context's legacy stream (`cuStreamSynchronize` of
 /// the null stream), after a copy queued there.
 fn legacy_synchronize() -> Result<()> {
-    // SAFETY: the null stream is the current context's legacy stream (the
-    // caller bound the buffer's context).
+    // SAFETY: the null stream is the bound current context's legacy stream.
     unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result().map_err(driver_err("cuStreamSynchronize"))
 }

@@ -3,8 +3,7 @@
 //! in them, kept apart for the program's threads and for cumem's
 //! background mapper ([`driver_calls`]).
 
-/// A kind of driver call that moves physical memory, as counted by
-/// [`driver_calls`].
+/// A kind of driver call that moves physical memory ([`driver_calls`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CallKind {
     /// `cuMemCreate`: new physical memory.
@@ -17,8 +16,7 @@ pub enum CallKind {
     SetAccess,
     /// `cuMemRelease`: physical memory given back.
     Release,
-    /// `cuMemGetInfo`: the device's free memory read (it sizes new
-    /// pieces near a full device).
+    /// `cuMemGetInfo`: free memory read (it sizes pieces near a full device).
     Query,
 }
 
@@ -41,8 +39,7 @@ pub struct DriverCalls {
     /// `cuMemGetInfo` calls.
     pub query: u64,
     /// Nanoseconds spent in these calls, by kind in [`CallKind`] order
-    /// (wall-clock time on the calling threads, summed). Simulated calls
-    /// add none.
+    /// (the calling threads' wall time, summed; simulated calls add none).
     pub ns: [u64; KINDS],
 }
 

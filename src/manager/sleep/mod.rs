@@ -68,8 +68,7 @@ struct Saved {
 pub(crate) struct Away {
     device: usize,
     tag: String,
-    /// The pinned block holding the contents (`None`: discarded, or no
-    /// live block).
+    /// The pinned block holding the contents (`None`: discarded or none).
     pinned: Option<usize>,
     saved: Vec<Saved>,
 }
@@ -270,8 +269,7 @@ impl MemoryManager {
             note(if p.offload { p.tag.pool.unmap_free() } else { p.tag.pool.unmap_all() });
         }
         for q in &queued {
-            // A copy that fails leaves its blocks mapped (nothing more is
-            // given back behind it).
+            // A failed copy leaves its blocks mapped (and gives back no more).
             match q.mark.wait() {
                 Ok(()) => note(parts[q.part].tag.pool.unmap_ranges(&q.ranges)),
                 Err(e) => {
@@ -367,8 +365,7 @@ impl MemoryManager {
             plans.push(saved);
             lives.push(live);
         }
-        // Pages under them, a batch at a time, each batch copied back
-        // while the next one maps.
+        // Pages under them, a batch at a time, mapping one while one copies.
         let copy_start = Instant::now();
         let mut lanes = LaneSet::default();
         let mut mapped = Vec::new();
@@ -435,8 +432,7 @@ impl MemoryManager {
         out
     }
 
-    /// Gives the offloaded contents of sleeping tags back to the pinned
-    /// pool (shutdown: the program is ending).
+    /// Gives sleeping tags' offloaded contents back to the pinned pool.
     pub(crate) fn drop_offloaded(&self) {
         let mut book = lock(&self.sleep_book);
         for a in book.away.drain(..) {

@@ -24,8 +24,7 @@ pub(super) enum Direction {
     In,
 }
 
-/// The point the copies queued so far reach (`None`: done, on the host
-/// fallback).
+/// The point the copies queued so far reach (`None`: done: host fallback).
 pub(super) struct Mark(Option<[CudaEvent; 2]>);
 
 impl Mark {
@@ -61,8 +60,7 @@ impl LaneSet {
         Ok(&mut self.0[i])
     }
 
-    /// Queues the copies of `batch` between device `d` and the pinned
-    /// block at `host`, and marks their end.
+    /// Queues `batch`'s copies between device `d` and `host`; marks their end.
     ///
     /// # Safety
     /// Every `host + offset .. + len` lies in a pinned block nothing else
@@ -120,8 +118,7 @@ fn stream(d: &DeviceAllocator) -> Result<Stream> {
     }
 }
 
-/// `saved` (in address order) cut into consecutive batches of about
-/// [`BATCH`] bytes.
+/// `saved` (in address order) cut into batches of about [`BATCH`] bytes.
 pub(super) fn batches(saved: &[Saved]) -> Vec<&[Saved]> {
     let mut out = Vec::new();
     let (mut start, mut bytes) = (0, 0);

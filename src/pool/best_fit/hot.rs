@@ -61,8 +61,7 @@ impl BestFit {
             (n.size, n.addr, b.next)
         });
         let merged = size + next.map_or(0, |n| n.0);
-        // An allocation and a free of one size, repeated, leave the index
-        // as it was: the last answer stands.
+        // Repeated allocation and free of one size leave the index: it stands.
         let check = (self.free_index.changes(), size, next, b.addr);
         if self.hot_clear != Some(check) {
             let rival = self.free_index.best_fit_except(size, next);

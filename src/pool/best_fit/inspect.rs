@@ -32,8 +32,7 @@ impl BestFit {
         s
     }
 
-    /// Mutable access to the counters the pool layer keeps (upstream calls,
-    /// retries, peaks).
+    /// The counters the pool layer keeps (upstream calls, retries, peaks).
     pub fn stats_mut(&mut self) -> &mut PoolStats {
         &mut self.stats
     }
@@ -151,8 +150,7 @@ impl BestFit {
                 }
                 let hot = slot == self.hot.0;
                 if b.free {
-                    // Only the hot block (not coalesced yet) may touch a
-                    // free neighbour.
+                    // Only the (uncoalesced) hot block may touch a free one.
                     if prev_free && !hot && !prev_hot {
                         return Err(format!("free block at {:#x} follows a free block", b.addr));
                     }

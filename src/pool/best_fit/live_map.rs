@@ -130,8 +130,7 @@ impl LiveMap {
         Some(slot)
     }
 
-    /// Doubles the table (or makes its first entries) and puts every
-    /// entry back.
+    /// Doubles the table (or makes it) and puts every entry back.
     #[cold]
     fn grow(&mut self) {
         let entries = (self.entries.len() * 2).max(MIN_ENTRIES);

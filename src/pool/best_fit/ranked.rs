@@ -229,8 +229,7 @@ impl BestFit {
         }
     }
 
-    /// Every free block of at least `min` bytes as `(addr, size, tag)`,
-    /// highest address first.
+    /// Free blocks of at least `min` bytes, `(addr, size, tag)`, top first.
     pub fn free_blocks_highest_first(&mut self, min: usize) -> Vec<(usize, usize, StreamTag)> {
         self.flush_hot();
         let mut v: Vec<(usize, usize, StreamTag)> = self

@@ -78,8 +78,7 @@ impl BestFit {
         true
     }
 
-    /// Sets the requested size recorded for the live block at `addr`
-    /// (after an in-place resize).
+    /// Sets the requested size of the live block at `addr` (in-place resize).
     pub fn set_requested(&mut self, addr: usize, requested: usize) {
         if let Some(slot) = self.live.get(addr) {
             let b = &mut self.blocks[slot as usize];
@@ -136,8 +135,7 @@ impl BestFit {
         Some((info.chunk, if last.free { last.size } else { 0 }))
     }
 
-    /// Every chunk whose last block is free and not the whole chunk, with
-    /// that free tail's size.
+    /// Chunks whose last block is free but not the whole chunk, and its size.
     pub fn free_tails(&mut self) -> Vec<(Chunk, usize)> {
         self.flush_hot();
         self.chunks_by_addr

@@ -36,8 +36,7 @@ impl Default for Oracle {
 }
 
 impl Oracle {
-    /// Whether the memo alone says the work of a free tagged `tag` is
-    /// complete (no question asked).
+    /// Whether the memo alone says a free tagged `tag` is complete.
     fn known(&self, tag: StreamTag) -> bool {
         let covers = |e: StreamTag| {
             e.stream == tag.stream
@@ -47,8 +46,7 @@ impl Oracle {
         self.memo.iter().any(|e| e.get() != StreamTag::NONE && covers(e.get()))
     }
 
-    /// Whether the work of a free tagged `tag` (not `NONE`, not `MIXED`)
-    /// is known complete.
+    /// Whether a free tagged `tag` (not `NONE`/`MIXED`) is known complete.
     fn done(&self, tag: StreamTag) -> bool {
         if self.known(tag) {
             return true;
@@ -70,8 +68,7 @@ impl std::fmt::Debug for Oracle {
 }
 
 impl BestFit {
-    /// Sets what merges of blocks freed on different streams ask (see
-    /// [`TagOracle`]).
+    /// Sets what merges across streams ask ([`TagOracle`]).
     pub fn set_tag_oracle(&mut self, oracle: TagOracle) {
         self.oracle = Oracle { ask: Some(oracle), ..Oracle::default() };
     }

@@ -20,8 +20,7 @@ pub const WAIT_WINDOW_MS: u64 = 10;
 /// eighth at most, however many threads come and go.
 const POOL_SHARE: usize = 8;
 
-/// A thread's budget never falls below this (4 MiB): a small pool still
-/// caches a few blocks per thread.
+/// A thread's least budget (4 MiB): a small pool still caches a few blocks.
 const BUDGET_FLOOR: usize = 4 << 20;
 
 /// Whether the caches serve, the waits counted before they do, and what
