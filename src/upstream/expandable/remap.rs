@@ -97,7 +97,10 @@ impl Expandable {
     /// dropped (`RunMap`); host memory maps under the lock. Spare memory
     /// that another move lent behind a fence that has not passed is taken
     /// only after a wait for that fence, with the lock dropped (the pool
-    /// holds its remap lock: the spares stay as they are meanwhile).
+    /// holds its remap lock: the spares stay as they are meanwhile). The
+    /// fence is an event on a stream that does not capture: a capture
+    /// under way elsewhere is not broken by the wait (relaxed capture
+    /// mode, as for the mapper's waits).
     fn map_one_run(&self, offset: usize, size: usize, device_free: usize) -> Result<u64> {
         loop {
             let fence = lock(&self.region).fence_before_map(size);
