@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cumem::device::gpu_for_test;
 use cumem::pool::{Pool, PoolConfig, StreamTag};
-use cumem::upstream::CudaVmm;
+use cumem::upstream::{Chunk, CudaVmm, Queued, Upstream};
 use cumem::PoolKind;
 
 const KERNELS: &str = r#"
@@ -442,20 +442,29 @@ impl cumem::pool::Fence for HandFence {
     }
 }
 
+/// A VMM upstream with `pages` pages of address space, the first 32 mapped
+/// as two runs of 16; the address space, and where `pages` pages from the
+/// `first` lie in it. `None` (the reason printed) without a GPU.
+type PagesAt = Box<dyn Fn(usize, usize) -> Chunk>;
+fn two_mapped_runs(name: &str, pages: usize) -> Option<(CudaVmm, Chunk, PagesAt)> {
+    let ctx = gpu_for_test(name)?;
+    let vmm = CudaVmm::new(ctx.ordinal()).expect("a VMM upstream");
+    let page = vmm.granularity();
+    let chunk = vmm.reserve_chunk(pages * page).expect("address space");
+    let at = move |first: usize, pages: usize| Chunk { addr: chunk.addr + first * page, size: pages * page };
+    vmm.map_runs(&[at(0, 16), at(16, 16)]).expect("memory mapped");
+    Some((vmm, chunk, Box::new(at)))
+}
+
 /// Lent memory that is then released stays on the device while its old
 /// mapping stays: the mapping goes with the release where no queued work
 /// may use it, and, behind a fence, not before the fence has passed and
 /// then with the next map (not whenever the mapper thread gets to it).
 #[test]
 fn released_lent_memory_leaves_the_device_once_its_old_mapping_may_go() {
-    use cumem::upstream::{Chunk, Queued, Upstream};
-    let Some(ctx) = gpu_for_test("released_lent_memory_leaves_the_device_once_its_old_mapping_may_go") else { return };
-    let vmm = CudaVmm::new(ctx.ordinal()).expect("a VMM upstream");
-    let page = vmm.granularity();
-    let chunk = vmm.reserve_chunk(64 * page).expect("address space");
-    let at = |first: usize, pages: usize| Chunk { addr: chunk.addr + first * page, size: pages * page };
+    let name = "released_lent_memory_leaves_the_device_once_its_old_mapping_may_go";
+    let Some((vmm, chunk, at)) = two_mapped_runs(name, 64) else { return };
     let (a, b) = (at(0, 16), at(16, 16));
-    vmm.map_runs(&[a, b]).expect("memory mapped");
 
     // No queued work may use `a`'s memory.
     let lent = vmm.lend_within(&[a], a.size, Queued::Nothing).expect("lent");
@@ -486,16 +495,10 @@ fn released_lent_memory_leaves_the_device_once_its_old_mapping_may_go() {
 /// run beside the work still queued on the memory's old place.
 #[test]
 fn memory_lent_behind_a_fence_is_mapped_by_another_map_only_after_the_fence() {
-    use cumem::upstream::{Chunk, Queued, Upstream};
-    let name = "memory_lent_behind_a_fence_is_mapped_by_another_map_only_after_the_fence";
-    let Some(ctx) = gpu_for_test(name) else { return };
-    let vmm = CudaVmm::new(ctx.ordinal()).expect("a VMM upstream");
-    let page = vmm.granularity();
-    let chunk = vmm.reserve_chunk(96 * page).expect("address space");
-    let at = |first: usize, pages: usize| Chunk { addr: chunk.addr + first * page, size: pages * page };
-    let (a, b) = (at(0, 16), at(16, 16));
-    vmm.map_runs(&[a, b]).expect("memory mapped");
     let passed = |f: &HandFence| f.0.load(std::sync::atomic::Ordering::SeqCst);
+    let name = "memory_lent_behind_a_fence_is_mapped_by_another_map_only_after_the_fence";
+    let Some((vmm, chunk, at)) = two_mapped_runs(name, 96) else { return };
+    let (a, b) = (at(0, 16), at(16, 16));
 
     // The move's own map takes what it lent, with no wait.
     let fence = Arc::new(HandFence::default());
