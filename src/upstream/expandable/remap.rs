@@ -215,7 +215,11 @@ impl Expandable {
     }
 
     pub(super) fn release_kept(&self) {
-        self.release(|region| region.release_spare());
+        self.release(|region| {
+            // A move that failed before its map ends here.
+            region.end_move();
+            region.release_spare()
+        });
     }
 
     pub(super) fn kept(&self) -> usize {

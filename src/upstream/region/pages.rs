@@ -517,11 +517,15 @@ impl Region {
         (0..self.spare.len()).filter(|&i| self.spare[i].0 <= rem && !taken(i)).max_by_key(|&i| self.spare[i].0)
     }
 
-    /// A fence that a map of `[offset, offset + size)` must wait for
-    /// first: one the spare memory it takes was lent behind, that has not
+    /// A fence that a map of a run of `size` bytes must wait for first:
+    /// one the spare memory it would take was lent behind, that has not
     /// passed and is not the move's under way
-    /// ([`unready_fence`](Region::unready_fence)).
+    /// ([`unready_fence`](Region::unready_fence)). Nothing to look at
+    /// (no driver call) while no lent memory keeps an old mapping.
     pub(crate) fn fence_before_map(&self, size: usize) -> Option<Arc<dyn crate::tag::Fence>> {
+        if self.stale.is_empty() {
+            return None;
+        }
         let mut taken = Vec::new();
         let mut rem = size;
         while let Some(i) = self.pick_spare(rem, |i| taken.contains(&i)) {
